@@ -1,0 +1,1 @@
+"""oscar.cluster: Ray stage actors, placement, job entrypoints, cluster launcher / KubeRay YAML."""

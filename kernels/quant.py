@@ -1,0 +1,162 @@
+"""The one family of quantization primitives: choose params / quantize / dequantize / pack.
+
+Every quantizer in the project (cache formats, fit's clip search, the ablation's
+scalar schemes, fake-quant validation) is built from these functions, so a clip
+searched at fit time is optimal for exactly the format the kernel stores.
+Pure torch, no project imports: this module is the leaf both `stats` and the
+Triton kernels depend on (see docs/decisions.md).
+
+Conventions
+- Asymmetric uniform grid: ``x_hat = code * scale + zero`` with
+  ``code in [0, 2**bits - 1]``; ``zero`` is the low end of the range.
+- Rounding rule: ``code = clamp(floor((x - zero) / scale + 0.5), 0, 2**bits-1)``
+  (round half up). Triton kernels use the same expression.
+- ``scale`` and ``zero`` are rounded to ``spec.param_dtype`` (fp16 by default)
+  *before* quantizing, so the reference reproduces what a kernel that stores
+  fp16 parameters computes.
+- Groups. ``axis="token"``: each token's D channels split in groups of
+  ``group_size`` (default D), one (scale, zero) per token and group.
+  ``axis="channel"`` (KIVI keys): each channel over a group of ``group_size``
+  consecutive tokens, one (scale, zero) per channel and token group.
+- ``mode="minmax"``: range = [min, max] of the group, shrunk by ``clip`` (a ratio
+  in (0, 1]). ``mode="static"``: symmetric range [-clip, clip] with ``clip`` an
+  absolute threshold (per channel, head, or scalar) taken from the artifact; no
+  per-token metadata is stored.
+- Packing: 8 // bits codes per byte, code i of a byte in bits
+  ``[bits*i, bits*(i+1))`` (little-endian within the byte), along the last dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Axis = Literal["token", "channel"]
+Mode = Literal["minmax", "static"]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int = 2
+    axis: Axis = "token"
+    group_size: int | None = None  # None: D for axis="token"; required for axis="channel"
+    mode: Mode = "minmax"
+    param_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self):
+        if self.bits not in (1, 2, 4, 8):
+            raise ValueError(f"bits must be 1, 2, 4 or 8 (packable into bytes), got {self.bits}")
+        if self.axis not in ("token", "channel"):
+            raise ValueError(f"axis must be 'token' or 'channel', got {self.axis!r}")
+        if self.mode not in ("minmax", "static"):
+            raise ValueError(f"mode must be 'minmax' or 'static', got {self.mode!r}")
+        if self.mode == "static" and self.axis != "token":
+            raise ValueError("static mode stores no per-group metadata; use axis='token'")
+        if self.axis == "channel" and not self.group_size:
+            raise ValueError("axis='channel' needs group_size (tokens per group)")
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    def group(self, head_dim: int) -> int:
+        g = self.group_size or head_dim
+        if self.axis == "token" and head_dim % g:
+            raise ValueError(f"group_size {g} does not divide head_dim {head_dim}")
+        return g
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Exact storage cost per element, metadata included."""
+        if self.mode == "static":
+            return float(self.bits)
+        pbits = 2 * torch.finfo(self.param_dtype).bits  # scale + zero
+        return self.bits + pbits / self.group(head_dim)
+
+
+def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """View x (..., T, D) as groups along the last dim: (..., T, D//G, G) or (..., D, T//G, G)."""
+    D = x.shape[-1]
+    g = spec.group(D)
+    if spec.axis == "token":
+        return x.reshape(*x.shape[:-1], D // g, g)
+    T = x.shape[-2]
+    if T % g:
+        raise ValueError(f"axis='channel' needs T ({T}) to be a multiple of group_size ({g})")
+    return x.transpose(-1, -2).reshape(*x.shape[:-2], D, T // g, g)
+
+
+def _ungrouped(xg: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Tensor:
+    if spec.axis == "token":
+        return xg.reshape(shape)
+    return xg.reshape(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+
+
+def choose_qparams(
+    x: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero for x (..., T, D); shapes (..., T, D//G) or (..., D, T//G) for groups.
+
+    minmax: ``clip`` is a ratio in (0, 1] applied to both ends of the range.
+    static: ``clip`` is the absolute threshold c > 0 (broadcast over the group
+    layout, e.g. a tensor (..., 1, D//G) or a float); the grid spans [-c, c].
+    """
+    xf = x.float()
+    if spec.mode == "static":
+        if clip is None:
+            raise ValueError("static mode needs clip thresholds")
+        c = torch.as_tensor(clip, dtype=torch.float32, device=x.device)
+        shape = _grouped(xf, spec).shape[:-1]
+        c = torch.broadcast_to(c, shape)
+        lo, hi = -c, c
+    else:
+        g = _grouped(xf, spec)  # (..., groups, G)
+        lo, hi = g.amin(-1), g.amax(-1)
+        if clip is not None:
+            r = torch.as_tensor(clip, dtype=torch.float32, device=x.device)
+            lo, hi = lo * r, hi * r
+    scale = ((hi - lo) / spec.levels).clamp_min(1e-8)
+    return scale.to(spec.param_dtype), lo.to(spec.param_dtype)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Integer codes (uint8, same shape as x) under the round-half-up rule."""
+    g = _grouped(x.float(), spec)
+    s = scale.float().unsqueeze(-1)
+    z = zero.float().unsqueeze(-1)
+    codes = torch.floor((g - z) / s + 0.5).clamp_(0, spec.levels)
+    return _ungrouped(codes, spec, x.shape).to(torch.uint8)
+
+
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    g = _grouped(codes.float(), spec)
+    xg = g * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return _ungrouped(xg, spec, codes.shape).to(dtype)
+
+
+def fake_quant(x: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | None = None) -> torch.Tensor:
+    """quantize then dequantize, in x's dtype."""
+    scale, zero = choose_qparams(x, spec, clip)
+    return dequantize(quantize(x, scale, zero, spec), scale, zero, spec, dtype=x.dtype)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes (..., D) into (..., D * bits // 8) bytes."""
+    per = 8 // bits
+    D = codes.shape[-1]
+    if D % per:
+        raise ValueError(f"last dim {D} is not a multiple of {per} (codes per byte at {bits} bits)")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], D // per, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack: (..., B) bytes -> (..., B * 8 // bits) uint8 codes."""
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)

@@ -1,0 +1,53 @@
+"""The `oscar` command: a thin dispatcher over each stage's importable functions.
+
+Each stage owns a `cli.py` with `register(subparsers)`; handlers import their
+heavy dependencies lazily so `oscar --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from oscar.common import OscarError
+
+STAGE_CLIS = [
+    "oscar.pipeline.cli",   # calibrate, inspect
+    "oscar.stats.cli",      # fit, export, import
+    "oscar.kernels.cli",    # bench memory
+    "oscar.validate.cli",   # validate, ablate, run
+    "oscar.cluster.cli",    # submit, status, plan
+    "oscar.reports.cli",    # report
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oscar", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in STAGE_CLIS:
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name == mod:  # stage not built yet
+                continue
+            raise
+        m.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except OscarError as e:
+        print(f"oscar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"oscar {args.command}: interrupted; re-run the same command to resume", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""oscar.reports: report builders (Markdown/HTML, plots, parquet). Reads result files only."""

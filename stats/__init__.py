@@ -1,0 +1,1 @@
+"""oscar.stats: reductions, eigendecompositions, d_eff, robust estimation, rotations, clipping, artifact."""

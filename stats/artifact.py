@@ -1,0 +1,180 @@
+"""The rotation artifact: producer side (fit) and the one reader kernels use.
+
+Format ``oscar-artifact/1`` (docs/artifact-format.md): a safetensors file with,
+per layer l,
+
+    layers.{l}.rot_k   float32 (Hkv, D, D)   x_rot = x @ R (row vectors)
+    layers.{l}.rot_v   float32 (Hkv, D, D)
+    layers.{l}.k_mean  float32 (Hkv, D)      only when key-mean centering is on
+    layers.{l}.clip_k  float32 (Hkv,) or (Hkv, D)   see QuantConfig.mode
+    layers.{l}.clip_v  float32 (Hkv,) or (Hkv, D)
+
+and JSON metadata under the safetensors header key ``oscar``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from oscar.common import OscarError, attention_shapes, config_fingerprint
+from oscar.kernels.quant import QuantSpec
+
+ARTIFACT_FORMAT = "oscar-artifact/1"
+
+
+@dataclass
+class QuantConfig:
+    """How the serving cache stores K and V (recorded in the artifact).
+
+    mode="minmax": per-group min/max with fp16 scale+zero; clip_* are ratios in (0, 1].
+    mode="static": symmetric grid [-clip, clip] with clip_* absolute thresholds in
+    the rotated space; exactly ``bits`` bits per element.
+    key_axis="channel": KIVI-style per-channel keys over token groups of ``group_size``.
+    """
+
+    bits: int = 2
+    group_size: int | None = None  # None: head_dim (token axis)
+    key_axis: Literal["token", "channel"] = "token"
+    value_axis: Literal["token"] = "token"
+    mode: Literal["minmax", "static"] = "minmax"
+    sink: int = 64
+    recent: int = 256
+    page_size: int = 16
+
+    def key_spec(self, head_dim: int) -> QuantSpec:
+        if self.key_axis == "channel":
+            return QuantSpec(bits=self.bits, axis="channel", group_size=self.group_size or self.page_size)
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode)
+
+    def value_spec(self, head_dim: int) -> QuantSpec:
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode)
+
+
+@dataclass
+class Artifact:
+    rot_k: list[torch.Tensor]  # per layer (Hkv, D, D)
+    rot_v: list[torch.Tensor]  # per layer (Hkv, D, D)
+    clip_k: list[torch.Tensor]  # per layer (Hkv,) or (Hkv, D)
+    clip_v: list[torch.Tensor]
+    k_mean: list[torch.Tensor] | None = None  # per layer (Hkv, D) when centering is on
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    meta: dict[str, Any] = field(default_factory=dict)  # model, variant, d_eff, fallbacks, provenance...
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # other named tensors, saved verbatim
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.rot_k)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.rot_k[0].shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.rot_k[0].shape[-1]
+
+    def validate(self) -> None:
+        L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
+        for name in ("rot_k", "rot_v", "clip_k", "clip_v") + (("k_mean",) if self.k_mean is not None else ()):
+            ts = getattr(self, name)
+            if len(ts) != L:
+                raise OscarError(f"artifact: {name} has {len(ts)} layers, rot_k has {L}")
+            for l, t in enumerate(ts):
+                want = {"rot_k": (H, D, D), "rot_v": (H, D, D), "k_mean": (H, D)}.get(name)
+                ok = tuple(t.shape) == want if want else tuple(t.shape) in ((H,), (H, D))
+                if not ok:
+                    raise OscarError(f"artifact: layers.{l}.{name} has shape {tuple(t.shape)}, expected {want or f'({H},) or ({H}, {D})'}")
+                if not torch.isfinite(t).all():
+                    raise OscarError(f"artifact: layers.{l}.{name} contains NaN/Inf")
+
+    def check_model(self, config: Any) -> None:
+        """Refuse a model whose attention shapes (or config fingerprint) differ."""
+        shapes = attention_shapes(config)
+        mine = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        bad = {k: (v, shapes[k]) for k, v in mine.items() if shapes[k] != v}
+        if bad:
+            desc = ", ".join(f"{k}: artifact {a} vs model {b}" for k, (a, b) in bad.items())
+            raise OscarError(f"artifact does not match the model ({desc}); fit an artifact for this model")
+        fp = self.meta.get("model", {}).get("fingerprint")
+        if fp and fp != config_fingerprint(config):
+            raise OscarError(
+                f"artifact was fitted for model fingerprint {fp} ({self.meta['model'].get('name', '?')}), "
+                f"this model's is {config_fingerprint(config)}; same shapes but a different model"
+            )
+
+
+def save_artifact(art: Artifact, path: str) -> None:
+    from safetensors.torch import save_file
+
+    art.validate()
+    tensors: dict[str, torch.Tensor] = {}
+    for l in range(art.num_layers):
+        tensors[f"layers.{l}.rot_k"] = art.rot_k[l].float().contiguous()
+        tensors[f"layers.{l}.rot_v"] = art.rot_v[l].float().contiguous()
+        tensors[f"layers.{l}.clip_k"] = art.clip_k[l].float().contiguous()
+        tensors[f"layers.{l}.clip_v"] = art.clip_v[l].float().contiguous()
+        if art.k_mean is not None:
+            tensors[f"layers.{l}.k_mean"] = art.k_mean[l].float().contiguous()
+    for k, t in art.extra.items():
+        tensors[k] = t.contiguous()
+    meta = dict(art.meta, format=ARTIFACT_FORMAT, quant=asdict(art.quant), centering=art.k_mean is not None)
+    save_file(tensors, path, metadata={"oscar": json.dumps(meta, sort_keys=True, default=str)})
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            raw = (f.metadata() or {}).get("oscar")
+    except Exception as e:  # safetensors raises its own error types
+        raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e
+    if raw is None:
+        raise OscarError(f"{path}: safetensors file has no 'oscar' metadata; not an oscar artifact")
+    meta = json.loads(raw)
+    if meta.get("format") != ARTIFACT_FORMAT:
+        raise OscarError(f"{path}: artifact format {meta.get('format')!r}, this version reads {ARTIFACT_FORMAT!r}")
+    return meta
+
+
+def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
+    from safetensors.torch import load_file
+
+    meta = read_metadata(path)
+    t = load_file(path, device=str(device))
+    L = int(meta["model"]["num_layers"]) if "model" in meta else 1 + max(int(k.split(".")[1]) for k in t if k.startswith("layers."))
+    known = {f"layers.{l}.{n}" for l in range(L) for n in ("rot_k", "rot_v", "clip_k", "clip_v", "k_mean")}
+    try:
+        art = Artifact(
+            rot_k=[t[f"layers.{l}.rot_k"] for l in range(L)],
+            rot_v=[t[f"layers.{l}.rot_v"] for l in range(L)],
+            clip_k=[t[f"layers.{l}.clip_k"] for l in range(L)],
+            clip_v=[t[f"layers.{l}.clip_v"] for l in range(L)],
+            k_mean=[t[f"layers.{l}.k_mean"] for l in range(L)] if meta.get("centering") else None,
+            quant=QuantConfig(**meta["quant"]),
+            meta={k: v for k, v in meta.items() if k not in ("quant", "centering")},
+            extra={k: v for k, v in t.items() if k not in known},
+        )
+    except KeyError as e:
+        raise OscarError(f"{path}: artifact is missing tensor {e.args[0]}") from e
+    art.validate()
+    return art
+
+
+def identity_artifact(config: Any, quant: QuantConfig | None = None, clip: float = 1.0, variant: str = "identity") -> Artifact:
+    """Identity rotations, no clipping: the baseline 'naive' INT2 path and a test fixture."""
+    s = attention_shapes(config)
+    L, H, D = s["num_layers"], s["num_kv_heads"], s["head_dim"]
+    eye = torch.eye(D).expand(H, D, D).clone()
+    return Artifact(
+        rot_k=[eye.clone() for _ in range(L)],
+        rot_v=[eye.clone() for _ in range(L)],
+        clip_k=[torch.full((H,), clip) for _ in range(L)],
+        clip_v=[torch.full((H,), clip) for _ in range(L)],
+        quant=quant or QuantConfig(),
+        meta={"variant": variant, "model": dict(s, fingerprint=config_fingerprint(config))},
+    )

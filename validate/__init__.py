@@ -1,0 +1,1 @@
+"""oscar.validate: synthetic regimes, scheme zoo, metrics, statistical tests, NIAH/RULER, perplexity."""
