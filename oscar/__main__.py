@@ -16,7 +16,8 @@ STAGE_CLIS = [
     "oscar.pipeline.cli",   # calibrate, inspect
     "oscar.stats.cli",      # fit, export, import
     "oscar.kernels.cli",    # bench memory
-    "oscar.validate.cli",   # validate, ablate, run
+    "oscar.validate.cli",   # validate niah/ppl, run
+    "oscar.validate.ablate_cli",  # ablate
     "oscar.cluster.cli",    # submit, status, plan
     "oscar.reports.cli",    # report
 ]
