@@ -10,8 +10,9 @@ decoded versions. Logits are s = q k^T / sqrt(D), attention o = softmax(s) v.
   the point (relMSE_O, 1 - cos_O) from the origin (docs/decisions.md).
 - err6: the 6-D error geometry (relmse, 1-cos) x (K, V, O) and its norm.
 - logit_var / logit_bias: variance and mean of eps = s^ - s over all (query, key) pairs.
-- jensen_measured = mean exp(eps) = E[exp(s + eps)] / exp(s); jensen_pred = exp(logit_var / 2):
-  the softmax (convex) amplification of a zero-mean score error. jensen_z is the
+- jensen_measured = E[exp(s + eps)] / exp(s) = mean over keys of exp(eps), per query;
+  jensen_pred = exp(var(eps) / 2) with the variance over that query's keys; both
+  averaged over queries: the softmax (convex) amplification of a zero-mean score error. jensen_z is the
   measured partition-function ratio sum exp(s^) / sum exp(s), averaged over queries.
 - topk: fraction of each query's true top-k keys that are in its estimated top-k.
 """
@@ -56,8 +57,9 @@ def compute_metrics(q, k, v, kh, vh, topk: int = 8) -> dict[str, float]:
         "logit_var": float(eps.var()), "logit_bias": float(eps.mean()),
         "topk": topk_recall(s, sh, topk),
     }
-    m["jensen_measured"] = float(torch.exp(eps).mean())
-    m["jensen_pred"] = math.exp(m["logit_var"] / 2)
+    # per query over its keys (the softmax normalises per query), then averaged
+    m["jensen_measured"] = float(torch.exp(eps).mean(-1).mean())
+    m["jensen_pred"] = float(torch.exp(eps.var(-1) / 2).mean())
     m["jensen_z"] = float((torch.logsumexp(sh, -1) - torch.logsumexp(s, -1)).exp().mean())
     for x in "kvo":
         m[f"dir_{x}"] = 1.0 - m[f"cos_{x}"]
