@@ -58,7 +58,12 @@ def test_bad_config():
 
 
 def test_real_regime_through_ablation(tmp_path):
-    from test_regimes import write_store  # noqa: PLC0415  (sibling test helper)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_tr", os.path.join(os.path.dirname(__file__), "test_regimes.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    write_store = mod.write_store  # the sibling test's tiny oscar-calib/1 store
 
     store = write_store(tmp_path / "s.zarr", D=32, R=128)
     cfg = AblationConfig.preset("smoke", str(tmp_path / "r"), regimes=["isotropic"], seeds=2, progress=False,

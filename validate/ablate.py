@@ -39,6 +39,7 @@ class AblationConfig:
     deff_seeds: int = 5
     report: bool = True
     progress: bool = True
+    workers: int = 0  # processes for the (regime, seed) units; 0: min(2, cores)
 
     def __post_init__(self):
         from oscar.validate.schemes import SCHEMES
@@ -66,19 +67,19 @@ class AblationConfig:
             return cls(out=out, **kw)
         if name == "quick":
             data = dataclasses.replace(kw.pop("data", RegimeConfig()), n_calib=1024, n_test=256, n_query=32)
-            d = dict(schemes=["plain", "hadamard", "kivi", "tq_kv", "tq_qkv", "tq_vqjl", "sq", "squ", "squ_kv", "sq_kv",
+            d = dict(schemes=["plain", "plain_lm", "hadamard", "kivi", "tq_kv", "tq_qkv", "tq_vqjl", "sq", "squ", "squ_kv", "sq_kv",
                               "oscar"], seeds=30, deff_budgets=[32, 64, 128, 256, 512, 1024, 2048], deff_seeds=3)
             return cls(out=out, data=data, **{**d, **kw})
         if name == "smoke":
             data = dataclasses.replace(kw.pop("data", RegimeConfig()), D=32, n_calib=256, n_test=64, n_query=16)
             d = dict(regimes=["isotropic", "heavy"], schemes=["plain", "tq_kv", "tq_qkv"], bits=[2, 4], seeds=6,
-                     deff_regimes=["lowrank"], deff_budgets=[32, 256], deff_seeds=2)
+                     deff_regimes=["lowrank"], deff_budgets=[32, 256], deff_seeds=2, workers=1)
             return cls(out=out, data=data, **{**d, **kw})
         raise OscarError(f"unknown preset {name!r} (full, quick, smoke)")
 
     def identity(self) -> dict:
         d = dataclasses.asdict(self)
-        for k in ("out", "report", "progress"):
+        for k in ("out", "report", "progress", "workers"):
             d.pop(k)
         return d
 
@@ -111,6 +112,14 @@ def run_unit(regime: str, seed: int, cfg: AblationConfig) -> list[dict]:
     return rows
 
 
+def _do_unit(regime: str, seed: int, cfg: AblationConfig, path: str) -> None:
+    import pandas as pd
+    import torch
+
+    torch.set_num_threads(1)  # many tiny ops: threads only add overhead
+    _write(pd.DataFrame(run_unit(regime, seed, cfg)), path)
+
+
 def _write(df, path: str) -> None:
     tmp = path + ".tmp"
     df.to_parquet(tmp, index=False)
@@ -125,7 +134,7 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
 
     from oscar.validate import stattests
 
-    torch.set_num_threads(1)  # many tiny ops: threads only add overhead on a shared machine
+    torch.set_num_threads(1)
     os.makedirs(os.path.join(cfg.out, "parts"), exist_ok=True)
     cpath = os.path.join(cfg.out, "config.json")
     ident = cfg.identity()
@@ -143,8 +152,21 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
     units = [(r, s) for r in cfg.regimes for s in range(cfg.seeds)]
     part = lambda r, s: os.path.join(cfg.out, "parts", f"{r}__{s:04d}.parquet")  # noqa: E731
     todo = [u for u in units if not os.path.exists(part(*u))]
-    for r, s in tqdm(todo, desc="ablate", unit="draw", disable=not cfg.progress, initial=len(units) - len(todo), total=len(units)):
-        _write(pd.DataFrame(run_unit(r, s, cfg)), part(r, s))
+    bar = tqdm(desc="ablate", unit="draw", disable=not cfg.progress, initial=len(units) - len(todo), total=len(units))
+    workers = cfg.workers or min(2, os.cpu_count() or 1)
+    if workers <= 1 or len(todo) <= 1:
+        for r, s in todo:
+            _do_unit(r, s, cfg, part(r, s))
+            bar.update()
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            for f in as_completed([ex.submit(_do_unit, r, s, cfg, part(r, s)) for r, s in todo]):
+                f.result()
+                bar.update()
+    bar.close()
     df = pd.concat([pd.read_parquet(part(*u)) for u in units], ignore_index=True)
     out = {"ablation": os.path.join(cfg.out, "ablation.parquet")}
     _write(df, out["ablation"])

@@ -12,7 +12,8 @@ decoded versions. Logits are s = q k^T / sqrt(D), attention o = softmax(s) v.
 - logit_var / logit_bias: variance and mean of eps = s^ - s over all (query, key) pairs.
 - jensen_measured = E[exp(s + eps)] / exp(s) = mean over keys of exp(eps), per query;
   jensen_pred = exp(var(eps) / 2) with the variance over that query's keys; both
-  averaged over queries: the softmax (convex) amplification of a zero-mean score error. jensen_z is the
+  averaged over queries: the softmax (convex) amplification of a zero-mean score error.
+  jensen_log_*: log of the same per query, median over queries (robust; the report uses these). jensen_z is the
   measured partition-function ratio sum exp(s^) / sum exp(s), averaged over queries.
 - topk: fraction of each query's true top-k keys that are in its estimated top-k.
 """
@@ -60,6 +61,12 @@ def compute_metrics(q, k, v, kh, vh, topk: int = 8) -> dict[str, float]:
     # per query over its keys (the softmax normalises per query), then averaged
     m["jensen_measured"] = float(torch.exp(eps).mean(-1).mean())
     m["jensen_pred"] = float(torch.exp(eps.var(-1) / 2).mean())
+    # the same in log space, median over queries: robust to the rare catastrophic query
+    # per-query centred: a per-query constant cancels in softmax, the spread is what inflates it
+    ec = eps - eps.mean(-1, keepdim=True)
+    lm = torch.logsumexp(ec, -1) - math.log(eps.shape[-1])  # (M,) log mean_k exp(eps - mean eps)
+    m["jensen_log_measured"] = float(lm.median())
+    m["jensen_log_pred"] = float((eps.var(-1) / 2).median())
     m["jensen_z"] = float((torch.logsumexp(sh, -1) - torch.logsumexp(s, -1)).exp().mean())
     for x in "kvo":
         m[f"dir_{x}"] = 1.0 - m[f"cos_{x}"]

@@ -192,7 +192,12 @@ def real(cfg, rng):
         raise OscarError(f"layer {layer} out of range (store has {L})")
     lg = g[f"layers/{layer}"]
     cnt = np.asarray(lg["res_count"][:])
-    rows = {n: [np.asarray(lg[f"{n}_res"][b, cfg.head, : cnt[b]], dtype=np.float64) for b in range(len(cnt))] for n in "qkv"}
+    # q rows pool every query head of the group; a store may count them separately
+    qcnt = np.asarray(lg["qo_res_count"][:]) if "qo_res_count" in lg else cnt
+    if not 0 <= cfg.head < lg["k_res"].shape[1]:
+        raise OscarError(f"head {cfg.head} out of range (store has {lg['k_res'].shape[1]} KV heads)")
+    rows = {n: [np.asarray(lg[f"{n}_res"][b, cfg.head, : (qcnt if n == "q" else cnt)[b]], dtype=np.float64)
+                for b in range(len(cnt))] for n in "qkv"}
     B = len(cnt)
     if B < 2 or cnt.min() == 0:
         raise OscarError(f"{cfg.store}: the real regime needs >= 2 blocks with reservoir rows (counts {cnt.tolist()})")

@@ -250,16 +250,17 @@ class TQCodec(Codec):
     m = D bits plus its fp16 norm, so the budget stays `bits` per element (+ metadata).
     """
 
-    def __init__(self, bits: int, qjl: bool = False):
+    def __init__(self, bits: int, qjl: bool = False, rotate: bool = True):
         if qjl and bits < 2:
             raise ValueError("TQ with QJL needs bits >= 2 (1 for the sketch)")
-        self.bits, self.qjl = bits, qjl
+        self.bits, self.qjl, self.rotate = bits, qjl, rotate
         self.b_mse = bits - 1 if qjl else bits
 
     def fit(self, calib, role, ctx):
         super().fit(calib, role, ctx)
         D = calib[role].shape[-1]
-        self.R = (ctx.signs(D).to(torch.float64)[:, None] * hadamard(D)).to(ctx.dtype)  # diag(s) H
+        R = ctx.signs(D).to(torch.float64)[:, None] * hadamard(D) if self.rotate else torch.eye(D, dtype=torch.float64)
+        self.R = R.to(ctx.dtype)  # diag(s) H: random-sign Walsh–Hadamard
         self.S = ctx.randn(D, D).to(ctx.dtype) if self.qjl else None  # (m=D, D)
         return self
 
@@ -364,12 +365,17 @@ class SQCodec(Codec):
 
 
 def d_eff_gap(lam: np.ndarray, gap: float = 4.0) -> int:
-    """Effective dimension by spectral gap: the largest i with lam[i-1]/lam[i] >= gap
-    (the last big drop); no such gap -> all dims."""
-    lam = np.maximum(np.asarray(lam, dtype=np.float64), 1e-300)
-    ratios = lam[:-1] / lam[1:]
-    idx = np.nonzero(ratios >= gap)[0]
-    return int(idx[-1] + 1) if len(idx) else len(lam)
+    """Effective dimension by spectral gap: the position of the largest ratio
+    lam[i-1]/lam[i] among the numerically non-null eigenvalues, if it is >= gap;
+    otherwise every non-null dim. (With fewer calibration rows than dims the sample
+    covariance is rank-deficient; that null-space cliff is not a gap in the data.)"""
+    lam = np.asarray(lam, dtype=np.float64)
+    rank = int((lam > lam[0] * 1e-10).sum()) if lam[0] > 0 else 0
+    if rank <= 1:
+        return max(rank, 1)
+    ratios = lam[: rank - 1] / lam[1:rank]
+    i = int(np.argmax(ratios))
+    return i + 1 if ratios[i] >= gap else rank
 
 
 def d_eff_energy(lam: np.ndarray, frac: float = 0.95) -> int:
@@ -471,6 +477,7 @@ def make_scheme(name: str, bits: int) -> Scheme:
 KIVI_GROUP = 32
 
 register_scheme("plain", "scalar")(lambda b: (UniformCodec(b), UniformCodec(b)))
+register_scheme("plain_lm", "scalar")(lambda b: (TQCodec(b, rotate=False), TQCodec(b, rotate=False)))
 register_scheme("hadamard", "scalar")(lambda b: (UniformCodec(b, hadamard_rotation), UniformCodec(b, hadamard_rotation)))
 register_scheme("kivi", "scalar")(lambda b: (UniformCodec(b, axis="channel", group=KIVI_GROUP), UniformCodec(b)))
 register_scheme("tq_kv", "tq")(lambda b: (TQCodec(b), TQCodec(b)))
