@@ -422,7 +422,8 @@ def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True) -> tor
     elif role == "k":
         C = q.T @ q / q.shape[0]
     else:
-        o = torch.softmax(q @ k.T / math.sqrt(D), -1) @ v  # (Nq, D) per-query attention output
+        qs = q[:1024]  # enough queries for a D x D covariance; bounds the (Nq, N) score matrix
+        o = torch.softmax(qs @ k.T / math.sqrt(D), -1) @ v  # (Nq, D) per-query attention output
         C = o.T @ o / o.shape[0]
     U = eigbasis(C)[1]
     R = U @ hadamard(D)
