@@ -68,7 +68,7 @@ class AblationConfig:
         if name == "quick":
             data = dataclasses.replace(kw.pop("data", RegimeConfig()), n_calib=1024, n_test=256, n_query=32)
             d = dict(schemes=["plain", "plain_lm", "hadamard", "kivi", "tq_kv", "tq_qkv", "tq_vqjl", "sq", "squ", "squ_kv", "sq_kv",
-                              "oscar"], seeds=30, deff_budgets=[32, 64, 128, 256, 512, 1024, 2048], deff_seeds=3)
+                              "oscar"], seeds=30, deff_budgets=[32, 64, 256, 1024, 2048], deff_seeds=2)
             return cls(out=out, data=data, **{**d, **kw})
         if name == "smoke":
             data = dataclasses.replace(kw.pop("data", RegimeConfig()), D=32, n_calib=256, n_test=64, n_query=16)
