@@ -136,8 +136,9 @@ def model_info(config: Any, name: str, source: str) -> ModelInfo:
 # ---------------------------------------------------------------- cache
 
 
-def cache_root() -> str:
-    return os.path.abspath(os.path.expanduser(os.environ.get("OSCAR_CACHE") or "~/.cache/oscar-kv"))
+def cache_root(cache_dir: str | None = None) -> str:
+    """cache_dir, else $OSCAR_CACHE, else ~/.cache/oscar-kv (absolute)."""
+    return os.path.abspath(os.path.expanduser(cache_dir or os.environ.get("OSCAR_CACHE") or "~/.cache/oscar-kv"))
 
 
 def _atomic_build(final: str, build) -> str:
@@ -145,8 +146,11 @@ def _atomic_build(final: str, build) -> str:
     if os.path.isfile(os.path.join(final, MARKER)):
         return final
     parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
+    except OSError as e:
+        raise OscarError(f"cannot write the model cache {parent}: {e.strerror} (set $OSCAR_CACHE)") from None
     try:
         build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the cache may be shared
@@ -167,7 +171,8 @@ def _write_marker(d: str, info: dict) -> None:
         json.dump({"cache_version": CACHE_VERSION, **info}, f, indent=1, sort_keys=True)
 
 
-def _layer_of(key: str) -> int | None:
+def layer_of(key: str) -> int | None:
+    """Decoder layer index of a checkpoint tensor name (None for embeddings, final norm, lm_head)."""
     m = re.search(r"\.layers\.(\d+)\.", key)
     return int(m.group(1)) if m else None
 
@@ -192,7 +197,7 @@ def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
     L = model.config.get_text_config().num_hidden_layers
     layer_bytes = [0] * L
     for k, t in tensors.items():
-        if (l := _layer_of(k)) is not None:
+        if (l := layer_of(k)) is not None:
             layer_bytes[l] += t.numel() * t.element_size()
     groups: list[list[int]] = []
     for l in range(L):  # greedy: consecutive layers until the shard is full (or layers_per_shard)
@@ -206,7 +211,7 @@ def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
     names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     parts: list[dict] = [{} for _ in range(n)]
     for k, t in tensors.items():
-        l = _layer_of(k)
+        l = layer_of(k)
         parts[0 if l is None else shard_of[l] - 1][k] = t
     for name, part in zip(names, parts):
         save_file(part, os.path.join(d, name), metadata={"format": "pt"})
@@ -260,12 +265,12 @@ def _check_gguf(path: str) -> None:
         raise OscarError(f"{path} is not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
 
 
-def _convert_gguf(path: str, name: str) -> str:
+def _convert_gguf(path: str, name: str, root: str) -> str:
     """Dequantize a GGUF once into cached sharded float32 safetensors."""
     _check_gguf(path)
     sha = _gguf_hash(path)
     # Keyed by content only: the embedded spec, a copy or a symlink of the same file share one conversion.
-    final = os.path.join(cache_root(), "models", f"gguf-{sha}-v{CACHE_VERSION}")
+    final = os.path.join(root, "models", f"gguf-{sha}-v{CACHE_VERSION}")
 
     def build(tmp: str) -> None:
         import torch
@@ -294,6 +299,8 @@ def _convert_gguf(path: str, name: str) -> str:
 def parse_spec(spec: str, seed: int | None = None) -> tuple[str, int | None]:
     """'tiny-llama@seed=3' -> ('tiny-llama', 3); an explicit seed argument wins over none in the spec."""
     name, _, opts = spec.partition("@")
+    if name not in PRESETS and name not in EMBEDDED:
+        return spec, seed  # a path (which may contain '@')
     spec_seed = None
     if opts:
         m = re.fullmatch(r"seed=(\d+)", opts.strip())
@@ -316,11 +323,11 @@ def preset_config(name: str, seed: int = DEFAULT_SEED):
     return AutoConfig.for_model(mt, oscar_origin={"preset": name, "seed": int(seed)}, **kw)
 
 
-def _smollm2_tokenizer_dir() -> str:
+def _smollm2_tokenizer_dir(root: str) -> str:
     """SmolLM2's tokenizer alone, cached (the presets reuse it)."""
     path = smollm2_gguf_path()
     sha = _gguf_hash(path)
-    final = os.path.join(cache_root(), "tokenizers", f"smollm2-135m-{sha}-v{CACHE_VERSION}")
+    final = os.path.join(root, "tokenizers", f"smollm2-135m-{sha}-v{CACHE_VERSION}")
 
     def build(tmp: str) -> None:
         from transformers import AutoTokenizer
@@ -332,15 +339,15 @@ def _smollm2_tokenizer_dir() -> str:
     return _atomic_build(final, build)
 
 
-def _build_preset(name: str, seed: int) -> str:
+def _build_preset(name: str, seed: int, root: str) -> str:
     import torch
     import transformers
 
     cfg = preset_config(name, seed)
     key = fingerprint({"config": cfg.to_dict(), "seed": seed, "transformers": transformers.__version__,
                        "torch": torch.__version__.split("+")[0]}, n=12)
-    final = os.path.join(cache_root(), "models", f"{name}-seed{seed}-{key}-v{CACHE_VERSION}")
-    tok_dir = _smollm2_tokenizer_dir()
+    final = os.path.join(root, "models", f"{name}-seed{seed}-{key}-v{CACHE_VERSION}")
+    tok_dir = _smollm2_tokenizer_dir(root)
 
     def build(tmp: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -382,31 +389,21 @@ def _check_hf_dir(d: str) -> str:
 
 def resolve_model(spec: str, cache_dir: str | None = None, *, seed: int | None = None) -> str:
     """Local HF directory (config, tokenizer, safetensors) for a model spec; converts/creates it once."""
-    if cache_dir is not None:
-        old = os.environ.get("OSCAR_CACHE")
-        os.environ["OSCAR_CACHE"] = cache_dir
-        try:
-            return resolve_model(spec, None, seed=seed)
-        finally:
-            if old is None:
-                del os.environ["OSCAR_CACHE"]
-            else:
-                os.environ["OSCAR_CACHE"] = old
     if not isinstance(spec, str) or not spec.strip():
         raise OscarError("empty model spec")
     spec = spec.strip()
     name, s = parse_spec(spec, seed)
     if name in PRESETS:
-        return _build_preset(name, DEFAULT_SEED if s is None else s)
+        return _build_preset(name, DEFAULT_SEED if s is None else s, cache_root(cache_dir))
     if seed is not None:
         raise OscarError(f"seed only applies to presets ({', '.join(PRESETS)}), not to {spec!r}")
     if name == "smollm2-135m":
-        return _convert_gguf(smollm2_gguf_path(), "smollm2-135m")
+        return _convert_gguf(smollm2_gguf_path(), "smollm2-135m", cache_root(cache_dir))
     path = os.path.expanduser(spec)
     if path.lower().endswith(".gguf"):
         _check_gguf(path)
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(path)[:-5])
-        return _convert_gguf(path, f"gguf-{stem}")
+        return _convert_gguf(path, f"gguf-{stem}", cache_root(cache_dir))
     if os.path.isdir(path):
         return _check_hf_dir(os.path.abspath(path))
     if os.path.exists(path):
@@ -423,25 +420,26 @@ def _display_name(spec: str, seed: int | None) -> str:
     return spec.strip()
 
 
-def load_config(spec: str, *, seed: int | None = None):
+def load_config(spec: str, *, seed: int | None = None, cache_dir: str | None = None):
     from transformers import AutoConfig
 
-    d = resolve_model(spec, seed=seed)
+    d = resolve_model(spec, cache_dir, seed=seed)
     try:
         return AutoConfig.from_pretrained(d)
     except Exception as e:
         raise OscarError(f"cannot read model config in {d}: {type(e).__name__}: {e}") from None
 
 
-def load_info(spec: str, *, seed: int | None = None) -> ModelInfo:
+def load_info(spec: str, *, seed: int | None = None, cache_dir: str | None = None) -> ModelInfo:
     """ModelInfo without loading weights."""
-    return model_info(load_config(spec, seed=seed), _display_name(spec, seed), resolve_model(spec, seed=seed))
+    d = resolve_model(spec, cache_dir, seed=seed)
+    return model_info(load_config(d), _display_name(spec, seed), d)
 
 
-def load_tokenizer(spec: str, *, seed: int | None = None):
+def load_tokenizer(spec: str, *, seed: int | None = None, cache_dir: str | None = None):
     from transformers import AutoTokenizer
 
-    d = resolve_model(spec, seed=seed)
+    d = resolve_model(spec, cache_dir, seed=seed)
     try:
         tok = AutoTokenizer.from_pretrained(d)
     except Exception as e:
@@ -457,13 +455,13 @@ def is_moe(config: Any) -> bool:
 
 
 def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, device: str = "cpu",
-               seed: int | None = None):
+               seed: int | None = None, cache_dir: str | None = None):
     """(model in eval mode, tokenizer, ModelInfo). MoE models use the eager (per-expert loop) experts path."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if dtype is None else dtype
-    d = resolve_model(spec, seed=seed)
+    d = resolve_model(spec, cache_dir, seed=seed)
     config = load_config(d)
     kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
     if is_moe(config):
@@ -481,9 +479,9 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
     return model, tok, info
 
 
-def weight_map(spec_or_dir: str) -> dict[str, str]:
+def weight_map(spec_or_dir: str, cache_dir: str | None = None) -> dict[str, str]:
     """Tensor name -> absolute shard path, from the safetensors index (or the single file)."""
-    d = resolve_model(spec_or_dir)
+    d = resolve_model(spec_or_dir, cache_dir)
     idx = os.path.join(d, INDEX)
     if os.path.isfile(idx):
         with open(idx) as f:

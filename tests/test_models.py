@@ -42,10 +42,19 @@ def _tensors(d: str) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- presets
 
 
+@pytest.fixture(scope="module")
+def other_cache(tmp_path_factory, oscar_cache):
+    """A second cache; the tokenizer (parsed from the GGUF, slow) is copied, the weights are not."""
+    M.resolve_model("tiny-llama")
+    d = tmp_path_factory.mktemp("other-cache")
+    shutil.copytree(os.path.join(oscar_cache, "tokenizers"), d / "tokenizers")
+    return str(d)
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
-def test_preset_deterministic_across_caches_and_seeds(name, tmp_path):
+def test_preset_deterministic_across_caches_and_seeds(name, other_cache):
     d1 = M.resolve_model(f"{name}@seed=3")
-    d2 = M.resolve_model(name, cache_dir=str(tmp_path / "other"), seed=3)  # built again from scratch
+    d2 = M.resolve_model(name, cache_dir=other_cache, seed=3)  # weights built again from scratch
     d3 = M.resolve_model(f"{name}@seed=4")
     assert d1 != d2 and d1 != d3
     t1, t2, t3 = _tensors(d1), _tensors(d2), _tensors(d3)
@@ -74,7 +83,7 @@ def test_preset_sharded_with_valid_index(name):
     assert sorted(map(int, layer_shards)) == list(range(info.num_layers))
     assert len(set(layer_shards.values())) >= 2  # layer ranges can be loaded from separate files
     for k, v in wm.items():  # each layer's tensors live in its one shard
-        if (l := M._layer_of(k)) is not None:
+        if (l := M.layer_of(k)) is not None:
             assert v == layer_shards[str(l)]
     assert set(M.weight_map(d)) == set(wm)
     assert os.path.isfile(os.path.join(d, "tokenizer.json")) and os.path.isfile(os.path.join(d, M.MARKER))
@@ -243,6 +252,19 @@ def test_nonexistent_and_non_model_paths(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(OscarError, match="no safetensors weights"):
         M.load_model(str(tmp_path))
+
+
+def test_unwritable_cache(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OscarError, match="cannot write the model cache"):
+        M.resolve_model("tiny-llama@seed=9", cache_dir=str(blocker / "cache"))
+
+
+def test_path_with_at_sign_is_a_path(tmp_path):
+    d = tmp_path / "ckpt@v2"
+    shutil.copytree(M.resolve_model("tiny-llama"), d)
+    assert M.resolve_model(str(d)) == str(d)
 
 
 def test_unreadable_directory(tmp_path):
