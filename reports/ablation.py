@@ -60,6 +60,10 @@ def build_report(dir: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from cycler import cycler
+
+    # more schemes than tab10 colours: pair 20 colours with markers so no two lines look alike
+    plt.rcParams["axes.prop_cycle"] = cycler(color=list(plt.cm.tab20.colors)) + cycler(marker=list("os^vD<>ph*") * 2)
 
     df = pd.read_parquet(os.path.join(dir, "ablation.parquet"))
     ks = pd.read_parquet(os.path.join(dir, "ks.parquet"))
@@ -215,7 +219,7 @@ def build_report(dir: str) -> str:
         g = m[m.regime == r]
         for s, gs in g.groupby("scheme"):
             gs = gs.sort_values("c")
-            ax.plot(gs.c, gs.v, marker="o", ms=3, label=s)
+            ax.plot(gs.c, gs.v, ms=3, label=s)
         ax.set(yscale="log", title=r, xlabel="bits/element", ylabel="relMSE_O")
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
