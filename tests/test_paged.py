@@ -36,6 +36,7 @@ def tokens(H, T, D, seed):
 
 
 MODES = [("minmax", "token"), ("minmax", "channel"), ("static", "token")]
+MODES_G = [(m, a, None) for m, a in MODES] + [("minmax", "token", 4)]
 
 
 def test_layout_is_sink_pages_ring():
@@ -139,11 +140,12 @@ def _sdpa(q, k, v, scale):
     return torch.einsum("hn,hnd->hd", torch.softmax(logits, -1), vv), torch.logsumexp(logits, -1)
 
 
-@pytest.mark.parametrize("mode,axis", MODES)
+@pytest.mark.parametrize("mode,axis,group", MODES_G)
 @pytest.mark.parametrize("G", [1, 3])
-def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, G):
-    """Rotating q, adding q.mu and un-rotating o is exact: same result as attention on the model-space K/V."""
-    c = make(mode, axis)
+def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, group, G):
+    """Rotating q, adding q.mu and un-rotating o is exact: same result as attention on the model-space K/V;
+    the CPU path that works on the codes equals the dequantize-everything oracle."""
+    c = make(mode, axis, group_size=group)
     lens = [2, 11, 30, 45]
     seqs = []
     for i, n in enumerate(lens):
@@ -151,7 +153,10 @@ def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, G)
         c.append(s, *tokens(2, n, 16, 10 + i))
         seqs.append(s)
     q = torch.randn(len(lens), 2 * G, 16, generator=torch.Generator().manual_seed(5))
-    o, lse = ref.decode_attention(q, c, seqs, scale=0.3, return_lse=True)
+    o, lse = ref.decode_attention_oracle(q, c, seqs, scale=0.3, return_lse=True)
+    fo, flse = ref.decode_attention(q, c, seqs, scale=0.3, return_lse=True)  # on the codes, CPU path
+    torch.testing.assert_close(fo, o, rtol=0, atol=2e-5)
+    torch.testing.assert_close(flse, lse, rtol=0, atol=2e-5)
     for b, s in enumerate(seqs):
         k, v = ref.dequantize_sequence(c, s, dtype=torch.float32)
         want_o, want_lse = _sdpa(q[b], k, v, 0.3)

@@ -113,7 +113,7 @@ def run_both(c, seqs, G, seed=0, fp16=False, splits=None, block_n=16):
     q = torch.randn(len(seqs), c.cfg.num_kv_heads * G, c.cfg.head_dim, generator=torch.Generator().manual_seed(seed)).to(DEV)
     cfg = DecodeConfig(block_n=block_n, num_splits=splits, dot_fp16=fp16)
     o, lse = decode_attention(q, c, seqs, scale=0.125, return_lse=True, config=cfg)
-    ro, rlse = ref.decode_attention(q, c, seqs, scale=0.125, return_lse=True)
+    ro, rlse = ref.decode_attention_oracle(q, c, seqs, scale=0.125, return_lse=True)
     return o, lse, ro, rlse
 
 
