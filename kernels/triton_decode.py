@@ -36,11 +36,13 @@ MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
 @dataclass
 class DecodeConfig:
     """Launch parameters. num_splits=None: enough programs to fill the device
-    (about 4 per SM over B * Hkv), never fewer than min_pages_per_split pages each."""
+    (about 4 per SM over B * Hkv), never fewer than min_pages_per_split pages each.
+    The partial outputs cost (1 + splits) x Hq x D x 4 bytes written and read back per
+    sequence, hence the floor on pages per split."""
 
     block_n: int = 64  # tokens per tile
     num_splits: int | None = None
-    min_pages_per_split: int = 16
+    min_pages_per_split: int = 64  # 1k tokens at P=16: keeps the fp32 partials (G x D per split) small
     max_splits: int = 128
     num_warps: int = 4
     num_stages: int = 2
@@ -115,7 +117,7 @@ def _decode_split_kernel(
     K_CODES, V_CODES, K_SCALE, K_ZERO, V_SCALE, V_ZERO,
     O_PART, LSE_PART,
     qk_scale,
-    stride_bt,  # block table row
+    stride_bt,  # block table row (indexed by sequence slot)
     stride_sb, stride_sh, stride_st,  # sink (max_seqs, Hkv, S, D); ring has the same strides but its own token count
     stride_rb, stride_rh, stride_rt,
     stride_cn, stride_ch, stride_ct,  # codes (pool, Hkv, P, D*BITS/8)
@@ -194,13 +196,17 @@ def _decode_split_kernel(
         for start in range(p0 * P, p1 * P, BLOCK_N):
             t = start + offs_n  # token index within the history
             valid = t < p1 * P
-            page = tl.load(BLOCK_TABLES + b * stride_bt + t // P, mask=valid, other=0).to(tl.int64)
+            page = tl.load(BLOCK_TABLES + slot * stride_bt + t // P, mask=valid, other=0).to(tl.int64)
             row = t % P
             mask2 = valid[:, None] & d_mask[None, :]
             cptr = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct + byte_d[None, :]
             kc = ((tl.load(K_CODES + cptr, mask=mask2, other=0).to(tl.int32) >> shift_d[None, :]) & MASK).to(tl.float32)
             vc = ((tl.load(V_CODES + cptr, mask=mask2, other=0).to(tl.int32) >> shift_d[None, :]) & MASK).to(tl.float32)
-            if K_MODE == 0:  # per token and channel group
+            if K_MODE == 0 and G_SIZE == D:  # one (scale, zero) per token: load (N,) and broadcast
+                sp = page * stride_ksn + h * stride_ksh + row * stride_kst
+                ks = tl.load(K_SCALE + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
+                kz = tl.load(K_ZERO + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
+            elif K_MODE == 0:  # per token and channel group
                 sp = page[:, None] * stride_ksn + h * stride_ksh + row[:, None] * stride_kst + (offs_d // G_SIZE)[None, :]
                 ks = tl.load(K_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
                 kz = tl.load(K_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
@@ -208,7 +214,11 @@ def _decode_split_kernel(
                 sp = page[:, None] * stride_ksn + h * stride_ksh + offs_d[None, :]
                 ks = tl.load(K_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
                 kz = tl.load(K_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
-            if V_MODE == 0:
+            if V_MODE == 0 and G_SIZE == D:
+                sp = page * stride_vsn + h * stride_vsh + row * stride_vst
+                vs = tl.load(V_SCALE + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
+                vz = tl.load(V_ZERO + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
+            elif V_MODE == 0:
                 sp = page[:, None] * stride_vsn + h * stride_vsh + row[:, None] * stride_vst + (offs_d // G_SIZE)[None, :]
                 vs = tl.load(V_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
                 vz = tl.load(V_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
@@ -285,7 +295,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dev = q.device
-    block_tables, seq_lens, slots = cache.batch_tables(seqs)
+    batch = cache.batch_tables(seqs)
     q = q.contiguous()
     BLOCK_G, BLOCK_D = _pow2(G), _pow2(D)
 
@@ -297,19 +307,19 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         D=D, GROUP=G, ROTATE=not rot.identity, CENTER=center, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D,
     )
 
-    splits = config.splits_for(B, H, block_tables.shape[1], dev)
+    splits = config.splits_for(B, H, batch.max_pages, dev)
     o_part = torch.empty(B, Hq, splits + 1, D, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, Hq, splits + 1, dtype=torch.float32, device=dev)
     k_mode = MODE_STATIC if cfg.mode == "static" else (MODE_CHANNEL if cfg.key_axis == "channel" else MODE_TOKEN)
     v_mode = MODE_STATIC if cfg.mode == "static" else MODE_TOKEN
     kst, vst = _param_strides(cache.k_scale), _param_strides(cache.v_scale)
     _decode_split_kernel[(B, H, splits + 1)](
-        q_rot, q_mu, seq_lens, slots, block_tables,
+        q_rot, q_mu, batch.seq_lens, batch.slots, batch.block_table,
         cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v,
         cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
         o_part, lse_part,
         scale * LOG2E,
-        block_tables.stride(0),
+        batch.block_table.stride(0),
         cache.sink_k.stride(0), cache.sink_k.stride(1), cache.sink_k.stride(2),
         cache.ring_k.stride(0), cache.ring_k.stride(1), cache.ring_k.stride(2),
         cache.k_codes.stride(0), cache.k_codes.stride(1), cache.k_codes.stride(2),

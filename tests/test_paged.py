@@ -189,6 +189,7 @@ def test_fork_shares_pages_and_free_returns_them():
     k2, v2 = tokens(2, 6, 16, 7)
     c.append(b, k2, v2)  # b grows on its own pages
     assert c.pages[b][:4] == c.pages[a] and len(c.pages[b]) == 5
+    assert c.block_table[b, :5].tolist() == c.pages[b] and c.block_table[a, :4].tolist() == c.pages[a]
     fk, fv = ref.dequantize_sequence(c, b, dtype=torch.float32)
     fresh = make(pages=12)
     f = fresh.new_sequence()
