@@ -190,25 +190,30 @@ def flashinfer_decode(q, k, v, page_size=16):
     return lambda: w.run(q, kv)
 
 
-def bench_cuda(contexts, batches, shape, tune: bool) -> dict:
+def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False) -> dict:
+    """dry_run: the same code path on CPU under TRITON_INTERPRET=1 with tiny sizes (checks the script, times nothing real)."""
     import triton.testing
 
     from oscar.kernels.triton_decode import DecodeConfig, decode_attention
 
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if dry_run else "cuda")
     name, H, G, D = shape
-    peak, peak_src = peak_bandwidth(dev)
-    copy_bw = copy_bandwidth(dev)
-    out = {"device": torch.cuda.get_device_name(dev), "peak_bandwidth_Bps": peak, "peak_source": peak_src,
+    if dry_run:
+        peak, peak_src, copy_bw, dev_name = None, "dry run", 1.0, "cpu (TRITON_INTERPRET dry run)"
+        bench = lambda f: interleaved({"f": f}, 1)[1]["f"] * 1e3  # noqa: E731
+    else:
+        peak, peak_src = peak_bandwidth(dev)
+        copy_bw, dev_name = copy_bandwidth(dev), torch.cuda.get_device_name(dev)
+        bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50)  # noqa: E731  ms, L2 flushed between runs
+    out = {"device": dev_name, "peak_bandwidth_Bps": peak, "peak_source": peak_src,
            "copy_bandwidth_Bps": copy_bw, "shape": name, "kv_heads": H, "q_heads": H * G, "head_dim": D, "rows": []}
-    bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50)  # noqa: E731  ms, L2 flushed between runs
     config = DecodeConfig()
     if tune:  # a small sweep at 32k, batch 1; the best config is used for the table
-        c, seqs = build_cache(H, D, 1, 32768, dev)
+        c, seqs = build_cache(H, D, 1, max(contexts) if dry_run else 32768, dev)
         q = torch.randn(1, H * G, D, device=dev, dtype=torch.bfloat16)
         sweep = []
-        for bn in (32, 64, 128):
-            for nw in (4, 8):
+        for bn in ((32,) if dry_run else (32, 64, 128)):
+            for nw in ((4,) if dry_run else (4, 8)):
                 cfgx = DecodeConfig(block_n=bn, num_warps=nw)
                 try:
                     ms = bench(lambda: decode_attention(q, c, seqs, config=cfgx))
@@ -239,7 +244,8 @@ def bench_cuda(contexts, batches, shape, tune: bool) -> dict:
                 o_ref = ref.decode_attention(q[:1].float(), c, seqs[:1])
                 row["max_abs_diff_vs_reference"] = (o - o_ref).abs().max().item()
                 del c
-                torch.cuda.empty_cache()
+                if not dry_run:
+                    torch.cuda.empty_cache()
                 k = torch.randn(B, H, n, D, device=dev, dtype=torch.bfloat16)
                 v = torch.randn(B, H, n, D, device=dev, dtype=torch.bfloat16)
                 q4 = q[:, :, None]
@@ -256,7 +262,8 @@ def bench_cuda(contexts, batches, shape, tune: bool) -> dict:
                 del k, v
             except torch.cuda.OutOfMemoryError as e:
                 row["error"] = f"OOM: {str(e)[:200]}"
-            torch.cuda.empty_cache()
+            if not dry_run:
+                torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
     rows = [r for r in out["rows"] if "int2_ms" in r]
@@ -278,17 +285,22 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--shape", choices=["smollm2", "glm"], default=None)
+    ap.add_argument("--dry-run", action="store_true", help="run the CUDA code path on CPU (TRITON_INTERPRET=1), tiny sizes")
     args = ap.parse_args(argv)
     out_path = Path(args.out or HERE / "results" / f"decode_{args.device}.json")
     meta = {"commit": commit(), "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "cpu_count": os.cpu_count(), "argv": sys.argv[1:], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.dry_run:
+        args.device = "cuda"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--dry-run needs TRITON_INTERPRET=1")
     if args.device == "cpu":
         shapes = {"smollm2": [SMOLLM2], "glm": [GLM47]}.get(args.shape, [SMOLLM2, GLM47])
         result = dict(meta, threads=args.threads, rows=bench_cpu(args.context, args.reps, args.threads, shapes))
     else:
         shape = GLM47 if args.shape != "smollm2" else SMOLLM2
         result = dict(meta, **bench_cuda([int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")],
-                                         shape, tune=not args.no_tune))
+                                         shape, tune=not args.no_tune, dry_run=args.dry_run))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {out_path}")

@@ -269,3 +269,29 @@ def test_kv_cache_from_artifact_applies_every_layer():
     cache.free(s)
     cache.free(t)
     assert all(len(l.free_pages) == 8 for l in cache.layers)
+
+
+def test_chunk_queries_over_history_merge_exactly_with_the_chunk():
+    """Chunked prefill recipe: T query rows on the same sequence (seqs=[s]*T) attend to the cached
+    history; merging with causal attention inside the chunk by log-sum-exp equals attention over all."""
+    c = make("minmax", "token")
+    s = c.new_sequence()
+    k, v = tokens(2, 40, 16, 12)
+    c.append(s, k, v)
+    kh, vh = ref.dequantize_sequence(c, s, dtype=torch.float32)  # history as stored
+    T = 5
+    q = torch.randn(T, 4, 16, generator=torch.Generator().manual_seed(3))
+    kc, vc = tokens(2, T, 16, 13)  # the new chunk (full precision)
+    o_hist, lse_hist = ref.decode_attention(q, c, [s] * T, scale=0.25, return_lse=True)  # (T, Hq, D), (T, Hq)
+    kq, vq = kc.repeat_interleave(2, 0), vc.repeat_interleave(2, 0)  # (Hq, T, D)
+    logits = torch.einsum("thd,hsd->hts", q, kq) * 0.25
+    logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    lse_c = torch.logsumexp(logits, -1).transpose(0, 1)  # (T, Hq)
+    o_c = (torch.softmax(logits, -1) @ vq).transpose(0, 1)  # (T, Hq, D)
+    lse = torch.logaddexp(lse_hist, lse_c)
+    merged = o_hist * (lse_hist - lse).exp().unsqueeze(-1) + o_c * (lse_c - lse).exp().unsqueeze(-1)
+    kk, vv = torch.cat([kh, kc], 1).repeat_interleave(2, 0), torch.cat([vh, vc], 1).repeat_interleave(2, 0)
+    full = torch.einsum("thd,hsd->hts", q, kk) * 0.25
+    full = full.masked_fill(torch.ones(T, 40 + T, dtype=torch.bool).triu(41), float("-inf"))
+    want = (torch.softmax(full, -1) @ vv).transpose(0, 1)
+    torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-5)
