@@ -128,17 +128,33 @@ def decode_attention_oracle(q: torch.Tensor, cache: PagedLayerCache, seqs: list[
 
 
 _LUTS: dict = {}
+_WORK: dict = {}
 
 
-def _codes_f32(packed: torch.Tensor, bits: int) -> torch.Tensor:
+def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused flat buffer: large fresh allocations cost a page fault per 4 KB on CPU,
+    as much as the unpacking itself at 8k tokens."""
+    key = (name, dtype, device)
+    buf = _WORK.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _WORK[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _codes_f32(packed: torch.Tensor, bits: int, name: str = "codes") -> torch.Tensor:
     """unpack() straight to float32 through a 256-entry table of code tuples: one
-    index_select instead of shift, mask and convert passes (the CPU hot path)."""
+    index_select instead of shift, mask and convert passes (the CPU hot path).
+    The result lives in a reused workspace `name`: valid until the next call with that name."""
     key = (bits, packed.device)
     if key not in _LUTS:
         byte = torch.arange(256, device=packed.device)
         _LUTS[key] = unpack(byte.to(torch.uint8).unsqueeze(-1), bits).float()  # (256, 8 // bits)
-    flat = torch.index_select(_LUTS[key], 0, packed.reshape(-1).int())
-    return flat.reshape(*packed.shape[:-1], -1)
+    lut = _LUTS[key]
+    idx = _workspace(name + ".idx", packed.numel(), torch.int32, packed.device)
+    idx.copy_(packed.reshape(-1))
+    out = _workspace(name, packed.numel() * lut.shape[1], torch.float32, packed.device)
+    torch.index_select(lut, 0, idx, out=out.view(-1, lut.shape[1]))
+    return out.view(*packed.shape[:-1], -1)
 
 
 def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
@@ -151,8 +167,8 @@ def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
     ids = torch.tensor(cache.pages[seq], dtype=torch.int64, device=q_rot.device)
     npg = len(ids)
     n = npg * P
-    kc = _codes_f32(cache.k_codes.transpose(0, 1)[:, ids], cfg.bits)  # (Hkv, np, P, D) float codes
-    vc = _codes_f32(cache.v_codes.transpose(0, 1)[:, ids], cfg.bits)
+    kc = _codes_f32(torch.index_select(cache.k_codes, 0, ids).transpose(0, 1), cfg.bits, "k")  # (Hkv, np, P, D)
+    vc = _codes_f32(torch.index_select(cache.v_codes, 0, ids).transpose(0, 1), cfg.bits, "v")
     if cfg.mode == "static":  # s, z (Hkv, D): fold the scale into q, the zero is a constant
         s, z = cache.k_scale.float().unsqueeze(1), cache.k_zero.float().unsqueeze(1)  # (Hkv, 1, D)
         logits = (q_rot * s) @ kc.reshape(H, n, D).transpose(-1, -2) + (q_rot * z).sum(-1, keepdim=True)
