@@ -236,6 +236,8 @@ def test_bad_inputs_raise_clearly():
         c.free(9)
     from oscar.kernels.dispatch import decode_attention
 
+    with pytest.raises(OscarError, match="empty"):
+        decode_attention(torch.randn(1, 2, 16), c, [s])
     c.append(s, *tokens(2, 5, 16, 0))
     with pytest.raises(OscarError, match="multiple of Hkv"):
         decode_attention(torch.randn(1, 3, 16), c, [s])
