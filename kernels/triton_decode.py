@@ -126,14 +126,12 @@ def _decode_split_kernel(
     D: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     G_SIZE: tl.constexpr, BITS: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP16: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     HKV = tl.num_programs(1)
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     RING: tl.constexpr = RECENT + P
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -142,8 +140,6 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < D
     heads = b * (GROUP * HKV) + h * GROUP + offs_g  # flat (B, Hq) index
-    q = tl.load(QROT + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q * qk_scale  # logits in base 2: s = log2(e) * scale * q.k
     qmu = tl.load(QMU + heads, mask=g_mask, other=0.0) * qk_scale
 
     # layout(n): sink, full pages, ring (paged.layout)
@@ -156,9 +152,11 @@ def _decode_split_kernel(
 
     m_i = tl.full((BLOCK_G,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
 
     if split == 0:
+        q = tl.load(QROT + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = q * qk_scale  # logits in base 2: s = log2(e) * scale * q.k
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
         # cfg.dtype segments: sink tokens [0, min(n, SINK)) then the ring's valid slots
         sink_len = tl.minimum(n, SINK)
         sbase = slot * stride_sb + h * stride_sh
@@ -180,58 +178,120 @@ def _decode_split_kernel(
             k = tl.load(RING_K + ptr, mask=mask2, other=0.0).to(tl.float32)
             v = tl.load(RING_V + ptr, mask=mask2, other=0.0).to(tl.float32)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, qmu, DOT_FP16)
+        _store_part(O_PART, LSE_PART, heads * (NUM_SPLITS + 1) + split, acc, m_i, l_i, offs_d[None, :], g_mask,
+                    d_mask, D)
     else:
-        # INT2 history: pages [p0, p1) of this sequence
+        # INT2 history: pages [p0, p1) of this sequence. Codes are read as whole packed rows
+        # (D/4 contiguous bytes per token: vectorised loads) and unpacked into 4 strided
+        # sub-tiles, sub-tile i holding channels 4j + i. Then q.k = sum_i q[:, 4j+i] . k_i
+        # and the output accumulates per sub-tile: no reshape, no repeated byte loads.
         per_split = tl.cdiv(n_pages, NUM_SPLITS)
         p0 = (split - 1) * per_split
         p1 = tl.minimum(p0 + per_split, n_pages)
-        byte_d = offs_d // PER  # byte holding channel d, and its bit offset
-        shift_d = (offs_d % PER) * BITS
-        if K_MODE == 2:
-            ks = tl.load(K_SCALE + h * stride_ksh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            kz = tl.load(K_ZERO + h * stride_ksh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        if V_MODE == 2:
-            vs = tl.load(V_SCALE + h * stride_vsh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            vz = tl.load(V_ZERO + h * stride_vsh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        offs_b = tl.arange(0, BLOCK_B)
+        b_mask = offs_b < D // 4
+        c0, c1, c2, c3 = offs_b * 4, offs_b * 4 + 1, offs_b * 4 + 2, offs_b * 4 + 3
+        qm = g_mask[:, None] & b_mask[None, :]
+        qrow = QROT + heads[:, None] * D
+        q0 = tl.load(qrow + c0[None, :], mask=qm, other=0.0) * qk_scale  # (BLOCK_G, BLOCK_B)
+        q1 = tl.load(qrow + c1[None, :], mask=qm, other=0.0) * qk_scale
+        q2 = tl.load(qrow + c2[None, :], mask=qm, other=0.0) * qk_scale
+        q3 = tl.load(qrow + c3[None, :], mask=qm, other=0.0) * qk_scale
+        acc0 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        acc1 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        acc2 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        acc3 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
         for start in range(p0 * P, p1 * P, BLOCK_N):
             t = start + offs_n  # token index within the history
             valid = t < p1 * P
             page = tl.load(BLOCK_TABLES + slot * stride_bt + t // P, mask=valid, other=0).to(tl.int64)
             row = t % P
-            mask2 = valid[:, None] & d_mask[None, :]
-            cptr = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct + byte_d[None, :]
-            kc = ((tl.load(K_CODES + cptr, mask=mask2, other=0).to(tl.int32) >> shift_d[None, :]) & MASK).to(tl.float32)
-            vc = ((tl.load(V_CODES + cptr, mask=mask2, other=0).to(tl.int32) >> shift_d[None, :]) & MASK).to(tl.float32)
-            if K_MODE == 0 and G_SIZE == D:  # one (scale, zero) per token: load (N,) and broadcast
-                sp = page * stride_ksn + h * stride_ksh + row * stride_kst
-                ks = tl.load(K_SCALE + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
-                kz = tl.load(K_ZERO + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
-            elif K_MODE == 0:  # per token and channel group
-                sp = page[:, None] * stride_ksn + h * stride_ksh + row[:, None] * stride_kst + (offs_d // G_SIZE)[None, :]
-                ks = tl.load(K_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
-                kz = tl.load(K_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
-            elif K_MODE == 1:  # KIVI: per channel of the page
-                sp = page[:, None] * stride_ksn + h * stride_ksh + offs_d[None, :]
-                ks = tl.load(K_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
-                kz = tl.load(K_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
-            if V_MODE == 0 and G_SIZE == D:
-                sp = page * stride_vsn + h * stride_vsh + row * stride_vst
-                vs = tl.load(V_SCALE + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
-                vz = tl.load(V_ZERO + sp, mask=valid, other=0.0).to(tl.float32)[:, None]
-            elif V_MODE == 0:
-                sp = page[:, None] * stride_vsn + h * stride_vsh + row[:, None] * stride_vst + (offs_d // G_SIZE)[None, :]
-                vs = tl.load(V_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
-                vz = tl.load(V_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
-            k = tl.where(mask2, kc * ks + kz, 0.0)  # dequantized in registers, rotated space
-            v = tl.where(mask2, vc * vs + vz, 0.0)
-            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, qmu, DOT_FP16)
+            m2 = valid[:, None] & b_mask[None, :]
+            cptr = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct + offs_b[None, :]
+            kb = tl.load(K_CODES + cptr, mask=m2, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_B) packed
+            vb = tl.load(V_CODES + cptr, mask=m2, other=0).to(tl.int32)
+            k0 = _dequant(kb, 0, c0, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)  # (BLOCK_N, BLOCK_B) rotated K
+            k1 = _dequant(kb, 1, c1, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+            k2 = _dequant(kb, 2, c2, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+            k3 = _dequant(kb, 3, c3, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+            sc = _dot_t(q0, k0, DOT_FP16) + _dot_t(q1, k1, DOT_FP16)
+            sc += _dot_t(q2, k2, DOT_FP16) + _dot_t(q3, k3, DOT_FP16)
+            sc = tl.where(valid[None, :], sc + qmu[:, None], float("-inf"))  # (BLOCK_G, BLOCK_N), base 2
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            pr = tl.math.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            m_i = m_new
+            v0 = _dequant(vb, 0, c0, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+            acc0 = acc0 * alpha[:, None] + _dot(pr, v0, DOT_FP16)
+            v1 = _dequant(vb, 1, c1, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+            acc1 = acc1 * alpha[:, None] + _dot(pr, v1, DOT_FP16)
+            v2 = _dequant(vb, 2, c2, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+            acc2 = acc2 * alpha[:, None] + _dot(pr, v2, DOT_FP16)
+            v3 = _dequant(vb, 3, c3, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+            acc3 = acc3 * alpha[:, None] + _dot(pr, v3, DOT_FP16)
+        part = heads * (NUM_SPLITS + 1) + split
+        _store_part(O_PART, LSE_PART, part, acc0, m_i, l_i, c0[None, :], g_mask, b_mask, D)
+        _store_part(O_PART, LSE_PART, part, acc1, m_i, l_i, c1[None, :], g_mask, b_mask, D)
+        _store_part(O_PART, LSE_PART, part, acc2, m_i, l_i, c2[None, :], g_mask, b_mask, D)
+        _store_part(O_PART, LSE_PART, part, acc3, m_i, l_i, c3[None, :], g_mask, b_mask, D)
 
-    # this split's normalised output and log2-sum-exp (-inf when it saw no token)
+
+@triton.jit
+def _store_part(O_PART, LSE_PART, part, acc, m_i, l_i, cols, g_mask, c_mask, D: tl.constexpr):
+    """A split's normalised output (columns `cols`) and its log2-sum-exp (-inf when it saw no token)."""
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(O_PART + part[:, None] * D + cols, o, mask=g_mask[:, None] & c_mask[None, :])
     lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-    part = heads * (NUM_SPLITS + 1) + split
-    tl.store(O_PART + part[:, None] * D + offs_d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(LSE_PART + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _dequant(packed, I: tl.constexpr, chan, c_mask, S, Z, page, row, valid, h, sn, sh, st,
+             MODE: tl.constexpr, G_SIZE: tl.constexpr, D: tl.constexpr):
+    """Sub-tile I of packed rows (BLOCK_N, BLOCK_B): channels chan = 4j + I, x = code * scale + zero."""
+    code = ((packed >> (2 * I)) & 3).to(tl.float32)
+    if MODE == 2:  # static: layer constants (Hkv, D)
+        s = tl.load(S + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(Z + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    elif MODE == 1:  # KIVI keys: per channel of each token's page
+        off = page[:, None] * sn + h * sh + chan[None, :]
+        m = valid[:, None] & c_mask[None, :]
+        s = tl.load(S + off, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(Z + off, mask=m, other=0.0).to(tl.float32)
+    elif G_SIZE == D:  # one pair per token: (BLOCK_N, 1), broadcast
+        off = page * sn + h * sh + row * st
+        s = tl.load(S + off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(Z + off, mask=valid, other=0.0).to(tl.float32)[:, None]
+    else:  # per token and channel group
+        off = page[:, None] * sn + h * sh + row[:, None] * st + (chan // G_SIZE)[None, :]
+        m = valid[:, None] & c_mask[None, :]
+        s = tl.load(S + off, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(Z + off, mask=m, other=0.0).to(tl.float32)
+    return tl.where(valid[:, None] & c_mask[None, :], code * s + z, 0.0)
+
+
+@triton.jit
+def _dot_t(a, b, DOT_FP16: tl.constexpr):
+    """a @ b^T with fp32 accumulation."""
+    if DOT_FP16:
+        return tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)))
+    return tl.dot(a, tl.trans(b), input_precision="ieee")
+
+
+@triton.jit
+def _dot(a, b, DOT_FP16: tl.constexpr):
+    if DOT_FP16:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -291,7 +351,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     H = cfg.num_kv_heads
     assert D == cfg.head_dim and Hq % H == 0, f"q {tuple(q.shape)} vs cache Hkv={H}, D={cfg.head_dim}"
     assert q.device == cache.k_codes.device, f"q on {q.device}, cache on {cache.k_codes.device}"
-    assert cfg.bits in (1, 2, 4, 8) and D % (8 // cfg.bits) == 0
+    assert cfg.bits == 2 and D % 4 == 0, "the fused decode kernel reads INT2 codes (4 per byte); other widths: reference"
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dev = q.device
@@ -326,7 +386,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
         D=D, GROUP=G, P=cfg.page_size, SINK=cfg.sink, RECENT=cfg.recent, G_SIZE=cfg.group_size or D,
         BITS=cfg.bits, K_MODE=k_mode, V_MODE=v_mode, NUM_SPLITS=splits, DOT_FP16=config.dot_fp16,
-        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D,
+        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=_pow2(D // 4),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
