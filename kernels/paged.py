@@ -96,6 +96,11 @@ class PagedConfig:
         """The cache format an artifact asks for (its `QuantConfig`), with pool sizes from the caller."""
         if quant.value_axis != "token":
             raise OscarError(f"value_axis={quant.value_axis!r} is not a cache format (values are per token)")
+        if quant.key_axis == "channel" and quant.group_size and quant.group_size != quant.page_size:
+            # QuantConfig.key_spec groups channel keys over `group_size or page_size` tokens; the cache's
+            # token group is the page, so the two must agree for the fitted clips to mean the same thing
+            raise OscarError(f"key_axis='channel' groups keys over group_size={quant.group_size} tokens but pages hold "
+                             f"{quant.page_size}: the cache groups per page, set page_size = group_size")
         return cls(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=quant.page_size,
                    sink=quant.sink, recent=quant.recent, bits=quant.bits, mode=quant.mode,
                    key_axis=quant.key_axis, group_size=quant.group_size, **kw)

@@ -60,6 +60,8 @@ def test_config_rejects_bad_formats():
         PagedConfig(num_kv_heads=1, head_dim=24, num_pages=1, group_size=16)
     with pytest.raises(ValueError, match="whole number of bytes"):
         PagedConfig(num_kv_heads=1, head_dim=6, num_pages=1)
+    with pytest.raises(OscarError, match="set page_size = group_size"):
+        PagedConfig.from_quant(QuantConfig(key_axis="channel", group_size=32, page_size=16), 2, 64, num_pages=8)
     cfg = PagedConfig.from_quant(QuantConfig(page_size=32, sink=4, recent=64), 2, 64, num_pages=8)
     assert (cfg.page_size, cfg.sink, cfg.recent, cfg.ring_size, cfg.packed_dim) == (32, 4, 64, 96, 16)
 
