@@ -151,7 +151,7 @@ def _codes_f32(packed: torch.Tensor, bits: int, name: str = "codes") -> torch.Te
         _LUTS[key] = unpack(byte.to(torch.uint8).unsqueeze(-1), bits).float()  # (256, 8 // bits)
     lut = _LUTS[key]
     idx = _workspace(name + ".idx", packed.numel(), torch.int32, packed.device)
-    idx.copy_(packed.reshape(-1))
+    idx.view(packed.shape).copy_(packed)  # one strided pass: uint8 (any layout) -> int32 indices
     out = _workspace(name, packed.numel() * lut.shape[1], torch.float32, packed.device)
     torch.index_select(lut, 0, idx, out=out.view(-1, lut.shape[1]))
     return out.view(*packed.shape[:-1], -1)
