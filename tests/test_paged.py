@@ -247,9 +247,12 @@ def test_bad_inputs_raise_clearly():
         decode_attention(torch.zeros(1, 2, 16, dtype=torch.float64), c, [s])
     with pytest.raises(OscarError, match="2 sequence ids"):
         decode_attention(torch.randn(1, 2, 16), c, [s, s])
-    if torch.cuda.is_available():
-        with pytest.raises(OscarError, match="cuda"):
-            c.append(s, torch.randn(2, 1, 16, device="cuda"), torch.randn(2, 1, 16, device="cuda"))
+    other = "cuda" if torch.cuda.is_available() else "meta"  # a device the cache is not on
+    with pytest.raises(OscarError, match=f"k is on {other}"):
+        c.append(s, torch.randn(2, 1, 16, device=other), torch.randn(2, 1, 16, device=other))
+    with pytest.raises(OscarError, match=f"q is on {other}"):
+        decode_attention(torch.randn(1, 2, 16, device=other), c, [s])
+    assert c.lengths[s] == 5
     meta = c.rot
     with pytest.raises(OscarError, match="minmax clip ratios"):
         PagedLayerCache(c.cfg, LayerRotation(meta.rot_k, meta.rot_v, torch.full((2,), 1.5), meta.clip_v))
