@@ -185,6 +185,13 @@ def _decode_split_kernel(
         # (D/4 contiguous bytes per token: vectorised loads) and unpacked into 4 strided
         # sub-tiles, sub-tile i holding channels 4j + i. Then q.k = sum_i q[:, 4j+i] . k_i
         # and the output accumulates per sub-tile: no reshape, no repeated byte loads.
+        # Where the scale is per token (token groups of D) or per channel (static), it is
+        # factored out of the dots, which then run on the raw codes (x = c * s + z):
+        #   per token:   q.k_t = s_t (q . c_t) + z_t sum(q);   sum_t p_t v_t = (p * s) @ c + p @ z
+        #   per channel: q.k_t = (q * s) . c_t + q . z;       sum_t p_t v_t = s * (p @ c) + z * sum(p)
+        # so the inner loop is shift, mask, convert and the dot: no per-element scaling.
+        K_FACT: tl.constexpr = K_MODE == 2 or (K_MODE == 0 and G_SIZE == D)
+        V_FACT: tl.constexpr = V_MODE == 2 or (V_MODE == 0 and G_SIZE == D)
         per_split = tl.cdiv(n_pages, NUM_SPLITS)
         p0 = (split - 1) * per_split
         p1 = tl.minimum(p0 + per_split, n_pages)
@@ -197,10 +204,19 @@ def _decode_split_kernel(
         q1 = tl.load(qrow + c1[None, :], mask=qm, other=0.0) * qk_scale
         q2 = tl.load(qrow + c2[None, :], mask=qm, other=0.0) * qk_scale
         q3 = tl.load(qrow + c3[None, :], mask=qm, other=0.0) * qk_scale
+        qsum = tl.sum(q0 + q1 + q2 + q3, axis=1)  # (BLOCK_G,) multiplies per-token zeros
+        if K_MODE == 2:  # static: fold the per-channel scale into q, the zero into a constant
+            ks0, kz0 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c0, b_mask)
+            ks1, kz1 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c1, b_mask)
+            ks2, kz2 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c2, b_mask)
+            ks3, kz3 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c3, b_mask)
+            qz = tl.sum(q0 * kz0 + q1 * kz1 + q2 * kz2 + q3 * kz3, axis=1)
+            q0, q1, q2, q3 = q0 * ks0, q1 * ks1, q2 * ks2, q3 * ks3
         acc0 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
         acc1 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
         acc2 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
         acc3 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        accz = tl.zeros((BLOCK_G,), tl.float32)  # sum_t p_t z_t (per-token value zeros)
         for start in range(p0 * P, p1 * P, BLOCK_N):
             t = start + offs_n  # token index within the history
             valid = t < p1 * P
@@ -210,39 +226,89 @@ def _decode_split_kernel(
             cptr = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct + offs_b[None, :]
             kb = tl.load(K_CODES + cptr, mask=m2, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_B) packed
             vb = tl.load(V_CODES + cptr, mask=m2, other=0).to(tl.int32)
-            k0 = _dequant(kb, 0, c0, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)  # (BLOCK_N, BLOCK_B) rotated K
-            k1 = _dequant(kb, 1, c1, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
-            k2 = _dequant(kb, 2, c2, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
-            k3 = _dequant(kb, 3, c3, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                          stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
-            sc = _dot_t(q0, k0, DOT_FP16) + _dot_t(q1, k1, DOT_FP16)
-            sc += _dot_t(q2, k2, DOT_FP16) + _dot_t(q3, k3, DOT_FP16)
+            if K_FACT:
+                sc = _dot_t(q0, _code(kb, 0), DOT_FP16) + _dot_t(q1, _code(kb, 1), DOT_FP16)
+                sc += _dot_t(q2, _code(kb, 2), DOT_FP16) + _dot_t(q3, _code(kb, 3), DOT_FP16)
+                if K_MODE == 0:
+                    sp = page * stride_ksn + h * stride_ksh + row * stride_kst
+                    s_t = tl.load(K_SCALE + sp, mask=valid, other=0.0).to(tl.float32)
+                    z_t = tl.load(K_ZERO + sp, mask=valid, other=0.0).to(tl.float32)
+                    sc = sc * s_t[None, :] + qsum[:, None] * z_t[None, :]
+                else:
+                    sc = sc + qz[:, None]
+            else:  # KIVI keys or several channel groups: dequantize each sub-tile in registers
+                k0 = _dequant(kb, 0, c0, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                k1 = _dequant(kb, 1, c1, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                k2 = _dequant(kb, 2, c2, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                k3 = _dequant(kb, 3, c3, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                sc = _dot_t(q0, k0, DOT_FP16) + _dot_t(q1, k1, DOT_FP16)
+                sc += _dot_t(q2, k2, DOT_FP16) + _dot_t(q3, k3, DOT_FP16)
             sc = tl.where(valid[None, :], sc + qmu[:, None], float("-inf"))  # (BLOCK_G, BLOCK_N), base 2
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.math.exp2(m_i - m_new)
             pr = tl.math.exp2(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
             m_i = m_new
-            v0 = _dequant(vb, 0, c0, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
-            acc0 = acc0 * alpha[:, None] + _dot(pr, v0, DOT_FP16)
-            v1 = _dequant(vb, 1, c1, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
-            acc1 = acc1 * alpha[:, None] + _dot(pr, v1, DOT_FP16)
-            v2 = _dequant(vb, 2, c2, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
-            acc2 = acc2 * alpha[:, None] + _dot(pr, v2, DOT_FP16)
-            v3 = _dequant(vb, 3, c3, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                          stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
-            acc3 = acc3 * alpha[:, None] + _dot(pr, v3, DOT_FP16)
+            if V_FACT:
+                pw = pr
+                if V_MODE == 0:
+                    sp = page * stride_vsn + h * stride_vsh + row * stride_vst
+                    s_t = tl.load(V_SCALE + sp, mask=valid, other=0.0).to(tl.float32)
+                    z_t = tl.load(V_ZERO + sp, mask=valid, other=0.0).to(tl.float32)
+                    pw = pr * s_t[None, :]
+                    accz = accz * alpha + tl.sum(pr * z_t[None, :], axis=1)
+                acc0 = acc0 * alpha[:, None] + _dot(pw, _code(vb, 0), DOT_FP16)
+                acc1 = acc1 * alpha[:, None] + _dot(pw, _code(vb, 1), DOT_FP16)
+                acc2 = acc2 * alpha[:, None] + _dot(pw, _code(vb, 2), DOT_FP16)
+                acc3 = acc3 * alpha[:, None] + _dot(pw, _code(vb, 3), DOT_FP16)
+            else:
+                v0 = _dequant(vb, 0, c0, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                v1 = _dequant(vb, 1, c1, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                v2 = _dequant(vb, 2, c2, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                v3 = _dequant(vb, 3, c3, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                acc0 = acc0 * alpha[:, None] + _dot(pr, v0, DOT_FP16)
+                acc1 = acc1 * alpha[:, None] + _dot(pr, v1, DOT_FP16)
+                acc2 = acc2 * alpha[:, None] + _dot(pr, v2, DOT_FP16)
+                acc3 = acc3 * alpha[:, None] + _dot(pr, v3, DOT_FP16)
+        if V_MODE == 2:  # o = s * (p @ c) + z * sum(p), before normalising by l
+            vs0, vz0 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c0, b_mask)
+            vs1, vz1 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c1, b_mask)
+            vs2, vz2 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c2, b_mask)
+            vs3, vz3 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c3, b_mask)
+            acc0 = acc0 * vs0 + l_i[:, None] * vz0
+            acc1 = acc1 * vs1 + l_i[:, None] * vz1
+            acc2 = acc2 * vs2 + l_i[:, None] * vz2
+            acc3 = acc3 * vs3 + l_i[:, None] * vz3
+        elif V_FACT:  # + sum_t p_t z_t, the same for every channel
+            acc0, acc1 = acc0 + accz[:, None], acc1 + accz[:, None]
+            acc2, acc3 = acc2 + accz[:, None], acc3 + accz[:, None]
         part = heads * (NUM_SPLITS + 1) + split
         _store_part(O_PART, LSE_PART, part, acc0, m_i, l_i, c0[None, :], g_mask, b_mask, D)
         _store_part(O_PART, LSE_PART, part, acc1, m_i, l_i, c1[None, :], g_mask, b_mask, D)
         _store_part(O_PART, LSE_PART, part, acc2, m_i, l_i, c2[None, :], g_mask, b_mask, D)
         _store_part(O_PART, LSE_PART, part, acc3, m_i, l_i, c3[None, :], g_mask, b_mask, D)
+
+
+@triton.jit
+def _code(packed, I: tl.constexpr):
+    """Sub-tile I of packed INT2 rows: the codes of channels 4j + I, as float (exact)."""
+    return ((packed >> (2 * I)) & 3).to(tl.float32)
+
+
+@triton.jit
+def _static_params(S, Z, h, sh, chan, c_mask):
+    """Static mode's per-channel (scale, zero) for channels `chan`: (1, BLOCK_B) each."""
+    s = tl.load(S + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    z = tl.load(Z + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    return s, z
 
 
 @triton.jit
