@@ -281,6 +281,40 @@ def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False) -> d
     return out
 
 
+def plot_cuda(result: dict, path: Path) -> None:
+    """Latency vs context (INT2 fused, BF16 SDPA, FlashInfer) and INT2 bandwidth / peak, per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "int2_ms" in r]
+    batches = sorted({r["batch"] for r in rows})
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for B in batches:
+        rs = sorted((r for r in rows if r["batch"] == B), key=lambda r: r["context"])
+        x = [r["context"] for r in rs]
+        axes[0].plot(x, [r["int2_ms"] for r in rs], "o-", label=f"INT2 fused, B={B}")
+        if all("sdpa_bf16_ms" in r for r in rs):
+            axes[0].plot(x, [r["sdpa_bf16_ms"] for r in rs], "s--", label=f"BF16 SDPA, B={B}")
+        if all("flashinfer_bf16_ms" in r for r in rs):
+            axes[0].plot(x, [r["flashinfer_bf16_ms"] for r in rs], "^:", label=f"FlashInfer BF16, B={B}")
+        frac = [r.get("int2_fraction_of_peak", r["int2_fraction_of_copy"]) for r in rs]
+        axes[1].plot(x, frac, "o-", label=f"B={B}")
+    axes[0].set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode attention, one layer (ms)",
+                title=f"{result['shape']} on {result['device']}")
+    axes[1].axhline(0.7, color="gray", ls="--", lw=1)
+    axes[1].set(xscale="log", ylim=(0, 1.05), xlabel="context (tokens)", ylabel="achieved / peak bandwidth",
+                title="INT2 kernel bandwidth (bytes it must read)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -311,6 +345,9 @@ def main(argv=None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {out_path}")
+    if args.device == "cuda":
+        plot_cuda(result, out_path.with_suffix(".png"))
+        print(f"wrote {out_path.with_suffix('.png')}")
     return 0
 
 

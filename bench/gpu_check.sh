@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the INT2 kernels: kernel tests on CUDA, then the CUDA decode benchmark.
-# Budget < 8 minutes on one H100/H200-class GPU; every result lands as JSON/XML under $OUT.
+# Budget < 8 minutes on one H100/H200-class GPU; every result lands as JSON/XML/PNG under $OUT.
 #
 #   OUT=/some/dir OSCAR_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh
 #
