@@ -1,6 +1,5 @@
 """The paged cache layout and the torch reference, against brute-force definitions."""
 
-import math
 
 import pytest
 import torch
