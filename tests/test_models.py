@@ -339,5 +339,5 @@ def test_atomic_build_concurrent_and_failed(tmp_path):
     stale.mkdir()
     fresh.mkdir()
     os.utime(stale, (time.time() - 7 * 3600,) * 2)
-    M._atomic_build(str(tmp_path / "models" / "z"), build)
+    M._atomic_build(str(tmp_path / "models" / "z"), lambda tmp: M._write_marker(tmp, {"kind": "test"}))
     assert sorted(os.listdir(tmp_path / "models")) == [".tmp-z-new", "x", "z"]
