@@ -365,15 +365,15 @@ class PagedLayerCache:
         T = k.shape[2]
         plans = [(s, self.lengths[s], layout(self.lengths[s], cfg), layout(self.lengths[s] + T, cfg)) for s in seqs]
         need = sum(l1.num_pages - l0.num_pages for _, _, l0, l1 in plans)
-        for s, _, _, l1 in plans:
-            if l1.num_pages > cfg.max_pages_per_seq:
-                raise PoolExhausted(f"sequence {s} would need {l1.num_pages} pages, more than max_pages_per_seq="
-                                    f"{cfg.max_pages_per_seq}; nothing was written")
         if need > len(self.free_pages):
             raise PoolExhausted(
                 f"page pool exhausted: this append needs {need} new pages of {cfg.page_size} tokens, "
                 f"{len(self.free_pages)} of {cfg.num_pages} are free; nothing was written "
                 f"(free sequences or build the cache with more pages)")
+        for s, _, _, l1 in plans:
+            if l1.num_pages > cfg.max_pages_per_seq:
+                raise PoolExhausted(f"page pool exhausted for sequence {s}: it would need {l1.num_pages} pages, "
+                                    f"more than max_pages_per_seq={cfg.max_pages_per_seq}; nothing was written")
         kr = self.rot.rotate_k(k).to(cfg.dtype)  # (B, Hkv, T, D) rotated, rounded to storage dtype
         vr = self.rot.rotate_v(v).to(cfg.dtype)
         S, P, C = cfg.sink, cfg.page_size, cfg.ring_size

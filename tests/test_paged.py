@@ -220,6 +220,11 @@ def test_pool_exhaustion_raises_and_changes_nothing():
         assert torch.equal(x, y)
     c.append(b, *tokens(2, 8, 16, 11))  # 2 pages still fit
     assert len(c.free_pages) == 0
+    narrow = make(pages=8, max_pages_per_seq=2)  # block-table width bounds one sequence
+    s = narrow.new_sequence()
+    with pytest.raises(PoolExhausted, match="max_pages_per_seq=2; nothing was written"):
+        narrow.append(s, *tokens(2, 3 + 3 * 4 + 8, 16, 12))
+    assert narrow.lengths[s] == 0 and len(narrow.free_pages) == 8
 
 
 def test_bad_inputs_raise_clearly():
