@@ -185,7 +185,7 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
         out["deff"] = dpath
     with open(os.path.join(cfg.out, "run.json"), "w") as f:
         json.dump({"seconds": round(time.time() - t0, 1), "units": len(units), "resumed_units": len(units) - len(todo),
-                   "triton_path": "not wired (no Triton codec kernel on main)", "rotations": _rotation_source()}, f, indent=1)
+                   "triton_path": "not wired (see docs/decisions.md, Ablation harness)", "rotations": _rotation_source()}, f, indent=1)
     if cfg.report:
         from oscar.reports.ablation import build_report
 

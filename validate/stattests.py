@@ -4,8 +4,7 @@ oracle vs production gap variance, and the d_eff vs calibration-budget study.
 The two paths of every scheme (validate/schemes.py `Ctx`):
 - oracle: numpy PCG64 randomness, float64 arithmetic;
 - production: torch's MT19937 generator, float32 arithmetic.
-A Triton path is not wired here: no Triton codec kernel was on main when this was
-written (docs/decisions.md).
+A Triton path is not wired yet (docs/decisions.md, "Ablation harness").
 """
 
 from __future__ import annotations
