@@ -80,6 +80,28 @@ def oscar_attention(module, query, key, value, attention_mask, dropout: float = 
     return layer.attend(module, query, attention_mask, scaling), None
 
 
+def _decode(q: torch.Tensor, pc, seqs: list[int], scale: float, backend: str | None) -> torch.Tensor:
+    """Fused decode attention (B, Hq, D) through kern's dispatcher; `backend` forces one implementation.
+
+    The dispatcher chooses by device and $OSCAR_KERNELS (which also governs page quantization);
+    this thin adapter adds a per-cache override for the decode call.
+    """
+    from oscar.kernels import dispatch
+
+    if backend is None:
+        return dispatch.decode_attention(q, pc, seqs, scale=scale)
+    dispatch.check_query(q, pc, seqs)
+    if backend == "triton":
+        if not dispatch.triton_usable(q.device):
+            raise OscarError(f"backend='triton' but Triton cannot run on {q.device} (needs CUDA or TRITON_INTERPRET=1)")
+        from oscar.kernels.triton_decode import decode_attention as impl
+    elif backend == "reference":
+        from oscar.kernels.reference import decode_attention as impl
+    else:
+        raise OscarError(f"backend must be None, 'triton' or 'reference', got {backend!r}")
+    return impl(q, pc, seqs, scale=scale)
+
+
 # --------------------------------------------------------------------------- one layer
 class OscarLayer(CacheLayerMixin):
     """One attention layer of an OscarCache: a view on layer `idx` of the shared paged pool."""
@@ -145,10 +167,7 @@ class OscarLayer(CacheLayerMixin):
         if o.format == "passthrough":
             return self._attend_sdpa(module, query, mask, scaling)
         if Tq == 1 and (mask is None or bool(mask.all())):
-            from oscar.kernels.dispatch import decode_attention
-
-            out = decode_attention(query[:, :, 0], self.pc, o.seqs, scale=scaling, backend=o.backend)  # (B, Hq, D)
-            return out.unsqueeze(1)
+            return _decode(query[:, :, 0], self.pc, o.seqs, scaling, o.backend).unsqueeze(1)  # (B, 1, Hq, D)
         return self._attend_torch(query, mask, scaling, n0, k_new, v_new, tail_old)
 
     def gather(self, rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
