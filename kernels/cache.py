@@ -294,6 +294,8 @@ class OscarCache(Cache):
         self.max_pages, self.max_seqs, self.backend, self.store_dtype = max_pages, max_seqs, backend, dtype
         self.pool: PagedKVCache | None = pool
         self.seqs: list[int] = []
+        if pool is None:
+            self.paged_config(1, torch.float32, "cpu")  # validate the format now, not at the first update
         super().__init__(layers=[OscarLayer(self, i) for i in range(self.shapes["num_layers"])])
 
     @classmethod
@@ -331,7 +333,7 @@ class OscarCache(Cache):
         q = self.quant
         seqs = self.max_seqs or batch
         if self.format == "passthrough":
-            return PagedConfig.passthrough(H, D, self.max_len, page_size=q.page_size, sink=q.sink, max_seqs=seqs,
+            return PagedConfig.passthrough(H, D, self.max_len, page_size=q.page_size, sink=q.sink, max_seqs=seqs, mode=q.mode,
                                            dtype=dtype, device=device)
         pages = self.max_pages or seqs * (-(-self.max_len // q.page_size))
         try:
@@ -407,15 +409,18 @@ def prefill(model, cache: OscarCache, input_ids: torch.Tensor, chunk: int | None
     past_key_values=cache)`: generate feeds only the uncached question tokens, which attend to the
     quantized haystack exactly as a decode step would.
     """
+    import inspect
+
     T = input_ids.shape[1]
     chunk = chunk or T
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x renamed it
     start = cache.get_seq_length()
     logits = None
     with torch.no_grad():
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
             am = attention_mask[:, : start + e] if attention_mask is not None else None
-            out = model(input_ids=input_ids[:, s:e], past_key_values=cache, attention_mask=am, use_cache=True,
-                        logits_to_keep=1)
+            out = model(input_ids=input_ids[:, s:e], attention_mask=am, use_cache=True, logits_to_keep=1,
+                        **{name: cache})
             logits = out.logits[:, -1]
     return logits
