@@ -162,6 +162,9 @@ class LayerRotation:
     identity: bool = field(init=False)  # no rotation and no centering: skip the matmuls (exact)
 
     def __post_init__(self):
+        f = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731  kernels assume row-major
+        self.rot_k, self.rot_v, self.clip_k, self.clip_v, self.k_mean = map(
+            f, (self.rot_k, self.rot_v, self.clip_k, self.clip_v, self.k_mean))
         H, D, _ = self.rot_k.shape
         eye = torch.eye(D, device=self.rot_k.device).expand(H, D, D)
         self.identity = bool(torch.equal(self.rot_k.float(), eye) and torch.equal(self.rot_v.float(), eye)
