@@ -138,34 +138,60 @@ def _targets(shapes: dict, rows: list[dict]) -> dict:
 
 
 def cache_bytes(cache) -> dict:
-    """Bytes a live OscarCache holds for its tokens, by component (pages counted once even when shared).
+    """Bytes a live OscarCache holds for its tokens, by component (see `pool_bytes`)."""
+    return pool_bytes(cache.pool, cache.seqs)
+
+
+def pool_bytes(pool, seqs: list[int]) -> dict:
+    """Bytes the sequences `seqs` of a PagedKVCache hold, by component (shared pages counted once).
 
     Uses the pool's own tensors: bytes per page of codes / scales, 16-bit bytes per
     sink and ring token, an int32 block-table entry per page per sequence.
     """
     from oscar.kernels.paged import layout
 
-    pool = cache.pool
     out = {"codes": 0, "scales": 0, "sinks": 0, "recent": 0, "page_table": 0, "constants": 0, "tokens": 0}
     if pool is None:
         return out
     cfg = pool.cfg
     per = lambda t: t.element_size() * (t.numel() // t.shape[0])  # noqa: E731  bytes per leading index
     for pc in pool.layers:
-        pages = {p for s in cache.seqs for p in pc.pages[s]}
+        pages = {p for s in seqs for p in pc.pages[s]}
         out["codes"] += len(pages) * (per(pc.k_codes) + per(pc.v_codes))
         if cfg.mode == "static":
             out["constants"] += sum(t.numel() * t.element_size() for t in (pc.k_scale, pc.k_zero, pc.v_scale, pc.v_zero))
         else:
             out["scales"] += len(pages) * sum(per(t) for t in (pc.k_scale, pc.k_zero, pc.v_scale, pc.v_zero))
         tok = 2 * cfg.num_kv_heads * cfg.head_dim * pc.sink_k.element_size()
-        for s in cache.seqs:
+        for s in seqs:
             lay = layout(pc.lengths[s], cfg)
             out["sinks"] += lay.sink_len * tok
             out["recent"] += lay.ring_len * tok
             out["page_table"] += len(pc.pages[s]) * PAGE_TABLE_BYTES
-    out["tokens"] = sum(pool.layers[0].lengths[s] for s in cache.seqs)
+    out["tokens"] = sum(pool.layers[0].lengths[s] for s in seqs)
     return out
+
+
+def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: int = 0) -> dict:
+    """Fill a real paged pool (this config's shapes, identity rotations, bf16 segments) with `context`
+    random tokens per layer and measure what it holds; the check on `total`."""
+    import torch
+
+    from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache
+
+    s = attention_shapes(config)
+    H, D, P = s["num_kv_heads"], s["head_dim"], f.page_size
+    cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=-(-context // P), max_seqs=1, page_size=P, sink=f.sink,
+                      recent=f.recent, bits=f.bits, mode=f.mode, key_axis=f.key_axis, group_size=f.group_size,
+                      dtype=torch.bfloat16)
+    pool = PagedKVCache(cfg, [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])])
+    seq = pool.new_sequence()
+    g = torch.Generator().manual_seed(seed)
+    for pc in pool.layers:
+        for a in range(0, context, chunk):
+            t = min(chunk, context - a)
+            pc.append(seq, torch.randn(H, t, D, generator=g), torch.randn(H, t, D, generator=g))
+    return pool_bytes(pool, [seq])
 
 
 def load_model_config(spec: str):
