@@ -214,28 +214,34 @@ class OscarLayer(CacheLayerMixin):
         q_rot = qf if rot.identity else qf @ rot.rot_k[None, :, None]  # (B, H, G, Tq, D); q.mu cancels in softmax
         out = torch.empty(B, H, G, Tq, D, dtype=torch.float32, device=query.device)
         pos_k = torch.arange(n, device=query.device)
-        blk = max(1, min(Tq, (1 << 24) // max(1, B * Hq * n)))  # bound the (B, H, G, blk, n) score block
+        blk = max(1, min(Tq, 256, (1 << 24) // max(1, B * Hq * n)))  # bounds the (B, H, G, blk, n) scores
         for s0 in range(0, Tq, blk):
             s1 = min(Tq, s0 + blk)
+            nq = s1 - s0
             p0, p1 = n0 + s0, n0 + s1  # absolute query positions [p0, p1)
             a, b = hist_end(p0 + 1), hist_end(p1)  # INT2 for every query below a; mixed in [a, b)
             ke = torch.cat([k_dq[:, :, :a], k_fp[:, :, a:p1]], 2)  # (B, H, p1, D) causal horizon p1
             ve = torch.cat([v_dq[:, :, :a], v_fp[:, :, a:p1]], 2)
-            s = torch.einsum("bhgqd,bhkd->bhgqk", q_rot[:, :, :, s0:s1], ke) * scaling  # (B, H, G, blk, p1)
+            qb = q_rot[:, :, :, s0:s1].reshape(B, H, G * nq, D)
+            s = torch.matmul(qb, ke.transpose(-1, -2)).mul_(scaling).view(B, H, G, nq, p1)
             pos_q = torch.arange(p0, p1, device=query.device)
             if b > a:  # per query: key j < hist_end(p + 1) is INT2
-                sel = pos_k[None, a:b] < torch.tensor([hist_end(int(p) + 1) for p in pos_q], device=pos_q.device)[:, None]
-                s_mix = torch.einsum("bhgqd,bhkd->bhgqk", q_rot[:, :, :, s0:s1], k_dq[:, :, a:b]) * scaling
+                ends = torch.tensor([hist_end(p + 1) for p in range(p0, p1)], device=query.device)
+                sel = pos_k[None, a:b] < ends[:, None]  # (nq, b - a)
+                s_mix = torch.matmul(qb, k_dq[:, :, a:b].transpose(-1, -2)).mul_(scaling).view(B, H, G, nq, b - a)
                 s[..., a:b] = torch.where(sel, s_mix, s[..., a:b])
-            allowed = pos_k[None, :p1] <= pos_q[:, None]  # (blk, p1) causal
+            allowed = pos_k[None, :p1] <= pos_q[:, None]  # (nq, p1) causal
             if mask is not None:
-                allowed = allowed & mask[:, 0, s0:s1, :p1].reshape(B, 1, 1, s1 - s0, p1)
-            s = s.masked_fill(~allowed, float("-inf"))
-            pr = torch.softmax(s, -1).nan_to_num_(0.0)  # fully masked rows (padding queries) -> 0
-            o = torch.einsum("bhgqk,bhkd->bhgqd", pr, ve)
+                allowed = allowed & mask[:, 0, s0:s1, :p1].reshape(B, 1, 1, nq, p1)
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=query.device).masked_fill_(~allowed, float("-inf"))
+            pr = torch.softmax(s.add_(bias), -1)
+            if mask is not None:
+                pr.nan_to_num_(0.0)  # fully masked rows (padding queries) -> 0
+            o = torch.matmul(pr.view(B, H, G * nq, p1), ve)  # (B, H, G*nq, D)
             if b > a:
-                o = o + torch.einsum("bhgqk,bhkd->bhgqd", pr[..., a:b] * sel, v_dq[:, :, a:b] - v_fp[:, :, a:b])
-            out[:, :, :, s0:s1] = o
+                pm = (pr[..., a:b] * sel).reshape(B, H, G * nq, b - a)
+                o = o + torch.matmul(pm, v_dq[:, :, a:b] - v_fp[:, :, a:b])
+            out[:, :, :, s0:s1] = o.view(B, H, G, nq, D)
         if not rot.identity:
             out = out @ rot.rot_v.transpose(-1, -2)[None, :, None]  # back to the model's value space
         return out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)  # (B, Tq, Hq, D)
