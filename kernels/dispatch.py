@@ -58,6 +58,9 @@ def check_query(q: torch.Tensor, cache: PagedLayerCache, seqs) -> None:
         raise OscarError(f"q dtype {q.dtype} not supported (float16, bfloat16, float32)")
     if q.device.type != torch.device(cfg.device).type:
         raise OscarError(f"q is on {q.device}, the cache is on {cfg.device}")
+    empty = [s for s in seqs if 0 <= s < cfg.max_seqs and cache.pages[s] is not None and cache.lengths[s] == 0]
+    if empty:
+        raise OscarError(f"sequences {empty} are empty: append the current token before decode attention")
 
 
 def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], scale: float | None = None,

@@ -71,10 +71,10 @@ class PagedConfig:
     group_size: int | None = None  # channels per token group (token axis); None = head_dim
     dtype: torch.dtype = torch.bfloat16  # sink / ring storage
     device: str | torch.device = "cpu"
+    max_pages_per_seq: int | None = None  # block table width; None = num_pages
     # derived
     ring_size: int = field(init=False)  # R + P slots per sequence
     packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row
-    max_pages_per_seq: int = field(init=False)
 
     def __post_init__(self):
         D, P = self.head_dim, self.page_size
@@ -89,13 +89,18 @@ class PagedConfig:
         self.value_spec  # validates group_size
         self.ring_size = self.recent + P
         self.packed_dim = D * self.bits // 8
-        self.max_pages_per_seq = self.num_pages
+        self.max_pages_per_seq = self.max_pages_per_seq or self.num_pages
 
     @classmethod
     def from_quant(cls, quant: QuantConfig, num_kv_heads: int, head_dim: int, num_pages: int, **kw) -> "PagedConfig":
         """The cache format an artifact asks for (its `QuantConfig`), with pool sizes from the caller."""
         if quant.value_axis != "token":
             raise OscarError(f"value_axis={quant.value_axis!r} is not a cache format (values are per token)")
+        if quant.key_axis == "channel" and quant.group_size and quant.group_size != quant.page_size:
+            # QuantConfig.key_spec groups channel keys over `group_size or page_size` tokens; the cache's
+            # token group is the page, so the two must agree for the fitted clips to mean the same thing
+            raise OscarError(f"key_axis='channel' groups keys over group_size={quant.group_size} tokens but pages hold "
+                             f"{quant.page_size}: the cache groups per page, set page_size = group_size")
         return cls(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=quant.page_size,
                    sink=quant.sink, recent=quant.recent, bits=quant.bits, mode=quant.mode,
                    key_axis=quant.key_axis, group_size=quant.group_size, **kw)
@@ -128,6 +133,13 @@ class PagedConfig:
     def groups(self) -> int:
         """Channel groups per token (token-axis minmax)."""
         return self.head_dim // (self.group_size or self.head_dim)
+
+
+class DecodeBatch(NamedTuple):
+    block_table: torch.Tensor  # (max_seqs, max_pages_per_seq) int32, row = sequence slot
+    seq_lens: torch.Tensor  # (B,) int32
+    slots: torch.Tensor  # (B,) int32 sequence slot of each batch row
+    max_pages: int  # longest page list in the batch (sizes the split-K grid)
 
 
 class Layout(NamedTuple):
@@ -283,6 +295,8 @@ class PagedLayerCache:
         self.free_pages = list(range(N - 1, -1, -1))  # pop() hands out page 0 first
         self.pages: list[list[int] | None] = [None] * cfg.max_seqs  # None = free slot
         self.lengths = [0] * cfg.max_seqs
+        # the same page lists on the device, one row per sequence slot (what kernels read)
+        self.block_table = torch.zeros(cfg.max_seqs, cfg.max_pages_per_seq, dtype=torch.int32, device=dev)
 
     # ---------------------------------------------------------------- sequences
     def new_sequence(self, seq: int | None = None) -> int:
@@ -304,6 +318,7 @@ class PagedLayerCache:
             self.refcount[p] += 1
         self.pages[dst] = list(self.pages[src])
         self.lengths[dst] = self.lengths[src]
+        self.block_table[dst].copy_(self.block_table[src])
         for buf in (self.sink_k, self.sink_v, self.ring_k, self.ring_v):
             buf[dst].copy_(buf[src])
         return dst
@@ -355,6 +370,10 @@ class PagedLayerCache:
                 f"page pool exhausted: this append needs {need} new pages of {cfg.page_size} tokens, "
                 f"{len(self.free_pages)} of {cfg.num_pages} are free; nothing was written "
                 f"(free sequences or build the cache with more pages)")
+        for s, _, _, l1 in plans:
+            if l1.num_pages > cfg.max_pages_per_seq:
+                raise PoolExhausted(f"page pool exhausted for sequence {s}: it would need {l1.num_pages} pages, "
+                                    f"more than max_pages_per_seq={cfg.max_pages_per_seq}; nothing was written")
         kr = self.rot.rotate_k(k).to(cfg.dtype)  # (B, Hkv, T, D) rotated, rounded to storage dtype
         vr = self.rot.rotate_v(v).to(cfg.dtype)
         S, P, C = cfg.sink, cfg.page_size, cfg.ring_size
@@ -379,6 +398,7 @@ class PagedLayerCache:
                 for p in ids:
                     self.refcount[p] = 1
                 self.pages[s].extend(ids)
+                self.block_table[s, l0.num_pages:l1.num_pages] = torch.tensor(ids, dtype=torch.int32).to(k.device)
                 new_pages += ids
                 page_k.append(tk.reshape(cfg.num_kv_heads, npg, P, cfg.head_dim).transpose(0, 1))
                 page_v.append(tv.reshape(cfg.num_kv_heads, npg, P, cfg.head_dim).transpose(0, 1))
@@ -408,17 +428,17 @@ class PagedLayerCache:
             raise OscarError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
 
     # ---------------------------------------------------------------- kernel views
-    def batch_tables(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block_tables (B, max_pages) int32, seq_lens (B,) int32, slots (B,) int32) for the decode kernels."""
+    def batch_tables(self, seqs: list[int]) -> "DecodeBatch":
+        """What the decode kernels need for a batch of sequences (the block table is not copied)."""
         for s in seqs:
             self._check_slot(s, active=True)
-        dev = torch.device(self.cfg.device)
-        width = max([len(self.pages[s]) for s in seqs] + [1])
-        bt = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            bt[i, : len(self.pages[s])] = torch.tensor(self.pages[s], dtype=torch.int32)
-        lens = torch.tensor([self.lengths[s] for s in seqs], dtype=torch.int32)
-        return bt.to(dev), lens.to(dev), torch.tensor(seqs, dtype=torch.int32).to(dev)
+        dev = self.block_table.device
+        return DecodeBatch(
+            block_table=self.block_table,
+            seq_lens=torch.tensor([self.lengths[s] for s in seqs], dtype=torch.int32).to(dev),
+            slots=torch.tensor(seqs, dtype=torch.int32).to(dev),
+            max_pages=max([len(self.pages[s]) for s in seqs] + [0]),
+        )
 
     def bytes_used(self) -> dict[str, int]:
         """Bytes allocated by component (the whole pool, not only pages in use)."""

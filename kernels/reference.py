@@ -96,9 +96,9 @@ def dequantize_sequence(cache: PagedLayerCache, seq: int, dtype: torch.dtype | N
 
 
 # ------------------------------------------------------------------ attention
-def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], scale: float | None = None,
-                     return_lse: bool = False):
-    """One query token per sequence attending to its whole cached context.
+def decode_attention_oracle(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], scale: float | None = None,
+                            return_lse: bool = False):
+    """The definition: dequantize the whole context, attend, un-rotate.
 
     q: (B, Hq, D) post-RoPE queries in the model space, Hq = G * Hkv (query head h
     reads KV head h // G). Returns o (B, Hq, D) in q.dtype (and lse (B, Hq) float32,
@@ -122,6 +122,125 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
             logits = logits + (qf[b] * rot.k_mean.unsqueeze(1)).sum(-1, keepdim=True) * scale
         lse[b] = torch.logsumexp(logits, -1)
         out[b] = torch.softmax(logits, -1) @ v  # (Hkv, G, D) rotated value space
+    o = out if rot.identity else out @ rot.rot_v.transpose(-1, -2).unsqueeze(0)
+    o = o.reshape(B, Hq, D).to(q.dtype)
+    return (o, lse.reshape(B, Hq)) if return_lse else o
+
+
+_LUTS: dict = {}
+_WORK: dict = {}
+
+
+def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused flat buffer: large fresh allocations cost a page fault per 4 KB on CPU,
+    as much as the unpacking itself at 8k tokens."""
+    key = (name, dtype, device)
+    buf = _WORK.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _WORK[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _codes_f32(packed: torch.Tensor, bits: int, name: str = "codes") -> torch.Tensor:
+    """unpack() straight to float32 through a 256-entry table of code tuples: one
+    index_select instead of shift, mask and convert passes (the CPU hot path).
+    The result lives in a reused workspace `name`: valid until the next call with that name."""
+    key = (bits, packed.device)
+    if key not in _LUTS:
+        byte = torch.arange(256, device=packed.device)
+        _LUTS[key] = unpack(byte.to(torch.uint8).unsqueeze(-1), bits).float()  # (256, 8 // bits)
+    lut = _LUTS[key]
+    idx = _workspace(name + ".idx", packed.numel(), torch.int32, packed.device)
+    idx.view(packed.shape).copy_(packed)  # one strided pass: uint8 (any layout) -> int32 indices
+    out = _workspace(name, packed.numel() * lut.shape[1], torch.float32, packed.device)
+    torch.index_select(lut, 0, idx, out=out.view(-1, lut.shape[1]))
+    return out.view(*packed.shape[:-1], -1)
+
+
+def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
+    """Logits (Hkv, G, n_hist) of q_rot (Hkv, G, D) against the INT2 pages, without
+    dequantizing: with k = c * s + z per group, q . k = s (q . c) + z (sum q), so
+    scales apply to G x n dot products instead of n x D elements. Also returns a
+    function mapping probabilities (Hkv, G, n_hist) to sum_t p_t v_t (Hkv, G, D)."""
+    cfg = cache.cfg
+    H, D, P = cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+    ids = torch.tensor(cache.pages[seq], dtype=torch.int64, device=q_rot.device)
+    npg = len(ids)
+    n = npg * P
+    kc = _codes_f32(torch.index_select(cache.k_codes, 0, ids).transpose(0, 1), cfg.bits, "k")  # (Hkv, np, P, D)
+    vc = _codes_f32(torch.index_select(cache.v_codes, 0, ids).transpose(0, 1), cfg.bits, "v")
+    if cfg.mode == "static":  # s, z (Hkv, D): fold the scale into q, the zero is a constant
+        s, z = cache.k_scale.float().unsqueeze(1), cache.k_zero.float().unsqueeze(1)  # (Hkv, 1, D)
+        logits = (q_rot * s) @ kc.reshape(H, n, D).transpose(-1, -2) + (q_rot * z).sum(-1, keepdim=True)
+        vs, vz = cache.v_scale.float().unsqueeze(1), cache.v_zero.float().unsqueeze(1)
+        values = lambda p: (p @ vc.reshape(H, n, D)) * vs + p.sum(-1, keepdim=True) * vz  # noqa: E731
+        return logits, values
+    if cfg.key_axis == "channel":  # s, z per page and channel: fold s into q page by page
+        s = cache.k_scale[ids].float().transpose(0, 1)  # (Hkv, np, D)
+        z = cache.k_zero[ids].float().transpose(0, 1)
+        qs = q_rot.unsqueeze(2) * s.unsqueeze(1)  # (Hkv, G, np, D)
+        logits = torch.einsum("hgpd,hptd->hgpt", qs, kc) + torch.einsum("hgd,hpd->hgp", q_rot, z).unsqueeze(-1)
+        logits = logits.reshape(H, -1, n)
+    else:  # token groups: s, z per token and channel group x
+        NG = cfg.groups
+        s = cache.k_scale[ids].float().transpose(0, 1).reshape(H, 1, n, NG)
+        z = cache.k_zero[ids].float().transpose(0, 1).reshape(H, 1, n, NG)
+        qg = q_rot.reshape(H, -1, NG, D // NG)
+        if NG == 1:
+            dots = q_rot @ kc.reshape(H, n, D).transpose(-1, -2)  # (Hkv, G, n)
+            logits = torch.addcmul(q_rot.sum(-1, keepdim=True) * z[..., 0], dots, s[..., 0])
+        else:
+            dots = torch.einsum("hgxe,hnxe->hgnx", qg, kc.reshape(H, n, NG, D // NG))
+            logits = (dots * s).sum(-1) + (qg.sum(-1).unsqueeze(2) * z).sum(-1)
+    NG = cfg.groups
+    vs = cache.v_scale[ids].float().transpose(0, 1).reshape(H, 1, n, NG)
+    vz = cache.v_zero[ids].float().transpose(0, 1).reshape(H, 1, n, NG)
+    vcg = vc.reshape(H, n, NG, D // NG)
+
+    def values(p):  # sum_t p_t (s_t c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t
+        w = p.unsqueeze(-1) * vs  # (Hkv, G, n, NG)
+        if NG == 1:
+            return w[..., 0] @ vc.reshape(H, n, D) + p @ vz[:, 0]  # + (Hkv, G, n) @ (Hkv, n, 1)
+        else:
+            o = torch.einsum("hgnx,hnxe->hgxe", w, vcg).reshape(H, -1, D)
+        return o + (p.unsqueeze(-1) * vz).sum(2).repeat_interleave(D // NG, -1)
+
+    return logits, values
+
+
+def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], scale: float | None = None,
+                     return_lse: bool = False):
+    """Same contract and result as `decode_attention_oracle` (up to float summation
+    order), computed on the codes: the CPU production path."""
+    cfg, rot = cache.cfg, cache.rot
+    B, Hq, D = q.shape
+    H = cfg.num_kv_heads
+    G = Hq // H
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = q.float().reshape(B, H, G, D)
+    q_rot = qf if rot.identity else qf @ rot.rot_k.unsqueeze(0)  # (B, Hkv, G, D)
+    out = torch.empty(B, H, G, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, G, dtype=torch.float32, device=q.device)
+    for b, s in enumerate(seqs):
+        lay = layout(cache.lengths[s], cfg)
+        slots = (torch.arange(lay.ring_len, device=q.device) + lay.ring_start) % cfg.ring_size
+        k16 = torch.cat([cache.sink_k[s, :, : lay.sink_len], cache.ring_k[s][:, slots]], 1).float()  # (Hkv, m, D)
+        v16 = torch.cat([cache.sink_v[s, :, : lay.sink_len], cache.ring_v[s][:, slots]], 1).float()
+        parts = [q_rot[b] @ k16.transpose(-1, -2)]  # (Hkv, G, m)
+        values = None
+        if lay.num_pages:
+            hist, values = _history(cache, s, q_rot[b])
+            parts.append(hist)
+        logits = torch.cat(parts, -1) * scale
+        if rot.k_mean is not None:
+            logits = logits + (qf[b] * rot.k_mean.unsqueeze(1)).sum(-1, keepdim=True) * scale
+        lse[b] = torch.logsumexp(logits, -1)
+        p = torch.exp(logits - lse[b].unsqueeze(-1))  # softmax, reusing the lse
+        m = k16.shape[1]
+        o = p[..., :m] @ v16
+        if values is not None:
+            o = o + values(p[..., m:])
+        out[b] = o
     o = out if rot.identity else out @ rot.rot_v.transpose(-1, -2).unsqueeze(0)
     o = o.reshape(B, Hq, D).to(q.dtype)
     return (o, lse.reshape(B, Hq)) if return_lse else o

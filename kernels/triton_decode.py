@@ -36,11 +36,13 @@ MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
 @dataclass
 class DecodeConfig:
     """Launch parameters. num_splits=None: enough programs to fill the device
-    (about 4 per SM over B * Hkv), never fewer than min_pages_per_split pages each."""
+    (about 4 per SM over B * Hkv), never fewer than min_pages_per_split pages each.
+    The partial outputs cost (1 + splits) x Hq x D x 4 bytes written and read back per
+    sequence, hence the floor on pages per split."""
 
     block_n: int = 64  # tokens per tile
     num_splits: int | None = None
-    min_pages_per_split: int = 16
+    min_pages_per_split: int = 64  # 1k tokens at P=16: keeps the fp32 partials (G x D per split) small
     max_splits: int = 128
     num_warps: int = 4
     num_stages: int = 2
@@ -115,7 +117,7 @@ def _decode_split_kernel(
     K_CODES, V_CODES, K_SCALE, K_ZERO, V_SCALE, V_ZERO,
     O_PART, LSE_PART,
     qk_scale,
-    stride_bt,  # block table row
+    stride_bt,  # block table row (indexed by sequence slot)
     stride_sb, stride_sh, stride_st,  # sink (max_seqs, Hkv, S, D); ring has the same strides but its own token count
     stride_rb, stride_rh, stride_rt,
     stride_cn, stride_ch, stride_ct,  # codes (pool, Hkv, P, D*BITS/8)
@@ -124,14 +126,12 @@ def _decode_split_kernel(
     D: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     G_SIZE: tl.constexpr, BITS: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP16: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     HKV = tl.num_programs(1)
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     RING: tl.constexpr = RECENT + P
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -140,8 +140,6 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < D
     heads = b * (GROUP * HKV) + h * GROUP + offs_g  # flat (B, Hq) index
-    q = tl.load(QROT + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q * qk_scale  # logits in base 2: s = log2(e) * scale * q.k
     qmu = tl.load(QMU + heads, mask=g_mask, other=0.0) * qk_scale
 
     # layout(n): sink, full pages, ring (paged.layout)
@@ -154,9 +152,11 @@ def _decode_split_kernel(
 
     m_i = tl.full((BLOCK_G,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
 
     if split == 0:
+        q = tl.load(QROT + heads[:, None] * D + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = q * qk_scale  # logits in base 2: s = log2(e) * scale * q.k
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
         # cfg.dtype segments: sink tokens [0, min(n, SINK)) then the ring's valid slots
         sink_len = tl.minimum(n, SINK)
         sbase = slot * stride_sb + h * stride_sh
@@ -178,50 +178,186 @@ def _decode_split_kernel(
             k = tl.load(RING_K + ptr, mask=mask2, other=0.0).to(tl.float32)
             v = tl.load(RING_V + ptr, mask=mask2, other=0.0).to(tl.float32)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, qmu, DOT_FP16)
+        _store_part(O_PART, LSE_PART, heads * (NUM_SPLITS + 1) + split, acc, m_i, l_i, offs_d[None, :], g_mask,
+                    d_mask, D)
     else:
-        # INT2 history: pages [p0, p1) of this sequence
+        # INT2 history: pages [p0, p1) of this sequence. Codes are read as whole packed rows
+        # (D/4 contiguous bytes per token: vectorised loads) and unpacked into 4 strided
+        # sub-tiles, sub-tile i holding channels 4j + i. Then q.k = sum_i q[:, 4j+i] . k_i
+        # and the output accumulates per sub-tile: no reshape, no repeated byte loads.
+        # Where the scale is per token (token groups of D) or per channel (static), it is
+        # factored out of the dots, which then run on the raw codes (x = c * s + z):
+        #   per token:   q.k_t = s_t (q . c_t) + z_t sum(q);   sum_t p_t v_t = (p * s) @ c + p @ z
+        #   per channel: q.k_t = (q * s) . c_t + q . z;       sum_t p_t v_t = s * (p @ c) + z * sum(p)
+        # so the inner loop is shift, mask, convert and the dot: no per-element scaling.
+        K_FACT: tl.constexpr = K_MODE == 2 or (K_MODE == 0 and G_SIZE == D)
+        V_FACT: tl.constexpr = V_MODE == 2 or (V_MODE == 0 and G_SIZE == D)
         per_split = tl.cdiv(n_pages, NUM_SPLITS)
         p0 = (split - 1) * per_split
         p1 = tl.minimum(p0 + per_split, n_pages)
-        byte_d = offs_d // PER  # byte holding channel d, and its bit offset
-        shift_d = (offs_d % PER) * BITS
-        if K_MODE == 2:
-            ks = tl.load(K_SCALE + h * stride_ksh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            kz = tl.load(K_ZERO + h * stride_ksh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        if V_MODE == 2:
-            vs = tl.load(V_SCALE + h * stride_vsh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            vz = tl.load(V_ZERO + h * stride_vsh + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        offs_b = tl.arange(0, BLOCK_B)
+        b_mask = offs_b < D // 4
+        c0, c1, c2, c3 = offs_b * 4, offs_b * 4 + 1, offs_b * 4 + 2, offs_b * 4 + 3
+        qm = g_mask[:, None] & b_mask[None, :]
+        qrow = QROT + heads[:, None] * D
+        q0 = tl.load(qrow + c0[None, :], mask=qm, other=0.0) * qk_scale  # (BLOCK_G, BLOCK_B)
+        q1 = tl.load(qrow + c1[None, :], mask=qm, other=0.0) * qk_scale
+        q2 = tl.load(qrow + c2[None, :], mask=qm, other=0.0) * qk_scale
+        q3 = tl.load(qrow + c3[None, :], mask=qm, other=0.0) * qk_scale
+        qsum = tl.sum(q0 + q1 + q2 + q3, axis=1)  # (BLOCK_G,) multiplies per-token zeros
+        if K_MODE == 2:  # static: fold the per-channel scale into q, the zero into a constant
+            ks0, kz0 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c0, b_mask)
+            ks1, kz1 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c1, b_mask)
+            ks2, kz2 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c2, b_mask)
+            ks3, kz3 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c3, b_mask)
+            qz = tl.sum(q0 * kz0 + q1 * kz1 + q2 * kz2 + q3 * kz3, axis=1)
+            q0, q1, q2, q3 = q0 * ks0, q1 * ks1, q2 * ks2, q3 * ks3
+        acc0 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        acc1 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        acc2 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        acc3 = tl.zeros((BLOCK_G, BLOCK_B), tl.float32)
+        accz = tl.zeros((BLOCK_G,), tl.float32)  # sum_t p_t z_t (per-token value zeros)
         for start in range(p0 * P, p1 * P, BLOCK_N):
             t = start + offs_n  # token index within the history
             valid = t < p1 * P
-            page = tl.load(BLOCK_TABLES + b * stride_bt + t // P, mask=valid, other=0).to(tl.int64)
+            page = tl.load(BLOCK_TABLES + slot * stride_bt + t // P, mask=valid, other=0).to(tl.int64)
             row = t % P
-            mask2 = valid[:, None] & d_mask[None, :]
-            cptr = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct + byte_d[None, :]
-            kc = ((tl.load(K_CODES + cptr, mask=mask2, other=0).to(tl.int32) >> shift_d[None, :]) & MASK).to(tl.float32)
-            vc = ((tl.load(V_CODES + cptr, mask=mask2, other=0).to(tl.int32) >> shift_d[None, :]) & MASK).to(tl.float32)
-            if K_MODE == 0:  # per token and channel group
-                sp = page[:, None] * stride_ksn + h * stride_ksh + row[:, None] * stride_kst + (offs_d // G_SIZE)[None, :]
-                ks = tl.load(K_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
-                kz = tl.load(K_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
-            elif K_MODE == 1:  # KIVI: per channel of the page
-                sp = page[:, None] * stride_ksn + h * stride_ksh + offs_d[None, :]
-                ks = tl.load(K_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
-                kz = tl.load(K_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
-            if V_MODE == 0:
-                sp = page[:, None] * stride_vsn + h * stride_vsh + row[:, None] * stride_vst + (offs_d // G_SIZE)[None, :]
-                vs = tl.load(V_SCALE + sp, mask=mask2, other=0.0).to(tl.float32)
-                vz = tl.load(V_ZERO + sp, mask=mask2, other=0.0).to(tl.float32)
-            k = tl.where(mask2, kc * ks + kz, 0.0)  # dequantized in registers, rotated space
-            v = tl.where(mask2, vc * vs + vz, 0.0)
-            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, qmu, DOT_FP16)
+            m2 = valid[:, None] & b_mask[None, :]
+            cptr = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct + offs_b[None, :]
+            kb = tl.load(K_CODES + cptr, mask=m2, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_B) packed
+            vb = tl.load(V_CODES + cptr, mask=m2, other=0).to(tl.int32)
+            if K_FACT:
+                sc = _dot_t(q0, _code(kb, 0), DOT_FP16) + _dot_t(q1, _code(kb, 1), DOT_FP16)
+                sc += _dot_t(q2, _code(kb, 2), DOT_FP16) + _dot_t(q3, _code(kb, 3), DOT_FP16)
+                if K_MODE == 0:
+                    sp = page * stride_ksn + h * stride_ksh + row * stride_kst
+                    s_t = tl.load(K_SCALE + sp, mask=valid, other=0.0).to(tl.float32)
+                    z_t = tl.load(K_ZERO + sp, mask=valid, other=0.0).to(tl.float32)
+                    sc = sc * s_t[None, :] + qsum[:, None] * z_t[None, :]
+                else:
+                    sc = sc + qz[:, None]
+            else:  # KIVI keys or several channel groups: dequantize each sub-tile in registers
+                k0 = _dequant(kb, 0, c0, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                k1 = _dequant(kb, 1, c1, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                k2 = _dequant(kb, 2, c2, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                k3 = _dequant(kb, 3, c3, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                sc = _dot_t(q0, k0, DOT_FP16) + _dot_t(q1, k1, DOT_FP16)
+                sc += _dot_t(q2, k2, DOT_FP16) + _dot_t(q3, k3, DOT_FP16)
+            sc = tl.where(valid[None, :], sc + qmu[:, None], float("-inf"))  # (BLOCK_G, BLOCK_N), base 2
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            pr = tl.math.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            m_i = m_new
+            if V_FACT:
+                pw = pr
+                if V_MODE == 0:
+                    sp = page * stride_vsn + h * stride_vsh + row * stride_vst
+                    s_t = tl.load(V_SCALE + sp, mask=valid, other=0.0).to(tl.float32)
+                    z_t = tl.load(V_ZERO + sp, mask=valid, other=0.0).to(tl.float32)
+                    pw = pr * s_t[None, :]
+                    accz = accz * alpha + tl.sum(pr * z_t[None, :], axis=1)
+                acc0 = acc0 * alpha[:, None] + _dot(pw, _code(vb, 0), DOT_FP16)
+                acc1 = acc1 * alpha[:, None] + _dot(pw, _code(vb, 1), DOT_FP16)
+                acc2 = acc2 * alpha[:, None] + _dot(pw, _code(vb, 2), DOT_FP16)
+                acc3 = acc3 * alpha[:, None] + _dot(pw, _code(vb, 3), DOT_FP16)
+            else:
+                v0 = _dequant(vb, 0, c0, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                v1 = _dequant(vb, 1, c1, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                v2 = _dequant(vb, 2, c2, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                v3 = _dequant(vb, 3, c3, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                acc0 = acc0 * alpha[:, None] + _dot(pr, v0, DOT_FP16)
+                acc1 = acc1 * alpha[:, None] + _dot(pr, v1, DOT_FP16)
+                acc2 = acc2 * alpha[:, None] + _dot(pr, v2, DOT_FP16)
+                acc3 = acc3 * alpha[:, None] + _dot(pr, v3, DOT_FP16)
+        if V_MODE == 2:  # o = s * (p @ c) + z * sum(p), before normalising by l
+            vs0, vz0 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c0, b_mask)
+            vs1, vz1 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c1, b_mask)
+            vs2, vz2 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c2, b_mask)
+            vs3, vz3 = _static_params(V_SCALE, V_ZERO, h, stride_vsh, c3, b_mask)
+            acc0 = acc0 * vs0 + l_i[:, None] * vz0
+            acc1 = acc1 * vs1 + l_i[:, None] * vz1
+            acc2 = acc2 * vs2 + l_i[:, None] * vz2
+            acc3 = acc3 * vs3 + l_i[:, None] * vz3
+        elif V_FACT:  # + sum_t p_t z_t, the same for every channel
+            acc0, acc1 = acc0 + accz[:, None], acc1 + accz[:, None]
+            acc2, acc3 = acc2 + accz[:, None], acc3 + accz[:, None]
+        part = heads * (NUM_SPLITS + 1) + split
+        _store_part(O_PART, LSE_PART, part, acc0, m_i, l_i, c0[None, :], g_mask, b_mask, D)
+        _store_part(O_PART, LSE_PART, part, acc1, m_i, l_i, c1[None, :], g_mask, b_mask, D)
+        _store_part(O_PART, LSE_PART, part, acc2, m_i, l_i, c2[None, :], g_mask, b_mask, D)
+        _store_part(O_PART, LSE_PART, part, acc3, m_i, l_i, c3[None, :], g_mask, b_mask, D)
 
-    # this split's normalised output and log2-sum-exp (-inf when it saw no token)
+
+@triton.jit
+def _code(packed, I: tl.constexpr):
+    """Sub-tile I of packed INT2 rows: the codes of channels 4j + I, as float (exact)."""
+    return ((packed >> (2 * I)) & 3).to(tl.float32)
+
+
+@triton.jit
+def _static_params(S, Z, h, sh, chan, c_mask):
+    """Static mode's per-channel (scale, zero) for channels `chan`: (1, BLOCK_B) each."""
+    s = tl.load(S + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    z = tl.load(Z + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    return s, z
+
+
+@triton.jit
+def _store_part(O_PART, LSE_PART, part, acc, m_i, l_i, cols, g_mask, c_mask, D: tl.constexpr):
+    """A split's normalised output (columns `cols`) and its log2-sum-exp (-inf when it saw no token)."""
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(O_PART + part[:, None] * D + cols, o, mask=g_mask[:, None] & c_mask[None, :])
     lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-    part = heads * (NUM_SPLITS + 1) + split
-    tl.store(O_PART + part[:, None] * D + offs_d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(LSE_PART + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _dequant(packed, I: tl.constexpr, chan, c_mask, S, Z, page, row, valid, h, sn, sh, st,
+             MODE: tl.constexpr, G_SIZE: tl.constexpr, D: tl.constexpr):
+    """Sub-tile I of packed rows (BLOCK_N, BLOCK_B): channels chan = 4j + I, x = code * scale + zero."""
+    code = ((packed >> (2 * I)) & 3).to(tl.float32)
+    if MODE == 2:  # static: layer constants (Hkv, D)
+        s = tl.load(S + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(Z + h * sh + chan, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    elif MODE == 1:  # KIVI keys: per channel of each token's page
+        off = page[:, None] * sn + h * sh + chan[None, :]
+        m = valid[:, None] & c_mask[None, :]
+        s = tl.load(S + off, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(Z + off, mask=m, other=0.0).to(tl.float32)
+    elif G_SIZE == D:  # one pair per token: (BLOCK_N, 1), broadcast
+        off = page * sn + h * sh + row * st
+        s = tl.load(S + off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(Z + off, mask=valid, other=0.0).to(tl.float32)[:, None]
+    else:  # per token and channel group
+        off = page[:, None] * sn + h * sh + row[:, None] * st + (chan // G_SIZE)[None, :]
+        m = valid[:, None] & c_mask[None, :]
+        s = tl.load(S + off, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(Z + off, mask=m, other=0.0).to(tl.float32)
+    return tl.where(valid[:, None] & c_mask[None, :], code * s + z, 0.0)
+
+
+@triton.jit
+def _dot_t(a, b, DOT_FP16: tl.constexpr):
+    """a @ b^T with fp32 accumulation."""
+    if DOT_FP16:
+        return tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)))
+    return tl.dot(a, tl.trans(b), input_precision="ieee")
+
+
+@triton.jit
+def _dot(a, b, DOT_FP16: tl.constexpr):
+    if DOT_FP16:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -281,11 +417,11 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     H = cfg.num_kv_heads
     assert D == cfg.head_dim and Hq % H == 0, f"q {tuple(q.shape)} vs cache Hkv={H}, D={cfg.head_dim}"
     assert q.device == cache.k_codes.device, f"q on {q.device}, cache on {cache.k_codes.device}"
-    assert cfg.bits in (1, 2, 4, 8) and D % (8 // cfg.bits) == 0
+    assert cfg.bits == 2 and D % 4 == 0, "the fused decode kernel reads INT2 codes (4 per byte); other widths: reference"
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dev = q.device
-    block_tables, seq_lens, slots = cache.batch_tables(seqs)
+    batch = cache.batch_tables(seqs)
     q = q.contiguous()
     BLOCK_G, BLOCK_D = _pow2(G), _pow2(D)
 
@@ -297,26 +433,26 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         D=D, GROUP=G, ROTATE=not rot.identity, CENTER=center, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D,
     )
 
-    splits = config.splits_for(B, H, block_tables.shape[1], dev)
+    splits = config.splits_for(B, H, batch.max_pages, dev)
     o_part = torch.empty(B, Hq, splits + 1, D, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, Hq, splits + 1, dtype=torch.float32, device=dev)
     k_mode = MODE_STATIC if cfg.mode == "static" else (MODE_CHANNEL if cfg.key_axis == "channel" else MODE_TOKEN)
     v_mode = MODE_STATIC if cfg.mode == "static" else MODE_TOKEN
     kst, vst = _param_strides(cache.k_scale), _param_strides(cache.v_scale)
     _decode_split_kernel[(B, H, splits + 1)](
-        q_rot, q_mu, seq_lens, slots, block_tables,
+        q_rot, q_mu, batch.seq_lens, batch.slots, batch.block_table,
         cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v,
         cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
         o_part, lse_part,
         scale * LOG2E,
-        block_tables.stride(0),
+        batch.block_table.stride(0),
         cache.sink_k.stride(0), cache.sink_k.stride(1), cache.sink_k.stride(2),
         cache.ring_k.stride(0), cache.ring_k.stride(1), cache.ring_k.stride(2),
         cache.k_codes.stride(0), cache.k_codes.stride(1), cache.k_codes.stride(2),
         kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
         D=D, GROUP=G, P=cfg.page_size, SINK=cfg.sink, RECENT=cfg.recent, G_SIZE=cfg.group_size or D,
         BITS=cfg.bits, K_MODE=k_mode, V_MODE=v_mode, NUM_SPLITS=splits, DOT_FP16=config.dot_fp16,
-        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D,
+        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=_pow2(D // 4),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

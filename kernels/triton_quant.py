@@ -24,6 +24,15 @@ MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
 
 
 @triton.jit
+def _round_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), as fp32. Written out with integer ops because
+    the Triton interpreter's .to(tl.bfloat16) truncates while torch and the GPU round."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, c_mask, e_mask,
                D: tl.constexpr, ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr):
     """Tokens x channels offs_c of a page, rotated ((x - mu) @ R) and rounded like the cache stores them."""
@@ -36,7 +45,7 @@ def _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mas
                     other=0.0)  # (BLOCK_D, BLOCK_B): the columns of R for these channels
         x = tl.dot(x, r, input_precision="ieee")  # (BLOCK_P, BLOCK_B)
         if ROUND == 1:
-            x = x.to(tl.bfloat16).to(tl.float32)
+            x = _round_bf16(x)
         elif ROUND == 2:
             x = x.to(tl.float16).to(tl.float32)
     else:
@@ -100,46 +109,43 @@ def _quantize_pages_kernel(
     m_base = h * D
     valid = t_mask[:, None] & j_mask[None, :]
 
-    # pass 1 (token groups): each group's fp16 params, written out, kept in registers when NG == 1
+    byte = tl.zeros((BLOCK_P, BLOCK_B), tl.int32)
     if MODE == 0:
+        # token groups: per group g, its fp16 params from the group's range (one pass over the
+        # PER column tiles), then the codes of its channels (a second pass)
         for g in tl.static_range(NG):
             s_g, z_g = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j, offs_e,
                                            t_mask, j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P)
             so = page * stride_sn + h * stride_sh + offs_t * stride_st + g
             tl.store(SCALE + so, s_g, mask=t_mask)
             tl.store(ZERO + so, z_g, mask=t_mask)
-
-    # pass 2: codes, packed PER to a byte
-    byte = tl.zeros((BLOCK_P, BLOCK_B), tl.int32)
-    for i in tl.static_range(PER):
-        offs_c = offs_j * PER + i
-        x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
-                       D, ROTATE, CENTER, ROUND)
-        if MODE == 0:  # per-element params of its token group (recomputed: no register gather in Triton)
-            s = tl.zeros((BLOCK_P, BLOCK_B), tl.float32)
-            z = tl.zeros((BLOCK_P, BLOCK_B), tl.float32)
-            for g in tl.static_range(NG):
-                s_g, z_g = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j, offs_e,
-                                               t_mask, j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P)
-                in_g = ((offs_c // G) == g)[None, :]
-                s = tl.where(in_g, s_g.to(tl.float32)[:, None], s)
-                z = tl.where(in_g, z_g.to(tl.float32)[:, None], z)
-        elif MODE == 1:  # KIVI: range of each channel over the page's P tokens
-            lo = tl.min(tl.where(valid, x, float("inf")), axis=0)
-            hi = tl.max(tl.where(valid, x, float("-inf")), axis=0)
-            r = tl.load(CLIP + h)
-            lo, hi = lo * r, hi * r
-            s16 = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
-            z16 = lo.to(tl.float16)
-            so = page * stride_sn + h * stride_sh + offs_c
-            tl.store(SCALE + so, s16, mask=j_mask)
-            tl.store(ZERO + so, z16, mask=j_mask)
-            s = s16.to(tl.float32)[None, :]
-            z = z16.to(tl.float32)[None, :]
-        else:  # static: layer constants (Hkv, D)
-            s = tl.load(SSTAT + h * D + offs_c, mask=j_mask, other=1.0).to(tl.float32)[None, :]
-            z = tl.load(ZSTAT + h * D + offs_c, mask=j_mask, other=0.0).to(tl.float32)[None, :]
-        byte += _code(x, s, z, LEVELS) << (BITS * i)
+            for i in tl.static_range(PER):
+                offs_c = offs_j * PER + i
+                x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
+                               D, ROTATE, CENTER, ROUND)
+                code = _code(x, s_g.to(tl.float32)[:, None], z_g.to(tl.float32)[:, None], LEVELS)
+                byte += tl.where(((offs_c // G) == g)[None, :], code, 0) << (BITS * i)
+    else:
+        for i in tl.static_range(PER):
+            offs_c = offs_j * PER + i
+            x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
+                           D, ROTATE, CENTER, ROUND)
+            if MODE == 1:  # KIVI: range of each channel over the page's P tokens
+                lo = tl.min(tl.where(valid, x, float("inf")), axis=0)
+                hi = tl.max(tl.where(valid, x, float("-inf")), axis=0)
+                r = tl.load(CLIP + h)
+                lo, hi = lo * r, hi * r
+                s16 = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
+                z16 = lo.to(tl.float16)
+                so = page * stride_sn + h * stride_sh + offs_c
+                tl.store(SCALE + so, s16, mask=j_mask)
+                tl.store(ZERO + so, z16, mask=j_mask)
+                s = s16.to(tl.float32)[None, :]
+                z = z16.to(tl.float32)[None, :]
+            else:  # static: layer constants (Hkv, D)
+                s = tl.load(SSTAT + h * D + offs_c, mask=j_mask, other=1.0).to(tl.float32)[None, :]
+                z = tl.load(ZSTAT + h * D + offs_c, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+            byte += _code(x, s, z, LEVELS) << (BITS * i)
     co = page * stride_cn + h * stride_ch + offs_t[:, None] * stride_ct + offs_j[None, :]
     tl.store(CODES + co, byte.to(tl.uint8), mask=valid)
 

@@ -1,6 +1,5 @@
 """The paged cache layout and the torch reference, against brute-force definitions."""
 
-import math
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ def tokens(H, T, D, seed):
 
 
 MODES = [("minmax", "token"), ("minmax", "channel"), ("static", "token")]
+MODES_G = [(m, a, None) for m, a in MODES] + [("minmax", "token", 4)]
 
 
 def test_layout_is_sink_pages_ring():
@@ -59,6 +59,8 @@ def test_config_rejects_bad_formats():
         PagedConfig(num_kv_heads=1, head_dim=24, num_pages=1, group_size=16)
     with pytest.raises(ValueError, match="whole number of bytes"):
         PagedConfig(num_kv_heads=1, head_dim=6, num_pages=1)
+    with pytest.raises(OscarError, match="set page_size = group_size"):
+        PagedConfig.from_quant(QuantConfig(key_axis="channel", group_size=32, page_size=16), 2, 64, num_pages=8)
     cfg = PagedConfig.from_quant(QuantConfig(page_size=32, sink=4, recent=64), 2, 64, num_pages=8)
     assert (cfg.page_size, cfg.sink, cfg.recent, cfg.ring_size, cfg.packed_dim) == (32, 4, 64, 96, 16)
 
@@ -139,11 +141,12 @@ def _sdpa(q, k, v, scale):
     return torch.einsum("hn,hnd->hd", torch.softmax(logits, -1), vv), torch.logsumexp(logits, -1)
 
 
-@pytest.mark.parametrize("mode,axis", MODES)
+@pytest.mark.parametrize("mode,axis,group", MODES_G)
 @pytest.mark.parametrize("G", [1, 3])
-def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, G):
-    """Rotating q, adding q.mu and un-rotating o is exact: same result as attention on the model-space K/V."""
-    c = make(mode, axis)
+def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, group, G):
+    """Rotating q, adding q.mu and un-rotating o is exact: same result as attention on the model-space K/V;
+    the CPU path that works on the codes equals the dequantize-everything oracle."""
+    c = make(mode, axis, group_size=group)
     lens = [2, 11, 30, 45]
     seqs = []
     for i, n in enumerate(lens):
@@ -151,7 +154,10 @@ def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, G)
         c.append(s, *tokens(2, n, 16, 10 + i))
         seqs.append(s)
     q = torch.randn(len(lens), 2 * G, 16, generator=torch.Generator().manual_seed(5))
-    o, lse = ref.decode_attention(q, c, seqs, scale=0.3, return_lse=True)
+    o, lse = ref.decode_attention_oracle(q, c, seqs, scale=0.3, return_lse=True)
+    fo, flse = ref.decode_attention(q, c, seqs, scale=0.3, return_lse=True)  # on the codes, CPU path
+    torch.testing.assert_close(fo, o, rtol=0, atol=2e-5)
+    torch.testing.assert_close(flse, lse, rtol=0, atol=2e-5)
     for b, s in enumerate(seqs):
         k, v = ref.dequantize_sequence(c, s, dtype=torch.float32)
         want_o, want_lse = _sdpa(q[b], k, v, 0.3)
@@ -184,6 +190,7 @@ def test_fork_shares_pages_and_free_returns_them():
     k2, v2 = tokens(2, 6, 16, 7)
     c.append(b, k2, v2)  # b grows on its own pages
     assert c.pages[b][:4] == c.pages[a] and len(c.pages[b]) == 5
+    assert c.block_table[b, :5].tolist() == c.pages[b] and c.block_table[a, :4].tolist() == c.pages[a]
     fk, fv = ref.dequantize_sequence(c, b, dtype=torch.float32)
     fresh = make(pages=12)
     f = fresh.new_sequence()
@@ -213,6 +220,11 @@ def test_pool_exhaustion_raises_and_changes_nothing():
         assert torch.equal(x, y)
     c.append(b, *tokens(2, 8, 16, 11))  # 2 pages still fit
     assert len(c.free_pages) == 0
+    narrow = make(pages=8, max_pages_per_seq=2)  # block-table width bounds one sequence
+    s = narrow.new_sequence()
+    with pytest.raises(PoolExhausted, match="max_pages_per_seq=2; nothing was written"):
+        narrow.append(s, *tokens(2, 3 + 3 * 4 + 8, 16, 12))
+    assert narrow.lengths[s] == 0 and len(narrow.free_pages) == 8
 
 
 def test_bad_inputs_raise_clearly():
@@ -230,6 +242,8 @@ def test_bad_inputs_raise_clearly():
         c.free(9)
     from oscar.kernels.dispatch import decode_attention
 
+    with pytest.raises(OscarError, match="empty"):
+        decode_attention(torch.randn(1, 2, 16), c, [s])
     c.append(s, *tokens(2, 5, 16, 0))
     with pytest.raises(OscarError, match="multiple of Hkv"):
         decode_attention(torch.randn(1, 3, 16), c, [s])
@@ -237,9 +251,12 @@ def test_bad_inputs_raise_clearly():
         decode_attention(torch.zeros(1, 2, 16, dtype=torch.float64), c, [s])
     with pytest.raises(OscarError, match="2 sequence ids"):
         decode_attention(torch.randn(1, 2, 16), c, [s, s])
-    if torch.cuda.is_available():
-        with pytest.raises(OscarError, match="cuda"):
-            c.append(s, torch.randn(2, 1, 16, device="cuda"), torch.randn(2, 1, 16, device="cuda"))
+    other = "cuda" if torch.cuda.is_available() else "meta"  # a device the cache is not on
+    with pytest.raises(OscarError, match=f"k is on {other}"):
+        c.append(s, torch.randn(2, 1, 16, device=other), torch.randn(2, 1, 16, device=other))
+    with pytest.raises(OscarError, match=f"q is on {other}"):
+        decode_attention(torch.randn(1, 2, 16, device=other), c, [s])
+    assert c.lengths[s] == 5
     meta = c.rot
     with pytest.raises(OscarError, match="minmax clip ratios"):
         PagedLayerCache(c.cfg, LayerRotation(meta.rot_k, meta.rot_v, torch.full((2,), 1.5), meta.clip_v))
@@ -263,3 +280,29 @@ def test_kv_cache_from_artifact_applies_every_layer():
     cache.free(s)
     cache.free(t)
     assert all(len(l.free_pages) == 8 for l in cache.layers)
+
+
+def test_chunk_queries_over_history_merge_exactly_with_the_chunk():
+    """Chunked prefill recipe: T query rows on the same sequence (seqs=[s]*T) attend to the cached
+    history; merging with causal attention inside the chunk by log-sum-exp equals attention over all."""
+    c = make("minmax", "token")
+    s = c.new_sequence()
+    k, v = tokens(2, 40, 16, 12)
+    c.append(s, k, v)
+    kh, vh = ref.dequantize_sequence(c, s, dtype=torch.float32)  # history as stored
+    T = 5
+    q = torch.randn(T, 4, 16, generator=torch.Generator().manual_seed(3))
+    kc, vc = tokens(2, T, 16, 13)  # the new chunk (full precision)
+    o_hist, lse_hist = ref.decode_attention(q, c, [s] * T, scale=0.25, return_lse=True)  # (T, Hq, D), (T, Hq)
+    kq, vq = kc.repeat_interleave(2, 0), vc.repeat_interleave(2, 0)  # (Hq, T, D)
+    logits = torch.einsum("thd,hsd->hts", q, kq) * 0.25
+    logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    lse_c = torch.logsumexp(logits, -1).transpose(0, 1)  # (T, Hq)
+    o_c = (torch.softmax(logits, -1) @ vq).transpose(0, 1)  # (T, Hq, D)
+    lse = torch.logaddexp(lse_hist, lse_c)
+    merged = o_hist * (lse_hist - lse).exp().unsqueeze(-1) + o_c * (lse_c - lse).exp().unsqueeze(-1)
+    kk, vv = torch.cat([kh, kc], 1).repeat_interleave(2, 0), torch.cat([vh, vc], 1).repeat_interleave(2, 0)
+    full = torch.einsum("thd,hsd->hts", q, kk) * 0.25
+    full = full.masked_fill(torch.ones(T, 40 + T, dtype=torch.bool).triu(41), float("-inf"))
+    want = (torch.softmax(full, -1) @ vv).transpose(0, 1)
+    torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-5)
