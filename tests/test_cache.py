@@ -306,7 +306,7 @@ def load_smollm2():
 
 
 @pytest.mark.slow
-def test_smollm2_generate_triton_equals_reference():
+def test_smollm2_generate_triton_equals_reference(monkeypatch):
     """Same greedy tokens with the fused Triton decode kernel (interpreter on CPU) and with the torch
     reference decode, INT2 history in use (random rotations + key mean). Page quantization goes
     through the dispatcher's default (reference on CPU; kern's tests pin the Triton quantizer bit-exact
@@ -317,12 +317,25 @@ def test_smollm2_generate_triton_equals_reference():
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(100, 20000, (1, 44), generator=g)
     kw = dict(sink=8, recent=16, page_size=8)
+    import oscar.kernels.reference as ref_mod
+    import oscar.kernels.triton_decode as tri_mod
+
+    calls = {"reference": 0, "triton": 0}
+    for name, mod in (("reference", ref_mod), ("triton", tri_mod)):  # spies: count, then call the real kernel
+        real = mod.decode_attention
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(mod, "decode_attention", spy)
     outs = {}
     for backend in ("reference", "triton"):
         cache = OscarCache.from_artifact(m, art, backend=backend, **kw)
         outs[backend] = m.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, output_scores=True,
                                    return_dict_in_generate=True)
         assert len(cache.pool[0].pages[cache.seqs[0]]) == (44 + 2 - 8 - 16) // 8
+    assert calls == {"reference": 30 * 2, "triton": 30 * 2}  # 2 decode steps x 30 layers each, fused path
     assert torch.equal(outs["triton"].sequences, outs["reference"].sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(outs["triton"].scores, outs["reference"].scores))
     assert diff < 0.25, diff  # fp16 tensor-core dots in the kernel vs float32 reference; logits are O(10)
