@@ -175,6 +175,19 @@ def test_haystack_then_question_protocol():
     assert max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores)) < 1e-4
 
 
+def test_padded_batch_row_equals_same_row_alone():
+    """Batch 2 with left padding (padded decode runs the masked torch path) vs the unpadded row alone
+    (decode runs the fused path): same tokens, scores within 1e-4, INT2 history in use."""
+    m = tiny_model("glm4_moe")
+    art = random_artifact(m.config, seed=9)
+    ids, am = padded_batch(T=40, pad=9, seed=10)
+    kw = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    both = m.generate(ids, attention_mask=am, cache=OscarCache.from_artifact(m, art, **SMALL), **kw)
+    alone = m.generate(ids[:1], cache=OscarCache.from_artifact(m, art, **SMALL), **kw)
+    assert torch.equal(both.sequences[0], alone.sequences[0])
+    assert max((a[0] - b[0]).abs().max().item() for a, b in zip(both.scores, alone.scores)) < 1e-4
+
+
 # ------------------------------------------------------------------ bad input
 def test_artifact_for_another_model_is_refused(tmp_path):
     llama, qwen = tiny_model("llama"), tiny_model("qwen3")
