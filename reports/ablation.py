@@ -141,7 +141,7 @@ def build_report(dir: str) -> str:
     # KS tables
     if not ks.empty:
         pk = ks[ks.kind == "path"]
-        L += ["## Oracle (numpy PCG64, float64) vs production (torch MT19937, float32)\n",
+        L += ["## Oracle (numpy PCG64, float64) vs production (torch MT19937, float32) and Triton (serving cache) paths\n",
               f"{len(pk)} two-sample KS tests over seeds, {int((pk.verdict == 'systematic').sum())} systematic after correction "
               "(the rest: seed variance).\n"]
         sysd = pk[pk.verdict == "systematic"]

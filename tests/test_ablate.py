@@ -88,3 +88,20 @@ def test_quick_cli_end_to_end(tmp_path):
     assert COLUMNS <= set(df.columns) and df.seed.nunique() == 30
     assert len(pd.read_parquet(out / "ks.parquet"))
     assert (out / "report.md").stat().st_size > 2000
+
+
+def test_triton_serving_cache_path(tmp_path, monkeypatch):
+    # the uniform-grid schemes through the paged cache's Triton quantizer (interpreter on CPU)
+    monkeypatch.delenv("OSCAR_KERNELS", raising=False)
+    cfg = AblationConfig.preset("smoke", str(tmp_path / "t"), schemes=["plain", "oscar", "tq_kv"], regimes=["isotropic"],
+                                seeds=2, triton_seeds=2, bits=[2], progress=False, report=False, deff_regimes=[])
+    df = pd.read_parquet(run_ablation(cfg)["ablation"])
+    assert "OSCAR_KERNELS" not in os.environ  # restored
+    t = df[df.path == "triton"]
+    assert set(t.scheme) == {"plain", "oscar"} and t.seed.nunique() == 2
+    x = df[df.scheme.isin(["plain", "oscar"])].pivot_table(index=["scheme", "seed", "metric"], columns="path", values="value")
+    # same float32 arithmetic and rounding rule as the torch production path
+    assert (x.triton - x.production).abs().max() < 1e-5
+    assert (t.bits_per_element == 2 + 32 / 32).all()
+    ks = pd.read_parquet(tmp_path / "t" / "ks.parquet")
+    assert (ks.b.str.endswith(":triton")).any()

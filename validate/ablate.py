@@ -6,6 +6,7 @@ so an interrupted run re-run with the same config skips finished units.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,6 +38,10 @@ class AblationConfig:
     deff_regimes: list[str] = field(default_factory=lambda: ["lowrank", "powerlaw"])
     deff_budgets: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512, 1024, 2048, 4096])
     deff_seeds: int = 5
+    # the serving-cache (Triton) path: slow under the CPU interpreter, so opt-in and small
+    triton_seeds: int = 0  # seeds run on path "triton" (0: off)
+    triton_schemes: list[str] = field(default_factory=lambda: ["plain", "oscar"])
+    triton_regimes: list[str] = field(default_factory=lambda: ["isotropic", "heavy"])
     report: bool = True
     progress: bool = True
     workers: int = 0  # processes for the (regime, seed) units; 0: min(2, cores)
@@ -92,17 +97,31 @@ def run_unit(regime: str, seed: int, cfg: AblationConfig) -> list[dict]:
     from oscar.validate.regimes import make_regime
     from oscar.validate.schemes import Ctx, make_scheme
 
+    from oscar.validate.schemes import UniformCodec, paged_roundtrip
+
     reg = make_regime(regime, cfg.data, seed)
     rows = []
-    for path in cfg.paths:
+    paths = list(cfg.paths)
+    if cfg.triton_seeds and seed < cfg.triton_seeds and regime in cfg.triton_regimes:
+        paths.append("triton")
+    for path in paths:
         ctx0 = Ctx(path, seed)
         cal = {n: torch.from_numpy(reg.calib[n]).to(ctx0.dtype) for n in "qkv"}
         te = {n: torch.from_numpy(reg.test[n]).to(ctx0.dtype) for n in "qkv"}
         for name in cfg.schemes:
             for b in cfg.bits:
+                if path == "triton" and (name not in cfg.triton_schemes or b not in (1, 2, 4, 8)):
+                    continue
                 sch = make_scheme(name, b).fit(cal, Ctx(path, seed))
-                kh, bk = sch.k.roundtrip(te["k"])
-                vh, bv = sch.v.roundtrip(te["v"])
+                if path == "triton":
+                    if not (isinstance(sch.k, UniformCodec) and isinstance(sch.v, UniformCodec)):
+                        raise OscarError(f"scheme {name} has no serving-cache (Triton) form; drop it from triton_schemes")
+                    with _triton_env():
+                        kh, bk = paged_roundtrip(sch.k, te["k"], "k")
+                        vh, bv = paged_roundtrip(sch.v, te["v"], "v")
+                else:
+                    kh, bk = sch.k.roundtrip(te["k"])
+                    vh, bv = sch.v.roundtrip(te["v"])
                 if kh.shape != te["k"].shape or kh.dtype != ctx0.dtype or vh.dtype != ctx0.dtype:
                     raise RuntimeError(f"{name}@{b}: decoded {tuple(kh.shape)} {kh.dtype}, expected {tuple(te['k'].shape)} {ctx0.dtype}")
                 m = compute_metrics(te["q"], te["k"], te["v"], kh, vh)
@@ -110,6 +129,28 @@ def run_unit(regime: str, seed: int, cfg: AblationConfig) -> list[dict]:
                             bpe_k=bk, bpe_v=bv, seed=seed, path=path)
                 rows += [dict(base, metric=k, value=float(v)) for k, v in m.items()]
     return rows
+
+
+@contextlib.contextmanager
+def _triton_env():
+    """Route the paged cache's page quantizer to Triton (the interpreter when there is no GPU),
+    restoring the environment after. TRITON_INTERPRET must be set before
+    oscar.kernels.triton_quant is first imported (triton.jit reads it then)."""
+    import torch
+
+    want = {"OSCAR_KERNELS": "triton"}
+    if not torch.cuda.is_available():
+        want["TRITON_INTERPRET"] = "1"
+    old = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _do_unit(regime: str, seed: int, cfg: AblationConfig, path: str) -> None:
@@ -185,7 +226,8 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
         out["deff"] = dpath
     with open(os.path.join(cfg.out, "run.json"), "w") as f:
         json.dump({"seconds": round(time.time() - t0, 1), "units": len(units), "resumed_units": len(units) - len(todo),
-                   "triton_path": "not wired (see docs/decisions.md, Ablation harness)", "rotations": _rotation_source()}, f, indent=1)
+                   "triton_path": (f"{cfg.triton_seeds} seeds x {cfg.triton_schemes} x {cfg.triton_regimes} through the paged cache"
+                                   if cfg.triton_seeds else "off (--triton-seeds N)"), "rotations": _rotation_source()}, f, indent=1)
     if cfg.report:
         from oscar.reports.ablation import build_report
 

@@ -20,6 +20,8 @@ def register(sub) -> None:
     p.add_argument("--store", help="calibration store (oscar-calib/1) for the real regime")
     p.add_argument("--layer", type=int, help="store layer for the real regime (default: middle)")
     p.add_argument("--head", type=int, default=0, help="KV head for the real regime")
+    p.add_argument("--triton-seeds", type=int, help="also run N seeds of plain/oscar on isotropic/heavy through the "
+                   "serving cache's Triton quantizer (CPU interpreter: slow)")
     p.add_argument("--correction", choices=["holm", "bh"], default="holm", help="multiple-testing control")
     p.add_argument("--no-report", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -39,7 +41,8 @@ def handler(args: argparse.Namespace) -> int:
     data = RegimeConfig()
     over = {k: v for k, v in dict(nu=args.nu, store=args.store, layer=args.layer, head=args.head).items() if v is not None}
     data = dataclasses.replace(data, **over)
-    kw = {k: v for k, v in dict(seeds=args.seeds, regimes=args.regimes, schemes=args.schemes, bits=args.bits).items() if v}
+    kw = {k: v for k, v in dict(seeds=args.seeds, regimes=args.regimes, schemes=args.schemes, bits=args.bits,
+                                triton_seeds=args.triton_seeds).items() if v}
     cfg = AblationConfig.preset(args.preset, args.out, data=data, correction=args.correction,
                                 report=not args.no_report, progress=not args.no_progress, **kw)
     paths = run_ablation(cfg)

@@ -36,12 +36,13 @@ class Ctx:
     """Where a codec draws its randomness and which precision it computes in."""
 
     path: str = "production"  # "oracle" (numpy PCG64, float64) | "production" (torch MT19937, float32)
+    # | "triton" (production's RNG and precision; uniform-grid codecs run through the paged Triton cache)
     seed: int = 0
     dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
-        if self.path not in ("oracle", "production"):
-            raise ValueError(f"path must be 'oracle' or 'production', got {self.path!r}")
+        if self.path not in ("oracle", "production", "triton"):
+            raise ValueError(f"path must be 'oracle', 'production' or 'triton', got {self.path!r}")
         self.dtype = torch.float64 if self.path == "oracle" else torch.float32
         if self.path == "oracle":
             self._np = np.random.Generator(np.random.PCG64(self.seed))
@@ -241,6 +242,33 @@ class UniformCodec(Codec):
 
         y = dequantize(code["codes"], code["scale"], code["zero"], self.spec, dtype=self.ctx.dtype)
         return y @ self.R.T + self.mu
+
+
+def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: int = 16) -> tuple[torch.Tensor, float]:
+    """Round-trip x (T, D) through the serving cache (`oscar.kernels.paged`, sink = recent = 0)
+    with the codec's fitted rotation, key mean and clip ratio. The page quantizer is Triton
+    when `oscar.kernels.dispatch.backend` picks it (CUDA, or OSCAR_KERNELS=triton with
+    TRITON_INTERPRET=1); bits per element counted from the cache's own tensors."""
+    from oscar.kernels.dispatch import dequantize_sequence
+    from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+
+    T, D = x.shape
+    if codec.axis != "token" or codec.bits not in (1, 2, 4, 8) or T % page_size:
+        raise ValueError(f"paged path needs token groups, packable bits and T % {page_size} == 0")
+    R = codec.R.float()[None].contiguous()  # (1, D, D)
+    c = torch.tensor([float(codec.c or 1.0)])
+    mu = codec.mu.float()[None] if (codec.center and role == "k") else None
+    rot = LayerRotation(rot_k=R, rot_v=R.clone(), clip_k=c, clip_v=c.clone(), k_mean=mu)
+    cfg = PagedConfig(num_kv_heads=1, head_dim=D, num_pages=T // page_size, max_seqs=1, page_size=page_size,
+                      sink=0, recent=0, bits=codec.bits, group_size=codec.group, dtype=torch.float32)
+    cache = PagedLayerCache(cfg, rot)
+    s = cache.new_sequence()
+    xs = x.float()[None]  # (Hkv=1, T, D); the same rows go to both sides, we read `role`'s
+    cache.append(s, xs, xs)
+    K, V = dequantize_sequence(cache, s, dtype=torch.float32)  # (1, T, D) model space
+    codes, scale = (cache.k_codes, cache.k_scale) if role == "k" else (cache.v_codes, cache.v_scale)
+    nbits = codes.numel() * 8 + 2 * 16 * scale.numel()  # packed bytes + fp16 scale and zero
+    return (K if role == "k" else V)[0].to(x.dtype), nbits / (T * D)
 
 
 class TQCodec(Codec):

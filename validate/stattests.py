@@ -4,7 +4,9 @@ oracle vs production gap variance, and the d_eff vs calibration-budget study.
 The two paths of every scheme (validate/schemes.py `Ctx`):
 - oracle: numpy PCG64 randomness, float64 arithmetic;
 - production: torch's MT19937 generator, float32 arithmetic.
-A Triton path is not wired yet (docs/decisions.md, "Ablation harness").
+- triton (opt-in, `triton_seeds`): production's RNG and precision, with the uniform-grid
+  schemes round-tripped through the serving cache (`oscar.kernels.paged`), whose page
+  quantizer is the Triton kernel (the CPU interpreter when there is no GPU).
 """
 
 from __future__ import annotations
@@ -109,11 +111,13 @@ def ks_table(df, metrics: list[str], alpha: float = 0.05, method: str = "holm", 
     rows = []
     d = df[df.metric.isin(metrics)]
     for (reg, sch, bits, met), g in d.groupby(["regime", "scheme", "bits", "metric"]):
-        o, p = g[g.path == "oracle"].value.to_numpy(), g[g.path == "production"].value.to_numpy()
-        if len(o) and len(p):
-            D, pv = ks_2samp(o, p)
-            rows.append(dict(kind="path", regime=reg, bits=bits, metric=met, a=f"{sch}:oracle", b=f"{sch}:production",
-                             n_a=len(o), n_b=len(p), mean_a=o.mean(), mean_b=p.mean(), D=D, p=pv))
+        o = g[g.path == "oracle"].value.to_numpy()
+        for other in ("production", "triton"):
+            p = g[g.path == other].value.to_numpy()
+            if len(o) and len(p):
+                D, pv = ks_2samp(o, p)
+                rows.append(dict(kind="path", regime=reg, bits=bits, metric=met, a=f"{sch}:oracle", b=f"{sch}:{other}",
+                                 n_a=len(o), n_b=len(p), mean_a=o.mean(), mean_b=p.mean(), D=D, p=pv))
     prod = d[d.path == "production"]
     for sa, sb in pairs or []:
         for (reg, bits, met), g in prod.groupby(["regime", "bits", "metric"]):
