@@ -144,6 +144,12 @@ def build_report(dir: str) -> str:
         L += ["## Oracle (numpy PCG64, float64) vs production (torch MT19937, float32) and Triton (serving cache) paths\n",
               f"{len(pk)} two-sample KS tests over seeds, {int((pk.verdict == 'systematic').sum())} systematic after correction "
               "(the rest: seed variance).\n"]
+        if "triton" in set(df.path):
+            x = df[df.path.isin(["production", "triton"])].pivot_table(
+                index=["regime", "scheme", "bits", "seed", "metric"], columns="path", values="value").dropna()
+            L += [f"Triton serving-cache path: {x.index.get_level_values('seed').nunique()} seeds of "
+                  f"{sorted(set(x.index.get_level_values('scheme')))} on {sorted(set(x.index.get_level_values('regime')))}; "
+                  f"max |triton - production| over {len(x)} metric values: {float((x.triton - x.production).abs().max()):.3g}.\n"]
         sysd = pk[pk.verdict == "systematic"]
         if len(sysd):
             L += [_md(sysd[["regime", "bits", "metric", "a", "D", "p_adj"]].set_index("regime").head(40)), ""]
