@@ -12,6 +12,7 @@ import json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    add_ray_arguments(sub.choices.get("calibrate"))
     p = sub.add_parser("plan", help="plan a pipeline: memory per stage, activations, store size, stage count")
     p.add_argument("--model", required=True, help="config.json, model directory, shipped config (glm-4.7) or preset")
     p.add_argument("--stages", type=int, required=True)
@@ -66,3 +67,54 @@ def _status(args) -> int:
     st = store_status(args.store, address=args.address)
     print(json.dumps(st, indent=1) if args.json else format_status(st))
     return 0
+
+
+# --------------------------------------------------------------------------- calibrate --ray
+
+def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
+    """Add the Ray flags to the `calibrate` parser (owned by oscar.pipeline.cli) and route
+    `--ray` runs to oscar.cluster; without `--ray` the single-process handler runs unchanged.
+
+    Registered after the pipeline CLI (oscar/__main__.py order), so the pipeline never imports
+    the cluster stage.
+    """
+    if p is None:
+        return
+    g = p.add_argument_group("distributed (Ray)")
+    g.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_ADDRESS, a running "
+                        "local cluster, else start one on 127.0.0.1)")
+    g.add_argument("--stages", type=int, default=None, help="stage actors per replica (layer ranges)")
+    g.add_argument("--replicas", type=int, default=None, help="pipeline replicas splitting the blocks")
+    g.add_argument("--stage-layers", default=None, metavar="A:B,B:C",
+                   help="explicit layer ranges (default: balanced by parameter count)")
+    g.add_argument("--cpus-per-stage", type=float, default=1.0)
+    g.add_argument("--gpus-per-stage", type=float, default=0.0)
+    g.add_argument("--memory-per-stage", type=float, default=None, metavar="GiB")
+    g.add_argument("--max-restarts", type=int, default=4, help="restarts per stage actor")
+    single = p.get_default("func")
+    p.set_defaults(func=lambda args: calibrate_dispatch(args, single))
+
+
+def calibrate_dispatch(args, single) -> int:
+    from oscar.common import OscarError
+
+    if getattr(args, "ray", None) is None:
+        if getattr(args, "stages", None) or getattr(args, "replicas", None):
+            raise OscarError("--stages/--replicas need --ray ADDRESS|auto")
+        return single(args)
+    from oscar.cluster.pipeline import calibrate_on_ray, cluster_config_from_args, format_report
+    from oscar.pipeline.calibrate import CalibConfig
+
+    cfg = calib_config_from_args(CalibConfig, args)
+    rep = calibrate_on_ray(cfg, cluster_config_from_args(args), address=args.ray)
+    print(format_report(rep))
+    return 0
+
+
+def calib_config_from_args(cls, args):
+    """The pipeline's CalibConfig from parsed `calibrate` arguments (fields matched by name)."""
+    import dataclasses
+
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)}
+    return cls(**kw)

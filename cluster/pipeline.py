@@ -458,6 +458,28 @@ def prepare_store(cfg) -> tuple[str, str]:
     return str(cfg.store), info.source
 
 
+def cluster_config_from_args(args) -> ClusterConfig:
+    mem = getattr(args, "memory_per_stage", None)
+    return ClusterConfig(stages=args.stages or 1, replicas=args.replicas or 1, layers=getattr(args, "stage_layers", None),
+                         cpus_per_stage=args.cpus_per_stage, gpus_per_stage=args.gpus_per_stage,
+                         memory_per_stage=int(mem * (1 << 30)) if mem else None, max_restarts=args.max_restarts)
+
+
+def format_report(r: PipelineReport) -> str:
+    ranges = ", ".join(f"{a}-{b - 1}" for a, b in r.stages)
+    lines = [f"oscar calibrate (ray): {len(r.blocks_done)} blocks done, {r.blocks_skipped} already done, "
+             f"{r.block_retries} redone after failures; {r.replicas} replica(s) x stages [{ranges}]",
+             f"  {r.tokens:,} tokens in {r.wall_seconds:.1f} s ({r.tokens_per_second:,.0f} tok/s incl. actor start); "
+             f"pipeline bubble {r.bubble:.1%} measured, {r.bubble_ideal:.1%} ideal for "
+             f"{r.micro_batch}-sequence micro-batches"]
+    for f in r.failures:
+        lines.append(f"  redone: {f}")
+    for l, ex in r.unused_experts.items():
+        if ex:
+            lines.append(f"  layer {l}: experts with no routed token: {ex}")
+    return "\n".join(lines)
+
+
 def calibrate_on_ray(cfg, cc: ClusterConfig, address: str | None = "auto", progress: bool = True,
                      on_block=None) -> PipelineReport:
     """`oscar calibrate --ray ...`: the same store as the single-process path, computed by stage actors."""
