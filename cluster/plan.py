@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+
+import numpy as np
 from dataclasses import asdict, dataclass, field
 
 from oscar.common import OscarError, attention_shapes
@@ -134,15 +136,9 @@ def store_bytes_per_block(config, *, seq_len: int, seqs_per_block: int, reservoi
     """Uncompressed bytes one block adds to an `oscar-calib/1` store (docs/store-format.md)."""
     sh = attention_shapes(config)
     L, H, D = sh["num_layers"], sh["num_kv_heads"], sh["head_dim"]
-    per_layer = (
-        5 * H * D * D * 8          # q/o/k/v/vw grams, float64
-        + 4 * H * D * 8            # q/o/k/v sums
-        + 8 * H * D * 8            # m3, m4 for q/k/v/o
-        + 4 * H * D * 8            # absmax for q/k/v/o
-        + H * 8                    # w_sum
-        + 4 * 8                    # q_count, kv_count, nonfinite, res_count
-        + 4 * H * reservoir * D * 4  # q/k/v/o reservoirs, float32
-    )
+    from oscar.pipeline.store import layer_arrays
+
+    per_layer = sum(np.dtype(dt).itemsize * int(np.prod(tail)) for dt, tail in layer_arrays(H, D, reservoir).values())
     n_exp = _num_experts(config)
     moe_layers = [l for l in range(L) if _is_moe_layer(config, l)] if n_exp else []
     experts = len(moe_layers) * n_exp * 8  # layers/{l}/expert_tokens, int64
