@@ -143,6 +143,8 @@ def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, 
                         vw[h] += w * np.outer(vt, vt)
                         ws[h] += w
         r["vw_gram"], r["w_sum"] = vw, ws
+        r["rows_k"] = np.stack([np.array([X["k"][b, h, t] for b in range(S_) for t in range(T) if ok[b, t]])
+                                for h in range(Hkv)])            # (Hkv, n, D) counted key rows
         # C_S = V^T S^T S V over counted query rows, with the explicit S
         if check_identity:
             cs = np.zeros((Hkv, D, D))
@@ -186,6 +188,8 @@ def compare(got: dict, want: dict, *, tol: float = 1e-10, res_tol: float = 1e-6)
     """Names (with errors) of arrays in `want` that `got` misses or does not match."""
     bad = []
     for name, w in want.items():
+        if name.startswith("rows_"):
+            continue
         if name == "cs_identity":
             g = got["o_gram"]
         else:
@@ -203,3 +207,50 @@ def compare(got: dict, want: dict, *, tol: float = 1e-10, res_tol: float = 1e-6)
             if not (e <= tol):
                 bad.append(f"{name}: {e:.3g}")
     return bad
+
+
+# --------------------------------------------------------------------------- test models and data
+
+VOCAB = 97
+
+
+def make_model(kind: str, seed: int = 0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+                  max_position_embeddings=256, rms_norm_eps=1e-6)
+    if kind == "llama":      # GQA 6 q / 2 kv heads, head_dim 10 (not a power of two)
+        cfg = tf.LlamaConfig(num_attention_heads=6, num_key_value_heads=2, head_dim=10, **common)
+        cls = tf.LlamaForCausalLM
+    elif kind == "qwen3":    # q/k-norm, MQA (3 q heads share 1 kv head)
+        cfg = tf.Qwen3Config(num_attention_heads=3, num_key_value_heads=1, head_dim=16, **common)
+        cls = tf.Qwen3ForCausalLM
+    elif kind == "glm4moe":  # partial RoPE (0.5), qkv bias, q/k-norm, dense first layer then experts
+        cfg = tf.Glm4MoeConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=12, attention_bias=True,
+                               use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                               n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5}, **common)
+        cls = tf.Glm4MoeForCausalLM
+    else:
+        raise ValueError(kind)
+    cfg._attn_implementation = "sdpa"
+    model = cls(cfg).double().eval()
+    if kind == "glm4moe":  # grouped_mm has no float64 kernel; the per-expert loop does
+        model.set_experts_implementation("eager")
+    with torch.no_grad():  # random biases and norm weights so that nothing is trivially symmetric
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def batch_data(S=3, T=13, seed=0, pad=(0, 4, 9)):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (S, T), generator=g)
+    mask = torch.ones(S, T, dtype=torch.long)
+    for s, p in enumerate(pad[:S]):
+        if p:
+            mask[s, T - p:] = 0  # right padding
+    return tokens, mask
