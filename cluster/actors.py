@@ -54,6 +54,7 @@ class StageArgs:
     device: str = "cpu"
     stage: int = 0
     replica: int = 0
+    throttle_s: float = 0.0    # sleep after each micro-batch (not counted as busy)
 
 
 @dataclass
@@ -165,6 +166,8 @@ class StageWorker:
         if not self.stage.spec.last:
             out.update(hidden=hidden, mask=mask)
         t1 = time.time()
+        if self.args.throttle_s:
+            time.sleep(self.args.throttle_s)
         self.stats.busy_seconds += t1 - t0
         self.stats.micro_batches += 1
         self.stats.last_call = t1

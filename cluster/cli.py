@@ -107,8 +107,12 @@ def calibrate_dispatch(args, single) -> int:
     from oscar.pipeline.calibrate import CalibConfig
 
     cfg = calib_config_from_args(CalibConfig, args)
-    rep = calibrate_on_ray(cfg, cluster_config_from_args(args), address=args.ray)
-    print(format_report(rep))
+    rep = calibrate_on_ray(cfg, cluster_config_from_args(args), address=args.ray,
+                           progress=not getattr(args, "no_progress", False))
+    if getattr(args, "json", False):
+        print(json.dumps(rep.to_dict(), indent=1))
+    else:
+        print(format_report(rep))
     return 0
 
 

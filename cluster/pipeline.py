@@ -54,6 +54,7 @@ class ClusterConfig:
     lookahead: int = 2                   # blocks in flight per replica
     dtype: str = "float32"
     placement_timeout: float = 120.0
+    throttle_s: float = 0.0              # sleep after each micro-batch (tests; sharing a busy node)
 
     def __post_init__(self):
         for k in ("stages", "replicas", "micro_batch", "lookahead", "max_block_attempts"):
@@ -96,24 +97,20 @@ class PipelineReport:
 # --------------------------------------------------------------------------- ray session
 
 def connect(address: str | None = "auto", *, num_cpus: int | None = None) -> str:
-    """Attach to a Ray cluster. `auto`: $RAY_ADDRESS or a running local cluster, else start one (loopback only)."""
+    """Attach to a Ray cluster: ADDRESS, or `auto` = $RAY_ADDRESS if set (inside a Ray job it
+    is), else start a private local cluster bound to 127.0.0.1 (stopped by `disconnect`)."""
+    global _LOCAL_RAY
+    if address in (None, "", "auto"):
+        address = os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local" and "ray" not in sys.modules:
+        from oscar.cluster.localray import LOOPBACK_ENV
+
+        for k, v in LOOPBACK_ENV.items():  # single-node mode: every Ray component on 127.0.0.1
+            os.environ.setdefault(k, v)
     import ray
 
-    global _LOCAL_RAY
     if ray.is_initialized():
         return "connected"
-    if address in (None, "", "auto"):
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-            return os.environ["RAY_ADDRESS"]
-        try:
-            ray.init(address="auto", log_to_driver=False)
-            return "auto"
-        except ConnectionError:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                     _node_ip_address="127.0.0.1")
-            _LOCAL_RAY = True
-            return "local"
     if address == "local":
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                  _node_ip_address="127.0.0.1")
@@ -258,7 +255,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                 args = StageArgs(model_dir=model_dir, start=a, stop=b, store=str(store_path), job=job, attn=attn,
                                  sink=store.meta.sink, reservoir=store.meta.reservoir, seed=seed,
                                  seqs_per_block=S, threads=cc.threads, dtype=cc.dtype, device=cc.device,
-                                 stage=i, replica=r)
+                                 stage=i, replica=r, throttle_s=cc.throttle_s)
                 opts = dict(num_cpus=cc.cpus_per_stage, num_gpus=cc.gpus_per_stage,
                             max_restarts=cc.max_restarts, max_task_retries=0,
                             name=f"oscar-{job}-r{r}-s{i}", lifetime=None,
