@@ -8,6 +8,7 @@ The same function plans GLM-4.7 on paper and the tiny presets that the tests run
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -66,8 +67,23 @@ class ParamBytes:
 
 def param_bytes(config, dtype_bytes: int) -> ParamBytes:
     """Exact parameter bytes per decoder layer, from the model built on the meta device."""
+    from oscar.common import canonical_json
+
+    counts = _param_counts(canonical_json(config.to_dict()))
+    return ParamBytes(counts.embed * dtype_bytes, [n * dtype_bytes for n in counts.layers],
+                      counts.head * dtype_bytes, dtype_bytes)
+
+
+@functools.lru_cache(maxsize=8)
+def _param_counts(config_json: str) -> ParamBytes:
+    """Parameter counts (1 byte per parameter) of a config, cached: GLM-4.7's meta model takes seconds."""
+    from transformers import CONFIG_MAPPING
+
     from oscar.cluster.loading import build_skeleton, layer_of
 
+    d = json.loads(config_json)
+    config = CONFIG_MAPPING[d["model_type"]].from_dict(d)
+    dtype_bytes = 1
     model = build_skeleton(config)
     nl = attention_shapes(config)["num_layers"]
     layers = [0] * nl
