@@ -55,6 +55,7 @@ class StageArgs:
     stage: int = 0
     replica: int = 0
     throttle_s: float = 0.0    # sleep after each micro-batch (not counted as busy)
+    num_devices: int = 1       # GPUs of this stage: its layers are spread over cuda:0..n-1
 
 
 @dataclass
@@ -103,8 +104,10 @@ class StageWorker:
         torch.set_grad_enabled(False)
         name = capture.register(args.attn)
         config = load_config(args.model_dir, attn_implementation=name)
+        devices = ([f"cuda:{i}" for i in range(max(1, args.num_devices))] if args.device == "cuda"
+                   else [args.device])
         self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config,
-                                                   dtype=getattr(torch, args.dtype), device=args.device)
+                                                   dtype=getattr(torch, args.dtype), devices=devices)
         sh = attention_shapes(config)
         self.layers = tuple(range(args.start, args.stop))
         self.cap = capture.Capture(capture.CaptureSpec(
@@ -190,7 +193,7 @@ class StageWorker:
                 "pid": os.getpid(), "num_experts": self.num_experts}
 
     def get_stats(self) -> dict:
-        return asdict(self.stats)
+        return {**asdict(self.stats), "peak_rss_bytes": peak_rss_bytes()}
 
     def pid(self) -> int:
         return os.getpid()
@@ -200,6 +203,20 @@ class StageWorker:
 
     def close(self) -> None:
         self.lock.release()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def put_block(store, name: str, block: int, value: np.ndarray) -> None:

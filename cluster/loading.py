@@ -135,6 +135,7 @@ class LayerRange(nn.Module):
         self.rotary_emb = rotary
         # Keyed by global layer index so parameter names say which layers a stage holds.
         self.layers = nn.ModuleDict({str(spec.start + i): m for i, m in enumerate(layers)})
+        self._rotary: dict[str, nn.Module] = {}  # rotary copies per device (a multi-GPU stage)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
@@ -154,13 +155,41 @@ class LayerRange(nn.Module):
 
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  cache=None, position_ids=position_ids)
-        pos_emb = self.rotary_emb(hidden, position_ids)  # (cos, sin), each (B|1, T, rot_dim)
+        dev, mask, pos_emb = None, None, None
         for layer in self.layers.values():
+            ldev = next(layer.parameters()).device
+            if ldev != dev:  # first layer, or the next GPU of a multi-GPU stage: move and rebuild inputs
+                dev = ldev
+                hidden, position_ids = hidden.to(dev), position_ids.to(dev)
+                am = attention_mask.to(dev) if attention_mask is not None else None
+                mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=am,
+                                          cache=None, position_ids=position_ids)
+                pos_emb = self._rotary_on(dev)(hidden, position_ids)  # (cos, sin), each (B|1, T, rot_dim)
             hidden = layer(hidden, attention_mask=mask, position_embeddings=pos_emb,
                            position_ids=position_ids, use_cache=False, **kwargs)
         return hidden  # (B, T, H)
+
+
+    def _rotary_on(self, dev: torch.device) -> nn.Module:
+        if next(iter(self.rotary_emb.buffers())).device == dev:
+            return self.rotary_emb
+        key = str(dev)
+        if key not in self._rotary:
+            import copy
+
+            self._rotary[key] = copy.deepcopy(self.rotary_emb).to(dev)
+        return self._rotary[key]
+
+
+def assign_devices(costs: list[int], devices: list[str]) -> list[str]:
+    """Contiguous split of a stage's layers over its devices, balanced by parameter bytes."""
+    from oscar.cluster.plan import balance_layers
+
+    n = min(len(devices), len(costs))
+    out = []
+    for dev, (a, b) in zip(devices, balance_layers(costs, n)):
+        out += [dev] * (b - a)
+    return out
 
 
 def load_config(model_dir: str, attn_implementation: str | None = None, experts_implementation: str | None = "eager"):
@@ -189,11 +218,14 @@ def build_skeleton(config) -> nn.Module:
 
 
 def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu") -> tuple[LayerRange, LoadReport]:
+                     device: str | torch.device = "cpu", devices: list[str] | None = None
+                     ) -> tuple[LayerRange, LoadReport]:
     """Load decoder layers [start, stop) of the safetensors checkpoint in `model_dir`.
 
     Opens only the shards holding those layers' keys (plus the embeddings' shard for
-    the first stage). Returns the stage module (eval mode) and what was read.
+    the first stage). `devices` (e.g. the GPUs of a multi-GPU stage) spreads the layers
+    contiguously over several devices, balanced by parameter bytes; the embeddings go
+    to the first. Returns the stage module (eval mode) and what was read.
     """
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
@@ -226,6 +258,11 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
                 continue  # a buffer the checkpoint does not carry keeps its constructed value
             plan.append((mod, local, full, src))
 
+    devices = [str(d) for d in devices] if devices else [str(device)]
+    sizes = [sum(p.numel() for p in base.layers[i].parameters()) for i in spec.layers]
+    layer_dev = dict(zip(spec.layers, assign_devices(sizes, devices)))
+    dev_of = {f"{pre}layers.{i}": layer_dev[i] for i in spec.layers} | {f"{pre}embed_tokens": devices[0]}
+
     needed = sorted({ckpt.weight_map[k] for *_, src in plan for ks in src for k in ks})
     report = LoadReport(shards=needed)
     handles = {s: safe_open(os.path.join(model_dir, s), framework="pt", device="cpu") for s in needed}
@@ -242,7 +279,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
             if tuple(cur.shape) != tuple(value.shape):
                 raise OscarError(f"{full}: checkpoint shape {tuple(value.shape)} != model shape {tuple(cur.shape)}")
             keep_fp32 = cur.dtype == torch.float32 and _keep_fp32(skeleton, full)
-            set_module_tensor_to_device(mod, local, device, value=value.to(torch.float32 if keep_fp32 else dtype))
+            mdev = dev_of[full[: -len(local) - 1]]  # the owned module's prefix
+            set_module_tensor_to_device(mod, local, mdev, value=value.to(torch.float32 if keep_fp32 else dtype))
             report.params.append(full)
     finally:
         handles.clear()
@@ -251,7 +289,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
         for n, p in list(mod.named_parameters()) + list(mod.named_buffers()):
             if p.device.type == "meta":
                 raise OscarError(f"{mprefix}.{n} was not loaded (missing from the checkpoint)")
-    rotary = base.rotary_emb.to(device)
+        mod.to(dev_of[mprefix])  # buffers the checkpoint does not carry follow their module
+    rotary = base.rotary_emb.to(devices[0])
     stage = LayerRange(config, spec, owned.get(f"{pre}embed_tokens"), rotary,
                        [base.layers[i] for i in spec.layers]).eval()
     stage.requires_grad_(False)

@@ -255,7 +255,8 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                 args = StageArgs(model_dir=model_dir, start=a, stop=b, store=str(store_path), job=job, attn=attn,
                                  sink=store.meta.sink, reservoir=store.meta.reservoir, seed=seed,
                                  seqs_per_block=S, threads=cc.threads, dtype=cc.dtype, device=cc.device,
-                                 stage=i, replica=r, throttle_s=cc.throttle_s)
+                                 stage=i, replica=r, throttle_s=cc.throttle_s,
+                                 num_devices=max(1, int(cc.gpus_per_stage)))
                 opts = dict(num_cpus=cc.cpus_per_stage, num_gpus=cc.gpus_per_stage,
                             max_restarts=cc.max_restarts, max_task_retries=0,
                             name=f"oscar-{job}-r{r}-s{i}", lifetime=None,

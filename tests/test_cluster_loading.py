@@ -96,6 +96,22 @@ def test_chained_stages_equal_full_model(name):
             assert torch.equal(h, seen["pre_norm"]), ranges
 
 
+def test_layers_spread_over_devices():
+    """A multi-GPU stage spreads its layers over its devices (balanced by bytes); on CPU the
+    device list is ["cpu", "cpu"]: same numbers, and the assignment is checked."""
+    from oscar.cluster.loading import assign_devices
+
+    assert assign_devices([1, 1, 1, 1], ["a", "b"]) == ["a", "a", "b", "b"]
+    assert assign_devices([5, 1, 1, 1, 1, 1], ["a", "b"]) == ["a", "b", "b", "b", "b", "b"]
+    assert assign_devices([1, 1], ["a", "b", "c"]) == ["a", "b"]
+    d = resolve_model("tiny-llama")
+    one, _ = load_layer_range(d, 0, 4)
+    two, _ = load_layer_range(d, 0, 4, devices=["cpu", "cpu"])
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(one(one.embed(ids)), two(two.embed(ids)))
+
+
 def hf_expert_layout(src: str, dst) -> str:
     """Rewrite a fused-expert checkpoint in the Hugging Face per-expert layout that published MoE
     checkpoints (GLM-4.7 included) use: experts.{e}.gate_proj/up_proj/down_proj.weight, one shard per layer."""
