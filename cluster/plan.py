@@ -85,6 +85,8 @@ def _param_counts(config_json: str) -> ParamBytes:
     config = CONFIG_MAPPING[d["model_type"]].from_dict(d)
     dtype_bytes = 1
     model = build_skeleton(config)
+    tied = bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                        "tie_word_embeddings", False))
     nl = attention_shapes(config)["num_layers"]
     layers = [0] * nl
     embed = head = 0
@@ -95,6 +97,8 @@ def _param_counts(config_json: str) -> ParamBytes:
             layers[li] += n
         elif "embed_tokens" in name:
             embed += n
+        elif name.startswith("lm_head") and tied:
+            continue  # tied to the embeddings: no separate tensor
         else:
             head += n
     del model
