@@ -265,16 +265,29 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
 
     needed = sorted({ckpt.weight_map[k] for *_, src in plan for ks in src for k in ks})
     report = LoadReport(shards=needed)
-    handles = {s: safe_open(os.path.join(model_dir, s), framework="pt", device="cpu") for s in needed}
-    try:
-        for mod, local, full, src in plan:
-            parts = []
-            for ks in src:
-                ts = [handles[ckpt.weight_map[k]].get_tensor(k) for k in ks]
-                report.keys.extend(ks)
-                report.bytes += sum(t.numel() * t.element_size() for t in ts)
-                parts.append(ts[0] if len(ts) == 1 else torch.cat(ts, dim=0))
+    # One shard open at a time, closed once read: its mmap'd pages leave the resident set, so the
+    # peak is the stage's weights plus one shard (plus per-expert parts waiting for their layer).
+    keys_of: dict[str, list[str]] = {}
+    for *_, src in plan:
+        for ks in src:
+            for k in ks:
+                keys_of.setdefault(ckpt.weight_map[k], []).append(k)
+    got: dict[str, torch.Tensor] = {}
+    todo = list(plan)
+    for shard in needed:
+        with safe_open(os.path.join(model_dir, shard), framework="pt", device="cpu") as fh:
+            for k in keys_of[shard]:
+                got[k] = fh.get_tensor(k)
+                report.keys.append(k)
+                report.bytes += got[k].numel() * got[k].element_size()
+        ready = [it for it in todo if all(k in got for ks in it[3] for k in ks)]
+        todo = [it for it in todo if it not in ready]
+        for mod, local, full, src in ready:
+            parts = [got[ks[0]] if len(ks) == 1 else torch.cat([got[k] for k in ks], dim=0) for ks in src]
             value = parts[0] if len(src) == 1 and len(src[0]) == 1 else torch.stack(parts, dim=0)
+            for ks in src:
+                for k in ks:
+                    del got[k]
             cur = _get(mod, local)
             if tuple(cur.shape) != tuple(value.shape):
                 raise OscarError(f"{full}: checkpoint shape {tuple(value.shape)} != model shape {tuple(cur.shape)}")
@@ -282,8 +295,7 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
             mdev = dev_of[full[: -len(local) - 1]]  # the owned module's prefix
             set_module_tensor_to_device(mod, local, mdev, value=value.to(torch.float32 if keep_fp32 else dtype))
             report.params.append(full)
-    finally:
-        handles.clear()
+            del value, parts
 
     for mprefix, mod in owned.items():
         for n, p in list(mod.named_parameters()) + list(mod.named_buffers()):

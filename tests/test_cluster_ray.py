@@ -97,8 +97,10 @@ def _address(head, monkeypatch):
 def test_pipeline_equals_single_process(head, tmp_path, tmp_path_factory, model, stages, replicas):
     blocks = 1 if model == "smollm2-135m" else 4
     o = opts(model, tmp_path / "ray.zarr", blocks=blocks)
-    rep = run(o, stages=stages, replicas=replicas)
-    assert len(rep.stages) == stages and rep.stages[0][0] == 0
+    if model == "tiny-llama":  # the plain path: `ray job submit -- oscar calibrate ... --ray auto`
+        rep = plain_job(head, o, stages=stages, replicas=replicas)
+    else:
+        rep = run(o, stages=stages, replicas=replicas)    assert len(rep.stages) == stages and rep.stages[0][0] == 0
     assert sorted(rep.blocks_done) == list(range(blocks)) and rep.block_retries == 0
     # every block by exactly one replica, each stage wrote its own layers only
     by_stage = {}
@@ -110,6 +112,31 @@ def test_pipeline_equals_single_process(head, tmp_path, tmp_path_factory, model,
     assert_same_store(reference(tmp_path_factory, **o), o["store"])
     if model == "tiny-glm4-moe":
         check_expert_counts(o["store"])
+
+
+def plain_job(head, o, *, stages, replicas):
+    """Submit `python -m oscar calibrate ... --ray auto` through the Jobs API (what `ray job submit --`
+    does) and return its report."""
+    import shlex
+
+    from ray.job_submission import JobSubmissionClient
+
+    from oscar.cluster.pipeline import PipelineReport
+
+    flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in o.items())
+    entry = (f"{shlex.quote(sys.executable)} -m oscar calibrate {flags} --ray auto --stages {stages} "
+             f"--replicas {replicas} --no-progress --json")
+    client = JobSubmissionClient(head.dashboard)
+    sid = client.submit_job(entrypoint=entry)
+    t0 = time.time()
+    while (st := str(client.get_job_status(sid)).split(".")[-1]) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.time() - t0 < 400
+        time.sleep(1)
+    logs = client.get_job_logs(sid)
+    assert st == "SUCCEEDED", logs[-3000:]
+    d = json.loads(logs[logs.index("{\n"):])
+    d["stages"] = [tuple(x) for x in d["stages"]]
+    return PipelineReport(**d)
 
 
 def check_expert_counts(store):
