@@ -53,7 +53,7 @@ def _make_capture_fn(impl: str) -> Callable:
         out, weights = inner(module, query, key, value, attention_mask, **kwargs)  # out: (B, T, Hq, D)
         ctx = _ACTIVE.get()
         if ctx is not None:
-            ctx.capture.record(module.layer_idx, query, key, value, out.transpose(1, 2), ctx)
+            ctx.capture.record(module.layer_idx, query, key, value, out, ctx)
         return out, weights
 
     oscar_capture_attention.__name__ = f"{PREFIX}{impl}"
@@ -121,10 +121,15 @@ def reservoir_seed(seed: int, block: int, layer: int) -> int:
 
 
 class LayerAccumulator:
-    """float64 sums of one layer over one block (everything lives on the activations' device)."""
+    """float64 sums of one layer over one block (everything lives on the activations' device).
+
+    Per batch and x in q/k/v/o: gather the counted rows once as an (N, heads*D) float64 matrix,
+    then one batched matmul (Gram) and a few column reductions (sum, x^3, x^4, min/max).
+    Query and output heads of a GQA group are pooled by summing their per-head results.
+    """
 
     def __init__(self, spec: CaptureSpec, layer: int, block: int, device: torch.device):
-        H, D, R, G = spec.num_kv_heads, spec.head_dim, spec.reservoir, spec.group
+        H, D = spec.num_kv_heads, spec.head_dim
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         self.spec, self.layer, self.block, self.device = spec, layer, block, device
         self.gram = {x: z(H, D, D) for x in XS}
@@ -133,116 +138,116 @@ class LayerAccumulator:
         self.m4 = {x: z(H, D) for x in XS}
         self.absmax = {x: z(H, D) for x in XS}
         self.vw_gram, self.w_sum = z(H, D, D), z(H)
-        i64 = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
-        self.kv_count, self.nonfinite = i64(), i64()
-        # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, group head,
-        # token) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
+        self.kv_count = self.nonfinite = 0
+        # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
+        # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
         self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
-        self._S = spec.seqs_per_block
-        self.keys_kv = self.keys_qo = None  # lazily sized on the first batch (T known then)
+        self.keys_kv = self.keys_qo = None  # sized on the first batch (T known then)
         self.res = {x: torch.zeros(H, 0, D, dtype=torch.float32, device=device) for x in XS}
-        self.res_key = {"kv": torch.zeros(0, dtype=torch.float64, device=device),
-                        "qo": torch.zeros(0, dtype=torch.float64, device=device)}
-
-    # (B, Hkv, N, D) float64 rows -> gram / sums / moments, summed over B and N
-    def _moments(self, x: str, X: torch.Tensor) -> None:
-        Xf = X.transpose(0, 1).reshape(X.shape[1], -1, X.shape[-1])  # (Hkv, B*N, D)
-        self.gram[x] += Xf.mT @ Xf
-        self.sum[x] += Xf.sum(1)
-        X2 = Xf * Xf
-        self.m3[x] += (X2 * Xf).sum(1)
-        self.m4[x] += (X2 * X2).sum(1)
-        self.absmax[x] = torch.maximum(self.absmax[x], Xf.abs().amax(1))
+        self.res_key = {"kv": z(0), "qo": z(0)}
 
     def _keys(self, T: int) -> None:
-        S, G = self._S, self.spec.group
+        S, G = self.spec.seqs_per_block, self.spec.group
         self.keys_kv = torch.rand(S, T, generator=self._gen, dtype=torch.float64).to(self.device)     # (S, T)
-        self.keys_qo = torch.rand(S, G, T, generator=self._gen, dtype=torch.float64).to(self.device)  # (S, G, T)
+        self.keys_qo = torch.rand(S, T, G, generator=self._gen, dtype=torch.float64).to(self.device)  # (S, T, G)
 
-    def _reservoir(self, kind: str, xs: tuple[str, ...], keys: torch.Tensor, take: Callable) -> None:
-        """Merge candidates (keys: (N,), +inf for excluded rows; take(idx) -> {x: (Hkv, n, D)})."""
+    def _gram(self, X: torch.Tensor, heads: int) -> torch.Tensor:
+        """X: (N, heads*D) rows -> (Hkv, D, D) Gram pooled over the heads of each KV group."""
+        H, D = self.spec.num_kv_heads, self.spec.head_dim
+        A = X.view(-1, heads, D).permute(1, 2, 0)                          # (heads, D, N) strided, no copy
+        return (A @ A.mT).view(H, heads // H, D, D).sum(1)                 # (Hkv, D, D)
+
+    def _column_stats(self, x: str, X: torch.Tensor, heads: int, colsum: torch.Tensor, gram: bool = True) -> None:
+        """X: (N, heads*D) float64 counted rows -> Gram, sum, x^3, x^4, absmax pooled per KV head."""
+        H, D = self.spec.num_kv_heads, self.spec.head_dim
+        g = heads // H
+        if gram:
+            self.gram[x] += self._gram(X, heads)
+        X2 = X * X                                                          # (N, heads*D)
+        pool = lambda t: t.view(H, g, D).sum(1)                             # noqa: E731
+        self.sum[x] += pool(colsum)
+        self.m3[x] += pool(torch.linalg.vecdot(X2, X, dim=0))
+        self.m4[x] += pool(torch.linalg.vecdot(X2, X2, dim=0))
+        lo, hi = torch.aminmax(X, dim=0) if X.shape[0] else (X.new_zeros(X.shape[1]),) * 2
+        self.absmax[x] = torch.maximum(self.absmax[x], torch.maximum(-lo, hi).view(H, g, D).amax(1))
+
+    def _reservoir(self, kind: str, keys: torch.Tensor, take: Callable) -> None:
+        """Merge candidates (keys: (M,)) into the R-smallest-key reservoir; take(idx) -> {x: (Hkv, n, D)}."""
         R = self.spec.reservoir
-        old = self.res_key[kind]
-        thresh = old[-1] if old.numel() >= R else torch.inf
-        new = torch.nonzero(keys < thresh).flatten()  # few rows once the reservoir is full
-        k_all = torch.cat([old, keys[new]])
+        new = torch.topk(keys, min(R, keys.numel()), largest=False, sorted=False).indices  # only these can enter
+        k_all = torch.cat([self.res_key[kind], keys[new]])
         top = torch.topk(k_all, min(R, k_all.numel()), largest=False, sorted=True).indices
         self.res_key[kind] = k_all[top]
-        rows = take(new)
-        for x in xs:
-            cand = torch.cat([self.res[x], rows[x].float()], dim=1)  # (Hkv, r_old + n, D)
+        for x, rows in take(new).items():
+            cand = torch.cat([self.res[x], rows.float()], dim=1)           # (Hkv, r_old + n, D)
             self.res[x] = cand.index_select(1, top)
 
-    def update(self, q, k, v, o, eligible: torch.Tensor, seq_offset: int) -> None:
-        """q, o: (B, Hq, T, D); k, v: (B, Hkv, T, D); eligible: (B, T) bool (real, past the sink)."""
+    def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: "_Rows") -> None:
+        """q: (B, Hq, T, D); k, v: (B, Hkv, T, D); out: (B, T, Hq, D) (the attention output, o_proj input)."""
         spec = self.spec
-        B, _, T, D = q.shape
+        B, Hq, T, D = q.shape
         H, G = spec.num_kv_heads, spec.group
-        if seq_offset + B > spec.seqs_per_block:
-            raise OscarError(f"batch rows {seq_offset}..{seq_offset + B} exceed seqs_per_block={spec.seqs_per_block}")
-        finite = (q.isfinite().all(-1).all(1) & k.isfinite().all(-1).all(1)
-                  & v.isfinite().all(-1).all(1) & o.isfinite().all(-1).all(1))            # (B, T)
-        ok = eligible & finite                                                            # (B, T)
-        self.nonfinite += (eligible & ~finite).sum()
-        self.kv_count += ok.sum()
+        idx = rows.idx                                                      # (N,) flat b*T + t, sorted
+        take = lambda t: t.reshape(B * T, -1).index_select(0, idx).double()  # noqa: E731
+        Q = take(q.transpose(1, 2))                                         # (N, Hq*D)
+        K = take(k.transpose(1, 2))                                         # (N, Hkv*D)
+        V = take(v.transpose(1, 2))                                         # (N, Hkv*D)
+        O = take(out)                                                       # (N, Hq*D)
+        seq_n = rows.seq_n                                                  # (B,) counted rows per sequence
+        # Fast check: column sums are finite iff every gathered value is. Otherwise drop bad rows.
+        sums = [X.sum(0) for X in (Q, K, V, O)]
+        if not bool(torch.isfinite(torch.stack([s.sum() for s in sums])).all()):
+            fin = Q.isfinite().all(1) & K.isfinite().all(1) & V.isfinite().all(1) & O.isfinite().all(1)  # (N,)
+            self.nonfinite += int((~fin).sum())
+            Q, K, V, O, idx = Q[fin], K[fin], V[fin], O[fin], idx[fin]
+            seq_n = torch.bincount(idx // T, minlength=B)
+            sums = [X.sum(0) for X in (Q, K, V, O)]
+        N = Q.shape[0]
+        self.kv_count += N
+        for x, X, heads, cs in zip(XS, (Q, K, V, O), (Hq, H, H, Hq), sums):
+            self._column_stats(x, X, heads, cs, gram=(x != "q"))
 
-        m = ok[:, None, :, None]                                                          # (B, 1, T, 1)
-        mg = ok[:, None, None, :, None]                                                   # (B, 1, 1, T, 1)
-        zero = torch.zeros((), dtype=torch.float64, device=q.device)
-        # where() (not a multiply): excluded rows may hold NaN/Inf.
-        Q = torch.where(mg, q.reshape(B, H, G, T, D).double(), zero).reshape(B, H, G * T, D)  # (B, Hkv, G*T, D)
-        O = torch.where(mg, o.reshape(B, H, G, T, D).double(), zero).reshape(B, H, G * T, D)  # (B, Hkv, G*T, D)
-        K = torch.where(m, k.double(), zero)                                              # (B, Hkv, T, D)
-        V = torch.where(m, v.double(), zero)                                              # (B, Hkv, T, D)
+        # q Gram per sequence: summed it is q_gram; each is the C_Q of the published value target
+        # sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T (C_Q of the same sequence, see docs/decisions.md).
+        Kh = K.view(N, H, D).transpose(0, 1)                                # (Hkv, N, D)
+        Vh = V.view(N, H, D).transpose(0, 1)                                # (Hkv, N, D)
+        ws, start = [], 0
+        for n in seq_n.tolist():  # the batch's sequences (not tokens)
+            gq = self._gram(Q[start:start + n], Hq)                         # (Hkv, D, D)
+            self.gram["q"] += gq
+            Kb = Kh[:, start:start + n]                                     # (Hkv, n, D)
+            ws.append(((Kb @ (gq / max(n * G, 1))) * Kb).sum(-1))           # (Hkv, n)
+            start += n
+        w = torch.cat(ws, dim=1) if ws else Kh.new_zeros(H, 0)              # (Hkv, N)
+        self.vw_gram += (Vh * w[..., None]).mT @ Vh
+        self.w_sum += w.sum(1)
 
-        # Per-sequence query Gram: its sum is q_gram, and it is the C_Q of the value weights.
-        q_gram_b = Q.mT @ Q                                                               # (B, Hkv, D, D)
-        self.gram["q"] += q_gram_b.sum(0)
-        Xf = Q.transpose(0, 1).reshape(H, -1, D)                                          # (Hkv, B*G*T, D)
-        self.sum["q"] += Xf.sum(1)
-        X2 = Xf * Xf
-        self.m3["q"] += (X2 * Xf).sum(1)
-        self.m4["q"] += (X2 * X2).sum(1)
-        self.absmax["q"] = torch.maximum(self.absmax["q"], Xf.abs().amax(1))
-        for x, X in (("o", O), ("k", K), ("v", V)):
-            self._moments(x, X)
-
-        # Published value target: sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T, C_Q of the same sequence.
-        nq = (ok.sum(1) * G).clamp(min=1).double()                                        # (B,)
-        cq = q_gram_b / nq[:, None, None, None]                                           # (B, Hkv, D, D)
-        w = ((K @ cq) * K).sum(-1)                                                        # (B, Hkv, T)
-        Vf = V.transpose(0, 1).reshape(H, B * T, D)                                       # (Hkv, B*T, D)
-        wf = w.transpose(0, 1).reshape(H, B * T, 1)                                       # (Hkv, B*T, 1)
-        self.vw_gram += (Vf * wf).mT @ Vf
-        self.w_sum += w.sum((0, 2))
-
-        # Reservoirs (raw activations, not the float64 copies).
-        if spec.reservoir > 0:
-            if self.keys_kv is None or self.keys_kv.shape[1] != T:
-                if self.keys_kv is not None:
-                    raise OscarError(f"sequence length changed within block {self.block}")
+        if spec.reservoir > 0 and N:
+            if self.keys_kv is None:
                 self._keys(T)
-            inf = torch.full((), torch.inf, dtype=torch.float64, device=q.device)
-            kk = torch.where(ok, self.keys_kv[seq_offset:seq_offset + B], inf).reshape(-1)           # (B*T,)
-            kq = torch.where(ok[:, None], self.keys_qo[seq_offset:seq_offset + B], inf).reshape(-1)  # (B*G*T,)
-            def take_kv(i):  # flat index b*T + t -> rows (Hkv, n, D)
-                b, t = i // T, i % T
-                return {"k": k[b, :, t].transpose(0, 1), "v": v[b, :, t].transpose(0, 1)}
+            elif self.keys_kv.shape[1] != T:
+                raise OscarError(f"sequence length changed within block {self.block}")
+            s0 = rows.seq_offset
+            b, t = idx // T, idx % T
+            kk = self.keys_kv[s0 + b, t]                                    # (N,)
+            kq = self.keys_qo[s0 + b, t].reshape(-1)                        # (N*G,) row-major (n, g)
+            Qg, Og = Q.view(N, H, G, D), O.view(N, H, G, D)
 
-            def take_qo(i):  # flat index (b*G + g)*T + t; query head of KV head h is h*G + g
-                b, g, t = i // (G * T), (i // T) % G, i % T
-                return {"q": q.reshape(B, H, G, T, D)[b, :, g, t].transpose(0, 1),
-                        "o": o.reshape(B, H, G, T, D)[b, :, g, t].transpose(0, 1)}
+            def take_kv(i):
+                return {"k": Kh[:, i], "v": Vh[:, i]}
 
-            self._reservoir("kv", ("k", "v"), kk, take_kv)
-            self._reservoir("qo", ("q", "o"), kq, take_qo)
+            def take_qo(i):  # i = n*G + g; query head of KV head h is h*G + g
+                n, g = i // G, i % G
+                return {"q": Qg[n, :, g].transpose(0, 1), "o": Og[n, :, g].transpose(0, 1)}
+
+            self._reservoir("kv", kk, take_kv)
+            self._reservoir("qo", kq, take_qo)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The block's values under their store names (numpy, CPU)."""
         spec = self.spec
         H, D, R = spec.num_kv_heads, spec.head_dim, spec.reservoir
         out: dict[str, np.ndarray] = {}
-        n = int(self.kv_count)
         for x in XS:
             out[f"{x}_gram"] = self.gram[x].cpu().numpy()
             out[f"{x}_sum"] = self.sum[x].cpu().numpy()
@@ -253,21 +258,37 @@ class LayerAccumulator:
             r = self.res[x].cpu().numpy()
             res[:, : r.shape[1]] = r
             out[f"{x}_res"] = res
-        out["q_count"] = np.array(n * spec.group, dtype=np.int64)
-        out["kv_count"] = np.array(n, dtype=np.int64)
+        out["q_count"] = np.array(self.kv_count * spec.group, dtype=np.int64)
+        out["kv_count"] = np.array(self.kv_count, dtype=np.int64)
         out["vw_gram"] = self.vw_gram.cpu().numpy()
         out["w_sum"] = self.w_sum.cpu().numpy()
-        out["nonfinite"] = np.array(int(self.nonfinite), dtype=np.int64)
+        out["nonfinite"] = np.array(self.nonfinite, dtype=np.int64)
         out["res_count"] = np.array(self.res_key["kv"].numel(), dtype=np.int64)
         out["qo_res_count"] = np.array(self.res_key["qo"].numel(), dtype=np.int64)
         return out
 
 
 @dataclass
+class _Rows:
+    """The counted-row candidates of one batch on one device (shared by every layer)."""
+    idx: torch.Tensor     # (N,) flat indices b*T + t of eligible rows, ascending
+    seq_n: torch.Tensor   # (B,) eligible rows per sequence
+    seq_offset: int       # index of the batch's first sequence in its block
+
+
+@dataclass
 class _BatchContext:
     capture: "Capture"
-    eligible: torch.Tensor  # (B, T) bool
+    eligible: torch.Tensor  # (B, T) bool: real tokens at position >= sink
     seq_offset: int
+    _rows: dict = field(default_factory=dict)
+
+    def rows(self, device: torch.device) -> _Rows:
+        r = self._rows.get(device)
+        if r is None:
+            e = self.eligible.to(device)
+            r = self._rows[device] = _Rows(torch.nonzero(e.reshape(-1)).flatten(), e.sum(1), self.seq_offset)
+        return r
 
 
 class Capture:
@@ -306,17 +327,20 @@ class Capture:
         finally:
             _ACTIVE.reset(token)
 
-    def record(self, layer, q, k, v, o, ctx: _BatchContext) -> None:
+    def record(self, layer, q, k, v, out, ctx: _BatchContext) -> None:
+        """q: (B, Hq, T, D), k/v: (B, Hkv, T, D) as passed to attention; out: (B, T, Hq, D) its output."""
         if layer not in self.spec.layers:
             return
-        if q.shape[2] != ctx.eligible.shape[1] or q.shape[0] != ctx.eligible.shape[0]:
-            raise OscarError(f"capture: attention saw q {tuple(q.shape)} but the batch mask is "
+        if q.shape[2] != ctx.eligible.shape[1] or q.shape[0] != ctx.eligible.shape[0] or k.shape[2] != q.shape[2]:
+            raise OscarError(f"capture: attention saw q {tuple(q.shape)}, k {tuple(k.shape)} but the batch mask is "
                              f"{tuple(ctx.eligible.shape)} (KV cache on? calibration runs with use_cache=False)")
+        if ctx.seq_offset + q.shape[0] > self.spec.seqs_per_block:
+            raise OscarError(f"batch rows {ctx.seq_offset}..{ctx.seq_offset + q.shape[0]} exceed "
+                             f"seqs_per_block={self.spec.seqs_per_block}")
         acc = self.acc.get(layer)
         if acc is None:
             acc = self.acc[layer] = LayerAccumulator(self.spec, layer, self.block, q.device)
-        eligible = ctx.eligible.to(q.device)
-        acc.update(q.detach(), k.detach(), v.detach(), o.detach(), eligible, ctx.seq_offset)
+        acc.update(q.detach(), k.detach(), v.detach(), out.detach(), ctx.rows(q.device))
         self.calls[layer] = self.calls.get(layer, 0) + 1
 
     def finish_block(self, layers: tuple[int, ...] | None = None) -> dict[int, dict[str, np.ndarray]]:

@@ -71,7 +71,7 @@ def reservoir_keys(seed: int, block: int, layer: int, S: int, G: int, T: int):
     h = hashlib.sha256(f"oscar-reservoir/{seed}/{block}/{layer}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
     kv = torch.rand(S, T, generator=g, dtype=torch.float64)
-    qo = torch.rand(S, G, T, generator=g, dtype=torch.float64)
+    qo = torch.rand(S, T, G, generator=g, dtype=torch.float64)
     return kv, qo
 
 
@@ -165,7 +165,7 @@ def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, 
                     a[:, i] = X[x][b, :, t]
                 r[f"{x}_res"] = a
             r["res_count"] = len(cand)
-            cand = sorted((float(kqo[b, g, t]), b, g, t) for b in range(S_) for g in range(G)
+            cand = sorted((float(kqo[b, t, g]), b, g, t) for b in range(S_) for g in range(G)
                           for t in range(T) if ok[b, t])[:reservoir]
             for x in ("q", "o"):
                 a = np.zeros((Hkv, reservoir, D), np.float32)
