@@ -123,27 +123,33 @@ def reservoir_seed(seed: int, block: int, layer: int) -> int:
 class LayerAccumulator:
     """float64 sums of one layer over one block (everything lives on the activations' device).
 
-    Per batch and x in q/k/v/o: gather the counted rows once as an (N, heads*D) float64 matrix,
-    then one batched matmul (Gram) and a few column reductions (sum, x^3, x^4, min/max).
-    Query and output heads of a GQA group are pooled by summing their per-head results.
+    Per batch the counted rows of q, k, v and o are gathered once into one (N, Htot, D) float64
+    tensor (heads: Hq query | Hkv key | Hkv value | Hq output), so that every statistic is one
+    op for all heads at once: one strided batched matmul for the Grams, column reductions for
+    sums, x^3, x^4 and min/max. Heads are then pooled into (x, KV head) slots with index_add
+    (a GQA group's query/output heads share their KV head's slot). Few, large ops: on a
+    shared CPU every extra small op costs a thread-pool round trip.
     """
 
     def __init__(self, spec: CaptureSpec, layer: int, block: int, device: torch.device):
-        H, D = spec.num_kv_heads, spec.head_dim
+        H, D, G = spec.num_kv_heads, spec.head_dim, spec.group
+        Hq = H * G
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         self.spec, self.layer, self.block, self.device = spec, layer, block, device
-        self.gram = {x: z(H, D, D) for x in XS}
-        self.sum = {x: z(H, D) for x in XS}
-        self.m3 = {x: z(H, D) for x in XS}
-        self.m4 = {x: z(H, D) for x in XS}
-        self.absmax = {x: z(H, D) for x in XS}
+        self.gram = z(4 * H, D, D)              # slots (x, h), x in q, k, v, o
+        self.mom = z(3, 4 * H, D)               # sum, sum x^3, sum x^4
+        self.absmax = z(4 * H, D)
         self.vw_gram, self.w_sum = z(H, D, D), z(H)
         self.kv_count = self.nonfinite = 0
+        heads = torch.arange(Hq)
+        self.slot = torch.cat([heads // G, H + torch.arange(H), 2 * H + torch.arange(H),
+                               3 * H + heads // G]).to(device)                        # (Htot,) head -> slot
         # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
         # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
         self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
         self.keys_kv = self.keys_qo = None  # sized on the first batch (T known then)
-        self.res = {x: torch.zeros(H, 0, D, dtype=torch.float32, device=device) for x in XS}
+        self.res = {"kv": torch.zeros(0, 2 * H, D, dtype=torch.float32, device=device),   # rows: k heads | v heads
+                    "qo": torch.zeros(0, 2 * H, D, dtype=torch.float32, device=device)}   # q heads | o heads (one g)
         self.res_key = {"kv": z(0), "qo": z(0)}
 
     def _keys(self, T: int) -> None:
@@ -151,74 +157,68 @@ class LayerAccumulator:
         self.keys_kv = torch.rand(S, T, generator=self._gen, dtype=torch.float64).to(self.device)     # (S, T)
         self.keys_qo = torch.rand(S, T, G, generator=self._gen, dtype=torch.float64).to(self.device)  # (S, T, G)
 
-    def _gram(self, X: torch.Tensor, heads: int) -> torch.Tensor:
-        """X: (N, heads*D) rows -> (Hkv, D, D) Gram pooled over the heads of each KV group."""
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-        A = X.view(-1, heads, D).permute(1, 2, 0)                          # (heads, D, N) strided, no copy
-        return (A @ A.mT).view(H, heads // H, D, D).sum(1)                 # (Hkv, D, D)
-
-    def _column_stats(self, x: str, X: torch.Tensor, heads: int, colsum: torch.Tensor, gram: bool = True) -> None:
-        """X: (N, heads*D) float64 counted rows -> Gram, sum, x^3, x^4, absmax pooled per KV head."""
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-        g = heads // H
-        if gram:
-            self.gram[x] += self._gram(X, heads)
-        X2 = X * X                                                          # (N, heads*D)
-        pool = lambda t: t.view(H, g, D).sum(1)                             # noqa: E731
-        self.sum[x] += pool(colsum)
-        self.m3[x] += pool(torch.linalg.vecdot(X2, X, dim=0))
-        self.m4[x] += pool(torch.linalg.vecdot(X2, X2, dim=0))
-        lo, hi = torch.aminmax(X, dim=0) if X.shape[0] else (X.new_zeros(X.shape[1]),) * 2
-        self.absmax[x] = torch.maximum(self.absmax[x], torch.maximum(-lo, hi).view(H, g, D).amax(1))
-
     def _reservoir(self, kind: str, keys: torch.Tensor, take: Callable) -> None:
-        """Merge candidates (keys: (M,)) into the R-smallest-key reservoir; take(idx) -> {x: (Hkv, n, D)}."""
+        """Merge candidates (keys: (M,)) into the R-smallest-key reservoir; take(idx) -> (n, 2*Hkv, D)."""
         R = self.spec.reservoir
         new = torch.topk(keys, min(R, keys.numel()), largest=False, sorted=False).indices  # only these can enter
         k_all = torch.cat([self.res_key[kind], keys[new]])
         top = torch.topk(k_all, min(R, k_all.numel()), largest=False, sorted=True).indices
         self.res_key[kind] = k_all[top]
-        for x, rows in take(new).items():
-            cand = torch.cat([self.res[x], rows.float()], dim=1)           # (Hkv, r_old + n, D)
-            self.res[x] = cand.index_select(1, top)
+        self.res[kind] = torch.cat([self.res[kind], take(new).float()]).index_select(0, top)
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: "_Rows") -> None:
         """q: (B, Hq, T, D); k, v: (B, Hkv, T, D); out: (B, T, Hq, D) (the attention output, o_proj input)."""
         spec = self.spec
         B, Hq, T, D = q.shape
         H, G = spec.num_kv_heads, spec.group
-        idx = rows.idx                                                      # (N,) flat b*T + t, sorted
-        take = lambda t: t.reshape(B * T, -1).index_select(0, idx).double()  # noqa: E731
-        Q = take(q.transpose(1, 2))                                         # (N, Hq*D)
-        K = take(k.transpose(1, 2))                                         # (N, Hkv*D)
-        V = take(v.transpose(1, 2))                                         # (N, Hkv*D)
-        O = take(out)                                                       # (N, Hq*D)
-        seq_n = rows.seq_n                                                  # (B,) counted rows per sequence
-        # Fast check: column sums are finite iff every gathered value is. Otherwise drop bad rows.
-        sums = [X.sum(0) for X in (Q, K, V, O)]
-        if not bool(torch.isfinite(torch.stack([s.sum() for s in sums])).all()):
-            fin = Q.isfinite().all(1) & K.isfinite().all(1) & V.isfinite().all(1) & O.isfinite().all(1)  # (N,)
+        parts = [q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out]        # (B, T, heads, D) each
+        idx, seq_n = rows.idx, rows.seq_n                                             # (N,), (B,)
+        if rows.span is not None:  # one sequence, contiguous rows: slice, gather and convert in one op
+            a, b = rows.span
+            X = torch.cat([p[0, a:b] for p in parts], dim=1)                          # (N, Htot, D)
+        else:
+            X = torch.cat(parts, dim=2).reshape(B * T, -1, D).index_select(0, idx)    # (N, Htot, D)
+        X = X.double()
+        N, Htot = X.shape[0], X.shape[1]
+        Xf = X.view(N, Htot * D)
+        colsum = Xf.sum(0)                                                            # (Htot*D,)
+        if not bool(torch.isfinite(colsum).all()):  # NaN/Inf propagate into the sums: drop bad rows
+            fin = Xf.isfinite().all(1)                                                # (N,)
             self.nonfinite += int((~fin).sum())
-            Q, K, V, O, idx = Q[fin], K[fin], V[fin], O[fin], idx[fin]
+            X, idx = X[fin], idx[fin]
             seq_n = torch.bincount(idx // T, minlength=B)
-            sums = [X.sum(0) for X in (Q, K, V, O)]
-        N = Q.shape[0]
+            N = X.shape[0]
+            Xf = X.view(N, Htot * D)
+            colsum = Xf.sum(0)
         self.kv_count += N
-        for x, X, heads, cs in zip(XS, (Q, K, V, O), (Hq, H, H, Hq), sums):
-            self._column_stats(x, X, heads, cs, gram=(x != "q"))
 
-        # q Gram per sequence: summed it is q_gram; each is the C_Q of the published value target
-        # sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T (C_Q of the same sequence, see docs/decisions.md).
-        Kh = K.view(N, H, D).transpose(0, 1)                                # (Hkv, N, D)
-        Vh = V.view(N, H, D).transpose(0, 1)                                # (Hkv, N, D)
-        ws, start = [], 0
-        for n in seq_n.tolist():  # the batch's sequences (not tokens)
-            gq = self._gram(Q[start:start + n], Hq)                         # (Hkv, D, D)
-            self.gram["q"] += gq
-            Kb = Kh[:, start:start + n]                                     # (Hkv, n, D)
-            ws.append(((Kb @ (gq / max(n * G, 1))) * Kb).sum(-1))           # (Hkv, n)
+        X2 = Xf * Xf                                                                  # (N, Htot*D)
+        m = torch.stack([colsum, torch.linalg.vecdot(X2, Xf, dim=0), torch.linalg.vecdot(X2, X2, dim=0)])
+        self.mom.index_add_(1, self.slot, m.view(3, Htot, D))
+        if N:
+            lo, hi = torch.aminmax(Xf, dim=0)
+            amax = torch.maximum(-lo, hi).view(Htot, D)
+            self.absmax.scatter_reduce_(0, self.slot[:, None].expand(Htot, D), amax, reduce="amax")
+
+        # Grams of every head: per sequence (the q part of each is that sequence's C_Q, below).
+        A = X.permute(1, 2, 0)                                                        # (Htot, D, N) strided
+        grams, start = [], 0
+        for n in (seq_n.tolist() if B > 1 else [N]):  # the batch's sequences (not tokens)
+            Ab = A[..., start:start + n]
+            gb = torch.zeros_like(self.gram).index_add_(0, self.slot, Ab @ Ab.mT)     # (4*Hkv, D, D)
+            grams.append((n, gb))
             start += n
-        w = torch.cat(ws, dim=1) if ws else Kh.new_zeros(H, 0)              # (Hkv, N)
+        # Published value target: sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T, C_Q of the row's own
+        # sequence (see docs/decisions.md).
+        Kh = X[:, Hq:Hq + H].transpose(0, 1)                                          # (Hkv, N, D)
+        Vh = X[:, Hq + H:Hq + 2 * H].transpose(0, 1)                                  # (Hkv, N, D)
+        ws, start = [], 0
+        for n, gb in grams:
+            self.gram += gb
+            Kb = Kh[:, start:start + n]                                               # (Hkv, n, D)
+            ws.append(((Kb @ (gb[:H] / max(n * G, 1))) * Kb).sum(-1))                 # (Hkv, n)
+            start += n
+        w = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]                            # (Hkv, N)
         self.vw_gram += (Vh * w[..., None]).mT @ Vh
         self.w_sum += w.sum(1)
 
@@ -228,36 +228,44 @@ class LayerAccumulator:
             elif self.keys_kv.shape[1] != T:
                 raise OscarError(f"sequence length changed within block {self.block}")
             s0 = rows.seq_offset
-            b, t = idx // T, idx % T
-            kk = self.keys_kv[s0 + b, t]                                    # (N,)
-            kq = self.keys_qo[s0 + b, t].reshape(-1)                        # (N*G,) row-major (n, g)
-            Qg, Og = Q.view(N, H, G, D), O.view(N, H, G, D)
-
-            def take_kv(i):
-                return {"k": Kh[:, i], "v": Vh[:, i]}
+            if rows.span is not None and N == rows.span[1] - rows.span[0]:
+                kk = self.keys_kv[s0, rows.span[0]:rows.span[1]]                      # (N,)
+                kq = self.keys_qo[s0, rows.span[0]:rows.span[1]].reshape(-1)          # (N*G,) as (n, g)
+            else:
+                b, t = idx // T, idx % T
+                kk = self.keys_kv[s0 + b, t]
+                kq = self.keys_qo[s0 + b, t].reshape(-1)
+            self._reservoir("kv", kk, lambda i: X[i, Hq:Hq + 2 * H])                  # (n, 2*Hkv, D)
 
             def take_qo(i):  # i = n*G + g; query head of KV head h is h*G + g
                 n, g = i // G, i % G
-                return {"q": Qg[n, :, g].transpose(0, 1), "o": Og[n, :, g].transpose(0, 1)}
+                heads = torch.arange(H, device=X.device)[None, :] * G + g[:, None]    # (n, Hkv)
+                return torch.cat([X[n[:, None], heads], X[n[:, None], Hq + 2 * H + heads]], dim=1)
 
-            self._reservoir("kv", kk, take_kv)
             self._reservoir("qo", kq, take_qo)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The block's values under their store names (numpy, CPU)."""
         spec = self.spec
         H, D, R = spec.num_kv_heads, spec.head_dim, spec.reservoir
+        gram = self.gram.view(4, H, D, D).cpu().numpy()
+        mom = self.mom.view(3, 4, H, D).cpu().numpy()
+        amax = self.absmax.view(4, H, D).cpu().numpy()
+        res = {}
+        for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
+            r = self.res[kind].cpu().numpy()                                          # (n, 2*Hkv, D)
+            for j, name in enumerate((x, y)):
+                a = np.zeros((H, R, D), dtype=np.float32)
+                a[:, : r.shape[0]] = r[:, j * H:(j + 1) * H].transpose(1, 0, 2)
+                res[name] = a
         out: dict[str, np.ndarray] = {}
-        for x in XS:
-            out[f"{x}_gram"] = self.gram[x].cpu().numpy()
-            out[f"{x}_sum"] = self.sum[x].cpu().numpy()
-            out[f"{x}_m3"] = self.m3[x].cpu().numpy()
-            out[f"{x}_m4"] = self.m4[x].cpu().numpy()
-            out[f"{x}_absmax"] = self.absmax[x].cpu().numpy()
-            res = np.zeros((H, R, D), dtype=np.float32)
-            r = self.res[x].cpu().numpy()
-            res[:, : r.shape[1]] = r
-            out[f"{x}_res"] = res
+        for i, x in enumerate(XS):
+            out[f"{x}_gram"] = gram[i]
+            out[f"{x}_sum"] = mom[0, i]
+            out[f"{x}_m3"] = mom[1, i]
+            out[f"{x}_m4"] = mom[2, i]
+            out[f"{x}_absmax"] = amax[i]
+            out[f"{x}_res"] = res[x]
         out["q_count"] = np.array(self.kv_count * spec.group, dtype=np.int64)
         out["kv_count"] = np.array(self.kv_count, dtype=np.int64)
         out["vw_gram"] = self.vw_gram.cpu().numpy()
@@ -274,6 +282,7 @@ class _Rows:
     idx: torch.Tensor     # (N,) flat indices b*T + t of eligible rows, ascending
     seq_n: torch.Tensor   # (B,) eligible rows per sequence
     seq_offset: int       # index of the batch's first sequence in its block
+    span: tuple[int, int] | None = None  # (a, b): one sequence whose eligible rows are a..b-1
 
 
 @dataclass
@@ -287,7 +296,11 @@ class _BatchContext:
         r = self._rows.get(device)
         if r is None:
             e = self.eligible.to(device)
-            r = self._rows[device] = _Rows(torch.nonzero(e.reshape(-1)).flatten(), e.sum(1), self.seq_offset)
+            idx = torch.nonzero(e.reshape(-1)).flatten()
+            span = None
+            if e.shape[0] == 1 and len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx):
+                span = (int(idx[0]), int(idx[-1]) + 1)
+            r = self._rows[device] = _Rows(idx, e.sum(1), self.seq_offset, span)
         return r
 
 
