@@ -76,7 +76,8 @@ def reservoir_keys(seed: int, block: int, layer: int, S: int, G: int, T: int):
 
 
 def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, sink: int, reservoir: int,
-                    seed: int, block: int, softmax_dtype=torch.float64, check_identity: bool = True) -> dict:
+                    seed: int, block: int, softmax_dtype=torch.float64, check_identity: bool = True,
+                    seqs_per_block: int | None = None) -> dict:
     """Expected store arrays of one block: {layer: {name: ndarray}} (tokens, mask: (S, T))."""
     with torch.no_grad():
         out = model.model(input_ids=tokens, attention_mask=mask, output_hidden_states=True, use_cache=False)
@@ -157,7 +158,7 @@ def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, 
             r["cs_identity"] = cs
         # reservoirs: R smallest keys among counted rows
         if reservoir:
-            kkv, kqo = reservoir_keys(seed, block, l, S_, G, T)
+            kkv, kqo = reservoir_keys(seed, block, l, seqs_per_block or S_, G, T)
             cand = sorted((float(kkv[b, t]), b, t) for b in range(S_) for t in range(T) if ok[b, t])[:reservoir]
             for x in ("k", "v"):
                 a = np.zeros((Hkv, reservoir, D), np.float32)
