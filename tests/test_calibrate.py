@@ -123,25 +123,37 @@ def test_kill9_then_resume_is_bit_identical(tmp_path):
     assert third.returncode == 0 and "0 this run" in third.stdout
 
 
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """The `oscar` CLI in this process (argparse, handler, OscarError -> exit 2)."""
+    from oscar.__main__ import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.mark.slow
-def test_cli_refuses_mismatched_store(tmp_path):
+def test_cli_refuses_mismatched_store(tmp_path, capsys):
     store = tmp_path / "s.zarr"
     small = ["--seq-len", "32", "--sink", "2", "--seqs-per-block", "2", "--tokens", "128", "--reservoir", "2",
-             "--no-progress", "--store", str(store)]
-    ok = _oscar("calibrate", "--model", "tiny-llama", *small)
-    assert ok.returncode == 0, ok.stderr
+             "--no-progress", "--threads", "1", "--store", str(store)]
+    rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", *small)
+    assert rc == 0, err
     before = CalibStore(store).array("layers/0/q_gram")[:]
-    r = _oscar("calibrate", "--model", "tiny-qwen3", *small)
+    r = _oscar("calibrate", "--model", "tiny-qwen3", *small)   # a real process: exit status and message
     assert r.returncode == 2 and "was made for model 'tiny-llama" in r.stderr and "--overwrite" in r.stderr
+    assert "Traceback" not in r.stderr
     corpus = tmp_path / "other.txt"
     corpus.write_text("Another corpus entirely. " * 200)
-    r = _oscar("calibrate", "--model", "tiny-llama", "--corpus", str(corpus), *small)
-    assert r.returncode == 2 and "was made from corpus 'pydoc'" in r.stderr
-    r = _oscar("calibrate", "--model", "tiny-llama", "--seed", "1", *small)
-    assert r.returncode == 2 and "config.seed: 0 -> 1" in r.stderr
+    rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--corpus", str(corpus), *small)
+    assert rc == 2 and "was made from corpus 'pydoc'" in err
+    rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--seed", "1", *small)
+    assert rc == 2 and "config.seed: 0 -> 1" in err
+    rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--seq-len", "32", "--sink", "3", *small[4:])
+    assert rc == 2 and "sink: 2 -> 3" in err
     assert np.array_equal(CalibStore(store).array("layers/0/q_gram")[:], before)   # nothing lost
-    r = _oscar("calibrate", "--model", "tiny-llama", "--seed", "1", "--overwrite", *small)
-    assert r.returncode == 0 and CalibStore(store).meta.config["seed"] == 1
+    rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--seed", "1", "--overwrite", *small)
+    assert rc == 0 and CalibStore(store).meta.config["seed"] == 1
 
 
 def test_bad_inputs(tmp_path):
@@ -160,14 +172,13 @@ def test_bad_inputs(tmp_path):
     assert not (tmp_path / "e.zarr").exists() and not (tmp_path / "m.zarr").exists()
 
 
-@pytest.mark.slow
-def test_cli_bad_inputs(tmp_path):
-    r = _oscar("calibrate", "--seq-len", "32", "--sink", "32", "--store", str(tmp_path / "a.zarr"))
-    assert r.returncode == 2 and "must be larger than --sink" in r.stderr and "Traceback" not in r.stderr
+def test_cli_bad_inputs(tmp_path, capsys):
+    rc, _, err = _main(capsys, "calibrate", "--seq-len", "32", "--sink", "32", "--store", str(tmp_path / "a.zarr"))
+    assert rc == 2 and "must be larger than --sink" in err
     for bad in (tmp_path / "no-such-model", tmp_path / "broken.gguf"):
         if bad.suffix == ".gguf":
             bad.write_bytes(b"not a gguf file at all")
-        r = _oscar("calibrate", "--model", str(bad), "--seq-len", "32", "--sink", "2",
-                   "--store", str(tmp_path / "b.zarr"))
-        assert r.returncode == 2 and "Traceback" not in r.stderr and str(bad) in r.stderr, r.stderr
-    assert not (tmp_path / "b.zarr").exists()
+        rc, _, err = _main(capsys, "calibrate", "--model", str(bad), "--seq-len", "32", "--sink", "2",
+                           "--store", str(tmp_path / "b.zarr"))
+        assert rc == 2 and str(bad) in err, err
+    assert not (tmp_path / "a.zarr").exists() and not (tmp_path / "b.zarr").exists()
