@@ -126,9 +126,9 @@ class LayerAccumulator:
     Per batch the counted rows of q, k, v and o are gathered once into one (N, Htot, D) float64
     tensor (heads: Hq query | Hkv key | Hkv value | Hq output), so that every statistic is one
     op for all heads at once: one strided batched matmul for the Grams, column reductions for
-    sums, x^3, x^4 and min/max. Heads are then pooled into (x, KV head) slots with index_add
-    (a GQA group's query/output heads share their KV head's slot). Few, large ops: on a
-    shared CPU every extra small op costs a thread-pool round trip.
+    sums, x^3, x^4 and min/max, accumulated per head. At the end of the block heads are pooled
+    into (x, KV head) slots (a GQA group's query/output heads share their KV head's slot).
+    Few, large ops: on a shared CPU every extra small op costs a thread-pool round trip.
     """
 
     def __init__(self, spec: CaptureSpec, layer: int, block: int, device: torch.device):
@@ -136,14 +136,16 @@ class LayerAccumulator:
         Hq = H * G
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         self.spec, self.layer, self.block, self.device = spec, layer, block, device
-        self.gram = z(4 * H, D, D)              # slots (x, h), x in q, k, v, o
-        self.mom = z(3, 4 * H, D)               # sum, sum x^3, sum x^4
-        self.absmax = z(4 * H, D)
+        Htot = 2 * Hq + 2 * H
+        self.gram = z(Htot, D, D)               # per head (q heads | k | v | o); pooled in arrays()
+        self.mom = z(3, Htot, D)                # sum, sum x^3, sum x^4
+        self.absmax = z(Htot, D)
         self.vw_gram, self.w_sum = z(H, D, D), z(H)
         self.kv_count = self.nonfinite = 0
         heads = torch.arange(Hq)
-        self.slot = torch.cat([heads // G, H + torch.arange(H), 2 * H + torch.arange(H),
-                               3 * H + heads // G]).to(device)                        # (Htot,) head -> slot
+        self.slot = torch.cat([heads // G, H + torch.arange(H), 2 * H + torch.arange(H), 3 * H + heads // G])  # (Htot,)
+        hk = torch.arange(H)[None, :] * G + torch.arange(G)[:, None]                 # (G, Hkv): q head of (g, h)
+        self.qo_heads = torch.cat([hk, Hq + 2 * H + hk], dim=1).to(device)           # (G, 2*Hkv)
         # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
         # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
         self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
@@ -193,30 +195,27 @@ class LayerAccumulator:
         self.kv_count += N
 
         X2 = Xf * Xf                                                                  # (N, Htot*D)
-        m = torch.stack([colsum, torch.linalg.vecdot(X2, Xf, dim=0), torch.linalg.vecdot(X2, X2, dim=0)])
-        self.mom.index_add_(1, self.slot, m.view(3, Htot, D))
+        m = self.mom.view(3, Htot * D)
+        m[0] += colsum
+        m[1] += torch.linalg.vecdot(X2, Xf, dim=0)
+        m[2] += torch.linalg.vecdot(X2, X2, dim=0)
         if N:
             lo, hi = torch.aminmax(Xf, dim=0)
-            amax = torch.maximum(-lo, hi).view(Htot, D)
-            self.absmax.scatter_reduce_(0, self.slot[:, None].expand(Htot, D), amax, reduce="amax")
+            torch.maximum(self.absmax, torch.maximum(-lo, hi).view(Htot, D), out=self.absmax)
 
-        # Grams of every head: per sequence (the q part of each is that sequence's C_Q, below).
+        # Grams of every head, per sequence: the query part of each is that sequence's C_Q for the
+        # published value target sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T (docs/decisions.md).
         A = X.permute(1, 2, 0)                                                        # (Htot, D, N) strided
-        grams, start = [], 0
-        for n in (seq_n.tolist() if B > 1 else [N]):  # the batch's sequences (not tokens)
-            Ab = A[..., start:start + n]
-            gb = torch.zeros_like(self.gram).index_add_(0, self.slot, Ab @ Ab.mT)     # (4*Hkv, D, D)
-            grams.append((n, gb))
-            start += n
-        # Published value target: sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T, C_Q of the row's own
-        # sequence (see docs/decisions.md).
         Kh = X[:, Hq:Hq + H].transpose(0, 1)                                          # (Hkv, N, D)
         Vh = X[:, Hq + H:Hq + 2 * H].transpose(0, 1)                                  # (Hkv, N, D)
         ws, start = [], 0
-        for n, gb in grams:
+        for n in (seq_n.tolist() if B > 1 else [N]):  # the batch's sequences (not tokens)
+            Ab = A[..., start:start + n]
+            gb = Ab @ Ab.mT                                                           # (Htot, D, D)
             self.gram += gb
+            cq = gb[:Hq].view(H, G, D, D).sum(1) / max(n * G, 1)                      # (Hkv, D, D)
             Kb = Kh[:, start:start + n]                                               # (Hkv, n, D)
-            ws.append(((Kb @ (gb[:H] / max(n * G, 1))) * Kb).sum(-1))                 # (Hkv, n)
+            ws.append(((Kb @ cq) * Kb).sum(-1))                                       # (Hkv, n)
             start += n
         w = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]                            # (Hkv, N)
         self.vw_gram += (Vh * w[..., None]).mT @ Vh
@@ -237,10 +236,8 @@ class LayerAccumulator:
                 kq = self.keys_qo[s0 + b, t].reshape(-1)
             self._reservoir("kv", kk, lambda i: X[i, Hq:Hq + 2 * H])                  # (n, 2*Hkv, D)
 
-            def take_qo(i):  # i = n*G + g; query head of KV head h is h*G + g
-                n, g = i // G, i % G
-                heads = torch.arange(H, device=X.device)[None, :] * G + g[:, None]    # (n, Hkv)
-                return torch.cat([X[n[:, None], heads], X[n[:, None], Hq + 2 * H + heads]], dim=1)
+            def take_qo(i):  # i = n*G + g -> q and o heads h*G + g of every KV head h
+                return X[(i // G)[:, None], self.qo_heads[i % G]]                     # (n, 2*Hkv, D)
 
             self._reservoir("qo", kq, take_qo)
 
@@ -248,9 +245,12 @@ class LayerAccumulator:
         """The block's values under their store names (numpy, CPU)."""
         spec = self.spec
         H, D, R = spec.num_kv_heads, spec.head_dim, spec.reservoir
-        gram = self.gram.view(4, H, D, D).cpu().numpy()
-        mom = self.mom.view(3, 4, H, D).cpu().numpy()
-        amax = self.absmax.view(4, H, D).cpu().numpy()
+        slot = self.slot.to(self.device)
+        z = self.gram.new_zeros
+        gram = z(4 * H, D, D).index_add_(0, slot, self.gram).view(4, H, D, D).cpu().numpy()
+        mom = z(3, 4 * H, D).index_add_(1, slot, self.mom).view(3, 4, H, D).cpu().numpy()
+        amax = z(4 * H, D).scatter_reduce_(0, slot[:, None].expand(-1, D), self.absmax,
+                                           reduce="amax").view(4, H, D).cpu().numpy()
         res = {}
         for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
             r = self.res[kind].cpu().numpy()                                          # (n, 2*Hkv, D)
