@@ -128,8 +128,9 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     base = C.base_model(model)
     device = next(model.parameters()).device
 
-    todo = store.todo_blocks(layers)
-    redone = [b for b in todo if any(store.partial(b, l) for l in layers)]
+    done0 = store.done()                     # (B, L); we hold the locks of `layers`: nobody else writes them
+    todo = [b for b in range(meta.num_blocks) if not done0[b, list(layers)].all()]
+    redone = [b for b in todo if any(store.partial(b, l) for l in layers if not done0[b, l])]
     for b in redone:
         print(f"oscar calibrate: block {b} was half-written by an interrupted run (chunks without done "
               f"marker); redoing it", file=sys.stderr)
@@ -160,7 +161,7 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
                 _sync(device)
                 t1 = time.perf_counter()
                 for l in layers:
-                    if not store.done_at(b, l):  # never rewrite a chunk already marked done
+                    if not done0[b, l]:  # never rewrite a chunk already marked done
                         store.write_layer(b, l, arrays[l])
                 t2 = time.perf_counter()
                 fwd_s += t1 - t0

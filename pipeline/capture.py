@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -150,23 +151,19 @@ class LayerAccumulator:
         # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
         self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
         self.keys_kv = self.keys_qo = None  # sized on the first batch (T known then)
-        self.res = {"kv": torch.zeros(0, 2 * H, D, dtype=torch.float32, device=device),   # rows: k heads | v heads
-                    "qo": torch.zeros(0, 2 * H, D, dtype=torch.float32, device=device)}   # q heads | o heads (one g)
-        self.res_key = {"kv": z(0), "qo": z(0)}
+        # Candidates per batch (at most R each); the R smallest keys of the block are picked in arrays().
+        self.cand: dict[str, list] = {"kv": [], "qo": []}   # (keys (n,), rows (n, 2*Hkv, D) float32)
 
     def _keys(self, T: int) -> None:
         S, G = self.spec.seqs_per_block, self.spec.group
         self.keys_kv = torch.rand(S, T, generator=self._gen, dtype=torch.float64).to(self.device)     # (S, T)
         self.keys_qo = torch.rand(S, T, G, generator=self._gen, dtype=torch.float64).to(self.device)  # (S, T, G)
 
-    def _reservoir(self, kind: str, keys: torch.Tensor, take: Callable) -> None:
-        """Merge candidates (keys: (M,)) into the R-smallest-key reservoir; take(idx) -> (n, 2*Hkv, D)."""
+    def _candidates(self, kind: str, keys: torch.Tensor, take: Callable) -> None:
+        """Keep the batch's R smallest keys (only those can end in the block's reservoir)."""
         R = self.spec.reservoir
-        new = torch.topk(keys, min(R, keys.numel()), largest=False, sorted=False).indices  # only these can enter
-        k_all = torch.cat([self.res_key[kind], keys[new]])
-        top = torch.topk(k_all, min(R, k_all.numel()), largest=False, sorted=True).indices
-        self.res_key[kind] = k_all[top]
-        self.res[kind] = torch.cat([self.res[kind], take(new).float()]).index_select(0, top)
+        sel = torch.topk(keys, R, largest=False, sorted=False).indices if keys.numel() > R else None
+        self.cand[kind].append((keys if sel is None else keys[sel], take(sel).float()))
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: "_Rows") -> None:
         """q: (B, Hq, T, D); k, v: (B, Hkv, T, D); out: (B, T, Hq, D) (the attention output, o_proj input)."""
@@ -175,16 +172,17 @@ class LayerAccumulator:
         H, G = spec.num_kv_heads, spec.group
         parts = [q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out]        # (B, T, heads, D) each
         idx, seq_n = rows.idx, rows.seq_n                                             # (N,), (B,)
+        Htot = 2 * Hq + 2 * H
         if rows.span is not None:  # one sequence, contiguous rows: slice, gather and convert in one op
             a, b = rows.span
-            X = torch.cat([p[0, a:b] for p in parts], dim=1)                          # (N, Htot, D)
+            X = torch.empty(b - a, Htot, D, dtype=torch.float64, device=q.device)
+            torch.cat([p[0, a:b] for p in parts], dim=1, out=X)                       # (N, Htot, D)
         else:
-            X = torch.cat(parts, dim=2).reshape(B * T, -1, D).index_select(0, idx)    # (N, Htot, D)
-        X = X.double()
-        N, Htot = X.shape[0], X.shape[1]
+            X = torch.cat(parts, dim=2).reshape(B * T, -1, D).index_select(0, idx).double()  # (N, Htot, D)
+        N = X.shape[0]
         Xf = X.view(N, Htot * D)
         colsum = Xf.sum(0)                                                            # (Htot*D,)
-        if not bool(torch.isfinite(colsum).all()):  # NaN/Inf propagate into the sums: drop bad rows
+        if not math.isfinite(float(colsum.sum())):  # NaN/Inf propagate into the sums: drop bad rows
             fin = Xf.isfinite().all(1)                                                # (N,)
             self.nonfinite += int((~fin).sum())
             X, idx = X[fin], idx[fin]
@@ -234,12 +232,14 @@ class LayerAccumulator:
                 b, t = idx // T, idx % T
                 kk = self.keys_kv[s0 + b, t]
                 kq = self.keys_qo[s0 + b, t].reshape(-1)
-            self._reservoir("kv", kk, lambda i: X[i, Hq:Hq + 2 * H])                  # (n, 2*Hkv, D)
+            self._candidates("kv", kk, lambda i: X[:, Hq:Hq + 2 * H] if i is None else X[i, Hq:Hq + 2 * H])
 
             def take_qo(i):  # i = n*G + g -> q and o heads h*G + g of every KV head h
+                if i is None:
+                    i = torch.arange(N * G, device=X.device)
                 return X[(i // G)[:, None], self.qo_heads[i % G]]                     # (n, 2*Hkv, D)
 
-            self._reservoir("qo", kq, take_qo)
+            self._candidates("qo", kq, take_qo)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The block's values under their store names (numpy, CPU)."""
@@ -251,9 +251,14 @@ class LayerAccumulator:
         mom = z(3, 4 * H, D).index_add_(1, slot, self.mom).view(3, 4, H, D).cpu().numpy()
         amax = z(4 * H, D).scatter_reduce_(0, slot[:, None].expand(-1, D), self.absmax,
                                            reduce="amax").view(4, H, D).cpu().numpy()
-        res = {}
+        res, counts = {}, {}
         for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
-            r = self.res[kind].cpu().numpy()                                          # (n, 2*Hkv, D)
+            r = np.zeros((0, 2 * H, D), np.float32)
+            if self.cand[kind]:
+                keys = torch.cat([c[0] for c in self.cand[kind]])
+                top = torch.topk(keys, min(R, keys.numel()), largest=False, sorted=True).indices
+                r = torch.cat([c[1] for c in self.cand[kind]]).index_select(0, top).cpu().numpy()  # (n, 2*Hkv, D)
+            counts[kind] = r.shape[0]
             for j, name in enumerate((x, y)):
                 a = np.zeros((H, R, D), dtype=np.float32)
                 a[:, : r.shape[0]] = r[:, j * H:(j + 1) * H].transpose(1, 0, 2)
@@ -271,8 +276,8 @@ class LayerAccumulator:
         out["vw_gram"] = self.vw_gram.cpu().numpy()
         out["w_sum"] = self.w_sum.cpu().numpy()
         out["nonfinite"] = np.array(self.nonfinite, dtype=np.int64)
-        out["res_count"] = np.array(self.res_key["kv"].numel(), dtype=np.int64)
-        out["qo_res_count"] = np.array(self.res_key["qo"].numel(), dtype=np.int64)
+        out["res_count"] = np.array(counts["kv"], dtype=np.int64)
+        out["qo_res_count"] = np.array(counts["qo"], dtype=np.int64)
         return out
 
 
