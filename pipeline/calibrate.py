@@ -128,14 +128,16 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     base = C.base_model(model)
     device = next(model.parameters()).device
 
-    todo = store.todo_blocks(layers)
-    redone = [b for b in todo if any(store.partial(b, l) for l in layers)]
+    done0 = store.done()                     # (B, L); we hold the locks of `layers`: nobody else writes them
+    todo = [b for b in range(meta.num_blocks) if not done0[b, list(layers)].all()]
+    redone = [b for b in todo if any(store.partial(b, l) for l in layers if not done0[b, l])]
     for b in redone:
         print(f"oscar calibrate: block {b} was half-written by an interrupted run (chunks without done "
               f"marker); redoing it", file=sys.stderr)
     tokens_arr, mask_arr = store.array("tokens"), store.array("mask")
     total_tokens = int(mask_arr[:].sum())
-    done_tokens = int(sum(int(mask_arr[b].sum()) for b in range(meta.num_blocks) if b not in set(todo)))
+    per_block = mask_arr[:].reshape(meta.num_blocks, -1).sum(1)
+    done_tokens = int(per_block.sum() - per_block[todo].sum())
 
     cap = C.Capture(spec)
     t_start = time.perf_counter()
@@ -149,15 +151,17 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
                 mask = torch.from_numpy(np.asarray(mask_arr[b], dtype=np.int64))     # (S, T)
                 t0 = time.perf_counter()
                 cap.start_block(b)
-                for s0 in range(0, toks.shape[0], batch_size):
-                    ids, mb = toks[s0:s0 + batch_size].to(device), mask[s0:s0 + batch_size].to(device)
+                n_seq = int(mask.any(1).nonzero().max()) + 1 if mask.any() else 1  # trailing all-padding rows: skip
+                for s0 in range(0, n_seq, batch_size):
+                    s1 = min(s0 + batch_size, n_seq)
+                    ids, mb = toks[s0:s1].to(device), mask[s0:s1].to(device)
                     with cap.batch(mb, seq_offset=s0):
                         base(input_ids=ids, attention_mask=mb, use_cache=False)
                 arrays = cap.finish_block()
                 _sync(device)
                 t1 = time.perf_counter()
                 for l in layers:
-                    if not store.done_at(b, l):  # never rewrite a chunk already marked done
+                    if not done0[b, l]:  # never rewrite a chunk already marked done
                         store.write_layer(b, l, arrays[l])
                 t2 = time.perf_counter()
                 fwd_s += t1 - t0
@@ -230,9 +234,7 @@ def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
     model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
-                                        dtype=_torch_dtype(cfg.dtype))
-    if cfg.device != "cpu":
-        model.to(cfg.device)
+                                        dtype=_torch_dtype(cfg.dtype), device=cfg.device)
     plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
     tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
     if tokens.size == 0 or int(mask.sum()) == 0:
@@ -240,9 +242,10 @@ def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     B, S, T = tokens.shape
     info_d = info.to_dict()
     meta = StoreMeta(
-        model={k: info_d[k] for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads", "head_dim")}
-        | {"source": info_d.get("source")},
-        corpus={"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
+        model={k: info_d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
+                                          "head_dim", "model_type", "source")},
+        corpus=corpus.to_dict() if hasattr(corpus, "to_dict") else
+        {"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
         seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
     with WriterLock(cfg.store, range(info.num_layers)):

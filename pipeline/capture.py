@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -53,7 +54,7 @@ def _make_capture_fn(impl: str) -> Callable:
         out, weights = inner(module, query, key, value, attention_mask, **kwargs)  # out: (B, T, Hq, D)
         ctx = _ACTIVE.get()
         if ctx is not None:
-            ctx.capture.record(module.layer_idx, query, key, value, out.transpose(1, 2), ctx)
+            ctx.capture.record(module.layer_idx, query, key, value, out, ctx)
         return out, weights
 
     oscar_capture_attention.__name__ = f"{PREFIX}{impl}"
@@ -121,153 +122,191 @@ def reservoir_seed(seed: int, block: int, layer: int) -> int:
 
 
 class LayerAccumulator:
-    """float64 sums of one layer over one block (everything lives on the activations' device)."""
+    """float64 sums of one layer over one block (everything lives on the activations' device).
+
+    Per batch the counted rows of q, k, v and o are gathered once into one (N, Htot, D) float64
+    tensor (heads: Hq query | Hkv key | Hkv value | Hq output), so that every statistic is one
+    op for all heads at once: one strided batched matmul for the Grams, column reductions for
+    sums, x^3, x^4 and min/max, accumulated per head. At the end of the block heads are pooled
+    into (x, KV head) slots (a GQA group's query/output heads share their KV head's slot).
+    Few, large ops: on a shared CPU every extra small op costs a thread-pool round trip.
+    """
 
     def __init__(self, spec: CaptureSpec, layer: int, block: int, device: torch.device):
-        H, D, R, G = spec.num_kv_heads, spec.head_dim, spec.reservoir, spec.group
+        H, D, G = spec.num_kv_heads, spec.head_dim, spec.group
+        Hq = H * G
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         self.spec, self.layer, self.block, self.device = spec, layer, block, device
-        self.gram = {x: z(H, D, D) for x in XS}
-        self.sum = {x: z(H, D) for x in XS}
-        self.m3 = {x: z(H, D) for x in XS}
-        self.m4 = {x: z(H, D) for x in XS}
-        self.absmax = {x: z(H, D) for x in XS}
+        Htot = 2 * Hq + 2 * H
+        self.gram = z(Htot, D, D)               # per head (q heads | k | v | o); pooled in arrays()
+        self.mom = z(3, Htot, D)                # sum, sum x^3, sum x^4
+        self.absmax = z(Htot, D)
         self.vw_gram, self.w_sum = z(H, D, D), z(H)
-        i64 = lambda: torch.zeros((), dtype=torch.int64, device=device)  # noqa: E731
-        self.kv_count, self.nonfinite = i64(), i64()
-        # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, group head,
-        # token) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
+        self.kv_count = self.nonfinite = 0
+        heads = torch.arange(Hq)
+        self.slot = torch.cat([heads // G, H + torch.arange(H), 2 * H + torch.arange(H), 3 * H + heads // G])  # (Htot,)
+        hk = torch.arange(H)[None, :] * G + torch.arange(G)[:, None]                 # (G, Hkv): q head of (g, h)
+        self.qo_heads = torch.cat([hk, Hq + 2 * H + hk], dim=1).to(device)           # (G, 2*Hkv)
+        # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
+        # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
         self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
-        self._S = spec.seqs_per_block
-        self.keys_kv = self.keys_qo = None  # lazily sized on the first batch (T known then)
-        self.res = {x: torch.zeros(H, 0, D, dtype=torch.float32, device=device) for x in XS}
-        self.res_key = {"kv": torch.zeros(0, dtype=torch.float64, device=device),
-                        "qo": torch.zeros(0, dtype=torch.float64, device=device)}
-
-    # (B, Hkv, N, D) float64 rows -> gram / sums / moments, summed over B and N
-    def _moments(self, x: str, X: torch.Tensor) -> None:
-        Xf = X.transpose(0, 1).reshape(X.shape[1], -1, X.shape[-1])  # (Hkv, B*N, D)
-        self.gram[x] += Xf.mT @ Xf
-        self.sum[x] += Xf.sum(1)
-        X2 = Xf * Xf
-        self.m3[x] += (X2 * Xf).sum(1)
-        self.m4[x] += (X2 * X2).sum(1)
-        self.absmax[x] = torch.maximum(self.absmax[x], Xf.abs().amax(1))
+        self.keys_kv = self.keys_qo = None  # sized on the first batch (T known then)
+        # Candidates per batch (at most R each); the R smallest keys of the block are picked in arrays().
+        self.cand: dict[str, list] = {"kv": [], "qo": []}   # (keys (n,), rows (n, 2*Hkv, D) float32)
 
     def _keys(self, T: int) -> None:
-        S, G = self._S, self.spec.group
+        S, G = self.spec.seqs_per_block, self.spec.group
         self.keys_kv = torch.rand(S, T, generator=self._gen, dtype=torch.float64).to(self.device)     # (S, T)
-        self.keys_qo = torch.rand(S, G, T, generator=self._gen, dtype=torch.float64).to(self.device)  # (S, G, T)
+        self.keys_qo = torch.rand(S, T, G, generator=self._gen, dtype=torch.float64).to(self.device)  # (S, T, G)
 
-    def _reservoir(self, kind: str, xs: tuple[str, ...], keys: torch.Tensor, take: Callable) -> None:
-        """Merge candidates (keys: (N,), +inf for excluded rows; take(idx) -> {x: (Hkv, n, D)})."""
+    def _candidates(self, kind: str, keys: torch.Tensor, take: Callable) -> None:
+        """Keep the batch's R smallest keys (only those can end in the block's reservoir)."""
         R = self.spec.reservoir
-        old = self.res_key[kind]
-        thresh = old[-1] if old.numel() >= R else torch.inf
-        new = torch.nonzero(keys < thresh).flatten()  # few rows once the reservoir is full
-        k_all = torch.cat([old, keys[new]])
-        top = torch.topk(k_all, min(R, k_all.numel()), largest=False, sorted=True).indices
-        self.res_key[kind] = k_all[top]
-        rows = take(new)
-        for x in xs:
-            cand = torch.cat([self.res[x], rows[x].float()], dim=1)  # (Hkv, r_old + n, D)
-            self.res[x] = cand.index_select(1, top)
+        sel = torch.topk(keys, R, largest=False, sorted=False).indices if keys.numel() > R else None
+        self.cand[kind].append((keys if sel is None else keys[sel], take(sel).float()))
 
-    def update(self, q, k, v, o, eligible: torch.Tensor, seq_offset: int) -> None:
-        """q, o: (B, Hq, T, D); k, v: (B, Hkv, T, D); eligible: (B, T) bool (real, past the sink)."""
+    def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: "_Rows") -> None:
+        """q: (B, Hq, T, D); k, v: (B, Hkv, T, D); out: (B, T, Hq, D) (the attention output, o_proj input)."""
         spec = self.spec
-        B, _, T, D = q.shape
+        B, Hq, T, D = q.shape
         H, G = spec.num_kv_heads, spec.group
-        if seq_offset + B > spec.seqs_per_block:
-            raise OscarError(f"batch rows {seq_offset}..{seq_offset + B} exceed seqs_per_block={spec.seqs_per_block}")
-        finite = (q.isfinite().all(-1).all(1) & k.isfinite().all(-1).all(1)
-                  & v.isfinite().all(-1).all(1) & o.isfinite().all(-1).all(1))            # (B, T)
-        ok = eligible & finite                                                            # (B, T)
-        self.nonfinite += (eligible & ~finite).sum()
-        self.kv_count += ok.sum()
+        parts = [q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out]        # (B, T, heads, D) each
+        idx, seq_n = rows.idx, rows.seq_n                                             # (N,), (B,)
+        Htot = 2 * Hq + 2 * H
+        if rows.span is not None:  # one sequence, contiguous rows: slice, gather and convert in one op
+            a, b = rows.span
+            X = torch.empty(b - a, Htot, D, dtype=torch.float64, device=q.device)
+            torch.cat([p[0, a:b] for p in parts], dim=1, out=X)                       # (N, Htot, D)
+        else:
+            X = torch.cat(parts, dim=2).reshape(B * T, -1, D).index_select(0, idx).double()  # (N, Htot, D)
+        N = X.shape[0]
+        Xf = X.view(N, Htot * D)
+        colsum = Xf.sum(0)                                                            # (Htot*D,)
+        if not math.isfinite(float(colsum.sum())):  # NaN/Inf propagate into the sums: drop bad rows
+            fin = Xf.isfinite().all(1)                                                # (N,)
+            self.nonfinite += int((~fin).sum())
+            X, idx = X[fin], idx[fin]
+            seq_n = torch.bincount(idx // T, minlength=B)
+            N = X.shape[0]
+            Xf = X.view(N, Htot * D)
+            colsum = Xf.sum(0)
+        self.kv_count += N
 
-        m = ok[:, None, :, None]                                                          # (B, 1, T, 1)
-        mg = ok[:, None, None, :, None]                                                   # (B, 1, 1, T, 1)
-        zero = torch.zeros((), dtype=torch.float64, device=q.device)
-        # where() (not a multiply): excluded rows may hold NaN/Inf.
-        Q = torch.where(mg, q.reshape(B, H, G, T, D).double(), zero).reshape(B, H, G * T, D)  # (B, Hkv, G*T, D)
-        O = torch.where(mg, o.reshape(B, H, G, T, D).double(), zero).reshape(B, H, G * T, D)  # (B, Hkv, G*T, D)
-        K = torch.where(m, k.double(), zero)                                              # (B, Hkv, T, D)
-        V = torch.where(m, v.double(), zero)                                              # (B, Hkv, T, D)
+        X2 = Xf * Xf                                                                  # (N, Htot*D)
+        m = self.mom.view(3, Htot * D)
+        m[0] += colsum
+        m[1] += torch.linalg.vecdot(X2, Xf, dim=0)
+        m[2] += torch.linalg.vecdot(X2, X2, dim=0)
+        if N:
+            lo, hi = torch.aminmax(Xf, dim=0)
+            torch.maximum(self.absmax, torch.maximum(-lo, hi).view(Htot, D), out=self.absmax)
 
-        # Per-sequence query Gram: its sum is q_gram, and it is the C_Q of the value weights.
-        q_gram_b = Q.mT @ Q                                                               # (B, Hkv, D, D)
-        self.gram["q"] += q_gram_b.sum(0)
-        Xf = Q.transpose(0, 1).reshape(H, -1, D)                                          # (Hkv, B*G*T, D)
-        self.sum["q"] += Xf.sum(1)
-        X2 = Xf * Xf
-        self.m3["q"] += (X2 * Xf).sum(1)
-        self.m4["q"] += (X2 * X2).sum(1)
-        self.absmax["q"] = torch.maximum(self.absmax["q"], Xf.abs().amax(1))
-        for x, X in (("o", O), ("k", K), ("v", V)):
-            self._moments(x, X)
+        # Grams of every head, per sequence: the query part of each is that sequence's C_Q for the
+        # published value target sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T (docs/decisions.md).
+        A = X.permute(1, 2, 0)                                                        # (Htot, D, N) strided
+        Kh = X[:, Hq:Hq + H].transpose(0, 1)                                          # (Hkv, N, D)
+        Vh = X[:, Hq + H:Hq + 2 * H].transpose(0, 1)                                  # (Hkv, N, D)
+        ws, start = [], 0
+        for n in (seq_n.tolist() if B > 1 else [N]):  # the batch's sequences (not tokens)
+            Ab = A[..., start:start + n]
+            gb = Ab @ Ab.mT                                                           # (Htot, D, D)
+            self.gram += gb
+            cq = gb[:Hq].view(H, G, D, D).sum(1) / max(n * G, 1)                      # (Hkv, D, D)
+            Kb = Kh[:, start:start + n]                                               # (Hkv, n, D)
+            ws.append(((Kb @ cq) * Kb).sum(-1))                                       # (Hkv, n)
+            start += n
+        w = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]                            # (Hkv, N)
+        self.vw_gram += (Vh * w[..., None]).mT @ Vh
+        self.w_sum += w.sum(1)
 
-        # Published value target: sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T, C_Q of the same sequence.
-        nq = (ok.sum(1) * G).clamp(min=1).double()                                        # (B,)
-        cq = q_gram_b / nq[:, None, None, None]                                           # (B, Hkv, D, D)
-        w = ((K @ cq) * K).sum(-1)                                                        # (B, Hkv, T)
-        Vf = V.transpose(0, 1).reshape(H, B * T, D)                                       # (Hkv, B*T, D)
-        wf = w.transpose(0, 1).reshape(H, B * T, 1)                                       # (Hkv, B*T, 1)
-        self.vw_gram += (Vf * wf).mT @ Vf
-        self.w_sum += w.sum((0, 2))
-
-        # Reservoirs (raw activations, not the float64 copies).
-        if spec.reservoir > 0:
-            if self.keys_kv is None or self.keys_kv.shape[1] != T:
-                if self.keys_kv is not None:
-                    raise OscarError(f"sequence length changed within block {self.block}")
+        if spec.reservoir > 0 and N:
+            if self.keys_kv is None:
                 self._keys(T)
-            inf = torch.full((), torch.inf, dtype=torch.float64, device=q.device)
-            kk = torch.where(ok, self.keys_kv[seq_offset:seq_offset + B], inf).reshape(-1)           # (B*T,)
-            kq = torch.where(ok[:, None], self.keys_qo[seq_offset:seq_offset + B], inf).reshape(-1)  # (B*G*T,)
-            def take_kv(i):  # flat index b*T + t -> rows (Hkv, n, D)
-                b, t = i // T, i % T
-                return {"k": k[b, :, t].transpose(0, 1), "v": v[b, :, t].transpose(0, 1)}
+            elif self.keys_kv.shape[1] != T:
+                raise OscarError(f"sequence length changed within block {self.block}")
+            s0 = rows.seq_offset
+            if rows.span is not None and N == rows.span[1] - rows.span[0]:
+                kk = self.keys_kv[s0, rows.span[0]:rows.span[1]]                      # (N,)
+                kq = self.keys_qo[s0, rows.span[0]:rows.span[1]].reshape(-1)          # (N*G,) as (n, g)
+            else:
+                b, t = idx // T, idx % T
+                kk = self.keys_kv[s0 + b, t]
+                kq = self.keys_qo[s0 + b, t].reshape(-1)
+            self._candidates("kv", kk, lambda i: X[:, Hq:Hq + 2 * H] if i is None else X[i, Hq:Hq + 2 * H])
 
-            def take_qo(i):  # flat index (b*G + g)*T + t; query head of KV head h is h*G + g
-                b, g, t = i // (G * T), (i // T) % G, i % T
-                return {"q": q.reshape(B, H, G, T, D)[b, :, g, t].transpose(0, 1),
-                        "o": o.reshape(B, H, G, T, D)[b, :, g, t].transpose(0, 1)}
+            def take_qo(i):  # i = n*G + g -> q and o heads h*G + g of every KV head h
+                if i is None:
+                    i = torch.arange(N * G, device=X.device)
+                return X[(i // G)[:, None], self.qo_heads[i % G]]                     # (n, 2*Hkv, D)
 
-            self._reservoir("kv", ("k", "v"), kk, take_kv)
-            self._reservoir("qo", ("q", "o"), kq, take_qo)
+            self._candidates("qo", kq, take_qo)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The block's values under their store names (numpy, CPU)."""
         spec = self.spec
         H, D, R = spec.num_kv_heads, spec.head_dim, spec.reservoir
+        slot = self.slot.to(self.device)
+        z = self.gram.new_zeros
+        gram = z(4 * H, D, D).index_add_(0, slot, self.gram).view(4, H, D, D).cpu().numpy()
+        mom = z(3, 4 * H, D).index_add_(1, slot, self.mom).view(3, 4, H, D).cpu().numpy()
+        amax = z(4 * H, D).scatter_reduce_(0, slot[:, None].expand(-1, D), self.absmax,
+                                           reduce="amax").view(4, H, D).cpu().numpy()
+        res, counts = {}, {}
+        for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
+            r = np.zeros((0, 2 * H, D), np.float32)
+            if self.cand[kind]:
+                keys = torch.cat([c[0] for c in self.cand[kind]])
+                top = torch.topk(keys, min(R, keys.numel()), largest=False, sorted=True).indices
+                r = torch.cat([c[1] for c in self.cand[kind]]).index_select(0, top).cpu().numpy()  # (n, 2*Hkv, D)
+            counts[kind] = r.shape[0]
+            for j, name in enumerate((x, y)):
+                a = np.zeros((H, R, D), dtype=np.float32)
+                a[:, : r.shape[0]] = r[:, j * H:(j + 1) * H].transpose(1, 0, 2)
+                res[name] = a
         out: dict[str, np.ndarray] = {}
-        n = int(self.kv_count)
-        for x in XS:
-            out[f"{x}_gram"] = self.gram[x].cpu().numpy()
-            out[f"{x}_sum"] = self.sum[x].cpu().numpy()
-            out[f"{x}_m3"] = self.m3[x].cpu().numpy()
-            out[f"{x}_m4"] = self.m4[x].cpu().numpy()
-            out[f"{x}_absmax"] = self.absmax[x].cpu().numpy()
-            res = np.zeros((H, R, D), dtype=np.float32)
-            r = self.res[x].cpu().numpy()
-            res[:, : r.shape[1]] = r
-            out[f"{x}_res"] = res
-        out["q_count"] = np.array(n * spec.group, dtype=np.int64)
-        out["kv_count"] = np.array(n, dtype=np.int64)
+        for i, x in enumerate(XS):
+            out[f"{x}_gram"] = gram[i]
+            out[f"{x}_sum"] = mom[0, i]
+            out[f"{x}_m3"] = mom[1, i]
+            out[f"{x}_m4"] = mom[2, i]
+            out[f"{x}_absmax"] = amax[i]
+            out[f"{x}_res"] = res[x]
+        out["q_count"] = np.array(self.kv_count * spec.group, dtype=np.int64)
+        out["kv_count"] = np.array(self.kv_count, dtype=np.int64)
         out["vw_gram"] = self.vw_gram.cpu().numpy()
         out["w_sum"] = self.w_sum.cpu().numpy()
-        out["nonfinite"] = np.array(int(self.nonfinite), dtype=np.int64)
-        out["res_count"] = np.array(self.res_key["kv"].numel(), dtype=np.int64)
-        out["qo_res_count"] = np.array(self.res_key["qo"].numel(), dtype=np.int64)
+        out["nonfinite"] = np.array(self.nonfinite, dtype=np.int64)
+        out["res_count"] = np.array(counts["kv"], dtype=np.int64)
+        out["qo_res_count"] = np.array(counts["qo"], dtype=np.int64)
         return out
+
+
+@dataclass
+class _Rows:
+    """The counted-row candidates of one batch on one device (shared by every layer)."""
+    idx: torch.Tensor     # (N,) flat indices b*T + t of eligible rows, ascending
+    seq_n: torch.Tensor   # (B,) eligible rows per sequence
+    seq_offset: int       # index of the batch's first sequence in its block
+    span: tuple[int, int] | None = None  # (a, b): one sequence whose eligible rows are a..b-1
 
 
 @dataclass
 class _BatchContext:
     capture: "Capture"
-    eligible: torch.Tensor  # (B, T) bool
+    eligible: torch.Tensor  # (B, T) bool: real tokens at position >= sink
     seq_offset: int
+    _rows: dict = field(default_factory=dict)
+
+    def rows(self, device: torch.device) -> _Rows:
+        r = self._rows.get(device)
+        if r is None:
+            e = self.eligible.to(device)
+            idx = torch.nonzero(e.reshape(-1)).flatten()
+            span = None
+            if e.shape[0] == 1 and len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx):
+                span = (int(idx[0]), int(idx[-1]) + 1)
+            r = self._rows[device] = _Rows(idx, e.sum(1), self.seq_offset, span)
+        return r
 
 
 class Capture:
@@ -306,17 +345,20 @@ class Capture:
         finally:
             _ACTIVE.reset(token)
 
-    def record(self, layer, q, k, v, o, ctx: _BatchContext) -> None:
+    def record(self, layer, q, k, v, out, ctx: _BatchContext) -> None:
+        """q: (B, Hq, T, D), k/v: (B, Hkv, T, D) as passed to attention; out: (B, T, Hq, D) its output."""
         if layer not in self.spec.layers:
             return
-        if q.shape[2] != ctx.eligible.shape[1] or q.shape[0] != ctx.eligible.shape[0]:
-            raise OscarError(f"capture: attention saw q {tuple(q.shape)} but the batch mask is "
+        if q.shape[2] != ctx.eligible.shape[1] or q.shape[0] != ctx.eligible.shape[0] or k.shape[2] != q.shape[2]:
+            raise OscarError(f"capture: attention saw q {tuple(q.shape)}, k {tuple(k.shape)} but the batch mask is "
                              f"{tuple(ctx.eligible.shape)} (KV cache on? calibration runs with use_cache=False)")
+        if ctx.seq_offset + q.shape[0] > self.spec.seqs_per_block:
+            raise OscarError(f"batch rows {ctx.seq_offset}..{ctx.seq_offset + q.shape[0]} exceed "
+                             f"seqs_per_block={self.spec.seqs_per_block}")
         acc = self.acc.get(layer)
         if acc is None:
             acc = self.acc[layer] = LayerAccumulator(self.spec, layer, self.block, q.device)
-        eligible = ctx.eligible.to(q.device)
-        acc.update(q.detach(), k.detach(), v.detach(), o.detach(), eligible, ctx.seq_offset)
+        acc.update(q.detach(), k.detach(), v.detach(), out.detach(), ctx.rows(q.device))
         self.calls[layer] = self.calls.get(layer, 0) + 1
 
     def finish_block(self, layers: tuple[int, ...] | None = None) -> dict[int, dict[str, np.ndarray]]:

@@ -328,7 +328,8 @@ class CalibStore:
         """True if (block, layer) has chunks written but no done marker (a crashed write)."""
         if self.done_at(block, layer):
             return False
-        return any(self._chunk_path(f"layers/{layer}/{n}", block).exists() for n in self.spec)
+        first = next(iter(self.spec))  # chunks are written in spec order: the first exists if any does
+        return self._chunk_path(f"layers/{layer}/{first}", block).exists()
 
     def done_at(self, block: int, layer: int) -> bool:
         return bool(self.array("done")[block, layer])

@@ -71,12 +71,13 @@ def reservoir_keys(seed: int, block: int, layer: int, S: int, G: int, T: int):
     h = hashlib.sha256(f"oscar-reservoir/{seed}/{block}/{layer}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
     kv = torch.rand(S, T, generator=g, dtype=torch.float64)
-    qo = torch.rand(S, G, T, generator=g, dtype=torch.float64)
+    qo = torch.rand(S, T, G, generator=g, dtype=torch.float64)
     return kv, qo
 
 
 def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, sink: int, reservoir: int,
-                    seed: int, block: int, softmax_dtype=torch.float64, check_identity: bool = True) -> dict:
+                    seed: int, block: int, softmax_dtype=torch.float64, check_identity: bool = True,
+                    seqs_per_block: int | None = None) -> dict:
     """Expected store arrays of one block: {layer: {name: ndarray}} (tokens, mask: (S, T))."""
     with torch.no_grad():
         out = model.model(input_ids=tokens, attention_mask=mask, output_hidden_states=True, use_cache=False)
@@ -157,7 +158,7 @@ def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, 
             r["cs_identity"] = cs
         # reservoirs: R smallest keys among counted rows
         if reservoir:
-            kkv, kqo = reservoir_keys(seed, block, l, S_, G, T)
+            kkv, kqo = reservoir_keys(seed, block, l, seqs_per_block or S_, G, T)
             cand = sorted((float(kkv[b, t]), b, t) for b in range(S_) for t in range(T) if ok[b, t])[:reservoir]
             for x in ("k", "v"):
                 a = np.zeros((Hkv, reservoir, D), np.float32)
@@ -165,7 +166,7 @@ def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, 
                     a[:, i] = X[x][b, :, t]
                 r[f"{x}_res"] = a
             r["res_count"] = len(cand)
-            cand = sorted((float(kqo[b, g, t]), b, g, t) for b in range(S_) for g in range(G)
+            cand = sorted((float(kqo[b, t, g]), b, g, t) for b in range(S_) for g in range(G)
                           for t in range(T) if ok[b, t])[:reservoir]
             for x in ("q", "o"):
                 a = np.zeros((Hkv, reservoir, D), np.float32)

@@ -171,7 +171,7 @@ def test_writer_lock(tmp_path, capsys):
     assert not (tmp_path / "s.zarr.lock").exists()
 
 
-def test_summary_and_cli_inspect(tmp_path, model):
+def test_summary_and_cli_inspect(tmp_path, model, capsys):
     tokens, mask = block_data()
     path = tmp_path / "s.zarr"
     with WriterLock(path, range(3)):
@@ -199,21 +199,21 @@ def test_summary_and_cli_inspect(tmp_path, model):
     j = json.loads(out.stdout)
     assert j["format"] == "oscar-calib/1" and j["layers"][2]["kv_rows"] == s["layers"][2]["kv_rows"]
     assert "layers/{l}/q_gram" in j["schema"]
-    txt = subprocess.run([sys.executable, "-m", "oscar", "inspect", str(path)], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert txt.returncode == 0 and "C_Q top eigenvalues" in txt.stdout and "3/3 done" in txt.stdout
-    bad = subprocess.run([sys.executable, "-m", "oscar", "inspect", str(tmp_path / "nope")], capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert bad.returncode == 2 and "does not exist" in bad.stderr
+    from oscar.__main__ import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 0
+    txt = capsys.readouterr().out
+    assert "C_Q top eigenvalues" in txt and "3/3 done" in txt and "layers/{l}/vw_gram" in txt
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
-def test_inspect_artifact(tmp_path, model):
+def test_inspect_artifact(tmp_path, model, capsys):
+    from oscar.__main__ import main
     from oscar.stats.artifact import identity_artifact, save_artifact
 
     p = tmp_path / "a.safetensors"
     save_artifact(identity_artifact(model.config), str(p))
-    env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-m", "oscar", "inspect", str(p)], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "oscar-artifact" in out.stdout
+    assert main(["inspect", str(p)]) == 0
+    assert "oscar-artifact" in capsys.readouterr().out
