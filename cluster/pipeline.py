@@ -147,7 +147,7 @@ def stage_ranges(model_dir: str, cc: ClusterConfig, num_layers: int) -> list[tup
 
 
 def job_id_for(store: str) -> str:
-    """Writer-lock job id shared by the driver and the stage actors of one store."""
+    """Prefix of the writer-lock job ids (and actor names) of the Ray runs on one store."""
     return "ray-" + fingerprint(os.path.abspath(store), 12)
 
 
@@ -218,7 +218,9 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
     if not model_dir:
         raise OscarError(f"store {store_path} records no model source; pass the model directory")
     ranges = stage_ranges(model_dir, cc, L)
-    job = job_id_for(store_path)
+    # One writer-lock job per driver run, shared with its stage actors (restarted ones too): a second
+    # concurrent run on the same store is refused; a dead run's locks are taken over.
+    job = f"{job_id_for(store_path)}-{uuid.uuid4().hex[:8]}"
     lock = WriterLock(store_path, range(L), job=job).acquire()
     try:
         _, moe_layers = _ensure_expert_arrays(store, model_dir, list(range(L)))
@@ -451,7 +453,7 @@ def prepare_store(cfg) -> tuple[str, str]:
         corpus={"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
         seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
-    with WriterLock(cfg.store, range(info.num_layers), job=job_id_for(cfg.store)):
+    with WriterLock(cfg.store, range(info.num_layers)):
         CalibStore.open_or_create(cfg.store, meta, tokens, mask, overwrite=cfg.overwrite)
     return str(cfg.store), info.source
 

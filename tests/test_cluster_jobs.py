@@ -76,3 +76,19 @@ def test_cli_flags_and_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "oscar", "status", str(tmp_path / "nostore")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not a zarr store" in r.stderr
+
+
+def test_a_second_writer_is_refused(tmp_path):
+    """A running Ray driver holds the store's layer locks; another run on the same store is refused."""
+    from oscar.cluster.pipeline import job_id_for, prepare_store
+    from oscar.pipeline.calibrate import CalibConfig
+    from oscar.pipeline.store import WriterLock
+
+    c = CalibConfig(model="tiny-llama", store=str(tmp_path / "s.zarr"), seq_len=32, sink=2, seqs_per_block=2,
+                    tokens=128, reservoir=4)
+    store, model_dir = prepare_store(c)
+    assert os.path.isfile(os.path.join(model_dir, "config.json"))
+    with WriterLock(store, range(4), job=f"{job_id_for(store)}-live"):  # this process = a live driver
+        with pytest.raises(OscarError, match="is being written by pid"):
+            prepare_store(c)
+    prepare_store(c)  # released: resuming is fine

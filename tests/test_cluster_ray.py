@@ -179,13 +179,14 @@ def test_sigkill_stage_actor_mid_run(head, tmp_path, tmp_path_factory):
     from oscar.cluster.pipeline import job_id_for
 
     o = opts("tiny-llama", tmp_path / "ray.zarr", blocks=4)
-    name = f"oscar-{job_id_for(o['store'])}-r0-s1"
+    prefix = f"oscar-{job_id_for(o['store'])}-"
     killed = []
 
     def kill_stage_1(block):
         if killed:
             return
-        a = [x for x in list_actors(filters=[("name", "=", name)], detail=True) if x.state == "ALIVE"]
+        a = [x for x in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+             if (x.name or "").startswith(prefix) and x.name.endswith("-r0-s1")]
         os.kill(a[0].pid, signal.SIGKILL)
         killed.append(a[0].pid)
 
