@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-
 import pytest
 import yaml
 
@@ -64,18 +61,19 @@ def test_shipped_manifests_are_valid():
     jobs.normalize_job_config(yaml.safe_load(open(os.path.join(HERE, "cluster", "job-example.yaml"))))
 
 
-def test_cli_flags_and_errors(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "oscar", "calibrate", "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "--ray ADDRESS" in r.stdout and "--replicas" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "oscar", "calibrate", "--model", "tiny-llama", "--store",
-                        str(tmp_path / "s"), "--stages", "2"], capture_output=True, text=True)
-    assert r.returncode == 2 and "need --ray" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "oscar", "submit", str(tmp_path / "missing.yaml"),
-                        "--address", "http://127.0.0.1:1"], capture_output=True, text=True)
-    assert r.returncode == 2 and "cannot read job config" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "oscar", "status", str(tmp_path / "nostore")],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "not a zarr store" in r.stderr
+def test_cli_flags_and_errors(tmp_path, capsys):
+    from oscar.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    out = capsys.readouterr().out
+    assert "--ray ADDRESS" in out and "--replicas" in out and "--stage-layers" in out
+    assert main(["calibrate", "--model", "tiny-llama", "--store", str(tmp_path / "s"), "--stages", "2"]) == 2
+    assert "need --ray" in capsys.readouterr().err
+    assert main(["submit", str(tmp_path / "missing.yaml"), "--address", "http://127.0.0.1:1"]) == 2
+    assert "cannot read job config" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nostore")]) == 2
+    assert "not a zarr store" in capsys.readouterr().err
 
 
 def test_a_second_writer_is_refused(tmp_path):

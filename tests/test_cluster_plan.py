@@ -6,8 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -74,7 +72,7 @@ def test_glm47_parameters_match_an_independent_count():
     assert 352e9 < total < 354e9  # 355B-A32B family; the checkpoint's extra MTP layer is not part of the model
 
 
-def test_glm47_plan_and_cli():
+def test_glm47_plan_and_cli(capsys):
     c = load_model_config("glm-4.7")
     p = make_plan(c, stages=4, gpus_per_stage=8, gpu_mem_gib=80, seq_len=4096)
     assert [s.layers for s in p.stages][0][0] == 0 and p.stages[-1].layers[1] == 92
@@ -82,14 +80,16 @@ def test_glm47_plan_and_cli():
     assert max(s.param_bytes for s in p.stages) < 1.1 * p.loaded_param_bytes / 4  # balanced
     assert p.suggested_stages == 2  # ~656 GiB of bf16 weights: 2 x (8 x 80 GiB x 0.9)
     assert make_plan(c, stages=1, gpus_per_stage=8, gpu_mem_gib=141).suggested_stages == 1
-    r = subprocess.run([sys.executable, "-m", "oscar", "plan", "--model", "glm-4.7", "--stages", "4",
-                        "--gpus-per-stage", "8", "--gpu-mem", "80", "--json"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
+    from oscar.__main__ import main
+
+    assert main(["plan", "--model", "glm-4.7", "--stages", "4", "--gpus-per-stage", "8", "--gpu-mem", "80",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
     assert d["num_layers"] == 92 and len(d["stages"]) == 4 and d["suggested_stages"] == 2
-    r = subprocess.run([sys.executable, "-m", "oscar", "plan", "--model", "glm-4.7", "--stages", "93"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "between 1 and the number of layers (92)" in r.stderr
+    assert main(["plan", "--model", "glm-4.7", "--stages", "93"]) == 2
+    assert "between 1 and the number of layers (92)" in capsys.readouterr().err
+    assert main(["plan", "--model", "no-such-model", "--stages", "2"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
 
 
 def test_store_bytes_match_a_real_store(tmp_path):
