@@ -222,6 +222,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
     # concurrent run on the same store is refused; a dead run's locks are taken over.
     job = f"{job_id_for(store_path)}-{uuid.uuid4().hex[:8]}"
     lock = WriterLock(store_path, range(L), job=job).acquire()
+    pgs, replicas = [], []
     try:
         _, moe_layers = _ensure_expert_arrays(store, model_dir, list(range(L)))
         store.group.attrs["cluster"] = {"stages": [list(r) for r in ranges], "replicas": cc.replicas,
@@ -234,7 +235,6 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
 
         # ---- actors, one placement group per replica
         Actor = stage_actor_class()
-        pgs, replicas = [], []
         bundle = {"CPU": cc.cpus_per_stage, **({"GPU": cc.gpus_per_stage} if cc.gpus_per_stage else {})}
         if cc.memory_per_stage:
             bundle["memory"] = cc.memory_per_stage
@@ -246,8 +246,6 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         try:
             ray.get([pg.ready() for pg in pgs], timeout=cc.placement_timeout)
         except ray.exceptions.GetTimeoutError:
-            for pg in pgs:
-                remove_placement_group(pg)
             raise OscarError(
                 f"cannot place {cc.replicas} replica(s) x {len(ranges)} stages of {bundle} within "
                 f"{cc.placement_timeout:.0f}s; the cluster offers {ray.cluster_resources()}") from None
@@ -343,11 +341,6 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                     stats.append(ray.get(a.get_stats.remote(), timeout=60))
                 except Exception as e:  # noqa: BLE001
                     stats.append({"error": str(e)[:200]})
-        for actors in replicas:
-            for a in actors:
-                ray.kill(a, no_restart=True)
-        for pg in pgs:
-            remove_placement_group(pg)
 
         bubble = measured_bubble(stats)
         n = len(ranges)
@@ -363,6 +356,17 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             bubble=bubble, bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0,
             stage_stats=stats, unused_experts={str(k): v for k, v in unused.items()})
     finally:
+        for actors in replicas:  # also on errors: a long-lived caller must get its resources back
+            for a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        for pg in pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
         lock.release()
 
 
