@@ -9,7 +9,8 @@
    random-init Llama large enough that weights dominate (generated once under /tmp).
    Target: each stage <= 0.65 x single.
 
-Writes bench/results/cluster.json. Run: python bench/cluster.py [--seqs 8] [--skip-memory]
+Writes bench/results/cluster.json. Run: python bench/cluster.py [--seqs 8] [--skip-memory|--skip-throughput]
+[--big-layers 16]
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def pipeline(head, opts: dict, **cc) -> dict:
             "stage_peak_rss_bytes": [s["peak_rss_bytes"] for s in st]}
 
 
-def big_llama(path: str) -> str:
-    """A random-init Llama (~0.6B parameters, fp32 ~2.3 GB) in the layer-sharded layout."""
+def big_llama(path: str, layers: int) -> str:
+    """A random-init Llama (hidden 2048, ffn 8192, 61M parameters per layer + 101M embedding; fp32)
+    in the layer-sharded layout."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
@@ -68,7 +70,7 @@ def big_llama(path: str) -> str:
     from oscar.pipeline.models import _save_sharded, load_tokenizer
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
                       num_attention_heads=16, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True,
                       max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -85,7 +87,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=8, help="2048-token sequences for the throughput run")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--big-model", default="/tmp/oscar-bench-llama-0.6b")
+    ap.add_argument("--big-layers", type=int, default=16, help="layers of the random-init Llama (memory part)")
     args = ap.parse_args()
 
     from oscar.cluster.localray import LocalHead
@@ -123,7 +125,7 @@ def main() -> None:
 
         # ---- 2. peak RSS per stage, weights dominate
         if not args.skip_memory:
-            d = big_llama(args.big_model)
+            d = big_llama(f"/tmp/oscar-bench-llama-{args.big_layers}l", args.big_layers)
             mo = dict(model=d, seq_len=256, sink=4, seqs_per_block=1, tokens=256 * 2, reservoir=16, batch_size=1)
             s = single({**mo, "store": f"{work}/big-single.zarr", "threads": 2})
             p = pipeline(head, {**mo, "store": f"{work}/big-pipe.zarr"}, stages=2, replicas=1, cpus_per_stage=1,
@@ -132,13 +134,13 @@ def main() -> None:
             from oscar.cluster.plan import load_model_config, param_bytes
 
             pb = param_bytes(load_model_config(d), 4)
-            out["memory"] = {
-                "model": "random-init llama, hidden 2048, 8 layers, ffn 8192, vocab 49152 (fp32)",
+            out[f"memory_{args.big_layers}_layers"] = {
+                "model": f"random-init llama, hidden 2048, {args.big_layers} layers, ffn 8192, vocab 49152 (fp32)",
                 "weights_bytes": pb.total - pb.head, "stages": p["stages"],
                 "single_peak_rss_bytes": s["peak_rss_bytes"], "stage_peak_rss_bytes": p["stage_peak_rss_bytes"],
                 "ratios": ratios, "target": 0.65, "met": max(ratios) <= 0.65,
             }
-            print(json.dumps(out["memory"], indent=1))
+            print(json.dumps(out[f"memory_{args.big_layers}_layers"], indent=1))
     finally:
         import ray
 
