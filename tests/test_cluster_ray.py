@@ -100,7 +100,8 @@ def test_pipeline_equals_single_process(head, tmp_path, tmp_path_factory, model,
     if model == "tiny-llama":  # the plain path: `ray job submit -- oscar calibrate ... --ray auto`
         rep = plain_job(head, o, stages=stages, replicas=replicas)
     else:
-        rep = run(o, stages=stages, replicas=replicas)    assert len(rep.stages) == stages and rep.stages[0][0] == 0
+        rep = run(o, stages=stages, replicas=replicas)
+    assert len(rep.stages) == stages and rep.stages[0][0] == 0
     assert sorted(rep.blocks_done) == list(range(blocks)) and rep.block_retries == 0
     # every block by exactly one replica, each stage wrote its own layers only
     by_stage = {}
