@@ -451,10 +451,12 @@ def prepare_store(cfg) -> tuple[str, str]:
         raise OscarError(f"corpus {cfg.corpus!r} produced no tokens to calibrate on")
     B, S, T = tokens.shape
     d = info.to_dict()
+    # Must equal calibrate()'s StoreMeta (tests compare the root attributes of both stores).
     meta = StoreMeta(
-        model={k: d[k] for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads", "head_dim")}
-        | {"source": d.get("source")},
-        corpus={"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
+        model={k: d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
+                                     "head_dim", "model_type", "source")},
+        corpus=corpus.to_dict() if hasattr(corpus, "to_dict") else
+        {"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
         seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
     with WriterLock(cfg.store, range(info.num_layers)):
