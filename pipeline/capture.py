@@ -143,8 +143,6 @@ class LayerAccumulator:
         self.absmax = z(Htot, D)
         self.vw_gram, self.w_sum = z(H, D, D), z(H)
         self.kv_count = self.nonfinite = 0
-        heads = torch.arange(Hq)
-        self.slot = torch.cat([heads // G, H + torch.arange(H), 2 * H + torch.arange(H), 3 * H + heads // G])  # (Htot,)
         hk = torch.arange(H)[None, :] * G + torch.arange(G)[:, None]                 # (G, Hkv): q head of (g, h)
         self.qo_heads = torch.cat([hk, Hq + 2 * H + hk], dim=1).to(device)           # (G, 2*Hkv)
         # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
@@ -197,9 +195,9 @@ class LayerAccumulator:
         m[0] += colsum
         m[1] += torch.linalg.vecdot(X2, Xf, dim=0)
         m[2] += torch.linalg.vecdot(X2, X2, dim=0)
-        if N:
-            lo, hi = torch.aminmax(Xf, dim=0)
-            torch.maximum(self.absmax, torch.maximum(-lo, hi).view(Htot, D), out=self.absmax)
+        if N:  # max |x| per channel in one reduction
+            torch.maximum(self.absmax, torch.linalg.vector_norm(Xf, ord=math.inf, dim=0).view(Htot, D),
+                          out=self.absmax)
 
         # Grams of every head, per sequence: the query part of each is that sequence's C_Q for the
         # published value target sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T (docs/decisions.md).
@@ -245,12 +243,17 @@ class LayerAccumulator:
         """The block's values under their store names (numpy, CPU)."""
         spec = self.spec
         H, D, R = spec.num_kv_heads, spec.head_dim, spec.reservoir
-        slot = self.slot.to(self.device)
-        z = self.gram.new_zeros
-        gram = z(4 * H, D, D).index_add_(0, slot, self.gram).view(4, H, D, D).cpu().numpy()
-        mom = z(3, 4 * H, D).index_add_(1, slot, self.mom).view(3, 4, H, D).cpu().numpy()
-        amax = z(4 * H, D).scatter_reduce_(0, slot[:, None].expand(-1, D), self.absmax,
-                                           reduce="amax").view(4, H, D).cpu().numpy()
+        G, Hq = spec.group, spec.num_q_heads
+
+        def pool(t: torch.Tensor, dim: int, red) -> np.ndarray:
+            """Per-head (..., Htot, ...) -> (4, ..., Hkv, ...): a GQA group's q/o heads reduced with `red`."""
+            q, k, v, o = t.split([Hq, H, H, Hq], dim=dim)
+            g = lambda x: red(x.unflatten(dim, (H, G)), dim + 1)  # noqa: E731
+            return torch.stack([g(q), k, v, g(o)]).cpu().numpy()
+
+        gram = pool(self.gram, 0, torch.sum)                                          # (4, Hkv, D, D)
+        mom = pool(self.mom, 1, torch.sum).transpose(1, 0, 2, 3)                      # (3, 4, Hkv, D)
+        amax = pool(self.absmax, 0, torch.amax)                                       # (4, Hkv, D)
         res, counts = {}, {}
         for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
             r = np.zeros((0, 2 * H, D), np.float32)
