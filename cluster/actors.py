@@ -182,7 +182,7 @@ class StageWorker:
             if self.store.done_at(block, l):
                 continue  # already committed (by an earlier attempt): never rewrite a done chunk
             if l in self.expert_counts:  # before write_layer: its done marker is the commit point
-                put_block(self.store, f"layers/{l}/{EXPERT_ARRAY}", block, self.expert_counts[l].numpy())
+                self.store.put(f"layers/{l}/{EXPERT_ARRAY}", block, self.expert_counts[l].numpy())
             self.store.write_layer(block, l, arrays[l])
         self.stats.blocks_written.append(block)
 
@@ -217,15 +217,6 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def put_block(store, name: str, block: int, value: np.ndarray) -> None:
-    """Write chunk `block` of a one-block-per-chunk array whole (atomic for uncompressed arrays)."""
-    put = getattr(store, "_put", None)
-    if put is not None:
-        put(name, block, value)
-    else:  # pragma: no cover - older store without the atomic writer
-        store.group[name][block] = value
 
 
 def stage_actor_class():

@@ -428,39 +428,11 @@ def _progress(total: int, enabled: bool):
 # --------------------------------------------------------------------------- calibrate front end
 
 def prepare_store(cfg) -> tuple[str, str]:
-    """Create (or validate for resume) the store of a calibration config without loading weights.
+    """Create (or validate for resume) the store without loading weights: the driver of a
+    Ray job must not hold the model. Returns (store path, local model directory)."""
+    from oscar.pipeline.calibrate import prepare_store as _prepare
 
-    Mirrors `oscar.pipeline.calibrate.calibrate` up to `CalibStore.open_or_create`, with
-    `load_info` + `load_tokenizer` instead of `load_model`: the driver of a Ray job must
-    not hold the model. Returns (store path, local model directory).
-    """
-    from pathlib import Path
-
-    from oscar.pipeline.corpus import load_corpus, make_blocks
-    from oscar.pipeline.models import load_info, load_tokenizer
-    from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock
-
-    corpus = load_corpus(cfg.corpus)
-    if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
-        raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
-    info = load_info(cfg.model)
-    tokenizer = load_tokenizer(info.source)
-    plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
-    tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
-    if tokens.size == 0 or int(mask.sum()) == 0:
-        raise OscarError(f"corpus {cfg.corpus!r} produced no tokens to calibrate on")
-    B, S, T = tokens.shape
-    d = info.to_dict()
-    # Must equal calibrate()'s StoreMeta (tests compare the root attributes of both stores).
-    meta = StoreMeta(
-        model={k: d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
-                                     "head_dim", "model_type", "source")},
-        corpus=corpus.to_dict() if hasattr(corpus, "to_dict") else
-        {"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
-        seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
-    Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
-    with WriterLock(cfg.store, range(info.num_layers)):
-        CalibStore.open_or_create(cfg.store, meta, tokens, mask, overwrite=cfg.overwrite)
+    _, info = _prepare(cfg)
     return str(cfg.store), info.source
 
 

@@ -223,18 +223,21 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
-    """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
+def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
+    """Create (or validate for resume) the store of `cfg` without loading weights.
+
+    Shared by the single-process path and the Ray driver (which must not hold the
+    model). Returns (store metadata, ModelInfo); the store's lock is released.
+    """
     from oscar.pipeline.corpus import load_corpus, make_blocks
-    from oscar.pipeline.models import load_model
+    from oscar.pipeline.models import load_info, load_tokenizer
     from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock
 
-    set_threads(cfg.threads)
     corpus = load_corpus(cfg.corpus)
     if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
-    model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
-                                        dtype=_torch_dtype(cfg.dtype), device=cfg.device)
+    info = info or load_info(cfg.model)
+    tokenizer = tokenizer or load_tokenizer(info.source)
     plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
     tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
     if tokens.size == 0 or int(mask.sum()) == 0:
@@ -244,10 +247,23 @@ def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     meta = StoreMeta(
         model={k: info_d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
                                           "head_dim", "model_type", "source")},
-        corpus=corpus.to_dict() if hasattr(corpus, "to_dict") else
-        {"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
+        corpus=corpus.to_dict(),
         seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
     with WriterLock(cfg.store, range(info.num_layers)):
-        store = CalibStore.open_or_create(cfg.store, meta, tokens, mask, overwrite=cfg.overwrite)
+        CalibStore.open_or_create(cfg.store, meta, tokens, mask, overwrite=cfg.overwrite)
+    return meta, info
+
+
+def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
+    """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
+    from oscar.pipeline.models import load_model
+    from oscar.pipeline.store import CalibStore, WriterLock
+
+    set_threads(cfg.threads)
+    model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
+                                        dtype=_torch_dtype(cfg.dtype), device=cfg.device)
+    prepare_store(cfg, info=info, tokenizer=tokenizer)
+    with WriterLock(cfg.store, range(info.num_layers)):
+        store = CalibStore(cfg.store, "r+")
         return run_blocks(model, store, batch_size=cfg.batch_size, progress=progress)

@@ -335,7 +335,7 @@ class CalibStore:
         return bool(self.array("done")[block, layer])
 
     # ---------------------------------------------------------------- writing
-    def _put(self, name: str, block: int, value: np.ndarray) -> None:
+    def put(self, name: str, block: int, value: np.ndarray) -> None:
         """Write chunk `block` of a one-block-per-chunk array whole."""
         a = self.array(name)
         value = np.asarray(value)
@@ -360,7 +360,7 @@ class CalibStore:
         if missing:
             raise ValueError(f"write_layer: missing arrays {sorted(missing)}")
         for name in self.spec:
-            self._put(f"layers/{layer}/{name}", block, arrays[name])
+            self.put(f"layers/{layer}/{name}", block, arrays[name])
         self._put_done(block, layer)
 
     def _put_done(self, block: int, layer: int) -> None:
@@ -450,6 +450,10 @@ def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
                        cq_top_eig=eq.tolist(), cs_top_eig=es.tolist(),
                        k_kurtosis_max=float(np.nanmax(ku)) if np.isfinite(ku).any() else None,
                        k_kurtosis_median=float(np.nanmedian(ku)) if np.isfinite(ku).any() else None)
+        if len(blocks) and f"layers/{l}/expert_tokens" in st.group:  # MoE layers of a Ray run
+            counts = st.group[f"layers/{l}/expert_tokens"][:][blocks].sum(0)  # (E,)
+            rec["expert_tokens"] = counts.tolist()
+            rec["unused_experts"] = np.flatnonzero(counts == 0).tolist()
         layers.append(rec)
     schema = {"tokens": {"dtype": "int32", "shape": list(st.group["tokens"].shape)},
               "mask": {"dtype": "uint8", "shape": list(mask.shape)},
@@ -490,4 +494,11 @@ def format_summary(s: dict) -> str:
         kt = f"{km:8.2f} / {kmed:6.2f}" if km is not None else "       - /      -"
         lines.append(f"  {r['layer']:>5}  {r['blocks_done']:>6}  {r['kv_rows']:>7}   {f(r['cq_top_eig']):<29}  "
                      f"{f(r['cs_top_eig']):<29}  {kt}  {r['nonfinite']:>9}")
+    moe = [r for r in s["layers"] if "unused_experts" in r]
+    if moe:
+        lines.append("  MoE routing (tokens per expert, done blocks)")
+    for r in moe:
+        n = len(r["unused_experts"])
+        lines.append(f"    layer {r['layer']}: {n} of {len(r['expert_tokens'])} experts received no token"
+                     + (f": {r['unused_experts']}" if n else ""))
     return "\n".join(lines)

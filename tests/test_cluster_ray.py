@@ -172,6 +172,12 @@ def check_expert_counts(store):
     unused = unused_experts(st)
     assert set(unused) == set(info.moe_layers)
     assert {str(k): v for k, v in unused.items()} == st.group.attrs["moe_unused_experts"]
+    from oscar.pipeline.store import format_summary, summarize
+
+    s = summarize(store)  # what `oscar inspect` shows
+    for l in info.moe_layers:
+        assert s["layers"][l]["unused_experts"] == unused[l]
+    assert "MoE routing" in format_summary(s)
 
 
 def test_sigkill_stage_actor_mid_run(head, tmp_path, tmp_path_factory):
