@@ -33,6 +33,7 @@ class SynthSpec:
     nu: float = 3.0
     k_mean: float = 0.0  # norm of the planted key mean
     spurious: tuple[int, int, int, float] | None = None  # (layer, head, block, eigenvalue) injected into q
+    unstable: tuple[tuple[int, int], ...] = ()  # (layer, head) whose q basis is redrawn every block
     only_fit_arrays: bool = False  # skip arrays fit never reads (k/v grams... kept small for benches)
     seed: int = 0
     model_name: str = "synthetic"
@@ -118,6 +119,8 @@ def write_synthetic_store(path: str, spec: SynthSpec, progress: bool = False) ->
             blk = {n: np.zeros(a.shape[1:], dtype=a.dtype) for n, a in arr.items()}
             for h in range(H):
                 U, mu = bases[h]
+                if (l, h) in spec.unstable:  # same spectrum, a new leading subspace in every block
+                    U = dict(U, q=planted_basis(rng, D))
                 xs = {x: _rows(rng, N, U[x], lam, spec.tail, spec.nu, mu if x == "k" else None) for x in STAT_X}
                 if spec.spurious and spec.spurious[:3] == (l, h, b):
                     u = rng.standard_normal(D)
