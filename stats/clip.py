@@ -9,7 +9,8 @@ artifact's QuantConfig (oscar.kernels.quant.fake_quant), so the clip is optimal
 for the format the kernel stores.
 
 Candidates: minmax mode, ratios in (0, 1]; static mode, absolute thresholds
-f · max|x| of the layer. A layer gets one threshold for all heads unless per-head
+f · max|x| of the layer; a coarse grid, then the midpoints next to the best coarse
+candidates (layer-wide and per head). A layer gets one threshold for all heads unless per-head
 thresholds lower the summed error by more than ``per_head_gain`` (relative).
 """
 
@@ -49,18 +50,19 @@ def _fq(x: torch.Tensor, spec: QuantSpec, c: float | torch.Tensor) -> torch.Tens
 def key_errors(k: torch.Tensor, Cq: torch.Tensor, spec: QuantSpec, cands: np.ndarray) -> np.ndarray:
     """k (H, N, D) rotated (centred) keys, Cq (H, D, D) rotated query second moment -> (C, H) errors."""
     out = []
+    den = None
     for c in cands:
         kk, kh = _fq(k, spec, float(c))
-        e = kh - kk
-        num = torch.einsum("hnd,hde,hne->h", e, Cq, e)
-        den = torch.einsum("hnd,hde,hne->h", kk, Cq, kk).clamp_min(1e-30)
-        out.append((num / den).numpy())
+        if den is None:
+            den = ((kk @ Cq) * kk).sum((-1, -2)).clamp_min(1e-30)  # (H,)
+        e = kh - kk  # (H, N, D)
+        out.append((((e @ Cq) * e).sum((-1, -2)) / den).numpy())
     return np.stack(out)
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """S (H, Nq, Nk) = softmax(q kᵀ · scale) over reservoir rows."""
-    return torch.softmax(torch.einsum("hqd,hkd->hqk", q, k) * scale, dim=-1)
+    return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1)
 
 
 def value_errors(v: torch.Tensor, S: torch.Tensor, spec: QuantSpec, cands: np.ndarray) -> np.ndarray:
@@ -73,6 +75,20 @@ def value_errors(v: torch.Tensor, S: torch.Tensor, spec: QuantSpec, cands: np.nd
         Sx = S[..., : vv.shape[-2]]
         out.append((((Sx @ (vh - vv)) ** 2).sum((-1, -2)) / den).numpy())
     return np.stack(out)
+
+
+def refine(err_fn, coarse: np.ndarray, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+    """Evaluate err_fn on the coarse grid, then on the midpoints next to the layer's and each
+    head's best coarse candidate; returns (candidates (C,), errors (C, H)) sorted by candidate."""
+    e = err_fn(coarse)
+    step = float(np.min(np.diff(coarse))) if len(coarse) > 1 else 0.0
+    best = {int(np.argmin(e.sum(1)))} | {int(i) for i in e.argmin(0)}
+    fine = sorted({round(float(coarse[i]) + s * step / 2, 6) for i in best for s in (-1, 1)} - set(coarse.tolist()))
+    fine = np.array([f for f in fine if lo <= f <= hi])
+    if len(fine):
+        coarse, e = np.concatenate([coarse, fine]), np.concatenate([e, err_fn(fine)])
+    order = np.argsort(coarse, kind="stable")
+    return coarse[order], e[order]
 
 
 def choose(errs: np.ndarray, cands: np.ndarray, per_head_gain: float, noclip: np.ndarray) -> ClipChoice:
@@ -90,7 +106,7 @@ def choose(errs: np.ndarray, cands: np.ndarray, per_head_gain: float, noclip: np
 
 def search_layer(q: np.ndarray, k: np.ndarray, v: np.ndarray, Cq: np.ndarray, key_spec: QuantSpec,
                  value_spec: QuantSpec, scale: float, ratios: np.ndarray, fracs: np.ndarray,
-                 per_head_gain: float = 0.02, max_rows: int = 2048, max_queries: int = 256,
+                 per_head_gain: float = 0.02, max_rows: int = 1024, max_queries: int = 128,
                  seed: int = 0) -> tuple[ClipChoice, ClipChoice]:
     """K and V clips for one layer. q, k, v: rotated reservoir rows (H, N, D); keys already centred
     if the artifact centres them. Cq: rotated query second moment (H, D, D)."""
@@ -105,10 +121,9 @@ def search_layer(q: np.ndarray, k: np.ndarray, v: np.ndarray, Cq: np.ndarray, ke
     qt = torch.from_numpy(np.ascontiguousarray(q[:, pick(q.shape[1], max_queries)])).float()
     Cqt = torch.from_numpy(Cq).float()
     kc = candidates(key_spec, kt, ratios, fracs)
-    ek = key_errors(kt, Cqt, key_spec, kc)
-    ek0 = key_errors(kt, Cqt, key_spec, kc[-1:])[0]
+    kc, ek = refine(lambda c: key_errors(kt, Cqt, key_spec, c), kc, kc.min(), kc.max())
     S = attention_probs(qt, kt, scale)
     vc = candidates(value_spec, vt, ratios, fracs)
-    ev = value_errors(vt, S, value_spec, vc)
-    ev0 = value_errors(vt, S, value_spec, vc[-1:])[0]
-    return choose(ek, kc, per_head_gain, ek0), choose(ev, vc, per_head_gain, ev0)
+    vc, ev = refine(lambda c: value_errors(vt, S, value_spec, c), vc, vc.min(), vc.max())
+    # the no-clip reference is the largest candidate (ratio 1 / max|x|), evaluated in the coarse grid
+    return choose(ek, kc, per_head_gain, ek[-1]), choose(ev, vc, per_head_gain, ev[-1])

@@ -20,7 +20,7 @@ from oscar.common import OscarError
 from oscar.stats.artifact import Artifact, QuantConfig
 from oscar.stats.clip import search_layer
 from oscar.stats.hadamard import supported as hadamard_supported
-from oscar.stats.reduce import ESTIMATORS, LayerStats, ReduceConfig, open_store
+from oscar.stats.reduce import ESTIMATORS, LayerStats, ReduceConfig, open_store, prefetch
 from oscar.stats.rotations import Rotations, get_variant, hadamard_rot
 
 
@@ -30,11 +30,11 @@ class FitConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     reduce: ReduceConfig = field(default_factory=ReduceConfig)
     clip: bool = True  # search clip thresholds (else 1.0 / max|x|)
-    clip_ratios: tuple[float, ...] = tuple(np.round(np.arange(0.5, 1.0001, 0.025), 4))  # minmax mode
-    clip_fracs: tuple[float, ...] = tuple(np.round(np.arange(0.02, 1.0001, 0.02), 4))  # static: × max|x|
+    clip_ratios: tuple[float, ...] = tuple(np.round(np.arange(0.5, 1.0001, 0.05), 4))  # minmax, coarse (refined ±0.025)
+    clip_fracs: tuple[float, ...] = tuple(np.round(np.arange(0.04, 1.0001, 0.04), 4))  # static: × max|x|, coarse
     per_head_gain: float = 0.02  # per-head clips only if they cut the layer's error by > 2 %
-    clip_rows: int = 2048
-    clip_queries: int = 256
+    clip_rows: int = 1024  # reservoir rows per head used by the search (K and V share them)
+    clip_queries: int = 128
     stability_min: float = 0.5  # median mean-cos² of the leading subspace across blocks
     fallback: str = "hadamard"  # rotation for an unstable head: hadamard | none
     partial: bool = False
@@ -102,8 +102,13 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         from tqdm import tqdm
 
         it = tqdm(it, desc=f"fit {cfg.variant}", unit="layer", file=sys.stderr)
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(4)  # reads of layer l + 1 run while layer l is fitted (2 layers in memory)
+    nxt = prefetch(view, pool, 0)
     for l in it:
-        ls = LayerStats(view, l, cfg.reduce)
+        cur, nxt = nxt, (prefetch(view, pool, l + 1) if l + 1 < L else {})
+        ls = LayerStats(view, l, cfg.reduce, pending=cur)
         rot = variant.build(ls, rng)
         fb = _fallbacks(rot, ls, cfg, l)
         fallbacks += fb
@@ -118,9 +123,10 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
         meta_clip = {}
         if cfg.clip and q is not None and k is not None and v is not None:
-            kc = k.astype(np.float64) - (rot.k_mean[:, None, :] if rot.k_mean is not None else 0.0)
-            q_r, k_r, v_r = q @ Rk, kc @ Rk, v @ Rv  # (H, N, D)
-            Cq_r = np.swapaxes(Rk, -1, -2) @ ls.cov("q") @ Rk  # (H, D, D)
+            T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
+            kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
+            q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rk), (kc, Rk), (T(v), Rv)))  # (H, N, D)
+            Cq_r = (T(Rk).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rk)).numpy()  # (H, D, D)
             ck, cv = search_layer(q_r, k_r, v_r, Cq_r, kspec, vspec, scale, np.array(cfg.clip_ratios),
                                   np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries,
                                   seed=cfg.seed + l)
@@ -162,7 +168,8 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
             "clip_k": [round(float(c), 6) for c in ck_t],
             "clip_v": [round(float(c), 6) for c in cv_t],
         })
-        del ls
+        del ls, cur
+    pool.shutdown()
     if fallbacks:
         _log(f"fit: {len(fallbacks)} head rotation(s) fell back to Hadamard (see metadata 'fallbacks')")
 

@@ -80,6 +80,16 @@ class StoreView:
         return out
 
 
+# what every fit reads per layer (variants may read more, lazily)
+FIT_ARRAYS = ("q_gram", "o_gram", "q_count", "kv_count", "q_sum", "q_m3", "q_m4", "o_sum", "o_m3", "o_m4",
+              "q_res", "k_res", "v_res", "res_count")
+
+
+def prefetch(view: "StoreView", pool, l: int, names=FIT_ARRAYS) -> dict:
+    """Submit reads of layer l's arrays to a thread pool: {name: Future}; overlaps I/O with compute."""
+    return {n: pool.submit(lambda n=n: view.layer(l, [n])[n]) for n in names if view.has(l, n)}
+
+
 def _contiguous(b: list[int]) -> bool:
     return b == list(range(b[0], b[-1] + 1))
 
@@ -128,9 +138,11 @@ def block_means(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def psd(C: np.ndarray) -> np.ndarray:
     """Symmetrise and clip negative eigenvalues (batched over leading dims)."""
-    C = 0.5 * (C + np.swapaxes(C, -1, -2))
-    w, V = np.linalg.eigh(C)
-    return (V * np.clip(w, 0, None)[..., None, :]) @ np.swapaxes(V, -1, -2)
+    import torch
+
+    C = torch.from_numpy(np.ascontiguousarray(0.5 * (C + np.swapaxes(C, -1, -2))))
+    w, V = torch.linalg.eigh(C)
+    return ((V * w.clamp_min(0)[..., None, :]) @ V.transpose(-1, -2)).numpy()
 
 
 def reduce(sums: np.ndarray, counts: np.ndarray, method: str = "plain", trim: float = 0.1) -> np.ndarray:
@@ -203,8 +215,9 @@ class LayerStats:
     target Σ w v vᵀ / Σ w). Every choice made is recorded in ``self.record``.
     """
 
-    def __init__(self, view: StoreView, l: int, cfg: ReduceConfig):
+    def __init__(self, view: StoreView, l: int, cfg: ReduceConfig, pending: dict | None = None):
         self.view, self.l, self.cfg = view, l, cfg
+        self._pending = pending or {}  # name -> Future of the array (prefetched reads)
         self.H, self.D = view.num_kv_heads, view.head_dim
         self._a: dict[str, np.ndarray] = {}
         self._cov: dict = {}
@@ -214,7 +227,8 @@ class LayerStats:
 
     def arr(self, name: str) -> np.ndarray:
         if name not in self._a:
-            self._a[name] = self.view.layer(self.l, [name])[name]
+            f = self._pending.pop(name, None)
+            self._a[name] = f.result() if f is not None else self.view.layer(self.l, [name])[name]
         return self._a[name]
 
     def has(self, name: str) -> bool:

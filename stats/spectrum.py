@@ -14,8 +14,11 @@ import numpy as np
 
 def eigh_desc(C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Batched symmetric eigendecomposition (..., D, D) -> w (..., D) descending, U (..., D, D)."""
+    import torch  # LAPACK via torch: its thread count follows torch.set_num_threads (numpy's BLAS pool
+    # cannot be limited without extra packages and oversubscribes badly on a shared machine)
+
     C = 0.5 * (np.asarray(C, dtype=np.float64) + np.swapaxes(C, -1, -2))
-    w, U = np.linalg.eigh(C)
+    w, U = (t.numpy() for t in torch.linalg.eigh(torch.from_numpy(np.ascontiguousarray(C))))
     w, U = w[..., ::-1], U[..., :, ::-1]
     idx = np.abs(U).argmax(-2)[..., None, :]  # (..., 1, D) row of each column's largest entry
     sign = np.sign(np.take_along_axis(U, idx, -2))
@@ -53,7 +56,7 @@ class SpectrumDiag:
 
 def block_support(U: np.ndarray, w: np.ndarray, block_covs: np.ndarray) -> np.ndarray:
     """Median over blocks of the Rayleigh quotient u_iᵀ C_b u_i, per eigenvector (D,)."""
-    rq = np.einsum("di,bde,ei->bi", U, block_covs, U)  # (B, D)
+    rq = ((block_covs @ U) * U).sum(-2)  # (B, D): u_iᵀ C_b u_i
     return np.median(rq, axis=0)
 
 
