@@ -110,7 +110,7 @@ def main() -> None:
     if args.case in ("glm", "all"):
         results["glm"] = run_case(
             "glm", dict(num_layers=92, num_kv_heads=8, num_q_heads=96, head_dim=128, num_blocks=16, rows=128,
-                        reservoir=128, rank=24, seed=2, only_fit_arrays=True, model_name="glm-4.7-shaped"),
+                        reservoir=128, rank=24, decay=0.9, seed=2, only_fit_arrays=True, compress=False, model_name="glm-4.7-shaped"),
             args.tmp, None, {"peak_rss_mb": 2048.0})
     results["env"]["loadavg_at_end"] = os.getloadavg()
     with open(out_path, "w") as f:

@@ -34,6 +34,7 @@ class SynthSpec:
     k_mean: float = 0.0  # norm of the planted key mean
     spurious: tuple[int, int, int, float] | None = None  # (layer, head, block, eigenvalue) injected into q
     unstable: tuple[tuple[int, int], ...] = ()  # (layer, head) whose q basis is redrawn every block
+    compress: bool = True  # zarr's default zstd; benches turn it off to write GBs faster
     only_fit_arrays: bool = False  # skip arrays fit never reads (k/v grams... kept small for benches)
     seed: int = 0
     model_name: str = "synthetic"
@@ -94,7 +95,8 @@ def write_synthetic_store(path: str, spec: SynthSpec, progress: bool = False) ->
         arr = {}
 
         def mk(name, shape, dtype="float64"):
-            arr[name] = lg.create_array(name, shape=(B, *shape), dtype=dtype, chunks=(1, *shape), fill_value=0)
+            kw = {} if spec.compress else {"compressors": None}
+            arr[name] = lg.create_array(name, shape=(B, *shape), dtype=dtype, chunks=(1, *shape), fill_value=0, **kw)
 
         for x in grams:
             mk(f"{x}_gram", (H, D, D))
@@ -108,6 +110,12 @@ def write_synthetic_store(path: str, spec: SynthSpec, progress: bool = False) ->
             mk("w_sum", (H,))
         for c in ("q_count", "kv_count", "nonfinite", "res_count"):
             mk(c, (), "int64")
+        if spec.only_fit_arrays:  # bench path: the whole layer at once, batched over blocks and heads
+            _fast_layer(spec, rng, arr, lam, l, truth)
+            done[:, l] = 1
+            if progress:
+                print(f"synthetic store: layer {l + 1}/{L}", flush=True)
+            continue
         bases = {}
         for h in range(H):
             U = {x: planted_basis(rng, D) for x in STAT_X}
@@ -151,3 +159,30 @@ def write_synthetic_store(path: str, spec: SynthSpec, progress: bool = False) ->
         if progress:
             print(f"synthetic store: layer {l + 1}/{L}", flush=True)
     return truth
+
+
+def _fast_layer(spec: SynthSpec, rng, arr: dict, lam: np.ndarray, l: int, truth: dict) -> None:
+    """Gaussian rows for all (block, head) pairs of a layer in a few batched ops (benches)."""
+    H, D, B, N = spec.num_kv_heads, spec.head_dim, spec.num_blocks, spec.rows
+    import torch  # batched matmuls (numpy's stacked matmul on transposed views takes a slow loop)
+
+    R = arr["q_res"].shape[2]
+    for x in STAT_X:
+        U = np.stack([planted_basis(rng, D) for _ in range(H)])  # (H, D, D)
+        z = torch.from_numpy(rng.standard_normal((B, H, N, D)) * np.sqrt(lam))
+        vt = z @ torch.from_numpy(U).transpose(-1, -2)  # (B, H, N, D)
+        v = vt.numpy()
+        for h in range(H):
+            truth.setdefault((l, h), {"lam": lam})[f"U_{x}"] = U[h]
+        if f"{x}_gram" in arr:
+            arr[f"{x}_gram"][:] = (vt.transpose(-1, -2) @ vt).numpy()
+        arr[f"{x}_sum"][:] = v.sum(2)
+        v2 = v * v
+        arr[f"{x}_m3"][:] = (v2 * v).sum(2)
+        arr[f"{x}_m4"][:] = (v2 * v2).sum(2)
+        arr[f"{x}_absmax"][:] = np.abs(v).max(2)
+        if f"{x}_res" in arr:
+            arr[f"{x}_res"][:] = v[:, :, :R].astype(np.float32)  # rows are i.i.d.: the first R are a sample
+    for c in ("q_count", "kv_count"):
+        arr[c][:] = N
+    arr["res_count"][:] = R
