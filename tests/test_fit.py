@@ -386,3 +386,32 @@ def test_not_a_store(tmp_path):
     g.attrs["format"] = "something-else"
     with pytest.raises(OscarError, match="store format"):
         fit(str(tmp_path / "x"), _cfg())
+
+
+def test_shrinkage_helps_small_samples_and_keeps_eigenvectors():
+    from oscar.stats.reduce import ledoit_wolf, oas
+
+    rng = np.random.default_rng(4)
+    D, n = 16, 20
+    lam = np.linspace(3.0, 0.5, D)
+    U = np.linalg.qr(rng.standard_normal((D, D)))[0]
+    Sigma = (U * lam) @ U.T
+    e_raw, e_oas, e_lw = [], [], []
+    for _ in range(20):
+        X = rng.standard_normal((n, D)) * np.sqrt(lam) @ U.T
+        S = X.T @ X / n
+        So, rho = oas(S, n)
+        Sl, rho_l = ledoit_wolf(S, X)
+        assert 0 < rho <= 1 and 0 < rho_l <= 1 and np.isclose(np.trace(So), np.trace(S))
+        assert np.allclose(So @ S, S @ So) and np.allclose(Sl @ S, S @ Sl)  # commute: same eigenvectors
+        e_raw.append(np.linalg.norm(S - Sigma))
+        e_oas.append(np.linalg.norm(So - Sigma))
+        e_lw.append(np.linalg.norm(Sl - Sigma))
+    assert np.mean(e_oas) < np.mean(e_raw) and np.mean(e_lw) < np.mean(e_raw)
+
+
+def test_fit_records_shrinkage_for_small_stores(tmp_path):
+    p = str(tmp_path / "s")
+    write_synthetic_store(p, SynthSpec(num_layers=1, num_kv_heads=1, num_blocks=2, rows=40, reservoir=32))
+    m = fit(p, _cfg(clip=False)).meta["layers"][0]
+    assert m["shrinkage"]["q"][0] > 0  # 80 rows < 10 * D
