@@ -1,7 +1,8 @@
 """Calibration section of the report: plots + a JSON/Markdown fragment that `reports/` embeds.
 
 Reads only the artifact (its metadata and eig_k / eig_v tensors) and the store's root
-attributes; writes PNGs (matplotlib, Agg) into out_dir.
+attributes; writes PNGs (matplotlib, Agg) into out_dir. Imports nothing from kernels
+(reports/ calls it).
 """
 
 from __future__ import annotations
@@ -70,16 +71,18 @@ def calibration_section(artifact_path: str, store_path: str | None, out_dir: str
     ({"markdown", "json", "figures": [paths], "summary": {...}})."""
     from safetensors import safe_open
 
-    from oscar.stats.artifact import read_metadata
+    from oscar.common import OscarError
 
     os.makedirs(out_dir, exist_ok=True)
-    meta = read_metadata(artifact_path)
+    # read the header directly: reports/ calls this and must not import kernels (oscar.stats.artifact does)
+    try:
+        with safe_open(artifact_path, "np") as f:
+            meta = json.loads((f.metadata() or {})["oscar"])
+    except Exception as e:
+        raise OscarError(f"{artifact_path}: not an oscar artifact ({e})") from e
     layers = meta.get("layers")
     if not layers:
-        raise_msg = f"{artifact_path}: artifact has no fit metadata (not produced by `oscar fit`)"
-        from oscar.common import OscarError
-
-        raise OscarError(raise_msg)
+        raise OscarError(f"{artifact_path}: artifact has no fit metadata (not produced by `oscar fit`)")
     with safe_open(artifact_path, "np") as f:
         keys = set(f.keys())
         L = len(layers)

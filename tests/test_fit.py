@@ -415,3 +415,11 @@ def test_fit_records_shrinkage_for_small_stores(tmp_path):
     write_synthetic_store(p, SynthSpec(num_layers=1, num_kv_heads=1, num_blocks=2, rows=40, reservoir=32))
     m = fit(p, _cfg(clip=False)).meta["layers"][0]
     assert m["shrinkage"]["q"][0] > 0  # 80 rows < 10 * D
+
+
+def test_report_module_does_not_import_kernels():
+    import subprocess
+    import sys
+
+    code = "import sys, oscar.stats.report; sys.exit('oscar.kernels.quant' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
