@@ -44,7 +44,9 @@ else:
     out = {"fallbacks": len(art.meta["fallbacks"]), "layers": art.num_layers}
 out["seconds"] = time.perf_counter() - t0
 ru = resource.getrusage(resource.RUSAGE_SELF)
-out["peak_rss_mb"] = ru.ru_maxrss / 1024
+# VmHWM: this process's own high-water mark (ru_maxrss would carry the parent's over fork+exec)
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
+out["peak_rss_mb"] = int(hwm[0].split()[1]) / 1024 if hwm else ru.ru_maxrss / 1024
 out["cpu_s"] = ru.ru_utime + ru.ru_stime  # includes interpreter start-up and imports
 print(json.dumps(out))
 """
@@ -63,14 +65,15 @@ def child(store: str, mode: str, variant: str = "oscar") -> dict:
 
 
 def run_case(name: str, spec_kw: dict, tmp: str, store: str | None, target: dict) -> dict:
-    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
-
     made = store is None
     res: dict = {"case": name, "synthetic": made}
-    if made:
+    if made:  # generated in a child so this process stays small
         store = os.path.join(tmp, f"bench_fit_{name}.zarr")
         t0 = time.perf_counter()
-        write_synthetic_store(store, SynthSpec(**spec_kw), progress=True)
+        code = ("import json, sys; from oscar.stats.synthetic import SynthSpec, write_synthetic_store; "
+                "write_synthetic_store(sys.argv[1], SynthSpec(**json.loads(sys.argv[2])), progress=True)")
+        subprocess.run([sys.executable, "-c", code, store, json.dumps(spec_kw)], check=True,
+                       env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"))
         res["generate_s"] = round(time.perf_counter() - t0, 2)
         res["store_spec"] = spec_kw
         res["store_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store) for f in fs)
