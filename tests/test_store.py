@@ -92,7 +92,7 @@ def test_resume_skips_done_and_redoes_half_written(tmp_path, model, capsys):
             st.write_layer(0, l, {n: good.array(f"layers/{l}/{n}")[0] for n in st.spec})
         st.write_layer(1, 0, {n: good.array(f"layers/{l}/{n}")[1] for n in st.spec for l in [0]})
         for n in list(st.spec)[:7]:
-            st._put(f"layers/1/{n}", 1, np.full(st.array(f"layers/1/{n}").shape[1:], 7))  # garbage
+            st.put(f"layers/1/{n}", 1, np.full(st.array(f"layers/1/{n}").shape[1:], 7))  # garbage
         assert st.partial(1, 1) and not st.partial(1, 0) and not st.partial(1, 2) and not st.partial(2, 1)
         assert st.todo_blocks() == [1, 2]
         r = run_blocks(model, CalibStore(path, mode="r+"), batch_size=2, progress=False)
