@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from oscar.common import OscarError
+
 from oscar.kernels.quant import pack
 from oscar.validate.regimes import RegimeConfig, make_regime
 from oscar.validate.schemes import (SCHEMES, Ctx, KIVI_GROUP, SQCodec, TQCodec, UniformCodec, allocate, bit_reversal,
@@ -149,8 +151,9 @@ def test_hadamard_and_bit_reversal_orthogonal():
         torch.testing.assert_close(H @ H.T, torch.eye(d, dtype=torch.float64))
         torch.testing.assert_close(P @ P.T, torch.eye(d, dtype=torch.float64))
     assert bit_reversal(8).argmax(0).tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
-    with pytest.raises(ValueError, match="power-of-two"):
-        hadamard(48)
+    torch.testing.assert_close(hadamard(48) @ hadamard(48).T, torch.eye(48, dtype=torch.float64))  # Paley 12 x 4
+    with pytest.raises(OscarError, match="no Hadamard"):
+        hadamard(36)
 
 
 def test_allocation_and_deff():

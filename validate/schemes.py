@@ -109,22 +109,17 @@ def spec(bits: int, **kw) -> QuantSpec:
 
 
 def hadamard(D: int) -> torch.Tensor:
-    """Normalised Sylvester Hadamard (D, D), float64."""
-    if D < 1 or D & (D - 1):
-        raise ValueError(f"Hadamard needs a power-of-two head_dim, got {D}")
-    H = torch.ones(1, 1, dtype=torch.float64)
-    while H.shape[0] < D:
-        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
-    return H / math.sqrt(D)
+    """Normalised Hadamard (D, D), float64: the fit stage's construction (Sylvester, or Paley x Sylvester)."""
+    from oscar.stats.hadamard import hadamard as _hadamard
+
+    return torch.from_numpy(_hadamard(D))
 
 
 def bit_reversal(D: int) -> torch.Tensor:
-    """Permutation matrix P (D, D) with (x @ P)[:, j] = x[:, rev(j)]."""
-    nb = D.bit_length() - 1
-    rev = [int(format(j, f"0{nb}b")[::-1], 2) if nb else 0 for j in range(D)]
-    P = torch.zeros(D, D, dtype=torch.float64)
-    P[rev, torch.arange(D)] = 1.0
-    return P
+    """Permutation matrix P (D, D) with (x @ P)[:, j] = x[:, rev(j)] (the fit stage's P_br)."""
+    from oscar.stats.hadamard import bitrev_perm, perm_matrix
+
+    return torch.from_numpy(perm_matrix(bitrev_perm(D)))
 
 
 def eigbasis(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,8 +436,11 @@ def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True) -> tor
     """R = U H P_br with U the eigenbasis of C_Q (keys) or C_S = O^T O / N (values).
 
     target="kcov": eigenbasis of the role's own covariance instead.
-    A minimal local construction; oscar.stats.rotations (fit stage) replaces it once on main.
+    The covariance comes from the regime's raw calibration samples; the composite U H P_br
+    is the fit stage's (oscar.stats.rotations.compose).
     """
+    from oscar.stats.rotations import compose
+
     q, k, v = (calib[n].double() for n in ("q", "k", "v"))
     D = k.shape[-1]
     if target == "kcov":
@@ -453,9 +451,8 @@ def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True) -> tor
         qs = q[:1024]  # enough queries for a D x D covariance; bounds the (Nq, N) score matrix
         o = torch.softmax(qs @ k.T / math.sqrt(D), -1) @ v  # (Nq, D) per-query attention output
         C = o.T @ o / o.shape[0]
-    U = eigbasis(C)[1]
-    R = U @ hadamard(D)
-    return R @ bit_reversal(D) if br else R
+    U = eigbasis(C)[1]  # (D, D) columns in descending eigenvalue order
+    return torch.from_numpy(compose(U.numpy()[None], bitrev=br)[0])
 
 
 def oscar_rotation(target: str = "attn", br: bool = True) -> Callable:
