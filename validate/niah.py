@@ -91,7 +91,7 @@ def greedy(model, cache, question_ids: list[int], max_new_tokens: int, eos: set[
     ids = torch.tensor([question_ids])
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         nxt = int(logits.argmax(-1))
         if nxt in eos:
             break
@@ -153,7 +153,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
                 from transformers import DynamicCache
 
                 exact = DynamicCache()
-                model(input_ids=torch.tensor([s.context_ids]), past_key_values=exact, use_cache=True, logits_to_keep=1)
+                model(input_ids=torch.tensor([s.context_ids]), cache=exact, use_cache=True, logits_to_keep=1)
             for m in missing:
                 bar.set_postfix_str(f"{t} {L} #{i} {m}")
                 cache = make_cache(arts[m], protocol, prefill=exact)
