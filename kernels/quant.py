@@ -19,7 +19,9 @@ Conventions
   ``axis="channel"`` (KIVI keys): each channel over a group of ``group_size``
   consecutive tokens, one (scale, zero) per channel and token group.
 - ``mode="minmax"``: range = [min, max] of the group, shrunk by ``clip`` (a ratio
-  in (0, 1]). ``mode="static"``: symmetric range [-clip, clip] with ``clip`` an
+  in (0, 1]). With ``clip_rule="row-quantile"`` (the published OSCAR code's fixed
+  clipping) the group is first clamped to ±(the ``clip``-quantile of its |values|),
+  then its min/max are taken. ``mode="static"``: symmetric range [-clip, clip] with ``clip`` an
   absolute threshold (per channel, head, or scalar) taken from the artifact; no
   per-token metadata is stored.
 - Packing: 8 // bits codes per byte, code i of a byte in bits
@@ -44,6 +46,7 @@ class QuantSpec:
     group_size: int | None = None  # None: D for axis="token"; required for axis="channel"
     mode: Mode = "minmax"
     param_dtype: torch.dtype = torch.float16
+    clip_rule: Literal["ratio", "row-quantile"] = "ratio"  # how minmax mode applies `clip`
 
     def __post_init__(self):
         if self.bits not in (1, 2, 4, 8):
@@ -54,6 +57,8 @@ class QuantSpec:
             raise ValueError(f"mode must be 'minmax' or 'static', got {self.mode!r}")
         if self.mode == "static" and self.axis != "token":
             raise ValueError("static mode stores no per-group metadata; use axis='token'")
+        if self.clip_rule not in ("ratio", "row-quantile"):
+            raise ValueError(f"clip_rule must be 'ratio' or 'row-quantile', got {self.clip_rule!r}")
         if self.axis == "channel" and not self.group_size:
             raise ValueError("axis='channel' needs group_size (tokens per group)")
 
@@ -112,6 +117,10 @@ def choose_qparams(
         lo, hi = -c, c
     else:
         g = _grouped(xf, spec)  # (..., groups, G)
+        if clip is not None and spec.clip_rule == "row-quantile":
+            t = torch.quantile(g.abs(), float(clip), dim=-1, keepdim=True)  # (..., groups, 1)
+            g = torch.minimum(torch.maximum(g, -t), t)
+            clip = None
         lo, hi = g.amin(-1), g.amax(-1)
         if clip is not None:
             r = torch.as_tensor(clip, dtype=torch.float32, device=x.device)

