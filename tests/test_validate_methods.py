@@ -129,3 +129,23 @@ def test_window_nll_matches_logits(tiny):
         lg = tiny(input_ids=ids).logits[0, :-1]
     ref = torch.nn.functional.cross_entropy(lg, ids[0, 1:], reduction="sum").item()
     assert n == 19 and math.isclose(nll, ref, rel_tol=1e-5)
+
+
+def test_simulator_matches_oscarcache(tiny):
+    """The validation simulator equals the product cache (kernels/cache.py) on the same artifact.
+
+    OscarCache's decode step at p reads the layout of p+1 tokens (the current token is written first),
+    so its recent window R+1 with 1-token pages is our protocol's recent R.
+    """
+    cache_mod = pytest.importorskip("oscar.kernels.cache")
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad():
+            with simulated(tiny, art, Protocol("strict", sink=4, recent=0)):
+                mine = tiny(input_ids=ids, use_cache=False).logits
+            c = cache_mod.OscarCache.from_artifact(tiny, art, page_size=1, recent=1, sink=4)
+            theirs = tiny(input_ids=ids, cache=c, use_cache=True).logits
+    finally:
+        tiny.set_attn_implementation("sdpa")
+    assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()

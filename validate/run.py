@@ -39,6 +39,7 @@ class RunConfig:
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-int2"])
     ppl_tokens: int = 4096
+    ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
     progress: bool = True
 
@@ -160,7 +161,8 @@ def run_main(cfg: RunConfig) -> dict:
     # 4. perplexity (resumable per window)
     from oscar.validate.ppl import PplConfig, run_ppl
 
-    pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tokens=cfg.ppl_tokens, corpus=cfg.corpus)
+    pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
+                     tokens=cfg.ppl_tokens, corpus=cfg.corpus)
     fp_p = fingerprint({"art": art_fp, "cfg": asdict(pcfg)})
     if st.done("ppl", fp_p, [os.path.join(d, "ppl.parquet")]):
         _say("validate ppl: done (skipped)")
