@@ -248,11 +248,21 @@ def _memory_section(mem) -> list[str]:
     out = ["## Memory (K+V bytes per token, all layers)", ""]
     if not mem:
         return out + ["No memory table (written by `oscar validate niah`).", ""]
-    rows = [[m["method"], m["bits_per_element"], m["bytes_per_token_history"], m["protocol"],
-             f"{m['context']} ({m['sink']}+{m['recent']} exact)", m["bytes_per_token_avg"], m["ratio_vs_bf16"]]
-            for m in sorted(mem, key=lambda x: (x["protocol"], _order([x["method"]])[0] and METHOD_ORDER.index(x["method"]) if x["method"] in METHOD_ORDER else 99))]
-    return out + [md_table(["method", "bits/elem", "history B/token", "protocol", "context", "avg B/token", "vs bf16"], rows),
-                  "", "History = a token stored quantized (codes + fp16 scale/zero); avg includes the exact sink/recent tokens at that context.", ""]
+    ctxs = sorted({m["context"] for m in mem})
+    protos = list(dict.fromkeys(m["protocol"] for m in mem))
+    rows = []
+    for meth in _order(m["method"] for m in mem):
+        r = [x for x in mem if x["method"] == meth]
+        row = [meth, r[0]["bits_per_element"], r[0]["bytes_per_token_history"]]
+        for p in protos:
+            for c in ctxs:
+                x = [y for y in r if y["protocol"] == p and y["context"] == c]
+                row.append(f"{x[0]['bytes_per_token_avg']:.0f} ({x[0]['ratio_vs_bf16']:.3f}×)" if x else "—")
+        rows.append(row)
+    sr = {p: next(f"{x['sink']}+{x['recent']}" for x in mem if x["protocol"] == p) for p in protos}
+    return out + [md_table(["method", "bits/elem", "history B/token"] + [f"{p} ({sr[p]} exact) @{_len_label(c)}" for p in protos for c in ctxs], rows),
+                  "", "History = one token stored quantized, K+V over all layers (codes + fp16 scale/zero). "
+                  "Other columns: average bytes per token at that context, the exact sink/recent tokens included, and the ratio to bf16.", ""]
 
 
 def _attention_section(att, figdir: str) -> list[str]:

@@ -175,7 +175,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
 def write_memory(out: str, methods, arts, config, context: int, protocol) -> None:
     from oscar.validate.methods import SERVING, memory_row
 
-    rows = [memory_row(m, arts[m], config, context, p) for m in methods for p in {protocol, SERVING}]
+    ctxs = sorted({context, 32768, 131072})
+    rows = [memory_row(m, arts[m], config, c, p) for m in methods for p in dict.fromkeys([protocol, SERVING]) for c in ctxs]
     path = os.path.join(out, "memory.json")
     old = json.load(open(path)) if os.path.exists(path) else []
     keep = [r for r in old if (r["method"], r["protocol"], r["context"]) not in {(x["method"], x["protocol"], x["context"]) for x in rows}]
