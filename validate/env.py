@@ -9,6 +9,7 @@ held-out split only.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 import importlib.util
 from typing import Any
 
@@ -35,6 +36,17 @@ def load_model(spec: str = "smollm2-135m"):
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     return model, tok, {"name": spec}
+
+
+def config_max_context(spec: str) -> int | None:
+    """The model's context length from its config alone (no weights loaded), when the pipeline can resolve it."""
+    try:
+        from oscar.pipeline.models import resolve_model
+        from transformers import AutoConfig
+
+        return max_context(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model(spec))))
+    except ImportError:
+        return None
 
 
 def max_context(model) -> int:

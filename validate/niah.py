@@ -129,6 +129,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
         raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
     if cfg.artifact and not os.path.exists(cfg.artifact):
         raise OscarError(f"artifact {cfg.artifact} does not exist")
+    if loaded is None:  # refuse impossible lengths before loading weights
+        check_lengths(cfg.lengths, env.config_max_context(cfg.model) or 0, cfg.model)
     model, tok, _ = loaded or env.load_model(cfg.model)
     check_lengths(cfg.lengths, env.max_context(model), cfg.model)
     _prepare_out(cfg)

@@ -171,6 +171,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
     for c in cfg.contexts:
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
+    if loaded is None:  # refuse impossible contexts before loading weights
+        check_lengths(cfg.contexts, env.config_max_context(cfg.model) or 0, cfg.model)
     model, tok, _ = loaded or env.load_model(cfg.model)
     check_lengths(cfg.contexts, env.max_context(model), cfg.model)
     os.makedirs(cfg.out, exist_ok=True)
