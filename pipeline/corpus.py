@@ -106,6 +106,8 @@ def _read_docs(path: str) -> list[tuple[str, str]]:
                     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                         raise OscarError(f"{path}:{n}: each line must be an object with a string 'text' field")
                     texts.append(obj["text"])
+        elif low.endswith(".json"):
+            raise OscarError(f"{path}: JSON corpora must be JSON Lines (.jsonl, one {{\"text\": ...}} per line)")
         else:  # plain text: documents separated by blank lines
             with open(path, encoding="utf-8") as f:
                 texts = re.split(r"\n[ \t]*\n", f.read())

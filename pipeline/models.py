@@ -20,7 +20,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +150,7 @@ def _atomic_build(final: str, build) -> str:
     parent = os.path.dirname(final)
     try:
         os.makedirs(parent, exist_ok=True)
+        _remove_stale_tmp(parent, os.path.basename(final))
         tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
     except OSError as e:
         raise OscarError(f"cannot write the model cache {parent}: {e.strerror} (set $OSCAR_CACHE)") from None
@@ -164,6 +167,15 @@ def _atomic_build(final: str, build) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _remove_stale_tmp(parent: str, base: str, max_age_s: float = 6 * 3600) -> None:
+    """Temp dirs left by a killed builder (kill -9 skips our cleanup) are removed once stale."""
+    now = time.time()
+    for f in os.listdir(parent):
+        p = os.path.join(parent, f)
+        if f.startswith(f".tmp-{base}-") and now - os.path.getmtime(p) > max_age_s:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _write_marker(d: str, info: dict) -> None:
@@ -277,6 +289,7 @@ def _convert_gguf(path: str, name: str, root: str) -> str:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         d, fn = os.path.split(os.path.abspath(path))
+        print(f"oscar: converting {fn} to safetensors once (cached in {final})", file=sys.stderr)
         try:
             tok = AutoTokenizer.from_pretrained(d, gguf_file=fn)
             model = AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=torch.float32)

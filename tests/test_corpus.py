@@ -108,6 +108,9 @@ def test_user_corpus_errors(tmp_path):
     (tmp_path / "nofield.jsonl").write_text('{"body": "ok"}\n')
     with pytest.raises(OscarError, match="string 'text' field"):
         C.load_corpus(str(tmp_path / "nofield.jsonl"))
+    (tmp_path / "arr.json").write_text('[{"text": "a"}]')
+    with pytest.raises(OscarError, match="JSON Lines"):
+        C.load_corpus(str(tmp_path / "arr.json"))
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(OscarError, match="not UTF-8"):
         C.load_corpus(str(tmp_path / "bin.txt"))
