@@ -302,6 +302,7 @@ def _included_section(d: str, sub: str, title: str) -> list[str]:
 
 
 def _ablation_section(d: str) -> list[str]:
+    """DIR/ablation/: rebuilt by oscar.reports.ablation.build_report(dir) when present, else its *.md as is."""
     adir = os.path.join(d, "ablation")
     if not os.path.isdir(adir):
         return []
@@ -309,15 +310,15 @@ def _ablation_section(d: str) -> list[str]:
         from oscar.reports import ablation
     except ImportError:
         ablation = None
-    for fn in ("summary_markdown", "summary", "render_markdown"):
-        if ablation is not None and hasattr(ablation, fn):
-            try:
-                text = getattr(ablation, fn)(adir)
-            except Exception as e:  # their summary failing must not lose the rest of the report
-                text = f"(ablation summary failed: {e})"
-            text = re.sub(r"^#{1,2}\s", "### ", text, flags=re.M)
-            text = re.sub(r"!\[([^\]]*)\]\((?!https?:|/)([^)]+)\)", lambda m: f"![{m.group(1)}](ablation/{m.group(2)})", text)
-            return ["## Controlled ablation (synthetic regimes)", "", text.strip(), ""]
+    if ablation is not None and hasattr(ablation, "build_report") and os.path.exists(os.path.join(adir, "ablation.parquet")):
+        try:
+            r = ablation.build_report(adir)
+            text = open(r).read() if isinstance(r, str) and os.path.exists(r) else str(r)
+        except Exception as e:  # their summary failing must not lose the rest of the report
+            text = f"(ablation report failed: {type(e).__name__}: {e})"
+        text = re.sub(r"^#{1,2}\s", "### ", text, flags=re.M)
+        text = re.sub(r"!\[([^\]]*)\]\((?!https?:|/)([^)]+)\)", lambda m: f"![{m.group(1)}](ablation/{m.group(2)})", text)
+        return ["## Controlled ablation (synthetic regimes)", "", text.strip(), ""]
     return _included_section(d, "ablation", "Controlled ablation (synthetic regimes)")
 
 
