@@ -102,10 +102,10 @@ def test_haystack_is_heldout_only(src):
     except ImportError:
         pytest.skip("oscar.pipeline.corpus not on this branch yet")
     c = load_corpus("pydoc")
-    cal = " ".join(str(getattr(c, "calibration")).split()) if isinstance(c.calibration, str) else None
-    if cal:
-        probe = " ".join(src.corpus_words[1000:1030])
-        assert probe not in cal
+    held = " ".join(c.heldout).split()
+    assert src.corpus_words == held  # exactly the held-out split's words, whitespace-normalised
+    # (pydoc topics repeat some passages across documents, so a window may also occur in the
+    # calibration split by content; what matters is that the source is the held-out split.)
 
 
 def test_bad_requests(tok, src):
