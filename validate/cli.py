@@ -62,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--model", default="smollm2-135m")
     r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default from the plan)")
     r.add_argument("--full", action="store_true", help="the issue's acceptance sizes (>= 20 samples; slower)")
+    r.add_argument("--variant", default="centered", help="fit variant behind oscar-int2 (see `oscar variants`)")
     r.set_defaults(func=_run)
 
 
@@ -102,5 +103,6 @@ def _attention(args) -> int:
 def _run(args) -> int:
     from oscar.validate.run import RunConfig, run_main
 
-    run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full))
+    run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
+                       variant=args.variant))
     return 0

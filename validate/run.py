@@ -41,6 +41,9 @@ class RunConfig:
     ppl_tokens: int = 4096
     ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
+    # The product recipe behind `oscar-int2`: the OSCAR rotation with the calibrated key mean
+    # subtracted and searched clips (docs/decisions.md, "Main job recipe").
+    variant: str = "centered"
     progress: bool = True
 
     def __post_init__(self):
@@ -118,7 +121,7 @@ def run_main(cfg: RunConfig) -> dict:
         st.mark("calibrate", fp_cal, [store], time.time() - t, info)
 
     # 2. fit (+ the calibration section of the report)
-    fp_fit = fingerprint({"cal": fp_cal, "fit": "default"})
+    fp_fit = fingerprint({"cal": fp_cal, "fit": cfg.variant})
     cal_dir = os.path.join(d, "calibration")
     if st.done("fit", fp_fit, [art_path]):
         _say("fit: done (skipped)")
@@ -128,7 +131,7 @@ def run_main(cfg: RunConfig) -> dict:
 
         _say("fit ...")
         t = time.time()
-        art = fit(store, FitConfig(progress=cfg.progress))
+        art = fit(store, FitConfig(variant=cfg.variant, progress=cfg.progress))
         tmp = art_path + ".tmp"
         save_artifact(art, tmp)
         os.replace(tmp, art_path)
