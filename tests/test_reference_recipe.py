@@ -1,0 +1,181 @@
+"""oscar-ref: every step of the published recipe against numbers worked out by hand.
+
+Expected values are literals derived in the comments (not re-computed with the code
+under test); inputs are tiny so each number can be checked on paper.
+"""
+
+import math
+
+import pytest
+import torch
+
+from oscar.common import OscarError
+from oscar.kernels.quant import choose_qparams, dequantize, fake_quant, quantize
+from oscar.stats import reference_recipe as rr
+from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
+
+T = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+S2 = 1 / math.sqrt(2)
+
+
+# --- targets -------------------------------------------------------------------------------
+
+def test_key_target_pools_blocks_and_group():
+    # two blocks, one KV head: Σ q qᵀ = [[2,0],[0,4]] + [[2,2],[2,0]] = [[4,2],[2,4]] over 2 + 2 rows
+    q_gram = T([[[[2, 0], [0, 4]]], [[[2, 2], [2, 0]]]])  # (B=2, H=1, 2, 2)
+    C = rr.key_target(q_gram, torch.tensor([2, 2]))
+    assert torch.allclose(C, T([[[1.0, 0.5], [0.5, 1.0]]]), atol=1e-15)
+
+
+def test_value_target_weights_normalised_to_mean_one():
+    # C_Q = diag(1, 4); keys (1,0), (0,1), (1,1) -> w = kᵀ C_Q k = 1, 4, 5 (mean 10/3)
+    # values (1,0), (0,1), (1,-1):
+    #   Σ w v vᵀ = 1[[1,0],[0,0]] + 4[[0,0],[0,1]] + 5[[1,-1],[-1,1]] = [[6,-5],[-5,9]], Σ w = 10
+    #   -> C_V = [[0.6,-0.5],[-0.5,0.9]] = (1/3) Σ (w/mean w) v vᵀ
+    # stored as two blocks: tokens 1-2 (vw [[1,0],[0,4]], Σw 5), token 3 (vw [[5,-5],[-5,5]], Σw 5)
+    vw = T([[[[1, 0], [0, 4]]], [[[5, -5], [-5, 5]]]])
+    C = rr.value_target(vw, T([[5.0], [5.0]]))
+    assert torch.allclose(C, T([[[0.6, -0.5], [-0.5, 0.9]]]), atol=1e-15)
+    # an (unnormalised) rescaling of every w leaves the target unchanged
+    assert torch.allclose(rr.value_target(vw * 7, T([[35.0], [35.0]])), C, atol=1e-15)
+
+
+def test_targets_refuse_empty():
+    with pytest.raises(OscarError, match="no counted query rows"):
+        rr.key_target(torch.zeros(1, 1, 2, 2), torch.tensor([0]))
+    with pytest.raises(OscarError, match="Σ w_t must be > 0"):
+        rr.value_target(torch.zeros(1, 2, 2, 2), T([[1.0, 0.0]]))
+
+
+def test_layer_average_over_heads():
+    C = T([[[1, 1], [1, 3]], [[1, -1], [-1, 3]]])
+    assert torch.equal(rr.layer_average(C), T([[1, 0], [0, 3]]))
+
+
+# --- ordering ------------------------------------------------------------------------------
+
+def test_eig_ascending():
+    w, U = rr.eig_ascending(T([[3, 0, 0, 0], [0, 1, 0, 0], [0, 0, 4, 0], [0, 0, 0, 2]]))
+    assert torch.equal(w, T([1, 2, 3, 4]))
+    # columns: e1 (λ=1), e3 (λ=2), e0 (λ=3), e2 (λ=4), up to sign
+    assert torch.equal(U.abs(), T([[0, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0]]))
+
+
+def test_bitrev_and_permutation():
+    assert rr.bitrev(8).tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
+    # ascending eigenvalues: desc = [7..0], perm[j] = 7 - bitrev(j)
+    assert rr.reference_perm(T([1, 2, 3, 4, 5, 6, 7, 8])).tolist() == [7, 3, 5, 1, 6, 2, 4, 0]
+    # already descending: desc = identity, perm = bitrev
+    assert rr.reference_perm(T([4, 3, 2, 1])).tolist() == [0, 2, 1, 3]
+    x = T([[10, 11, 12, 13]])
+    assert (x @ rr.perm_matrix(torch.tensor([3, 1, 2, 0]))).tolist() == [[13, 11, 12, 10]]
+
+
+# R for C = diag(3, 1, 4, 2) (D = 4):
+#   U columns e1, e3, e0, e2 (eigenvalues 1, 2, 3, 4); H = ½[[1,1,1,1],[1,-1,1,-1],[1,1,-1,-1],[1,-1,-1,1]]
+#   U H: row i = H row j where U[i, j] = 1 -> rows H2, H0, H3, H1
+#   perm = desc[bitrev] = [3,2,1,0][[0,2,1,3]] = [3,1,2,0] -> R columns = (U H) columns 3, 1, 2, 0
+R4 = 0.5 * T([[-1, 1, -1, 1],
+              [1, 1, 1, 1],
+              [1, -1, -1, 1],
+              [-1, -1, 1, 1]])
+
+
+def test_compose_matches_hand_computed():
+    U = T([[0, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0]])
+    R = rr.compose(U, T([1, 2, 3, 4]))
+    assert torch.allclose(R, R4, atol=1e-15)
+    assert torch.allclose(R @ R.T, torch.eye(4, dtype=torch.float64), atol=1e-14)
+
+
+def test_reference_rotation_end_to_end_diag():
+    R, w = rr.reference_rotation(T([[3, 0, 0, 0], [0, 1, 0, 0], [0, 0, 4, 0], [0, 0, 0, 2]]))
+    assert torch.equal(w, T([1, 2, 3, 4]))
+    assert torch.allclose(R, R4, atol=1e-15)
+
+
+def test_hadamard_needs_power_of_two():
+    assert torch.allclose(rr.hadamard(2), S2 * T([[1, 1], [1, -1]]), atol=1e-15)
+    with pytest.raises(OscarError, match="power-of-two head_dim"):
+        rr.hadamard(96)
+
+
+def test_layer_rotations_shared_per_layer():
+    # keys: head 0 [[1,1],[1,3]], head 1 [[1,-1],[-1,3]] (q_gram / q_count 2) -> average diag(1, 3)
+    q_gram = T([[[[2, 2], [2, 6]], [[2, -2], [-2, 6]]]])  # (B=1, H=2, 2, 2)
+    # values: head 0 C_V = [[0.6,-0.5],[-0.5,0.9]] (test above), head 1 its mirror [[0.6,0.5],[0.5,0.9]]
+    vw = T([[[[1, 0], [0, 4]], [[1, 0], [0, 4]]], [[[5, -5], [-5, 5]], [[5, 5], [5, 5]]]])  # (B=2, H=2, 2, 2)
+    w_sum = T([[5, 5], [5, 5]])
+    ref = rr.layer_rotations(q_gram, torch.tensor([2]), vw, w_sum)
+    # averages diag(1, 3) and diag(0.6, 0.9): U = I, eigenvalues ascending, desc = [1, 0],
+    # bitrev(2) = [0, 1] -> perm [1, 0]: R = H with its columns swapped = (1/√2)[[1, 1], [-1, 1]]
+    want = S2 * T([[1, 1], [-1, 1]])
+    assert torch.allclose(ref.rot_k, want, atol=1e-15) and torch.allclose(ref.rot_v, want, atol=1e-15)
+    assert torch.allclose(ref.eig_k, T([1, 3])) and torch.allclose(ref.eig_v, T([0.6, 0.9]))
+
+
+# --- clipping and quantization ---------------------------------------------------------------
+
+def test_row_quantile_clip_and_float32_minmax():
+    spec = rr.reference_spec()
+    x = torch.tensor([[-4.0, -1, 0, 1, 2, 3, 5, 12]])  # one token row, D = 8
+    # |x| sorted 0,1,1,2,3,4,5,12; 0.96-quantile at position 0.96*7 = 6.72 -> 5 + 0.72*(12-5) = 10.04
+    # clamp to ±10.04 -> min -4, max 10.04; scale = 14.04/3 = 4.68, zero = -4
+    scale, zero = choose_qparams(x, spec, rr.CLIP_K)
+    assert scale.dtype == torch.float32 and zero.dtype == torch.float32 and scale.shape == (1, 1)
+    assert abs(scale.item() - 4.68) < 1e-6 and zero.item() == -4.0  # fp16 would store 4.6796875
+    # codes floor((x + 4)/4.68 + 0.5), clamped to [0, 3]
+    codes = quantize(x, scale, zero, spec)
+    assert codes.tolist() == [[0, 1, 1, 1, 1, 1, 2, 3]]
+    xh = dequantize(codes, scale, zero, spec)
+    assert torch.allclose(xh, torch.tensor([[-4.0, 0.68, 0.68, 0.68, 0.68, 0.68, 5.36, 10.04]]), atol=1e-5)
+    assert torch.allclose(fake_quant(x, spec, rr.CLIP_K), xh, atol=0)
+    # value ratio 0.92: position 6.44 -> 5 + 0.44*7 = 8.08; scale = 12.08/3
+    scale_v, zero_v = choose_qparams(x, spec, rr.CLIP_V)
+    assert abs(scale_v.item() - 12.08 / 3) < 1e-6 and zero_v.item() == -4.0
+
+
+def test_per_token_and_head_over_whole_head_dim():
+    spec = rr.reference_spec()
+    x = torch.zeros(1, 2, 3, 8)  # (B, Hkv, T, D)
+    x[0, 1, 2] = torch.tensor([0.0, 1, 2, 3, 4, 5, 6, 10])
+    # |row| quantile 0.96: 6 + 0.72*4 = 8.88 -> [0, 8.88], scale 2.96 for that token and head only
+    scale, zero = choose_qparams(x, spec, rr.CLIP_K)
+    assert scale.shape == (1, 2, 3, 1)
+    assert abs(scale[0, 1, 2, 0].item() - 2.96) < 1e-6
+    assert torch.all(scale.flatten()[:-1] == torch.tensor(1e-8, dtype=torch.float32))  # constant rows
+    assert quantize(x, scale, zero, spec)[0, 1, 2].tolist() == [0, 0, 1, 1, 1, 2, 2, 3]
+
+
+def test_bits_per_element():
+    spec = rr.reference_spec()
+    assert spec.bits_per_element(128) == 2.5  # 2 + 2*32/128
+    assert spec.bits_per_element(64) == 3.0  # SmolLM2: 2 + 2*32/64
+
+
+def test_reference_quant_config_and_artifact_round_trip(tmp_path):
+    q = rr.reference_quant_config()
+    assert (q.sink, q.recent, q.page_size, q.bits, q.group_size) == (64, 256, 8, 2, None)
+    assert q.key_spec(64) == rr.reference_spec() and q.value_spec(64) == rr.reference_spec()
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4, hidden_size=8)
+    art = identity_artifact(cfg, quant=q, clip=1.0, variant="oscar-ref")
+    p = str(tmp_path / "a.safetensors")
+    save_artifact(art, p)
+    back = load_artifact(p)
+    assert back.quant == q
+    # an artifact written before clip_rule / param_dtype existed loads with the old behaviour
+    assert QuantConfig(**{k: v for k, v in vars(QuantConfig()).items()}) == QuantConfig()
+    old = QuantConfig(bits=2, group_size=None, key_axis="token", value_axis="token", mode="minmax",
+                      sink=64, recent=256, page_size=16)
+    assert old.key_spec(64).param_dtype == torch.float16 and old.key_spec(64).clip_rule == "ratio"
+
+
+def test_quant_config_bad_values():
+    with pytest.raises(OscarError, match="clip_rule"):
+        QuantConfig(clip_rule="percentile")
+    with pytest.raises(OscarError, match="param_dtype"):
+        QuantConfig(param_dtype="bfloat16")
+    with pytest.raises(OscarError, match="row-quantile"):
+        QuantConfig(clip_rule="row-quantile", key_axis="channel")
