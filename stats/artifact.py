@@ -199,3 +199,51 @@ def identity_artifact(config: Any, quant: QuantConfig | None = None, clip: float
         quant=quant or QuantConfig(),
         meta={"variant": variant, "model": dict(s, fingerprint=config_fingerprint(config))},
     )
+
+
+def describe(path: str) -> str:
+    """Human-readable summary of an artifact (`oscar inspect ARTIFACT`): metadata and tensors."""
+    from safetensors import safe_open
+
+    meta = read_metadata(path)
+    with safe_open(path, "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    m = meta.get("model", {})
+    q = meta.get("quant", {})
+    prov = meta.get("provenance", {})
+    lines = [
+        f"{path}: {meta['format']}, variant {meta.get('variant', '?')}",
+        f"  model: {m.get('name', '?')} fingerprint {m.get('fingerprint', '?')}: {m.get('num_layers')} layers, "
+        f"{m.get('num_q_heads')} q heads, {m.get('num_kv_heads')} KV heads, head_dim {m.get('head_dim')}",
+        f"  quant: {q.get('bits')} bits, mode {q.get('mode')}, group {q.get('group_size') or 'head_dim'}, "
+        f"keys per {q.get('key_axis')}, sink {q.get('sink')}, recent {q.get('recent')}, "
+        f"key-mean centering {'on' if meta.get('centering') else 'off'}",
+    ]
+    if prov:
+        lines.append(f"  provenance: store {prov.get('store_fingerprint')} ({prov.get('store')}), "
+                     f"{len(prov.get('blocks', []))}/{prov.get('num_blocks')} blocks"
+                     f"{' PARTIAL' if prov.get('partial') else ''}, {prov.get('tokens')} tokens")
+    d = meta.get("d_eff")
+    if d:
+        for side in ("k", "v"):
+            flat = [x for layer in d.get(side, []) for x in layer]
+            if flat:
+                lines.append(f"  d_eff {side}: min {min(flat)} median {sorted(flat)[len(flat) // 2]} max {max(flat)}")
+    layers = meta.get("layers") or []
+    if layers:
+        ck = [c for lm in layers for c in lm.get("clip_k", [])]
+        cv = [c for lm in layers for c in lm.get("clip_v", [])]
+        if ck and cv:
+            lines.append(f"  clip k: {min(ck):.4g}..{max(ck):.4g}  clip v: {min(cv):.4g}..{max(cv):.4g}")
+        heavy = sum(any(h) for lm in layers for h in lm.get("heavy", {}).values())
+        lines.append(f"  layers with heavy-tailed heads: {heavy}/{len(layers)}")
+    fb = meta.get("fallbacks") or []
+    lines.append(f"  fallbacks: {len(fb)}")
+    for r in fb[:10]:
+        lines.append(f"    layer {r['layer']} head {r['head']} {r['side']}: -> {r['to']} ({r['reason']})")
+    if len(fb) > 10:
+        lines.append(f"    ... {len(fb) - 10} more")
+    names = sorted({k.split(".", 2)[-1] if k.startswith("layers.") else k for k in shapes})
+    lines.append(f"  tensors: {len(shapes)} ({', '.join(names)}); layers.0: "
+                 + ", ".join(f"{k.split('.', 2)[-1]} {v}" for k, v in shapes.items() if k.startswith("layers.0.")))
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""`oscar fit`: calibration store -> rotation artifact, streaming one layer at a time.
+
+Per layer: reduce blocks to covariances (robust where tails are heavy), eigendecompose,
+d_eff + spurious pruning + stability, build the variant's rotations, fall back to
+Hadamard for heads whose leading subspace is unstable across blocks, search clip
+thresholds on rotated reservoir rows, record every choice in the metadata.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from oscar.common import OscarError
+from oscar.stats.artifact import Artifact, QuantConfig
+from oscar.stats.clip import search_layer
+from oscar.stats.hadamard import supported as hadamard_supported
+from oscar.stats.reduce import ESTIMATORS, LayerStats, ReduceConfig, open_store, prefetch
+from oscar.stats.rotations import Rotations, get_variant, hadamard_rot
+
+
+@dataclass
+class FitConfig:
+    variant: str = "oscar"
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    reduce: ReduceConfig = field(default_factory=ReduceConfig)
+    clip: bool = True  # search clip thresholds (else 1.0 / max|x|)
+    clip_ratios: tuple[float, ...] = tuple(np.round(np.arange(0.5, 1.0001, 0.05), 4))  # minmax, coarse (refined ±0.025)
+    clip_fracs: tuple[float, ...] = tuple(np.round(np.arange(0.04, 1.0001, 0.04), 4))  # static: × max|x|, coarse
+    per_head_gain: float = 0.02  # per-head clips only if they cut the layer's error by > 2 %
+    clip_rows: int = 1024  # reservoir rows per head used by the search (K and V share them)
+    clip_queries: int = 128
+    stability_min: float = 0.5  # median mean-cos² of the leading subspace across blocks
+    fallback: str = "hadamard"  # rotation for an unstable head: hadamard | none
+    partial: bool = False
+    seed: int = 0
+    progress: bool = True
+    threads: int | None = None  # torch intra-op threads for the clip search (None: leave as is)
+
+    def __post_init__(self):
+        get_variant(self.variant)  # unknown variant: OscarError listing the valid ones
+        if self.reduce.estimator not in ESTIMATORS + ("auto",):
+            raise OscarError(f"unknown estimator {self.reduce.estimator!r}; valid: auto, {', '.join(ESTIMATORS)}")
+        if self.fallback not in ("hadamard", "none"):
+            raise OscarError(f"unknown fallback {self.fallback!r}; valid: hadamard, none")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fallbacks(rot: Rotations, ls: LayerStats, cfg: FitConfig, l: int) -> list[dict]:
+    """Replace the rotation of heads whose source eigenbasis is unstable; return the records."""
+    out = []
+    if cfg.fallback == "none" or not hadamard_supported(ls.D):
+        return out
+    had = hadamard_rot(1, ls.D)[0]
+    for side, src in (("k", rot.source_k), ("v", rot.source_v)):
+        if src is None:
+            continue
+        diags = ls.eig(*src)[2]
+        R = rot.rot_k if side == "k" else rot.rot_v
+        heads = [h for h in range(ls.H) if not (diags[h].stability >= cfg.stability_min)
+                 and not math.isnan(diags[h].stability)]
+        if src[1] and heads:  # shared rotation: all heads or none
+            heads = list(range(ls.H))
+        for h in heads:
+            d = diags[h]
+            R[h] = had
+            out.append({"layer": l, "head": h, "side": side, "to": "hadamard", "source": src[0],
+                        "reason": f"leading {d.k_stab}-dim subspace of C_{src[0]} unstable across blocks: "
+                                  f"median mean cos² {d.stability:.3f} < {cfg.stability_min} "
+                                  f"(median max angle {d.max_angle_deg:.1f}°)"})
+    return out
+
+
+def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
+    cfg = cfg or FitConfig()
+    t0 = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    view = open_store(store_path, partial=cfg.partial, log=_log)
+    variant = get_variant(cfg.variant)
+    L, H, D = view.num_layers, view.num_kv_heads, view.head_dim
+    if variant.name not in ("random", "identity") and not hadamard_supported(D):
+        from oscar.stats.hadamard import hadamard
+
+        hadamard(D)  # raises the OscarError naming the alternatives
+    kspec, vspec = cfg.quant.key_spec(D), cfg.quant.value_spec(D)
+    scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
+    rng = np.random.default_rng(cfg.seed)
+
+    rot_k, rot_v, k_mean, clip_k, clip_v, eig_k, eig_v = [], [], [], [], [], [], []
+    layers_meta, fallbacks = [], []
+    it = range(L)
+    if cfg.progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc=f"fit {cfg.variant}", unit="layer", file=sys.stderr)
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(4)  # reads of layer l + 1 run while layer l is fitted (2 layers in memory)
+    nxt = prefetch(view, pool, 0)
+    for l in it:
+        cur, nxt = nxt, (prefetch(view, pool, l + 1) if l + 1 < L else {})
+        ls = LayerStats(view, l, cfg.reduce, pending=cur)
+        rot = variant.build(ls, rng)
+        fb = _fallbacks(rot, ls, cfg, l)
+        fallbacks += fb
+        # diagnostics always on C_Q and C_S (whatever the variant uses)
+        wq, _, dq = ls.eig("q")
+        wo, _, do = ls.eig("o")
+        src_k = ls.eig(*rot.source_k) if rot.source_k else (wq, None, dq)
+        src_v = ls.eig(*rot.source_v) if rot.source_v else (wo, None, do)
+
+        # clip search in the rotated space
+        Rk, Rv = rot.rot_k, rot.rot_v  # (H, D, D)
+        q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
+        meta_clip = {}
+        if cfg.clip and q is not None and k is not None and v is not None:
+            T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
+            kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
+            q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rk), (kc, Rk), (T(v), Rv)))  # (H, N, D)
+            Cq_r = (T(Rk).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rk)).numpy()  # (H, D, D)
+            ck, cv = search_layer(q_r, k_r, v_r, Cq_r, kspec, vspec, scale, np.array(cfg.clip_ratios),
+                                  np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries,
+                                  seed=cfg.seed + l)
+            ck_t, cv_t = ck.clip, cv.clip
+            for side, c in (("k", ck), ("v", cv)):
+                meta_clip[side] = {"per_head": c.per_head, "gain_per_head": round(c.gain_per_head, 5),
+                                   "err": [round(float(e), 6) for e in c.err],
+                                   "err_noclip": [round(float(e), 6) for e in c.err_noclip]}
+        else:
+            if cfg.clip and cfg.quant.mode == "static":
+                raise OscarError("static mode needs clip thresholds, but the store has no reservoir rows "
+                                 "(layers/{l}/{q,k,v}_res)")
+            ck_t = cv_t = np.ones(H)
+            meta_clip = {"searched": False}
+
+        rot_k.append(torch.from_numpy(Rk).float())
+        rot_v.append(torch.from_numpy(Rv).float())
+        clip_k.append(torch.from_numpy(np.asarray(ck_t)).float())
+        clip_v.append(torch.from_numpy(np.asarray(cv_t)).float())
+        eig_k.append(torch.from_numpy(src_k[0]).float())
+        eig_v.append(torch.from_numpy(src_v[0]).float())
+        if rot.k_mean is not None:
+            k_mean.append(torch.from_numpy(rot.k_mean).float())
+        tails = {x: ls.tails(x) for x in ("q", "o", "k", "v") if ls.has(f"{x}_gram")}
+        layers_meta.append({
+            "d_eff": {"k": [d.d_eff for d in src_k[2]], "v": [d.d_eff for d in src_v[2]],
+                      "q": [d.d_eff for d in dq], "o": [d.d_eff for d in do]},
+            "d_gap_raw": {"q": [d.d_gap_raw for d in dq], "o": [d.d_gap_raw for d in do]},
+            "pruned": {"q": [d.pruned for d in dq], "o": [d.pruned for d in do]},
+            "stability": {"q": [round(d.stability, 5) for d in dq], "o": [round(d.stability, 5) for d in do],
+                          "k_src": [round(d.stability, 5) for d in src_k[2]],
+                          "v_src": [round(d.stability, 5) for d in src_v[2]]},
+            "kurtosis": {x: [round(t.kurtosis, 4) for t in ts] for x, ts in tails.items()},
+            "tail_index": {x: [round(t.alpha, 4) for t in ts] for x, ts in tails.items()},
+            "heavy": {x: [t.heavy for t in ts] for x, ts in tails.items()},
+            "estimator": ls.record["estimator"],
+            "shrinkage": ls.record["shrinkage"],
+            "clip": meta_clip,
+            "clip_k": [round(float(c), 6) for c in ck_t],
+            "clip_v": [round(float(c), 6) for c in cv_t],
+        })
+        del ls, cur
+    pool.shutdown()
+    if fallbacks:
+        _log(f"fit: {len(fallbacks)} head rotation(s) fell back to Hadamard (see metadata 'fallbacks')")
+
+    q_count = view.group[f"layers/0/q_count"].get_orthogonal_selection((view.blocks,))
+    kv_count = view.group[f"layers/0/kv_count"].get_orthogonal_selection((view.blocks,))
+    tokens = int(np.asarray(view.group["mask"].get_orthogonal_selection((view.blocks,))).sum()) if "mask" in view.group else None
+    meta = {
+        "variant": cfg.variant,
+        "variant_doc": variant.doc,
+        "model": dict(view.model),
+        "fit": {"reduce": asdict(cfg.reduce), "stability_min": cfg.stability_min, "fallback": cfg.fallback,
+                "per_head_gain": cfg.per_head_gain, "clip_searched": bool(cfg.clip), "seed": cfg.seed,
+                "clip_objective": {"k": "relative q-weighted logit MSE", "v": "relative attention-output MSE"},
+                "seconds": round(time.perf_counter() - t0, 3)},
+        "provenance": {"store": store_path, "store_fingerprint": view.fingerprint,
+                       "corpus": view.attrs.get("corpus"), "blocks": view.blocks,
+                       "num_blocks": int(view.attrs.get("num_blocks", len(view.blocks))), "partial": view.partial,
+                       "tokens": tokens, "counted_q_rows_layer0": int(np.sum(q_count)),
+                       "counted_kv_rows_layer0": int(np.sum(kv_count))},
+        "d_eff": {"k": [m["d_eff"]["k"] for m in layers_meta], "v": [m["d_eff"]["v"] for m in layers_meta]},
+        "fallbacks": fallbacks,
+        "layers": layers_meta,
+    }
+    extra = {}
+    for l in range(L):
+        extra[f"layers.{l}.eig_k"] = eig_k[l]
+        extra[f"layers.{l}.eig_v"] = eig_v[l]
+    art = Artifact(rot_k=rot_k, rot_v=rot_v, clip_k=clip_k, clip_v=clip_v, k_mean=k_mean or None,
+                   quant=cfg.quant, meta=meta, extra=extra)
+    art.validate()
+    return art

@@ -1,0 +1,130 @@
+"""Rotation variants: a registry of named recipes, each building one layer's rotations.
+
+Row-vector convention, ``x_rot = x @ R``. ``oscar`` is DESIGN's recipe,
+``R_K = U_Q H P_br`` and ``R_V = U_S H P_br`` per KV head (U: eigenvectors as columns,
+descending). A variant is a function ``build(ls: LayerStats, rng) -> Rotations``;
+add one with ``@register_variant("name", "one-line doc")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from oscar.common import OscarError
+from oscar.stats.hadamard import bitrev_perm, hadamard, perm_matrix
+
+
+@dataclass
+class Rotations:
+    rot_k: np.ndarray  # (H, D, D) float64, orthogonal
+    rot_v: np.ndarray  # (H, D, D)
+    k_mean: np.ndarray | None = None  # (H, D) when the variant centres keys
+    # statistic whose eigenbasis each side uses, for diagnostics and fallbacks: ("q", pooled) or None
+    source_k: tuple[str, bool] | None = None
+    source_v: tuple[str, bool] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    build: Callable[..., Rotations]
+    doc: str
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(name: str, doc: str):
+    def deco(fn):
+        VARIANTS[name] = Variant(name, fn, doc)
+        return fn
+    return deco
+
+
+def get_variant(name: str) -> Variant:
+    if name not in VARIANTS:
+        raise OscarError(f"unknown variant {name!r}; valid: {', '.join(sorted(VARIANTS))}")
+    return VARIANTS[name]
+
+
+def mixer(D: int, bitrev: bool = True) -> np.ndarray:
+    """H P_br (D, D): the fixed factor after the eigenbasis."""
+    Hm = hadamard(D)
+    return Hm @ perm_matrix(bitrev_perm(D)) if bitrev else Hm
+
+
+def compose(U: np.ndarray, bitrev: bool = True) -> np.ndarray:
+    """U (H, D, D) -> U H P_br per head."""
+    return U @ mixer(U.shape[-1], bitrev)
+
+
+def hadamard_rot(H: int, D: int) -> np.ndarray:
+    return np.broadcast_to(mixer(D), (H, D, D)).copy()
+
+
+def random_orthogonal(rng: np.random.Generator, H: int, D: int) -> np.ndarray:
+    """Haar-distributed orthogonal matrices (H, D, D) (QR with sign correction)."""
+    q, r = np.linalg.qr(rng.standard_normal((H, D, D)))
+    return q * np.sign(np.diagonal(r, axis1=-2, axis2=-1))[:, None, :]
+
+
+def _eig_rot(ls, x: str, pooled: bool = False, bitrev: bool = True) -> np.ndarray:
+    return compose(ls.eig(x, pooled)[1], bitrev)
+
+
+@register_variant("oscar", "R_K = U_Q H P_br, R_V = U_S H P_br per KV head (DESIGN)")
+def _oscar(ls, rng) -> Rotations:
+    return Rotations(_eig_rot(ls, "q"), _eig_rot(ls, "o"), source_k=("q", False), source_v=("o", False))
+
+
+@register_variant("shared-layer", "as oscar, one rotation per layer from the head-averaged C_Q / C_S")
+def _shared(ls, rng) -> Rotations:
+    return Rotations(_eig_rot(ls, "q", True), _eig_rot(ls, "o", True), source_k=("q", True), source_v=("o", True))
+
+
+@register_variant("ref-value-target", "as oscar, V target = Σ w v vᵀ / Σ w with w = k C_Q kᵀ (published code)")
+def _refv(ls, rng) -> Rotations:
+    return Rotations(_eig_rot(ls, "q"), _eig_rot(ls, "vw"), source_k=("q", False), source_v=("vw", False))
+
+
+@register_variant("centered", "as oscar, keys centred by the calibrated key mean before rotation")
+def _centered(ls, rng) -> Rotations:
+    r = _oscar(ls, rng)
+    r.k_mean = ls.mean("k")
+    return r
+
+
+@register_variant("hadamard", "R_K = R_V = H P_br (no eigenbasis)")
+def _had(ls, rng) -> Rotations:
+    return Rotations(hadamard_rot(ls.H, ls.D), hadamard_rot(ls.H, ls.D))
+
+
+@register_variant("k-eig", "R_K = U_K H P_br from the key covariance; R_V as oscar")
+def _keig(ls, rng) -> Rotations:
+    return Rotations(_eig_rot(ls, "k"), _eig_rot(ls, "o"), source_k=("k", False), source_v=("o", False))
+
+
+@register_variant("v-eig", "R_V = U_V H P_br from the value covariance; R_K as oscar")
+def _veig(ls, rng) -> Rotations:
+    return Rotations(_eig_rot(ls, "q"), _eig_rot(ls, "v"), source_k=("q", False), source_v=("v", False))
+
+
+@register_variant("no-bitrev", "R_K = U_Q H, R_V = U_S H (oscar without P_br)")
+def _nobr(ls, rng) -> Rotations:
+    return Rotations(_eig_rot(ls, "q", bitrev=False), _eig_rot(ls, "o", bitrev=False),
+                     source_k=("q", False), source_v=("o", False))
+
+
+@register_variant("random", "independent Haar-random orthogonal R_K, R_V per head (seeded)")
+def _random(ls, rng) -> Rotations:
+    return Rotations(random_orthogonal(rng, ls.H, ls.D), random_orthogonal(rng, ls.H, ls.D))
+
+
+@register_variant("identity", "no rotation (naive quantization baseline)")
+def _identity(ls, rng) -> Rotations:
+    eye = np.broadcast_to(np.eye(ls.D), (ls.H, ls.D, ls.D)).copy()
+    return Rotations(eye, eye.copy())
