@@ -179,3 +179,69 @@ def test_quant_config_bad_values():
         QuantConfig(param_dtype="bfloat16")
     with pytest.raises(OscarError, match="row-quantile"):
         QuantConfig(clip_rule="row-quantile", key_axis="channel")
+
+
+# --- fit integration: `oscar fit --variant oscar-ref` -------------------------------------------
+
+def _bitrev_literal(D):
+    k = D.bit_length() - 1
+    return [int(format(i, f"0{k}b")[::-1], 2) for i in range(D)]
+
+
+def test_fit_oscar_ref_variant(tmp_path):
+    """The artifact of `fit --variant oscar-ref` against the recipe recomputed with numpy from the store."""
+    import numpy as np
+    import zarr
+
+    from oscar.stats.fit import FitConfig, fit
+    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
+
+    p = str(tmp_path / "store")
+    write_synthetic_store(p, SynthSpec(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4, num_blocks=2,
+                                       rows=64, reservoir=16, seed=5))
+    art = fit(p, FitConfig(variant="oscar-ref", progress=False, threads=1))
+    g = zarr.open_group(p, mode="r")
+    D, had = 8, np.array([[1.0]])
+    while had.shape[0] < D:
+        had = np.block([[had, had], [had, -had]])
+    had /= np.sqrt(D)
+    br = _bitrev_literal(D)
+    for l in range(2):
+        Cq = g[f"layers/{l}/q_gram"][:].sum(0) / g[f"layers/{l}/q_count"][:].sum()  # (H, D, D)
+        Cv = g[f"layers/{l}/vw_gram"][:].sum(0) / g[f"layers/{l}/w_sum"][:].sum(0)[:, None, None]
+        for C, R, ev in ((Cq, art.rot_k[l], art.extra[f"layers.{l}.eig_k"]),
+                         (Cv, art.rot_v[l], art.extra[f"layers.{l}.eig_v"])):
+            w, U = np.linalg.eigh(C.mean(0))  # ascending
+            desc = list(range(D - 1, -1, -1))  # eigenvalue indices, largest first
+            perm = [desc[b] for b in br]
+            want = (U @ had)[:, perm]
+            got = R.double().numpy()
+            assert np.abs(got[0] - got[1]).max() == 0  # one rotation shared by the layer's KV heads
+            # eigh's column signs may differ between LAPACK builds: compare U H P up to U's column signs
+            # via R Pᵀ Hᵀ = U, then the composite itself after aligning the signs
+            Ug = got[0][:, np.argsort(perm)] @ had.T
+            s = np.sign((Ug * U).sum(0))
+            assert np.abs(Ug - U * s).max() < 1e-5
+            assert np.abs(got[0] - ((U * s) @ had)[:, perm]).max() < 1e-5
+            if (s > 0).all():
+                assert np.abs(got[0] - want).max() < 1e-5
+            assert np.allclose(ev.double().numpy(), np.broadcast_to(w, (2, D)), rtol=1e-5)
+        assert art.clip_k[l].tolist() == pytest.approx([0.96, 0.96]) and art.clip_v[l].tolist() == pytest.approx([0.92, 0.92])
+    assert art.quant == rr.reference_quant_config()
+    assert art.meta["variant"] == "oscar-ref" and art.meta["fit"]["clip_searched"] is False
+    assert art.meta["fit"]["eig_order"] == "ascending" and art.meta["fallbacks"] == []
+    out = str(tmp_path / "ref.safetensors")
+    save_artifact(art, out)
+    back = load_artifact(out)
+    assert back.quant.clip_rule == "row-quantile" and back.quant.param_dtype == "float32" and back.quant.page_size == 8
+
+
+def test_fit_oscar_ref_needs_value_target(tmp_path):
+    from oscar.stats.fit import FitConfig, fit
+    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
+
+    p = str(tmp_path / "store")
+    write_synthetic_store(p, SynthSpec(num_layers=1, num_kv_heads=1, head_dim=8, num_q_heads=2, num_blocks=1,
+                                       rows=32, reservoir=8, only_fit_arrays=True, compress=False))
+    with pytest.raises(OscarError, match="oscar-ref needs layers/0/vw_gram"):
+        fit(p, FitConfig(variant="oscar-ref", progress=False, threads=1))
