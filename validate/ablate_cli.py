@@ -1,0 +1,48 @@
+"""`oscar ablate`: CLI registration (thin; the work is in oscar.validate.ablate)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ablate", help="controlled ablation: synthetic/real regimes x KV schemes x budgets, KS tests, report",
+                       description="Run seed 004's controlled ablation; re-running the same command resumes.")
+    p.add_argument("--out", required=True, help="output directory (ablation.parquet, ks.parquet, report.md, plots)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_const", const="quick", dest="preset", help="CI size (< 3 min on 2 cores)")
+    g.add_argument("--smoke", action="store_const", const="smoke", dest="preset", help="tiny, for tests")
+    p.add_argument("--seeds", type=int, help="seeds per regime (default 30)")
+    p.add_argument("--regimes", nargs="+", help="subset of regimes")
+    p.add_argument("--schemes", nargs="+", help="subset of schemes")
+    p.add_argument("--bits", nargs="+", type=int, help="budgets among 2 3 4")
+    p.add_argument("--nu", type=float, help="Student-t degrees of freedom of the heavy regime (default 3)")
+    p.add_argument("--store", help="calibration store (oscar-calib/1) for the real regime")
+    p.add_argument("--layer", type=int, help="store layer for the real regime (default: middle)")
+    p.add_argument("--head", type=int, default=0, help="KV head for the real regime")
+    p.add_argument("--correction", choices=["holm", "bh"], default="holm", help="multiple-testing control")
+    p.add_argument("--no-report", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=handler, preset="full")
+
+
+def handler(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from oscar.common import OscarError
+    from oscar.validate.ablate import AblationConfig, run_ablation
+    from oscar.validate.regimes import RegimeConfig
+
+    if args.store and not os.path.exists(args.store):
+        raise OscarError(f"--store {args.store}: no such path")
+    data = RegimeConfig()
+    over = {k: v for k, v in dict(nu=args.nu, store=args.store, layer=args.layer, head=args.head).items() if v is not None}
+    data = dataclasses.replace(data, **over)
+    kw = {k: v for k, v in dict(seeds=args.seeds, regimes=args.regimes, schemes=args.schemes, bits=args.bits).items() if v}
+    cfg = AblationConfig.preset(args.preset, args.out, data=data, correction=args.correction,
+                                report=not args.no_report, progress=not args.no_progress, **kw)
+    paths = run_ablation(cfg)
+    for k, v in paths.items():
+        print(f"{k}: {v}")
+    return 0

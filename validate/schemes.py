@@ -1,0 +1,498 @@
+"""The scheme zoo: KV-cache codecs with exact bit accounting (seed 004's ablation).
+
+A *scheme* is a pair of vector codecs, one for K and one for V. A codec is fitted
+on calibration data, encodes a (T, D) tensor into a `Code` (the tensors a cache
+would store, each with its bit width) and decodes it back. Inner products are
+always taken against the decoded keys: for QJL codecs the decoder returns the
+*unbiased* reconstruction ``x_mse + sqrt(pi/2)/m * |r| * S^T sign(S r)``, so
+``q . k_hat`` is exactly the QJL inner-product estimator.
+
+Scalar uniform grids come from `oscar.kernels.quant` (the one quantizer family);
+Lloyd–Max codebooks (TurboQuant's Beta codebook, SpectralQuant's per-dimension
+Gaussian codebook) are computed here.
+
+Randomness (WHT signs, QJL matrices) comes from a `Ctx`: the oracle path draws
+from numpy PCG64 in float64, the production path from torch's MT19937 generator
+in float32 (see validate/stattests.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from oscar.kernels.quant import QuantSpec, fake_quant
+
+
+# ----------------------------------------------------------------------------- context
+
+@dataclass
+class Ctx:
+    """Where a codec draws its randomness and which precision it computes in."""
+
+    path: str = "production"  # "oracle" (numpy PCG64, float64) | "production" (torch MT19937, float32)
+    seed: int = 0
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self):
+        if self.path not in ("oracle", "production"):
+            raise ValueError(f"path must be 'oracle' or 'production', got {self.path!r}")
+        self.dtype = torch.float64 if self.path == "oracle" else torch.float32
+        if self.path == "oracle":
+            self._np = np.random.Generator(np.random.PCG64(self.seed))
+        else:
+            self._tg = torch.Generator().manual_seed(self.seed)  # torch CPU generator = MT19937
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        if self.path == "oracle":
+            return torch.from_numpy(self._np.standard_normal(shape))
+        return torch.randn(*shape, generator=self._tg, dtype=torch.float32)
+
+    def signs(self, n: int) -> torch.Tensor:
+        if self.path == "oracle":
+            return torch.from_numpy(self._np.integers(0, 2, n) * 2.0 - 1.0)
+        return torch.randint(0, 2, (n,), generator=self._tg).to(torch.float32) * 2 - 1
+
+
+# ----------------------------------------------------------------------------- stored code
+
+@dataclass
+class Code:
+    """What a cache stores for one tensor: name -> (tensor, bit width per entry).
+
+    A width may be an int or a (D,) tensor of per-column widths (SQ's allocation).
+    `nbits` is the exact storage, metadata included.
+    """
+
+    fields: dict[str, tuple[torch.Tensor, int | torch.Tensor]]
+    shape: tuple[int, ...]
+
+    @property
+    def nbits(self) -> int:
+        n = 0
+        for t, w in self.fields.values():
+            if isinstance(w, torch.Tensor):  # per-column widths along the last dim
+                n += int((t.reshape(-1, t.shape[-1]).shape[0] * w.to(torch.int64)).sum())
+            else:
+                n += t.numel() * int(w)
+        return n
+
+    @property
+    def bits_per_element(self) -> float:
+        return self.nbits / math.prod(self.shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.fields[name][0]
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class AnyBitsSpec(QuantSpec):
+    """QuantSpec without the packability check: fake-quant at 3 bits (never packed)."""
+
+    def __post_init__(self):
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {self.bits}")
+        object.__setattr__(self, "bits", int(self.bits))
+        if self.axis == "channel" and not self.group_size:
+            raise ValueError("axis='channel' needs group_size (tokens per group)")
+
+
+def spec(bits: int, **kw) -> QuantSpec:
+    return QuantSpec(bits=bits, **kw) if bits in (1, 2, 4, 8) else AnyBitsSpec(bits=bits, **kw)
+
+
+def hadamard(D: int) -> torch.Tensor:
+    """Normalised Sylvester Hadamard (D, D), float64."""
+    if D < 1 or D & (D - 1):
+        raise ValueError(f"Hadamard needs a power-of-two head_dim, got {D}")
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < D:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    return H / math.sqrt(D)
+
+
+def bit_reversal(D: int) -> torch.Tensor:
+    """Permutation matrix P (D, D) with (x @ P)[:, j] = x[:, rev(j)]."""
+    nb = D.bit_length() - 1
+    rev = [int(format(j, f"0{nb}b")[::-1], 2) if nb else 0 for j in range(D)]
+    P = torch.zeros(D, D, dtype=torch.float64)
+    P[rev, torch.arange(D)] = 1.0
+    return P
+
+
+def eigbasis(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (descending) and eigenvectors as columns of a symmetric matrix."""
+    w, U = torch.linalg.eigh(C.double())
+    return w.flip(0), U.flip(1)
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max(bits: int, dist: str = "gaussian", dim: int = 0, n: int = 40001) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd–Max levels and thresholds for a 1-D density (MSE-optimal scalar quantizer).
+
+    dist="gaussian": N(0, 1). dist="beta": one coordinate of a uniform point on the
+    unit sphere in R^dim, density ∝ (1 - x²)^((dim-3)/2) on [-1, 1] (TurboQuant).
+    """
+    if dist == "gaussian":
+        x = np.linspace(-9.0, 9.0, n)
+        w = np.exp(-0.5 * x * x)
+    elif dist == "beta":
+        if dim < 3:
+            raise ValueError("beta codebook needs dim >= 3")
+        x = np.linspace(-1.0, 1.0, n)
+        w = np.clip(1 - x * x, 0, None) ** ((dim - 3) / 2)
+    else:
+        raise ValueError(f"unknown density {dist!r}")
+    w = w / w.sum()
+    L = 1 << bits
+    cdf = np.cumsum(w)
+    levels = np.interp((np.arange(L) + 0.5) / L, cdf, x)
+    for _ in range(5000):
+        t = 0.5 * (levels[1:] + levels[:-1])
+        idx = np.searchsorted(t, x)
+        new = np.bincount(idx, w * x, L) / np.maximum(np.bincount(idx, w, L), 1e-300)
+        done = np.abs(new - levels).max() < 1e-10
+        levels = new
+        if done:
+            break
+    levels = 0.5 * (levels - levels[::-1])  # exact symmetry of a symmetric density
+    return levels, 0.5 * (levels[1:] + levels[:-1])
+
+
+def codebook_quant(y: torch.Tensor, bits: int, dist: str = "gaussian", dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest Lloyd–Max level: (codes uint8, dequantized values), y in the codebook's units."""
+    levels, thr = lloyd_max(bits, dist, dim)
+    lv = torch.as_tensor(levels, dtype=y.dtype)
+    codes = torch.bucketize(y.contiguous(), torch.as_tensor(thr, dtype=y.dtype))
+    return codes.to(torch.uint8), lv[codes]
+
+
+def f16(x: torch.Tensor) -> torch.Tensor:
+    """Round to fp16 (what the cache stores for scalars like norms) and back."""
+    return x.to(torch.float16).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- codecs
+
+class Codec:
+    """One side (K or V) of a scheme. `fit` sees the whole calibration set."""
+
+    bits: int
+
+    def fit(self, calib: dict[str, torch.Tensor], role: str, ctx: Ctx) -> "Codec":
+        self.ctx = ctx
+        return self
+
+    def encode(self, x: torch.Tensor) -> Code:  # x (T, D)
+        raise NotImplementedError
+
+    def decode(self, code: Code) -> torch.Tensor:
+        raise NotImplementedError
+
+    def roundtrip(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        c = self.encode(x)
+        return self.decode(c), c.bits_per_element
+
+
+class UniformCodec(Codec):
+    """Optional rotation R (and key-mean centering), then the shared uniform grid (kernels.quant).
+
+    rotation: callable(calib, role, ctx) -> (D, D) orthogonal R, applied as x @ R.
+    """
+
+    def __init__(self, bits: int, rotation: Callable | None = None, axis: str = "token",
+                 group: int | None = None, clip: float | str | None = None, center: bool = False):
+        self.bits, self.rotation, self.axis, self.group, self.clip, self.center = bits, rotation, axis, group, clip, center
+        self.spec = spec(bits, axis=axis, group_size=group)
+
+    def fit(self, calib, role, ctx):
+        super().fit(calib, role, ctx)
+        x = calib[role].to(ctx.dtype)
+        D = x.shape[-1]
+        self.R = (self.rotation(calib, role, ctx) if self.rotation else torch.eye(D, dtype=torch.float64)).to(ctx.dtype)
+        self.mu = x.mean(0) if self.center else torch.zeros(D, dtype=ctx.dtype)
+        if self.clip == "search":  # minimise calibration reconstruction MSE over a small grid
+            xs = x[: (x.shape[0] // 32) * 32 or x.shape[0]]
+            errs = {c: float(((self._fq(xs, c) - xs) ** 2).sum()) for c in (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)}
+            self.c = min(errs, key=errs.get)
+        else:
+            self.c = self.clip
+        return self
+
+    def _fq(self, x, c):
+        y = (x - self.mu) @ self.R  # (T, D)
+        return fake_quant(y, self.spec, clip=c) @ self.R.T + self.mu
+
+    def encode(self, x):
+        from oscar.kernels.quant import choose_qparams, quantize
+
+        y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
+        s, z = choose_qparams(y, self.spec, clip=self.c)
+        return Code({"codes": (quantize(y, s, z, self.spec), self.bits), "scale": (s, 16), "zero": (z, 16)}, tuple(x.shape))
+
+    def decode(self, code):
+        from oscar.kernels.quant import dequantize
+
+        y = dequantize(code["codes"], code["scale"], code["zero"], self.spec, dtype=self.ctx.dtype)
+        return y @ self.R.T + self.mu
+
+
+class TQCodec(Codec):
+    """TurboQuant: random-sign WHT, fp16 norm, Beta Lloyd–Max codes; optional 1-bit QJL residual.
+
+    With qjl, the MSE stage gets bits-1 bits and the residual r a sketch sign(S r) of
+    m = D bits plus its fp16 norm, so the budget stays `bits` per element (+ metadata).
+    """
+
+    def __init__(self, bits: int, qjl: bool = False, rotate: bool = True):
+        if qjl and bits < 2:
+            raise ValueError("TQ with QJL needs bits >= 2 (1 for the sketch)")
+        self.bits, self.qjl, self.rotate = bits, qjl, rotate
+        self.b_mse = bits - 1 if qjl else bits
+
+    def fit(self, calib, role, ctx):
+        super().fit(calib, role, ctx)
+        D = calib[role].shape[-1]
+        R = ctx.signs(D).to(torch.float64)[:, None] * hadamard(D) if self.rotate else torch.eye(D, dtype=torch.float64)
+        self.R = R.to(ctx.dtype)  # diag(s) H: random-sign Walsh–Hadamard
+        self.S = ctx.randn(D, D).to(ctx.dtype) if self.qjl else None  # (m=D, D)
+        return self
+
+    def encode(self, x):
+        x = x.to(self.ctx.dtype)
+        D = x.shape[-1]
+        nrm = f16(x.norm(dim=-1, keepdim=True))  # (T, 1)
+        y = (x @ self.R) / nrm.clamp_min(1e-12)
+        codes, yq = codebook_quant(y, self.b_mse, "beta", D)
+        f = {"codes": (codes, self.b_mse), "norm": (nrm.to(torch.float16), 16)}
+        if self.qjl:
+            r = x - (yq * nrm) @ self.R.T  # (T, D) residual in the original space
+            f["sketch"] = ((r @ self.S.T) >= 0, 1)  # (T, m)
+            f["rnorm"] = (r.norm(dim=-1, keepdim=True).to(torch.float16), 16)
+        return Code(f, tuple(x.shape))
+
+    def decode(self, code):
+        D = code.shape[-1]
+        levels = torch.as_tensor(lloyd_max(self.b_mse, "beta", D)[0], dtype=self.ctx.dtype)
+        nrm = code["norm"].to(self.ctx.dtype)
+        x = (levels[code["codes"].long()] * nrm) @ self.R.T
+        if self.qjl:
+            x = x + qjl_reconstruct(code["sketch"], code["rnorm"].to(self.ctx.dtype), self.S)
+        return x
+
+
+def qjl_reconstruct(sketch: torch.Tensor, rnorm: torch.Tensor, S: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """sqrt(pi/2)/m * |r| * S^T sign(S r): E[q . result] = q . r for Gaussian S (unbiased=False drops sqrt(pi/2))."""
+    m = S.shape[0]
+    sg = sketch.to(S.dtype) * 2 - 1  # (T, m)
+    g = math.sqrt(math.pi / 2) if unbiased else 1.0
+    return (g / m) * rnorm * (sg @ S)
+
+
+class SQCodec(Codec):
+    """SpectralQuant: calibrated per-head eigenbasis, per-dimension Gaussian Lloyd–Max codes
+    scaled by the calibrated std (no per-token metadata), water-filling or uniform bit
+    allocation over the d_eff leading dims, a fixed tail floor, optional selective 1-bit
+    QJL on the leading dims (keys only).
+    """
+
+    def __init__(self, bits: int, alloc: str = "waterfill", qjl: bool = False, gap: float = 4.0,
+                 tail_bits: int = 1, max_bits: int = 8, deff: str = "gap"):
+        if deff not in ("gap", "energy"):
+            raise ValueError(f"deff must be 'gap' or 'energy', got {deff!r}")
+        self.deff = deff
+        if alloc not in ("waterfill", "uniform"):
+            raise ValueError(f"alloc must be 'waterfill' or 'uniform', got {alloc!r}")
+        self.bits, self.alloc, self.qjl, self.gap, self.tail_bits, self.max_bits = bits, alloc, qjl, gap, tail_bits, max_bits
+
+    def fit(self, calib, role, ctx):
+        super().fit(calib, role, ctx)
+        x = calib[role].double()
+        D = x.shape[-1]
+        self.mu = x.mean(0)
+        lam, U = eigbasis(torch.cov(x.T))
+        lam = lam.clamp_min(1e-12)
+        self.d_eff = d_eff_gap(lam.numpy(), self.gap) if self.deff == "gap" else d_eff_energy(lam.numpy())
+        d = self.d_eff
+        self.m = d if (self.qjl and role == "k") else 0
+        budget = self.bits * D - self.tail_bits * (D - d) - (self.m + 16 if self.m else 0)
+        self.widths = torch.full((D,), self.tail_bits, dtype=torch.int64)
+        self.widths[:d] = allocate(lam[:d].numpy(), budget, self.alloc, self.max_bits)
+        self.U, self.std = U.to(ctx.dtype), lam.sqrt().to(ctx.dtype)
+        self.mu = self.mu.to(ctx.dtype)
+        self.S = ctx.randn(self.m, d).to(ctx.dtype) if self.m else None
+        return self
+
+    def _q(self, y):
+        yq = torch.zeros_like(y)
+        codes = torch.zeros(y.shape, dtype=torch.uint8)
+        for b in self.widths.unique().tolist():
+            if b == 0:
+                continue
+            cols = (self.widths == b).nonzero().flatten()
+            c, v = codebook_quant(y[:, cols] / self.std[cols], b, "gaussian")
+            codes[:, cols], yq[:, cols] = c, v * self.std[cols]
+        return codes, yq
+
+    def encode(self, x):
+        y = (x.to(self.ctx.dtype) - self.mu) @ self.U  # (T, D) eigen-coordinates
+        codes, yq = self._q(y)
+        f = {"codes": (codes, self.widths)}
+        if self.m:
+            r = (y - yq)[:, : self.d_eff]
+            f["sketch"] = ((r @ self.S.T) >= 0, 1)
+            f["rnorm"] = (r.norm(dim=-1, keepdim=True).to(torch.float16), 16)
+        return Code(f, tuple(x.shape))
+
+    def decode(self, code):
+        codes = code["codes"]
+        yq = torch.zeros(codes.shape, dtype=self.ctx.dtype)
+        for b in self.widths.unique().tolist():
+            if b == 0:
+                continue
+            cols = (self.widths == b).nonzero().flatten()
+            lv = torch.as_tensor(lloyd_max(b, "gaussian")[0], dtype=self.ctx.dtype)
+            yq[:, cols] = lv[codes[:, cols].long()] * self.std[cols]
+        if self.m:
+            yq[:, : self.d_eff] += qjl_reconstruct(code["sketch"], code["rnorm"].to(self.ctx.dtype), self.S)
+        return yq @ self.U.T + self.mu
+
+
+def d_eff_gap(lam: np.ndarray, gap: float = 4.0) -> int:
+    """Effective dimension by spectral gap: the position of the largest ratio
+    lam[i-1]/lam[i] among the numerically non-null eigenvalues, if it is >= gap;
+    otherwise every non-null dim. (With fewer calibration rows than dims the sample
+    covariance is rank-deficient; that null-space cliff is not a gap in the data.)"""
+    lam = np.asarray(lam, dtype=np.float64)
+    rank = int((lam > lam[0] * 1e-10).sum()) if lam[0] > 0 else 0
+    if rank <= 1:
+        return max(rank, 1)
+    ratios = lam[: rank - 1] / lam[1:rank]
+    i = int(np.argmax(ratios))
+    return i + 1 if ratios[i] >= gap else rank
+
+
+def d_eff_energy(lam: np.ndarray, frac: float = 0.95) -> int:
+    """Smallest d whose leading eigenvalues hold `frac` of the energy (no gap criterion)."""
+    c = np.cumsum(lam) / np.sum(lam)
+    return int(np.searchsorted(c, frac) + 1)
+
+
+def allocate(lam: np.ndarray, budget: int, alloc: str, max_bits: int = 8) -> torch.Tensor:
+    """Integer bits per dim summing to `budget` (clamped to [0, max_bits] per dim).
+
+    waterfill: greedy reverse water-filling — each extra bit goes to the dim whose
+    distortion lam * 4^-b drops most (the integer optimum for the high-rate model).
+    uniform: equal bits, the remainder to the leading dims.
+    """
+    d = len(lam)
+    budget = int(max(0, min(budget, d * max_bits)))
+    if alloc == "uniform":
+        b = np.full(d, budget // d)
+        b[: budget % d] += 1
+        return torch.as_tensor(b, dtype=torch.int64)
+    b = np.zeros(d, dtype=np.int64)
+    dist = np.asarray(lam, dtype=np.float64).copy()
+    for _ in range(budget):
+        gain = np.where(b < max_bits, dist * 0.75, -1.0)
+        i = int(np.argmax(gain))
+        b[i] += 1
+        dist[i] /= 4
+    return torch.as_tensor(b, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------- rotations
+
+def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True) -> torch.Tensor:
+    """R = U H P_br with U the eigenbasis of C_Q (keys) or C_S = O^T O / N (values).
+
+    target="kcov": eigenbasis of the role's own covariance instead.
+    A minimal local construction; oscar.stats.rotations (fit stage) replaces it once on main.
+    """
+    q, k, v = (calib[n].double() for n in ("q", "k", "v"))
+    D = k.shape[-1]
+    if target == "kcov":
+        C = (calib[role].double().T @ calib[role].double()) / k.shape[0]
+    elif role == "k":
+        C = q.T @ q / q.shape[0]
+    else:
+        qs = q[:1024]  # enough queries for a D x D covariance; bounds the (Nq, N) score matrix
+        o = torch.softmax(qs @ k.T / math.sqrt(D), -1) @ v  # (Nq, D) per-query attention output
+        C = o.T @ o / o.shape[0]
+    U = eigbasis(C)[1]
+    R = U @ hadamard(D)
+    return R @ bit_reversal(D) if br else R
+
+
+def oscar_rotation(target: str = "attn", br: bool = True) -> Callable:
+    return functools.partial(_oscar_local, target=target, br=br)
+
+
+def hadamard_rotation(calib, role, ctx) -> torch.Tensor:
+    return hadamard(calib[role].shape[-1])
+
+
+# ----------------------------------------------------------------------------- registry
+
+@dataclass
+class Scheme:
+    name: str
+    bits: int
+    k: Codec
+    v: Codec
+    family: str = ""
+
+    def fit(self, calib: dict[str, torch.Tensor], ctx: Ctx) -> "Scheme":
+        self.k.fit(calib, "k", ctx)
+        self.v.fit(calib, "v", ctx)
+        return self
+
+
+SCHEMES: dict[str, tuple[str, Callable[[int], Scheme]]] = {}
+
+
+def register_scheme(name: str, family: str = ""):
+    """Decorator: `@register_scheme("oscar-ref")` on a factory bits -> (k_codec, v_codec)."""
+
+    def deco(factory: Callable[[int], tuple[Codec, Codec]]):
+        SCHEMES[name] = (family, factory)
+        return factory
+
+    return deco
+
+
+def make_scheme(name: str, bits: int) -> Scheme:
+    if name not in SCHEMES:
+        raise ValueError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}")
+    family, factory = SCHEMES[name]
+    k, v = factory(bits)
+    return Scheme(name, bits, k, v, family)
+
+
+KIVI_GROUP = 32
+
+register_scheme("plain", "scalar")(lambda b: (UniformCodec(b), UniformCodec(b)))
+register_scheme("plain_lm", "scalar")(lambda b: (TQCodec(b, rotate=False), TQCodec(b, rotate=False)))
+register_scheme("hadamard", "scalar")(lambda b: (UniformCodec(b, hadamard_rotation), UniformCodec(b, hadamard_rotation)))
+register_scheme("kivi", "scalar")(lambda b: (UniformCodec(b, axis="channel", group=KIVI_GROUP), UniformCodec(b)))
+register_scheme("tq_kv", "tq")(lambda b: (TQCodec(b), TQCodec(b)))
+register_scheme("tq_qkv", "tq")(lambda b: (TQCodec(b, qjl=True), TQCodec(b)))
+register_scheme("tq_vqjl", "tq")(lambda b: (TQCodec(b), TQCodec(b, qjl=True)))
+register_scheme("tq_kvqjl", "tq")(lambda b: (TQCodec(b, qjl=True), TQCodec(b, qjl=True)))
+register_scheme("sq", "sq")(lambda b: (SQCodec(b, "waterfill", qjl=True), SQCodec(b, "waterfill")))
+register_scheme("squ", "sq")(lambda b: (SQCodec(b, "uniform", qjl=True), SQCodec(b, "uniform")))
+register_scheme("squ_kv", "sq")(lambda b: (SQCodec(b, "uniform"), SQCodec(b, "uniform")))
+register_scheme("sq_kv", "sq")(lambda b: (SQCodec(b, "waterfill"), SQCodec(b, "waterfill")))
+register_scheme("oscar", "oscar")(lambda b: (UniformCodec(b, oscar_rotation(), center=True, clip="search"),
+                                             UniformCodec(b, oscar_rotation(), clip="search")))
+register_scheme("oscar_nc", "oscar")(lambda b: (UniformCodec(b, oscar_rotation()), UniformCodec(b, oscar_rotation())))
+register_scheme("oscar_kcov", "oscar")(lambda b: (UniformCodec(b, oscar_rotation("kcov"), center=True, clip="search"),
+                                                  UniformCodec(b, oscar_rotation("kcov"), clip="search")))
+register_scheme("oscar_nobr", "oscar")(lambda b: (UniformCodec(b, oscar_rotation(br=False), center=True, clip="search"),
+                                                  UniformCodec(b, oscar_rotation(br=False), clip="search")))
