@@ -245,3 +245,35 @@ def test_fit_oscar_ref_needs_value_target(tmp_path):
                                        rows=32, reservoir=8, only_fit_arrays=True, compress=False))
     with pytest.raises(OscarError, match="oscar-ref needs layers/0/vw_gram"):
         fit(p, FitConfig(variant="oscar-ref", progress=False, threads=1))
+
+
+# --- ablation integration: scheme `oscar-ref` ---------------------------------------------------
+
+def test_ablation_scheme_oscar_ref():
+    from oscar.validate.schemes import Ctx, make_scheme
+
+    g = torch.Generator().manual_seed(0)
+    D, N = 8, 200
+    mix = torch.randn(D, D, generator=g, dtype=torch.float64)
+    cal = {n: torch.randn(N, D, generator=g, dtype=torch.float64) @ mix * s for n, s in (("q", 1.0), ("k", 2.0), ("v", 0.5))}
+    s = make_scheme("oscar-ref", 2).fit(cal, Ctx("oracle", 0))
+    q, k, v = cal["q"], cal["k"], cal["v"]
+    Cq = sum(torch.outer(r, r) for r in q) / N  # row by row, not the code's matmul
+    w = torch.stack([r @ Cq @ r for r in k])
+    Cv = sum(wi * torch.outer(r, r) for wi, r in zip(w, v)) / w.sum()
+    assert torch.allclose(s.k.R, rr.reference_rotation(Cq)[0], atol=1e-10)
+    assert torch.allclose(s.v.R, rr.reference_rotation(Cv)[0], atol=1e-10)
+    assert (s.k.c, s.v.c) == (0.96, 0.92) and not s.k.center
+    x = torch.randn(5, D, generator=g, dtype=torch.float64)
+    code = s.k.encode(x)
+    assert code["scale"].dtype == torch.float32 and code.bits_per_element == 2 + 64 / D
+    # decode(encode(x)) = the per-row quantile clip + float32 min-max grid in the rotated space
+    y = x @ s.k.R
+    m = y.abs().sort(-1).values
+    t = m[:, 6] + 0.96 * 7 % 1 * (m[:, 7] - m[:, 6])  # 0.96-quantile of 8 values: position 6.72
+    yc = torch.maximum(torch.minimum(y, t[:, None]), -t[:, None])
+    lo, hi = yc.min(-1).values.float(), yc.max(-1).values.float()
+    sc = (hi - lo) / 3
+    yh = (torch.floor((y - lo[:, None].double()) / sc[:, None].double() + 0.5).clamp(0, 3) * sc[:, None].double()
+          + lo[:, None].double())
+    assert torch.allclose(s.k.decode(code), yh @ s.k.R.T, atol=1e-6)
