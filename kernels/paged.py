@@ -1,0 +1,489 @@
+"""The paged mixed-precision KV cache: layout, page pool, sequences, prefix sharing.
+
+Per layer (one `PagedLayerCache` per attention layer; `PagedKVCache` groups them):
+
+    sink      (max_seqs, Hkv, S, D)        cfg.dtype  first S tokens, never quantized
+    ring      (max_seqs, Hkv, R + P, D)    cfg.dtype  recent window (ring buffer)
+    k_codes   (num_pages, Hkv, P, D*bits/8) uint8     packed INT2 history, 4 codes per byte
+    v_codes   (num_pages, Hkv, P, D*bits/8) uint8
+    k_scale, k_zero   fp16, by mode:
+        minmax / token axis : (num_pages, Hkv, P, D // G)   one pair per token and channel group
+        minmax / channel    : (num_pages, Hkv, D)           KIVI: one pair per channel per page
+        static              : (Hkv, D)                      layer constants from the artifact clips
+    v_scale, v_zero   as keys with the token axis (never channel)
+
+Everything stored is in the *rotated* space: ``k_rot = (k - mu) @ R_K``,
+``v_rot = v @ R_V`` (row vectors, see DESIGN.md), rounded to ``cfg.dtype`` on
+arrival. Pages are quantized from those stored values, so the layout and the
+codes are a pure function of the token stream: prefilling 1000 tokens at once
+or in 10 chunks or one by one gives bit-identical caches.
+
+Layout of a sequence of n tokens (`layout(n, cfg)`): tokens [0, S) live in the
+sink; of the m = n - S later tokens, the oldest ``P * floor((m - R) / P)`` (when
+m >= R) are in full pages, the rest (between R and R + P - 1 tokens once the
+window has filled) in the ring. Token t >= S lives at ring slot (t - S) % (R + P)
+while it is recent and in page (t - S - ...) // P of the block table once it
+leaves. Pages are written whole and never modified afterwards, which makes
+prefix sharing trivial: `fork` copies the block table and bumps refcounts, no
+copy-on-write is ever needed.
+
+The byte layout, rounding rule and policies are documented in docs/cache-format.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+
+from oscar.common import OscarError
+from oscar.kernels.quant import QuantSpec, choose_qparams
+from oscar.stats.artifact import Artifact, QuantConfig
+
+
+class PoolExhausted(OscarError):
+    """Raised when an append needs more free pages than the pool has (nothing was written)."""
+
+
+@dataclass
+class PagedConfig:
+    """Shape and format of one layer's paged cache (all layers of a model share it).
+
+    mode / key_axis / group_size / bits have the meaning of `QuantConfig`:
+    mode="minmax" stores fp16 scale+zero per token and channel group (per channel
+    and page for key_axis="channel"); mode="static" stores no per-token metadata
+    (grid [-c, c] with c the artifact's clip thresholds, exactly `bits` bits per
+    element). A 16-bit pass-through cache is ``recent >= max context``: no token
+    ever leaves the ring (see `PagedConfig.passthrough`).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int  # pool size (pages per layer)
+    max_seqs: int = 8  # sequence slots (rows of sink / ring / block table)
+    page_size: int = 16  # P, tokens per page (= the KIVI key token group)
+    sink: int = 64  # S
+    recent: int = 256  # R, a multiple of page_size
+    bits: int = 2
+    mode: Literal["minmax", "static"] = "minmax"
+    key_axis: Literal["token", "channel"] = "token"
+    group_size: int | None = None  # channels per token group (token axis); None = head_dim
+    dtype: torch.dtype = torch.bfloat16  # sink / ring storage
+    device: str | torch.device = "cpu"
+    max_pages_per_seq: int | None = None  # block table width; None = num_pages
+    # derived
+    ring_size: int = field(init=False)  # R + P slots per sequence
+    packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row
+
+    def __post_init__(self):
+        D, P = self.head_dim, self.page_size
+        if self.page_size < 1 or self.recent < 0 or self.sink < 0:
+            raise ValueError(f"page_size must be >= 1 and sink/recent >= 0 (got P={P}, S={self.sink}, R={self.recent})")
+        if self.recent % P:
+            raise ValueError(f"recent window ({self.recent}) must be a multiple of page_size ({P})")
+        if (D * self.bits) % 8:
+            raise ValueError(f"head_dim {D} * bits {self.bits} is not a whole number of bytes")
+        if self.mode == "static" and self.key_axis == "channel":
+            raise ValueError("mode='static' has no per-channel page metadata; use key_axis='token'")
+        self.value_spec  # validates group_size
+        self.ring_size = self.recent + P
+        self.packed_dim = D * self.bits // 8
+        self.max_pages_per_seq = self.max_pages_per_seq or self.num_pages
+
+    @classmethod
+    def from_quant(cls, quant: QuantConfig, num_kv_heads: int, head_dim: int, num_pages: int, **kw) -> "PagedConfig":
+        """The cache format an artifact asks for (its `QuantConfig`), with pool sizes from the caller."""
+        if quant.value_axis != "token":
+            raise OscarError(f"value_axis={quant.value_axis!r} is not a cache format (values are per token)")
+        if quant.key_axis == "channel" and quant.group_size and quant.group_size != quant.page_size:
+            # QuantConfig.key_spec groups channel keys over `group_size or page_size` tokens; the cache's
+            # token group is the page, so the two must agree for the fitted clips to mean the same thing
+            raise OscarError(f"key_axis='channel' groups keys over group_size={quant.group_size} tokens but pages hold "
+                             f"{quant.page_size}: the cache groups per page, set page_size = group_size")
+        return cls(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=quant.page_size,
+                   sink=quant.sink, recent=quant.recent, bits=quant.bits, mode=quant.mode,
+                   key_axis=quant.key_axis, group_size=quant.group_size, **kw)
+
+    @classmethod
+    def passthrough(cls, num_kv_heads: int, head_dim: int, max_len: int, **kw) -> "PagedConfig":
+        """No quantization at all: every token stays in `dtype` (the ring holds max_len tokens)."""
+        P = kw.pop("page_size", 16)
+        recent = -(-max_len // P) * P
+        return cls(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=kw.pop("num_pages", 1), page_size=P,
+                   sink=kw.pop("sink", 0), recent=recent, **kw)
+
+    @property
+    def key_spec(self) -> QuantSpec:
+        if self.mode == "static":  # per (head, channel) thresholds: a group of one channel
+            return QuantSpec(bits=self.bits, group_size=1, mode="static")
+        if self.key_axis == "channel":
+            return QuantSpec(bits=self.bits, axis="channel", group_size=self.page_size)
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax")
+
+    @property
+    def value_spec(self) -> QuantSpec:
+        if self.mode == "static":
+            return QuantSpec(bits=self.bits, group_size=1, mode="static")
+        spec = QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax")
+        spec.group(self.head_dim)  # raises if group_size does not divide head_dim
+        return spec
+
+    @property
+    def groups(self) -> int:
+        """Channel groups per token (token-axis minmax)."""
+        return self.head_dim // (self.group_size or self.head_dim)
+
+
+class DecodeBatch(NamedTuple):
+    block_table: torch.Tensor  # (max_seqs, max_pages_per_seq) int32, row = sequence slot
+    seq_lens: torch.Tensor  # (B,) int32
+    slots: torch.Tensor  # (B,) int32 sequence slot of each batch row
+    max_pages: int  # longest page list in the batch (sizes the split-K grid)
+
+
+class Layout(NamedTuple):
+    sink_len: int  # tokens in the sink
+    num_pages: int  # full pages in the block table
+    ring_len: int  # tokens in the ring
+    ring_start: int  # ring slot of the oldest ring token
+
+
+def layout(n: int, cfg: PagedConfig) -> Layout:
+    """Where the n tokens of a sequence live (a pure function of n; kernels compute it too)."""
+    S, R, P, C = cfg.sink, cfg.recent, cfg.page_size, cfg.ring_size
+    m = max(n - S, 0)
+    pages = (m - R) // P if m >= R else 0
+    q = pages * P
+    return Layout(min(n, S), pages, m - q, q % C)
+
+
+@dataclass
+class LayerRotation:
+    """One layer's rotations, key mean and clips (from an `Artifact` or identity).
+
+    rot_k, rot_v: (Hkv, D, D) float32, x_rot = x @ R. k_mean: (Hkv, D) or None.
+    clip_k, clip_v: (Hkv,) or (Hkv, D); ratios in minmax mode, absolute thresholds in static mode.
+    """
+
+    rot_k: torch.Tensor
+    rot_v: torch.Tensor
+    clip_k: torch.Tensor
+    clip_v: torch.Tensor
+    k_mean: torch.Tensor | None = None
+    identity: bool = field(init=False)  # no rotation and no centering: skip the matmuls (exact)
+
+    def __post_init__(self):
+        f = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731  kernels assume row-major
+        self.rot_k, self.rot_v, self.clip_k, self.clip_v, self.k_mean = map(
+            f, (self.rot_k, self.rot_v, self.clip_k, self.clip_v, self.k_mean))
+        H, D, _ = self.rot_k.shape
+        eye = torch.eye(D, device=self.rot_k.device).expand(H, D, D)
+        self.identity = bool(torch.equal(self.rot_k.float(), eye) and torch.equal(self.rot_v.float(), eye)
+                             and self.k_mean is None)
+
+    @classmethod
+    def from_artifact(cls, art: Artifact, layer: int, device: str | torch.device = "cpu") -> "LayerRotation":
+        f = lambda t: None if t is None else t.to(device=device, dtype=torch.float32).contiguous()  # noqa: E731
+        return cls(rot_k=f(art.rot_k[layer]), rot_v=f(art.rot_v[layer]), clip_k=f(art.clip_k[layer]),
+                   clip_v=f(art.clip_v[layer]), k_mean=f(art.k_mean[layer]) if art.k_mean is not None else None)
+
+    @classmethod
+    def identity_for(cls, num_kv_heads: int, head_dim: int, clip: float = 1.0, device="cpu") -> "LayerRotation":
+        eye = torch.eye(head_dim, device=device).expand(num_kv_heads, head_dim, head_dim).contiguous()
+        c = torch.full((num_kv_heads,), clip, device=device)
+        return cls(rot_k=eye, rot_v=eye.clone(), clip_k=c, clip_v=c.clone())
+
+    def rotate_k(self, k: torch.Tensor) -> torch.Tensor:
+        """(..., Hkv, T, D) -> (k - mu) @ R_K in float32."""
+        if self.identity:
+            return k.float()
+        kf = k.float()
+        if self.k_mean is not None:
+            kf = kf - self.k_mean.unsqueeze(-2)  # (Hkv, 1, D)
+        return kf @ self.rot_k
+
+    def rotate_v(self, v: torch.Tensor) -> torch.Tensor:
+        return v.float() if self.identity else v.float() @ self.rot_v
+
+    def unrotate_k(self, k_rot: torch.Tensor) -> torch.Tensor:
+        if self.identity:
+            return k_rot.float()
+        k = k_rot.float() @ self.rot_k.transpose(-1, -2)
+        return k + self.k_mean.unsqueeze(-2) if self.k_mean is not None else k
+
+    def unrotate_v(self, v_rot: torch.Tensor) -> torch.Tensor:
+        return v_rot.float() if self.identity else v_rot.float() @ self.rot_v.transpose(-1, -2)
+
+
+def _clip_layout(clip: torch.Tensor, cfg: PagedConfig, axis: str) -> torch.Tensor:
+    """Broadcast an artifact clip onto the qparams layout of pages (N, Hkv, ...)."""
+    H, D = cfg.num_kv_heads, cfg.head_dim
+    if cfg.mode == "static":  # absolute thresholds -> (Hkv, 1, D) for a group of one channel
+        c = clip.float().reshape(H, -1)
+        if c.shape[1] not in (1, D):
+            raise OscarError(f"static clip has shape {tuple(clip.shape)}, expected ({H},) or ({H}, {D})")
+        if not bool((c > 0).all()):
+            raise OscarError("static mode needs positive clip thresholds (got a value <= 0)")
+        return c.expand(H, D).reshape(H, 1, D)
+    if clip.dim() != 1 or clip.shape[0] != H:
+        raise OscarError(f"minmax mode needs one clip ratio per KV head, got shape {tuple(clip.shape)}")
+    if not bool(((clip > 0) & (clip <= 1)).all()):
+        raise OscarError("minmax clip ratios must lie in (0, 1]")
+    return clip.float().reshape(1, H, 1, 1)  # over (N, Hkv, P, groups) or (N, Hkv, D, 1)
+
+
+@dataclass
+class QuantParams:
+    """What the quantizer needs for one layer: specs, clips laid out, static scale/zero."""
+
+    k_spec: QuantSpec
+    v_spec: QuantSpec
+    clip_k: torch.Tensor  # (1, Hkv, 1, 1) ratio or (Hkv, 1, D) threshold
+    clip_v: torch.Tensor
+    k_static: tuple[torch.Tensor, torch.Tensor] | None  # (scale, zero) each (Hkv, D) fp16, static mode
+    v_static: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def build(cls, cfg: PagedConfig, rot: LayerRotation) -> "QuantParams":
+        ck, cv = _clip_layout(rot.clip_k, cfg, "k"), _clip_layout(rot.clip_v, cfg, "v")
+        ks = vs = None
+        if cfg.mode == "static":
+            probe = torch.zeros(cfg.num_kv_heads, 1, cfg.head_dim, device=ck.device)
+            s, z = choose_qparams(probe, cfg.key_spec, ck)  # (Hkv, 1, D)
+            ks = (s[:, 0].contiguous(), z[:, 0].contiguous())
+            s, z = choose_qparams(probe, cfg.value_spec, cv)
+            vs = (s[:, 0].contiguous(), z[:, 0].contiguous())
+        return cls(cfg.key_spec, cfg.value_spec, ck, cv, ks, vs)
+
+
+class PagedLayerCache:
+    """One layer's page pool, sink/ring buffers, block tables and refcounts.
+
+    Sequences are integer slots in [0, cfg.max_seqs): `new_sequence()`, `fork(src)`,
+    `free(seq)`. `append(seq, k, v)` takes post-RoPE k, v (Hkv, T, D) in the model
+    space; rotation, rounding to cfg.dtype and page quantization happen here.
+    Decode attention over this layer: `oscar.kernels.dispatch.decode_attention`.
+    """
+
+    def __init__(self, cfg: PagedConfig, rot: LayerRotation | None = None):
+        self.cfg = cfg
+        dev = torch.device(cfg.device)
+        H, D, P, N = cfg.num_kv_heads, cfg.head_dim, cfg.page_size, cfg.num_pages
+        rot = rot or LayerRotation.identity_for(H, D, device=dev)
+        if tuple(rot.rot_k.shape) != (H, D, D) or tuple(rot.rot_v.shape) != (H, D, D):
+            raise OscarError(f"rotation shape {tuple(rot.rot_k.shape)} does not match the cache ({H}, {D}, {D})")
+        if rot.rot_k.device.type != dev.type:
+            raise OscarError(f"rotation is on {rot.rot_k.device}, cache on {dev}")
+        self.rot = rot
+        self.qp = QuantParams.build(cfg, rot)
+        z8 = lambda *s: torch.zeros(*s, dtype=torch.uint8, device=dev)  # noqa: E731
+        z16 = lambda *s: torch.zeros(*s, dtype=torch.float16, device=dev)  # noqa: E731
+        self.k_codes, self.v_codes = z8(N, H, P, cfg.packed_dim), z8(N, H, P, cfg.packed_dim)
+        if cfg.mode == "static":
+            self.k_scale, self.k_zero = self.qp.k_static
+            self.v_scale, self.v_zero = self.qp.v_static
+        else:
+            kshape = (N, H, D) if cfg.key_axis == "channel" else (N, H, P, cfg.groups)
+            self.k_scale, self.k_zero = z16(*kshape), z16(*kshape)
+            self.v_scale, self.v_zero = z16(N, H, P, cfg.groups), z16(N, H, P, cfg.groups)
+        fz = lambda *s: torch.zeros(*s, dtype=cfg.dtype, device=dev)  # noqa: E731
+        self.sink_k, self.sink_v = fz(cfg.max_seqs, H, cfg.sink, D), fz(cfg.max_seqs, H, cfg.sink, D)
+        self.ring_k, self.ring_v = fz(cfg.max_seqs, H, cfg.ring_size, D), fz(cfg.max_seqs, H, cfg.ring_size, D)
+        # host-side bookkeeping (python ints: cheap, and never synchronises the device)
+        self.refcount = [0] * N
+        self.free_pages = list(range(N - 1, -1, -1))  # pop() hands out page 0 first
+        self.pages: list[list[int] | None] = [None] * cfg.max_seqs  # None = free slot
+        self.lengths = [0] * cfg.max_seqs
+        # the same page lists on the device, one row per sequence slot (what kernels read)
+        self.block_table = torch.zeros(cfg.max_seqs, cfg.max_pages_per_seq, dtype=torch.int32, device=dev)
+
+    # ---------------------------------------------------------------- sequences
+    def new_sequence(self, seq: int | None = None) -> int:
+        """Claim a free sequence slot (or the given one) with length 0."""
+        if seq is None:
+            free = [i for i, p in enumerate(self.pages) if p is None]
+            if not free:
+                raise OscarError(f"all {self.cfg.max_seqs} sequence slots are in use; free one or raise max_seqs")
+            seq = free[0]
+        self._check_slot(seq, active=False)
+        self.pages[seq], self.lengths[seq] = [], 0
+        return seq
+
+    def fork(self, src: int, dst: int | None = None) -> int:
+        """A new sequence with src's full content: pages shared (refcount +1), sink/ring copied."""
+        self._check_slot(src, active=True)
+        dst = self.new_sequence(dst)
+        for p in self.pages[src]:
+            self.refcount[p] += 1
+        self.pages[dst] = list(self.pages[src])
+        self.lengths[dst] = self.lengths[src]
+        self.block_table[dst].copy_(self.block_table[src])
+        for buf in (self.sink_k, self.sink_v, self.ring_k, self.ring_v):
+            buf[dst].copy_(buf[src])
+        return dst
+
+    def free(self, seq: int) -> None:
+        """Release a sequence; pages whose refcount drops to 0 return to the pool."""
+        self._check_slot(seq, active=True)
+        for p in self.pages[seq]:
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self.free_pages.append(p)
+        self.pages[seq], self.lengths[seq] = None, 0
+
+    def length(self, seq: int) -> int:
+        return self.lengths[seq]
+
+    def _check_slot(self, seq: int, active: bool) -> None:
+        if not 0 <= seq < self.cfg.max_seqs:
+            raise OscarError(f"sequence id {seq} outside [0, {self.cfg.max_seqs})")
+        if (self.pages[seq] is not None) != active:
+            raise OscarError(f"sequence {seq} is {'not ' if active else ''}active")
+
+    # ---------------------------------------------------------------- appending
+    def append(self, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append T tokens (k, v: (Hkv, T, D), model space) to one sequence.
+
+        Checks everything (shapes, dtype, device, free pages) before writing, so a
+        refused append leaves every sequence, this one included, unchanged.
+        """
+        self._check_slot(seq, active=True)
+        self._check_kv(k, v, batched=False)
+        self.append_batch([seq], k.unsqueeze(0), v.unsqueeze(0))
+
+    def append_batch(self, seqs: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append T tokens to each of B sequences (k, v: (B, Hkv, T, D)); all-or-nothing."""
+        from oscar.kernels.dispatch import quantize_pages  # late: dispatch imports this module
+
+        cfg = self.cfg
+        self._check_kv(k, v, batched=True)
+        if len(seqs) != k.shape[0] or len(set(seqs)) != len(seqs):
+            raise OscarError(f"append_batch: {len(seqs)} distinct sequence ids needed for a batch of {k.shape[0]}")
+        for s in seqs:
+            self._check_slot(s, active=True)
+        T = k.shape[2]
+        plans = [(s, self.lengths[s], layout(self.lengths[s], cfg), layout(self.lengths[s] + T, cfg)) for s in seqs]
+        need = sum(l1.num_pages - l0.num_pages for _, _, l0, l1 in plans)
+        if need > len(self.free_pages):
+            raise PoolExhausted(
+                f"page pool exhausted: this append needs {need} new pages of {cfg.page_size} tokens, "
+                f"{len(self.free_pages)} of {cfg.num_pages} are free; nothing was written "
+                f"(free sequences or build the cache with more pages)")
+        for s, _, _, l1 in plans:
+            if l1.num_pages > cfg.max_pages_per_seq:
+                raise PoolExhausted(f"page pool exhausted for sequence {s}: it would need {l1.num_pages} pages, "
+                                    f"more than max_pages_per_seq={cfg.max_pages_per_seq}; nothing was written")
+        kr = self.rot.rotate_k(k).to(cfg.dtype)  # (B, Hkv, T, D) rotated, rounded to storage dtype
+        vr = self.rot.rotate_v(v).to(cfg.dtype)
+        S, P, C = cfg.sink, cfg.page_size, cfg.ring_size
+        new_pages, page_k, page_v = [], [], []
+        for b, (s, n0, l0, l1) in enumerate(plans):
+            n1 = n0 + T
+            if n0 < S:  # sink
+                e = min(S, n1)
+                self.sink_k[s, :, n0:e] = kr[b, :, : e - n0]
+                self.sink_v[s, :, n0:e] = vr[b, :, : e - n0]
+            if l1.num_pages > l0.num_pages:  # tokens [a, e) leave the window, a whole number of pages
+                a, e = S + l0.num_pages * P, S + l1.num_pages * P
+                t = torch.arange(a, e, device=k.device)
+                old = t < n0
+                tk = torch.empty(cfg.num_kv_heads, e - a, cfg.head_dim, dtype=cfg.dtype, device=k.device)
+                tv = torch.empty_like(tk)
+                slots = (t[old] - S) % C
+                tk[:, old], tv[:, old] = self.ring_k[s][:, slots], self.ring_v[s][:, slots]
+                tk[:, ~old], tv[:, ~old] = kr[b][:, t[~old] - n0], vr[b][:, t[~old] - n0]
+                npg = l1.num_pages - l0.num_pages
+                ids = [self.free_pages.pop() for _ in range(npg)]
+                for p in ids:
+                    self.refcount[p] = 1
+                self.pages[s].extend(ids)
+                self.block_table[s, l0.num_pages:l1.num_pages] = torch.tensor(ids, dtype=torch.int32).to(k.device)
+                new_pages += ids
+                page_k.append(tk.reshape(cfg.num_kv_heads, npg, P, cfg.head_dim).transpose(0, 1))
+                page_v.append(tv.reshape(cfg.num_kv_heads, npg, P, cfg.head_dim).transpose(0, 1))
+            a = max(n0, S + l1.num_pages * P)  # tokens that end in the ring
+            if n1 > a:
+                slots = (torch.arange(a, n1, device=k.device) - S) % C
+                self.ring_k[s][:, slots] = kr[b, :, a - n0:]
+                self.ring_v[s][:, slots] = vr[b, :, a - n0:]
+            self.lengths[s] = n1
+        if new_pages:
+            ids = torch.tensor(new_pages, device=k.device, dtype=torch.int64)
+            quantize_pages(self, ids, torch.cat(page_k), torch.cat(page_v))
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, batched: bool) -> None:
+        cfg = self.cfg
+        want = (cfg.num_kv_heads, cfg.head_dim)
+        nd = 4 if batched else 3
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != nd or (x.shape[-3], x.shape[-1]) != want:
+                raise OscarError(f"{name} must be {'(B, ' if batched else '('}Hkv={want[0]}, T, D={want[1]}), "
+                                 f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if not x.is_floating_point():
+                raise OscarError(f"{name} must be a floating tensor, got {x.dtype}")
+            if x.device.type != torch.device(cfg.device).type:
+                raise OscarError(f"{name} is on {x.device}, the cache is on {cfg.device}")
+        if k.shape != v.shape:
+            raise OscarError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+
+    # ---------------------------------------------------------------- kernel views
+    def batch_tables(self, seqs: list[int]) -> "DecodeBatch":
+        """What the decode kernels need for a batch of sequences (the block table is not copied)."""
+        for s in seqs:
+            self._check_slot(s, active=True)
+        dev = self.block_table.device
+        return DecodeBatch(
+            block_table=self.block_table,
+            seq_lens=torch.tensor([self.lengths[s] for s in seqs], dtype=torch.int32).to(dev),
+            slots=torch.tensor(seqs, dtype=torch.int32).to(dev),
+            max_pages=max([len(self.pages[s]) for s in seqs] + [0]),
+        )
+
+    def bytes_used(self) -> dict[str, int]:
+        """Bytes allocated by component (the whole pool, not only pages in use)."""
+        t = lambda *xs: sum(x.numel() * x.element_size() for x in xs)  # noqa: E731
+        return {
+            "codes": t(self.k_codes, self.v_codes),
+            "scales": t(self.k_scale, self.k_zero, self.v_scale, self.v_zero),
+            "sink": t(self.sink_k, self.sink_v),
+            "recent": t(self.ring_k, self.ring_v),
+        }
+
+
+class PagedKVCache:
+    """All layers of a model: one `PagedLayerCache` each, sequence ops applied to every layer."""
+
+    def __init__(self, cfg: PagedConfig, rotations: list[LayerRotation]):
+        self.cfg = cfg
+        self.layers = [PagedLayerCache(cfg, r) for r in rotations]
+
+    @classmethod
+    def from_artifact(cls, art: Artifact, num_pages: int, max_seqs: int = 8, dtype=torch.bfloat16,
+                      device="cpu", **overrides) -> "PagedKVCache":
+        art.validate()
+        cfg = PagedConfig.from_quant(art.quant, art.num_kv_heads, art.head_dim, num_pages,
+                                     max_seqs=max_seqs, dtype=dtype, device=device, **overrides)
+        return cls(cfg, [LayerRotation.from_artifact(art, l, device) for l in range(art.num_layers)])
+
+    def new_sequence(self, seq: int | None = None) -> int:
+        seq = self.layers[0].new_sequence(seq)
+        for layer in self.layers[1:]:
+            layer.new_sequence(seq)
+        return seq
+
+    def fork(self, src: int, dst: int | None = None) -> int:
+        dst = self.layers[0].fork(src, dst)
+        for layer in self.layers[1:]:
+            layer.fork(src, dst)
+        return dst
+
+    def free(self, seq: int) -> None:
+        for layer in self.layers:
+            layer.free(seq)
+
+    def __getitem__(self, layer: int) -> PagedLayerCache:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)

@@ -1,0 +1,198 @@
+"""Triton kernel (a): rotate + quantize + pack whole pages into the pool.
+
+One program per (page, KV head) quantizes P tokens x D channels. The work is laid
+out as PER = 8 // BITS strided column tiles: tile i holds channels j*PER + i for
+j < D*BITS/8, so the byte j of a token is sum_i code_i(j) << (BITS*i) and packing
+needs no reshape (works for any D that is a multiple of PER, power of two or not).
+
+Rounding is exactly `oscar.kernels.quant`: scale = fp16(max((hi - lo)/levels, 1e-8)),
+zero = fp16(lo), code = clamp(floor((x - zero) / scale + 0.5), 0, levels), with
+IEEE division (`div_rn`) so the codes are bit-identical to the torch reference.
+A zero fp16 scale (a constant group) gives 0/0 = NaN in both: code 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar.common import OscarError
+from oscar.kernels.paged import PagedLayerCache
+
+MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> nearest bf16 (ties to even), as fp32. Written out with integer ops because
+    the Triton interpreter's .to(tl.bfloat16) truncates while torch and the GPU round."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, c_mask, e_mask,
+               D: tl.constexpr, ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr):
+    """Tokens x channels offs_c of a page, rotated ((x - mu) @ R) and rounded like the cache stores them."""
+    if ROTATE:
+        x = tl.load(X + x_base + offs_t[:, None] * D + offs_e[None, :], mask=t_mask[:, None] & e_mask[None, :],
+                    other=0.0).to(tl.float32)  # (BLOCK_P, BLOCK_D)
+        if CENTER:
+            x = x - tl.load(MEAN + m_base + offs_e, mask=e_mask, other=0.0)[None, :]
+        r = tl.load(R + r_base + offs_e[:, None] * D + offs_c[None, :], mask=e_mask[:, None] & c_mask[None, :],
+                    other=0.0)  # (BLOCK_D, BLOCK_B): the columns of R for these channels
+        x = tl.dot(x, r, input_precision="ieee")  # (BLOCK_P, BLOCK_B)
+        if ROUND == 1:
+            x = _round_bf16(x)
+        elif ROUND == 2:
+            x = x.to(tl.float16).to(tl.float32)
+    else:
+        x = tl.load(X + x_base + offs_t[:, None] * D + offs_c[None, :], mask=t_mask[:, None] & c_mask[None, :],
+                    other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _code(x, s, z, LEVELS: tl.constexpr):
+    """The project's rounding rule on fp16-rounded params s, z (fp32 values)."""
+    c = tl.floor(tl.math.div_rn(x - z, s) + 0.5)
+    c = tl.where(c != c, 0.0, c)  # 0/0 (constant group, zero scale) -> code 0, like torch
+    return tl.minimum(tl.maximum(c, 0.0), LEVELS).to(tl.int32)
+
+
+@triton.jit
+def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j, offs_e, t_mask, j_mask, e_mask,
+                        D: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, LEVELS: tl.constexpr,
+                        ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr):
+    """fp16 (scale, zero) of channel group g for every token of the page: (BLOCK_P,) each."""
+    lo = tl.full((BLOCK_P,), float("inf"), tl.float32)
+    hi = tl.full((BLOCK_P,), float("-inf"), tl.float32)
+    for i in tl.static_range(PER):
+        offs_c = offs_j * PER + i
+        x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
+                       D, ROTATE, CENTER, ROUND)
+        in_g = t_mask[:, None] & (j_mask & ((offs_c // G) == g))[None, :]
+        lo = tl.minimum(lo, tl.min(tl.where(in_g, x, float("inf")), axis=1))
+        hi = tl.maximum(hi, tl.max(tl.where(in_g, x, float("-inf")), axis=1))
+    r = tl.load(CLIP + h)
+    lo, hi = lo * r, hi * r  # minmax clip: a ratio applied to both ends (quant.choose_qparams)
+    s = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
+    return s, lo.to(tl.float16)
+
+
+@triton.jit
+def _quantize_pages_kernel(
+    X, R, MEAN, CLIP, SSTAT, ZSTAT, PAGE_IDS, CODES, SCALE, ZERO,
+    stride_xn, stride_xh,  # X: (N, Hkv, P, D) contiguous in (P, D)
+    stride_cn, stride_ch, stride_ct,  # CODES: (pool, Hkv, P, D*BITS/8)
+    stride_sn, stride_sh, stride_st,  # SCALE/ZERO: (pool, Hkv, P, NG) token | (pool, Hkv, D) channel
+    P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+    MODE: tl.constexpr, ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    PER: tl.constexpr = 8 // BITS
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    NB: tl.constexpr = D // PER  # bytes per token row
+    page = tl.load(PAGE_IDS + n).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_P)
+    offs_j = tl.arange(0, BLOCK_B)  # byte column
+    offs_e = tl.arange(0, BLOCK_D)
+    t_mask = offs_t < P
+    j_mask = offs_j < NB
+    e_mask = offs_e < D
+    x_base = n.to(tl.int64) * stride_xn + h * stride_xh
+    r_base = h * D * D
+    m_base = h * D
+    valid = t_mask[:, None] & j_mask[None, :]
+
+    byte = tl.zeros((BLOCK_P, BLOCK_B), tl.int32)
+    if MODE == 0:
+        # token groups: per group g, its fp16 params from the group's range (one pass over the
+        # PER column tiles), then the codes of its channels (a second pass)
+        for g in tl.static_range(NG):
+            s_g, z_g = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j, offs_e,
+                                           t_mask, j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P)
+            so = page * stride_sn + h * stride_sh + offs_t * stride_st + g
+            tl.store(SCALE + so, s_g, mask=t_mask)
+            tl.store(ZERO + so, z_g, mask=t_mask)
+            for i in tl.static_range(PER):
+                offs_c = offs_j * PER + i
+                x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
+                               D, ROTATE, CENTER, ROUND)
+                code = _code(x, s_g.to(tl.float32)[:, None], z_g.to(tl.float32)[:, None], LEVELS)
+                byte += tl.where(((offs_c // G) == g)[None, :], code, 0) << (BITS * i)
+    else:
+        for i in tl.static_range(PER):
+            offs_c = offs_j * PER + i
+            x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
+                           D, ROTATE, CENTER, ROUND)
+            if MODE == 1:  # KIVI: range of each channel over the page's P tokens
+                lo = tl.min(tl.where(valid, x, float("inf")), axis=0)
+                hi = tl.max(tl.where(valid, x, float("-inf")), axis=0)
+                r = tl.load(CLIP + h)
+                lo, hi = lo * r, hi * r
+                s16 = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
+                z16 = lo.to(tl.float16)
+                so = page * stride_sn + h * stride_sh + offs_c
+                tl.store(SCALE + so, s16, mask=j_mask)
+                tl.store(ZERO + so, z16, mask=j_mask)
+                s = s16.to(tl.float32)[None, :]
+                z = z16.to(tl.float32)[None, :]
+            else:  # static: layer constants (Hkv, D)
+                s = tl.load(SSTAT + h * D + offs_c, mask=j_mask, other=1.0).to(tl.float32)[None, :]
+                z = tl.load(ZSTAT + h * D + offs_c, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+            byte += _code(x, s, z, LEVELS) << (BITS * i)
+    co = page * stride_cn + h * stride_ch + offs_t[:, None] * stride_ct + offs_j[None, :]
+    tl.store(CODES + co, byte.to(tl.uint8), mask=valid)
+
+
+def _pad16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tensor, which: str,
+                        rotate: bool = False) -> None:
+    """Quantize pages x (N, Hkv, P, D) of keys or values into the pool of `cache` at page ids (N,).
+
+    rotate=False: x is already rotated and rounded to cfg.dtype (what the cache stores).
+    rotate=True: x is in the model space; the kernel applies (x - mu) @ R and rounds to
+    cfg.dtype itself (fp32 IEEE dot, so equal to the torch rotation up to summation order).
+    """
+    cfg = cache.cfg
+    N, H, P, D = x.shape
+    assert (H, P, D) == (cfg.num_kv_heads, cfg.page_size, cfg.head_dim), f"pages {tuple(x.shape)} vs cache {cfg}"
+    assert ids.shape == (N,) and which in ("k", "v")
+    if x.device != cache.k_codes.device:
+        raise OscarError(f"pages on {x.device}, cache on {cache.k_codes.device}")
+    if N == 0:
+        return
+    x = x.contiguous()
+    rot = cache.rot
+    mode = MODE_STATIC if cfg.mode == "static" else (MODE_CHANNEL if which == "k" and cfg.key_axis == "channel" else MODE_TOKEN)
+    codes = getattr(cache, f"{which}_codes")
+    scale, zero = getattr(cache, f"{which}_scale"), getattr(cache, f"{which}_zero")
+    clip = (rot.clip_k if which == "k" else rot.clip_v).float().contiguous()
+    R = rot.rot_k if which == "k" else rot.rot_v
+    center = which == "k" and rot.k_mean is not None
+    do_rotate = rotate and not rot.identity
+    round_code = {torch.bfloat16: 1, torch.float16: 2}.get(cfg.dtype, 0)
+    ss = scale.stride() if mode != MODE_STATIC else (0, 0, 0)
+    G = cfg.group_size or D
+    _quantize_pages_kernel[(N, H)](
+        x, R.contiguous(), rot.k_mean if center else clip, clip, scale, zero, ids.to(torch.int32), codes, scale, zero,
+        x.stride(0), x.stride(1),
+        codes.stride(0), codes.stride(1), codes.stride(2),
+        ss[0], ss[1], ss[2] if mode == MODE_TOKEN else 0,
+        P=P, D=D, G=G, NG=D // G, BITS=cfg.bits, MODE=mode, ROTATE=do_rotate, CENTER=center and do_rotate,
+        ROUND=round_code, BLOCK_P=_pad16(P), BLOCK_D=_pad16(D), BLOCK_B=_pad16(cfg.packed_dim),
+    )
+
+
+def quantize_pages(cache: PagedLayerCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Dispatch target: rotated pages k, v (N, Hkv, P, D) -> pool (same contract as reference.quantize_pages)."""
+    quantize_pages_into(cache, ids, k, "k")
+    quantize_pages_into(cache, ids, v, "v")
