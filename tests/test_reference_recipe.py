@@ -277,3 +277,15 @@ def test_ablation_scheme_oscar_ref():
     yh = (torch.floor((y - lo[:, None].double()) / sc[:, None].double() + 0.5).clamp(0, 3) * sc[:, None].double()
           + lo[:, None].double())
     assert torch.allclose(s.k.decode(code), yh @ s.k.R.T, atol=1e-6)
+
+
+def test_row_quantile_per_head_ratio_tensor():
+    """A (1, Hkv, 1, 1) ratio tensor (the cache's clip layout) = one scalar call per head."""
+    spec = rr.reference_spec()
+    x = torch.randn(3, 2, 4, 8, generator=torch.Generator().manual_seed(1))  # (N, Hkv, P, D)
+    r = torch.tensor([0.96, 0.5]).reshape(1, 2, 1, 1)
+    s, z = choose_qparams(x, spec, r)
+    for h, rh in enumerate((0.96, 0.5)):
+        sh, zh = choose_qparams(x[:, h], spec, rh)
+        torch.testing.assert_close(s[:, h], sh, rtol=0, atol=1e-6)
+        torch.testing.assert_close(z[:, h], zh, rtol=0, atol=1e-6)
