@@ -18,6 +18,8 @@ from oscar.kernels import reference as ref
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
 from oscar.stats import reference_recipe as rr
 
+if not torch.cuda.is_available():  # the Triton part runs under the interpreter on CPU (before any kernel import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 H, D = 2, 16
 
@@ -130,3 +132,40 @@ def test_triton_path_with_reference_format(monkeypatch):
     ro, rlse = ref.decode_attention_oracle(q, c, [s], scale=0.25, return_lse=True)
     torch.testing.assert_close(o, ro, rtol=0, atol=2e-5)
     torch.testing.assert_close(lse, rlse, rtol=0, atol=2e-5)
+
+
+def test_oscar_cache_from_reference_artifact():
+    """OscarCache (transformers) built from an oscar-ref artifact stores the published format."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    from oscar.kernels.cache import OscarCache, prefill
+    from oscar.kernels.memory import Format, cache_bytes, total
+    from oscar.common import attention_shapes
+    from oscar.stats.artifact import identity_artifact
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, 96, (1, 45), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dyn = m(input_ids=ids, past_key_values=DynamicCache(config=cfg), use_cache=True).past_key_values
+    k0 = dyn.layers[0].keys[0]  # (Hkv, T, D) post-RoPE keys of layer 0 (its input does not depend on the cache)
+    art = identity_artifact(cfg, quant=rr.reference_quant_config(), variant="oscar-ref")
+    art.clip_k = [torch.full((2,), rr.CLIP_K) for _ in range(2)]
+    art.clip_v = [torch.full((2,), rr.CLIP_V) for _ in range(2)]
+    cache = OscarCache.from_artifact(m, art, dtype=torch.float32, sink=4, recent=16, max_len=64)
+    prefill(m, cache, ids)
+    pc = cache.pool[0]
+    assert (pc.cfg.page_size, pc.cfg.clip_rule, pc.k_scale.dtype) == (8, "row-quantile", torch.float32)
+    s = cache.seqs[0]
+    lay = layout(45, pc.cfg)
+    assert lay.num_pages == 3  # 41 tokens past the sink: 3 pages of 8 flushed, 17 in the window
+    got_k, _ = ref.dequantize_sequence(pc, s, dtype=torch.float32, rotated=True)
+    a, e = 4, 4 + 3 * 8
+    torch.testing.assert_close(got_k[:, a:e].double(), _page_definition(k0[:, a:e].float(), 0.96), rtol=0, atol=1e-5)
+    f = Format("ref", sink=4, recent=16, page_size=8, param_bytes=4, dtype_bytes=4)  # fp32 storage here
+    ana, live = total(attention_shapes(cfg), f, 45), cache_bytes(cache)
+    for key in ("codes", "scales", "sinks", "recent", "page_table"):
+        assert live[key] == pytest.approx(ana[key]), key
+    m.set_attn_implementation("sdpa")
