@@ -1,0 +1,151 @@
+"""The fake-quant cache and the masked-attention perplexity path agree with token-by-token decoding.
+
+A tiny random-init Llama (GQA 2:1, head_dim 16) keeps these exact checks fast.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from oscar.kernels.quant import fake_quant
+from oscar.stats.artifact import QuantConfig, identity_artifact
+from oscar.validate.methods import (
+    LayerQuant, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact, parse_methods,
+)
+from oscar.validate.ppl import fresh_mask, simulated, window_nll
+from oscar.common import OscarError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _rot_artifact(config, quant, seed=1):
+    a = identity_artifact(config, quant)
+    g = torch.Generator().manual_seed(seed)
+    for l in range(a.num_layers):
+        q, _ = torch.linalg.qr(torch.randn(a.num_kv_heads, a.head_dim, a.head_dim, generator=g))
+        a.rot_k[l], a.rot_v[l] = q, q.flip(-1)
+        a.clip_k[l] = torch.full((a.num_kv_heads,), 0.9)
+    a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
+    return a
+
+
+def test_hadamard_orthogonal():
+    for n in (1, 2, 16, 64):
+        h = hadamard(n)
+        assert torch.allclose(h @ h.T, torch.eye(n), atol=1e-6)
+    with pytest.raises(OscarError, match="power-of-two"):
+        hadamard(48)
+
+
+def test_layerquant_matches_rotated_reference(tiny):
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+    lq = LayerQuant(art, 0)
+    k = torch.randn(1, 2, 10, 16, dtype=torch.float64).float()
+    # reference: in the rotated space, per head
+    for h in range(2):
+        R, mu = art.rot_k[0][h], art.k_mean[0][h]
+        kr = (k[0, h] - mu) @ R
+        ref = fake_quant(kr, art.quant.key_spec(16), 0.9) @ R.T + mu
+        assert torch.allclose(lq.keys(k)[0, h], ref, atol=1e-5)
+    # q·k̂ equals the kernel's rotated-space logit (q R)·(k̂_rot) + q·mu
+    q = torch.randn(16)
+    khat = lq.keys(k)[0, 0]
+    kr_hat = fake_quant((k[0, 0] - art.k_mean[0][0]) @ art.rot_k[0][0], art.quant.key_spec(16), 0.9)
+    assert torch.allclose(khat @ q, kr_hat @ (q @ art.rot_k[0][0]) + q @ art.k_mean[0][0], atol=1e-4)
+
+
+def test_bits_per_element(tiny):
+    assert bits_per_element(None, 64) == 16
+    assert bits_per_element(method_artifact("naive-int2", tiny.config, None), 16) == 2 + 32 / 16
+    with pytest.raises(OscarError, match="unknown method"):
+        parse_methods("bf16,int3")
+    with pytest.raises(OscarError, match="needs --artifact"):
+        method_artifact("oscar-int2", tiny.config, None)
+
+
+@pytest.mark.parametrize("quant,recent", [
+    (QuantConfig(bits=2), 0), (QuantConfig(bits=2), 3),
+    (QuantConfig(bits=2, key_axis="channel", group_size=4), 0), (QuantConfig(bits=2, key_axis="channel", group_size=4), 5),
+])
+def test_masked_ppl_equals_token_by_token_decode(tiny, quant, recent):
+    """The perplexity mask reproduces decoding one token at a time through SimQuantCache."""
+    art = _rot_artifact(tiny.config, quant)
+    proto = Protocol("t", sink=3, recent=recent)
+    ids = torch.randint(0, 97, (1, 29), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = SimQuantCache(art, proto)
+        step = torch.cat([tiny(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits
+                          for t in range(ids.shape[1])], dim=1)
+        with simulated(tiny, art, proto):
+            masked = tiny(input_ids=ids, use_cache=False).logits
+        exact = tiny(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(step, masked, atol=2e-4), (step - masked).abs().max()
+    assert (step - exact).abs().max() > 1e-3  # quantization really happened
+    assert tiny.config._attn_implementation == "sdpa"  # restored
+
+
+def test_prefill_takeover_equals_prefill_through_cache(tiny):
+    """Strict NIAH: handing an exact prefill to the method's cache == prefilling through that cache."""
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+    proto = Protocol("strict", sink=4, recent=0)
+    ctx = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    q = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        direct = SimQuantCache(art, proto)
+        tiny(input_ids=ctx, cache=direct, use_cache=True)
+        a = tiny(input_ids=q, cache=direct, use_cache=True).logits
+        exact = DynamicCache()
+        tiny(input_ids=ctx, cache=exact, use_cache=True)
+        taken = make_cache(art, proto, prefill=exact)
+        b = tiny(input_ids=q, cache=taken, use_cache=True).logits
+        # the exact prefill is untouched, so a bf16 cache built from it is the plain continuation
+        c = tiny(input_ids=q, cache=make_cache(None, proto, prefill=exact), use_cache=True).logits
+        ref = tiny(input_ids=torch.cat([ctx, q], 1), use_cache=False).logits[:, -7:]
+    assert torch.allclose(a, b, atol=1e-5)
+    assert torch.allclose(c, ref, atol=1e-4)
+    assert (a - ref).abs().max() > 1e-3
+
+
+def test_fresh_mask_small():
+    m = fresh_mask(6, sink=1, recent=0, key_group=1)
+    assert m[:, 0].all() and m.diagonal().all()
+    assert not m[3, 2] and not m[5, 1]
+    g = fresh_mask(9, sink=1, recent=0, key_group=4)  # groups [1..4], [5..8]
+    assert g[3, 1] and g[4, 1] and not g[5, 1] and g[7, 5] and g[8, 5]
+
+
+def test_window_nll_matches_logits(tiny):
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
+    nll, n = window_nll(tiny, ids, chunk=7)
+    with torch.no_grad():
+        lg = tiny(input_ids=ids).logits[0, :-1]
+    ref = torch.nn.functional.cross_entropy(lg, ids[0, 1:], reduction="sum").item()
+    assert n == 19 and math.isclose(nll, ref, rel_tol=1e-5)
+
+
+def test_simulator_matches_oscarcache(tiny):
+    """The validation simulator equals the product cache (kernels/cache.py) on the same artifact.
+
+    OscarCache's decode step at p reads the layout of p+1 tokens (the current token is written first),
+    so its recent window R+1 with 1-token pages is our protocol's recent R.
+    """
+    cache_mod = pytest.importorskip("oscar.kernels.cache")
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad():
+            with simulated(tiny, art, Protocol("strict", sink=4, recent=0)):
+                mine = tiny(input_ids=ids, use_cache=False).logits
+            c = cache_mod.OscarCache.from_artifact(tiny, art, page_size=1, recent=1, sink=4)
+            theirs = tiny(input_ids=ids, cache=c, use_cache=True).logits
+    finally:
+        tiny.set_attn_implementation("sdpa")
+    assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()

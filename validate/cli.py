@@ -1,0 +1,106 @@
+"""`oscar validate niah|ppl|attention` and the main job `oscar run`."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_METHODS = "bf16,naive-int2,kivi2,hadamard-int2,oscar-int2"
+
+
+def _lengths(s: str) -> list[int]:
+    from oscar.validate.ruler import parse_length
+
+    return [parse_length(x) for x in s.split(",") if x.strip()]
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    v = sub.add_parser("validate", help="RULER-style needle tests, perplexity, attention-level retrieval")
+    vs = v.add_subparsers(dest="validate_command", required=True, metavar="CHECK")
+
+    n = vs.add_parser("niah", help="RULER-style tasks under the strict protocol (resumable)")
+    n.add_argument("--model", default="smollm2-135m")
+    n.add_argument("--artifact", help="fitted artifact (needed by oscar-int2)")
+    n.add_argument("--methods", default=DEFAULT_METHODS)
+    n.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma list, or 'all'")
+    n.add_argument("--lengths", default="1k,2k,4k", help="e.g. 1k,2k,4k,...,128k (1k = 1024 tokens)")
+    n.add_argument("--samples", type=int, default=20)
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--protocol", default="strict", choices=["strict", "serving"])
+    n.add_argument("--corpus", default="pydoc")
+    n.add_argument("--out", required=True)
+    n.set_defaults(func=_niah)
+
+    p = vs.add_parser("ppl", help="held-out perplexity, strict and serving protocols")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--artifact")
+    p.add_argument("--methods", default=DEFAULT_METHODS)
+    p.add_argument("--contexts", default="1k,4k")
+    p.add_argument("--protocols", default="strict,serving")
+    p.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored per context")
+    p.add_argument("--corpus", default="pydoc")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_ppl)
+
+    a = vs.add_parser("attention", help="attention-level retrieval to 128k on real captured q/k/v (not a model run)")
+    a.add_argument("--store", required=True, help="calibration store (reservoirs layers/{l}/{q,k,v}_res)")
+    a.add_argument("--artifact")
+    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-int2")
+    a.add_argument("--lengths", default="4k,16k,32k,64k,128k")
+    a.add_argument("--trials", type=int, default=8)
+    a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out", required=True)
+    a.set_defaults(func=_attention)
+
+    r = sub.add_parser("run", help="the main job: calibrate -> fit -> validate -> report, resumable by stage")
+    r.add_argument("--out", required=True)
+    r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
+    r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default from the plan)")
+    r.add_argument("--full", action="store_true", help="the issue's acceptance sizes (>= 20 samples; slower)")
+    r.set_defaults(func=_run)
+
+
+def _niah(args) -> int:
+    from oscar.validate.niah import NiahConfig, run_niah
+    from oscar.validate.ruler import TASKS
+
+    tasks = list(TASKS) if args.tasks == "all" else _csv(args.tasks)
+    cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods), tasks=tasks,
+                     lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed, protocol=args.protocol,
+                     corpus=args.corpus)
+    df = run_niah(cfg)
+    print(df.pivot_table(index=["task", "method"], columns="length", values="score").round(1).to_string())
+    return 0
+
+
+def _ppl(args) -> int:
+    from oscar.validate.ppl import PplConfig, run_ppl
+
+    cfg = PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
+                    contexts=_lengths(args.contexts), protocols=_csv(args.protocols), tokens=args.tokens, corpus=args.corpus)
+    df = run_ppl(cfg)
+    print(df.round(3).to_string(index=False))
+    return 0
+
+
+def _attention(args) -> int:
+    from oscar.validate.attention import AttnConfig, run_attention
+
+    cfg = AttnConfig(out=args.out, store=args.store, artifact=args.artifact, methods=_csv(args.methods),
+                     lengths=_lengths(args.lengths), trials=args.trials, seed=args.seed,
+                     layers=[int(x) for x in _csv(args.layers)])
+    df = run_attention(cfg)
+    print(df.round(4).to_string(index=False))
+    return 0
+
+
+def _run(args) -> int:
+    from oscar.validate.run import RunConfig, run_main
+
+    run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full))
+    return 0

