@@ -50,6 +50,10 @@ class QuantConfig:
     page_size: int = 16
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
     param_dtype: Literal["float16", "float32"] = "float16"
+    # validation's fake-quant cache (oscar.validate.methods) releases recent tokens to INT2 in whole pages of
+    # page_size, as the published cache does (flush in pages of 8); False: one token at a time. The paged
+    # kernels cache always flushes whole pages.
+    flush_pages: bool = False
 
     def __post_init__(self):
         if self.clip_rule not in ("ratio", "row-quantile"):
