@@ -1,0 +1,127 @@
+"""Capture overhead and store write share of `oscar calibrate` (SmolLM2-135M, 2048-token sequences).
+
+Same process, same tokens, same model object: a plain forward of the base model (sdpa, no
+capture) against `run_blocks` (forward with the capturing attention function + statistics +
+store writes), alternating so that load drift on a shared machine hits both alike.
+
+    python bench/calibrate.py [--seqs 1] [--reps 2] [--seq-len 2048]
+
+Writes bench/results/calibrate.json. Targets: throughput ratio >= 0.90, store writes < 5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oscar.common import set_threads
+from oscar.pipeline import capture as C
+from oscar.pipeline.calibrate import run_blocks
+from oscar.pipeline.corpus import load_corpus, make_blocks
+from oscar.pipeline.models import load_model
+from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock
+
+OUT = Path(__file__).with_name("results") / "calibrate.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--seqs", type=int, default=1, help="sequences per measured run")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--sink", type=int, default=64)
+    ap.add_argument("--reservoir", type=int, default=256)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    threads = set_threads()
+    load0 = os.getloadavg()
+
+    t0 = time.perf_counter()
+    model, tok, info = load_model(args.model, attn_implementation="sdpa", dtype=torch.float32)
+    load_s = time.perf_counter() - t0
+    corpus = load_corpus("pydoc")
+    plan = make_blocks(tok, corpus.calibration, seq_len=args.seq_len, seqs_per_block=args.seqs)
+    tokens, mask = plan.tokens[:1], plan.mask[:1]                       # (1, S, T): the first full block
+    assert mask.all(), "first block has padding"
+    n_tok = int(mask.sum())
+    base = C.base_model(model)
+    ids = torch.from_numpy(tokens[0].astype(np.int64))                  # (S, T)
+    am = torch.from_numpy(mask[0].astype(np.int64))
+
+    def plain() -> float:
+        model.set_attn_implementation("sdpa")
+        t = time.perf_counter()
+        with torch.no_grad():
+            for s in range(ids.shape[0]):
+                base(input_ids=ids[s:s + 1], attention_mask=am[s:s + 1], use_cache=False)
+        return time.perf_counter() - t
+
+    tmp = Path(tempfile.mkdtemp(prefix="oscar-bench-"))
+    meta = StoreMeta(model={k: getattr(info, k) for k in ("name", "fingerprint", "num_layers", "num_q_heads",
+                                                          "num_kv_heads", "head_dim")},
+                     corpus=corpus.to_dict(), seq_len=args.seq_len, sink=args.sink, num_blocks=1,
+                     seqs_per_block=args.seqs, reservoir=args.reservoir, config={"seed": 0, "bench": True})
+
+    def calib(rep: int) -> dict:
+        path = tmp / f"s{rep}.zarr"
+        with WriterLock(path, range(info.num_layers)):
+            t = time.perf_counter()
+            st = CalibStore.open_or_create(path, meta, tokens, mask)
+            create_s = time.perf_counter() - t
+            r = run_blocks(model, st, batch_size=1, progress=False)
+        shutil.rmtree(path)
+        return {"wall_s": r.wall_s, "forward_capture_s": r.forward_s, "write_s": r.write_s, "create_s": create_s}
+
+    with torch.no_grad():  # warm-up (allocator, kernels) on a short prefix, both paths
+        base(input_ids=ids[:1, :256], attention_mask=am[:1, :256], use_cache=False)
+    plain_s, calib_runs = [], []
+    for rep in range(args.reps):
+        order = (plain, calib) if rep % 2 == 0 else (calib, plain)
+        for f in order:
+            if f is plain:
+                plain_s.append(plain())
+            else:
+                calib_runs.append(calib(rep))
+        print(f"rep {rep}: plain {plain_s[-1]:.2f} s, calibrate {calib_runs[-1]['wall_s']:.2f} s "
+              f"(writes {calib_runs[-1]['write_s']:.3f} s)", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    p = statistics.median(plain_s)
+    c = statistics.median(r["wall_s"] for r in calib_runs)
+    w = statistics.median(r["write_s"] / r["wall_s"] for r in calib_runs)
+    res = {
+        "model": info.name, "seq_len": args.seq_len, "seqs_per_run": args.seqs, "tokens_per_run": n_tok,
+        "reps": args.reps, "sink": args.sink, "reservoir": args.reservoir, "dtype": "float32",
+        "attn_implementation": "sdpa",
+        "plain_forward_tokens_per_s": n_tok / p,
+        "calibrate_tokens_per_s": n_tok / c,
+        "throughput_ratio": p / c, "throughput_ratio_target": 0.90, "throughput_ratio_met": p / c >= 0.90,
+        "store_write_share": w, "store_write_share_target": 0.05, "store_write_share_met": w < 0.05,
+        "store_create_s": statistics.median(r["create_s"] for r in calib_runs),
+        "runs": {"plain_s": plain_s, "calibrate": calib_runs},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": threads, "loadavg_start": load0,
+                    "loadavg_end": os.getloadavg(), "platform": platform.platform(), "torch": torch.__version__,
+                    "device": "cpu"},
+        "model_load_s": load_s,
+        "command": "python bench/calibrate.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                          if k != "out"),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps({k: res[k] for k in ("plain_forward_tokens_per_s", "calibrate_tokens_per_s", "throughput_ratio",
+                                          "store_write_share")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

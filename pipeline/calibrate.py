@@ -1,0 +1,253 @@
+"""`oscar calibrate`: stream the calibration corpus through the model into the block store.
+
+One process, whole model. The Ray job (`oscar.cluster`) reuses `Capture`, `CalibStore` and
+`WriterLock` with one stage per layer range instead of `run_blocks`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from oscar.common import OscarError, set_threads
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass
+class CalibConfig:
+    model: str = "smollm2-135m"
+    corpus: str = "pydoc"
+    store: str = "runs/calib.zarr"
+    seq_len: int = 2048
+    sink: int = 64                      # first positions of every sequence excluded (kept BF16 at serve time)
+    blocks: int | None = None           # number of blocks, or
+    block_tokens: int | None = None     # tokens per block, or
+    seqs_per_block: int | None = None   # sequences per block (default: block_tokens = 16384)
+    tokens: int | None = None           # cap on calibration tokens
+    batch_size: int = 1                 # sequences per forward
+    reservoir: int = 256                # reservoir rows per block, layer, KV head and x in q/k/v/o
+    seed: int = 0
+    attn_implementation: str = "sdpa"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    overwrite: bool = False
+    blocking: dict = field(init=False)  # the one make_blocks sizing argument in use
+
+    def __post_init__(self):
+        if self.seq_len <= 0:
+            raise OscarError(f"--seq-len must be positive (got {self.seq_len})")
+        if self.sink < 0:
+            raise OscarError(f"--sink must be >= 0 (got {self.sink})")
+        if self.seq_len <= self.sink:
+            raise OscarError(f"--seq-len {self.seq_len} must be larger than --sink {self.sink}: "
+                             f"every position would be excluded from the statistics")
+        given = {k: v for k, v in (("num_blocks", self.blocks), ("block_tokens", self.block_tokens),
+                                   ("seqs_per_block", self.seqs_per_block)) if v is not None}
+        if len(given) > 1:
+            raise OscarError("give at most one of --blocks, --block-tokens, --seqs-per-block")
+        for k, v in given.items():
+            if v <= 0:
+                raise OscarError(f"{k} must be positive (got {v})")
+        if "block_tokens" in given and self.block_tokens < self.seq_len:
+            raise OscarError(f"--block-tokens {self.block_tokens} is smaller than one sequence (--seq-len {self.seq_len})")
+        self.blocking = given or {"block_tokens": max(16384, self.seq_len)}
+        if self.tokens is not None and self.tokens <= 0:
+            raise OscarError(f"--tokens must be positive (got {self.tokens})")
+        if self.batch_size <= 0 or self.reservoir < 0:
+            raise OscarError("--batch-size must be positive and --reservoir >= 0")
+        if self.dtype not in DTYPES:
+            raise OscarError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+
+    def job_config(self) -> dict:
+        """What defines the statistics; a store resumes only under the same job config.
+
+        Not included: where the store is, the device and thread count (a run may resume elsewhere),
+        --overwrite.
+        """
+        d = asdict(self)
+        for k in ("store", "device", "threads", "overwrite", "blocking"):
+            d.pop(k)
+        return d
+
+
+@dataclass
+class CalibResult:
+    store: str
+    blocks_total: int
+    blocks_run: int
+    blocks_skipped: int
+    blocks_redone: list[int]        # half-written blocks found and redone
+    tokens_run: int                 # real tokens forwarded in this run
+    wall_s: float
+    forward_s: float                # model forward incl. capture (wall, device-synchronised)
+    write_s: float                  # store writes
+    nonfinite: dict[int, int]       # layer -> rows excluded for NaN/Inf (whole store)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_run / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+def _sync(device) -> None:
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool = True,
+               job_note: str = "") -> CalibResult:
+    """Capture every block of `store` not yet done (for `layers`, default all) and write it.
+
+    The caller holds the WriterLock for `layers`. Tokens, mask, sink, reservoir size and seed
+    all come from the store, so a resumed run cannot drift from the one that created it.
+    """
+    import torch
+
+    from oscar.pipeline import capture as C
+    from oscar.pipeline.store import reduce
+
+    meta = store.meta
+    m = meta.model
+    layers = tuple(range(m["num_layers"])) if layers is None else tuple(layers)
+    seed = int(meta.config.get("seed", 0))
+    spec = C.CaptureSpec(m["num_q_heads"], m["num_kv_heads"], m["head_dim"], layers=layers, sink=meta.sink,
+                         reservoir=meta.reservoir, seed=seed, seqs_per_block=meta.seqs_per_block)
+    impl = model.config._attn_implementation
+    C.install(model, impl)
+    model.eval()
+    base = C.base_model(model)
+    device = next(model.parameters()).device
+
+    done0 = store.done()                     # (B, L); we hold the locks of `layers`: nobody else writes them
+    todo = [b for b in range(meta.num_blocks) if not done0[b, list(layers)].all()]
+    redone = [b for b in todo if any(store.partial(b, l) for l in layers if not done0[b, l])]
+    for b in redone:
+        print(f"oscar calibrate: block {b} was half-written by an interrupted run (chunks without done "
+              f"marker); redoing it", file=sys.stderr)
+    tokens_arr, mask_arr = store.array("tokens"), store.array("mask")
+    total_tokens = int(mask_arr[:].sum())
+    per_block = mask_arr[:].reshape(meta.num_blocks, -1).sum(1)
+    done_tokens = int(per_block.sum() - per_block[todo].sum())
+
+    cap = C.Capture(spec)
+    t_start = time.perf_counter()
+    fwd_s = write_s = 0.0
+    run_tokens = 0
+    bar = _Progress(progress, meta.num_blocks, total_tokens, meta.num_blocks - len(todo), done_tokens, job_note)
+    try:
+        with bar, torch.no_grad():
+            for b in todo:
+                toks = torch.from_numpy(np.asarray(tokens_arr[b], dtype=np.int64))   # (S, T)
+                mask = torch.from_numpy(np.asarray(mask_arr[b], dtype=np.int64))     # (S, T)
+                t0 = time.perf_counter()
+                cap.start_block(b)
+                n_seq = int(mask.any(1).nonzero().max()) + 1 if mask.any() else 1  # trailing all-padding rows: skip
+                for s0 in range(0, n_seq, batch_size):
+                    s1 = min(s0 + batch_size, n_seq)
+                    ids, mb = toks[s0:s1].to(device), mask[s0:s1].to(device)
+                    with cap.batch(mb, seq_offset=s0):
+                        base(input_ids=ids, attention_mask=mb, use_cache=False)
+                arrays = cap.finish_block()
+                _sync(device)
+                t1 = time.perf_counter()
+                for l in layers:
+                    if not done0[b, l]:  # never rewrite a chunk already marked done
+                        store.write_layer(b, l, arrays[l])
+                t2 = time.perf_counter()
+                fwd_s += t1 - t0
+                write_s += t2 - t1
+                n = int(mask.sum())
+                run_tokens += n
+                bar.advance(n)
+    finally:
+        model.set_attn_implementation(impl[len(C.PREFIX):] if impl.startswith(C.PREFIX) else impl)
+    wall = time.perf_counter() - t_start
+    nonfinite = {l: int(v) for l, v in reduce(store, "nonfinite", layers).items()}
+    bad = {l: n for l, n in nonfinite.items() if n}
+    if bad:
+        print("oscar calibrate: rows with NaN/Inf activations were excluded from the statistics: "
+              + ", ".join(f"layer {l}: {n}" for l, n in bad.items()), file=sys.stderr)
+    return CalibResult(store=str(store.path), blocks_total=meta.num_blocks, blocks_run=len(todo),
+                       blocks_skipped=meta.num_blocks - len(todo), blocks_redone=redone, tokens_run=run_tokens,
+                       wall_s=wall, forward_s=fwd_s, write_s=write_s, nonfinite=nonfinite)
+
+
+class _Progress:
+    """A rich progress bar over blocks and tokens (or nothing)."""
+
+    def __init__(self, enabled, blocks, tokens, blocks_done, tokens_done, note=""):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                          transient=False)
+        self.tb = self.p.add_task(f"calibrate{note} blocks", total=blocks, completed=blocks_done, rate="")
+        self.tt = self.p.add_task(f"calibrate{note} tokens", total=tokens, completed=tokens_done, rate="")
+        self.t0, self.n = time.perf_counter(), 0
+
+    def __enter__(self):
+        if self.enabled:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.p.__exit__(*exc)
+
+    def advance(self, tokens: int) -> None:
+        if not self.enabled:
+            return
+        self.n += tokens
+        rate = f"{self.n / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s"
+        self.p.update(self.tb, advance=1, rate="")
+        self.p.update(self.tt, advance=tokens, rate=rate)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
+    """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
+    from oscar.pipeline.corpus import load_corpus, make_blocks
+    from oscar.pipeline.models import load_model
+    from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock
+
+    set_threads(cfg.threads)
+    corpus = load_corpus(cfg.corpus)
+    if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
+        raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
+    model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
+                                        dtype=_torch_dtype(cfg.dtype), device=cfg.device)
+    plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
+    tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
+    if tokens.size == 0 or int(mask.sum()) == 0:
+        raise OscarError(f"corpus {cfg.corpus!r} produced no tokens to calibrate on")
+    B, S, T = tokens.shape
+    info_d = info.to_dict()
+    meta = StoreMeta(
+        model={k: info_d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
+                                          "head_dim", "model_type", "source")},
+        corpus=corpus.to_dict() if hasattr(corpus, "to_dict") else
+        {"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
+        seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
+    Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
+    with WriterLock(cfg.store, range(info.num_layers)):
+        store = CalibStore.open_or_create(cfg.store, meta, tokens, mask, overwrite=cfg.overwrite)
+        return run_blocks(model, store, batch_size=cfg.batch_size, progress=progress)

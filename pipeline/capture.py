@@ -1,0 +1,375 @@
+"""Attention capture: a registered transformers attention function that records statistics.
+
+`oscar_capture_<impl>` (e.g. `oscar_capture_sdpa`, `oscar_capture_eager`) wraps the
+implementation `<impl>` and, while a `Capture` is active (`with cap.batch(mask, seq_offset)`),
+feeds it the post-RoPE / post-q-norm q, k, v the model passes to its attention function and
+the per-head output o = S V (the o_proj input). The matching mask function is registered
+under the same name, so padding and causal masks are built exactly as for `<impl>`.
+
+Nothing here assumes one process owns the whole model: a `Capture` accumulates only the
+layers it was built for (a stage actor passes its layer range) and ignores the others, and
+the function works for any subset of decoder layers that is run (it keys on `module.layer_idx`).
+
+All accumulation is float64 and batched per layer (matmuls and reductions over whole
+tensors): no Python loop over tokens or heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from oscar.common import OscarError
+
+PREFIX = "oscar_capture_"
+XS = ("q", "k", "v", "o")
+
+# The capture that the registered attention function feeds (None: plain pass-through).
+_ACTIVE: contextvars.ContextVar["_BatchContext | None"] = contextvars.ContextVar("oscar_capture", default=None)
+
+
+# --------------------------------------------------------------------------- registration
+
+def _eager_for(module: torch.nn.Module) -> Callable:
+    """The model's own eager attention function (each modeling file defines one)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+def _make_capture_fn(impl: str) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def oscar_capture_attention(module, query, key, value, attention_mask, **kwargs):
+        inner = _eager_for(module) if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        out, weights = inner(module, query, key, value, attention_mask, **kwargs)  # out: (B, T, Hq, D)
+        ctx = _ACTIVE.get()
+        if ctx is not None:
+            ctx.capture.record(module.layer_idx, query, key, value, out, ctx)
+        return out, weights
+
+    oscar_capture_attention.__name__ = f"{PREFIX}{impl}"
+    return oscar_capture_attention
+
+
+def register(impl: str = "sdpa") -> str:
+    """Register `oscar_capture_<impl>` (attention + mask function); return its name. Idempotent."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if impl.startswith(PREFIX):
+        impl = impl[len(PREFIX):]
+    if impl != "eager" and impl not in ALL_ATTENTION_FUNCTIONS:
+        raise OscarError(f"unknown attention implementation {impl!r}; transformers offers "
+                         f"eager, {', '.join(sorted(ALL_ATTENTION_FUNCTIONS.valid_keys()))}")
+    if impl not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise OscarError(f"attention implementation {impl!r} has no mask function to pair the capture with")
+    name = PREFIX + impl
+    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(name, _make_capture_fn(impl))
+        # Without the mask function transformers would silently build no mask at all.
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    return name
+
+
+def install(model: torch.nn.Module, impl: str | None = None) -> str:
+    """Switch `model` to the capturing wrapper of `impl` (default: its current implementation)."""
+    impl = impl or model.config._attn_implementation or "sdpa"
+    name = register(impl)
+    model.set_attn_implementation(name)
+    return name
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack without LM head (logits are never computed during calibration)."""
+    return getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+
+
+# --------------------------------------------------------------------------- accumulators
+
+@dataclass
+class CaptureSpec:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[int, ...]          # layers this capture owns (a stage: its contiguous range)
+    sink: int = 0
+    reservoir: int = 256             # R rows per block, KV head and x
+    seed: int = 0
+    seqs_per_block: int = 1
+    group: int = field(init=False)   # query heads per KV head
+
+    def __post_init__(self):
+        self.layers = tuple(int(l) for l in self.layers)
+        if self.num_q_heads % self.num_kv_heads:
+            raise OscarError(f"{self.num_q_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
+        self.group = self.num_q_heads // self.num_kv_heads
+
+
+def reservoir_seed(seed: int, block: int, layer: int) -> int:
+    """Generator seed of the reservoir keys of (block, layer): independent of batching and process."""
+    h = hashlib.sha256(f"oscar-reservoir/{seed}/{block}/{layer}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class LayerAccumulator:
+    """float64 sums of one layer over one block (everything lives on the activations' device).
+
+    Per batch the counted rows of q, k, v and o are gathered once into one (N, Htot, D) float64
+    tensor (heads: Hq query | Hkv key | Hkv value | Hq output), so that every statistic is one
+    op for all heads at once: one strided batched matmul for the Grams, column reductions for
+    sums, x^3, x^4 and min/max, accumulated per head. At the end of the block heads are pooled
+    into (x, KV head) slots (a GQA group's query/output heads share their KV head's slot).
+    Few, large ops: on a shared CPU every extra small op costs a thread-pool round trip.
+    """
+
+    def __init__(self, spec: CaptureSpec, layer: int, block: int, device: torch.device):
+        H, D, G = spec.num_kv_heads, spec.head_dim, spec.group
+        Hq = H * G
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
+        self.spec, self.layer, self.block, self.device = spec, layer, block, device
+        Htot = 2 * Hq + 2 * H
+        self.gram = z(Htot, D, D)               # per head (q heads | k | v | o); pooled in arrays()
+        self.mom = z(3, Htot, D)                # sum, sum x^3, sum x^4
+        self.absmax = z(Htot, D)
+        self.vw_gram, self.w_sum = z(H, D, D), z(H)
+        self.kv_count = self.nonfinite = 0
+        hk = torch.arange(H)[None, :] * G + torch.arange(G)[:, None]                 # (G, Hkv): q head of (g, h)
+        self.qo_heads = torch.cat([hk, Hq + 2 * H + hk], dim=1).to(device)           # (G, 2*Hkv)
+        # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
+        # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
+        self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
+        self.keys_kv = self.keys_qo = None  # sized on the first batch (T known then)
+        # Candidates per batch (at most R each); the R smallest keys of the block are picked in arrays().
+        self.cand: dict[str, list] = {"kv": [], "qo": []}   # (keys (n,), rows (n, 2*Hkv, D) float32)
+
+    def _keys(self, T: int) -> None:
+        S, G = self.spec.seqs_per_block, self.spec.group
+        self.keys_kv = torch.rand(S, T, generator=self._gen, dtype=torch.float64).to(self.device)     # (S, T)
+        self.keys_qo = torch.rand(S, T, G, generator=self._gen, dtype=torch.float64).to(self.device)  # (S, T, G)
+
+    def _candidates(self, kind: str, keys: torch.Tensor, take: Callable) -> None:
+        """Keep the batch's R smallest keys (only those can end in the block's reservoir)."""
+        R = self.spec.reservoir
+        sel = torch.topk(keys, R, largest=False, sorted=False).indices if keys.numel() > R else None
+        self.cand[kind].append((keys if sel is None else keys[sel], take(sel).float()))
+
+    def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: "_Rows") -> None:
+        """q: (B, Hq, T, D); k, v: (B, Hkv, T, D); out: (B, T, Hq, D) (the attention output, o_proj input)."""
+        spec = self.spec
+        B, Hq, T, D = q.shape
+        H, G = spec.num_kv_heads, spec.group
+        parts = [q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out]        # (B, T, heads, D) each
+        idx, seq_n = rows.idx, rows.seq_n                                             # (N,), (B,)
+        Htot = 2 * Hq + 2 * H
+        if rows.span is not None:  # one sequence, contiguous rows: slice, gather and convert in one op
+            a, b = rows.span
+            X = torch.empty(b - a, Htot, D, dtype=torch.float64, device=q.device)
+            torch.cat([p[0, a:b] for p in parts], dim=1, out=X)                       # (N, Htot, D)
+        else:
+            X = torch.cat(parts, dim=2).reshape(B * T, -1, D).index_select(0, idx).double()  # (N, Htot, D)
+        N = X.shape[0]
+        Xf = X.view(N, Htot * D)
+        colsum = Xf.sum(0)                                                            # (Htot*D,)
+        if not math.isfinite(float(colsum.sum())):  # NaN/Inf propagate into the sums: drop bad rows
+            fin = Xf.isfinite().all(1)                                                # (N,)
+            self.nonfinite += int((~fin).sum())
+            X, idx = X[fin], idx[fin]
+            seq_n = torch.bincount(idx // T, minlength=B)
+            N = X.shape[0]
+            Xf = X.view(N, Htot * D)
+            colsum = Xf.sum(0)
+        self.kv_count += N
+
+        X2 = Xf * Xf                                                                  # (N, Htot*D)
+        m = self.mom.view(3, Htot * D)
+        m[0] += colsum
+        m[1] += torch.linalg.vecdot(X2, Xf, dim=0)
+        m[2] += torch.linalg.vecdot(X2, X2, dim=0)
+        if N:  # max |x| per channel in one reduction
+            torch.maximum(self.absmax, torch.linalg.vector_norm(Xf, ord=math.inf, dim=0).view(Htot, D),
+                          out=self.absmax)
+
+        # Grams of every head, per sequence: the query part of each is that sequence's C_Q for the
+        # published value target sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T (docs/decisions.md).
+        A = X.permute(1, 2, 0)                                                        # (Htot, D, N) strided
+        Kh = X[:, Hq:Hq + H].transpose(0, 1)                                          # (Hkv, N, D)
+        Vh = X[:, Hq + H:Hq + 2 * H].transpose(0, 1)                                  # (Hkv, N, D)
+        ws, start = [], 0
+        for n in (seq_n.tolist() if B > 1 else [N]):  # the batch's sequences (not tokens)
+            Ab = A[..., start:start + n]
+            gb = Ab @ Ab.mT                                                           # (Htot, D, D)
+            self.gram += gb
+            cq = gb[:Hq].view(H, G, D, D).sum(1) / max(n * G, 1)                      # (Hkv, D, D)
+            Kb = Kh[:, start:start + n]                                               # (Hkv, n, D)
+            ws.append(((Kb @ cq) * Kb).sum(-1))                                       # (Hkv, n)
+            start += n
+        w = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]                            # (Hkv, N)
+        self.vw_gram += (Vh * w[..., None]).mT @ Vh
+        self.w_sum += w.sum(1)
+
+        if spec.reservoir > 0 and N:
+            if self.keys_kv is None:
+                self._keys(T)
+            elif self.keys_kv.shape[1] != T:
+                raise OscarError(f"sequence length changed within block {self.block}")
+            s0 = rows.seq_offset
+            if rows.span is not None and N == rows.span[1] - rows.span[0]:
+                kk = self.keys_kv[s0, rows.span[0]:rows.span[1]]                      # (N,)
+                kq = self.keys_qo[s0, rows.span[0]:rows.span[1]].reshape(-1)          # (N*G,) as (n, g)
+            else:
+                b, t = idx // T, idx % T
+                kk = self.keys_kv[s0 + b, t]
+                kq = self.keys_qo[s0 + b, t].reshape(-1)
+            self._candidates("kv", kk, lambda i: X[:, Hq:Hq + 2 * H] if i is None else X[i, Hq:Hq + 2 * H])
+
+            def take_qo(i):  # i = n*G + g -> q and o heads h*G + g of every KV head h
+                if i is None:
+                    i = torch.arange(N * G, device=X.device)
+                return X[(i // G)[:, None], self.qo_heads[i % G]]                     # (n, 2*Hkv, D)
+
+            self._candidates("qo", kq, take_qo)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The block's values under their store names (numpy, CPU)."""
+        spec = self.spec
+        H, D, R = spec.num_kv_heads, spec.head_dim, spec.reservoir
+        G, Hq = spec.group, spec.num_q_heads
+
+        def pool(t: torch.Tensor, dim: int, red) -> np.ndarray:
+            """Per-head (..., Htot, ...) -> (4, ..., Hkv, ...): a GQA group's q/o heads reduced with `red`."""
+            q, k, v, o = t.split([Hq, H, H, Hq], dim=dim)
+            g = lambda x: red(x.unflatten(dim, (H, G)), dim + 1)  # noqa: E731
+            return torch.stack([g(q), k, v, g(o)]).cpu().numpy()
+
+        gram = pool(self.gram, 0, torch.sum)                                          # (4, Hkv, D, D)
+        mom = pool(self.mom, 1, torch.sum).transpose(1, 0, 2, 3)                      # (3, 4, Hkv, D)
+        amax = pool(self.absmax, 0, torch.amax)                                       # (4, Hkv, D)
+        res, counts = {}, {}
+        for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
+            r = np.zeros((0, 2 * H, D), np.float32)
+            if self.cand[kind]:
+                keys = torch.cat([c[0] for c in self.cand[kind]])
+                top = torch.topk(keys, min(R, keys.numel()), largest=False, sorted=True).indices
+                r = torch.cat([c[1] for c in self.cand[kind]]).index_select(0, top).cpu().numpy()  # (n, 2*Hkv, D)
+            counts[kind] = r.shape[0]
+            for j, name in enumerate((x, y)):
+                a = np.zeros((H, R, D), dtype=np.float32)
+                a[:, : r.shape[0]] = r[:, j * H:(j + 1) * H].transpose(1, 0, 2)
+                res[name] = a
+        out: dict[str, np.ndarray] = {}
+        for i, x in enumerate(XS):
+            out[f"{x}_gram"] = gram[i]
+            out[f"{x}_sum"] = mom[0, i]
+            out[f"{x}_m3"] = mom[1, i]
+            out[f"{x}_m4"] = mom[2, i]
+            out[f"{x}_absmax"] = amax[i]
+            out[f"{x}_res"] = res[x]
+        out["q_count"] = np.array(self.kv_count * spec.group, dtype=np.int64)
+        out["kv_count"] = np.array(self.kv_count, dtype=np.int64)
+        out["vw_gram"] = self.vw_gram.cpu().numpy()
+        out["w_sum"] = self.w_sum.cpu().numpy()
+        out["nonfinite"] = np.array(self.nonfinite, dtype=np.int64)
+        out["res_count"] = np.array(counts["kv"], dtype=np.int64)
+        out["qo_res_count"] = np.array(counts["qo"], dtype=np.int64)
+        return out
+
+
+@dataclass
+class _Rows:
+    """The counted-row candidates of one batch on one device (shared by every layer)."""
+    idx: torch.Tensor     # (N,) flat indices b*T + t of eligible rows, ascending
+    seq_n: torch.Tensor   # (B,) eligible rows per sequence
+    seq_offset: int       # index of the batch's first sequence in its block
+    span: tuple[int, int] | None = None  # (a, b): one sequence whose eligible rows are a..b-1
+
+
+@dataclass
+class _BatchContext:
+    capture: "Capture"
+    eligible: torch.Tensor  # (B, T) bool: real tokens at position >= sink
+    seq_offset: int
+    _rows: dict = field(default_factory=dict)
+
+    def rows(self, device: torch.device) -> _Rows:
+        r = self._rows.get(device)
+        if r is None:
+            e = self.eligible.to(device)
+            idx = torch.nonzero(e.reshape(-1)).flatten()
+            span = None
+            if e.shape[0] == 1 and len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx):
+                span = (int(idx[0]), int(idx[-1]) + 1)
+            r = self._rows[device] = _Rows(idx, e.sum(1), self.seq_offset, span)
+        return r
+
+
+class Capture:
+    """Accumulates one block at a time for the layers in `spec.layers`.
+
+    cap.start_block(b)
+    for each batch of the block's sequences:
+        with cap.batch(mask, seq_offset):      # mask: (B, T) 1 = real token
+            run decoder layers (any subset; layers not owned are ignored)
+    arrays = cap.finish_block()                # {layer: {name: ndarray}}
+    """
+
+    def __init__(self, spec: CaptureSpec):
+        self.spec = spec
+        self.block: int | None = None
+        self.acc: dict[int, LayerAccumulator] = {}
+        self.calls: dict[int, int] = {}
+
+    def start_block(self, block: int) -> None:
+        self.block, self.acc, self.calls = int(block), {}, {}
+
+    def eligible_rows(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) bool: real tokens whose position (real tokens before them) is >= sink."""
+        real = mask.bool()
+        pos = real.long().cumsum(-1) - 1
+        return real & (pos >= self.spec.sink)
+
+    @contextlib.contextmanager
+    def batch(self, mask: torch.Tensor, seq_offset: int = 0) -> Iterator[None]:
+        if self.block is None:
+            raise RuntimeError("Capture.batch() outside a block: call start_block() first")
+        token = _ACTIVE.set(_BatchContext(self, self.eligible_rows(mask), int(seq_offset)))
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def record(self, layer, q, k, v, out, ctx: _BatchContext) -> None:
+        """q: (B, Hq, T, D), k/v: (B, Hkv, T, D) as passed to attention; out: (B, T, Hq, D) its output."""
+        if layer not in self.spec.layers:
+            return
+        if q.shape[2] != ctx.eligible.shape[1] or q.shape[0] != ctx.eligible.shape[0] or k.shape[2] != q.shape[2]:
+            raise OscarError(f"capture: attention saw q {tuple(q.shape)}, k {tuple(k.shape)} but the batch mask is "
+                             f"{tuple(ctx.eligible.shape)} (KV cache on? calibration runs with use_cache=False)")
+        if ctx.seq_offset + q.shape[0] > self.spec.seqs_per_block:
+            raise OscarError(f"batch rows {ctx.seq_offset}..{ctx.seq_offset + q.shape[0]} exceed "
+                             f"seqs_per_block={self.spec.seqs_per_block}")
+        acc = self.acc.get(layer)
+        if acc is None:
+            acc = self.acc[layer] = LayerAccumulator(self.spec, layer, self.block, q.device)
+        acc.update(q.detach(), k.detach(), v.detach(), out.detach(), ctx.rows(q.device))
+        self.calls[layer] = self.calls.get(layer, 0) + 1
+
+    def finish_block(self, layers: tuple[int, ...] | None = None) -> dict[int, dict[str, np.ndarray]]:
+        layers = self.spec.layers if layers is None else layers
+        missing = [l for l in layers if l not in self.acc]
+        if missing:
+            raise OscarError(f"capture: block {self.block} never reached layers {missing} "
+                             f"(is the model using attn_implementation '{PREFIX}*'?)")
+        out = {l: self.acc[l].arrays() for l in layers}
+        self.block, self.acc = None, {}
+        return out

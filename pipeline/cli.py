@@ -1,0 +1,88 @@
+"""CLI of the pipeline stage: `oscar calibrate`, `oscar inspect` (thin; heavy imports are lazy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="capture attention statistics into a zarr block store (resumable)",
+                       description="Stream the calibration corpus through the model and accumulate per-layer, "
+                                   "per-KV-head attention statistics into a zarr store. Re-running the same "
+                                   "command resumes; a store made for another model, corpus or config is refused.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="preset (smollm2-135m, tiny-llama, tiny-qwen3, tiny-glm4-moe), HF directory or .gguf file")
+    p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
+    p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--sink", type=int, default=64, help="first positions of every sequence left out (default 64)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--blocks", type=int, help="number of blocks")
+    g.add_argument("--block-tokens", type=int, help="tokens per block (default 16384)")
+    g.add_argument("--seqs-per-block", type=int, help="sequences per block")
+    p.add_argument("--tokens", type=int, help="cap on calibration tokens")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
+    p.add_argument("--reservoir", type=int, default=256, help="sample rows per block, layer and KV head")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn-implementation", default="sdpa", help="sdpa (default), eager, ...")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores or $OSCAR_THREADS)")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing store and start over")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("inspect", help="summarise a calibration store or an artifact",
+                       description="A zarr calibration store: schema, blocks done, tokens, per-layer top "
+                                   "eigenvalues of C_Q and C_S, key kurtosis. A .safetensors artifact: its metadata.")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--top", type=int, default=3, help="eigenvalues shown per layer (default 3)")
+    p.set_defaults(func=_inspect)
+
+
+def _calibrate(args) -> int:
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    cfg = CalibConfig(model=args.model, corpus=args.corpus, store=args.store, seq_len=args.seq_len, sink=args.sink,
+                      blocks=args.blocks, block_tokens=args.block_tokens, seqs_per_block=args.seqs_per_block,
+                      tokens=args.tokens, batch_size=args.batch_size, reservoir=args.reservoir, seed=args.seed,
+                      attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device,
+                      threads=args.threads, overwrite=args.overwrite)
+    r = calibrate(cfg, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=2))
+    else:
+        print(f"{r.store}: {r.blocks_skipped + r.blocks_run}/{r.blocks_total} blocks "
+              f"done ({r.blocks_run} this run, {r.blocks_skipped} resumed), {r.tokens_run:,} tokens in "
+              f"{r.wall_s:.1f} s ({r.tokens_per_s:,.0f} tok/s; store writes {r.write_s:.2f} s)")
+    return 0
+
+
+def _inspect(args) -> int:
+    from oscar.common import OscarError
+
+    path = Path(args.path)
+    if not path.exists():
+        raise OscarError(f"{path} does not exist")
+    if path.suffix == ".safetensors":
+        try:
+            from oscar.stats.artifact import describe  # added by the fit stage
+        except ImportError:
+            describe = None
+        if describe is not None:
+            out = describe(str(path))
+            print(out if isinstance(out, str) else json.dumps(out, indent=2, default=str))
+        else:
+            from oscar.stats.artifact import read_metadata
+
+            print(json.dumps(read_metadata(str(path)), indent=2, default=str))
+        return 0
+    from oscar.pipeline.store import format_summary, summarize
+
+    s = summarize(path, top=args.top)
+    print(json.dumps(s, indent=2, default=str) if args.json else format_summary(s))
+    return 0

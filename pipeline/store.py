@@ -1,0 +1,493 @@
+"""The calibration store `oscar-calib/1`: a zarr v3 group of per-block float64 sums.
+
+See docs/store-format.md for the public names. Exactly-once resume comes from the layout:
+every per-layer array has one chunk per block, a (block, layer) is rewritten whole and then
+marked done (`done[b, l]`, written last), and `reduce` sums done blocks in block order.
+
+Writers: one process, or several (Ray stage actors), each owning a set of layers and
+holding a `WriterLock` on them; chunks of different layers never share a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from oscar.common import OscarError, canonical_json
+
+FORMAT = "oscar-calib/1"
+XS = ("q", "k", "v", "o")
+
+
+def layer_arrays(H: int, D: int, R: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, per-block shape) of every `layers/{l}/` array, in write order."""
+    a: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for x in XS:
+        a[f"{x}_gram"] = ("float64", (H, D, D))
+        a[f"{x}_sum"] = ("float64", (H, D))
+        a[f"{x}_m3"] = ("float64", (H, D))
+        a[f"{x}_m4"] = ("float64", (H, D))
+        a[f"{x}_absmax"] = ("float64", (H, D))
+        a[f"{x}_res"] = ("float32", (H, R, D))
+    a["q_count"] = ("int64", ())
+    a["kv_count"] = ("int64", ())
+    a["vw_gram"] = ("float64", (H, D, D))
+    a["w_sum"] = ("float64", (H,))
+    a["nonfinite"] = ("int64", ())
+    a["res_count"] = ("int64", ())
+    a["qo_res_count"] = ("int64", ())
+    return a
+
+
+@dataclass
+class StoreMeta:
+    """Root attributes: what the store was made from. Resume requires model, corpus and config to match."""
+    model: dict          # name, fingerprint, num_layers, num_q_heads, num_kv_heads, head_dim
+    corpus: dict         # name, fingerprint, split
+    seq_len: int
+    sink: int
+    num_blocks: int
+    seqs_per_block: int
+    reservoir: int
+    config: dict = field(default_factory=dict)
+    format: str = FORMAT
+
+    @property
+    def shapes(self) -> tuple[int, int, int, int]:
+        m = self.model
+        return m["num_layers"], m["num_kv_heads"], m["head_dim"], self.reservoir
+
+    def to_attrs(self) -> dict:
+        return json.loads(canonical_json(asdict(self)))  # plain JSON types
+
+    @classmethod
+    def from_attrs(cls, a: dict) -> "StoreMeta":
+        keys = {"model", "corpus", "seq_len", "sink", "num_blocks", "seqs_per_block", "reservoir", "config", "format"}
+        return cls(**{k: a[k] for k in keys if k in a})
+
+
+def _mismatch(path: str, old: StoreMeta, new: StoreMeta) -> str | None:
+    """Why the store at `path` cannot be resumed with `new` (None: it can)."""
+    hint = "pass --overwrite to start over, or choose another --store"
+    om, nm = old.model, new.model
+    if om.get("fingerprint") != nm.get("fingerprint") or om.get("name") != nm.get("name"):
+        return (f"store {path} was made for model {om.get('name')!r} (fingerprint {om.get('fingerprint')}), "
+                f"not {nm.get('name')!r} (fingerprint {nm.get('fingerprint')}); {hint}")
+    oc, nc = old.corpus, new.corpus
+    if oc.get("fingerprint") != nc.get("fingerprint") or oc.get("name") != nc.get("name"):
+        return (f"store {path} was made from corpus {oc.get('name')!r} (fingerprint {oc.get('fingerprint')}), "
+                f"not {nc.get('name')!r} (fingerprint {nc.get('fingerprint')}); {hint}")
+    oa, na = old.to_attrs(), new.to_attrs()
+    diffs = [f"{k}: {oa.get(k)!r} -> {na.get(k)!r}" for k in ("seq_len", "sink", "num_blocks", "seqs_per_block", "reservoir")
+             if oa.get(k) != na.get(k)]
+    oj, nj = oa.get("config", {}), na.get("config", {})
+    diffs += [f"config.{k}: {oj.get(k)!r} -> {nj.get(k)!r}" for k in sorted(set(oj) | set(nj)) if oj.get(k) != nj.get(k)]
+    if diffs:
+        return f"store {path} was made with a different job config ({'; '.join(diffs)}); {hint}"
+    return None
+
+
+# --------------------------------------------------------------------------- writer lock
+
+def _proc_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return None if parts[0] == "Z" else parts[19]  # state, starttime (field 22)
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(info: dict) -> bool:
+    pid = int(info.get("pid", -1))
+    if pid <= 0:
+        return False
+    if os.path.isdir("/proc"):
+        start = _proc_start(pid)
+        return start is not None and (info.get("start") in (None, start))  # pid reuse -> dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WriterLock:
+    """Per-layer lock files in `<store>.lock/` refusing a second concurrent writer.
+
+    Several processes of one job (a Ray driver and its stage actors) pass the same `job` id:
+    a lock held by the same job is shared, not refused. A lock whose holder is a dead process
+    on this host is taken over (and said so on stderr); a live holder is refused.
+    """
+
+    def __init__(self, store_path: str | os.PathLike, layers: Iterable[int], *, job: str | None = None):
+        self.dir = Path(str(store_path).rstrip("/") + ".lock")
+        self.layers = sorted(int(l) for l in layers)
+        self.host = socket.gethostname()
+        self.job = job or f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owned: list[Path] = []
+        self.info = {"job": self.job, "pid": os.getpid(), "host": self.host,
+                     "start": _proc_start(os.getpid()), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "argv": " ".join(sys.argv)[:300]}
+
+    def _write_new(self, path: Path) -> bool:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.info, f)
+        return True
+
+    def acquire(self) -> "WriterLock":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for l in self.layers:
+                path = self.dir / f"layer-{l:05d}.json"
+                while not self._write_new(path):
+                    try:
+                        held = json.loads(path.read_text() or "{}")
+                    except (OSError, ValueError):
+                        held = {}
+                    if held.get("job") == self.job:
+                        break  # same job (driver / stage actors): shared
+                    if held and (held.get("host") != self.host or _alive(held)):
+                        raise OscarError(
+                            f"store {str(self.dir)[:-5]} is being written by pid {held.get('pid')} on "
+                            f"{held.get('host')} since {held.get('since')} (layer {l}: {path}); wait for it to "
+                            f"finish, or delete that lock file if the process is gone")
+                    # Stale: its holder died. Replace atomically, then check we won the race.
+                    print(f"oscar: taking over stale lock {path} of dead pid {held.get('pid')} "
+                          f"(job {held.get('job')}, since {held.get('since')})", file=sys.stderr)
+                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_text(json.dumps(self.info))
+                    os.replace(tmp, path)
+                    if json.loads(path.read_text()).get("job") != self.job:
+                        continue
+                    self.owned.append(path)
+                    break
+                else:
+                    self.owned.append(path)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        for path in self.owned:
+            try:
+                if json.loads(path.read_text()).get("job") == self.job:
+                    path.unlink()
+            except (OSError, ValueError):
+                pass
+        self.owned = []
+        try:
+            self.dir.rmdir()  # only when empty
+        except OSError:
+            pass
+
+    def __enter__(self) -> "WriterLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# --------------------------------------------------------------------------- the store
+
+def _attrs(path: Path) -> dict:
+    try:
+        return json.loads((path / "zarr.json").read_text()).get("attributes", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _is_store(path: Path) -> bool:
+    return _attrs(path).get("format") == FORMAT
+
+
+class CalibStore:
+    """An opened calibration store (read with mode="r", write with mode="r+")."""
+
+    def __init__(self, path: str | os.PathLike, mode: str = "r"):
+        import zarr
+
+        self.path = Path(path)
+        if not (self.path / "zarr.json").exists():
+            raise OscarError(f"{self.path} is not a zarr store (no zarr.json)")
+        try:
+            self.group = zarr.open_group(str(self.path), mode=mode)
+        except Exception as e:  # zarr raises several types for corrupt metadata
+            raise OscarError(f"cannot open zarr store {self.path}: {e}") from e
+        attrs = dict(self.group.attrs)
+        if attrs.get("format") != FORMAT:
+            raise OscarError(f"{self.path} is not an {FORMAT} store (format={attrs.get('format')!r})")
+        if attrs.get("creating"):
+            raise OscarError(f"{self.path} was never fully created (a killed run); re-run oscar calibrate")
+        self.meta = StoreMeta.from_attrs(attrs)
+        self.num_layers, self.H, self.D, self.R = self.meta.shapes
+        self.num_blocks = self.meta.num_blocks
+        self.spec = layer_arrays(self.H, self.D, self.R)
+        self._arrays: dict[str, object] = {}
+        self.mode = mode
+
+    # ---------------------------------------------------------------- creation
+    @classmethod
+    def create(cls, path: str | os.PathLike, meta: StoreMeta, tokens: np.ndarray, mask: np.ndarray) -> "CalibStore":
+        """Create an empty store (tokens and mask written, nothing done). `path` must not hold a store."""
+        import zarr
+
+        path = Path(path)
+        L, H, D, R = meta.shapes
+        B, S, T = meta.num_blocks, meta.seqs_per_block, meta.seq_len
+        if tokens.shape != (B, S, T) or mask.shape != (B, S, T):
+            raise OscarError(f"tokens {tokens.shape} / mask {mask.shape} do not match (blocks, seqs, seq_len) = {(B, S, T)}")
+        # `creating` marks a store whose arrays are not all there yet (a killed creation is redone).
+        root = zarr.create_group(store=str(path), zarr_format=3, overwrite=False,
+                                 attributes={"format": FORMAT, "creating": True})
+        kw = dict(compressors=None, fill_value=0)
+        root.create_array("tokens", shape=(B, S, T), chunks=(1, S, T), dtype="int32", fill_value=0)[:] = tokens
+        root.create_array("mask", shape=(B, S, T), chunks=(1, S, T), dtype="uint8", fill_value=0)[:] = mask
+        root.create_array("done", shape=(B, L), chunks=(1, 1), dtype="uint8", **kw)
+        spec = layer_arrays(H, D, R)
+        for l in range(L):
+            for name, (dtype, tail) in spec.items():
+                root.create_array(f"layers/{l}/{name}", shape=(B, *tail), chunks=(1, *tail), dtype=dtype, **kw)
+        root.attrs.update({**meta.to_attrs(), "creating": False})
+        return cls(path, mode="r+")
+
+    @classmethod
+    def open_or_create(cls, path: str | os.PathLike, meta: StoreMeta, tokens: np.ndarray, mask: np.ndarray,
+                       *, overwrite: bool = False) -> "CalibStore":
+        """Resume the store at `path` if it matches `meta` (refuse otherwise), or create it.
+
+        The caller holds the WriterLock of every layer (creation and overwrite touch them all).
+        """
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise OscarError(f"--store {path} exists and is not a directory")
+        if path.exists() and any(path.iterdir()):
+            if not _is_store(path):
+                raise OscarError(f"--store {path} is a non-empty directory that is not an {FORMAT} store; "
+                                 f"refusing to touch it")
+            if overwrite:
+                print(f"oscar: --overwrite: deleting the existing store {path}", file=sys.stderr)
+                shutil.rmtree(path)
+            elif _attrs(path).get("creating"):
+                print(f"oscar: {path} was left half-created by a killed run; creating it again", file=sys.stderr)
+                shutil.rmtree(path)
+            else:
+                store = cls(path, mode="r+")
+                why = _mismatch(str(path), store.meta, meta)
+                if why:
+                    raise OscarError(why)
+                if not (np.array_equal(store.group["tokens"][:], tokens)
+                        and np.array_equal(store.group["mask"][:], mask)):
+                    raise OscarError(f"store {path} holds other token ids than this corpus and tokenizer produce "
+                                     f"(same fingerprints); pass --overwrite to start over")
+                return store
+        if path.exists():
+            path.rmdir()
+        return cls.create(path, meta, tokens, mask)
+
+    # ---------------------------------------------------------------- state
+    def array(self, name: str):
+        a = self._arrays.get(name)
+        if a is None:
+            a = self._arrays[name] = self.group[name]
+        return a
+
+    def done(self) -> np.ndarray:
+        """(num_blocks, num_layers) bool."""
+        return self.array("done")[:].astype(bool)
+
+    def todo_blocks(self, layers: Iterable[int] | None = None) -> list[int]:
+        """Blocks not yet done for at least one of `layers`, in block order."""
+        layers = list(range(self.num_layers)) if layers is None else list(layers)
+        d = self.done()[:, layers]
+        return [b for b in range(self.num_blocks) if not d[b].all()]
+
+    def _chunk_path(self, name: str, block: int) -> Path:
+        a = self.array(name)
+        key = a.metadata.encode_chunk_key((block,) + (0,) * (a.ndim - 1))
+        return self.path / a.path / key
+
+    def partial(self, block: int, layer: int) -> bool:
+        """True if (block, layer) has chunks written but no done marker (a crashed write)."""
+        if self.done_at(block, layer):
+            return False
+        first = next(iter(self.spec))  # chunks are written in spec order: the first exists if any does
+        return self._chunk_path(f"layers/{layer}/{first}", block).exists()
+
+    def done_at(self, block: int, layer: int) -> bool:
+        return bool(self.array("done")[block, layer])
+
+    # ---------------------------------------------------------------- writing
+    def _put(self, name: str, block: int, value: np.ndarray) -> None:
+        """Write chunk `block` of a one-block-per-chunk array whole."""
+        a = self.array(name)
+        value = np.asarray(value)
+        if value.shape != a.shape[1:]:
+            raise ValueError(f"{name}: block value shape {value.shape} != {a.shape[1:]}")
+        codecs = a.metadata.codecs
+        if len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec" and str(getattr(codecs[0].endian, "value", "")) == "little":
+            # Uncompressed little-endian chunk = the raw C-order bytes: write it directly (atomic
+            # rename), ~10x faster than zarr's per-chunk async machinery for hundreds of small arrays.
+            path = self._chunk_path(name, block)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(np.ascontiguousarray(value, dtype=a.dtype.newbyteorder("<")).tobytes())
+            os.replace(tmp, path)
+        else:
+            a[block] = value
+
+    def write_layer(self, block: int, layer: int, arrays: dict[str, np.ndarray]) -> None:
+        """Write every array of (block, layer) whole, then the done marker (last)."""
+        missing = set(self.spec) - set(arrays)
+        if missing:
+            raise ValueError(f"write_layer: missing arrays {sorted(missing)}")
+        for name in self.spec:
+            self._put(f"layers/{layer}/{name}", block, arrays[name])
+        self._put_done(block, layer)
+
+    def _put_done(self, block: int, layer: int) -> None:
+        a = self.array("done")
+        path = self.path / "done" / a.metadata.encode_chunk_key((block, layer))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"\x01")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # ---------------------------------------------------------------- reading
+    def block_values(self, stat: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(done block indices, their per-block values (n, ...)) of `layers/{layer}/{stat}`."""
+        if stat not in self.spec:
+            raise OscarError(f"unknown statistic {stat!r}; the store has {', '.join(self.spec)}")
+        blocks = np.flatnonzero(self.done()[:, layer])
+        vals = self.array(f"layers/{layer}/{stat}")[:]
+        return blocks, vals[blocks]
+
+
+def _reduce_one(stat: str, vals: np.ndarray, counts: np.ndarray | None) -> np.ndarray:
+    if stat.endswith("_res"):  # concatenate the valid rows of every block: (Hkv, N, D)
+        return np.concatenate([v[:, : int(c)] for v, c in zip(vals, counts)], axis=1) if len(vals) else vals[:0].sum(0)[:, :0]
+    if stat.endswith("_absmax"):
+        return np.max(vals, axis=0) if len(vals) else np.zeros(vals.shape[1:], vals.dtype)
+    acc = np.zeros(vals.shape[1:], dtype=vals.dtype)
+    for v in vals:  # block order: deterministic, bit-identical across resumes
+        acc = acc + v
+    return acc
+
+
+def reduce(store: "CalibStore | str | os.PathLike", stat: str, layers: Iterable[int] | None = None) -> dict[int, np.ndarray]:
+    """{layer: sum over done blocks in block order} of `layers/{l}/{stat}`.
+
+    float64 sums (int64 for counts); `*_absmax` -> max; `*_res` -> the valid reservoir rows of
+    all done blocks concatenated, (Hkv, N, D). Divide sums by `q_count` / `kv_count` yourself.
+    """
+    st = store if isinstance(store, CalibStore) else CalibStore(store)
+    layers = range(st.num_layers) if layers is None else layers
+    out = {}
+    for l in layers:
+        blocks, vals = st.block_values(stat, l)
+        counts = None
+        if stat.endswith("_res"):
+            cname = "qo_res_count" if stat[0] in "qo" else "res_count"
+            counts = st.array(f"layers/{l}/{cname}")[:][blocks]
+        out[int(l)] = _reduce_one(stat, vals, counts)
+    return out
+
+
+# --------------------------------------------------------------------------- inspect
+
+def _kurtosis(n: np.ndarray, s: np.ndarray, gram: np.ndarray, m3: np.ndarray, m4: np.ndarray) -> np.ndarray:
+    """Per-channel kurtosis E[(x-mu)^4] / var^2 from raw power sums, (Hkv, D)."""
+    n = np.maximum(n, 1)
+    m1, m2 = s / n, np.diagonal(gram, axis1=-2, axis2=-1) / n
+    c4 = m4 / n - 4 * m1 * m3 / n + 6 * m1**2 * m2 - 3 * m1**4
+    var = m2 - m1**2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(var > 0, c4 / var**2, np.nan)
+
+
+def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
+    """Schema, progress, token counts and per-layer spectra of a store (JSON-able)."""
+    st = CalibStore(path)
+    m = st.meta
+    done = st.done()
+    full = done.all(1)
+    mask = st.group["mask"][:]
+    layers = []
+    for l in range(st.num_layers):
+        blocks = np.flatnonzero(done[:, l])
+        rec = {"layer": l, "blocks_done": int(len(blocks))}
+        if len(blocks):
+            r = {s: reduce(st, s, [l])[l] for s in ("q_gram", "o_gram", "k_gram", "k_sum", "k_m3", "k_m4",
+                                                     "q_count", "kv_count", "nonfinite")}
+            nq, nk = int(r["q_count"]), int(r["kv_count"])
+            cq = r["q_gram"] / max(nq, 1)
+            cs = r["o_gram"] / max(nq, 1)
+            eq = np.linalg.eigvalsh(cq)[..., ::-1][..., :top]   # (Hkv, top) descending
+            es = np.linalg.eigvalsh(cs)[..., ::-1][..., :top]
+            ku = _kurtosis(np.float64(nk), r["k_sum"], r["k_gram"], r["k_m3"], r["k_m4"])
+            rec.update(q_rows=nq, kv_rows=nk, nonfinite=int(r["nonfinite"]),
+                       cq_top_eig=eq.tolist(), cs_top_eig=es.tolist(),
+                       k_kurtosis_max=float(np.nanmax(ku)) if np.isfinite(ku).any() else None,
+                       k_kurtosis_median=float(np.nanmedian(ku)) if np.isfinite(ku).any() else None)
+        layers.append(rec)
+    schema = {"tokens": {"dtype": "int32", "shape": list(st.group["tokens"].shape)},
+              "mask": {"dtype": "uint8", "shape": list(mask.shape)},
+              "done": {"dtype": "uint8", "shape": list(done.shape)}}
+    for name, (dtype, tail) in st.spec.items():
+        schema[f"layers/{{l}}/{name}"] = {"dtype": dtype, "shape": [st.num_blocks, *tail]}
+    return {
+        "path": str(st.path), "format": m.format, "model": m.model, "corpus": m.corpus,
+        "seq_len": m.seq_len, "sink": m.sink, "num_blocks": m.num_blocks, "seqs_per_block": m.seqs_per_block,
+        "reservoir": m.reservoir, "config": m.config,
+        "blocks_done": int(full.sum()), "blocks_partial": int((done.any(1) & ~full).sum()),
+        "tokens_total": int(mask.sum()), "tokens_done": int(mask[full].sum()),
+        "schema": schema, "layers": layers,
+    }
+
+
+def format_summary(s: dict) -> str:
+    m = s["model"]
+    lines = [
+        f"{s['path']}: {s['format']}",
+        f"  model   {m.get('name')} (fingerprint {m.get('fingerprint')}): {m['num_layers']} layers, "
+        f"{m['num_q_heads']} q / {m['num_kv_heads']} kv heads, head_dim {m['head_dim']}",
+        f"  corpus  {s['corpus'].get('name')} (fingerprint {s['corpus'].get('fingerprint')}), split {s['corpus'].get('split')}",
+        f"  blocks  {s['blocks_done']}/{s['num_blocks']} done ({s['blocks_partial']} partially), "
+        f"{s['seqs_per_block']} seqs x {s['seq_len']} tokens, sink {s['sink']}, reservoir {s['reservoir']}",
+        f"  tokens  {s['tokens_done']:,} of {s['tokens_total']:,} in done blocks",
+        "  schema",
+    ]
+    lines += [f"    {k:<24} {v['dtype']:<8} {tuple(v['shape'])}" for k, v in s["schema"].items()]
+    lines.append("  layer  blocks  kv rows   C_Q top eigenvalues (head 0)   C_S top eigenvalues (head 0)   "
+                 "k kurtosis max/median  nonfinite")
+    for r in s["layers"]:
+        if "cq_top_eig" not in r:
+            lines.append(f"  {r['layer']:>5}  {r['blocks_done']:>6}  (nothing done)")
+            continue
+        f = lambda e: " ".join(f"{x:9.3g}" for x in e[0])  # noqa: E731
+        km, kmed = r["k_kurtosis_max"], r["k_kurtosis_median"]
+        kt = f"{km:8.2f} / {kmed:6.2f}" if km is not None else "       - /      -"
+        lines.append(f"  {r['layer']:>5}  {r['blocks_done']:>6}  {r['kv_rows']:>7}   {f(r['cq_top_eig']):<29}  "
+                     f"{f(r['cs_top_eig']):<29}  {kt}  {r['nonfinite']:>9}")
+    return "\n".join(lines)
