@@ -4,7 +4,8 @@ The stored pages are checked against a from-scratch definition (sort-based quant
 clamp, min/max, round half up) rather than against `oscar.kernels.quant`, and decode
 attention against the dequantize-everything oracle. The Triton part (kernel decode
 reading float32 params; the page quantizer refusing the format, the dispatcher falling
-back to the reference) runs where Triton can (CUDA or TRITON_INTERPRET=1).
+back to the reference) runs where Triton can (CUDA, or TRITON_INTERPRET=1 exported before
+Python starts, as scripts/test.sh does).
 """
 
 import importlib.util
@@ -18,19 +19,18 @@ from oscar.kernels import reference as ref
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
 from oscar.stats import reference_recipe as rr
 
-if not torch.cuda.is_available():  # the Triton part runs under the interpreter on CPU (before any kernel import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 H, D = 2, 16
 
 
-def _cache(pages=48, dtype=torch.bfloat16):
+def _cache(pages=48, dtype=torch.bfloat16, mean=False):
     cfg = PagedConfig.from_quant(rr.reference_quant_config(), H, D, num_pages=pages, max_seqs=4, dtype=dtype, device=DEV)
     g = torch.Generator().manual_seed(0)
     R = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0].float()
     R = R.expand(H, D, D).clone()  # one rotation per layer, as the reference recipe fits
     rot = LayerRotation(rot_k=R.to(DEV), rot_v=R.clone().to(DEV), clip_k=torch.full((H,), rr.CLIP_K, device=DEV),
-                        clip_v=torch.full((H,), rr.CLIP_V, device=DEV))
+                        clip_v=torch.full((H,), rr.CLIP_V, device=DEV),
+                        k_mean=torch.randn(H, D, generator=g).to(DEV) if mean else None)
     return PagedLayerCache(cfg, rot)
 
 
@@ -113,11 +113,11 @@ def test_triton_path_with_reference_format(monkeypatch):
     from oscar.kernels.triton_decode import DecodeConfig, decode_attention
 
     monkeypatch.setenv("OSCAR_KERNELS", "triton")
-    c = _cache()
+    c = _cache(mean=True)  # (a key mean too: this format with centering, as `oscar` artifacts may carry)
     k, v = _kv(64 + 256 + 8 * 2 + 1, 7)
     s = c.new_sequence()
     c.append(s, k, v)  # the dispatcher quantizes the pages with the reference (Triton cannot)
-    want = _cache()
+    want = _cache(mean=True)
     monkeypatch.setenv("OSCAR_KERNELS", "reference")
     s2 = want.new_sequence()
     want.append(s2, k, v)
