@@ -1,0 +1,235 @@
+"""Stage actors: one contiguous layer range each, capturing and writing its own layers.
+
+`StageWorker` is a plain class (usable in one process, and what the tests drive
+directly); `stage_actor_class()` wraps it with `ray.remote`. A stage:
+
+- loads only its layers (cluster/loading.py) and switches them to the capturing
+  attention function of oscar.pipeline.capture;
+- receives micro-batches of one block in order: token ids (first stage) or hidden
+  states (later stages) plus the padding mask, runs its layers, and passes the
+  hidden states on through Ray's object store;
+- after the block's last micro-batch writes its layers' chunks and `done[b, l]`
+  markers (one owner per chunk), MoE expert token counts first.
+
+An actor restart re-runs the constructor and restores nothing in memory: the
+store is the state. A block whose micro-batches a stage did not all see (it
+restarted mid-block) is refused with `StageStateError` and the driver redoes
+the whole block; re-writing a block's chunks is idempotent (exactly once).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from oscar.common import OscarError, attention_shapes, set_threads
+
+EXPERT_ARRAY = "expert_tokens"  # layers/{l}/expert_tokens: int64 (B, E), MoE layers only
+
+
+class StageStateError(RuntimeError):
+    """A stage saw a micro-batch out of sequence (it restarted mid-block): redo the block."""
+
+
+@dataclass
+class StageArgs:
+    """Everything a stage actor needs (picklable; its constructor re-reads the rest from disk)."""
+
+    model_dir: str
+    start: int
+    stop: int
+    store: str
+    job: str                   # writer-lock job id shared by the driver and its actors
+    attn: str = "sdpa"         # wrapped attention implementation
+    sink: int = 0
+    reservoir: int = 256
+    seed: int = 0
+    seqs_per_block: int = 1
+    threads: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    stage: int = 0
+    replica: int = 0
+    throttle_s: float = 0.0    # sleep after each micro-batch (not counted as busy)
+    num_devices: int = 1       # GPUs of this stage: its layers are spread over cuda:0..n-1
+
+
+@dataclass
+class StageStats:
+    stage: int
+    replica: int
+    layers: tuple[int, int]
+    pid: int
+    started: float
+    load_seconds: float
+    busy_seconds: float = 0.0
+    micro_batches: int = 0
+    blocks_written: list[int] = field(default_factory=list)
+    first_call: float | None = None
+    last_call: float | None = None
+
+
+def router_modules(stage) -> dict[int, torch.nn.Module]:
+    """{layer: MoE router module} of the layers a stage holds (modules with `experts` and `gate`)."""
+    out = {}
+    for key, layer in stage.layers.items():
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate"):
+            out[int(key)] = mlp.gate
+    return out
+
+
+def _topk_indices(output) -> torch.Tensor:
+    """The selected-expert indices (N, top_k) in a router's output tuple."""
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    ints = [t for t in items if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    if not ints:
+        raise OscarError("MoE router output holds no expert indices; cannot count tokens per expert")
+    return ints[-1]
+
+
+class StageWorker:
+    def __init__(self, args: StageArgs):
+        from oscar.cluster.loading import load_config, load_layer_range
+        from oscar.pipeline import capture
+        from oscar.pipeline.store import CalibStore, WriterLock
+
+        t0 = time.time()
+        self.args = args
+        set_threads(args.threads)
+        torch.set_grad_enabled(False)
+        name = capture.register(args.attn)
+        config = load_config(args.model_dir, attn_implementation=name)
+        devices = ([f"cuda:{i}" for i in range(max(1, args.num_devices))] if args.device == "cuda"
+                   else [args.device])
+        self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config,
+                                                   dtype=getattr(torch, args.dtype), devices=devices)
+        sh = attention_shapes(config)
+        self.layers = tuple(range(args.start, args.stop))
+        self.cap = capture.Capture(capture.CaptureSpec(
+            num_q_heads=sh["num_q_heads"], num_kv_heads=sh["num_kv_heads"], head_dim=sh["head_dim"],
+            layers=self.layers, sink=args.sink, reservoir=args.reservoir, seed=args.seed,
+            seqs_per_block=args.seqs_per_block))
+        self.store = CalibStore(args.store, mode="r+")
+        self.lock = WriterLock(args.store, self.layers, job=args.job).acquire()
+        # MoE: count tokens routed to each expert (hook on the router: grouped expert kernels can't bypass it).
+        self.routers = router_modules(self.stage)
+        self.num_experts = 0
+        self.expert_counts: dict[int, torch.Tensor] = {}
+        self._valid: torch.Tensor | None = None  # (mb*T,) bool: real tokens of the current micro-batch
+        for l, gate in self.routers.items():
+            self.num_experts = int(getattr(gate, "num_experts", 0) or getattr(self.stage.layers[str(l)].mlp.experts,
+                                                                               "num_experts", 0))
+            gate.register_forward_hook(self._count_hook(l))
+        self._expect: tuple[int, int, str] | None = None  # (block, next micro-batch, attempt)
+        self.stats = StageStats(args.stage, args.replica, (args.start, args.stop), os.getpid(), t0, time.time() - t0)
+
+    # ------------------------------------------------------------------ MoE counts
+    def _count_hook(self, layer: int):
+        def hook(module, inputs, output):
+            idx = _topk_indices(output)  # (N, top_k)
+            if self._valid is not None:
+                idx = idx[self._valid[: idx.shape[0]]]
+            self.expert_counts[layer] += torch.bincount(idx.reshape(-1).long(), minlength=self.num_experts).cpu()
+        return hook
+
+    # ------------------------------------------------------------------ work
+    def forward(self, block: int, mb: int, n_mb: int, seq_offset: int, payload: dict, attempt: str = "") -> dict:
+        """Run micro-batch `mb` (of `n_mb`) of `block`; write the block after the last one."""
+        t0 = time.time()
+        self.stats.first_call = self.stats.first_call or t0
+        if mb == 0:
+            self.cap.start_block(block)
+            self.expert_counts = {l: torch.zeros(self.num_experts, dtype=torch.int64) for l in self.routers}
+            self._expect = (block, 0, attempt)
+        if self._expect != (block, mb, attempt):
+            got, self._expect = self._expect, None
+            raise StageStateError(f"stage {self.args.stage} (layers {self.args.start}-{self.args.stop - 1}, pid "
+                                  f"{os.getpid()}) got block {block} micro-batch {mb} but expected {got}: it lost "
+                                  f"its in-memory state (restart); the block must be redone")
+        mask = payload["mask"]  # (mb, T) uint8
+        self._valid = mask.reshape(-1).bool()
+        with self.cap.batch(mask, seq_offset):
+            if self.stage.spec.first:
+                hidden = self.stage.embed(payload["input_ids"].long())  # (mb, T, H)
+            else:
+                hidden = payload["hidden"]
+            hidden = self.stage(hidden, attention_mask=mask)
+        self._valid = None
+        self._expect = (block, mb + 1, attempt)
+        out: dict = {"block": block, "mb": mb}
+        if mb == n_mb - 1:
+            self._write(block)
+            out["written"] = list(self.layers)
+            self._expect = None
+        if not self.stage.spec.last:
+            out.update(hidden=hidden, mask=mask)
+        t1 = time.time()
+        if self.args.throttle_s:
+            time.sleep(self.args.throttle_s)
+        self.stats.busy_seconds += t1 - t0
+        self.stats.micro_batches += 1
+        self.stats.last_call = t1
+        return out
+
+    def _write(self, block: int) -> None:
+        arrays = self.cap.finish_block(self.layers)
+        for l in self.layers:
+            if self.store.done_at(block, l):
+                continue  # already committed (by an earlier attempt): never rewrite a done chunk
+            if l in self.expert_counts:  # before write_layer: its done marker is the commit point
+                put_block(self.store, f"layers/{l}/{EXPERT_ARRAY}", block, self.expert_counts[l].numpy())
+            self.store.write_layer(block, l, arrays[l])
+        self.stats.blocks_written.append(block)
+
+    # ------------------------------------------------------------------ introspection
+    def info(self) -> dict:
+        return {"stats": asdict(self.stats), "keys": self.report.keys, "shards": self.report.shards,
+                "bytes": self.report.bytes, "params": [n for n, p in self.stage.named_parameters()],
+                "pid": os.getpid(), "num_experts": self.num_experts}
+
+    def get_stats(self) -> dict:
+        return {**asdict(self.stats), "peak_rss_bytes": peak_rss_bytes()}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.lock.release()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def put_block(store, name: str, block: int, value: np.ndarray) -> None:
+    """Write chunk `block` of a one-block-per-chunk array whole (atomic for uncompressed arrays)."""
+    put = getattr(store, "_put", None)
+    if put is not None:
+        put(name, block, value)
+    else:  # pragma: no cover - older store without the atomic writer
+        store.group[name][block] = value
+
+
+def stage_actor_class():
+    """`StageWorker` as a Ray actor class (Ray imported only here)."""
+    import ray
+
+    return ray.remote(StageWorker)

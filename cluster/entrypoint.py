@@ -1,0 +1,41 @@
+"""Ray job entrypoint: `python -m oscar.cluster.entrypoint [CONFIG]`.
+
+Runs inside a Ray job (the driver process on the head node; `ray.init("auto")` attaches
+to the job's cluster). The job config comes from $OSCAR_JOB_CONFIG (JSON, set by
+`oscar submit` through the runtime environment) or from a YAML/JSON file argument.
+Re-running it on the same store resumes: done blocks are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from oscar.cluster.jobs import CONFIG_ENV, load_job_config, normalize_job_config
+    from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray, format_report
+    from oscar.common import OscarError
+    from oscar.pipeline.calibrate import CalibConfig
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv:
+            cfg = load_job_config(argv[0])
+        elif os.environ.get(CONFIG_ENV):
+            cfg = normalize_job_config(json.loads(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
+        else:
+            raise OscarError(f"no job config: pass a file or set ${CONFIG_ENV}")
+        rep = calibrate_on_ray(CalibConfig(**cfg["calibrate"]), ClusterConfig(**cfg["cluster"]),
+                               address=os.environ.get("RAY_ADDRESS") or "auto", progress=True)
+    except OscarError as e:
+        print(f"oscar job: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(rep))
+    print("OSCAR_REPORT " + json.dumps({k: v for k, v in rep.to_dict().items() if k != "stage_stats"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

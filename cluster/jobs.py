@@ -1,0 +1,218 @@
+"""Ray Jobs: `oscar submit` (resubmitting resumes) and `oscar status`.
+
+A job config (YAML or JSON) has three sections:
+
+    calibrate:   # the options of `oscar calibrate` (CalibConfig field names)
+      model: smollm2-135m
+      store: /data/calib/smollm2.zarr
+    cluster:     # ClusterConfig: stages, replicas, cpus_per_stage, gpus_per_stage, ...
+      stages: 2
+    job:         # how to launch the driver
+      python: python            # interpreter on the head node
+      runtime_env: {...}        # merged over cluster/runtime_env.yaml
+
+The submission id is derived from the store (`oscar-calib-<hash of store path and
+model>-<attempt>`): while an attempt is PENDING/RUNNING, submitting again attaches to
+it instead of starting a duplicate; after a STOPPED/FAILED attempt, the next attempt
+resumes the store (done blocks are skipped, half-written ones redone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+
+from oscar.common import OscarError, fingerprint
+
+CONFIG_ENV = "OSCAR_JOB_CONFIG"
+RUNTIME_ENV_FILE = os.path.join(os.path.dirname(__file__), "runtime_env.yaml")
+LIVE = ("PENDING", "RUNNING")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def load_job_config(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise OscarError(f"cannot read job config {path}: {e}") from None
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise OscarError(f"{path}: not valid YAML/JSON: {e}") from None
+    return normalize_job_config(cfg, path)
+
+
+def normalize_job_config(cfg, where: str = "job config") -> dict:
+    from dataclasses import fields
+
+    from oscar.cluster.pipeline import ClusterConfig
+    from oscar.pipeline.calibrate import CalibConfig
+
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("calibrate"), dict):
+        raise OscarError(f"{where}: needs a `calibrate:` section (options of oscar calibrate)")
+    unknown = set(cfg) - {"calibrate", "cluster", "job"}
+    if unknown:
+        raise OscarError(f"{where}: unknown sections {sorted(unknown)} (calibrate, cluster, job)")
+    cal = dict(cfg["calibrate"])
+    names = {f.name for f in fields(CalibConfig) if f.init}
+    bad = set(cal) - names
+    if bad:
+        raise OscarError(f"{where}: unknown calibrate options {sorted(bad)}; known: {sorted(names)}")
+    if "store" not in cal:
+        raise OscarError(f"{where}: calibrate.store is required (the store identifies the job)")
+    cal["store"] = os.path.abspath(os.path.expanduser(cal["store"]))
+    clu = dict(cfg.get("cluster") or {})
+    cnames = {f.name for f in fields(ClusterConfig)}
+    bad = set(clu) - cnames
+    if bad:
+        raise OscarError(f"{where}: unknown cluster options {sorted(bad)}; known: {sorted(cnames)}")
+    CalibConfig(**cal), ClusterConfig(**clu)  # validate now, not on the cluster
+    return {"calibrate": cal, "cluster": clu, "job": dict(cfg.get("job") or {})}
+
+
+def submission_base(cfg: dict) -> str:
+    cal = cfg["calibrate"]
+    return "oscar-calib-" + fingerprint({"store": cal["store"], "model": cal.get("model")}, 12)
+
+
+def runtime_env(cfg: dict) -> dict:
+    """cluster/runtime_env.yaml, then the job's own runtime_env, then the config itself."""
+    import yaml
+
+    with open(RUNTIME_ENV_FILE) as f:
+        env = yaml.safe_load(f) or {}
+    own = cfg["job"].get("runtime_env") or {}
+    env_vars = {**(env.get("env_vars") or {}), **(own.get("env_vars") or {})}
+    env = {**env, **own}
+    env_vars[CONFIG_ENV] = json.dumps({"calibrate": cfg["calibrate"], "cluster": cfg["cluster"]})
+    env["env_vars"] = {k: str(v) for k, v in env_vars.items()}
+    return env
+
+
+def entrypoint(cfg: dict) -> str:
+    python = cfg["job"].get("python") or "python"
+    return f"{shlex.quote(python)} -m oscar.cluster.entrypoint"
+
+
+def _client(address: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise OscarError("give --address http://HOST:8265 (the Ray dashboard) or set RAY_ADDRESS")
+    try:
+        return JobSubmissionClient(address)
+    except Exception as e:  # noqa: BLE001 - connection errors come in several types
+        raise OscarError(f"cannot reach the Ray Jobs API at {address}: {e}") from None
+
+
+def attempts(client, base: str) -> list:
+    """Jobs of this store, oldest attempt first."""
+    jobs = [j for j in client.list_jobs() if (j.submission_id or "").startswith(base + "-")]
+    return sorted(jobs, key=lambda j: int(j.submission_id.rsplit("-", 1)[1]))
+
+
+def submit(config_path: str, *, address: str | None = None, wait: bool = False, timeout: float | None = None,
+           poll: float = 2.0) -> int:
+    cfg = load_job_config(config_path)
+    client = _client(address)
+    base = submission_base(cfg)
+    sid = None
+    for _ in range(5):  # a concurrent submitter may take the attempt number first
+        prev = attempts(client, base)
+        live = [j for j in prev if str(j.status) in LIVE or getattr(j.status, "value", None) in LIVE]
+        if live:
+            sid = live[-1].submission_id
+            print(f"oscar submit: {sid} is already {_status_name(live[-1].status)} for this store; "
+                  f"not submitting a duplicate")
+            break
+        n = int(prev[-1].submission_id.rsplit("-", 1)[1]) + 1 if prev else 1
+        sid = f"{base}-{n}"
+        try:
+            client.submit_job(entrypoint=entrypoint(cfg), submission_id=sid, runtime_env=runtime_env(cfg),
+                              metadata={"store": cfg["calibrate"]["store"], "attempt": str(n)})
+        except Exception as e:  # noqa: BLE001
+            if "already exists" in str(e):
+                continue
+            raise OscarError(f"job submission failed: {e}") from None
+        print(f"oscar submit: submitted {sid}" + (f" (attempt {n}: resumes the store)" if n > 1 else ""))
+        break
+    else:
+        raise OscarError(f"could not find a free submission id for {base}")
+    if not wait:
+        return 0
+    status = wait_for(client, sid, timeout=timeout, poll=poll)
+    print(f"oscar submit: {sid} {status}")
+    if status != "SUCCEEDED":
+        logs = client.get_job_logs(sid)
+        print("\n".join(logs.splitlines()[-30:]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _status_name(s) -> str:
+    return str(getattr(s, "value", s))
+
+
+def wait_for(client, sid: str, *, timeout: float | None = None, poll: float = 2.0) -> str:
+    t0 = time.time()
+    while True:
+        st = _status_name(client.get_job_status(sid))
+        if st in TERMINAL:
+            return st
+        if timeout is not None and time.time() - t0 > timeout:
+            raise OscarError(f"job {sid} still {st} after {timeout:.0f}s")
+        time.sleep(poll)
+
+
+# --------------------------------------------------------------------------- status
+
+def store_status(store: str, address: str | None = None) -> dict:
+    """Blocks done per stage (from the store's done markers and the stages its Ray job recorded)."""
+    import numpy as np
+
+    from oscar.cluster.pipeline import unused_experts
+    from oscar.pipeline.store import CalibStore
+
+    st = CalibStore(store)
+    done = st.done()  # (B, L)
+    cl = st.group.attrs.get("cluster") or {}
+    ranges = [tuple(r) for r in cl.get("stages", [])] or [(0, st.num_layers)]
+    out = {
+        "store": str(st.path), "num_blocks": st.num_blocks, "num_layers": st.num_layers,
+        "blocks_done": int(done.all(1).sum()),
+        "stages": [{"stage": i, "layers": [a, b], "blocks_done": int(done[:, a:b].all(1).sum())}
+                   for i, (a, b) in enumerate(ranges)],
+        "layers_blocks_done": [int(x) for x in done.sum(0)],
+        "replicas": cl.get("replicas"),
+        "unused_experts": {str(k): v for k, v in unused_experts(st).items()},
+        "tokens_done": int(np.asarray(st.group["mask"][:])[done.all(1)].sum()),
+    }
+    if address:
+        client = _client(address)
+        model = st.meta.model.get("name")
+        # The store alone does not know the submitted model spec; match on the store path.
+        jobs = [j for j in client.list_jobs() if (j.metadata or {}).get("store") == os.path.abspath(store)]
+        out["jobs"] = [{"submission_id": j.submission_id, "status": _status_name(j.status)}
+                       for j in sorted(jobs, key=lambda j: j.submission_id or "")]
+        out["model"] = model
+    return out
+
+
+def format_status(s: dict) -> str:
+    lines = [f"{s['store']}: {s['blocks_done']}/{s['num_blocks']} blocks done "
+             f"({s['tokens_done']:,} tokens), {s['num_layers']} layers"]
+    for st in s["stages"]:
+        a, b = st["layers"]
+        lines.append(f"  stage {st['stage']}  layers {a:>3}-{b - 1:<3}  {st['blocks_done']}/{s['num_blocks']} blocks")
+    for l, ex in s.get("unused_experts", {}).items():
+        lines.append(f"  layer {l}: {len(ex)} experts with no routed token" + (f": {ex}" if ex else ""))
+    for j in s.get("jobs", []):
+        lines.append(f"  job {j['submission_id']}: {j['status']}")
+    return "\n".join(lines)

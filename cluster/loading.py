@@ -1,0 +1,337 @@
+"""Layer-range loading: build and run only the decoder layers one stage owns.
+
+A stage reads `model.safetensors.index.json`, opens **only** the shards that hold
+its keys (`safetensors.safe_open`) and places each tensor itself into a skeleton
+built with accelerate's `init_empty_weights` (parameters on the meta device cost
+nothing). accelerate's `load_checkpoint_in_model` is not used: it reads every
+shard even when the model holds a few layers.
+
+Ownership: stage [start, stop) holds `layers[start:stop]` (MoE experts included);
+the first stage also holds the token embeddings; every stage builds the rotary
+module (it has no parameters, only buffers derived from the config); nobody
+loads the final norm or the LM head (calibration stops at the last attention).
+
+Ray-free: importable and testable in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from oscar.common import OscarError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# Fused expert parameters (transformers >= 5 layout) and the per-expert
+# checkpoint keys they are stacked from (Hugging Face checkpoint layout).
+# Each entry: fused suffix -> list of per-expert suffixes concatenated on dim 0
+# of every expert's matrix (gate then up), then stacked over experts.
+_FUSED_EXPERTS = {
+    "experts.gate_up_proj": [("gate_proj.weight", "w1.weight"), ("up_proj.weight", "w3.weight")],
+    "experts.down_proj": [("down_proj.weight", "w2.weight")],
+}
+
+
+@dataclass
+class StageSpec:
+    """Decoder layers [start, stop) of a model with `num_layers` layers."""
+
+    start: int
+    stop: int
+    num_layers: int
+
+    def __post_init__(self):
+        if not 0 <= self.start < self.stop <= self.num_layers:
+            raise OscarError(f"bad layer range [{self.start}, {self.stop}) for a {self.num_layers}-layer model")
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.num_layers
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+@dataclass
+class LoadReport:
+    """What a stage read: tests assert a stage never holds anything outside its range."""
+
+    keys: list[str] = field(default_factory=list)     # checkpoint keys read
+    shards: list[str] = field(default_factory=list)   # shard files opened (basenames)
+    bytes: int = 0                                     # bytes of the tensors read (checkpoint dtype)
+    params: list[str] = field(default_factory=list)   # module parameters/buffers materialised (full names)
+
+
+class Checkpoint:
+    """The safetensors checkpoint of a Hugging Face model directory (sharded or single file)."""
+
+    def __init__(self, model_dir: str):
+        self.dir = model_dir
+        idx = os.path.join(model_dir, INDEX_NAME)
+        single = os.path.join(model_dir, SINGLE_NAME)
+        if os.path.isfile(idx):
+            with open(idx) as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            from safetensors import safe_open
+
+            with safe_open(single, framework="pt") as f:
+                self.weight_map = {k: SINGLE_NAME for k in f.keys()}
+        else:
+            raise OscarError(f"{model_dir}: no {INDEX_NAME} or {SINGLE_NAME} (layer-range loading needs safetensors)")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def shard_sizes(self) -> dict[str, int]:
+        return {s: os.path.getsize(os.path.join(self.dir, s)) for s in sorted(set(self.weight_map.values()))}
+
+
+def _checkpoint_sources(name: str, ckpt: Checkpoint, num_experts: int | None) -> list[list[str]] | None:
+    """Checkpoint keys for module tensor `name`: [[key]] for a direct match, or for a
+    fused expert tensor a list (one per expert) of keys to concatenate. None: absent."""
+    for cand in (name, name.removeprefix("model.")):
+        if cand in ckpt:
+            return [[cand]]
+    for fused, parts in _FUSED_EXPERTS.items():
+        if not name.endswith(fused) or not num_experts:
+            continue
+        base = name[: -len(fused)] + "experts"
+        for alt in range(len(parts[0])):  # naming family: gate/up/down or w1/w3/w2
+            keys = [[f"{base}.{e}.{p[alt]}" for p in parts] for e in range(num_experts)]
+            if all(k in ckpt for ks in keys for k in ks):
+                return keys
+    return None
+
+
+def _num_experts(config) -> int | None:
+    for k in ("n_routed_experts", "num_local_experts", "num_experts"):
+        v = getattr(config, k, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+class LayerRange(nn.Module):
+    """The modules one stage owns; `forward` runs its decoder layers on hidden states."""
+
+    def __init__(self, config, spec: StageSpec, embed: nn.Module | None, rotary: nn.Module, layers: list[nn.Module]):
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        self.embed_tokens = embed
+        self.rotary_emb = rotary
+        # Keyed by global layer index so parameter names say which layers a stage holds.
+        self.layers = nn.ModuleDict({str(spec.start + i): m for i, m in enumerate(layers)})
+        self._rotary: dict[str, nn.Module] = {}  # rotary copies per device (a multi-GPU stage)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise OscarError(f"stage [{self.spec.start}, {self.spec.stop}) does not own the embeddings")
+        return self.embed_tokens(input_ids)  # (B, T, H)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Run layers [start, stop) on `hidden` (B, T, H).
+
+        Recomputes what the full model computes once before its first layer: default
+        position ids, the causal/padding mask (for the configured attention
+        implementation) and the rotary embeddings. `attention_mask` is the 2D
+        padding mask (B, T) of 1/0, as the full model receives it.
+        """
+        from transformers.masking_utils import create_causal_mask
+
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        dev, mask, pos_emb = None, None, None
+        for layer in self.layers.values():
+            ldev = next(layer.parameters()).device
+            if ldev != dev:  # first layer, or the next GPU of a multi-GPU stage: move and rebuild inputs
+                dev = ldev
+                hidden, position_ids = hidden.to(dev), position_ids.to(dev)
+                am = attention_mask.to(dev) if attention_mask is not None else None
+                mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=am,
+                                          cache=None, position_ids=position_ids)
+                pos_emb = self._rotary_on(dev)(hidden, position_ids)  # (cos, sin), each (B|1, T, rot_dim)
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=pos_emb,
+                           position_ids=position_ids, use_cache=False, **kwargs)
+        return hidden  # (B, T, H)
+
+
+    def _rotary_on(self, dev: torch.device) -> nn.Module:
+        if next(iter(self.rotary_emb.buffers())).device == dev:
+            return self.rotary_emb
+        key = str(dev)
+        if key not in self._rotary:
+            import copy
+
+            self._rotary[key] = copy.deepcopy(self.rotary_emb).to(dev)
+        return self._rotary[key]
+
+
+def assign_devices(costs: list[int], devices: list[str]) -> list[str]:
+    """Contiguous split of a stage's layers over its devices, balanced by parameter bytes."""
+    from oscar.cluster.plan import balance_layers
+
+    n = min(len(devices), len(costs))
+    out = []
+    for dev, (a, b) in zip(devices, balance_layers(costs, n)):
+        out += [dev] * (b - a)
+    return out
+
+
+def load_config(model_dir: str, attn_implementation: str | None = None, experts_implementation: str | None = "eager"):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise OscarError(f"cannot read a model config from {model_dir}: {e}") from e
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
+    if experts_implementation and _num_experts(config):
+        # Per-expert token counts need the eager experts path (grouped kernels bypass hooks).
+        config._experts_implementation = experts_implementation
+    return config
+
+
+def build_skeleton(config) -> nn.Module:
+    """The whole causal LM on the meta device: structure without memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu", devices: list[str] | None = None
+                     ) -> tuple[LayerRange, LoadReport]:
+    """Load decoder layers [start, stop) of the safetensors checkpoint in `model_dir`.
+
+    Opens only the shards holding those layers' keys (plus the embeddings' shard for
+    the first stage). `devices` (e.g. the GPUs of a multi-GPU stage) spreads the layers
+    contiguously over several devices, balanced by parameter bytes; the embeddings go
+    to the first. Returns the stage module (eval mode) and what was read.
+    """
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    config = config if config is not None else load_config(model_dir)
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    spec = StageSpec(start, stop, text_cfg.num_hidden_layers)
+    ckpt = Checkpoint(model_dir)
+    skeleton = build_skeleton(config)
+    base = skeleton.get_decoder() if hasattr(skeleton, "get_decoder") else getattr(skeleton, skeleton.base_model_prefix)
+    base_prefix = next(n for n, m in skeleton.named_modules() if m is base)  # e.g. "model"
+    pre = f"{base_prefix}." if base_prefix else ""
+
+    owned: dict[str, nn.Module] = {f"{pre}layers.{i}": base.layers[i] for i in spec.layers}
+    if spec.first:
+        owned[f"{pre}embed_tokens"] = base.embed_tokens
+
+    # Plan: module tensor -> checkpoint keys, grouped by shard.
+    n_exp = _num_experts(text_cfg)
+    plan: list[tuple[nn.Module, str, str, list[list[str]]]] = []  # (module, local name, full name, sources)
+    for mprefix, mod in owned.items():
+        persistent = {n for n, _ in mod.named_parameters()} | {
+            n for n, b in mod.named_buffers() if _is_persistent(mod, n)}
+        for local in sorted(persistent):
+            full = f"{mprefix}.{local}"
+            src = _checkpoint_sources(full, ckpt, n_exp)
+            if src is None:
+                if local in dict(mod.named_parameters()):
+                    raise OscarError(f"{model_dir}: checkpoint has no tensor for {full}")
+                continue  # a buffer the checkpoint does not carry keeps its constructed value
+            plan.append((mod, local, full, src))
+
+    devices = [str(d) for d in devices] if devices else [str(device)]
+    sizes = [sum(p.numel() for p in base.layers[i].parameters()) for i in spec.layers]
+    layer_dev = dict(zip(spec.layers, assign_devices(sizes, devices)))
+    dev_of = {f"{pre}layers.{i}": layer_dev[i] for i in spec.layers} | {f"{pre}embed_tokens": devices[0]}
+
+    needed = sorted({ckpt.weight_map[k] for *_, src in plan for ks in src for k in ks})
+    report = LoadReport(shards=needed)
+    # One shard open at a time, closed once read: its mmap'd pages leave the resident set, so the
+    # peak is the stage's weights plus one shard (plus per-expert parts waiting for their layer).
+    keys_of: dict[str, list[str]] = {}
+    for *_, src in plan:
+        for ks in src:
+            for k in ks:
+                keys_of.setdefault(ckpt.weight_map[k], []).append(k)
+    got: dict[str, torch.Tensor] = {}
+    todo = list(plan)
+    for shard in needed:
+        with safe_open(os.path.join(model_dir, shard), framework="pt", device="cpu") as fh:
+            for k in keys_of[shard]:
+                got[k] = fh.get_tensor(k)
+                report.keys.append(k)
+                report.bytes += got[k].numel() * got[k].element_size()
+        ready = [it for it in todo if all(k in got for ks in it[3] for k in ks)]
+        todo = [it for it in todo if it not in ready]
+        for mod, local, full, src in ready:
+            parts = [got[ks[0]] if len(ks) == 1 else torch.cat([got[k] for k in ks], dim=0) for ks in src]
+            value = parts[0] if len(src) == 1 and len(src[0]) == 1 else torch.stack(parts, dim=0)
+            for ks in src:
+                for k in ks:
+                    del got[k]
+            cur = _get(mod, local)
+            if tuple(cur.shape) != tuple(value.shape):
+                raise OscarError(f"{full}: checkpoint shape {tuple(value.shape)} != model shape {tuple(cur.shape)}")
+            keep_fp32 = cur.dtype == torch.float32 and _keep_fp32(skeleton, full)
+            mdev = dev_of[full[: -len(local) - 1]]  # the owned module's prefix
+            set_module_tensor_to_device(mod, local, mdev, value=value.to(torch.float32 if keep_fp32 else dtype))
+            report.params.append(full)
+            del value, parts
+
+    for mprefix, mod in owned.items():
+        for n, p in list(mod.named_parameters()) + list(mod.named_buffers()):
+            if p.device.type == "meta":
+                raise OscarError(f"{mprefix}.{n} was not loaded (missing from the checkpoint)")
+        mod.to(dev_of[mprefix])  # buffers the checkpoint does not carry follow their module
+    rotary = base.rotary_emb.to(devices[0])
+    stage = LayerRange(config, spec, owned.get(f"{pre}embed_tokens"), rotary,
+                       [base.layers[i] for i in spec.layers]).eval()
+    stage.requires_grad_(False)
+    return stage, report
+
+
+def _is_persistent(mod: nn.Module, name: str) -> bool:
+    *path, leaf = name.split(".")
+    sub = mod.get_submodule(".".join(path)) if path else mod
+    return leaf not in sub._non_persistent_buffers_set
+
+
+def _get(mod: nn.Module, name: str) -> torch.Tensor:
+    *path, leaf = name.split(".")
+    sub = mod.get_submodule(".".join(path)) if path else mod
+    return getattr(sub, leaf)
+
+
+def _keep_fp32(model: nn.Module, full: str) -> bool:
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    return any(re.search(rf"(^|\.){re.escape(k)}(\.|$)", full) for k in keep)
+
+
+def stage_param_names(stage: LayerRange) -> list[str]:
+    """Names of every materialised (non-meta) parameter the stage holds, relative to the stage."""
+    return [n for n, p in stage.named_parameters() if p.device.type != "meta"]
+
+
+def layer_of(key: str) -> int | None:
+    """Decoder layer index of a checkpoint key (`...layers.{i}....`), or None."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+    return int(m.group(1)) if m else None

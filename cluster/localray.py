@@ -1,0 +1,143 @@
+"""A Ray head node on 127.0.0.1 that this process owns (tests, benchmarks, demos).
+
+`ray start --head --block` in its own session with free ports and a private temp
+dir, so that it never collides with another Ray on the machine; `stop()` ends
+exactly the processes it started (its process group), never `ray stop`, which
+would kill every Ray on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import urllib.error
+import urllib.request
+
+
+# Ray turns --node-ip-address=127.0.0.1 into the host's routable address unless
+# "cluster mode" is off (the single-machine mode Ray uses on macOS/Windows): then
+# every component binds and talks on 127.0.0.1 only. Set it in the driver too,
+# before `import ray`.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalHead:
+    def __init__(self, num_cpus: int = 8, object_store_mb: int = 512, temp_dir: str | None = None):
+        self.num_cpus = num_cpus
+        self.object_store_mb = object_store_mb
+        self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="oscar-ray-", dir="/tmp")
+        self.port = free_port()
+        self.dashboard_port = free_port()
+        self.proc: subprocess.Popen | None = None
+        # Token auth with a private token: the Jobs API and the GCS refuse anyone without it.
+        self.token_path = os.path.join(self.temp_dir, "auth_token")
+        with open(os.open(self.token_path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "w") as f:
+            f.write(uuid.uuid4().hex + uuid.uuid4().hex)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment a client of this head needs (set it before `import ray`; subprocesses inherit it)."""
+        return {**LOOPBACK_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path}
+
+    def use(self) -> None:
+        """Point this process's Ray client at this head (before `import ray`)."""
+        os.environ.update(self.env)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self, timeout: float = 180.0) -> "LocalHead":
+        wmin = free_port()
+        ports = {
+            "--port": self.port, "--dashboard-port": self.dashboard_port,
+            "--node-manager-port": free_port(), "--object-manager-port": free_port(),
+            "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
+            "--runtime-env-agent-port": free_port(), "--metrics-export-port": free_port(),
+            "--ray-client-server-port": free_port(),
+        }
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+               "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+               f"--num-cpus={self.num_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
+               f"--object-store-memory={self.object_store_mb << 20}", "--disable-usage-stats",
+               f"--min-worker-port={wmin}", f"--max-worker-port={wmin + 200}"]
+        cmd += [f"{k}={v}" for k, v in ports.items()]
+        self.log = open(os.path.join(self.temp_dir, "ray-start.log"), "w")
+        env = {**os.environ, **self.env}
+        env.pop("RAY_ADDRESS", None)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited ({self.proc.returncode}); see {self.log.name}")
+            if self._jobs_ready():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"Ray head did not come up in {timeout:.0f}s; see {self.log.name}")
+
+    def _jobs_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2):
+                pass
+        except urllib.error.HTTPError:
+            pass  # up, but wants the auth token: the Jobs client below sends it
+        except OSError:
+            return False
+        try:
+            from ray.job_submission import JobSubmissionClient
+
+            JobSubmissionClient(self.dashboard).list_jobs()
+            return True
+        except Exception:  # noqa: BLE001 - not ready yet
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM `ray start --block` (it stops what it started), then SIGKILL its process group."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # session leader: its pid is the group id
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=timeout)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.time() + 15
+        while time.time() < deadline:  # until the group is gone (children are reaped by init)
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.2)
+        self.proc = None
+        self.log.close()
+
+    def __enter__(self) -> "LocalHead":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,502 @@
+"""The Ray driver: stage actors per replica, micro-batches through the object store.
+
+`run_pipeline(store, model_dir, ...)` processes every block of an existing
+`oscar-calib/1` store that is not yet done (the store was created by the
+calibration front end, which wrote tokens, mask and root attributes):
+
+- R replicas x N stage actors; stage i of every replica owns the same contiguous
+  layer range (balanced by parameter count, or explicit). Each replica's stages
+  are co-located by a placement group (STRICT_PACK when they use GPUs).
+- Replicas split the pending blocks round-robin: every block goes to exactly one
+  replica. Within a replica a block is cut into micro-batches of sequences; the
+  driver chains `stage_0.forward -> stage_1.forward -> ...` per micro-batch and
+  keeps up to `lookahead` blocks in flight, so stage i works on micro-batch m+1
+  while stage i+1 works on m (pipeline parallelism).
+- Fault tolerance: actors have `max_restarts`; their tasks are not retried by Ray
+  (`max_task_retries=0`). When any micro-batch of a block fails (actor died,
+  worker killed, node lost) the driver waits for that attempt to drain and
+  resubmits the whole block; restarted actors reload their layers, and
+  re-writing a block is idempotent. The store's done markers are the only
+  progress record, so a killed job resubmitted later continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from oscar.common import OscarError, fingerprint
+
+_LOCAL_RAY: bool = False  # True when this module started the Ray runtime itself
+
+
+@dataclass
+class ClusterConfig:
+    """Resources and shape of the pipeline (the `cluster` section of a job config)."""
+
+    stages: int = 1
+    replicas: int = 1
+    micro_batch: int = 1                 # sequences per micro-batch
+    layers: str | None = None            # explicit ranges "0:10,10:30"; default: balanced by parameters
+    cpus_per_stage: float = 1.0
+    gpus_per_stage: float = 0.0
+    memory_per_stage: int | None = None  # bytes reserved per stage actor (Ray `memory` resource)
+    threads_per_stage: int | None = None  # torch threads (default: cpus_per_stage, at least 1)
+    max_restarts: int = 4                # per actor
+    max_block_attempts: int = 6          # per block, before giving up
+    lookahead: int = 2                   # blocks in flight per replica
+    dtype: str = "float32"
+    placement_timeout: float = 120.0
+    throttle_s: float = 0.0              # sleep after each micro-batch (tests; sharing a busy node)
+
+    def __post_init__(self):
+        for k in ("stages", "replicas", "micro_batch", "lookahead", "max_block_attempts"):
+            if int(getattr(self, k)) < 1:
+                raise OscarError(f"cluster.{k} must be >= 1, got {getattr(self, k)}")
+        if self.cpus_per_stage <= 0 or self.gpus_per_stage < 0:
+            raise OscarError("cluster.cpus_per_stage must be > 0 and gpus_per_stage >= 0")
+
+    @property
+    def threads(self) -> int:
+        return int(self.threads_per_stage or max(1, int(self.cpus_per_stage)))
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus_per_stage > 0 else "cpu"
+
+
+@dataclass
+class PipelineReport:
+    store: str
+    stages: list[tuple[int, int]]
+    replicas: int
+    micro_batch: int
+    blocks_done: list[int]
+    blocks_skipped: int                  # already done before this run
+    block_retries: int
+    failures: list[str]
+    wall_seconds: float
+    tokens: int
+    tokens_per_second: float
+    bubble: float                        # 1 - mean stage busy time / wall time (measured)
+    bubble_ideal: float                  # (N-1)/(M+N-1) for M micro-batches per replica
+    stage_stats: list[dict] = field(default_factory=list)
+    unused_experts: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- ray session
+
+def connect(address: str | None = "auto", *, num_cpus: int | None = None) -> str:
+    """Attach to a Ray cluster: ADDRESS, or `auto` = $RAY_ADDRESS if set (inside a Ray job it
+    is), else start a private local cluster bound to 127.0.0.1 (stopped by `disconnect`)."""
+    global _LOCAL_RAY
+    if address in (None, "", "auto"):
+        address = os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local" and "ray" not in sys.modules:
+        from oscar.cluster.localray import LOOPBACK_ENV
+
+        for k, v in LOOPBACK_ENV.items():  # single-node mode: every Ray component on 127.0.0.1
+            os.environ.setdefault(k, v)
+    import ray
+
+    if ray.is_initialized():
+        return "connected"
+    if address == "local":
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+        _LOCAL_RAY = True
+        return "local"
+    ray.init(address=address, log_to_driver=False)
+    return address
+
+
+def disconnect() -> None:
+    import ray
+
+    global _LOCAL_RAY
+    if ray.is_initialized():
+        ray.shutdown()
+    _LOCAL_RAY = False
+
+
+# --------------------------------------------------------------------------- helpers
+
+def stage_ranges(model_dir: str, cc: ClusterConfig, num_layers: int) -> list[tuple[int, int]]:
+    from oscar.cluster.loading import load_config
+    from oscar.cluster.plan import balance_layers, param_bytes, parse_ranges
+
+    if cc.layers:
+        r = parse_ranges(cc.layers, num_layers)
+        if len(r) != cc.stages:
+            raise OscarError(f"--layers gives {len(r)} ranges but --stages is {cc.stages}")
+        return r
+    if cc.stages > num_layers:
+        raise OscarError(f"--stages {cc.stages} exceeds the model's {num_layers} layers")
+    pb = param_bytes(load_config(model_dir), 4)
+    return balance_layers(pb.layers, cc.stages, pb.embed)
+
+
+def job_id_for(store: str) -> str:
+    """Prefix of the writer-lock job ids (and actor names) of the Ray runs on one store."""
+    return "ray-" + fingerprint(os.path.abspath(store), 12)
+
+
+def _ensure_expert_arrays(store, model_dir: str, layers: list[int]) -> tuple[int, list[int]]:
+    """Create `layers/{l}/expert_tokens` (int64, (B, E), one chunk per block) for MoE layers."""
+    from oscar.cluster.actors import EXPERT_ARRAY
+    from oscar.cluster.loading import _num_experts, load_config
+    from oscar.cluster.plan import _is_moe_layer
+
+    cfg = load_config(model_dir)
+    E = _num_experts(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+    if not E:
+        return 0, []
+    moe = [l for l in layers if _is_moe_layer(cfg, l)]
+    for l in moe:
+        name = f"layers/{l}/{EXPERT_ARRAY}"
+        if name not in store.group:
+            store.group.create_array(name, shape=(store.num_blocks, E), chunks=(1, E), dtype="int64",
+                                     fill_value=0, compressors=None)
+    return E, moe
+
+
+def unused_experts(store, layers: list[int] | None = None) -> dict[int, list[int]]:
+    """{MoE layer: experts that received no token in any done block} (empty dict for dense models)."""
+    from oscar.cluster.actors import EXPERT_ARRAY
+
+    done = store.done()
+    out = {}
+    for l in range(store.num_layers) if layers is None else layers:
+        name = f"layers/{l}/{EXPERT_ARRAY}"
+        if name not in store.group:
+            continue
+        blocks = np.flatnonzero(done[:, l])
+        counts = store.group[name][:][blocks].sum(0)
+        out[int(l)] = [int(e) for e in np.flatnonzero(counts == 0)]
+    return out
+
+
+def _is_ray_failure(e: BaseException) -> bool:
+    import ray.exceptions as rex
+
+    return isinstance(e, (rex.RayError,))
+
+
+# --------------------------------------------------------------------------- driver
+
+def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, progress: bool = True,
+                 on_block=None) -> PipelineReport:
+    """Process every pending block of the store at `store_path` on the connected Ray cluster.
+
+    Everything that defines the statistics (tokens, mask, sink, reservoir, seed, attention
+    implementation) is read from the store; `model_dir` defaults to the store's model source.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from oscar.cluster.actors import StageArgs, stage_actor_class
+    from oscar.pipeline.store import CalibStore, WriterLock
+
+    if not ray.is_initialized():
+        raise OscarError("run_pipeline needs a Ray connection (oscar.cluster.pipeline.connect)")
+    store = CalibStore(store_path, mode="r+")
+    L, S = store.num_layers, store.meta.seqs_per_block
+    seed = int(store.meta.config.get("seed", 0))
+    attn = str(store.meta.config.get("attn_implementation", "sdpa"))
+    model_dir = model_dir or store.meta.model.get("source")
+    if not model_dir:
+        raise OscarError(f"store {store_path} records no model source; pass the model directory")
+    ranges = stage_ranges(model_dir, cc, L)
+    # One writer-lock job per driver run, shared with its stage actors (restarted ones too): a second
+    # concurrent run on the same store is refused; a dead run's locks are taken over.
+    job = f"{job_id_for(store_path)}-{uuid.uuid4().hex[:8]}"
+    lock = WriterLock(store_path, range(L), job=job).acquire()
+    pgs, replicas = [], []
+    try:
+        _, moe_layers = _ensure_expert_arrays(store, model_dir, list(range(L)))
+        store.group.attrs["cluster"] = {"stages": [list(r) for r in ranges], "replicas": cc.replicas,
+                                        "micro_batch": cc.micro_batch, "job": job}
+        todo = store.todo_blocks()
+        skipped = store.num_blocks - len(todo)
+        tokens = store.group["tokens"]
+        masks = store.group["mask"]
+        n_mb = math.ceil(S / cc.micro_batch)
+
+        # ---- actors, one placement group per replica
+        Actor = stage_actor_class()
+        bundle = {"CPU": cc.cpus_per_stage, **({"GPU": cc.gpus_per_stage} if cc.gpus_per_stage else {})}
+        if cc.memory_per_stage:
+            bundle["memory"] = cc.memory_per_stage
+        for r in range(cc.replicas):
+            pg = placement_group([dict(bundle) for _ in ranges],
+                                 strategy="STRICT_PACK" if cc.gpus_per_stage else "PACK",
+                                 name=f"oscar-{job}-r{r}")
+            pgs.append(pg)
+        try:
+            ray.get([pg.ready() for pg in pgs], timeout=cc.placement_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise OscarError(
+                f"cannot place {cc.replicas} replica(s) x {len(ranges)} stages of {bundle} within "
+                f"{cc.placement_timeout:.0f}s; the cluster offers {ray.cluster_resources()}") from None
+        for r, pg in enumerate(pgs):
+            actors = []
+            for i, (a, b) in enumerate(ranges):
+                args = StageArgs(model_dir=model_dir, start=a, stop=b, store=str(store_path), job=job, attn=attn,
+                                 sink=store.meta.sink, reservoir=store.meta.reservoir, seed=seed,
+                                 seqs_per_block=S, threads=cc.threads, dtype=cc.dtype, device=cc.device,
+                                 stage=i, replica=r, throttle_s=cc.throttle_s,
+                                 num_devices=max(1, int(cc.gpus_per_stage)))
+                opts = dict(num_cpus=cc.cpus_per_stage, num_gpus=cc.gpus_per_stage,
+                            max_restarts=cc.max_restarts, max_task_retries=0,
+                            name=f"oscar-{job}-r{r}-s{i}", lifetime=None,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                placement_group=pg, placement_group_bundle_index=i))
+                if cc.memory_per_stage:
+                    opts["memory"] = cc.memory_per_stage
+                actors.append(Actor.options(**opts).remote(args))
+            replicas.append(actors)
+
+        # ---- the block loop
+        queues = [deque(todo[r::cc.replicas]) for r in range(cc.replicas)]
+        inflight: dict[int, dict] = {}          # block -> {replica, attempt, refs, failed}
+        attempts: dict[int, int] = {}
+        failures: list[str] = []
+        done_blocks: list[int] = []
+        bar = _progress(len(todo), progress)
+        t_start = time.time()
+
+        def submit(r: int, b: int) -> None:
+            attempts[b] = attempts.get(b, 0) + 1
+            if attempts[b] > cc.max_block_attempts:
+                raise OscarError(f"block {b} failed {cc.max_block_attempts} times; last errors: {failures[-3:]}")
+            tag = uuid.uuid4().hex[:8]
+            tok, msk = tokens[b], masks[b]                       # (S, T)
+            refs = []
+            for m in range(n_mb):
+                lo, hi = m * cc.micro_batch, min(S, (m + 1) * cc.micro_batch)
+                # int64 like the single-process path: the same mask dtype reaches create_causal_mask
+                x = {"input_ids": _tensor(tok[lo:hi].astype(np.int64)), "mask": _tensor(msk[lo:hi].astype(np.int64))}
+                for actor in replicas[r]:
+                    x = actor.forward.remote(b, m, n_mb, lo, x, tag)
+                refs.append(x)
+            inflight[b] = {"replica": r, "refs": refs, "pending": set(refs), "failed": None}
+
+        def fill() -> None:
+            for r in range(cc.replicas):
+                busy = sum(1 for v in inflight.values() if v["replica"] == r)
+                while busy < cc.lookahead and queues[r]:
+                    submit(r, queues[r].popleft())
+                    busy += 1
+
+        fill()
+        while inflight:
+            pending = [ref for v in inflight.values() for ref in v["pending"]]
+            ready, _ = ray.wait(pending, num_returns=1, timeout=600)
+            if not ready:
+                raise OscarError("no micro-batch finished in 600 s; is the cluster alive? (ray status)")
+            for ref in ready:
+                b = next(k for k, v in inflight.items() if ref in v["pending"])
+                entry = inflight[b]
+                entry["pending"].discard(ref)
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - any failure redoes the block
+                    if not _is_ray_failure(e):
+                        raise
+                    if isinstance(getattr(e, "cause", None), OscarError):
+                        raise e.cause from None  # a user error inside a stage: no retry
+                    entry["failed"] = entry["failed"] or f"block {b}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                if entry["pending"]:
+                    continue
+                del inflight[b]
+                if entry["failed"]:
+                    failures.append(entry["failed"])
+                    print(f"oscar: {entry['failed']}; redoing block {b}", file=sys.stderr)
+                    _wait_alive(replicas[entry["replica"]], timeout=cc.placement_timeout)
+                    queues[entry["replica"]].appendleft(b)
+                else:
+                    done_blocks.append(b)
+                    bar.update(1)
+                    if on_block:
+                        on_block(b)
+            fill()
+        wall = time.time() - t_start
+        bar.close()
+
+        stats = []
+        for actors in replicas:
+            for a in actors:
+                try:
+                    stats.append(ray.get(a.get_stats.remote(), timeout=60))
+                except Exception as e:  # noqa: BLE001
+                    stats.append({"error": str(e)[:200]})
+
+        bubble = measured_bubble(stats)
+        n = len(ranges)
+        m_total = n_mb * max(1, math.ceil(len(todo) / cc.replicas))
+        real_tokens = int(sum(int(masks[b].sum()) for b in done_blocks))
+        unused = unused_experts(CalibStore(store_path), moe_layers) if moe_layers else {}
+        if unused:
+            store.group.attrs["moe_unused_experts"] = {str(k): v for k, v in unused.items()}
+        return PipelineReport(
+            store=str(store_path), stages=ranges, replicas=cc.replicas, micro_batch=cc.micro_batch,
+            blocks_done=sorted(done_blocks), blocks_skipped=skipped, block_retries=len(failures), failures=failures,
+            wall_seconds=wall, tokens=real_tokens, tokens_per_second=real_tokens / wall if wall > 0 else 0.0,
+            bubble=bubble, bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0,
+            stage_stats=stats, unused_experts={str(k): v for k, v in unused.items()})
+    finally:
+        for actors in replicas:  # also on errors: a long-lived caller must get its resources back
+            for a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        for pg in pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+        lock.release()
+
+
+def measured_bubble(stats: list[dict]) -> float:
+    """Idle fraction of the stages: per replica, 1 - mean(stage busy time) / (last call end - first call start).
+
+    Restarted actors only report their last incarnation, so the figure is approximate after a failure.
+    """
+    by_rep: dict[int, list[dict]] = {}
+    for s in stats:
+        if s.get("first_call") and s.get("last_call"):
+            by_rep.setdefault(s["replica"], []).append(s)
+    out = []
+    for ss in by_rep.values():
+        wall = max(s["last_call"] for s in ss) - min(s["first_call"] for s in ss)
+        if wall > 0:
+            out.append(1 - sum(s["busy_seconds"] for s in ss) / len(ss) / wall)
+    return float(np.mean(out)) if out else 0.0
+
+
+def _tensor(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _wait_alive(actors, timeout: float) -> None:
+    """Block until every actor of a replica answers (Ray restarts dead ones up to max_restarts)."""
+    import ray
+
+    deadline = time.time() + timeout
+    for a in actors:
+        while True:
+            try:
+                ray.get(a.ping.remote(), timeout=max(1.0, deadline - time.time()))
+                break
+            except (ray.exceptions.RayError, TimeoutError):
+                if time.time() > deadline:
+                    raise OscarError(f"a stage actor did not come back within {timeout:.0f}s") from None
+                time.sleep(0.5)
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="blocks (ray)", unit="block", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- calibrate front end
+
+def prepare_store(cfg) -> tuple[str, str]:
+    """Create (or validate for resume) the store of a calibration config without loading weights.
+
+    Mirrors `oscar.pipeline.calibrate.calibrate` up to `CalibStore.open_or_create`, with
+    `load_info` + `load_tokenizer` instead of `load_model`: the driver of a Ray job must
+    not hold the model. Returns (store path, local model directory).
+    """
+    from pathlib import Path
+
+    from oscar.pipeline.corpus import load_corpus, make_blocks
+    from oscar.pipeline.models import load_info, load_tokenizer
+    from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock
+
+    corpus = load_corpus(cfg.corpus)
+    if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
+        raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
+    info = load_info(cfg.model)
+    tokenizer = load_tokenizer(info.source)
+    plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
+    tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
+    if tokens.size == 0 or int(mask.sum()) == 0:
+        raise OscarError(f"corpus {cfg.corpus!r} produced no tokens to calibrate on")
+    B, S, T = tokens.shape
+    d = info.to_dict()
+    # Must equal calibrate()'s StoreMeta (tests compare the root attributes of both stores).
+    meta = StoreMeta(
+        model={k: d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
+                                     "head_dim", "model_type", "source")},
+        corpus=corpus.to_dict() if hasattr(corpus, "to_dict") else
+        {"name": corpus.name, "fingerprint": corpus.fingerprint, "split": corpus.split},
+        seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
+    Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
+    with WriterLock(cfg.store, range(info.num_layers)):
+        CalibStore.open_or_create(cfg.store, meta, tokens, mask, overwrite=cfg.overwrite)
+    return str(cfg.store), info.source
+
+
+def cluster_config_from_args(args) -> ClusterConfig:
+    mem = getattr(args, "memory_per_stage", None)
+    return ClusterConfig(stages=args.stages or 1, replicas=args.replicas or 1, layers=getattr(args, "stage_layers", None),
+                         cpus_per_stage=args.cpus_per_stage, gpus_per_stage=args.gpus_per_stage,
+                         memory_per_stage=int(mem * (1 << 30)) if mem else None, max_restarts=args.max_restarts)
+
+
+def format_report(r: PipelineReport) -> str:
+    ranges = ", ".join(f"{a}-{b - 1}" for a, b in r.stages)
+    lines = [f"oscar calibrate (ray): {len(r.blocks_done)} blocks done, {r.blocks_skipped} already done, "
+             f"{r.block_retries} redone after failures; {r.replicas} replica(s) x stages [{ranges}]",
+             f"  {r.tokens:,} tokens in {r.wall_seconds:.1f} s ({r.tokens_per_second:,.0f} tok/s incl. actor start); "
+             f"pipeline bubble {r.bubble:.1%} measured, {r.bubble_ideal:.1%} ideal for "
+             f"{r.micro_batch}-sequence micro-batches"]
+    for f in r.failures:
+        lines.append(f"  redone: {f}")
+    for l, ex in r.unused_experts.items():
+        if ex:
+            lines.append(f"  layer {l}: experts with no routed token: {ex}")
+    return "\n".join(lines)
+
+
+def calibrate_on_ray(cfg, cc: ClusterConfig, address: str | None = "auto", progress: bool = True,
+                     on_block=None) -> PipelineReport:
+    """`oscar calibrate --ray ...`: the same store as the single-process path, computed by stage actors."""
+    if cfg.device != "cpu" and not cc.gpus_per_stage:
+        raise OscarError("--device cuda on Ray: give --gpus-per-stage (each stage actor gets its own GPUs)")
+    cc.micro_batch = cfg.batch_size  # one notion of micro-batch: the summation order must match the single path
+    cc.dtype = cfg.dtype
+    store, model_dir = prepare_store(cfg)
+    connect(address, num_cpus=max(2, int(math.ceil(cc.stages * cc.replicas * cc.cpus_per_stage))))
+    try:
+        return run_pipeline(store, model_dir, cc, progress=progress, on_block=on_block)
+    finally:
+        if _LOCAL_RAY:
+            disconnect()

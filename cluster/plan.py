@@ -1,0 +1,315 @@
+"""Planning: memory per stage, activations per micro-batch, store size, stage count.
+
+Everything is computed from the model config: parameter counts come from the
+model built on the meta device (exact for any transformers architecture, no
+memory), store bytes from the `oscar-calib/1` array list (docs/store-format.md).
+The same function plans GLM-4.7 on paper and the tiny presets that the tests run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+
+import numpy as np
+from dataclasses import asdict, dataclass, field
+
+from oscar.common import OscarError, attention_shapes
+
+GiB = 1 << 30
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float8": 1, "fp8": 1}
+
+
+# --------------------------------------------------------------------------- config
+
+def load_model_config(spec: str):
+    """A transformers config from a config.json path, a model directory, a config
+    shipped in cluster/configs (`glm-4.7`), or a model preset of oscar.pipeline.models."""
+    from transformers import CONFIG_MAPPING
+
+    path = spec
+    shipped = os.path.join(CONFIG_DIR, f"{spec}.json")
+    if not os.path.exists(path) and os.path.isfile(shipped):
+        path = shipped
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        try:
+            from oscar.pipeline.models import resolve_model  # presets and GGUF, once available
+        except ImportError as e:
+            raise OscarError(f"--model {spec!r}: no such config file, directory or shipped config") from e
+        return load_model_config(str(resolve_model(spec)))
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        cls = CONFIG_MAPPING[d["model_type"]]
+    except (OSError, ValueError, KeyError) as e:
+        raise OscarError(f"{path}: not a transformers config.json ({e})") from e
+    return cls.from_dict(d)
+
+
+# --------------------------------------------------------------------------- parameters
+
+@dataclass
+class ParamBytes:
+    embed: int            # token embeddings (first stage)
+    layers: list[int]     # per decoder layer, MoE experts included
+    head: int             # final norm + LM head: loaded by nobody
+    dtype_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.embed + sum(self.layers) + self.head
+
+
+def param_bytes(config, dtype_bytes: int) -> ParamBytes:
+    """Exact parameter bytes per decoder layer, from the model built on the meta device."""
+    from oscar.common import canonical_json
+
+    counts = _param_counts(canonical_json(config.to_dict()))
+    return ParamBytes(counts.embed * dtype_bytes, [n * dtype_bytes for n in counts.layers],
+                      counts.head * dtype_bytes, dtype_bytes)
+
+
+@functools.lru_cache(maxsize=8)
+def _param_counts(config_json: str) -> ParamBytes:
+    """Parameter counts (1 byte per parameter) of a config, cached: GLM-4.7's meta model takes seconds."""
+    from transformers import CONFIG_MAPPING
+
+    from oscar.cluster.loading import build_skeleton, layer_of
+
+    d = json.loads(config_json)
+    config = CONFIG_MAPPING[d["model_type"]].from_dict(d)
+    dtype_bytes = 1
+    model = build_skeleton(config)
+    tied = bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                        "tie_word_embeddings", False))
+    nl = attention_shapes(config)["num_layers"]
+    layers = [0] * nl
+    embed = head = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * dtype_bytes
+        li = layer_of(name)
+        if li is not None:
+            layers[li] += n
+        elif "embed_tokens" in name:
+            embed += n
+        elif name.startswith("lm_head") and tied:
+            continue  # tied to the embeddings: no separate tensor
+        else:
+            head += n
+    del model
+    return ParamBytes(embed, layers, head, dtype_bytes)
+
+
+def balance_layers(costs: list[int], stages: int, first_extra: int = 0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges minimising the largest stage cost (stage 0 also pays
+    `first_extra`, the embeddings). Exact DP over split points."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise OscarError(f"--stages must be between 1 and the number of layers ({n}), got {stages}")
+    pre = [0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    inf = float("inf")
+    # best[s][i]: minimal max cost placing layers [0, i) on s stages; cut[s][i]: start of the last stage
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = pre[i] - pre[j] + (first_extra if j == 0 else 0)
+                v = max(best[s - 1][j], cost)
+                if v < best[s][i]:
+                    best[s][i], cut[s][i] = v, j
+    ranges, i = [], n
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        ranges.append((j, i))
+        i = j
+    return ranges[::-1]
+
+
+def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]]:
+    """`0:10,10:30` -> [(0, 10), (10, 30)]; must tile [0, num_layers) contiguously."""
+    try:
+        ranges = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
+    except ValueError as e:
+        raise OscarError(f"--layers {text!r}: expected START:STOP,START:STOP,...") from e
+    pos = 0
+    for r in ranges:
+        if len(r) != 2 or r[0] != pos or r[1] <= r[0]:
+            raise OscarError(f"--layers {text!r}: ranges must be contiguous, non-empty and start at 0")
+        pos = r[1]
+    if pos != num_layers:
+        raise OscarError(f"--layers {text!r}: ranges end at {pos}, the model has {num_layers} layers")
+    return ranges  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- store
+
+def store_bytes_per_block(config, *, seq_len: int, seqs_per_block: int, reservoir: int) -> dict:
+    """Uncompressed bytes one block adds to an `oscar-calib/1` store (docs/store-format.md)."""
+    sh = attention_shapes(config)
+    L, H, D = sh["num_layers"], sh["num_kv_heads"], sh["head_dim"]
+    from oscar.pipeline.store import layer_arrays
+
+    per_layer = sum(np.dtype(dt).itemsize * int(np.prod(tail)) for dt, tail in layer_arrays(H, D, reservoir).values())
+    n_exp = _num_experts(config)
+    moe_layers = [l for l in range(L) if _is_moe_layer(config, l)] if n_exp else []
+    experts = len(moe_layers) * n_exp * 8  # layers/{l}/expert_tokens, int64
+    tokens = seqs_per_block * seq_len * (4 + 1)  # tokens int32 + mask uint8
+    done = L
+    return {"per_layer": per_layer, "layers": per_layer * L, "experts": experts, "tokens": tokens, "done": done,
+            "total": per_layer * L + experts + tokens + done}
+
+
+def _num_experts(config) -> int:
+    from oscar.cluster.loading import _num_experts as ne
+
+    return ne(config.get_text_config() if hasattr(config, "get_text_config") else config) or 0
+
+
+def _is_moe_layer(config, layer: int) -> bool:
+    k = getattr(config, "first_k_dense_replace", None)
+    if k is not None:
+        return layer >= k
+    every = getattr(config, "decoder_sparse_step", 1) or 1
+    skip = getattr(config, "mlp_only_layers", []) or []
+    return layer not in skip and (layer + 1) % every == 0
+
+
+# --------------------------------------------------------------------------- activations
+
+def activation_bytes(config, *, micro_batch: int, seq_len: int, act_bytes: int) -> dict:
+    """Bytes per micro-batch: what crosses a stage boundary, and the working set of one layer."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sh = attention_shapes(c)
+    hq, hkv, d, hid = sh["num_q_heads"], sh["num_kv_heads"], sh["head_dim"], c.hidden_size
+    tok = micro_batch * seq_len
+    boundary = tok * hid * act_bytes + tok * (8 + 8)  # hidden states + position ids + padding mask
+    attn = tok * (2 * hq + 2 * hkv) * d * act_bytes    # q, o and k, v
+    inter = c.intermediate_size
+    if _num_experts(c):
+        inter = max(inter, c.moe_intermediate_size * (1 + getattr(c, "n_shared_experts", 0) or 0))
+    mlp = tok * 3 * inter * act_bytes                  # gate, up, act(gate)*up
+    scores = micro_batch * hq * seq_len * seq_len * act_bytes  # only if the implementation materialises S
+    capture = tok * (2 * hq + 2 * hkv) * d * 8          # float64 copies of q/o/k/v for the statistics
+    return {"boundary": boundary, "layer_working_set": 2 * tok * hid * act_bytes + attn + mlp + capture,
+            "scores_if_materialised": scores}
+
+
+# --------------------------------------------------------------------------- plan
+
+@dataclass
+class StagePlan:
+    stage: int
+    layers: tuple[int, int]
+    param_bytes: int
+    embeddings: bool
+    accumulator_bytes: int   # float64 per-block statistics held while a block is in flight
+    peak_bytes: int          # params + accumulators + in-flight activations
+    per_gpu_bytes: int
+
+
+@dataclass
+class Plan:
+    model: str
+    num_layers: int
+    total_param_bytes: int
+    loaded_param_bytes: int   # without the LM head / final norm
+    stages: list[StagePlan]
+    gpus_per_stage: int
+    activation: dict
+    store_per_block: dict
+    num_blocks: int
+    store_total_bytes: int
+    suggested_stages: int | None
+    gpu_mem_bytes: int | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_plan(config, *, stages: int, gpus_per_stage: int = 1, gpu_mem_gib: float | None = None,
+              seq_len: int = 4096, micro_batch: int = 1, seqs_per_block: int = 8, num_blocks: int = 64,
+              reservoir: int = 256, dtype: str | None = None, layers: str | None = None,
+              in_flight: int = 2, usable: float = 0.9, name: str = "") -> Plan:
+    """Plan a pipeline of `stages` stages with `gpus_per_stage` GPUs each."""
+    if gpus_per_stage < 1 or micro_batch < 1 or seq_len < 1 or num_blocks < 1:
+        raise OscarError("--gpus-per-stage, --micro-batch, --seq-len and --blocks must be positive")
+    dtype = dtype or str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    dtype = dtype.removeprefix("torch.")
+    if dtype not in _DTYPE_BYTES:
+        raise OscarError(f"--dtype {dtype!r}: one of {sorted(_DTYPE_BYTES)}")
+    nb = _DTYPE_BYTES[dtype]
+    pb = param_bytes(config, nb)
+    nl = len(pb.layers)
+    ranges = parse_ranges(layers, nl) if layers else balance_layers(pb.layers, stages, pb.embed)
+    if len(ranges) != stages:
+        raise OscarError(f"--layers gives {len(ranges)} ranges but --stages is {stages}")
+    act = activation_bytes(config, micro_batch=micro_batch, seq_len=seq_len, act_bytes=nb)
+    spb = store_bytes_per_block(config, seq_len=seq_len, seqs_per_block=seqs_per_block, reservoir=reservoir)
+    sp = []
+    for i, (a, b) in enumerate(ranges):
+        params = sum(pb.layers[a:b]) + (pb.embed if a == 0 else 0)
+        acc = spb["per_layer"] * (b - a) * in_flight
+        peak = params + acc + in_flight * 2 * act["boundary"] + act["layer_working_set"]
+        sp.append(StagePlan(i, (a, b), params, a == 0, acc, peak, math.ceil(peak / gpus_per_stage)))
+    gpu_mem = int(gpu_mem_gib * GiB) if gpu_mem_gib else None
+    suggested = None
+    notes = [f"weights in {dtype} ({nb} B/param); activations in the same dtype",
+             f"{in_flight} micro-batches in flight per stage; accumulators are float64 per block",
+             "scores_if_materialised applies to eager attention and CPU sdpa; flash/mem-efficient kernels avoid it"]
+    if gpu_mem:
+        budget = gpus_per_stage * gpu_mem * usable
+        fixed = in_flight * 2 * act["boundary"] + act["layer_working_set"]
+        for n in range(1, nl + 1):
+            r = balance_layers(pb.layers, n, pb.embed)
+            worst = max(sum(pb.layers[a:b]) + (pb.embed if a == 0 else 0) + spb["per_layer"] * (b - a) * in_flight
+                        for a, b in r)
+            if worst + fixed <= budget:
+                suggested = n
+                break
+        notes.append(f"suggested stage count: smallest N whose largest stage fits {usable:.0%} of "
+                     f"{gpus_per_stage} x {gpu_mem_gib:g} GiB" if suggested else
+                     "no stage count fits: a single layer exceeds the GPU budget")
+    return Plan(name or getattr(config, "model_type", ""), nl, pb.total, pb.total - pb.head, sp, gpus_per_stage, act,
+                spb, num_blocks, spb["total"] * num_blocks, suggested, gpu_mem, notes)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(p: Plan) -> str:
+    lines = [f"model {p.model}: {p.num_layers} layers, parameters {fmt_bytes(p.total_param_bytes)} "
+             f"({fmt_bytes(p.loaded_param_bytes)} loaded by stages; LM head and final norm by nobody)",
+             f"{len(p.stages)} stages x {p.gpus_per_stage} GPU(s)", "",
+             f"{'stage':>5} {'layers':>10} {'params':>11} {'accum':>11} {'peak':>11} {'per GPU':>11}"]
+    for s in p.stages:
+        lr = f"{s.layers[0]}-{s.layers[1] - 1}" + ("+emb" if s.embeddings else "")
+        lines.append(f"{s.stage:>5} {lr:>10} {fmt_bytes(s.param_bytes):>11} {fmt_bytes(s.accumulator_bytes):>11} "
+                     f"{fmt_bytes(s.peak_bytes):>11} {fmt_bytes(s.per_gpu_bytes):>11}")
+    a = p.activation
+    lines += ["", f"activations per micro-batch: boundary {fmt_bytes(a['boundary'])}, "
+                  f"layer working set {fmt_bytes(a['layer_working_set'])}, "
+                  f"scores if materialised {fmt_bytes(a['scores_if_materialised'])}",
+              f"store per block: {fmt_bytes(p.store_per_block['total'])} "
+              f"(per layer {fmt_bytes(p.store_per_block['per_layer'])}, tokens {fmt_bytes(p.store_per_block['tokens'])}, "
+              f"expert counts {fmt_bytes(p.store_per_block['experts'])}); "
+              f"{p.num_blocks} blocks: {fmt_bytes(p.store_total_bytes)}"]
+    if p.gpu_mem_bytes:
+        lines.append(f"suggested stages for {fmt_bytes(p.gpu_mem_bytes)} GPUs x {p.gpus_per_stage} per stage: "
+                     f"{p.suggested_stages if p.suggested_stages else 'none fits'}")
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""Job configs and shipped manifests (no Ray needed): validation, store-derived submission ids,
+runtime environment, the calibrate --ray flags, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pytest
+import yaml
+
+from oscar.cluster import jobs
+from oscar.cluster.pipeline import ClusterConfig
+from oscar.common import OscarError
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cfg(tmp_path, **cal):
+    return {"calibrate": {"model": "tiny-llama", "store": str(tmp_path / "s.zarr"), **cal},
+            "cluster": {"stages": 2}}
+
+
+def test_submission_id_is_derived_from_the_store(tmp_path, monkeypatch):
+    a = jobs.normalize_job_config(cfg(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    rel = jobs.normalize_job_config({"calibrate": {"model": "tiny-llama", "store": "s.zarr"}})
+    assert rel["calibrate"]["store"] == a["calibrate"]["store"]          # relative paths made absolute
+    assert jobs.submission_base(rel) == jobs.submission_base(a)           # cluster section not part of it
+    other = jobs.normalize_job_config(cfg(tmp_path / "x"))
+    assert jobs.submission_base(other) != jobs.submission_base(a)
+    env = jobs.runtime_env({**a, "job": {"runtime_env": {"env_vars": {"X": 1}}}})
+    assert env["env_vars"]["X"] == "1" and env["env_vars"]["TOKENIZERS_PARALLELISM"] == "false"
+    assert json.loads(env["env_vars"][jobs.CONFIG_ENV])["calibrate"]["store"] == a["calibrate"]["store"]
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"calibrate": {"model": "x"}}, "calibrate.store is required"),
+    ({"cluster": {}}, "needs a `calibrate:` section"),
+    ({"calibrate": {"store": "s", "bogus": 1}}, "unknown calibrate options"),
+    ({"calibrate": {"store": "s"}, "cluster": {"stagez": 2}}, "unknown cluster options"),
+    ({"calibrate": {"store": "s"}, "cluster": {"stages": 0}}, "cluster.stages must be >= 1"),
+    ({"calibrate": {"store": "s", "seq_len": 8, "sink": 8}}, "must be larger than --sink"),
+    ({"calibrate": {"store": "s"}, "extra": {}}, "unknown sections"),
+])
+def test_bad_job_configs(bad, match):
+    with pytest.raises(OscarError, match=match):
+        jobs.normalize_job_config(bad)
+
+
+def test_shipped_manifests_are_valid():
+    for f in ("cluster-gpu.yaml", "runtime_env.yaml", "job-example.yaml"):
+        yaml.safe_load(open(os.path.join(HERE, "cluster", f)))
+    docs = list(yaml.safe_load_all(open(os.path.join(HERE, "cluster", "rayjob-glm47.yaml"))))
+    rayjob, cm = docs
+    assert rayjob["kind"] == "RayJob" and "oscar.cluster.entrypoint" in rayjob["spec"]["entrypoint"]
+    job = jobs.normalize_job_config(yaml.safe_load(cm["data"]["job.yaml"]))
+    workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    gpus = int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    c = ClusterConfig(**job["cluster"])
+    assert workers["replicas"] * gpus == c.stages * c.replicas * c.gpus_per_stage  # the arithmetic adds up
+    jobs.normalize_job_config(yaml.safe_load(open(os.path.join(HERE, "cluster", "job-example.yaml"))))
+
+
+def test_cli_flags_and_errors(tmp_path, capsys):
+    from oscar.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    out = capsys.readouterr().out
+    assert "--ray ADDRESS" in out and "--replicas" in out and "--stage-layers" in out
+    assert main(["calibrate", "--model", "tiny-llama", "--store", str(tmp_path / "s"), "--stages", "2"]) == 2
+    assert "need --ray" in capsys.readouterr().err
+    assert main(["submit", str(tmp_path / "missing.yaml"), "--address", "http://127.0.0.1:1"]) == 2
+    assert "cannot read job config" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nostore")]) == 2
+    assert "not a zarr store" in capsys.readouterr().err
+
+
+def test_a_second_writer_is_refused(tmp_path):
+    """A running Ray driver holds the store's layer locks; another run on the same store is refused."""
+    from oscar.cluster.pipeline import job_id_for, prepare_store
+    from oscar.pipeline.calibrate import CalibConfig
+    from oscar.pipeline.store import WriterLock
+
+    c = CalibConfig(model="tiny-llama", store=str(tmp_path / "s.zarr"), seq_len=32, sink=2, seqs_per_block=2,
+                    tokens=128, reservoir=4)
+    store, model_dir = prepare_store(c)
+    assert os.path.isfile(os.path.join(model_dir, "config.json"))
+    with WriterLock(store, range(4), job=f"{job_id_for(store)}-live"):  # this process = a live driver
+        with pytest.raises(OscarError, match="is being written by pid"):
+            prepare_store(c)
+    prepare_store(c)  # released: resuming is fine
