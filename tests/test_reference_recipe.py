@@ -234,6 +234,14 @@ def test_fit_oscar_ref_variant(tmp_path):
     save_artifact(art, out)
     back = load_artifact(out)
     assert back.quant.clip_rule == "row-quantile" and back.quant.param_dtype == "float32" and back.quant.page_size == 8
+    # the published fork's rotation files: one (D, D) rotation per layer (format_version 1), eigenvalues ascending
+    from oscar.stats.interop import export_sglang
+
+    files = export_sglang(back, str(tmp_path / "sg"))
+    kf = torch.load(next(f for f in files if "k_rotation" in f), weights_only=True)
+    assert kf["format_version"] == 1 and torch.equal(kf["layers"][0]["rotation"], back.rot_k[0][0])
+    ev = kf["layers"][0]["eigenvalues"]
+    assert ev.shape == (D,) and bool((ev[1:] >= ev[:-1]).all())
 
 
 def test_fit_oscar_ref_needs_value_target(tmp_path):
