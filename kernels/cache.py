@@ -43,7 +43,7 @@ from oscar.stats.artifact import Artifact, QuantConfig, load_artifact
 
 ATTN_NAME = "oscar"
 Format = Literal["int2", "passthrough"]
-_QUANT_FIELDS = ("bits", "group_size", "key_axis", "mode", "sink", "recent", "page_size")
+_QUANT_FIELDS = ("bits", "group_size", "key_axis", "mode", "sink", "recent", "page_size", "clip_rule", "param_dtype")
 
 
 # --------------------------------------------------------------------------- registration
@@ -311,7 +311,7 @@ class OscarCache(Cache):
                       **overrides) -> "OscarCache":
         """An empty cache for `model` from an artifact (path or `Artifact`).
 
-        overrides: any of bits, group_size, key_axis, mode, sink, recent, page_size (replace the
+        overrides: any of bits, group_size, key_axis, mode, sink, recent, page_size, clip_rule, param_dtype (replace the
         artifact's QuantConfig; or pass a whole `quant`). max_len: longest sequence (sizes the
         default pool: ceil(max_len / page_size) pages per sequence; the pass-through ring).
         max_pages: pool size in pages per layer (shared by the batch's sequences).

@@ -81,10 +81,16 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
 
 
 def quantize_pages(cache: PagedLayerCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Quantize + pack whole pages k, v (N, Hkv, P, D) (rotated, cfg.dtype) into the pool at ids (N,)."""
+    """Quantize + pack whole pages k, v (N, Hkv, P, D) (rotated, cfg.dtype) into the pool at ids (N,).
+
+    The Triton quantizer computes the default format only; the published OSCAR format
+    (row-quantile clips, float32 scale/zero) is quantized by the reference on every device."""
+    impl = None
     if backend(k.device) == "triton":
-        from oscar.kernels.triton_quant import quantize_pages as impl
-    else:
+        from oscar.kernels import triton_quant
+
+        impl = triton_quant.quantize_pages if triton_quant.supports(cache.cfg) else None
+    if impl is None:
         from oscar.kernels.reference import quantize_pages as impl
     impl(cache, ids, k, v)
 

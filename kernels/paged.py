@@ -6,7 +6,7 @@ Per layer (one `PagedLayerCache` per attention layer; `PagedKVCache` groups them
     ring      (max_seqs, Hkv, R + P, D)    cfg.dtype  recent window (ring buffer)
     k_codes   (num_pages, Hkv, P, D*bits/8) uint8     packed INT2 history, 4 codes per byte
     v_codes   (num_pages, Hkv, P, D*bits/8) uint8
-    k_scale, k_zero   fp16, by mode:
+    k_scale, k_zero   fp16 (cfg.param_dtype; float32 for the published format), by mode:
         minmax / token axis : (num_pages, Hkv, P, D // G)   one pair per token and channel group
         minmax / channel    : (num_pages, Hkv, D)           KIVI: one pair per channel per page
         static              : (Hkv, D)                      layer constants from the artifact clips
@@ -72,6 +72,8 @@ class PagedConfig:
     dtype: torch.dtype = torch.bfloat16  # sink / ring storage
     device: str | torch.device = "cpu"
     max_pages_per_seq: int | None = None  # block table width; None = num_pages
+    clip_rule: Literal["ratio", "row-quantile"] = "ratio"  # minmax: how the clip ratio applies (kernels.quant)
+    param_dtype: torch.dtype = torch.float16  # minmax scale/zero storage (float32: the published OSCAR format)
     # derived
     ring_size: int = field(init=False)  # R + P slots per sequence
     packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row
@@ -86,6 +88,10 @@ class PagedConfig:
             raise ValueError(f"head_dim {D} * bits {self.bits} is not a whole number of bytes")
         if self.mode == "static" and self.key_axis == "channel":
             raise ValueError("mode='static' has no per-channel page metadata; use key_axis='token'")
+        if self.param_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"param_dtype must be torch.float16 or torch.float32, got {self.param_dtype}")
+        if self.clip_rule == "row-quantile" and (self.mode != "minmax" or self.key_axis != "token"):
+            raise ValueError("clip_rule='row-quantile' clamps token rows: needs mode='minmax' and key_axis='token'")
         self.value_spec  # validates group_size
         self.ring_size = self.recent + P
         self.packed_dim = D * self.bits // 8
@@ -103,7 +109,9 @@ class PagedConfig:
                              f"{quant.page_size}: the cache groups per page, set page_size = group_size")
         return cls(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=quant.page_size,
                    sink=quant.sink, recent=quant.recent, bits=quant.bits, mode=quant.mode,
-                   key_axis=quant.key_axis, group_size=quant.group_size, **kw)
+                   key_axis=quant.key_axis, group_size=quant.group_size,
+                   clip_rule=getattr(quant, "clip_rule", "ratio"),
+                   param_dtype=getattr(quant, "torch_param_dtype", torch.float16), **kw)
 
     @classmethod
     def passthrough(cls, num_kv_heads: int, head_dim: int, max_len: int, **kw) -> "PagedConfig":
@@ -118,14 +126,16 @@ class PagedConfig:
         if self.mode == "static":  # per (head, channel) thresholds: a group of one channel
             return QuantSpec(bits=self.bits, group_size=1, mode="static")
         if self.key_axis == "channel":
-            return QuantSpec(bits=self.bits, axis="channel", group_size=self.page_size)
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax")
+            return QuantSpec(bits=self.bits, axis="channel", group_size=self.page_size, param_dtype=self.param_dtype)
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax", param_dtype=self.param_dtype,
+                         clip_rule=self.clip_rule)
 
     @property
     def value_spec(self) -> QuantSpec:
         if self.mode == "static":
             return QuantSpec(bits=self.bits, group_size=1, mode="static")
-        spec = QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax")
+        spec = QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax", param_dtype=self.param_dtype,
+                         clip_rule=self.clip_rule)
         spec.group(self.head_dim)  # raises if group_size does not divide head_dim
         return spec
 
@@ -278,7 +288,7 @@ class PagedLayerCache:
         self.rot = rot
         self.qp = QuantParams.build(cfg, rot)
         z8 = lambda *s: torch.zeros(*s, dtype=torch.uint8, device=dev)  # noqa: E731
-        z16 = lambda *s: torch.zeros(*s, dtype=torch.float16, device=dev)  # noqa: E731
+        z16 = lambda *s: torch.zeros(*s, dtype=cfg.param_dtype, device=dev)  # noqa: E731  scale/zero storage
         self.k_codes, self.v_codes = z8(N, H, P, cfg.packed_dim), z8(N, H, P, cfg.packed_dim)
         if cfg.mode == "static":
             self.k_scale, self.k_zero = self.qp.k_static

@@ -98,6 +98,19 @@ def _ungrouped(xg: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Te
     return xg.reshape(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
 
 
+def _row_quantile(a: torch.Tensor, q: torch.Tensor | float) -> torch.Tensor:
+    """The q-quantile of each row of a (..., G) (linear interpolation, as torch.quantile) -> (..., 1).
+
+    q: a float or a tensor broadcastable to a.shape[:-1], the (scale, zero) layout (e.g. one ratio per KV head)."""
+    if not isinstance(q, torch.Tensor) or q.numel() == 1:
+        return torch.quantile(a, float(q), dim=-1, keepdim=True)
+    srt = a.sort(-1).values
+    pos = torch.broadcast_to(q.to(a.device, a.dtype), a.shape[:-1]).unsqueeze(-1) * (a.shape[-1] - 1)  # (..., 1)
+    below = pos.floor().long().clamp(0, a.shape[-1] - 1)
+    above = (below + 1).clamp(max=a.shape[-1] - 1)
+    return torch.lerp(srt.gather(-1, below), srt.gather(-1, above), pos - below.to(a.dtype))
+
+
 def choose_qparams(
     x: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +131,7 @@ def choose_qparams(
     else:
         g = _grouped(xf, spec)  # (..., groups, G)
         if clip is not None and spec.clip_rule == "row-quantile":
-            t = torch.quantile(g.abs(), float(clip), dim=-1, keepdim=True)  # (..., groups, 1)
+            t = _row_quantile(g.abs(), clip)  # (..., groups, 1)
             g = torch.minimum(torch.maximum(g, -t), t)
             clip = None
         lo, hi = g.amin(-1), g.amax(-1)

@@ -154,6 +154,11 @@ def _pad16(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def supports(cfg) -> bool:
+    """This kernel computes the default format only: ratio clips, fp16 scale/zero."""
+    return cfg.clip_rule == "ratio" and cfg.param_dtype == torch.float16
+
+
 def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tensor, which: str,
                         rotate: bool = False) -> None:
     """Quantize pages x (N, Hkv, P, D) of keys or values into the pool of `cache` at page ids (N,).
@@ -163,6 +168,10 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
     cfg.dtype itself (fp32 IEEE dot, so equal to the torch rotation up to summation order).
     """
     cfg = cache.cfg
+    if not supports(cfg):
+        raise OscarError(f"the Triton page quantizer does not implement clip_rule={cfg.clip_rule!r} / "
+                         f"param_dtype={cfg.param_dtype} (the published OSCAR format); use the reference "
+                         "(oscar.kernels.dispatch.quantize_pages falls back to it)")
     N, H, P, D = x.shape
     assert (H, P, D) == (cfg.num_kv_heads, cfg.page_size, cfg.head_dim), f"pages {tuple(x.shape)} vs cache {cfg}"
     assert ids.shape == (N,) and which in ("k", "v")

@@ -71,7 +71,7 @@ def acceptance(res, ppl) -> list[tuple[str, str, str]]:
         for proto in ("strict", "serving"):
             p = ppl[ppl.protocol == proto].pivot_table(index="context", columns="method", values="ppl")
             if "oscar-int2" in p:
-                for other in ("naive-int2", "hadamard-int2"):
+                for other in ("naive-int2", "hadamard-int2", "oscar-ref-int2"):
                     if other in p:
                         ok = bool((p["oscar-int2"] < p[other]).all())
                         det = ", ".join(f"{_len_label(c)}: {p.loc[c, 'oscar-int2']:.3f} vs {p.loc[c, other]:.3f}" for c in p.index)

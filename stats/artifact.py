@@ -34,6 +34,10 @@ class QuantConfig:
     mode="static": symmetric grid [-clip, clip] with clip_* absolute thresholds in
     the rotated space; exactly ``bits`` bits per element.
     key_axis="channel": KIVI-style per-channel keys over token groups of ``group_size``.
+    clip_rule / param_dtype: how minmax mode applies the clip ratio and the dtype of the
+    stored scale/zero (see `oscar.kernels.quant`); the published OSCAR recipe
+    (`oscar.stats.reference_recipe`) uses "row-quantile" and "float32". Defaults keep the
+    original format, so artifacts written before these fields existed load unchanged.
     """
 
     bits: int = 2
@@ -44,14 +48,35 @@ class QuantConfig:
     sink: int = 64
     recent: int = 256
     page_size: int = 16
+    clip_rule: Literal["ratio", "row-quantile"] = "ratio"
+    param_dtype: Literal["float16", "float32"] = "float16"
+    # validation's fake-quant cache (oscar.validate.methods) releases recent tokens to INT2 in whole pages of
+    # page_size, as the published cache does (flush in pages of 8); False: one token at a time. The paged
+    # kernels cache always flushes whole pages.
+    flush_pages: bool = False
+
+    def __post_init__(self):
+        if self.clip_rule not in ("ratio", "row-quantile"):
+            raise OscarError(f"quant.clip_rule must be 'ratio' or 'row-quantile', got {self.clip_rule!r}")
+        if self.param_dtype not in ("float16", "float32"):
+            raise OscarError(f"quant.param_dtype must be 'float16' or 'float32', got {self.param_dtype!r}")
+        if self.clip_rule == "row-quantile" and (self.mode != "minmax" or self.key_axis != "token"):
+            raise OscarError("quant.clip_rule='row-quantile' clamps token rows: needs mode='minmax' and key_axis='token'")
+
+    @property
+    def torch_param_dtype(self) -> torch.dtype:
+        return getattr(torch, self.param_dtype)
 
     def key_spec(self, head_dim: int) -> QuantSpec:
         if self.key_axis == "channel":
-            return QuantSpec(bits=self.bits, axis="channel", group_size=self.group_size or self.page_size)
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode)
+            return QuantSpec(bits=self.bits, axis="channel", group_size=self.group_size or self.page_size,
+                             param_dtype=self.torch_param_dtype)
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode,
+                         param_dtype=self.torch_param_dtype, clip_rule=self.clip_rule)
 
     def value_spec(self, head_dim: int) -> QuantSpec:
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode)
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode,
+                         param_dtype=self.torch_param_dtype, clip_rule=self.clip_rule)
 
 
 @dataclass

@@ -102,7 +102,9 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         from oscar.stats.hadamard import hadamard
 
         hadamard(D)  # raises the OscarError naming the alternatives
-    kspec, vspec = cfg.quant.key_spec(D), cfg.quant.value_spec(D)
+    fixed = variant.fixed  # a variant with its own format and fixed clip ratios (oscar-ref)
+    quant = fixed.quant(cfg.quant) if fixed else cfg.quant
+    kspec, vspec = quant.key_spec(D), quant.value_spec(D)
     scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
     rng = np.random.default_rng(cfg.seed)
 
@@ -133,7 +135,10 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         Rk, Rv = rot.rot_k, rot.rot_v  # (H, D, D)
         q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
         meta_clip = {}
-        if cfg.clip and q is not None and k is not None and v is not None:
+        if fixed:
+            ck_t, cv_t = np.full(H, fixed.clip_k), np.full(H, fixed.clip_v)
+            meta_clip = {"searched": False, "fixed": {"rule": quant.clip_rule, "k": fixed.clip_k, "v": fixed.clip_v}}
+        elif cfg.clip and q is not None and k is not None and v is not None:
             T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
             kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
             q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rk), (kc, Rk), (T(v), Rv)))  # (H, N, D)
@@ -157,8 +162,8 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         rot_v.append(torch.from_numpy(Rv).float())
         clip_k.append(torch.from_numpy(np.asarray(ck_t)).float())
         clip_v.append(torch.from_numpy(np.asarray(cv_t)).float())
-        eig_k.append(torch.from_numpy(src_k[0]).float())
-        eig_v.append(torch.from_numpy(src_v[0]).float())
+        eig_k.append(torch.from_numpy(np.asarray(rot.notes.get("eig_k", src_k[0]))).float())
+        eig_v.append(torch.from_numpy(np.asarray(rot.notes.get("eig_v", src_v[0]))).float())
         if rot.k_mean is not None:
             k_mean.append(torch.from_numpy(rot.k_mean).float())
         tails = {x: ls.tails(x) for x in ("q", "o", "k", "v") if ls.has(f"{x}_gram")}
@@ -193,7 +198,8 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         "variant_doc": variant.doc,
         "model": dict(view.model),
         "fit": {"reduce": asdict(cfg.reduce), "stability_min": cfg.stability_min, "fallback": cfg.fallback,
-                "per_head_gain": cfg.per_head_gain, "clip_searched": bool(cfg.clip), "seed": cfg.seed,
+                "per_head_gain": cfg.per_head_gain, "clip_searched": bool(cfg.clip) and not fixed, "seed": cfg.seed,
+                "eig_order": rot.notes.get("eig_order", "descending") if L else "descending",
                 "clip_objective": {"k": "relative q-weighted logit MSE", "v": "relative attention-output MSE"},
                 "seconds": round(time.perf_counter() - t0, 3)},
         "provenance": {"store": store_path, "store_fingerprint": view.fingerprint,
@@ -210,6 +216,6 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         extra[f"layers.{l}.eig_k"] = eig_k[l]
         extra[f"layers.{l}.eig_v"] = eig_v[l]
     art = Artifact(rot_k=rot_k, rot_v=rot_v, clip_k=clip_k, clip_v=clip_v, k_mean=k_mean or None,
-                   quant=cfg.quant, meta=meta, extra=extra)
+                   quant=quant, meta=meta, extra=extra)
     art.validate()
     return art

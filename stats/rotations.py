@@ -29,18 +29,28 @@ class Rotations:
 
 
 @dataclass(frozen=True)
+class FixedFormat:
+    """A variant that brings its own cache format and fixed clip ratios (no clip search)."""
+
+    quant: Callable[[Any], Any]  # QuantConfig (the user's, for bits) -> the QuantConfig the variant stores with
+    clip_k: float
+    clip_v: float
+
+
+@dataclass(frozen=True)
 class Variant:
     name: str
     build: Callable[..., Rotations]
     doc: str
+    fixed: FixedFormat | None = None
 
 
 VARIANTS: dict[str, Variant] = {}
 
 
-def register_variant(name: str, doc: str):
+def register_variant(name: str, doc: str, fixed: FixedFormat | None = None):
     def deco(fn):
-        VARIANTS[name] = Variant(name, fn, doc)
+        VARIANTS[name] = Variant(name, fn, doc, fixed)
         return fn
     return deco
 
@@ -128,3 +138,27 @@ def _random(ls, rng) -> Rotations:
 def _identity(ls, rng) -> Rotations:
     eye = np.broadcast_to(np.eye(ls.D), (ls.H, ls.D, ls.D)).copy()
     return Rotations(eye, eye.copy())
+
+
+def _ref_format(q):
+    from oscar.stats.reference_recipe import reference_quant_config
+
+    return reference_quant_config(bits=q.bits)
+
+
+@register_variant("oscar-ref", "the published OSCAR code's recipe: per-layer U H P from plain C_Q / Σ w v vᵀ / Σ w, "
+                  "eigh ascending, fixed row-quantile clips K 0.96 V 0.92, float32 scale/zero, pages of 8",
+                  fixed=FixedFormat(_ref_format, 0.96, 0.92))
+def _oscar_ref(ls, rng) -> Rotations:
+    import torch
+
+    from oscar.stats import reference_recipe as rr
+
+    if not ls.has("vw_gram") or not ls.has("w_sum"):
+        raise OscarError(f"variant oscar-ref needs layers/{ls.l}/vw_gram and w_sum in the store "
+                         "(the published value target); recalibrate with a capture that writes them")
+    t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float64))  # noqa: E731
+    ref = rr.layer_rotations(t(ls.arr("q_gram")), t(ls.counts("q")), t(ls.arr("vw_gram")), t(ls.arr("w_sum")))
+    rep = lambda x: np.broadcast_to(x.numpy(), (ls.H,) + tuple(x.shape)).copy()  # noqa: E731
+    return Rotations(rep(ref.rot_k), rep(ref.rot_v),
+                     notes={"eig_k": rep(ref.eig_k), "eig_v": rep(ref.eig_v), "eig_order": "ascending"})

@@ -31,6 +31,8 @@ def expected_bpe(name: str, b: int, D: int, codec) -> tuple[float, float]:
     """Independent bit formulas (metadata included) per scheme family."""
     uni = b + 32 / D  # fp16 scale + zero per token
     tq = lambda qjl: (b - 1) + 1 + 32 / D if qjl else b + 16 / D  # noqa: E731  norm (+ sketch m=D, residual norm)
+    if name == "oscar-ref":  # the published format stores float32 scale + zero per token
+        return b + 64 / D, b + 64 / D
     if name in ("plain", "hadamard") or name.startswith("oscar"):
         return uni, uni
     if name == "kivi":

@@ -21,7 +21,7 @@ KS_METRICS = ["relmse_k", "relmse_v", "relmse_o", "d2", "logit_var", "topk"]
 # seed 004's comparisons: rotation vs none, K-path QJL, V-path QJL, water-filling vs uniform, families.
 SCHEME_PAIRS = [("tq_kv", "plain"), ("tq_qkv", "tq_kv"), ("tq_vqjl", "tq_kv"), ("sq_kv", "squ_kv"),
                 ("sq", "squ"), ("squ_kv", "tq_kv"), ("oscar", "tq_kv"), ("oscar", "plain"), ("kivi", "plain"),
-                ("oscar", "oscar_nc"), ("oscar", "oscar_kcov"), ("oscar", "oscar_nobr")]
+                ("oscar", "oscar_nc"), ("oscar", "oscar_kcov"), ("oscar", "oscar_nobr"), ("oscar", "oscar-ref")]
 
 
 @dataclass
@@ -73,7 +73,7 @@ class AblationConfig:
         if name == "quick":
             data = dataclasses.replace(kw.pop("data", RegimeConfig()), n_calib=1024, n_test=256, n_query=32)
             d = dict(schemes=["plain", "plain_lm", "hadamard", "kivi", "tq_kv", "tq_qkv", "tq_vqjl", "sq", "squ", "squ_kv", "sq_kv",
-                              "oscar"], seeds=30, deff_budgets=[32, 64, 256, 1024, 2048], deff_seeds=2)
+                              "oscar", "oscar-ref"], seeds=30, deff_budgets=[32, 64, 256, 1024, 2048], deff_seeds=2)
             return cls(out=out, data=data, **{**d, **kw})
         if name == "smoke":
             data = dataclasses.replace(kw.pop("data", RegimeConfig()), D=32, n_calib=256, n_test=64, n_query=16)

@@ -35,7 +35,7 @@ class AttnConfig:
     out: str
     store: str
     artifact: str | None = None
-    methods: list[str] = field(default_factory=lambda: ["naive-int2", "kivi2", "hadamard-int2", "oscar-int2"])
+    methods: list[str] = field(default_factory=lambda: ["naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"])
     lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
     trials: int = 8
     layers: list[int] = field(default_factory=list)  # default: 4 spread over depth
@@ -71,7 +71,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True):
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate.methods import NEEDS_ARTIFACT, LayerQuant, method_artifact, parse_methods
+    from oscar.validate.methods import NEEDS_ARTIFACT, LayerQuant, fitted_for, method_artifact, parse_methods
 
     methods = parse_methods(cfg.methods)
     if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
@@ -89,7 +89,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True):
         if have != (L, Hkv, D) or (fp and mi.get("fingerprint") and fp != mi["fingerprint"]):
             raise OscarError(f"artifact {cfg.artifact} (shapes {have}, model {fp}) was not fitted for the store's "
                              f"model (shapes {(L, Hkv, D)}, model {mi.get('fingerprint')})")
-    arts = {m: fitted if m in NEEDS_ARTIFACT else method_artifact(m, config, None) for m in methods}
+    arts = {m: fitted_for(m, fitted) if m in NEEDS_ARTIFACT else method_artifact(m, config, None) for m in methods}
     layers = cfg.layers or sorted({0, L // 3, (2 * L) // 3, L - 1})
     bad = [l for l in layers if not 0 <= l < L]
     if bad:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_METHODS = "bf16,naive-int2,kivi2,hadamard-int2,oscar-int2"
+DEFAULT_METHODS = "bf16,naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2"
 
 
 def _lengths(s: str) -> list[int]:
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = vs.add_parser("attention", help="attention-level retrieval to 128k on real captured q/k/v (not a model run)")
     a.add_argument("--store", required=True, help="calibration store (reservoirs layers/{l}/{q,k,v}_res)")
     a.add_argument("--artifact")
-    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-int2")
+    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2")
     a.add_argument("--lengths", default="4k,16k,32k,64k,128k")
     a.add_argument("--trials", type=int, default=8)
     a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")

@@ -5,6 +5,8 @@
     kivi2          KIVI-style: keys per channel over groups of 64 tokens, values per token
     hadamard-int2  normalised Sylvester Hadamard rotation, per-token groups
     oscar-int2     the fitted artifact (whatever its QuantConfig says)
+    oscar-ref-int2 the published OSCAR code's recipe (`oscar fit --variant oscar-ref`) on the same store:
+                   per-layer rotation, row-quantile clips K 0.96 / V 0.92, float32 scale+zero, pages of 8
 
 Other helpers add methods with `register_method(name, factory)`.
 
@@ -99,11 +101,54 @@ def _oscar(config, art):
     return art
 
 
+_REFERENCE: dict = {}  # (store path, store fingerprint) -> the oscar-ref artifact fitted from it
+
+
+def reference_artifact(art: Artifact) -> Artifact:
+    """The published recipe's artifact for the same data as `art` (no model check).
+
+    `art` itself when it is an `oscar fit --variant oscar-ref` artifact; otherwise the reference
+    recipe is fitted (no clip search: a few eigendecompositions) from the calibration store `art`
+    was fitted from (its provenance), so both methods see the same calibration data.
+    """
+    import os
+
+    if art.meta.get("variant") == "oscar-ref":
+        return art
+    prov = art.meta.get("provenance") or {}
+    store = prov.get("store")
+    if not store or not os.path.isdir(store):
+        raise OscarError(f"method oscar-ref-int2 refits the published recipe from the calibration store of --artifact, "
+                         f"but {'it records none' if not store else f'{store!r} does not exist'}; pass an artifact "
+                         f"made by `oscar fit STORE --variant oscar-ref` as --artifact, or keep the store")
+    key = (os.path.abspath(store), prov.get("store_fingerprint"))
+    if key not in _REFERENCE:
+        from oscar.stats.fit import FitConfig, fit
+
+        _REFERENCE[key] = fit(store, FitConfig(variant="oscar-ref", partial=bool(prov.get("partial")), progress=False))
+    return _REFERENCE[key]
+
+
+def _oscar_ref(config, art):
+    if art is None:
+        raise OscarError("method oscar-ref-int2 needs --artifact (an `oscar fit` artifact whose store still exists, "
+                         "or one fitted with --variant oscar-ref)")
+    ref = reference_artifact(art)
+    ref.check_model(config)
+    return ref
+
+
+def fitted_for(name: str, fitted: Artifact) -> Artifact:
+    """A NEEDS_ARTIFACT method's artifact from the fitted one, without a model check (callers check shapes)."""
+    return reference_artifact(fitted) if name == "oscar-ref-int2" else fitted
+
+
 register_method("bf16", _bf16)
 register_method("naive-int2", _naive)
 register_method("kivi2", _kivi)
 register_method("hadamard-int2", _hadamard)
 register_method("oscar-int2", _oscar, needs_artifact=True)
+register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the published recipe (stats/reference_recipe.py)
 
 
 def parse_methods(s: str | list[str]) -> list[str]:
@@ -166,7 +211,8 @@ class LayerQuant:
         self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
         self.clip_k, self.kspec = _clip_view(art.clip_k[layer].float(), art.quant.key_spec(D), D)
         self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
-        self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else 1  # tokens quantized together
+        flush = art.quant.page_size if getattr(art.quant, "flush_pages", False) else 1  # whole pages leave the window
+        self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""

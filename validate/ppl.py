@@ -46,7 +46,7 @@ class PplConfig:
     out: str
     model: str = "smollm2-135m"
     artifact: str | None = None
-    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-int2"])
+    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"])
     contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     protocols: list[str] = field(default_factory=lambda: ["strict", "serving"])
     tokens: int = 8192  # held-out tokens scored per context

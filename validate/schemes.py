@@ -203,9 +203,10 @@ class UniformCodec(Codec):
     """
 
     def __init__(self, bits: int, rotation: Callable | None = None, axis: str = "token",
-                 group: int | None = None, clip: float | str | None = None, center: bool = False):
+                 group: int | None = None, clip: float | str | None = None, center: bool = False,
+                 param_dtype: torch.dtype = torch.float16, clip_rule: str = "ratio"):
         self.bits, self.rotation, self.axis, self.group, self.clip, self.center = bits, rotation, axis, group, clip, center
-        self.spec = spec(bits, axis=axis, group_size=group)
+        self.spec = spec(bits, axis=axis, group_size=group, param_dtype=param_dtype, clip_rule=clip_rule)
 
     def fit(self, calib, role, ctx):
         super().fit(calib, role, ctx)
@@ -230,7 +231,8 @@ class UniformCodec(Codec):
 
         y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
         s, z = choose_qparams(y, self.spec, clip=self.c)
-        return Code({"codes": (quantize(y, s, z, self.spec), self.bits), "scale": (s, 16), "zero": (z, 16)}, tuple(x.shape))
+        pb = torch.finfo(self.spec.param_dtype).bits  # stored width of scale and zero
+        return Code({"codes": (quantize(y, s, z, self.spec), self.bits), "scale": (s, pb), "zero": (z, pb)}, tuple(x.shape))
 
     def decode(self, code):
         from oscar.kernels.quant import dequantize
@@ -459,6 +461,22 @@ def oscar_rotation(target: str = "attn", br: bool = True) -> Callable:
     return functools.partial(_oscar_local, target=target, br=br)
 
 
+def reference_rotation(calib, role, ctx) -> torch.Tensor:
+    """The published recipe's R = U H P (oscar.stats.reference_recipe) on one head's rows:
+    keys from C_Q = qᵀq / N, values from Σ w v vᵀ / Σ w with w_t = k_tᵀ C_Q k_t (one head,
+    so the per-layer head average is the head itself)."""
+    from oscar.stats import reference_recipe as rr
+
+    q, k, v = (calib[n].double() for n in ("q", "k", "v"))
+    Cq = q.T @ q / q.shape[0]  # (D, D)
+    if role == "k":
+        C = Cq
+    else:
+        w = ((k @ Cq) * k).sum(-1)  # (N,)
+        C = (v * w[:, None]).T @ v / w.sum()
+    return rr.reference_rotation(C)[0]
+
+
 def hadamard_rotation(calib, role, ctx) -> torch.Tensor:
     return hadamard(calib[role].shape[-1])
 
@@ -521,3 +539,8 @@ register_scheme("oscar_kcov", "oscar")(lambda b: (UniformCodec(b, oscar_rotation
                                                   UniformCodec(b, oscar_rotation("kcov"), clip="search")))
 register_scheme("oscar_nobr", "oscar")(lambda b: (UniformCodec(b, oscar_rotation(br=False), center=True, clip="search"),
                                                   UniformCodec(b, oscar_rotation(br=False), clip="search")))
+
+# the published OSCAR code's recipe: fixed row-quantile clips K 0.96 / V 0.92, float32 scale+zero, no centering
+register_scheme("oscar-ref", "oscar")(lambda b: (
+    UniformCodec(b, reference_rotation, clip=0.96, param_dtype=torch.float32, clip_rule="row-quantile"),
+    UniformCodec(b, reference_rotation, clip=0.92, param_dtype=torch.float32, clip_rule="row-quantile")))
