@@ -63,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default from the plan)")
     r.add_argument("--full", action="store_true", help="the issue's acceptance sizes (>= 20 samples; slower)")
     r.add_argument("--variant", default="centered", help="fit variant behind oscar-int2 (see `oscar variants`)")
+    r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
+                   help="cache protocol for the needle tests (perplexity reports both)")
     r.set_defaults(func=_run)
 
 
@@ -104,5 +106,5 @@ def _run(args) -> int:
     from oscar.validate.run import RunConfig, run_main
 
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       variant=args.variant))
+                       variant=args.variant, niah_protocol=args.niah_protocol))
     return 0

@@ -44,6 +44,10 @@ class RunConfig:
     # The product recipe behind `oscar-int2`: the OSCAR rotation with the calibrated key mean
     # subtracted and searched clips (docs/decisions.md, "Main job recipe").
     variant: str = "centered"
+    # NIAH runs on the method's deployed cache (sink 64 + recent 256 in BF16, the rest INT2);
+    # "strict" (recent 0 at token granularity, even for the tokens being generated) is
+    # available with --niah-protocol strict. Perplexity always reports both protocols.
+    niah_protocol: str = "serving"
     progress: bool = True
 
     def __post_init__(self):
@@ -150,7 +154,8 @@ def run_main(cfg: RunConfig) -> dict:
     from oscar.validate.niah import NiahConfig, run_niah
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
-                      lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus)
+                      lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
+                      protocol=cfg.niah_protocol)
     fp_n = fingerprint({"art": art_fp, "cfg": asdict(ncfg)})
     if st.done("niah", fp_n, [os.path.join(d, "results.parquet")]):
         _say("validate niah: done (skipped)")
