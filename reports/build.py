@@ -184,11 +184,11 @@ def _read(d: str, name: str):
 
 
 def _ruler_section(res, figdir: str) -> list[str]:
-    out = ["## RULER-style tasks (strict protocol)", ""]
     if res is None or not len(res[res.suite == "ruler"]):
-        return out + ["No NIAH results in this directory (`oscar validate niah`).", ""]
+        return ["## RULER-style tasks", "", "No NIAH results in this directory (`oscar validate niah`).", ""]
     r = res[res.suite == "ruler"]
     proto = ", ".join(sorted(set(r.protocol))) if "protocol" in r else "strict"
+    out = [f"## RULER-style tasks ({proto} protocol)", ""]
     lengths = sorted(r.length.unique())
     out += [f"Score = RULER string match (%), protocol: {proto}. Samples per cell: "
             f"{int(r.samples.min())}–{int(r.samples.max())}. Haystacks are held-out text and noise; "
