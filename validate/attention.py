@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError
 
 
@@ -35,7 +36,7 @@ class AttnConfig:
     out: str
     store: str
     artifact: str | None = None
-    methods: list[str] = field(default_factory=lambda: ["naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"])
+    methods: list[str] = field(default_factory=lambda: [m for m in DEFAULT_METHODS if m != "bf16"])
     lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
     trials: int = 8
     layers: list[int] = field(default_factory=list)  # default: 4 spread over depth

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_METHODS = "bf16,naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2"
+from oscar.validate import DEFAULT_METHODS as _DEFAULT_METHODS
+
+DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)
 
 
 def _lengths(s: str) -> list[int]:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 
 
@@ -33,7 +34,7 @@ class NiahConfig:
     out: str
     model: str = "smollm2-135m"
     artifact: str | None = None
-    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     samples: int = 20

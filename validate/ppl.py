@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
 
 GOAL_RATIO = 1.25  # oscar-int2 strict ppl <= 1.25x bf16 ...
@@ -46,7 +47,7 @@ class PplConfig:
     out: str
     model: str = "smollm2-135m"
     artifact: str | None = None
-    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     protocols: list[str] = field(default_factory=lambda: ["strict", "serving"])
     tokens: int = 8192  # held-out tokens scored per context

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 
 
@@ -37,7 +38,7 @@ class RunConfig:
     seq_len: int = 2048
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     ppl_tokens: int = 4096
     ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
