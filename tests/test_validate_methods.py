@@ -71,12 +71,18 @@ def test_bits_per_element(tiny):
         method_artifact("oscar-int2", tiny.config, None)
 
 
-@pytest.mark.parametrize("quant,recent", [
-    (QuantConfig(bits=2), 0), (QuantConfig(bits=2), 3),
-    (QuantConfig(bits=2, key_axis="channel", group_size=4), 0), (QuantConfig(bits=2, key_axis="channel", group_size=4), 5),
+@pytest.mark.parametrize("quant,recent,qchunk", [
+    (QuantConfig(bits=2), 0, 256), (QuantConfig(bits=2), 3, 256), (QuantConfig(bits=2), 3, 5),
+    (QuantConfig(bits=2, key_axis="channel", group_size=4), 0, 256), (QuantConfig(bits=2, key_axis="channel", group_size=4), 5, 256),
+    (QuantConfig(bits=2, key_axis="channel", group_size=4), 5, 7), (QuantConfig(bits=2, key_axis="channel", group_size=4), 20, 256),
 ])
-def test_masked_ppl_equals_token_by_token_decode(tiny, quant, recent):
-    """The perplexity mask reproduces decoding one token at a time through SimQuantCache."""
+def test_masked_ppl_equals_token_by_token_decode(tiny, quant, recent, qchunk, monkeypatch):
+    """The perplexity mask reproduces decoding one token at a time through SimQuantCache.
+
+    qchunk < T exercises several query blocks of the band; recent 20 leaves the far part only 5 queries."""
+    from oscar.validate import ppl
+
+    monkeypatch.setitem(ppl._SIM, "qchunk", qchunk)
     art = _rot_artifact(tiny.config, quant)
     proto = Protocol("t", sink=3, recent=recent)
     ids = torch.randint(0, 97, (1, 29), generator=torch.Generator().manual_seed(3))
@@ -122,6 +128,17 @@ def test_fresh_mask_small():
     assert g[3, 1] and g[4, 1] and not g[5, 1] and g[7, 5] and g[8, 5]
 
 
+def test_flash_lse_fallback_matches_aten():
+    """The far part's flash attention (aten CPU op) and its explicit fallback agree, lse included."""
+    from oscar.validate import ppl
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 13, 16, generator=g) for _ in range(3))
+    o1, l1 = ppl._flash_lse(q, k, v, 0.25, causal=True)
+    o2, l2 = ppl._flash_lse(q.double(), k.double(), v.double(), 0.25, causal=True)  # float64: the explicit path
+    assert torch.allclose(o1.double(), o2, atol=1e-5) and torch.allclose(l1.double(), l2, atol=1e-5)
+
+
 def test_window_nll_matches_logits(tiny):
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
     nll, n = window_nll(tiny, ids, chunk=7)
@@ -129,6 +146,21 @@ def test_window_nll_matches_logits(tiny):
         lg = tiny(input_ids=ids).logits[0, :-1]
     ref = torch.nn.functional.cross_entropy(lg, ids[0, 1:], reduction="sum").item()
     assert n == 19 and math.isclose(nll, ref, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("quant", [QuantConfig(bits=2), QuantConfig(bits=2, key_axis="channel", group_size=4)])
+def test_window_prefix_equals_shorter_window(tiny, quant):
+    """A shorter window starting at the same token is scored from the longer window's prefix."""
+    art = _rot_artifact(tiny.config, quant)
+    proto = Protocol("t", sink=3, recent=2)
+    ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(8))
+    with simulated(tiny, art, proto):
+        tot, n, parts = window_nll(tiny, ids, chunk=5, prefixes=(13, 21))
+        full = window_nll(tiny, ids, chunk=7)
+        short = [window_nll(tiny, ids[:, :P]) for P in (13, 21)]
+    assert n == 32 and math.isclose(tot, full[0], rel_tol=1e-5)
+    for (a, na), (b, nb) in zip(parts, short):
+        assert na == nb and math.isclose(a, b, rel_tol=1e-5), (a, b)
 
 
 def test_simulator_matches_oscarcache(tiny):

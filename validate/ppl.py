@@ -60,46 +60,94 @@ class PplConfig:
 
 # ----------------------------------------------------------------- the masked attention
 
-_SIM: dict = {"quant": None, "protocol": None, "qchunk": 512}
+_SIM: dict = {"quant": None, "protocol": None, "qchunk": 256}
 
 
 def fresh_mask(T: int, sink: int, recent: int, key_group: int, device=None) -> torch.Tensor:
     """(T, T) bool: query i reads key j exactly (True) or from INT2 (False); causality not applied."""
     j = torch.arange(T, device=device)
+    return _fresh(j, j, sink, recent, key_group)
+
+
+def _fresh(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: int) -> torch.Tensor:
+    """(len(i), len(j)) bool: query position i reads key position j exactly (see the module docstring)."""
     if key_group > 1:
         e = torch.where(j >= sink, sink + ((j - sink) // key_group + 1) * key_group - 1, j)
     else:
         e = j
-    return (j < sink)[None, :] | ((j[:, None] - e[None, :]) <= recent)  # rows: query i = j[:, None]
+    return (j < sink)[None, :] | ((i[:, None] - e[None, :]) <= recent)
+
+
+def _flash_lse(q, k, v, scale: float, causal: bool):
+    """Attention output (B, H, Tq, D) and log-sum-exp (B, H, Tq) of q over k, v (same heads); top-left causal."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is not None and q.device.type == "cpu" and q.dtype == torch.float32:
+        out, lse = op(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale  # fallback: (B, H, Tq, Tk)
+    if causal:
+        Tq, Tk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1).to(v.dtype) @ v), lse
 
 
 def sim_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    """query (B, Hq, T, D), key/value (B, Hkv, T, D) post-RoPE; a whole window from an empty cache."""
+    """query (B, Hq, T, D), key/value (B, Hkv, T, D) post-RoPE; a whole window from an empty cache.
+
+    With W = recent + key_group, every key j <= i - W is read from the stored cache (INT2, or an
+    exact sink) by query i: that part is one causal flash attention over the stored keys shifted
+    by W. The band i - W < j <= i mixes exact and INT2 keys per (i, j) (the fresh mask); it is
+    computed in query blocks, and the two parts are merged through their log-sum-exps. Same
+    result as the dense masked softmax (tests compare it with token-by-token decoding).
+    """
     lq = _SIM["quant"][module.layer_idx]
     p = _SIM["protocol"]
     B, Hq, T, D = query.shape
     sink = min(p.sink, T)
     b = lq.quantized_until(T, sink, 0)  # everything from sink, keys in whole groups
-    kh, vh = key.clone(), value.clone()
+    kh, vh = key.clone(), value.clone()  # (B, Hkv, T, D): the stored cache (sink exact, [sink, b) INT2)
     kh[..., sink:b, :] = lq.keys(key[..., sink:b, :])
     vh[..., sink:b, :] = lq.values(value[..., sink:b, :])
     rep = Hq // key.shape[1]
-    K, V = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)  # (B, Hq, T, D)
-    Kh, Vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
-    fresh = fresh_mask(T, sink, p.recent, lq.key_group, query.device)  # (T, T)
-    pos = torch.arange(T, device=query.device)
     scale = scaling if scaling is not None else D ** -0.5
+    W = p.recent + lq.key_group  # j <= i - W: read from the stored cache by every query i
+    far = None
+    if T > W:
+        Kf, Vf = kh[..., :T - W, :].repeat_interleave(rep, 1), vh[..., :T - W, :].repeat_interleave(rep, 1)
+        far = _flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
     out = torch.empty_like(query)
+    pos = torch.arange(T, device=query.device)
     C = _SIM["qchunk"]
     for q0 in range(0, T, C):
-        q = query[:, :, q0:q0 + C]  # (B, Hq, c, D)
-        fr = fresh[q0:q0 + C]  # (c, T)
-        causal = pos[None, :] <= pos[q0:q0 + C, None]
-        s = torch.where(fr, q @ K.transpose(-1, -2), q @ Kh.transpose(-1, -2)) * scale  # (B, Hq, c, T)
-        s = s.masked_fill(~causal, float("-inf"))
-        w = torch.softmax(s.float(), dim=-1).to(query.dtype)
-        frf = fr.to(w.dtype)
-        out[:, :, q0:q0 + C] = (w * frf) @ V + (w * (1 - frf)) @ Vh
+        q1 = min(T, q0 + C)
+        k0 = max(0, q0 - W + 1)
+        qi, kj = pos[q0:q1], pos[k0:q1]
+        fr = _fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
+        band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
+        K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
+        q = query[:, :, q0:q1]  # (B, Hq, c, D)
+        mixed = not bool((fr | ~band).all())  # per-token groups: the band is all exact
+        s = q @ K.transpose(-1, -2)  # (B, Hq, c, n)
+        if mixed:
+            Kh, Vh = kh[..., k0:q1, :].repeat_interleave(rep, 1), vh[..., k0:q1, :].repeat_interleave(rep, 1)
+            s = torch.where(fr, s, q @ Kh.transpose(-1, -2))
+        s = s.float().mul_(scale).masked_fill_(~band, float("-inf"))
+        m = s.amax(-1, keepdim=True)  # every row has its own key in the band: finite
+        e = torch.exp(s - m)
+        z = e.sum(-1, keepdim=True)
+        if mixed:
+            frf = fr.to(e.dtype)
+            o = ((e * frf) @ V.float() + (e * (1 - frf)) @ Vh.float()) / z  # (B, Hq, c, D)
+        else:
+            o = (e @ V.float()) / z
+        if far is not None and q1 > W:
+            a = max(q0, W)  # queries [a, q1) also have a far part
+            of, lf = far[0][:, :, a - W:q1 - W].float(), far[1][:, :, a - W:q1 - W].float().unsqueeze(-1)
+            ln = (m + torch.log(z))[:, :, a - q0:]
+            lse = torch.logaddexp(ln, lf)
+            o[:, :, a - q0:] = torch.exp(ln - lse) * o[:, :, a - q0:] + torch.exp(lf - lse) * of
+        out[:, :, q0:q1] = o.to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -133,15 +181,32 @@ class simulated:
 
 
 @torch.no_grad()
-def window_nll(model, ids: torch.Tensor, chunk: int = 512) -> tuple[float, int]:
-    """Sum of next-token NLL over a (1, T) window and the count T-1 (logits computed in chunks)."""
+def window_nll(model, ids: torch.Tensor, chunk: int = 512, prefixes: tuple[int, ...] = ()):
+    """Sum of next-token NLL over a (1, T) window and the count T-1 (logits computed in chunks).
+
+    prefixes: window lengths P < T whose (nll, P-1) are returned too, as a list after the pair: under
+    a causal model (and the position mask above, which only looks back) the first P positions of
+    this window compute exactly what a window of P tokens starting here computes.
+    """
     h = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, T, H)
-    tot = 0.0
-    for a in range(0, ids.shape[1] - 1, chunk):
-        b = min(a + chunk, ids.shape[1] - 1)
-        logits = model.lm_head(h[:, a:b]).float()  # (1, c, V)
-        tot += F.cross_entropy(logits[0], ids[0, a + 1:b + 1], reduction="sum").item()
-    return tot, ids.shape[1] - 1
+    T = ids.shape[1]
+    cuts = sorted({P - 1 for P in prefixes if 1 < P < T} | {T - 1})  # predicted tokens per part
+    tot, sums, a = 0.0, {}, 0
+    for a in range(0, T - 1, chunk):
+        for lo, hi in _split(a, min(a + chunk, T - 1), cuts):
+            logits = model.lm_head(h[:, lo:hi]).float()  # (1, c, V)
+            tot += F.cross_entropy(logits[0], ids[0, lo + 1:hi + 1], reduction="sum").item()
+            if hi in cuts:
+                sums[hi] = tot
+    if not prefixes:
+        return tot, T - 1
+    return tot, T - 1, [(sums[P - 1], P - 1) for P in prefixes]
+
+
+def _split(a: int, b: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """[a, b) cut at every cut point strictly inside it."""
+    pts = [a] + [c for c in cuts if a < c < b] + [b]
+    return list(zip(pts[:-1], pts[1:]))
 
 
 def heldout_ids(tok, corpus: str, n: int) -> list[int]:
@@ -198,23 +263,35 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
     jobs = [(m, "-" if arts[m] is None else p, c, w) for m in methods for p in cfg.protocols
             for c in cfg.contexts for w in range(cfg.tokens // c)]
     jobs = list(dict.fromkeys(jobs))
-    todo = [j for j in jobs if j not in done]
+    todo = sorted((j for j in jobs if j not in done), key=lambda j: -j[2])  # longest windows first: see below
+    jobset = set(jobs)
     bar = tqdm(total=sum(j[2] for j in todo), desc="ppl", unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True)
+
+    def record(r: dict) -> None:
+        f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+        done[(r["method"], r["protocol"], r["context"], r["window"])] = r
+        bar.update(r["context"])
+
     with open(path, "a") as f:
         for m, p, c, w in todo:
+            if (m, p, c, w) in done:  # scored as the prefix of a longer window
+                continue
             bar.set_postfix_str(f"{m} {p} {c}")
             win = ids[:, w * c:(w + 1) * c]
+            # A shorter context's window that starts where this one starts is this window's prefix.
+            short = [(c2, w * c // c2) for c2 in cfg.contexts if c2 < c and (w * c) % c2 == 0
+                     and (m, p, c2, w * c // c2) in jobset and (m, p, c2, w * c // c2) not in done]
             if arts[m] is None:
-                nll, n = window_nll(model, win)
+                res = window_nll(model, win, prefixes=tuple(c2 for c2, _ in short))
             else:
                 with simulated(model, arts[m], PROTOCOLS[p]):
-                    nll, n = window_nll(model, win)
-            r = {"method": m, "protocol": p, "context": c, "window": w, "nll": nll, "count": n}
-            f.write(json.dumps(r) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            done[(m, p, c, w)] = r
-            bar.update(c)
+                    res = window_nll(model, win, prefixes=tuple(c2 for c2, _ in short))
+            record({"method": m, "protocol": p, "context": c, "window": w, "nll": res[0], "count": res[1]})
+            for (c2, w2), (nll2, n2) in zip(short, res[2] if short else []):
+                record({"method": m, "protocol": p, "context": c2, "window": w2, "nll": nll2, "count": n2,
+                        "prefix_of": c})
     bar.close()
     return write_ppl(cfg, methods, arts, model.config, done)
 
