@@ -101,14 +101,23 @@ def _ungrouped(xg: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Te
 def _row_quantile(a: torch.Tensor, q: torch.Tensor | float) -> torch.Tensor:
     """The q-quantile of each row of a (..., G) (linear interpolation, as torch.quantile) -> (..., 1).
 
-    q: a float or a tensor broadcastable to a.shape[:-1], the (scale, zero) layout (e.g. one ratio per KV head)."""
-    if not isinstance(q, torch.Tensor) or q.numel() == 1:
-        return torch.quantile(a, float(q), dim=-1, keepdim=True)
-    srt = a.sort(-1).values
-    pos = torch.broadcast_to(q.to(a.device, a.dtype), a.shape[:-1]).unsqueeze(-1) * (a.shape[-1] - 1)  # (..., 1)
-    below = pos.floor().long().clamp(0, a.shape[-1] - 1)
-    above = (below + 1).clamp(max=a.shape[-1] - 1)
-    return torch.lerp(srt.gather(-1, below), srt.gather(-1, above), pos - below.to(a.dtype))
+    q: a float or a tensor broadcastable to a.shape[:-1], the (scale, zero) layout (e.g. one ratio per KV head).
+    High quantiles (the clipping use) read the few order statistics they need from topk instead of a
+    full sort: the same values, hence the same result.
+    """
+    G = a.shape[-1]
+    qt = torch.as_tensor(q, dtype=a.dtype, device=a.device)
+    pos = torch.broadcast_to(qt, a.shape[:-1]).unsqueeze(-1) * (G - 1)  # (..., 1), as torch.quantile's ranks
+    below = pos.floor().long().clamp(0, G - 1)
+    above = (below + 1).clamp(max=G - 1)
+    k = G - int(below.min())  # order statistics from `below` up
+    if k <= G // 4:
+        top = a.topk(k, dim=-1, largest=True, sorted=True).values  # (..., k) descending: index t <-> ascending G-1-t
+        lo, hi = top.gather(-1, G - 1 - below), top.gather(-1, G - 1 - above)
+    else:
+        srt = a.sort(-1).values
+        lo, hi = srt.gather(-1, below), srt.gather(-1, above)
+    return torch.lerp(lo, hi, pos - below.to(a.dtype))
 
 
 def choose_qparams(
@@ -134,7 +143,7 @@ def choose_qparams(
             t = _row_quantile(g.abs(), clip)  # (..., groups, 1)
             g = torch.minimum(torch.maximum(g, -t), t)
             clip = None
-        lo, hi = g.amin(-1), g.amax(-1)
+        lo, hi = torch.aminmax(g, dim=-1)
         if clip is not None:
             r = torch.as_tensor(clip, dtype=torch.float32, device=x.device)
             lo, hi = lo * r, hi * r
@@ -160,9 +169,17 @@ def dequantize(
 
 
 def fake_quant(x: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | None = None) -> torch.Tensor:
-    """quantize then dequantize, in x's dtype."""
+    """quantize then dequantize, in x's dtype.
+
+    Bit-identical to ``dequantize(quantize(x, *choose_qparams(x, spec, clip), spec), ...)`` (the codes
+    are small integers, exact in float32), in place on one buffer instead of ~10 full-size passes.
+    """
     scale, zero = choose_qparams(x, spec, clip)
-    return dequantize(quantize(x, scale, zero, spec), scale, zero, spec, dtype=x.dtype)
+    g = _grouped(x.float(), spec)
+    s = scale.float().unsqueeze(-1)
+    z = zero.float().unsqueeze(-1)
+    codes = (g - z).div_(s).add_(0.5).floor_().clamp_(0, spec.levels)  # as quantize()
+    return _ungrouped(codes.mul_(s).add_(z), spec, x.shape).to(x.dtype)  # as dequantize()
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
