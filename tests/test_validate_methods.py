@@ -12,7 +12,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from oscar.kernels.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.validate.methods import (
-    LayerQuant, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact, parse_methods,
+    LayerQuant, MethodBatchCache, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact,
+    parse_methods,
 )
 from oscar.validate.ppl import fresh_mask, simulated, window_nll
 from oscar.common import OscarError
@@ -118,6 +119,53 @@ def test_prefill_takeover_equals_prefill_through_cache(tiny):
     assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(c, ref, atol=1e-4)
     assert (a - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("recent", [0, 6, 30])
+def test_method_batch_equals_each_method_cache(tiny, recent):
+    """One batch row per method (exact, per-token INT2, KIVI-style channel keys, whole pages) decodes
+    exactly what each method's own cache decodes: question chunk, then steps that flush tokens."""
+    from oscar.stats import reference_recipe as rr
+
+    arts = [None, _rot_artifact(tiny.config, QuantConfig(bits=2)),
+            _rot_artifact(tiny.config, QuantConfig(bits=2, key_axis="channel", group_size=4), seed=2),
+            _rot_artifact(tiny.config, rr.reference_quant_config(), seed=3)]
+    proto = Protocol("t", sink=4, recent=recent)
+    g = torch.Generator().manual_seed(9)
+    ctx, q = torch.randint(0, 97, (1, 45), generator=g), torch.randint(0, 97, (1, 6), generator=g)
+    steps = torch.randint(0, 97, (len(arts), 12), generator=g)  # a different continuation per row
+    with torch.no_grad():
+        exact = DynamicCache()
+        tiny(input_ids=ctx, cache=exact, use_cache=True)
+        batch = MethodBatchCache.from_prefill(arts, proto, exact, capacity=50)  # grows past 50
+        got = [tiny(input_ids=q.expand(len(arts), -1), cache=batch, use_cache=True).logits[:, -1]]
+        got += [tiny(input_ids=steps[:, t:t + 1], cache=batch, use_cache=True).logits[:, -1] for t in range(12)]
+        got = torch.stack(got, 1)  # (R, 13, V)
+        for r, art in enumerate(arts):
+            one = make_cache(art, proto, prefill=exact)
+            want = [tiny(input_ids=q, cache=one, use_cache=True).logits[:, -1]]
+            want += [tiny(input_ids=steps[r:r + 1, t:t + 1], cache=one, use_cache=True).logits[:, -1] for t in range(12)]
+            want = torch.stack(want, 1)[0]
+            assert torch.allclose(got[r], want, atol=1e-5), (r, (got[r] - want).abs().max())
+    assert (got[1] - got[0]).abs().max() > 1e-3  # the rows really differ
+
+
+def test_prefill_pool_equals_one_shot_prefill(tiny):
+    from oscar.validate.niah import PrefillPool
+
+    g = torch.Generator().manual_seed(10)
+    base = torch.randint(0, 97, (60,), generator=g).tolist()
+    b = base[:25] + torch.randint(0, 97, (20,), generator=g).tolist()
+    pool = PrefillPool(tiny, keep=2)
+    with torch.no_grad():
+        pool.prefill(base)
+        got = pool.prefill(b)
+        ref = DynamicCache()
+        tiny(input_ids=torch.tensor([b]), cache=ref, use_cache=True)
+    assert pool.reused == 25 and pool.computed == 60 + 20
+    for x, y in zip(got.layers, ref.layers):
+        assert x.keys.shape == y.keys.shape and torch.allclose(x.keys, y.keys, atol=1e-5)
+        assert torch.allclose(x.values, y.values, atol=1e-5)
 
 
 def test_fresh_mask_small():

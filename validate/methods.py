@@ -287,6 +287,123 @@ class SimQuantCache(Cache):
         return c
 
 
+class BatchQuantLayer(DynamicLayer):
+    """One layer of several methods decoding the same prompt, one method per batch row.
+
+    Row r holds exactly what `SimQuantLayer` holds for its method: [sink, n_quant[r]) fake-quantized,
+    the rest exact. K/V live in preallocated buffers (R, Hkv, capacity, D) written in place, so a
+    decode step costs one token, not a copy of the whole history. The flush owed by a step is
+    applied at the start of the next update (the attention of that step has read the cache by
+    then), which is what SimQuantLayer's commit-after-append returns to its next caller.
+    """
+
+    def __init__(self, lqs: list[LayerQuant | None], protocol: Protocol):
+        super().__init__()
+        self.lqs, self.sink, self.recent = lqs, protocol.sink, protocol.recent
+        self.n = 0
+        self.n_quant = [protocol.sink] * len(lqs)
+        self.pre: list[tuple[int, torch.Tensor, torch.Tensor] | None] = [None] * len(lqs)  # (start, k̂, v̂) ahead of the flush
+
+    def _alloc(self, like: torch.Tensor, capacity: int) -> None:
+        R = len(self.lqs)
+        _, H, _, D = like.shape
+        self.kbuf = like.new_empty(R, H, capacity, D)  # (R, Hkv, cap, D)
+        self.vbuf = like.new_empty(R, H, capacity, D)
+        self.dtype, self.device, self.is_initialized = like.dtype, like.device, True
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Take over an exact prefill (1, Hkv, T, D) for every row, as that chunk passing through update().
+
+        Each row quantizes all its complete groups now, in one call: the part the protocol already
+        stores quantized is written, the rest (the recent window) is kept to be flushed later,
+        token for token the values a later flush would compute (groups are independent).
+        """
+        T = keys.shape[-2]
+        self._alloc(keys, max(capacity, T))
+        self.kbuf[:, :, :T] = keys[0]
+        self.vbuf[:, :, :T] = values[0]
+        self.n = T
+        for r, lq in enumerate(self.lqs):
+            if lq is None:
+                continue
+            b_all = lq.quantized_until(T, self.sink, 0)
+            b = lq.quantized_until(T, self.sink, self.recent)
+            if b_all > self.sink:
+                kq = lq.keys(keys[..., self.sink:b_all, :])[0]  # (Hkv, b_all - sink, D)
+                vq = lq.values(values[..., self.sink:b_all, :])[0]
+                self.kbuf[r, :, self.sink:b] = kq[:, :b - self.sink]
+                self.vbuf[r, :, self.sink:b] = vq[:, :b - self.sink]
+                if b_all > b:
+                    self.pre[r] = (b, kq[:, b - self.sink:], vq[:, b - self.sink:])
+            self.n_quant[r] = b
+        self._view()
+
+    def _view(self) -> None:
+        self.keys, self.values = self.kbuf[:, :, :self.n], self.vbuf[:, :, :self.n]
+
+    def _commit(self) -> None:
+        for r, lq in enumerate(self.lqs):
+            if lq is None:
+                continue
+            a, b = self.n_quant[r], lq.quantized_until(self.n, self.sink, self.recent)
+            if b <= a:
+                continue
+            pre = self.pre[r]
+            if pre is not None:  # quantized ahead at load time
+                s0, kq, vq = pre
+                e = min(b, s0 + kq.shape[1])
+                if e > a:
+                    self.kbuf[r, :, a:e] = kq[:, a - s0:e - s0]
+                    self.vbuf[r, :, a:e] = vq[:, a - s0:e - s0]
+                    a = e
+            if b > a:  # tokens written after the load (strict protocol, or past the window)
+                self.kbuf[r:r + 1, :, a:b] = lq.keys(self.kbuf[r:r + 1, :, a:b])
+                self.vbuf[r:r + 1, :, a:b] = lq.values(self.vbuf[r:r + 1, :, a:b])
+            self.n_quant[r] = b
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        R, H, t, D = key_states.shape
+        if not self.is_initialized:
+            self._alloc(key_states[:1], t + 256)
+        if R != len(self.lqs):
+            raise OscarError(f"batch of {R} rows for a cache of {len(self.lqs)} methods")
+        self._commit()
+        if self.n + t > self.kbuf.shape[2]:  # grow (rare: capacity is sized by the caller)
+            cap = max(2 * self.kbuf.shape[2], self.n + t)
+            k, v = self.kbuf[:, :, :self.n], self.vbuf[:, :, :self.n]
+            self._alloc(key_states[:1], cap)
+            self.kbuf[:, :, :self.n], self.vbuf[:, :, :self.n] = k, v
+        self.kbuf[:, :, self.n:self.n + t] = key_states
+        self.vbuf[:, :, self.n:self.n + t] = value_states
+        self.n += t
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+
+class MethodBatchCache(Cache):
+    """Several methods' caches over one prompt, one method per batch row (None: the exact cache).
+
+    Decoding the methods together reads the weights once per step for all of them; each row's
+    attention reads only its own row, so row r computes what `make_cache(arts[r], ...)` does.
+    """
+
+    def __init__(self, arts: list[Artifact | None], protocol: Protocol, num_layers: int):
+        self.arts = arts
+        super().__init__(layers=[BatchQuantLayer([LayerQuant(a, l) if a is not None else None for a in arts], protocol)
+                                 for l in range(num_layers)])
+
+    @classmethod
+    def from_prefill(cls, arts: list[Artifact | None], protocol: Protocol, exact: DynamicCache,
+                     capacity: int = 0) -> "MethodBatchCache":
+        c = cls(arts, protocol, len(exact.layers))
+        for layer, src in zip(c.layers, exact.layers):
+            layer.load(src.keys, src.values, capacity)
+        return c
+
+
 def make_cache(art: Artifact | None, protocol: Protocol, prefill: DynamicCache | None = None) -> Cache:
     """The method's cache, optionally taking over an exact prefill of the first chunk."""
     if art is None:
