@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from oscar.common import OscarError
@@ -38,8 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def interruptible() -> None:
+    """Make SIGINT raise KeyboardInterrupt even when it arrived ignored.
+
+    A shell without job control (a script, `cmd &`, CI) starts background commands with SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler: `kill -INT` (or Ctrl-C sent to
+    the group) did nothing to `oscar run` while SIGTERM worked. Every long command here is
+    resumable, so an interrupt must stop it (exit 130, "re-run the same command to resume").
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    interruptible()
     try:
         rc = args.func(args)
     except OscarError as e:
