@@ -93,8 +93,11 @@ def test_masked_ppl_equals_token_by_token_decode(tiny, quant, recent, qchunk, mo
                           for t in range(ids.shape[1])], dim=1)
         with simulated(tiny, art, proto):
             masked = tiny(input_ids=ids, use_cache=False).logits
+        with simulated(tiny, art, proto, dense=True):
+            dense = tiny(input_ids=ids, use_cache=False).logits
         exact = tiny(input_ids=ids, use_cache=False).logits
     assert torch.allclose(step, masked, atol=2e-4), (step - masked).abs().max()
+    assert torch.allclose(dense, masked, atol=2e-5), (dense - masked).abs().max()
     assert (step - exact).abs().max() > 1e-3  # quantization really happened
     assert tiny.config._attn_implementation == "sdpa"  # restored
 

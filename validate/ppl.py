@@ -151,28 +151,60 @@ def sim_attention(module, query, key, value, attention_mask=None, scaling=None, 
     return out.transpose(1, 2).contiguous(), None
 
 
+def dense_sim_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """The same masked attention as a dense (T, T) softmax over both K/V versions: the reference
+    `sim_attention` is tested against, and the baseline of bench/validate_speed.py."""
+    lq = _SIM["quant"][module.layer_idx]
+    p = _SIM["protocol"]
+    B, Hq, T, D = query.shape
+    sink = min(p.sink, T)
+    b = lq.quantized_until(T, sink, 0)
+    kh, vh = key.clone(), value.clone()
+    kh[..., sink:b, :] = lq.keys(key[..., sink:b, :])
+    vh[..., sink:b, :] = lq.values(value[..., sink:b, :])
+    rep = Hq // key.shape[1]
+    K, V = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)  # (B, Hq, T, D)
+    Kh, Vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    fresh = fresh_mask(T, sink, p.recent, lq.key_group, query.device)  # (T, T)
+    pos = torch.arange(T, device=query.device)
+    scale = scaling if scaling is not None else D ** -0.5
+    out = torch.empty_like(query)
+    C = 512
+    for q0 in range(0, T, C):
+        q = query[:, :, q0:q0 + C]  # (B, Hq, c, D)
+        fr = fresh[q0:q0 + C]  # (c, T)
+        causal = pos[None, :] <= pos[q0:q0 + C, None]
+        s = torch.where(fr, q @ K.transpose(-1, -2), q @ Kh.transpose(-1, -2)) * scale  # (B, Hq, c, T)
+        s = s.masked_fill(~causal, float("-inf"))
+        w = torch.softmax(s.float(), dim=-1).to(query.dtype)
+        frf = fr.to(w.dtype)
+        out[:, :, q0:q0 + C] = (w * frf) @ V + (w * (1 - frf)) @ Vh
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register("oscar_sim", sim_attention)
-    AttentionMaskInterface.register("oscar_sim", sdpa_mask)  # our function applies causality itself
+    for name, fn in (("oscar_sim", sim_attention), ("oscar_sim_dense", dense_sim_attention)):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, sdpa_mask)  # our functions apply causality themselves
 
 
 class simulated:
-    """Context manager: the model's attention reads K/V through `art` under `protocol`."""
+    """Context manager: the model's attention reads K/V through `art` under `protocol` (dense: the reference)."""
 
-    def __init__(self, model, art, protocol):
+    def __init__(self, model, art, protocol, dense: bool = False):
         from oscar.validate.methods import LayerQuant
 
-        self.model, self.protocol = model, protocol
+        self.model, self.protocol, self.dense = model, protocol, dense
         self.quant = [LayerQuant(art, l) for l in range(art.num_layers)]
 
     def __enter__(self):
         _register()
         self.prev = self.model.config._attn_implementation
         _SIM.update(quant=self.quant, protocol=self.protocol)
-        self.model.set_attn_implementation("oscar_sim")
+        self.model.set_attn_implementation("oscar_sim_dense" if self.dense else "oscar_sim")
         return self
 
     def __exit__(self, *exc):
