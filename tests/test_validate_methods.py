@@ -232,3 +232,32 @@ def test_simulator_matches_oscarcache(tiny):
     finally:
         tiny.set_attn_implementation("sdpa")
     assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
+
+
+def test_bfloat16_compute_paths(tiny):
+    """--dtype bfloat16: the flash/band perplexity path matches the dense reference and the batched
+    cache matches each method's own cache, both computing in bf16 (bf16 tolerances)."""
+    import copy
+
+    from oscar.validate.env import with_dtype
+
+    m = with_dtype(copy.deepcopy(tiny), "bfloat16")
+    assert next(m.parameters()).dtype == torch.bfloat16
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2, key_axis="channel", group_size=4))
+    proto = Protocol("t", sink=3, recent=5)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        with simulated(m, art, proto):
+            fast = m(input_ids=ids, use_cache=False).logits.float()
+        with simulated(m, art, proto, dense=True):
+            dense = m(input_ids=ids, use_cache=False).logits.float()
+        assert (fast - dense).abs().max() < 5e-2, (fast - dense).abs().max()
+        exact = DynamicCache()
+        m(input_ids=ids[:, :30], cache=exact, use_cache=True)
+        batch = MethodBatchCache.from_prefill([None, art], proto, exact, capacity=40)
+        got = m(input_ids=ids[:, 30:].expand(2, -1), cache=batch, use_cache=True).logits.float()
+        for r, a in enumerate([None, art]):
+            want = m(input_ids=ids[:, 30:], cache=make_cache(a, proto, prefill=exact), use_cache=True).logits.float()
+            assert (got[r] - want[0]).abs().max() < 5e-2
+    with pytest.raises(OscarError, match="unknown dtype"):
+        with_dtype(tiny, "float16")

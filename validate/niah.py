@@ -41,11 +41,15 @@ class NiahConfig:
     seed: int = 0
     protocol: str = "strict"
     corpus: str = "pydoc"
+    dtype: str = "float32"  # model compute dtype (env.with_dtype)
 
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
         art = file_fingerprint(self.artifact) if self.artifact else None
-        return {"model": self.model, "artifact": art, "seed": self.seed, "protocol": self.protocol, "corpus": self.corpus}
+        ident = {"model": self.model, "artifact": art, "seed": self.seed, "protocol": self.protocol, "corpus": self.corpus}
+        if self.dtype != "float32":  # float32 outputs written before the option keep their identity
+            ident["dtype"] = self.dtype
+        return ident
 
 
 def check_lengths(lengths: list[int], max_ctx: int, model: str) -> None:
@@ -226,7 +230,10 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
         raise OscarError(f"artifact {cfg.artifact} does not exist")
     if loaded is None:  # refuse impossible lengths before loading weights
         check_lengths(cfg.lengths, env.config_max_context(cfg.model) or 0, cfg.model)
+    if cfg.dtype not in env.DTYPES:
+        raise OscarError(f"unknown dtype {cfg.dtype!r}; known: {', '.join(env.DTYPES)}")
     model, tok, _ = loaded or env.load_model(cfg.model)
+    model = env.with_dtype(model, cfg.dtype)
     check_lengths(cfg.lengths, env.max_context(model), cfg.model)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None

@@ -52,10 +52,14 @@ class PplConfig:
     protocols: list[str] = field(default_factory=lambda: ["strict", "serving"])
     tokens: int = 8192  # held-out tokens scored per context
     corpus: str = "pydoc"
+    dtype: str = "float32"  # model compute dtype (env.with_dtype)
 
     def identity(self) -> dict:
         art = file_fingerprint(self.artifact) if self.artifact else None
-        return {"model": self.model, "artifact": art, "tokens": self.tokens, "corpus": self.corpus}
+        ident = {"model": self.model, "artifact": art, "tokens": self.tokens, "corpus": self.corpus}
+        if self.dtype != "float32":  # float32 outputs written before the option keep their identity
+            ident["dtype"] = self.dtype
+        return ident
 
 
 # ----------------------------------------------------------------- the masked attention
@@ -81,8 +85,8 @@ def _fresh(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: 
 def _flash_lse(q, k, v, scale: float, causal: bool):
     """Attention output (B, H, Tq, D) and log-sum-exp (B, H, Tq) of q over k, v (same heads); top-left causal."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is not None and q.device.type == "cpu" and q.dtype == torch.float32:
-        out, lse = op(q, k, v, 0.0, causal, scale=scale)
+    if op is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+        out, lse = op(q, k, v, 0.0, causal, scale=scale)  # lse float32
         return out, lse
     s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale  # fallback: (B, H, Tq, Tk)
     if causal:
@@ -271,7 +275,10 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
     if loaded is None:  # refuse impossible contexts before loading weights
         check_lengths(cfg.contexts, env.config_max_context(cfg.model) or 0, cfg.model)
+    if cfg.dtype not in env.DTYPES:
+        raise OscarError(f"unknown dtype {cfg.dtype!r}; known: {', '.join(env.DTYPES)}")
     model, tok, _ = loaded or env.load_model(cfg.model)
+    model = env.with_dtype(model, cfg.dtype)
     check_lengths(cfg.contexts, env.max_context(model), cfg.model)
     os.makedirs(cfg.out, exist_ok=True)
     cpath = os.path.join(cfg.out, "ppl_config.json")

@@ -49,6 +49,9 @@ class RunConfig:
     # "strict" (recent 0 at token granularity, even for the tokens being generated) is
     # available with --niah-protocol strict. Perplexity always reports both protocols.
     niah_protocol: str = "serving"
+    # Model compute dtype for NIAH and perplexity: float32 (default, digit-for-digit comparable) or
+    # bfloat16 (the CPU's bf16 matrix units; faster, different rounding everywhere).
+    dtype: str = "float32"
     progress: bool = True
 
     def __post_init__(self):
@@ -156,7 +159,7 @@ def run_main(cfg: RunConfig) -> dict:
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
-                      protocol=cfg.niah_protocol)
+                      protocol=cfg.niah_protocol, dtype=cfg.dtype)
     fp_n = fingerprint({"art": art_fp, "cfg": asdict(ncfg)})
     if st.done("niah", fp_n, [os.path.join(d, "results.parquet")]):
         _say("validate niah: done (skipped)")
@@ -171,7 +174,7 @@ def run_main(cfg: RunConfig) -> dict:
     from oscar.validate.ppl import PplConfig, run_ppl
 
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
-                     tokens=cfg.ppl_tokens, corpus=cfg.corpus)
+                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype)
     fp_p = fingerprint({"art": art_fp, "cfg": asdict(pcfg)})
     if st.done("ppl", fp_p, [os.path.join(d, "ppl.parquet")]):
         _say("validate ppl: done (skipped)")
@@ -202,7 +205,8 @@ def run_main(cfg: RunConfig) -> dict:
     total = time.time() - t_all
     prev = {}
     rj = os.path.join(d, "run.json")
-    info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else ""),
+    info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
+                + ("" if cfg.dtype == "float32" else f" --dtype {cfg.dtype}"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": total}
     with open(rj, "w") as f:
