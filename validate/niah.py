@@ -90,19 +90,35 @@ def _prepare_out(cfg: NiahConfig) -> None:
         json.dump({"identity": ident, "config": asdict(cfg), "fingerprint": fingerprint(ident)}, f, indent=1)
 
 
+def decode_threads() -> int:
+    """Intra-op threads for decoding: all of them on a quiet machine, one on a busy one.
+
+    Decode steps are thousands of small, memory-bound ops. On a quiet 2-core machine two threads
+    halve a 6-row SmolLM2 decode (1k: 4.75 -> 2.76 s, 4k: 10.1 -> 5.9 s per sample); with another
+    process on the cores, OpenMP barriers stall (measured 2.4 s -> 0.12 s per step with one thread).
+    Quiet = 1-minute load average below cores + 0.5 (this process's own threads count). Thread
+    counts change float summation order only (logits within 3e-5).
+    """
+    n = torch.get_num_threads()
+    try:
+        busy = os.getloadavg()[0] >= (os.cpu_count() or 1) + 0.5
+    except OSError:
+        busy = True
+    return 1 if busy else n
+
+
 @torch.no_grad()
-def greedy(model, cache, question_ids: list[int], max_new_tokens: int, eos: set[int], rows: int = 1) -> list[list[int]]:
+def greedy(model, cache, question_ids: list[int], max_new_tokens: int, eos: set[int], rows: int = 1,
+           threads: int | None = None) -> list[list[int]]:
     """Chunk 2 attends to the stored cache, then greedy decoding (each token attends to the cache).
 
     rows: batch rows of `cache` (one per method, `MethodBatchCache`); each row stops at its own EOS
     and the batch at the last one. A stopped row keeps decoding its own continuation (rows are
-    independent) but nothing more is recorded for it.
-
-    Decode steps are thousands of tiny ops: one intra-op thread avoids OpenMP barrier stalls
-    (measured 2.4 s -> 0.12 s per step for SmolLM2 on the shared 2-core machine).
+    independent) but nothing more is recorded for it. threads: intra-op threads (default
+    `decode_threads()`).
     """
     nthreads, impl = torch.get_num_threads(), model.config._attn_implementation
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads or decode_threads())
     if impl == "sdpa":
         _register_gqa()
         model.set_attn_implementation("oscar_gqa")
