@@ -46,6 +46,10 @@ class PoolExhausted(OscarError):
     """Raised when an append needs more free pages than the pool has (nothing was written)."""
 
 
+class ParamRangeError(OscarError):
+    """Raised when a page to quantize has values that 8-bit (e4m3) scale/zero cannot hold (nothing was written)."""
+
+
 @dataclass
 class PagedConfig:
     """Shape and format of one layer's paged cache (all layers of a model share it).
@@ -441,7 +445,7 @@ class PagedLayerCache:
             m = torch.stack([torch.nan_to_num(x[i].float().abs(), nan=float("inf")).amax() for x in leaving.values()])
             worst = float(m.max())
             if not worst <= FP8_MAX:
-                raise OscarError(
+                raise ParamRangeError(
                     f"rotated {name} entering INT2 pages reach |x| = {worst:.4g}, beyond what 8-bit (e4m3) scale/zero "
                     f"can hold (+-{FP8_MAX:g}); nothing was written. Use param_dtype float16 for this model "
                     f"(docs/decisions.md: 8-bit scale/zero range)")
