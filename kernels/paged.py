@@ -55,8 +55,8 @@ class PagedConfig:
     """Shape and format of one layer's paged cache (all layers of a model share it).
 
     mode / key_axis / group_size / bits have the meaning of `QuantConfig`:
-    mode="minmax" stores fp16 scale+zero per token and channel group (per channel
-    and page for key_axis="channel"); mode="static" stores no per-token metadata
+    mode="minmax" stores scale+zero (param_dtype: fp16, 8-bit e4m3, or fp32) per token
+    and channel group (per channel and page for key_axis="channel"); mode="static" stores no per-token metadata
     (grid [-c, c] with c the artifact's clip thresholds, exactly `bits` bits per
     element). A 16-bit pass-through cache is ``recent >= max context``: no token
     ever leaves the ring (see `PagedConfig.passthrough`).
