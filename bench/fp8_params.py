@@ -1,6 +1,10 @@
 """Quality cost of 8-bit (e4m3) scale/zero vs fp16 ones, on real SmolLM2 K/V (oscar-int2 format).
 
-    python bench/fp8_params.py [--store S] [--artifact A] [--ppl-tokens 4096 --ppl-context 1024] [--no-ppl]
+    python bench/fp8_params.py [--store S] [--artifact A] [--fp8-artifact B] [--ppl-tokens 4096 --ppl-context 1024]
+                               [--no-ppl]
+
+--fp8-artifact: the same fit with `oscar fit ... --param-dtype float8_e4m3fn` (clips searched for
+8-bit params; rotations identical), reported as "fp8-refit".
 
 Part A (calibration reservoir, every layer and KV head): the rotated K and V rows of the
 store's reservoir, fake-quantized exactly as the cache stores pages (the artifact's
@@ -38,7 +42,8 @@ def _clip(c: torch.Tensor) -> torch.Tensor:
     return c.float().reshape(-1, 1, 1)  # minmax ratios per KV head over (Hkv, N, groups)
 
 
-def layer_errors(art, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, nq: int = 256) -> dict:
+def layer_errors(art, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, nq: int = 256,
+                 refit=None) -> dict:
     """Squared errors and norms for one layer; k, v, q (Hkv, N, D) model-space reservoir rows."""
     D = art.head_dim
     kr = k if art.k_mean is None else k - art.k_mean[layer].float().unsqueeze(1)
@@ -53,11 +58,12 @@ def layer_errors(art, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Ten
     o = attend(kr, vr)
     out = {"k_sq": kr.pow(2).sum().item(), "v_sq": vr.pow(2).sum().item(), "o_sq": o.pow(2).sum().item(),
            "max_abs": max(kr.abs().max().item(), vr.abs().max().item())}
-    for name, pd in DTYPES.items():
-        quant = replace(art.quant, param_dtype=pd)
+    variants = [(n, art, pd) for n, pd in DTYPES.items()] + ([("fp8-refit", refit, DTYPES["fp8"])] if refit else [])
+    for name, a, pd in variants:
+        quant = replace(a.quant, param_dtype=pd)
         ks, vs = quant.key_spec(D), quant.value_spec(D)
-        kq = fake_quant(kr, ks, _clip(art.clip_k[layer]))
-        vq = fake_quant(vr, vs, _clip(art.clip_v[layer]))
+        kq = fake_quant(kr, ks, _clip(a.clip_k[layer]))
+        vq = fake_quant(vr, vs, _clip(a.clip_v[layer]))
         out[f"{name}_k_err"] = (kq - kr).pow(2).sum().item()
         out[f"{name}_v_err"] = (vq - vr).pow(2).sum().item()
         out[f"{name}_o_err"] = (attend(kq, vq) - o).pow(2).sum().item()
@@ -82,7 +88,7 @@ def layer_errors(art, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Ten
     return out
 
 
-def reservoir_part(store: str, art) -> dict:
+def reservoir_part(store: str, art, refit=None) -> dict:
     from oscar.pipeline.store import reduce
 
     layers = list(range(art.num_layers))
@@ -90,14 +96,15 @@ def reservoir_part(store: str, art) -> dict:
     per = []
     for l in layers:
         k, v, q = (torch.from_numpy(res[s][l]).float() for s in ("k_res", "v_res", "q_res"))
-        per.append(layer_errors(art, l, k, v, q))
+        per.append(layer_errors(art, l, k, v, q, refit=refit))
     tot = {key: sum(p[key] for p in per) for key in per[0] if key != "max_abs"}
     summary = {}
-    for name in ("fp16", "fp8", "fp8unit"):
+    names = ["fp16", "fp8", "fp8unit"] + (["fp8-refit"] if refit else [])
+    for name in names:
         summary[name] = {f"rel_mse_{x}": tot[f"{name}_{x}_err"] / tot[f"{x}_sq"] for x in ("k", "v")}
         summary[name]["rel_err_attn_out"] = math.sqrt(tot[f"{name}_o_err"] / tot["o_sq"])
-    summary["fp8_vs_fp16"] = {key: summary["fp8"][key] / summary["fp16"][key] for key in summary["fp16"]}
-    summary["fp8unit_vs_fp16"] = {key: summary["fp8unit"][key] / summary["fp16"][key] for key in summary["fp16"]}
+    for name in names[1:]:
+        summary[f"{name}_vs_fp16"] = {key: summary[name][key] / summary["fp16"][key] for key in summary["fp16"]}
     max_abs = max(p["max_abs"] for p in per)
     summary["range"] = {"max_abs_rotated": max_abs, "headroom_vs_448": FP8_MAX / max_abs,
                         "subnormal_scale_share": tot["fp8_subnormal_scales"] / tot["fp8_scales"]}
@@ -110,7 +117,7 @@ def reservoir_part(store: str, art) -> dict:
             "summary": summary, "per_layer": per_layer}
 
 
-def ppl_part(art, tokens: int, context: int) -> dict:
+def ppl_part(art, tokens: int, context: int, refit=None) -> dict:
     from oscar.validate import env
     from oscar.validate.methods import PROTOCOLS
     from oscar.validate.ppl import heldout_ids, simulated, window_nll
@@ -129,9 +136,10 @@ def ppl_part(art, tokens: int, context: int) -> dict:
 
     t = time.time()
     out["bf16"] = ppl(lambda w: window_nll(model, w))
+    variants = [(n, art, pd) for n, pd in DTYPES.items()] + ([("fp8-refit", refit, DTYPES["fp8"])] if refit else [])
     for proto in ("strict", "serving"):
-        for name, pd in DTYPES.items():
-            a = replace(art, quant=replace(art.quant, param_dtype=pd))
+        for name, a0, pd in variants:
+            a = replace(a0, quant=replace(a0.quant, param_dtype=pd))
 
             def run(w, a=a):
                 with simulated(model, a, PROTOCOLS[proto]):
@@ -139,7 +147,8 @@ def ppl_part(art, tokens: int, context: int) -> dict:
 
             out[f"oscar-int2-{name}-{proto}"] = ppl(run)
             print(f"ppl {proto} {name}: {out[f'oscar-int2-{name}-{proto}']:.4f} (bf16 {out['bf16']:.4f})", flush=True)
-        out[f"fp8_vs_fp16_{proto}"] = out[f"oscar-int2-fp8-{proto}"] / out[f"oscar-int2-fp16-{proto}"]
+        for name, _, _ in variants[1:]:
+            out[f"{name}_vs_fp16_{proto}"] = out[f"oscar-int2-{name}-{proto}"] / out[f"oscar-int2-fp16-{proto}"]
     out["seconds"] = round(time.time() - t, 1)
     return out
 
@@ -169,6 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", default=os.path.join(EXAMPLE, "calib.zarr"))
     ap.add_argument("--artifact", default=os.path.join(EXAMPLE, "artifact.safetensors"))
+    ap.add_argument("--fp8-artifact", default=None, help="the same fit with --param-dtype float8_e4m3fn")
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-context", type=int, default=1024)
     ap.add_argument("--no-ppl", action="store_true")
@@ -176,16 +186,22 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     art = load_artifact(args.artifact)
-    res = {"store": args.store, "artifact": args.artifact, "quant": vars(art.quant),
-           "variant": art.meta.get("variant")}
+    refit = load_artifact(args.fp8_artifact) if args.fp8_artifact else None
+    if refit is not None and not all(torch.equal(a, b) for a, b in zip(art.rot_k + art.rot_v, refit.rot_k + refit.rot_v)):
+        raise SystemExit("--fp8-artifact must be the same fit (same rotations) with --param-dtype float8_e4m3fn")
+    res = {"store": args.store, "artifact": args.artifact, "fp8_artifact": args.fp8_artifact, "quant": vars(art.quant),
+           "variant": art.meta.get("variant"), "command": "python bench/fp8_params.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False, True) and k != "out")}
+    if refit is not None:
+        res["fp8_refit_clips"] = {"k": [c.tolist() for c in refit.clip_k], "v": [c.tolist() for c in refit.clip_v]}
     t = time.time()
-    res["reservoir"] = reservoir_part(args.store, art)
+    res["reservoir"] = reservoir_part(args.store, art, refit)
     res["reservoir"]["seconds"] = round(time.time() - t, 1)
     print(json.dumps(res["reservoir"]["summary"], indent=1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     plot(res["reservoir"]["per_layer"], args.out.replace(".json", ".png"))
     if not args.no_ppl:
-        res["ppl"] = ppl_part(art, args.ppl_tokens, args.ppl_context)
+        res["ppl"] = ppl_part(art, args.ppl_tokens, args.ppl_context, refit)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     print(f"wrote {args.out}")

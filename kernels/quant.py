@@ -22,7 +22,8 @@ Conventions
   against that rounded grid (the same rule as above). e4m3 has no inf and torch
   saturates on conversion, so a group whose range leaves [-448, 448] (or holds a
   NaN) raises ``ValueError`` instead of being silently clamped; tiny
-  ranges lose nothing but precision (scales round up to at least 2**-9).
+  ranges lose nothing but precision (scales round up to at least 2**-9). Static mode
+  stores no per-token parameters; its layer constants stay fp16 whatever param_dtype says.
 - Groups. ``axis="token"``: each token's D channels split in groups of
   ``group_size`` (default D), one (scale, zero) per token and group.
   ``axis="channel"`` (KIVI keys): each channel over a group of ``group_size``
@@ -154,6 +155,9 @@ def choose_qparams(
             r = torch.as_tensor(clip, dtype=torch.float32, device=x.device)
             lo, hi = lo * r, hi * r
     if spec.param_dtype == FP8_PARAM:
+        if spec.mode == "static":  # per-layer constants, no per-token metadata: kept fp16 (what the cache stores)
+            scale = ((hi - lo) / spec.levels).clamp_min(1e-8)
+            return scale.to(torch.float16), lo.to(torch.float16)
         return _fp8_params(lo, hi, spec.levels)
     scale = ((hi - lo) / spec.levels).clamp_min(1e-8)
     return scale.to(spec.param_dtype), lo.to(spec.param_dtype)

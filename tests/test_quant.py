@@ -169,3 +169,7 @@ def test_fp8_params_out_of_range_raise_instead_of_saturating():
             choose_qparams(x, spec)
     with pytest.raises(ValueError, match="param_dtype"):
         QuantSpec(param_dtype=torch.bfloat16)
+    # static mode has no per-token params: its constants stay fp16 (as the paged cache stores them)
+    st = QuantSpec(mode="static", param_dtype=FP8)
+    s, z = choose_qparams(torch.zeros(1, 4), st, clip=1000.0)
+    assert s.dtype == torch.float16 and z.item() == -1000.0 and st.bits_per_element(64) == 2.0
