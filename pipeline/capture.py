@@ -190,31 +190,36 @@ class LayerAccumulator:
         tok = torch.arange(sel.start, sel.stop, device=dev) if isinstance(sel, slice) else sel   # (n,)
         n_all, C = tok.numel(), self.chunk
         if self._buf is None:
-            self._buf = torch.empty(2, Htot * C * D, dtype=torch.float64, device=self.device)
+            self._buf = torch.empty(3, Htot * C * D, dtype=torch.float64, device=self.device)
         gseq = torch.zeros(Htot, D, D, dtype=torch.float64, device=self.device)      # this sequence's Grams
-        s1, s3, s4 = self.mom                                                         # (Htot, D) each
         bad: list[torch.Tensor] = []                                                  # positions of dropped rows
         for c0 in range(0, n_all, C):
             c = min(C, n_all - c0)
-            x = self._buf[0, : Htot * c * D].view(Htot, c, D)
+            P = self._buf[:, : Htot * c * D].view(3, Htot, c, D)                      # powers x, x^3, x^4
+            x = P[0]
             if isinstance(sel, slice):
                 torch.cat([p[:, sel.start + c0: sel.start + c0 + c] for p in src], dim=0, out=x)  # (Htot, c, D) f64
             else:
                 torch.cat([p.index_select(1, tok[c0:c0 + c]) for p in src], dim=0, out=x)
-            cs = x.sum(1)                                                             # (Htot, D)
-            if not math.isfinite(float(cs.sum())):  # NaN/Inf would poison every sum: drop those rows
+            x2 = torch.mul(x, x, out=P[2])                                            # x^2 (exact from fp32)
+            sq_max = x2.amax(1)                                                       # (Htot, D)
+            torch.mul(x2, x, out=P[1])                                                # x^3
+            x2.mul_(x2)                                                               # x^4
+            sums = P.sum(2)                                                           # (3, Htot, D): one reduction
+            if not math.isfinite(float(sums[0].sum())):  # NaN/Inf would poison every sum: redo without those rows
                 fin = x.isfinite().all(2).all(0)                                      # (c,)
                 bad.append(tok[c0:c0 + c][~fin])
-                x = x[:, fin]
-                c = x.shape[1]
-                if c == 0:
+                P = P[:, :, fin]
+                x = P[0]
+                if x.shape[1] == 0:
                     continue
-                cs = x.sum(1)
-            x2 = torch.mul(x, x, out=self._buf[1, : Htot * c * D].view(Htot, c, D))  # (Htot, c, D)
-            s1 += cs
-            s3 += torch.linalg.vecdot(x2, x, dim=1)
-            s4 += torch.linalg.vecdot(x2, x2, dim=1)
-            torch.maximum(self.absmax2, x2.amax(1), out=self.absmax2)                 # x^2 of fp32 is exact in fp64
+                torch.mul(x, x, out=P[2])
+                sq_max = P[2].amax(1)
+                torch.mul(P[2], x, out=P[1])
+                P[2].mul_(P[2])
+                sums = P.sum(2)
+            self.mom += sums
+            torch.maximum(self.absmax2, sq_max, out=self.absmax2)
             gseq.baddbmm_(x.mT, x)                                                    # (Htot, D, D) += (D, c) @ (c, D)
         if bad:
             nb = torch.cat(bad)
