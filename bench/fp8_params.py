@@ -3,8 +3,10 @@
     python bench/fp8_params.py [--store S] [--artifact A] [--fp8-artifact B] [--ppl-tokens 4096 --ppl-context 1024]
                                [--no-ppl]
 
---fp8-artifact: the same fit with `oscar fit ... --param-dtype float8_e4m3fn` (clips searched for
-8-bit params; rotations identical), reported as "fp8-refit".
+--fp8-artifact: the same fit with 8-bit params (clips searched for them; rotations identical), reported
+as "fp8-refit". The committed figures used
+    oscar fit reports/examples/smollm2/calib.zarr --variant centered --param-dtype float8_e4m3fn --out A8
+(on a copy of the store) and `--fp8-artifact A8`; the part B perplexities take ~15 min on 2 cores.
 
 Part A (calibration reservoir, every layer and KV head): the rotated K and V rows of the
 store's reservoir, fake-quantized exactly as the cache stores pages (the artifact's
