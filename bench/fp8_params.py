@@ -110,10 +110,9 @@ def reservoir_part(store: str, art, refit=None) -> dict:
     max_abs = max(p["max_abs"] for p in per)
     summary["range"] = {"max_abs_rotated": max_abs, "headroom_vs_448": FP8_MAX / max_abs,
                         "subnormal_scale_share": tot["fp8_subnormal_scales"] / tot["fp8_scales"]}
-    per_layer = [{"layer": l, **{f"{n}_rel_mse_{x}": p[f"{n}_{x}_err"] / p[f"{x}_sq"] for n in ("fp16", "fp8")
-                                 for x in ("k", "v")},
-                  "fp16_rel_err_o": math.sqrt(p["fp16_o_err"] / p["o_sq"]),
-                  "fp8_rel_err_o": math.sqrt(p["fp8_o_err"] / p["o_sq"]), "max_abs": p["max_abs"]}
+    shown = [n for n in names if n != "fp8unit"]
+    per_layer = [{"layer": l, **{f"{n}_rel_mse_{x}": p[f"{n}_{x}_err"] / p[f"{x}_sq"] for n in shown for x in ("k", "v")},
+                  **{f"{n}_rel_err_o": math.sqrt(p[f"{n}_o_err"] / p["o_sq"]) for n in shown}, "max_abs": p["max_abs"]}
                  for l, p in enumerate(per)]
     return {"rows_per_head": int(res["k_res"][0].shape[1]), "queries_per_head": min(256, res["q_res"][0].shape[1]),
             "summary": summary, "per_layer": per_layer}
@@ -165,8 +164,10 @@ def plot(per_layer: list[dict], path: str) -> None:
     L = [p["layer"] for p in per_layer]
     for ax, (title, key) in zip(axes, (("K relative MSE", "rel_mse_k"), ("V relative MSE", "rel_mse_v"),
                                         ("attention output rel. error", "rel_err_o"))):
-        for n, style in (("fp16", "o-"), ("fp8", "s--")):
-            ax.plot(L, [p[f"{n}_{key}"] for p in per_layer], style, ms=3, label=f"{n} scale/zero")
+        for n, style, label in (("fp16", "o-", "fp16 scale/zero"), ("fp8", "s--", "e4m3, fp16-searched clips"),
+                                ("fp8-refit", "^:", "e4m3, clips searched for e4m3")):
+            if f"{n}_{key}" in per_layer[0]:
+                ax.plot(L, [p[f"{n}_{key}"] for p in per_layer], style, ms=3, label=label)
         ax.set_title(title)
         ax.set_xlabel("layer")
     axes[0].legend()
@@ -184,6 +185,8 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-context", type=int, default=1024)
     ap.add_argument("--no-ppl", action="store_true")
+    ap.add_argument("--keep-ppl", action="store_true",
+                    help="with --no-ppl: keep the perplexity section of an existing --out file (same artifacts)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "fp8_params.json"))
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -193,7 +196,8 @@ def main() -> None:
         raise SystemExit("--fp8-artifact must be the same fit (same rotations) with --param-dtype float8_e4m3fn")
     res = {"store": args.store, "artifact": args.artifact, "fp8_artifact": args.fp8_artifact, "quant": vars(art.quant),
            "variant": art.meta.get("variant"), "command": "python bench/fp8_params.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False, True) and k != "out")}
+               f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+               for k, v in vars(args).items() if v not in (None, False) and k != "out")}
     if refit is not None:
         res["fp8_refit_clips"] = {"k": [c.tolist() for c in refit.clip_k], "v": [c.tolist() for c in refit.clip_v]}
     t = time.time()
@@ -204,6 +208,11 @@ def main() -> None:
     plot(res["reservoir"]["per_layer"], args.out.replace(".json", ".png"))
     if not args.no_ppl:
         res["ppl"] = ppl_part(art, args.ppl_tokens, args.ppl_context, refit)
+    elif args.keep_ppl and os.path.exists(args.out):
+        old = json.load(open(args.out))
+        if "ppl" in old and (old.get("artifact"), old.get("fp8_artifact")) == (args.artifact, args.fp8_artifact):
+            res["ppl"] = old["ppl"]
+            res["ppl_from"] = old.get("command")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     print(f"wrote {args.out}")
