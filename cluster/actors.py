@@ -71,6 +71,7 @@ class StageStats:
     blocks_written: list[int] = field(default_factory=list)
     first_call: float | None = None
     last_call: float | None = None
+    node_id: str | None = None  # Ray node running this incarnation (None outside Ray)
 
 
 def router_modules(stage) -> dict[int, torch.nn.Module]:
@@ -127,6 +128,7 @@ class StageWorker:
             gate.register_forward_hook(self._count_hook(l))
         self._expect: tuple[int, int, str] | None = None  # (block, next micro-batch, attempt)
         self.stats = StageStats(args.stage, args.replica, (args.start, args.stop), os.getpid(), t0, time.time() - t0)
+        self.stats.node_id = _ray_node_id()
 
     # ------------------------------------------------------------------ MoE counts
     def _count_hook(self, layer: int):
@@ -147,7 +149,9 @@ class StageWorker:
             self.expert_counts = {l: torch.zeros(self.num_experts, dtype=torch.int64) for l in self.routers}
             self._expect = (block, 0, attempt)
         if self._expect != (block, mb, attempt):
-            got, self._expect = self._expect, None
+            got = self._expect
+            if got is None or got[2] == attempt:  # a late call of an abandoned attempt leaves the current one be
+                self._expect = None
             raise StageStateError(f"stage {self.args.stage} (layers {self.args.start}-{self.args.stop - 1}, pid "
                                   f"{os.getpid()}) got block {block} micro-batch {mb} but expected {got}: it lost "
                                   f"its in-memory state (restart); the block must be redone")
@@ -203,6 +207,16 @@ class StageWorker:
 
     def close(self) -> None:
         self.lock.release()
+
+
+def _ray_node_id() -> str | None:
+    import sys
+
+    if "ray" not in sys.modules:  # a plain StageWorker outside Ray
+        return None
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def peak_rss_bytes() -> int:

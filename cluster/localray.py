@@ -4,10 +4,16 @@
 dir, so that it never collides with another Ray on the machine; `stop()` ends
 exactly the processes it started (its process group), never `ray stop`, which
 would kill every Ray on the host.
+
+`LocalWorkerNode` adds a second Ray node on the same machine and loopback
+(`ray start --address=HEAD --block` in its own session); `kill()` SIGKILLs every
+process of that session at once (raylet, agents, worker processes), which is what
+the rest of the cluster sees when a worker machine dies.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -34,9 +40,12 @@ def free_port() -> int:
 
 
 class LocalHead:
-    def __init__(self, num_cpus: int = 8, object_store_mb: int = 512, temp_dir: str | None = None):
+    def __init__(self, num_cpus: int = 8, object_store_mb: int = 512, temp_dir: str | None = None,
+                 resources: dict[str, float] | None = None, system_env: dict[str, str] | None = None):
         self.num_cpus = num_cpus
         self.object_store_mb = object_store_mb
+        self.resources = resources or {}           # custom Ray resources of the head node
+        self.system_env = system_env or {}         # RAY_<system config> for the head's processes only
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="oscar-ray-", dir="/tmp")
         self.port = free_port()
         self.dashboard_port = free_port()
@@ -78,8 +87,10 @@ class LocalHead:
                f"--object-store-memory={self.object_store_mb << 20}", "--disable-usage-stats",
                f"--min-worker-port={wmin}", f"--max-worker-port={wmin + 200}"]
         cmd += [f"{k}={v}" for k, v in ports.items()]
+        if self.resources:
+            cmd.append(f"--resources={json.dumps(self.resources)}")
         self.log = open(os.path.join(self.temp_dir, "ray-start.log"), "w")
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **self.env, **self.system_env}
         env.pop("RAY_ADDRESS", None)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         t0 = time.time()
@@ -133,6 +144,11 @@ class LocalHead:
             except (ProcessLookupError, PermissionError):
                 break
             time.sleep(0.2)
+        for pid in session_pids(pgid):  # Ray workers have their own process group, same session
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc = None
         self.log.close()
 
@@ -141,3 +157,106 @@ class LocalHead:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# `ray start` refuses to join a second node in single-node mode, and in cluster mode it
+# rewrites 127.0.0.1 into the host's routable address. This launcher keeps single-node
+# address resolution (everything on 127.0.0.1) and lifts only the join guard.
+_JOIN_ON_LOOPBACK = (
+    "import sys, types\n"
+    "import ray._private.ray_constants as rc\n"
+    "import ray.scripts.scripts as sc\n"
+    "sc.ray_constants = types.SimpleNamespace(**{**vars(rc), 'ENABLE_RAY_CLUSTER': True})\n"
+    "sys.argv[0] = 'ray'\n"
+    "sc.main()\n")
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes whose session id is `sid` (everything a `start_new_session` child started,
+    including Ray worker processes, which get their own process group but keep the session)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state ppid pgrp session ...
+            out.append(int(d))
+    return out
+
+
+class LocalWorkerNode:
+    """A second Ray node joined to a `LocalHead` on this machine, on 127.0.0.1, with its own temp
+    dir, ports and (typically) a custom resource so that work can be steered onto it."""
+
+    def __init__(self, head: LocalHead, num_cpus: int = 1, resources: dict[str, float] | None = None,
+                 object_store_mb: int = 128):
+        self.head = head
+        self.num_cpus = num_cpus
+        self.resources = resources or {}
+        self.object_store_mb = object_store_mb
+        self.temp_dir = tempfile.mkdtemp(prefix="oscar-ray-node-", dir="/tmp")
+        self.proc: subprocess.Popen | None = None
+        self.log = None
+
+    def start(self, timeout: float = 120.0) -> "LocalWorkerNode":
+        wmin = free_port()
+        cmd = [sys.executable, "-c", _JOIN_ON_LOOPBACK, "start", "--block", f"--address={self.head.address}",
+               "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
+               f"--resources={json.dumps(self.resources)}", f"--temp-dir={self.temp_dir}",
+               f"--object-store-memory={self.object_store_mb << 20}", "--disable-usage-stats",
+               f"--min-worker-port={wmin}", f"--max-worker-port={wmin + 100}",
+               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+               f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+        self.log = open(os.path.join(self.temp_dir, "ray-start.log"), "w")
+        env = {**os.environ, **self.head.env}
+        env.pop("RAY_ADDRESS", None)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start (worker node) exited ({self.proc.returncode}); see {self.log.name}")
+            with open(self.log.name) as f:
+                if "Ray runtime started" in f.read():
+                    return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"Ray worker node did not come up in {timeout:.0f}s; see {self.log.name}")
+
+    def kill(self, timeout: float = 30.0) -> list[int]:
+        """SIGKILL every process of this node at once (no graceful shutdown): a lost machine.
+        Returns the pids killed."""
+        if self.proc is None:
+            return []
+        sid, killed = self.proc.pid, []
+        deadline = time.time() + timeout
+        while (pids := session_pids(sid)) and time.time() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                self.proc.wait(timeout=0.2)  # reap `ray start`; the rest are reaped by init
+            except subprocess.TimeoutExpired:
+                pass
+        self.proc = None
+        if self.log:
+            self.log.close()
+        return sorted(set(killed))
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM `ray start --block` (it stops what it started), then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=timeout)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+        self.kill()

@@ -48,6 +48,9 @@ class ClusterConfig:
     cpus_per_stage: float = 1.0
     gpus_per_stage: float = 0.0
     memory_per_stage: int | None = None  # bytes reserved per stage actor (Ray `memory` resource)
+    # custom Ray resources per stage actor: one dict for every stage, or a list with one dict per
+    # stage, e.g. [{}, {"bigmem": 1}] steers stage 1 onto nodes started with --resources '{"bigmem": 1}'
+    stage_resources: dict[str, float] | list[dict[str, float]] | None = None
     threads_per_stage: int | None = None  # torch threads (default: cpus_per_stage, at least 1)
     max_restarts: int = 4                # per actor
     max_block_attempts: int = 6          # per block, before giving up
@@ -62,6 +65,19 @@ class ClusterConfig:
                 raise OscarError(f"cluster.{k} must be >= 1, got {getattr(self, k)}")
         if self.cpus_per_stage <= 0 or self.gpus_per_stage < 0:
             raise OscarError("cluster.cpus_per_stage must be > 0 and gpus_per_stage >= 0")
+        sr = self.stage_resources
+        if sr is not None:
+            items = sr if isinstance(sr, list) else [sr]
+            for d in items:
+                if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                                                      for k, v in d.items()):
+                    raise OscarError(f"cluster.stage_resources must be a dict of resource -> amount >= 0, or a "
+                                     f"list of such dicts (one per stage); got {sr!r}")
+                if set(d) & {"CPU", "GPU", "memory"}:
+                    raise OscarError("cluster.stage_resources holds custom resources only; CPU, GPU and memory "
+                                     "come from cpus_per_stage, gpus_per_stage and memory_per_stage")
+            if isinstance(sr, list) and len(sr) != self.stages:
+                raise OscarError(f"cluster.stage_resources lists {len(sr)} stages but stages is {self.stages}")
 
     @property
     def threads(self) -> int:
@@ -70,6 +86,12 @@ class ClusterConfig:
     @property
     def device(self) -> str:
         return "cuda" if self.gpus_per_stage > 0 else "cpu"
+
+    def custom_resources(self, stage: int) -> dict[str, float]:
+        sr = self.stage_resources
+        if not sr:
+            return {}
+        return dict(sr[stage] if isinstance(sr, list) else sr)
 
 
 @dataclass
@@ -239,7 +261,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         if cc.memory_per_stage:
             bundle["memory"] = cc.memory_per_stage
         for r in range(cc.replicas):
-            pg = placement_group([dict(bundle) for _ in ranges],
+            pg = placement_group([{**bundle, **cc.custom_resources(i)} for i in range(len(ranges))],
                                  strategy="STRICT_PACK" if cc.gpus_per_stage else "PACK",
                                  name=f"oscar-{job}-r{r}")
             pgs.append(pg)
@@ -247,7 +269,8 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             ray.get([pg.ready() for pg in pgs], timeout=cc.placement_timeout)
         except ray.exceptions.GetTimeoutError:
             raise OscarError(
-                f"cannot place {cc.replicas} replica(s) x {len(ranges)} stages of {bundle} within "
+                f"cannot place {cc.replicas} replica(s) x {len(ranges)} stages of {bundle}"
+                f"{' + ' + str(cc.stage_resources) if cc.stage_resources else ''} within "
                 f"{cc.placement_timeout:.0f}s; the cluster offers {ray.cluster_resources()}") from None
         for r, pg in enumerate(pgs):
             actors = []
@@ -264,6 +287,8 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                                 placement_group=pg, placement_group_bundle_index=i))
                 if cc.memory_per_stage:
                     opts["memory"] = cc.memory_per_stage
+                if cc.custom_resources(i):
+                    opts["resources"] = cc.custom_resources(i)
                 actors.append(Actor.options(**opts).remote(args))
             replicas.append(actors)
 
@@ -437,10 +462,19 @@ def prepare_store(cfg) -> tuple[str, str]:
 
 
 def cluster_config_from_args(args) -> ClusterConfig:
+    import json
+
     mem = getattr(args, "memory_per_stage", None)
+    res = getattr(args, "stage_resources", None)
+    if res:
+        try:
+            res = json.loads(res)
+        except ValueError as e:
+            raise OscarError(f"--stage-resources is not JSON ({e}): {res!r}") from None
     return ClusterConfig(stages=args.stages or 1, replicas=args.replicas or 1, layers=getattr(args, "stage_layers", None),
                          cpus_per_stage=args.cpus_per_stage, gpus_per_stage=args.gpus_per_stage,
-                         memory_per_stage=int(mem * (1 << 30)) if mem else None, max_restarts=args.max_restarts)
+                         memory_per_stage=int(mem * (1 << 30)) if mem else None, max_restarts=args.max_restarts,
+                         stage_resources=res or None)
 
 
 def format_report(r: PipelineReport) -> str:
