@@ -56,6 +56,47 @@ def test_stage_resources_config():
         ClusterConfig(stages=1, stage_resources=["a"])
 
 
+def test_stage_refuses_out_of_sequence_micro_batches(tmp_path):
+    """What makes a redone block exactly-once inside a (restarted) stage, without Ray: a micro-batch
+    out of sequence is refused, a late call of an abandoned attempt does not break the current one,
+    and only a complete attempt writes the block."""
+    import numpy as np
+    import torch
+
+    from oscar.cluster.actors import StageArgs, StageStateError, StageWorker
+    from oscar.cluster.pipeline import prepare_store
+    from oscar.pipeline.calibrate import CalibConfig
+    from oscar.pipeline.store import CalibStore
+
+    o = _h.opts("tiny-llama", tmp_path / "s.zarr", blocks=2)
+    store, model_dir = prepare_store(CalibConfig(**o))
+    st = CalibStore(store)
+    L = st.num_layers
+    w = StageWorker(StageArgs(model_dir=model_dir, start=0, stop=L, store=store, job="t", sink=o["sink"],
+                              reservoir=o["reservoir"], seqs_per_block=2))
+    tok, msk = st.group["tokens"][:], st.group["mask"][:]
+
+    def x(b, m):
+        return {"input_ids": torch.from_numpy(tok[b, m:m + 1].astype(np.int64)),
+                "mask": torch.from_numpy(msk[b, m:m + 1].astype(np.int64))}
+
+    with pytest.raises(StageStateError):  # a fresh (restarted) stage never saw micro-batch 0
+        w.forward(0, 1, 2, 1, x(0, 1), "a")
+    w.forward(0, 0, 2, 0, x(0, 0), "b")
+    with pytest.raises(StageStateError):  # a late call of the abandoned attempt "a"
+        w.forward(0, 1, 2, 1, x(0, 1), "a")
+    assert not st.done()[0].any()
+    out = w.forward(0, 1, 2, 1, x(0, 1), "b")  # attempt "b" is intact and completes the block
+    assert out["written"] == list(range(L)) and CalibStore(store).done()[0].all()
+    w.forward(1, 0, 2, 0, x(1, 0), "c")
+    with pytest.raises(StageStateError):  # the same attempt out of order breaks it for good
+        w.forward(1, 2, 3, 0, x(1, 0), "c")
+    with pytest.raises(StageStateError):
+        w.forward(1, 1, 2, 1, x(1, 1), "c")
+    assert not CalibStore(store).done()[1].any()
+    w.close()
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(300)
