@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -251,12 +252,12 @@ class LocalWorkerNode:
         return sorted(set(killed))
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM `ray start --block` (it stops what it started), then SIGKILL what is left."""
-        if self.proc is None:
-            return
-        try:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=timeout)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            pass
-        self.kill()
+        """SIGTERM `ray start --block` (it stops what it started), SIGKILL what is left, remove the temp dir."""
+        if self.proc is not None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+            self.kill()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

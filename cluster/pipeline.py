@@ -56,7 +56,8 @@ class ClusterConfig:
     max_block_attempts: int = 6          # per block, before giving up
     lookahead: int = 2                   # blocks in flight per replica
     dtype: str = "float32"
-    placement_timeout: float = 120.0
+    placement_timeout: float = 120.0    # seconds to place the stages (and to re-place them after a node loss)
+    startup_timeout: float = 1800.0     # seconds for a stage actor to load its layers (also after a restart)
     throttle_s: float = 0.0              # sleep after each micro-batch (tests; sharing a busy node)
 
     def __post_init__(self):
@@ -109,6 +110,7 @@ class PipelineReport:
     tokens_per_second: float
     bubble: float                        # 1 - mean stage busy time / wall time (measured)
     bubble_ideal: float                  # (N-1)/(M+N-1) for M micro-batches per replica
+    startup_seconds: float = 0.0         # actor start (layer loading) until every stage answered; in wall_seconds
     stage_stats: list[dict] = field(default_factory=list)
     unused_experts: dict = field(default_factory=dict)
 
@@ -291,6 +293,12 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                     opts["resources"] = cc.custom_resources(i)
                 actors.append(Actor.options(**opts).remote(args))
             replicas.append(actors)
+        t_start = time.time()
+        # Barrier: every stage has loaded its layers before the first micro-batch, so no stage
+        # computes while another is still loading (and the timed window holds no load time).
+        for actors in replicas:
+            _wait_alive(actors, timeout=cc.startup_timeout)
+        startup = time.time() - t_start
 
         # ---- the block loop
         queues = [deque(todo[r::cc.replicas]) for r in range(cc.replicas)]
@@ -299,7 +307,6 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         failures: list[str] = []
         done_blocks: list[int] = []
         bar = _progress(len(todo), progress)
-        t_start = time.time()
 
         def submit(r: int, b: int) -> None:
             attempts[b] = attempts.get(b, 0) + 1
@@ -348,7 +355,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                 if entry["failed"]:
                     failures.append(entry["failed"])
                     print(f"oscar: {entry['failed']}; redoing block {b}", file=sys.stderr)
-                    _wait_alive(replicas[entry["replica"]], timeout=cc.placement_timeout)
+                    _wait_alive(replicas[entry["replica"]], timeout=cc.placement_timeout + cc.startup_timeout)
                     queues[entry["replica"]].appendleft(b)
                 else:
                     done_blocks.append(b)
@@ -378,7 +385,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             store=str(store_path), stages=ranges, replicas=cc.replicas, micro_batch=cc.micro_batch,
             blocks_done=sorted(done_blocks), blocks_skipped=skipped, block_retries=len(failures), failures=failures,
             wall_seconds=wall, tokens=real_tokens, tokens_per_second=real_tokens / wall if wall > 0 else 0.0,
-            bubble=bubble, bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0,
+            bubble=bubble, bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup,
             stage_stats=stats, unused_experts={str(k): v for k, v in unused.items()})
     finally:
         for actors in replicas:  # also on errors: a long-lived caller must get its resources back
@@ -428,9 +435,13 @@ def _wait_alive(actors, timeout: float) -> None:
             try:
                 ray.get(a.ping.remote(), timeout=max(1.0, deadline - time.time()))
                 break
-            except (ray.exceptions.RayError, TimeoutError):
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
+                    msg = str(e).strip().splitlines()
+                    raise OscarError("a stage actor failed to start: " + (msg[-1] if msg else repr(e))) from None
                 if time.time() > deadline:
-                    raise OscarError(f"a stage actor did not come back within {timeout:.0f}s") from None
+                    raise OscarError(f"a stage actor did not answer within {timeout:.0f}s (loading its layers, "
+                                     f"or waiting for a node; cluster.startup_timeout)") from None
                 time.sleep(0.5)
 
 
@@ -481,7 +492,8 @@ def format_report(r: PipelineReport) -> str:
     ranges = ", ".join(f"{a}-{b - 1}" for a, b in r.stages)
     lines = [f"oscar calibrate (ray): {len(r.blocks_done)} blocks done, {r.blocks_skipped} already done, "
              f"{r.block_retries} redone after failures; {r.replicas} replica(s) x stages [{ranges}]",
-             f"  {r.tokens:,} tokens in {r.wall_seconds:.1f} s ({r.tokens_per_second:,.0f} tok/s incl. actor start); "
+             f"  {r.tokens:,} tokens in {r.wall_seconds:.1f} s ({r.tokens_per_second:,.0f} tok/s incl. "
+             f"{r.startup_seconds:.1f} s of actor start); "
              f"pipeline bubble {r.bubble:.1%} measured, {r.bubble_ideal:.1%} ideal for "
              f"{r.micro_batch}-sequence micro-batches"]
     for f in r.failures:
