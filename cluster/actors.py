@@ -72,6 +72,7 @@ class StageStats:
     first_call: float | None = None
     last_call: float | None = None
     node_id: str | None = None  # Ray node running this incarnation (None outside Ray)
+    torch_threads: int | None = None  # torch.get_num_threads() seen by the first micro-batch
 
 
 def router_modules(stage) -> dict[int, torch.nn.Module]:
@@ -143,7 +144,8 @@ class StageWorker:
     def forward(self, block: int, mb: int, n_mb: int, seq_offset: int, payload: dict, attempt: str = "") -> dict:
         """Run micro-batch `mb` (of `n_mb`) of `block`; write the block after the last one."""
         t0 = time.time()
-        self.stats.first_call = self.stats.first_call or t0
+        if self.stats.first_call is None:
+            self.stats.first_call, self.stats.torch_threads = t0, torch.get_num_threads()
         if mb == 0:
             self.cap.start_block(block)
             self.expert_counts = {l: torch.zeros(self.num_experts, dtype=torch.int64) for l in self.routers}

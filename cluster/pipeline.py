@@ -314,13 +314,16 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                 raise OscarError(f"block {b} failed {cc.max_block_attempts} times; last errors: {failures[-3:]}")
             tag = uuid.uuid4().hex[:8]
             tok, msk = tokens[b], masks[b]                       # (S, T)
+            rows = np.flatnonzero(msk.any(1))  # trailing all-padding rows are skipped, as on the single path
+            n_seq = int(rows[-1]) + 1 if rows.size else 1
+            nb = math.ceil(n_seq / cc.micro_batch)
             refs = []
-            for m in range(n_mb):
-                lo, hi = m * cc.micro_batch, min(S, (m + 1) * cc.micro_batch)
+            for m in range(nb):
+                lo, hi = m * cc.micro_batch, min(n_seq, (m + 1) * cc.micro_batch)
                 # int64 like the single-process path: the same mask dtype reaches create_causal_mask
                 x = {"input_ids": _tensor(tok[lo:hi].astype(np.int64)), "mask": _tensor(msk[lo:hi].astype(np.int64))}
                 for actor in replicas[r]:
-                    x = actor.forward.remote(b, m, n_mb, lo, x, tag)
+                    x = actor.forward.remote(b, m, nb, lo, x, tag)
                 refs.append(x)
             inflight[b] = {"replica": r, "refs": refs, "pending": set(refs), "failed": None}
 
