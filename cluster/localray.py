@@ -40,6 +40,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, worker_range: int, taken: list[int] = ()) -> tuple[list[int], int]:
+    """`n` distinct free ports besides `taken`, and the first port of a worker range
+    [w, w + worker_range] that holds none of them (Ray refuses to start on an overlap)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports and p not in taken:
+            ports.append(p)
+    fixed = [*taken, *ports]
+    while True:
+        w = free_port()
+        if w + worker_range < 65536 and not any(w <= p <= w + worker_range for p in fixed):
+            return ports, w
+
+
 class LocalHead:
     def __init__(self, num_cpus: int = 8, object_store_mb: int = 512, temp_dir: str | None = None,
                  resources: dict[str, float] | None = None, system_env: dict[str, str] | None = None):
@@ -74,13 +89,13 @@ class LocalHead:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def start(self, timeout: float = 180.0) -> "LocalHead":
-        wmin = free_port()
+        p, wmin = free_ports(7, 200, taken=[self.port, self.dashboard_port])
         ports = {
             "--port": self.port, "--dashboard-port": self.dashboard_port,
-            "--node-manager-port": free_port(), "--object-manager-port": free_port(),
-            "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
-            "--runtime-env-agent-port": free_port(), "--metrics-export-port": free_port(),
-            "--ray-client-server-port": free_port(),
+            "--node-manager-port": p[0], "--object-manager-port": p[1],
+            "--dashboard-agent-listen-port": p[2], "--dashboard-agent-grpc-port": p[3],
+            "--runtime-env-agent-port": p[4], "--metrics-export-port": p[5],
+            "--ray-client-server-port": p[6],
         }
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
@@ -204,15 +219,15 @@ class LocalWorkerNode:
         self.log = None
 
     def start(self, timeout: float = 120.0) -> "LocalWorkerNode":
-        wmin = free_port()
+        p, wmin = free_ports(6, 100)
         cmd = [sys.executable, "-c", _JOIN_ON_LOOPBACK, "start", "--block", f"--address={self.head.address}",
                "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
                f"--resources={json.dumps(self.resources)}", f"--temp-dir={self.temp_dir}",
                f"--object-store-memory={self.object_store_mb << 20}", "--disable-usage-stats",
                f"--min-worker-port={wmin}", f"--max-worker-port={wmin + 100}",
-               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-               f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+               f"--node-manager-port={p[0]}", f"--object-manager-port={p[1]}",
+               f"--dashboard-agent-listen-port={p[2]}", f"--dashboard-agent-grpc-port={p[3]}",
+               f"--runtime-env-agent-port={p[4]}", f"--metrics-export-port={p[5]}"]
         self.log = open(os.path.join(self.temp_dir, "ray-start.log"), "w")
         env = {**os.environ, **self.head.env}
         env.pop("RAY_ADDRESS", None)
