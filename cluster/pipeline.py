@@ -255,7 +255,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         skipped = store.num_blocks - len(todo)
         tokens = store.group["tokens"]
         masks = store.group["mask"]
-        n_mb = math.ceil(S / cc.micro_batch)
+        mb_per_block: dict[int, int] = {}  # micro-batches of each block submitted
 
         # ---- actors, one placement group per replica
         Actor = stage_actor_class()
@@ -316,15 +316,19 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             tok, msk = tokens[b], masks[b]                       # (S, T)
             rows = np.flatnonzero(msk.any(1))  # trailing all-padding rows are skipped, as on the single path
             n_seq = int(rows[-1]) + 1 if rows.size else 1
-            nb = math.ceil(n_seq / cc.micro_batch)
+            nb = mb_per_block[b] = math.ceil(n_seq / cc.micro_batch)
             refs = []
             for m in range(nb):
                 lo, hi = m * cc.micro_batch, min(n_seq, (m + 1) * cc.micro_batch)
                 # int64 like the single-process path: the same mask dtype reaches create_causal_mask
                 x = {"input_ids": _tensor(tok[lo:hi].astype(np.int64)), "mask": _tensor(msk[lo:hi].astype(np.int64))}
                 for actor in replicas[r]:
-                    x = actor.forward.remote(b, m, nb, lo, x, tag)
+                    x = actor.forward.remote(b, m, lo, x, tag)
                 refs.append(x)
+            # Each stage writes after its last micro-batch, in a call of its own: the next stage is
+            # already computing. Calls from one submitter run in order, so the commit precedes the
+            # next block's micro-batches on every stage.
+            refs += [actor.commit.remote(b, nb, tag) for actor in replicas[r]]
             inflight[b] = {"replica": r, "refs": refs, "pending": set(refs), "failed": None}
 
         def fill() -> None:
@@ -379,7 +383,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
 
         bubble = measured_bubble(stats)
         n = len(ranges)
-        m_total = n_mb * max(1, math.ceil(len(todo) / cc.replicas))
+        m_total = math.ceil(sum(mb_per_block.values()) / cc.replicas)  # micro-batches per replica
         real_tokens = int(sum(int(masks[b].sum()) for b in done_blocks))
         unused = unused_experts(CalibStore(store_path), moe_layers) if moe_layers else {}
         if unused:

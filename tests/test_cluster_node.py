@@ -81,18 +81,22 @@ def test_stage_refuses_out_of_sequence_micro_batches(tmp_path):
                 "mask": torch.from_numpy(msk[b, m:m + 1].astype(np.int64))}
 
     with pytest.raises(StageStateError):  # a fresh (restarted) stage never saw micro-batch 0
-        w.forward(0, 1, 2, 1, x(0, 1), "a")
-    w.forward(0, 0, 2, 0, x(0, 0), "b")
+        w.forward(0, 1, 1, x(0, 1), "a")
+    w.forward(0, 0, 0, x(0, 0), "b")
     with pytest.raises(StageStateError):  # a late call of the abandoned attempt "a"
-        w.forward(0, 1, 2, 1, x(0, 1), "a")
-    assert not st.done()[0].any()
-    out = w.forward(0, 1, 2, 1, x(0, 1), "b")  # attempt "b" is intact and completes the block
-    assert out["written"] == list(range(L)) and CalibStore(store).done()[0].all()
-    w.forward(1, 0, 2, 0, x(1, 0), "c")
+        w.forward(0, 1, 1, x(0, 1), "a")
+    with pytest.raises(StageStateError):  # attempt "b" has not seen micro-batch 1: nothing is written
+        w.commit(0, 2, "a")
+    assert not CalibStore(store).done()[0].any()
+    w.forward(0, 1, 1, x(0, 1), "b")  # attempt "b" is intact and completes the block
+    assert w.commit(0, 2, "b")["written"] == list(range(L)) and CalibStore(store).done()[0].all()
+    w.forward(1, 0, 0, x(1, 0), "c")
     with pytest.raises(StageStateError):  # the same attempt out of order breaks it for good
-        w.forward(1, 2, 3, 0, x(1, 0), "c")
+        w.forward(1, 2, 0, x(1, 0), "c")
     with pytest.raises(StageStateError):
-        w.forward(1, 1, 2, 1, x(1, 1), "c")
+        w.forward(1, 1, 1, x(1, 1), "c")
+    with pytest.raises(StageStateError):  # a stage asked to commit before its last micro-batch
+        w.commit(1, 2, "c")
     assert not CalibStore(store).done()[1].any()
     w.close()
 
