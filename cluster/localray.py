@@ -34,6 +34,11 @@ import urllib.request
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+# Ray's client loads the auth token once per process and keeps it, so every head this process
+# starts gets the same private token: a later head with a token of its own would refuse it.
+_PROCESS_TOKEN = uuid.uuid4().hex + uuid.uuid4().hex
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +74,7 @@ class LocalHead:
         # Token auth with a private token: the Jobs API and the GCS refuse anyone without it.
         self.token_path = os.path.join(self.temp_dir, "auth_token")
         with open(os.open(self.token_path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "w") as f:
-            f.write(uuid.uuid4().hex + uuid.uuid4().hex)
+            f.write(_PROCESS_TOKEN)
 
     @property
     def env(self) -> dict[str, str]:
