@@ -101,6 +101,27 @@ def test_stage_refuses_out_of_sequence_micro_batches(tmp_path):
     w.close()
 
 
+def check_failed_start_is_reported():
+    """A stage whose constructor fails stops the run at the start barrier with its own message,
+    instead of waiting out the timeout."""
+    import ray
+
+    from oscar.cluster.pipeline import _wait_alive
+
+    @ray.remote(num_cpus=0, max_restarts=2)
+    class Broken:
+        def __init__(self):
+            raise OscarError("model directory /nonexistent has no config.json")
+
+        def ping(self):
+            return True
+
+    t0 = time.time()
+    with pytest.raises(OscarError, match="failed to start.*no config.json"):
+        _wait_alive([Broken.remote()], timeout=120)
+    assert time.time() - t0 < 60
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(300)
@@ -129,6 +150,7 @@ def test_killed_worker_node_mid_run(tmp_path, tmp_path_factory):
             return _wait(lambda: next((x["NodeID"] for x in ray.nodes() if x["Alive"]
                                        and x["Resources"].get("victim")), None), 60, "the victim node to join")
 
+        check_failed_start_is_reported()
         first = add_victim()
         assert {x["NodeManagerAddress"] for x in ray.nodes()} == {"127.0.0.1"}  # loopback only
         lost: dict = {}
