@@ -122,6 +122,9 @@ class StageWorker:
         self.lock = WriterLock(args.store, self.layers, job=args.job).acquire()
         # MoE: count tokens routed to each expert (hook on the router: grouped expert kernels can't bypass it).
         self.routers = router_modules(self.stage)
+        if self.stage.spec.last and self.layers[-1] not in self.routers:
+            # the last stage's final MLP and norm are dead compute (no logits); an MoE router there still counts
+            self.cap.stop_after = self.layers[-1]
         self.num_experts = 0
         self.expert_counts: dict[int, torch.Tensor] = {}
         self._valid: torch.Tensor | None = None  # (mb*T,) bool: real tokens of the current micro-batch
@@ -166,7 +169,10 @@ class StageWorker:
                 hidden = self.stage.embed(payload["input_ids"].long())  # (mb, T, H)
             else:
                 hidden = payload["hidden"]
-            hidden = self.stage(hidden, attention_mask=mask)
+            try:
+                hidden = self.stage(hidden, attention_mask=mask)
+            except capture.StopForward:  # last stage: nothing after its last attention is needed
+                hidden = None
         self._valid = None
         self._expect = (block, mb + 1, attempt)
         out: dict = {"block": block, "mb": mb}
@@ -201,12 +207,11 @@ class StageWorker:
 
     def _write(self, block: int) -> None:
         arrays = self.cap.finish_block(self.layers)
-        for l in self.layers:
-            if self.store.done_at(block, l):
-                continue  # already committed (by an earlier attempt): never rewrite a done chunk
-            if l in self.expert_counts:  # before write_layer: its done marker is the commit point
+        todo = {l: arrays[l] for l in self.layers if not self.store.done_at(block, l)}  # never rewrite a done chunk
+        for l in todo:
+            if l in self.expert_counts:  # before write_block: the done markers are the commit point
                 self.store.put(f"layers/{l}/{EXPERT_ARRAY}", block, self.expert_counts[l].numpy())
-            self.store.write_layer(block, l, arrays[l])
+        self.store.write_block(block, todo)  # one filesystem sync for the stage's layers
         self.stats.blocks_written.append(block)
 
     # ------------------------------------------------------------------ introspection
