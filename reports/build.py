@@ -388,6 +388,10 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         st = goal.get("status", "not measured")
         det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× bf16 at {r['bits_per_element']:.2f} bits/elem" for r in goal.get("rows", []))
         md += [f"**Product goal — {goal['goal']}: {st.upper()}**" + (f" ({det})" if det else ""), ""]
+        for m, o in (goal.get("others") or {}).items():
+            det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× at {r['bits_per_element']:.2f} bits/elem"
+                            for r in o.get("rows", []))
+            md += [f"- the same check for `{m}`: {o.get('status', 'not measured')}" + (f" ({det})" if det else ""), ""]
     checks = acceptance(res, ppl)
     if checks:
         md += [md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
