@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from oscar.common import OscarError, attention_shapes, set_threads
+from oscar.pipeline.capture import StopForward
 
 EXPERT_ARRAY = "expert_tokens"  # layers/{l}/expert_tokens: int64 (B, E), MoE layers only
 
@@ -171,7 +172,7 @@ class StageWorker:
                 hidden = payload["hidden"]
             try:
                 hidden = self.stage(hidden, attention_mask=mask)
-            except capture.StopForward:  # last stage: nothing after its last attention is needed
+            except StopForward:  # last stage: nothing after its last attention is needed
                 hidden = None
         self._valid = None
         self._expect = (block, mb + 1, attempt)
