@@ -56,10 +56,11 @@ def random_rotation(H: int, D: int, device, seed: int = 0) -> LayerRotation:
                          clip_v=torch.full((H,), 0.9, device=device), k_mean=torch.randn(H, D, generator=g).to(device))
 
 
-def build_cache(H, D, batch, context, device, mode="minmax", key_axis="token", seed=0) -> tuple[PagedLayerCache, list[int]]:
+def build_cache(H, D, batch, context, device, mode="minmax", key_axis="token", seed=0,
+                param_dtype=torch.float16) -> tuple[PagedLayerCache, list[int]]:
     """One layer's cache with `batch` sequences of `context` tokens, each on its own pages."""
     cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=batch * (context // 16 + 1), max_seqs=batch,
-                      mode=mode, key_axis=key_axis, device=device)
+                      mode=mode, key_axis=key_axis, device=device, param_dtype=param_dtype)
     c = PagedLayerCache(cfg, random_rotation(H, D, device, seed))
     g = torch.Generator(device=device).manual_seed(seed)
     seqs = []
@@ -84,7 +85,7 @@ def kernel_bytes(c: PagedLayerCache, seqs: list[int]) -> int:
         total += 2 * n_hist * H * cfg.packed_dim  # K and V codes
         if cfg.mode != "static":
             k_meta = lay.num_pages * H * D if cfg.key_axis == "channel" else n_hist * H * cfg.groups
-            total += 2 * 2 * (k_meta + n_hist * H * cfg.groups)  # fp16 scale + zero, K and V
+            total += 2 * c.k_scale.element_size() * (k_meta + n_hist * H * cfg.groups)  # scale + zero, K and V
         total += 2 * (lay.sink_len + lay.ring_len) * H * D * esz
         total += 4 * lay.num_pages
     return total
@@ -190,7 +191,7 @@ def flashinfer_decode(q, k, v, page_size=16):
     return lambda: w.run(q, kv)
 
 
-def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False) -> dict:
+def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False, param_dtype=torch.float16) -> dict:
     """dry_run: the same code path on CPU under TRITON_INTERPRET=1 with tiny sizes (checks the script, times nothing real)."""
     import triton.testing
 
@@ -209,7 +210,7 @@ def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False) -> d
            "copy_bandwidth_Bps": copy_bw, "shape": name, "kv_heads": H, "q_heads": H * G, "head_dim": D, "rows": []}
     config = DecodeConfig()
     if tune:  # a small sweep at 32k, batch 1; the best config is used for the table
-        c, seqs = build_cache(H, D, 1, max(contexts) if dry_run else 32768, dev)
+        c, seqs = build_cache(H, D, 1, max(contexts) if dry_run else 32768, dev, param_dtype=param_dtype)
         q = torch.randn(1, H * G, D, device=dev, dtype=torch.bfloat16)
         sweep = []
         for bn in ((32,) if dry_run else (32, 64, 128)):
@@ -232,7 +233,7 @@ def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False) -> d
             row = {"batch": B, "context": n}
             c = seqs = k = v = fi = None
             try:
-                c, seqs = build_cache(H, D, B, n, dev)
+                c, seqs = build_cache(H, D, B, n, dev, param_dtype=param_dtype)
                 q = torch.randn(B, H * G, D, device=dev, dtype=torch.bfloat16)
                 ms = bench(lambda: decode_attention(q, c, seqs, config=config))
                 nbytes = kernel_bytes(c, seqs)
@@ -325,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--shape", choices=["smollm2", "glm"], default=None)
+    ap.add_argument("--param-dtype", choices=["float16", "float8_e4m3fn"], default="float16",
+                    help="CUDA: scale/zero storage of the INT2 pages (float8_e4m3fn: 8-bit, the 1/7 memory mode)")
     ap.add_argument("--dry-run", action="store_true", help="run the CUDA code path on CPU (TRITON_INTERPRET=1), tiny sizes")
     args = ap.parse_args(argv)
     out_path = Path(args.out or HERE / "results" / f"decode_{args.device}.json")
@@ -340,7 +343,8 @@ def main(argv=None) -> int:
     else:
         shape = GLM47 if args.shape != "smollm2" else SMOLLM2
         result = dict(meta, **bench_cuda([int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")],
-                                         shape, tune=not args.no_tune, dry_run=args.dry_run))
+                                         shape, tune=not args.no_tune, dry_run=args.dry_run,
+                                         param_dtype=getattr(torch, args.param_dtype)), param_dtype=args.param_dtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {out_path}")

@@ -1,4 +1,4 @@
-"""KV-cache memory per token by component, BF16 vs each INT2 mode, at a 32k context.
+"""KV-cache memory per token by component, BF16 vs each INT2 mode (fp16 and 8-bit scale/zero), at a 32k context.
 
     python bench/memory.py [--context 32768] [--live]
 
@@ -59,10 +59,10 @@ def main() -> None:
     for name, rep in res["models"].items():
         print(f"{name} {rep['shapes']}")
         for r in rep["rows"]:
-            print(f"  {r['format']:12s} {r['bits_per_element']:.3f} bits/elem  history 1/{1 / r['history_ratio_vs_bf16']:.2f}"
+            print(f"  {r['format']:14s} {r['bits_per_element']:.3f} bits/elem  history 1/{1 / r['history_ratio_vs_bf16']:.2f}"
                   f"  context({args.context}) 1/{1 / r['context_ratio_vs_bf16']:.2f}")
         for k, v in rep["targets"].items():
-            print(f"  target {k}: {'met' if v['met'] else 'MISSED'}")
+            print(f"  target {k}: {'met' if v['met'] else 'MISSED'}" + (f" by {v['met_by']}" if v.get("met_by") else ""))
     print(f"wrote {args.out}")
 
 

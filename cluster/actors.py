@@ -8,13 +8,15 @@ directly); `stage_actor_class()` wraps it with `ray.remote`. A stage:
 - receives micro-batches of one block in order: token ids (first stage) or hidden
   states (later stages) plus the padding mask, runs its layers, and passes the
   hidden states on through Ray's object store;
-- after the block's last micro-batch writes its layers' chunks and `done[b, l]`
-  markers (one owner per chunk), MoE expert token counts first.
+- on `commit` (called after the block's last micro-batch, so the next stage is
+  already computing) writes its layers' chunks and `done[b, l]` markers (one owner
+  per chunk), MoE expert token counts first.
 
 An actor restart re-runs the constructor and restores nothing in memory: the
 store is the state. A block whose micro-batches a stage did not all see (it
-restarted mid-block) is refused with `StageStateError` and the driver redoes
-the whole block; re-writing a block's chunks is idempotent (exactly once).
+restarted mid-block) is refused with `StageStateError` (at the next micro-batch
+or at `commit`) and the driver redoes the whole block; re-writing a block's
+chunks is idempotent (exactly once).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from oscar.common import OscarError, attention_shapes, set_threads
+from oscar.pipeline.capture import StopForward
 
 EXPERT_ARRAY = "expert_tokens"  # layers/{l}/expert_tokens: int64 (B, E), MoE layers only
 
@@ -71,6 +74,8 @@ class StageStats:
     blocks_written: list[int] = field(default_factory=list)
     first_call: float | None = None
     last_call: float | None = None
+    node_id: str | None = None  # Ray node running this incarnation (None outside Ray)
+    torch_threads: int | None = None  # torch.get_num_threads() seen by the first micro-batch
 
 
 def router_modules(stage) -> dict[int, torch.nn.Module]:
@@ -118,6 +123,9 @@ class StageWorker:
         self.lock = WriterLock(args.store, self.layers, job=args.job).acquire()
         # MoE: count tokens routed to each expert (hook on the router: grouped expert kernels can't bypass it).
         self.routers = router_modules(self.stage)
+        if self.stage.spec.last and self.layers[-1] not in self.routers:
+            # the last stage's final MLP and norm are dead compute (no logits); an MoE router there still counts
+            self.cap.stop_after = self.layers[-1]
         self.num_experts = 0
         self.expert_counts: dict[int, torch.Tensor] = {}
         self._valid: torch.Tensor | None = None  # (mb*T,) bool: real tokens of the current micro-batch
@@ -127,6 +135,7 @@ class StageWorker:
             gate.register_forward_hook(self._count_hook(l))
         self._expect: tuple[int, int, str] | None = None  # (block, next micro-batch, attempt)
         self.stats = StageStats(args.stage, args.replica, (args.start, args.stop), os.getpid(), t0, time.time() - t0)
+        self.stats.node_id = _ray_node_id()
 
     # ------------------------------------------------------------------ MoE counts
     def _count_hook(self, layer: int):
@@ -138,16 +147,19 @@ class StageWorker:
         return hook
 
     # ------------------------------------------------------------------ work
-    def forward(self, block: int, mb: int, n_mb: int, seq_offset: int, payload: dict, attempt: str = "") -> dict:
-        """Run micro-batch `mb` (of `n_mb`) of `block`; write the block after the last one."""
+    def forward(self, block: int, mb: int, seq_offset: int, payload: dict, attempt: str = "") -> dict:
+        """Run micro-batch `mb` of `block` (attempt `attempt`) and pass the hidden states on."""
         t0 = time.time()
-        self.stats.first_call = self.stats.first_call or t0
+        if self.stats.first_call is None:
+            self.stats.first_call, self.stats.torch_threads = t0, torch.get_num_threads()
         if mb == 0:
             self.cap.start_block(block)
             self.expert_counts = {l: torch.zeros(self.num_experts, dtype=torch.int64) for l in self.routers}
             self._expect = (block, 0, attempt)
         if self._expect != (block, mb, attempt):
-            got, self._expect = self._expect, None
+            got = self._expect
+            if got is None or got[2] == attempt:  # a late call of an abandoned attempt leaves the current one be
+                self._expect = None
             raise StageStateError(f"stage {self.args.stage} (layers {self.args.start}-{self.args.stop - 1}, pid "
                                   f"{os.getpid()}) got block {block} micro-batch {mb} but expected {got}: it lost "
                                   f"its in-memory state (restart); the block must be redone")
@@ -158,14 +170,13 @@ class StageWorker:
                 hidden = self.stage.embed(payload["input_ids"].long())  # (mb, T, H)
             else:
                 hidden = payload["hidden"]
-            hidden = self.stage(hidden, attention_mask=mask)
+            try:
+                hidden = self.stage(hidden, attention_mask=mask)
+            except StopForward:  # last stage: nothing after its last attention is needed
+                hidden = None
         self._valid = None
         self._expect = (block, mb + 1, attempt)
         out: dict = {"block": block, "mb": mb}
-        if mb == n_mb - 1:
-            self._write(block)
-            out["written"] = list(self.layers)
-            self._expect = None
         if not self.stage.spec.last:
             out.update(hidden=hidden, mask=mask)
         t1 = time.time()
@@ -176,14 +187,32 @@ class StageWorker:
         self.stats.last_call = t1
         return out
 
+    def commit(self, block: int, n_mb: int, attempt: str = "") -> dict:
+        """Write the block's chunks of this stage's layers once all `n_mb` micro-batches of this
+        attempt went through. A separate call after the last `forward`: the next stage already has
+        the last hidden states and computes while this one writes."""
+        t0 = time.time()
+        if self._expect != (block, n_mb, attempt):
+            got = self._expect
+            if got is None or got[2] == attempt:
+                self._expect = None
+            raise StageStateError(f"stage {self.args.stage} (layers {self.args.start}-{self.args.stop - 1}, pid "
+                                  f"{os.getpid()}) asked to commit block {block} after {n_mb} micro-batches but "
+                                  f"is at {got}: it lost its in-memory state (restart); the block must be redone")
+        self._write(block)
+        self._expect = None
+        t1 = time.time()
+        self.stats.busy_seconds += t1 - t0
+        self.stats.last_call = t1
+        return {"block": block, "written": list(self.layers)}
+
     def _write(self, block: int) -> None:
         arrays = self.cap.finish_block(self.layers)
-        for l in self.layers:
-            if self.store.done_at(block, l):
-                continue  # already committed (by an earlier attempt): never rewrite a done chunk
-            if l in self.expert_counts:  # before write_layer: its done marker is the commit point
+        todo = {l: arrays[l] for l in self.layers if not self.store.done_at(block, l)}  # never rewrite a done chunk
+        for l in todo:
+            if l in self.expert_counts:  # before write_block: the done markers are the commit point
                 self.store.put(f"layers/{l}/{EXPERT_ARRAY}", block, self.expert_counts[l].numpy())
-            self.store.write_layer(block, l, arrays[l])
+        self.store.write_block(block, todo)  # one filesystem sync for the stage's layers
         self.stats.blocks_written.append(block)
 
     # ------------------------------------------------------------------ introspection
@@ -203,6 +232,16 @@ class StageWorker:
 
     def close(self) -> None:
         self.lock.release()
+
+
+def _ray_node_id() -> str | None:
+    import sys
+
+    if "ray" not in sys.modules:  # a plain StageWorker outside Ray
+        return None
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def peak_rss_bytes() -> int:

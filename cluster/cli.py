@@ -91,6 +91,9 @@ def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
     g.add_argument("--cpus-per-stage", type=float, default=1.0)
     g.add_argument("--gpus-per-stage", type=float, default=0.0)
     g.add_argument("--memory-per-stage", type=float, default=None, metavar="GiB")
+    g.add_argument("--stage-resources", default=None, metavar="JSON",
+                   help='custom Ray resources per stage actor: {"res": 1} for every stage, or a list with one '
+                        'dict per stage, e.g. \'[{}, {"bigmem": 1}]\'')
     g.add_argument("--max-restarts", type=int, default=4, help="restarts per stage actor")
     single = p.get_default("func")
     p.set_defaults(func=lambda args: calibrate_dispatch(args, single))

@@ -48,12 +48,16 @@ class ClusterConfig:
     cpus_per_stage: float = 1.0
     gpus_per_stage: float = 0.0
     memory_per_stage: int | None = None  # bytes reserved per stage actor (Ray `memory` resource)
+    # custom Ray resources per stage actor: one dict for every stage, or a list with one dict per
+    # stage, e.g. [{}, {"bigmem": 1}] steers stage 1 onto nodes started with --resources '{"bigmem": 1}'
+    stage_resources: dict[str, float] | list[dict[str, float]] | None = None
     threads_per_stage: int | None = None  # torch threads (default: cpus_per_stage, at least 1)
     max_restarts: int = 4                # per actor
     max_block_attempts: int = 6          # per block, before giving up
     lookahead: int = 2                   # blocks in flight per replica
     dtype: str = "float32"
-    placement_timeout: float = 120.0
+    placement_timeout: float = 120.0    # seconds to place the stages (and to re-place them after a node loss)
+    startup_timeout: float = 1800.0     # seconds for a stage actor to load its layers (also after a restart)
     throttle_s: float = 0.0              # sleep after each micro-batch (tests; sharing a busy node)
 
     def __post_init__(self):
@@ -62,6 +66,19 @@ class ClusterConfig:
                 raise OscarError(f"cluster.{k} must be >= 1, got {getattr(self, k)}")
         if self.cpus_per_stage <= 0 or self.gpus_per_stage < 0:
             raise OscarError("cluster.cpus_per_stage must be > 0 and gpus_per_stage >= 0")
+        sr = self.stage_resources
+        if sr is not None:
+            items = sr if isinstance(sr, list) else [sr]
+            for d in items:
+                if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                                                      for k, v in d.items()):
+                    raise OscarError(f"cluster.stage_resources must be a dict of resource -> amount >= 0, or a "
+                                     f"list of such dicts (one per stage); got {sr!r}")
+                if set(d) & {"CPU", "GPU", "memory"}:
+                    raise OscarError("cluster.stage_resources holds custom resources only; CPU, GPU and memory "
+                                     "come from cpus_per_stage, gpus_per_stage and memory_per_stage")
+            if isinstance(sr, list) and len(sr) != self.stages:
+                raise OscarError(f"cluster.stage_resources lists {len(sr)} stages but stages is {self.stages}")
 
     @property
     def threads(self) -> int:
@@ -70,6 +87,12 @@ class ClusterConfig:
     @property
     def device(self) -> str:
         return "cuda" if self.gpus_per_stage > 0 else "cpu"
+
+    def custom_resources(self, stage: int) -> dict[str, float]:
+        sr = self.stage_resources
+        if not sr:
+            return {}
+        return dict(sr[stage] if isinstance(sr, list) else sr)
 
 
 @dataclass
@@ -87,6 +110,7 @@ class PipelineReport:
     tokens_per_second: float
     bubble: float                        # 1 - mean stage busy time / wall time (measured)
     bubble_ideal: float                  # (N-1)/(M+N-1) for M micro-batches per replica
+    startup_seconds: float = 0.0         # actor start (layer loading) until every stage answered; in wall_seconds
     stage_stats: list[dict] = field(default_factory=list)
     unused_experts: dict = field(default_factory=dict)
 
@@ -231,7 +255,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         skipped = store.num_blocks - len(todo)
         tokens = store.group["tokens"]
         masks = store.group["mask"]
-        n_mb = math.ceil(S / cc.micro_batch)
+        mb_per_block: dict[int, int] = {}  # micro-batches of each block submitted
 
         # ---- actors, one placement group per replica
         Actor = stage_actor_class()
@@ -239,7 +263,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         if cc.memory_per_stage:
             bundle["memory"] = cc.memory_per_stage
         for r in range(cc.replicas):
-            pg = placement_group([dict(bundle) for _ in ranges],
+            pg = placement_group([{**bundle, **cc.custom_resources(i)} for i in range(len(ranges))],
                                  strategy="STRICT_PACK" if cc.gpus_per_stage else "PACK",
                                  name=f"oscar-{job}-r{r}")
             pgs.append(pg)
@@ -247,7 +271,8 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             ray.get([pg.ready() for pg in pgs], timeout=cc.placement_timeout)
         except ray.exceptions.GetTimeoutError:
             raise OscarError(
-                f"cannot place {cc.replicas} replica(s) x {len(ranges)} stages of {bundle} within "
+                f"cannot place {cc.replicas} replica(s) x {len(ranges)} stages of {bundle}"
+                f"{' + ' + str(cc.stage_resources) if cc.stage_resources else ''} within "
                 f"{cc.placement_timeout:.0f}s; the cluster offers {ray.cluster_resources()}") from None
         for r, pg in enumerate(pgs):
             actors = []
@@ -264,8 +289,16 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                                 placement_group=pg, placement_group_bundle_index=i))
                 if cc.memory_per_stage:
                     opts["memory"] = cc.memory_per_stage
+                if cc.custom_resources(i):
+                    opts["resources"] = cc.custom_resources(i)
                 actors.append(Actor.options(**opts).remote(args))
             replicas.append(actors)
+        t_start = time.time()
+        # Barrier: every stage has loaded its layers before the first micro-batch, so no stage
+        # computes while another is still loading (and the timed window holds no load time).
+        for actors in replicas:
+            _wait_alive(actors, timeout=cc.startup_timeout)
+        startup = time.time() - t_start
 
         # ---- the block loop
         queues = [deque(todo[r::cc.replicas]) for r in range(cc.replicas)]
@@ -274,7 +307,6 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         failures: list[str] = []
         done_blocks: list[int] = []
         bar = _progress(len(todo), progress)
-        t_start = time.time()
 
         def submit(r: int, b: int) -> None:
             attempts[b] = attempts.get(b, 0) + 1
@@ -282,14 +314,21 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                 raise OscarError(f"block {b} failed {cc.max_block_attempts} times; last errors: {failures[-3:]}")
             tag = uuid.uuid4().hex[:8]
             tok, msk = tokens[b], masks[b]                       # (S, T)
+            rows = np.flatnonzero(msk.any(1))  # trailing all-padding rows are skipped, as on the single path
+            n_seq = int(rows[-1]) + 1 if rows.size else 1
+            nb = mb_per_block[b] = math.ceil(n_seq / cc.micro_batch)
             refs = []
-            for m in range(n_mb):
-                lo, hi = m * cc.micro_batch, min(S, (m + 1) * cc.micro_batch)
+            for m in range(nb):
+                lo, hi = m * cc.micro_batch, min(n_seq, (m + 1) * cc.micro_batch)
                 # int64 like the single-process path: the same mask dtype reaches create_causal_mask
                 x = {"input_ids": _tensor(tok[lo:hi].astype(np.int64)), "mask": _tensor(msk[lo:hi].astype(np.int64))}
                 for actor in replicas[r]:
-                    x = actor.forward.remote(b, m, n_mb, lo, x, tag)
+                    x = actor.forward.remote(b, m, lo, x, tag)
                 refs.append(x)
+            # Each stage writes after its last micro-batch, in a call of its own: the next stage is
+            # already computing. Calls from one submitter run in order, so the commit precedes the
+            # next block's micro-batches on every stage.
+            refs += [actor.commit.remote(b, nb, tag) for actor in replicas[r]]
             inflight[b] = {"replica": r, "refs": refs, "pending": set(refs), "failed": None}
 
         def fill() -> None:
@@ -323,7 +362,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
                 if entry["failed"]:
                     failures.append(entry["failed"])
                     print(f"oscar: {entry['failed']}; redoing block {b}", file=sys.stderr)
-                    _wait_alive(replicas[entry["replica"]], timeout=cc.placement_timeout)
+                    _wait_alive(replicas[entry["replica"]], timeout=cc.placement_timeout + cc.startup_timeout)
                     queues[entry["replica"]].appendleft(b)
                 else:
                     done_blocks.append(b)
@@ -344,7 +383,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
 
         bubble = measured_bubble(stats)
         n = len(ranges)
-        m_total = n_mb * max(1, math.ceil(len(todo) / cc.replicas))
+        m_total = math.ceil(sum(mb_per_block.values()) / cc.replicas)  # micro-batches per replica
         real_tokens = int(sum(int(masks[b].sum()) for b in done_blocks))
         unused = unused_experts(CalibStore(store_path), moe_layers) if moe_layers else {}
         if unused:
@@ -353,7 +392,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             store=str(store_path), stages=ranges, replicas=cc.replicas, micro_batch=cc.micro_batch,
             blocks_done=sorted(done_blocks), blocks_skipped=skipped, block_retries=len(failures), failures=failures,
             wall_seconds=wall, tokens=real_tokens, tokens_per_second=real_tokens / wall if wall > 0 else 0.0,
-            bubble=bubble, bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0,
+            bubble=bubble, bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup,
             stage_stats=stats, unused_experts={str(k): v for k, v in unused.items()})
     finally:
         for actors in replicas:  # also on errors: a long-lived caller must get its resources back
@@ -403,9 +442,13 @@ def _wait_alive(actors, timeout: float) -> None:
             try:
                 ray.get(a.ping.remote(), timeout=max(1.0, deadline - time.time()))
                 break
-            except (ray.exceptions.RayError, TimeoutError):
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
+                    msg = str(e).strip().splitlines()
+                    raise OscarError("a stage actor failed to start: " + (msg[-1] if msg else repr(e))) from None
                 if time.time() > deadline:
-                    raise OscarError(f"a stage actor did not come back within {timeout:.0f}s") from None
+                    raise OscarError(f"a stage actor did not answer within {timeout:.0f}s (loading its layers, "
+                                     f"or waiting for a node; cluster.startup_timeout)") from None
                 time.sleep(0.5)
 
 
@@ -437,17 +480,27 @@ def prepare_store(cfg) -> tuple[str, str]:
 
 
 def cluster_config_from_args(args) -> ClusterConfig:
+    import json
+
     mem = getattr(args, "memory_per_stage", None)
+    res = getattr(args, "stage_resources", None)
+    if res:
+        try:
+            res = json.loads(res)
+        except ValueError as e:
+            raise OscarError(f"--stage-resources is not JSON ({e}): {res!r}") from None
     return ClusterConfig(stages=args.stages or 1, replicas=args.replicas or 1, layers=getattr(args, "stage_layers", None),
                          cpus_per_stage=args.cpus_per_stage, gpus_per_stage=args.gpus_per_stage,
-                         memory_per_stage=int(mem * (1 << 30)) if mem else None, max_restarts=args.max_restarts)
+                         memory_per_stage=int(mem * (1 << 30)) if mem else None, max_restarts=args.max_restarts,
+                         stage_resources=res or None)
 
 
 def format_report(r: PipelineReport) -> str:
     ranges = ", ".join(f"{a}-{b - 1}" for a, b in r.stages)
     lines = [f"oscar calibrate (ray): {len(r.blocks_done)} blocks done, {r.blocks_skipped} already done, "
              f"{r.block_retries} redone after failures; {r.replicas} replica(s) x stages [{ranges}]",
-             f"  {r.tokens:,} tokens in {r.wall_seconds:.1f} s ({r.tokens_per_second:,.0f} tok/s incl. actor start); "
+             f"  {r.tokens:,} tokens in {r.wall_seconds:.1f} s ({r.tokens_per_second:,.0f} tok/s incl. "
+             f"{r.startup_seconds:.1f} s of actor start); "
              f"pipeline bubble {r.bubble:.1%} measured, {r.bubble_ideal:.1%} ideal for "
              f"{r.micro_batch}-sequence micro-batches"]
     for f in r.failures:

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar.common import OscarError, attention_shapes
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, layout
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, layout
 from oscar.stats.artifact import Artifact, QuantConfig, load_artifact
 
 ATTN_NAME = "oscar"
@@ -147,7 +147,16 @@ class OscarLayer(CacheLayerMixin):
                 slots = (torch.arange(c0, n0, device=pc.ring_k.device) - cfg.sink) % cfg.ring_size
                 sl = torch.tensor(o.seqs, device=slots.device)
                 tail_old = (pc.ring_k[sl][:, :, slots], pc.ring_v[sl][:, :, slots])  # (B, H, n0 - c0, D)
-        pc.append_batch(o.seqs, key_states, value_states)  # all-or-nothing (PoolExhausted before any write)
+        if o.broken:
+            raise OscarError(f"this OscarCache is unusable after a refused update: {o.broken}")
+        try:
+            pc.append_batch(o.seqs, key_states, value_states)  # all-or-nothing (PoolExhausted before any write)
+        except ParamRangeError as e:
+            # 8-bit params: layer l learns its range only now, after layers < l appended this chunk
+            if self.idx:
+                o.broken = (f"layer {self.idx} refused the chunk that layers 0..{self.idx - 1} already hold "
+                            "(8-bit scale/zero range); build a new cache with param_dtype='float16'")
+            raise ParamRangeError(f"layer {self.idx}: {e}" + (f"; {o.broken}" if self.idx else "")) from e
         self.n = n1
         self._chunk = (n0, key_states, value_states, tail_old)
         key_states._oscar_layer = self
@@ -298,6 +307,7 @@ class OscarCache(Cache):
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.max_len = int(max_len or min(getattr(c, "max_position_embeddings", 32768) or 32768, 32768))
         self.max_pages, self.max_seqs, self.backend, self.store_dtype = max_pages, max_seqs, backend, dtype
+        self.broken: str | None = None  # why the layers disagree after a refused 8-bit-param update
         self.pool: PagedKVCache | None = pool
         self.seqs: list[int] = []
         if pool is None:

@@ -37,11 +37,14 @@ def memory_cmd(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(f"{args.model}: {rep['shapes']}  context {args.context}")
-        print(f"{'format':12s} {'bits/elem':>9s} {'hist B/tok':>10s} {'vs bf16':>8s} {'ctx MiB':>9s} {'vs bf16':>8s}")
+        print(f"{'format':14s} {'bits/elem':>9s} {'hist B/tok':>10s} {'vs bf16':>8s} {'ctx MiB':>9s} {'vs bf16':>8s}")
         for r in rep["rows"]:
-            print(f"{r['format']:12s} {r['bits_per_element']:9.3f} {r['history_bytes_per_token_total']:10.1f} "
+            print(f"{r['format']:14s} {r['bits_per_element']:9.3f} {r['history_bytes_per_token_total']:10.1f} "
                   f"1/{1 / r['history_ratio_vs_bf16']:<6.2f} {r['context_bytes_total'] / 2**20:9.2f} "
                   f"1/{1 / r['context_ratio_vs_bf16']:<6.2f}")
         for k, v in rep["targets"].items():
-            print(f"target {k}: {'met' if v['met'] else 'MISSED'}  {v.get('why', '')}")
+            by = f" by {v['met_by']}" if v.get("met_by") else ""
+            print(f"target {k}: {'met' if v['met'] else 'MISSED'}{by}  {v.get('why', '')}")
+            for name, r in v.get("rows", {}).items():
+                print(f"  {name:14s} 1/{1 / r['ratio']:.2f} {'met' if r['met'] else 'missed'}  {r.get('why', '')}")
     return 0

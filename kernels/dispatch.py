@@ -83,7 +83,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
 def quantize_pages(cache: PagedLayerCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Quantize + pack whole pages k, v (N, Hkv, P, D) (rotated, cfg.dtype) into the pool at ids (N,).
 
-    The Triton quantizer computes the default format only; the published OSCAR format
+    The Triton quantizer computes ratio clips with fp16 or 8-bit (e4m3) scale/zero; the published OSCAR format
     (row-quantile clips, float32 scale/zero) is quantized by the reference on every device."""
     impl = None
     if backend(k.device) == "triton":

@@ -6,7 +6,7 @@ Per layer (one `PagedLayerCache` per attention layer; `PagedKVCache` groups them
     ring      (max_seqs, Hkv, R + P, D)    cfg.dtype  recent window (ring buffer)
     k_codes   (num_pages, Hkv, P, D*bits/8) uint8     packed INT2 history, 4 codes per byte
     v_codes   (num_pages, Hkv, P, D*bits/8) uint8
-    k_scale, k_zero   fp16 (cfg.param_dtype; float32 for the published format), by mode:
+    k_scale, k_zero   fp16 (cfg.param_dtype: float8_e4m3fn for 8-bit params, float32 for the published format), by mode:
         minmax / token axis : (num_pages, Hkv, P, D // G)   one pair per token and channel group
         minmax / channel    : (num_pages, Hkv, D)           KIVI: one pair per channel per page
         static              : (Hkv, D)                      layer constants from the artifact clips
@@ -38,7 +38,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from oscar.common import OscarError
-from oscar.kernels.quant import QuantSpec, choose_qparams
+from oscar.kernels.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
 from oscar.stats.artifact import Artifact, QuantConfig
 
 
@@ -46,13 +46,17 @@ class PoolExhausted(OscarError):
     """Raised when an append needs more free pages than the pool has (nothing was written)."""
 
 
+class ParamRangeError(OscarError):
+    """Raised when a page to quantize has values that 8-bit (e4m3) scale/zero cannot hold (nothing was written)."""
+
+
 @dataclass
 class PagedConfig:
     """Shape and format of one layer's paged cache (all layers of a model share it).
 
     mode / key_axis / group_size / bits have the meaning of `QuantConfig`:
-    mode="minmax" stores fp16 scale+zero per token and channel group (per channel
-    and page for key_axis="channel"); mode="static" stores no per-token metadata
+    mode="minmax" stores scale+zero (param_dtype: fp16, 8-bit e4m3, or fp32) per token
+    and channel group (per channel and page for key_axis="channel"); mode="static" stores no per-token metadata
     (grid [-c, c] with c the artifact's clip thresholds, exactly `bits` bits per
     element). A 16-bit pass-through cache is ``recent >= max context``: no token
     ever leaves the ring (see `PagedConfig.passthrough`).
@@ -73,7 +77,8 @@ class PagedConfig:
     device: str | torch.device = "cpu"
     max_pages_per_seq: int | None = None  # block table width; None = num_pages
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"  # minmax: how the clip ratio applies (kernels.quant)
-    param_dtype: torch.dtype = torch.float16  # minmax scale/zero storage (float32: the published OSCAR format)
+    param_dtype: torch.dtype = torch.float16  # minmax scale/zero storage (float8_e4m3fn: 8-bit params, directed
+    # rounding, see kernels.quant; float32: the published OSCAR format)
     # derived
     ring_size: int = field(init=False)  # R + P slots per sequence
     packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row
@@ -88,8 +93,9 @@ class PagedConfig:
             raise ValueError(f"head_dim {D} * bits {self.bits} is not a whole number of bytes")
         if self.mode == "static" and self.key_axis == "channel":
             raise ValueError("mode='static' has no per-channel page metadata; use key_axis='token'")
-        if self.param_dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"param_dtype must be torch.float16 or torch.float32, got {self.param_dtype}")
+        if self.param_dtype not in (torch.float16, torch.float32, FP8_PARAM):
+            raise ValueError(f"param_dtype must be torch.float16, torch.float32 or torch.float8_e4m3fn, "
+                             f"got {self.param_dtype}")
         if self.clip_rule == "row-quantile" and (self.mode != "minmax" or self.key_axis != "token"):
             raise ValueError("clip_rule='row-quantile' clamps token rows: needs mode='minmax' and key_axis='token'")
         self.value_spec  # validates group_size
@@ -387,14 +393,11 @@ class PagedLayerCache:
         kr = self.rot.rotate_k(k).to(cfg.dtype)  # (B, Hkv, T, D) rotated, rounded to storage dtype
         vr = self.rot.rotate_v(v).to(cfg.dtype)
         S, P, C = cfg.sink, cfg.page_size, cfg.ring_size
-        new_pages, page_k, page_v = [], [], []
+        # the tokens [a, e) that leave the window (a whole number of pages) of each sequence, gathered
+        # before anything is written so a refused append (fp8 range) changes nothing
+        leaving = {}
         for b, (s, n0, l0, l1) in enumerate(plans):
-            n1 = n0 + T
-            if n0 < S:  # sink
-                e = min(S, n1)
-                self.sink_k[s, :, n0:e] = kr[b, :, : e - n0]
-                self.sink_v[s, :, n0:e] = vr[b, :, : e - n0]
-            if l1.num_pages > l0.num_pages:  # tokens [a, e) leave the window, a whole number of pages
+            if l1.num_pages > l0.num_pages:
                 a, e = S + l0.num_pages * P, S + l1.num_pages * P
                 t = torch.arange(a, e, device=k.device)
                 old = t < n0
@@ -403,6 +406,18 @@ class PagedLayerCache:
                 slots = (t[old] - S) % C
                 tk[:, old], tv[:, old] = self.ring_k[s][:, slots], self.ring_v[s][:, slots]
                 tk[:, ~old], tv[:, ~old] = kr[b][:, t[~old] - n0], vr[b][:, t[~old] - n0]
+                leaving[b] = (tk, tv)
+        if leaving and cfg.param_dtype == FP8_PARAM and cfg.mode == "minmax":
+            self._check_fp8_range(leaving)
+        new_pages, page_k, page_v = [], [], []
+        for b, (s, n0, l0, l1) in enumerate(plans):
+            n1 = n0 + T
+            if n0 < S:  # sink
+                e = min(S, n1)
+                self.sink_k[s, :, n0:e] = kr[b, :, : e - n0]
+                self.sink_v[s, :, n0:e] = vr[b, :, : e - n0]
+            if b in leaving:
+                tk, tv = leaving[b]
                 npg = l1.num_pages - l0.num_pages
                 ids = [self.free_pages.pop() for _ in range(npg)]
                 for p in ids:
@@ -421,6 +436,19 @@ class PagedLayerCache:
         if new_pages:
             ids = torch.tensor(new_pages, device=k.device, dtype=torch.int64)
             quantize_pages(self, ids, torch.cat(page_k), torch.cat(page_v))
+
+    def _check_fp8_range(self, leaving: dict) -> None:
+        """8-bit scale/zero (e4m3, finite range +-448) need every value entering a page within +-448.
+
+        Checked once per page flush (a device sync every page_size decode steps, fp8 pools only)."""
+        for name, i in (("keys", 0), ("values", 1)):
+            m = torch.stack([torch.nan_to_num(x[i].float().abs(), nan=float("inf")).amax() for x in leaving.values()])
+            worst = float(m.max())
+            if not worst <= FP8_MAX:
+                raise ParamRangeError(
+                    f"rotated {name} entering INT2 pages reach |x| = {worst:.4g}, beyond what 8-bit (e4m3) scale/zero "
+                    f"can hold (+-{FP8_MAX:g}); nothing was written. Use param_dtype float16 for this model "
+                    f"(docs/decisions.md: 8-bit scale/zero range)")
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, batched: bool) -> None:
         cfg = self.cfg

@@ -14,6 +14,16 @@ Conventions
 - ``scale`` and ``zero`` are rounded to ``spec.param_dtype`` (fp16 by default)
   *before* quantizing, so the reference reproduces what a kernel that stores
   fp16 parameters computes.
+- 8-bit parameters (``param_dtype=torch.float8_e4m3fn``, FP8_PARAM): 3 mantissa bits
+  make round-to-nearest params too coarse to keep the grid on the data, so they are
+  rounded *directionally, first*: ``zero = fp8_down(lo)`` (largest e4m3 <= lo), then
+  ``scale = fp8_up(max((hi - zero) / levels, 1e-8))`` (smallest e4m3 >= it), so
+  ``[zero, zero + levels * scale]`` still covers ``[lo, hi]``; codes are then chosen
+  against that rounded grid (the same rule as above). e4m3 has no inf and torch
+  saturates on conversion, so a group whose range leaves [-448, 448] (or holds a
+  NaN) raises ``ValueError`` instead of being silently clamped; tiny
+  ranges lose nothing but precision (scales round up to at least 2**-9). Static mode
+  stores no per-token parameters; its layer constants stay fp16 whatever param_dtype says.
 - Groups. ``axis="token"``: each token's D channels split in groups of
   ``group_size`` (default D), one (scale, zero) per token and group.
   ``axis="channel"`` (KIVI keys): each channel over a group of ``group_size``
@@ -34,6 +44,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+FP8_PARAM = torch.float8_e4m3fn  # the 8-bit scale/zero format
+FP8_MAX = 448.0  # largest finite e4m3fn
+PARAM_DTYPES = (torch.float16, torch.float32, FP8_PARAM)
 
 Axis = Literal["token", "channel"]
 Mode = Literal["minmax", "static"]
@@ -61,6 +75,8 @@ class QuantSpec:
             raise ValueError(f"clip_rule must be 'ratio' or 'row-quantile', got {self.clip_rule!r}")
         if self.axis == "channel" and not self.group_size:
             raise ValueError("axis='channel' needs group_size (tokens per group)")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype}")
 
     @property
     def levels(self) -> int:
@@ -147,8 +163,43 @@ def choose_qparams(
         if clip is not None:
             r = torch.as_tensor(clip, dtype=torch.float32, device=x.device)
             lo, hi = lo * r, hi * r
+    if spec.param_dtype == FP8_PARAM:
+        if spec.mode == "static":  # per-layer constants, no per-token metadata: kept fp16 (what the cache stores)
+            scale = ((hi - lo) / spec.levels).clamp_min(1e-8)
+            return scale.to(torch.float16), lo.to(torch.float16)
+        return _fp8_params(lo, hi, spec.levels)
     scale = ((hi - lo) / spec.levels).clamp_min(1e-8)
     return scale.to(spec.param_dtype), lo.to(spec.param_dtype)
+
+
+def fp8_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x (float32) to the nearest e4m3fn value >= x (up=True) or <= x (up=False): exact directed rounding.
+
+    Raises ValueError for |x| > 448 or NaN: torch's conversion would saturate them silently."""
+    x = x.float()
+    if not bool((x.abs() <= FP8_MAX).all()):
+        bad = x[~(x.abs() <= FP8_MAX)]
+        raise ValueError(f"an 8-bit (e4m3) scale/zero cannot hold {bad.abs().max().item():.4g} (finite range "
+                         f"+-{FP8_MAX:g}, {bad.numel()} value(s)): this range needs param_dtype=torch.float16")
+    neg = x < 0
+    mag = x.abs()
+    m = mag.to(FP8_PARAM).view(torch.uint8)  # magnitude, round to nearest even: one of the two neighbours
+    mf = m.view(FP8_PARAM).float()
+    grow = neg ^ up  # the magnitude rounds up when rounding up a positive or down a negative value
+    # e4m3 magnitudes are monotone in their bit pattern: one step is +-1 (<= 126 = 448 since |x| <= 448)
+    m = torch.where(grow & (mf < mag), m + 1, torch.where(~grow & (mf > mag), m - 1, m))
+    return (m | (neg.to(torch.uint8) << 7)).view(FP8_PARAM)
+
+
+def _fp8_params(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Directed 8-bit rounding, params first: zero = fp8_down(lo), scale = fp8_up((hi - zero) / levels).
+
+    Needs every group range inside [-448, 448] (then the scale is at most 896/levels): ValueError otherwise."""
+    if not bool((hi.abs() <= FP8_MAX).all()):
+        fp8_round(hi, up=True)  # raises with the offending value
+    zero = fp8_round(lo, up=False)
+    scale = fp8_round(((hi - zero.float()) / levels).clamp_min(1e-8), up=True)
+    return scale, zero
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

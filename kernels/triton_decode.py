@@ -16,6 +16,11 @@ One query token per sequence, B sequences of different lengths. Three launches:
 
 Context layout per sequence is recomputed from its length (paged.layout), so the
 kernel only needs lengths, block tables and sequence slots.
+
+8-bit scale/zero (cfg.param_dtype = float8_e4m3fn, PARAM_FP8=True) are read as bytes
+through a uint8 view and decoded to fp32 in registers (a few integer ops per parameter,
+i.e. per token and group, or per channel and page for KIVI keys): no native fp8 type is
+needed, so the same kernel runs on any GPU and in the interpreter.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import triton
 import triton.language as tl
 
 from oscar.kernels.paged import PagedLayerCache
+from oscar.kernels.quant import FP8_PARAM
+from oscar.kernels.triton_quant import _e4m3_value
 
 LOG2E = 1.4426950408889634
 MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
@@ -125,7 +132,7 @@ def _decode_split_kernel(
     stride_vsn, stride_vsh, stride_vst,  # value params: token | static
     D: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     G_SIZE: tl.constexpr, BITS: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP16: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP16: tl.constexpr, PARAM_FP8: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -231,20 +238,20 @@ def _decode_split_kernel(
                 sc += _dot_t(q2, _code(kb, 2), DOT_FP16) + _dot_t(q3, _code(kb, 3), DOT_FP16)
                 if K_MODE == 0:
                     sp = page * stride_ksn + h * stride_ksh + row * stride_kst
-                    s_t = tl.load(K_SCALE + sp, mask=valid, other=0.0).to(tl.float32)
-                    z_t = tl.load(K_ZERO + sp, mask=valid, other=0.0).to(tl.float32)
+                    s_t = _param(K_SCALE, sp, valid, PARAM_FP8)
+                    z_t = _param(K_ZERO, sp, valid, PARAM_FP8)
                     sc = sc * s_t[None, :] + qsum[:, None] * z_t[None, :]
                 else:
                     sc = sc + qz[:, None]
             else:  # KIVI keys or several channel groups: dequantize each sub-tile in registers
                 k0 = _dequant(kb, 0, c0, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
                 k1 = _dequant(kb, 1, c1, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
                 k2 = _dequant(kb, 2, c2, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
                 k3 = _dequant(kb, 3, c3, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
                 sc = _dot_t(q0, k0, DOT_FP16) + _dot_t(q1, k1, DOT_FP16)
                 sc += _dot_t(q2, k2, DOT_FP16) + _dot_t(q3, k3, DOT_FP16)
             sc = tl.where(valid[None, :], sc + qmu[:, None], float("-inf"))  # (BLOCK_G, BLOCK_N), base 2
@@ -257,8 +264,8 @@ def _decode_split_kernel(
                 pw = pr
                 if V_MODE == 0:
                     sp = page * stride_vsn + h * stride_vsh + row * stride_vst
-                    s_t = tl.load(V_SCALE + sp, mask=valid, other=0.0).to(tl.float32)
-                    z_t = tl.load(V_ZERO + sp, mask=valid, other=0.0).to(tl.float32)
+                    s_t = _param(V_SCALE, sp, valid, PARAM_FP8)
+                    z_t = _param(V_ZERO, sp, valid, PARAM_FP8)
                     pw = pr * s_t[None, :]
                     accz = accz * alpha + tl.sum(pr * z_t[None, :], axis=1)
                 acc0 = acc0 * alpha[:, None] + _dot(pw, _code(vb, 0), DOT_FP16)
@@ -267,13 +274,13 @@ def _decode_split_kernel(
                 acc3 = acc3 * alpha[:, None] + _dot(pw, _code(vb, 3), DOT_FP16)
             else:
                 v0 = _dequant(vb, 0, c0, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
                 v1 = _dequant(vb, 1, c1, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
                 v2 = _dequant(vb, 2, c2, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
                 v3 = _dequant(vb, 3, c3, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
                 acc0 = acc0 * alpha[:, None] + _dot(pr, v0, DOT_FP16)
                 acc1 = acc1 * alpha[:, None] + _dot(pr, v1, DOT_FP16)
                 acc2 = acc2 * alpha[:, None] + _dot(pr, v2, DOT_FP16)
@@ -321,8 +328,16 @@ def _store_part(O_PART, LSE_PART, part, acc, m_i, l_i, cols, g_mask, c_mask, D: 
 
 
 @triton.jit
+def _param(PTR, off, mask, FP8: tl.constexpr):
+    """Scale or zero values at PTR + off as fp32 (0 where masked): fp16/fp32 as stored, or e4m3 bytes decoded."""
+    if FP8:
+        return _e4m3_value(tl.load(PTR + off, mask=mask, other=0).to(tl.int32))
+    return tl.load(PTR + off, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _dequant(packed, I: tl.constexpr, chan, c_mask, S, Z, page, row, valid, h, sn, sh, st,
-             MODE: tl.constexpr, G_SIZE: tl.constexpr, D: tl.constexpr):
+             MODE: tl.constexpr, G_SIZE: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
     """Sub-tile I of packed rows (BLOCK_N, BLOCK_B): channels chan = 4j + I, x = code * scale + zero."""
     code = ((packed >> (2 * I)) & 3).to(tl.float32)
     if MODE == 2:  # static: layer constants (Hkv, D)
@@ -331,17 +346,17 @@ def _dequant(packed, I: tl.constexpr, chan, c_mask, S, Z, page, row, valid, h, s
     elif MODE == 1:  # KIVI keys: per channel of each token's page
         off = page[:, None] * sn + h * sh + chan[None, :]
         m = valid[:, None] & c_mask[None, :]
-        s = tl.load(S + off, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(Z + off, mask=m, other=0.0).to(tl.float32)
+        s = _param(S, off, m, FP8)
+        z = _param(Z, off, m, FP8)
     elif G_SIZE == D:  # one pair per token: (BLOCK_N, 1), broadcast
         off = page * sn + h * sh + row * st
-        s = tl.load(S + off, mask=valid, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(Z + off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        s = _param(S, off, valid, FP8)[:, None]
+        z = _param(Z, off, valid, FP8)[:, None]
     else:  # per token and channel group
         off = page[:, None] * sn + h * sh + row[:, None] * st + (chan // G_SIZE)[None, :]
         m = valid[:, None] & c_mask[None, :]
-        s = tl.load(S + off, mask=m, other=0.0).to(tl.float32)
-        z = tl.load(Z + off, mask=m, other=0.0).to(tl.float32)
+        s = _param(S, off, m, FP8)
+        z = _param(Z, off, m, FP8)
     return tl.where(valid[:, None] & c_mask[None, :], code * s + z, 0.0)
 
 
@@ -439,10 +454,14 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     k_mode = MODE_STATIC if cfg.mode == "static" else (MODE_CHANNEL if cfg.key_axis == "channel" else MODE_TOKEN)
     v_mode = MODE_STATIC if cfg.mode == "static" else MODE_TOKEN
     kst, vst = _param_strides(cache.k_scale), _param_strides(cache.v_scale)
+    fp8 = cfg.param_dtype == FP8_PARAM and cfg.mode != "static"  # static constants stay fp16
+    params = [cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero]
+    if fp8:
+        params = [t.view(torch.uint8) for t in params]
     _decode_split_kernel[(B, H, splits + 1)](
         q_rot, q_mu, batch.seq_lens, batch.slots, batch.block_table,
         cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v,
-        cache.k_codes, cache.v_codes, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
+        cache.k_codes, cache.v_codes, *params,
         o_part, lse_part,
         scale * LOG2E,
         batch.block_table.stride(0),
@@ -451,7 +470,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         cache.k_codes.stride(0), cache.k_codes.stride(1), cache.k_codes.stride(2),
         kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
         D=D, GROUP=G, P=cfg.page_size, SINK=cfg.sink, RECENT=cfg.recent, G_SIZE=cfg.group_size or D,
-        BITS=cfg.bits, K_MODE=k_mode, V_MODE=v_mode, NUM_SPLITS=splits, DOT_FP16=config.dot_fp16,
+        BITS=cfg.bits, K_MODE=k_mode, V_MODE=v_mode, NUM_SPLITS=splits, DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
         BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=_pow2(D // 4),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -9,6 +9,13 @@ Rounding is exactly `oscar.kernels.quant`: scale = fp16(max((hi - lo)/levels, 1e
 zero = fp16(lo), code = clamp(floor((x - zero) / scale + 0.5), 0, levels), with
 IEEE division (`div_rn`) so the codes are bit-identical to the torch reference.
 A zero fp16 scale (a constant group) gives 0/0 = NaN in both: code 0.
+
+8-bit params (cfg.param_dtype = float8_e4m3fn, FP8=True): zero = e4m3 rounded down from lo,
+scale = e4m3 rounded up from (hi - zero) / levels (quant.fp8_round, computed here with
+integer ops on the fp32 bits so the result is exact and the same on every GPU); the
+params are stored as their bit patterns through a uint8 view of the pool's fp8 tensors.
+The pool refuses pages beyond e4m3's range before calling the kernel; here the code
+saturates at 448 rather than producing NaN.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import triton.language as tl
 
 from oscar.common import OscarError
 from oscar.kernels.paged import PagedLayerCache
+from oscar.kernels.quant import FP8_PARAM
 
 MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
 
@@ -55,6 +63,50 @@ def _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mas
 
 
 @triton.jit
+def _e4m3_bits(x, UP: tl.constexpr):
+    """fp32 -> e4m3fn bit pattern (int32) rounded towards +inf (UP) or -inf: quant.fp8_round.
+
+    e4m3 magnitudes are monotone in their 7 low bits: normal |x| = 2^e (1 + m/8) has code
+    (e + 7) * 8 + m, subnormal |x| = m * 2^-9 has code m, so a carry is just + 1."""
+    neg = x < 0
+    a = tl.minimum(tl.abs(x), 448.0)  # saturate (the pool refuses such pages first); masked lanes hold inf
+    u = a.to(tl.int32, bitcast=True)
+    e = (u >> 23) - 127
+    if UP:
+        grow = x >= 0  # the magnitude rounds up
+    else:
+        grow = neg
+    normal = (e + 7) * 8 + ((u >> 20) & 7) + tl.where(grow & ((u & 0xFFFFF) != 0), 1, 0)
+    q = a * 512.0  # subnormal units of 2^-9, exact
+    sub = tl.where(grow, tl.ceil(q), tl.floor(q)).to(tl.int32)
+    code = tl.minimum(tl.where(a < 0.015625, sub, normal), 126)  # 126 = 448, never the NaN pattern
+    return code + tl.where(neg, 128, 0)
+
+
+@triton.jit
+def _e4m3_value(bits):
+    """e4m3fn bit pattern (int32 in [0, 255]) -> its fp32 value (NaN patterns are never stored)."""
+    e = (bits >> 3) & 15
+    m = bits & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # exponent bias 7 -> 127
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where(bits >= 128, -mag, mag)
+
+
+@triton.jit
+def _params(lo, hi, LEVELS: tl.constexpr, FP8: tl.constexpr):
+    """(scale, zero) as stored (fp16, or e4m3 bits as uint8) and as fp32 values, from a clipped range."""
+    if FP8:
+        zb = _e4m3_bits(lo, False)
+        zf = _e4m3_value(zb)
+        sb = _e4m3_bits(tl.maximum(tl.math.div_rn(hi - zf, LEVELS * 1.0), 1e-8), True)
+        return sb.to(tl.uint8), zb.to(tl.uint8), _e4m3_value(sb), zf
+    s16 = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
+    z16 = lo.to(tl.float16)
+    return s16, z16, s16.to(tl.float32), z16.to(tl.float32)
+
+
+@triton.jit
 def _code(x, s, z, LEVELS: tl.constexpr):
     """The project's rounding rule on fp16-rounded params s, z (fp32 values)."""
     c = tl.floor(tl.math.div_rn(x - z, s) + 0.5)
@@ -65,8 +117,9 @@ def _code(x, s, z, LEVELS: tl.constexpr):
 @triton.jit
 def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j, offs_e, t_mask, j_mask, e_mask,
                         D: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, LEVELS: tl.constexpr,
-                        ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr):
-    """fp16 (scale, zero) of channel group g for every token of the page: (BLOCK_P,) each."""
+                        ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr,
+                        FP8: tl.constexpr):
+    """(scale, zero) of channel group g for every token of the page, stored and fp32: (BLOCK_P,) each."""
     lo = tl.full((BLOCK_P,), float("inf"), tl.float32)
     hi = tl.full((BLOCK_P,), float("-inf"), tl.float32)
     for i in tl.static_range(PER):
@@ -78,8 +131,7 @@ def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, 
         hi = tl.maximum(hi, tl.max(tl.where(in_g, x, float("-inf")), axis=1))
     r = tl.load(CLIP + h)
     lo, hi = lo * r, hi * r  # minmax clip: a ratio applied to both ends (quant.choose_qparams)
-    s = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
-    return s, lo.to(tl.float16)
+    return _params(lo, hi, LEVELS, FP8)
 
 
 @triton.jit
@@ -89,7 +141,7 @@ def _quantize_pages_kernel(
     stride_cn, stride_ch, stride_ct,  # CODES: (pool, Hkv, P, D*BITS/8)
     stride_sn, stride_sh, stride_st,  # SCALE/ZERO: (pool, Hkv, P, NG) token | (pool, Hkv, D) channel
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-    MODE: tl.constexpr, ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr,
+    MODE: tl.constexpr, ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, FP8: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -114,8 +166,9 @@ def _quantize_pages_kernel(
         # token groups: per group g, its fp16 params from the group's range (one pass over the
         # PER column tiles), then the codes of its channels (a second pass)
         for g in tl.static_range(NG):
-            s_g, z_g = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j, offs_e,
-                                           t_mask, j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P)
+            s_g, z_g, sf, zf = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j,
+                                                   offs_e, t_mask, j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER,
+                                                   ROUND, BLOCK_P, FP8)
             so = page * stride_sn + h * stride_sh + offs_t * stride_st + g
             tl.store(SCALE + so, s_g, mask=t_mask)
             tl.store(ZERO + so, z_g, mask=t_mask)
@@ -123,7 +176,7 @@ def _quantize_pages_kernel(
                 offs_c = offs_j * PER + i
                 x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
                                D, ROTATE, CENTER, ROUND)
-                code = _code(x, s_g.to(tl.float32)[:, None], z_g.to(tl.float32)[:, None], LEVELS)
+                code = _code(x, sf[:, None], zf[:, None], LEVELS)
                 byte += tl.where(((offs_c // G) == g)[None, :], code, 0) << (BITS * i)
     else:
         for i in tl.static_range(PER):
@@ -135,13 +188,12 @@ def _quantize_pages_kernel(
                 hi = tl.max(tl.where(valid, x, float("-inf")), axis=0)
                 r = tl.load(CLIP + h)
                 lo, hi = lo * r, hi * r
-                s16 = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
-                z16 = lo.to(tl.float16)
+                s_st, z_st, sf, zf = _params(lo, hi, LEVELS, FP8)
                 so = page * stride_sn + h * stride_sh + offs_c
-                tl.store(SCALE + so, s16, mask=j_mask)
-                tl.store(ZERO + so, z16, mask=j_mask)
-                s = s16.to(tl.float32)[None, :]
-                z = z16.to(tl.float32)[None, :]
+                tl.store(SCALE + so, s_st, mask=j_mask)
+                tl.store(ZERO + so, z_st, mask=j_mask)
+                s = sf[None, :]
+                z = zf[None, :]
             else:  # static: layer constants (Hkv, D)
                 s = tl.load(SSTAT + h * D + offs_c, mask=j_mask, other=1.0).to(tl.float32)[None, :]
                 z = tl.load(ZSTAT + h * D + offs_c, mask=j_mask, other=0.0).to(tl.float32)[None, :]
@@ -155,8 +207,8 @@ def _pad16(n: int) -> int:
 
 
 def supports(cfg) -> bool:
-    """This kernel computes the default format only: ratio clips, fp16 scale/zero."""
-    return cfg.clip_rule == "ratio" and cfg.param_dtype == torch.float16
+    """Ratio clips with fp16 or 8-bit (e4m3) scale/zero; not the published format (row-quantile, float32)."""
+    return cfg.clip_rule == "ratio" and cfg.param_dtype in (torch.float16, FP8_PARAM)
 
 
 def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tensor, which: str,
@@ -191,13 +243,16 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
     round_code = {torch.bfloat16: 1, torch.float16: 2}.get(cfg.dtype, 0)
     ss = scale.stride() if mode != MODE_STATIC else (0, 0, 0)
     G = cfg.group_size or D
+    fp8 = cfg.param_dtype == FP8_PARAM and mode != MODE_STATIC
+    if fp8:  # the kernel writes e4m3 bit patterns it computed itself (directed rounding)
+        scale, zero = scale.view(torch.uint8), zero.view(torch.uint8)
     _quantize_pages_kernel[(N, H)](
         x, R.contiguous(), rot.k_mean if center else clip, clip, scale, zero, ids.to(torch.int32), codes, scale, zero,
         x.stride(0), x.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         ss[0], ss[1], ss[2] if mode == MODE_TOKEN else 0,
         P=P, D=D, G=G, NG=D // G, BITS=cfg.bits, MODE=mode, ROTATE=do_rotate, CENTER=center and do_rotate,
-        ROUND=round_code, BLOCK_P=_pad16(P), BLOCK_D=_pad16(D), BLOCK_B=_pad16(cfg.packed_dim),
+        ROUND=round_code, FP8=fp8, BLOCK_P=_pad16(P), BLOCK_D=_pad16(D), BLOCK_B=_pad16(cfg.packed_dim),
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,7 +87,8 @@ class CalibResult:
     tokens_run: int                 # real tokens forwarded in this run
     wall_s: float
     forward_s: float                # model forward incl. capture (wall, device-synchronised)
-    write_s: float                  # store writes
+    write_s: float                  # store writes the run waited for (the writer thread overlaps the next block)
+    write_busy_s: float             # time the writer thread spent writing (overlapped or not)
     nonfinite: dict[int, int]       # layer -> rows excluded for NaN/Inf (whole store)
 
     @property
@@ -139,11 +141,30 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     per_block = mask_arr[:].reshape(meta.num_blocks, -1).sum(1)
     done_tokens = int(per_block.sum() - per_block[todo].sum())
 
-    cap = C.Capture(spec)
+    cap = C.Capture(spec, stop_after=max(layers))
     t_start = time.perf_counter()
     fwd_s = write_s = 0.0
+    busy = [0.0]
     run_tokens = 0
     bar = _Progress(progress, meta.num_blocks, total_tokens, meta.num_blocks - len(todo), done_tokens, job_note)
+    # One writer thread, at most one block in flight: block b's chunks are written while block
+    # b+1 is computed (file writes release the GIL), and memory stays bounded.
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oscar-store-writer")
+    pending = None
+
+    def write(b: int, arrays: dict) -> None:
+        t = time.perf_counter()
+        store.write_block(b, {l: arrays[l] for l in layers if not done0[b, l]})  # never rewrite a done chunk
+        busy[0] += time.perf_counter() - t
+
+    def wait() -> float:
+        nonlocal pending
+        t = time.perf_counter()
+        if pending is not None:
+            f, pending = pending, None
+            f.result()  # re-raises a failed write
+        return time.perf_counter() - t
+
     try:
         with bar, torch.no_grad():
             for b in todo:
@@ -155,22 +176,28 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
                 for s0 in range(0, n_seq, batch_size):
                     s1 = min(s0 + batch_size, n_seq)
                     ids, mb = toks[s0:s1].to(device), mask[s0:s1].to(device)
-                    with cap.batch(mb, seq_offset=s0):
-                        base(input_ids=ids, attention_mask=mb, use_cache=False)
+                    try:
+                        with cap.batch(mb, seq_offset=s0):
+                            base(input_ids=ids, attention_mask=mb, use_cache=False)
+                    except C.StopForward:  # the last captured layer is done: its MLP and later layers are not needed
+                        pass
                 arrays = cap.finish_block()
                 _sync(device)
-                t1 = time.perf_counter()
-                for l in layers:
-                    if not done0[b, l]:  # never rewrite a chunk already marked done
-                        store.write_layer(b, l, arrays[l])
-                t2 = time.perf_counter()
-                fwd_s += t1 - t0
-                write_s += t2 - t1
+                fwd_s += time.perf_counter() - t0
+                write_s += wait()
+                pending = writer.submit(write, b, arrays)
                 n = int(mask.sum())
                 run_tokens += n
                 bar.advance(n)
+            write_s += wait()
     finally:
-        model.set_attn_implementation(impl[len(C.PREFIX):] if impl.startswith(C.PREFIX) else impl)
+        # An interrupted run still commits the block already handed to the writer; nothing else.
+        try:
+            if pending is not None:
+                pending.result()
+        finally:
+            writer.shutdown(wait=True)
+            model.set_attn_implementation(impl[len(C.PREFIX):] if impl.startswith(C.PREFIX) else impl)
     wall = time.perf_counter() - t_start
     nonfinite = {l: int(v) for l, v in reduce(store, "nonfinite", layers).items()}
     bad = {l: n for l, n in nonfinite.items() if n}
@@ -179,7 +206,7 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
               + ", ".join(f"layer {l}: {n}" for l, n in bad.items()), file=sys.stderr)
     return CalibResult(store=str(store.path), blocks_total=meta.num_blocks, blocks_run=len(todo),
                        blocks_skipped=meta.num_blocks - len(todo), blocks_redone=redone, tokens_run=run_tokens,
-                       wall_s=wall, forward_s=fwd_s, write_s=write_s, nonfinite=nonfinite)
+                       wall_s=wall, forward_s=fwd_s, write_s=write_s, write_busy_s=busy[0], nonfinite=nonfinite)
 
 
 class _Progress:

@@ -31,6 +31,7 @@ from oscar.common import OscarError
 
 PREFIX = "oscar_capture_"
 XS = ("q", "k", "v", "o")
+CHUNK_BYTES = 768 << 10
 
 # The capture that the registered attention function feeds (None: plain pass-through).
 _ACTIVE: contextvars.ContextVar["_BatchContext | None"] = contextvars.ContextVar("oscar_capture", default=None)
@@ -124,12 +125,14 @@ def reservoir_seed(seed: int, block: int, layer: int) -> int:
 class LayerAccumulator:
     """float64 sums of one layer over one block (everything lives on the activations' device).
 
-    Per batch the counted rows of q, k, v and o are gathered once into one (N, Htot, D) float64
-    tensor (heads: Hq query | Hkv key | Hkv value | Hq output), so that every statistic is one
-    op for all heads at once: one strided batched matmul for the Grams, column reductions for
-    sums, x^3, x^4 and min/max, accumulated per head. At the end of the block heads are pooled
-    into (x, KV head) slots (a GQA group's query/output heads share their KV head's slot).
-    Few, large ops: on a shared CPU every extra small op costs a thread-pool round trip.
+    Per sequence, its counted rows of q, k, v and o are gathered chunk by chunk into one
+    (c, Htot, D) float64 tensor (heads: Hq query | Hkv key | Hkv value | Hq output), so that every
+    statistic is one op for all heads at once: one strided batched matmul for the Grams, column
+    reductions for sums, x^3, x^4 and |x| maxima. Chunks are sized to stay in cache (the
+    statistics are memory-bound: one pass over a whole 2048-token float64 batch per statistic
+    cost more than the layer's MLP) and are cut per sequence, so every sum is bit-identical
+    whatever the batch size. At the end of the block heads are pooled into (x, KV head) slots
+    (a GQA group's query/output heads share their KV head's slot).
     """
 
     def __init__(self, spec: CaptureSpec, layer: int, block: int, device: torch.device):
@@ -140,11 +143,13 @@ class LayerAccumulator:
         Htot = 2 * Hq + 2 * H
         self.gram = z(Htot, D, D)               # per head (q heads | k | v | o); pooled in arrays()
         self.mom = z(3, Htot, D)                # sum, sum x^3, sum x^4
-        self.absmax = z(Htot, D)
+        self.absmax2 = z(Htot, D)              # max x^2 (sqrt at the end: exact, and no |x| pass)
         self.vw_gram, self.w_sum = z(H, D, D), z(H)
         self.kv_count = self.nonfinite = 0
-        hk = torch.arange(H)[None, :] * G + torch.arange(G)[:, None]                 # (G, Hkv): q head of (g, h)
-        self.qo_heads = torch.cat([hk, Hq + 2 * H + hk], dim=1).to(device)           # (G, 2*Hkv)
+        self.g_heads = (torch.arange(H)[None, :] * G + torch.arange(G)[:, None]).to(device)  # (G, Hkv): q head of (g, h)
+        # Rows per chunk: on CPU the chunk's float64 copy and its powers stay in cache (~768 KiB).
+        self.chunk = max(8, CHUNK_BYTES // (Htot * D * 8)) if device.type == "cpu" else 1 << 14
+        self._buf = None
         # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
         # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
         self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
@@ -165,79 +170,100 @@ class LayerAccumulator:
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: "_Rows") -> None:
         """q: (B, Hq, T, D); k, v: (B, Hkv, T, D); out: (B, T, Hq, D) (the attention output, o_proj input)."""
+        T = q.shape[2]
+        for b, sel in enumerate(rows.per_seq):  # a loop over the batch's sequences, not tokens
+            if sel is not None:
+                src = [q[b], k[b], v[b], out[b].transpose(0, 1)]                      # (heads, T, D) each
+                self._sequence(src, sel, rows.seq_offset + b, T)
+
+    def _sequence(self, src: list[torch.Tensor], sel: "slice | torch.Tensor", seq: int, T: int) -> None:
+        """One sequence's counted positions `sel` (a slice or (n,) indices) of src = [q, k, v, o], each (heads, T, D).
+
+        Rows go through in chunks of `self.chunk` so that the float64 copy and its powers stay in
+        cache: a float64 pass over a whole 2048-token batch per statistic costs more than the MLP.
+        """
         spec = self.spec
-        B, Hq, T, D = q.shape
-        H, G = spec.num_kv_heads, spec.group
-        parts = [q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out]        # (B, T, heads, D) each
-        idx, seq_n = rows.idx, rows.seq_n                                             # (N,), (B,)
+        H, G, D = spec.num_kv_heads, spec.group, spec.head_dim
+        Hq = H * G
         Htot = 2 * Hq + 2 * H
-        if rows.span is not None:  # one sequence, contiguous rows: slice, gather and convert in one op
-            a, b = rows.span
-            X = torch.empty(b - a, Htot, D, dtype=torch.float64, device=q.device)
-            torch.cat([p[0, a:b] for p in parts], dim=1, out=X)                       # (N, Htot, D)
-        else:
-            X = torch.cat(parts, dim=2).reshape(B * T, -1, D).index_select(0, idx).double()  # (N, Htot, D)
-        N = X.shape[0]
-        Xf = X.view(N, Htot * D)
-        colsum = Xf.sum(0)                                                            # (Htot*D,)
-        if not math.isfinite(float(colsum.sum())):  # NaN/Inf propagate into the sums: drop bad rows
-            fin = Xf.isfinite().all(1)                                                # (N,)
-            self.nonfinite += int((~fin).sum())
-            X, idx = X[fin], idx[fin]
-            seq_n = torch.bincount(idx // T, minlength=B)
-            N = X.shape[0]
-            Xf = X.view(N, Htot * D)
-            colsum = Xf.sum(0)
-        self.kv_count += N
-
-        X2 = Xf * Xf                                                                  # (N, Htot*D)
-        m = self.mom.view(3, Htot * D)
-        m[0] += colsum
-        m[1] += torch.linalg.vecdot(X2, Xf, dim=0)
-        m[2] += torch.linalg.vecdot(X2, X2, dim=0)
-        if N:  # max |x| per channel in one reduction
-            torch.maximum(self.absmax, torch.linalg.vector_norm(Xf, ord=math.inf, dim=0).view(Htot, D),
-                          out=self.absmax)
-
-        # Grams of every head, per sequence: the query part of each is that sequence's C_Q for the
-        # published value target sum_t w_t v_t v_t^T, w_t = k_t C_Q k_t^T (docs/decisions.md).
-        A = X.permute(1, 2, 0)                                                        # (Htot, D, N) strided
-        Kh = X[:, Hq:Hq + H].transpose(0, 1)                                          # (Hkv, N, D)
-        Vh = X[:, Hq + H:Hq + 2 * H].transpose(0, 1)                                  # (Hkv, N, D)
-        ws, start = [], 0
-        for n in (seq_n.tolist() if B > 1 else [N]):  # the batch's sequences (not tokens)
-            Ab = A[..., start:start + n]
-            gb = Ab @ Ab.mT                                                           # (Htot, D, D)
-            self.gram += gb
-            cq = gb[:Hq].view(H, G, D, D).sum(1) / max(n * G, 1)                      # (Hkv, D, D)
-            Kb = Kh[:, start:start + n]                                               # (Hkv, n, D)
-            ws.append(((Kb @ cq) * Kb).sum(-1))                                       # (Hkv, n)
-            start += n
-        w = torch.cat(ws, dim=1) if len(ws) > 1 else ws[0]                            # (Hkv, N)
-        self.vw_gram += (Vh * w[..., None]).mT @ Vh
-        self.w_sum += w.sum(1)
-
-        if spec.reservoir > 0 and N:
-            if self.keys_kv is None:
-                self._keys(T)
-            elif self.keys_kv.shape[1] != T:
-                raise OscarError(f"sequence length changed within block {self.block}")
-            s0 = rows.seq_offset
-            if rows.span is not None and N == rows.span[1] - rows.span[0]:
-                kk = self.keys_kv[s0, rows.span[0]:rows.span[1]]                      # (N,)
-                kq = self.keys_qo[s0, rows.span[0]:rows.span[1]].reshape(-1)          # (N*G,) as (n, g)
+        dev = src[0].device
+        tok = torch.arange(sel.start, sel.stop, device=dev) if isinstance(sel, slice) else sel   # (n,)
+        n_all, C = tok.numel(), self.chunk
+        if self._buf is None:
+            self._buf = torch.empty(3, Htot * C * D, dtype=torch.float64, device=self.device)
+        gseq = torch.zeros(Htot, D, D, dtype=torch.float64, device=self.device)      # this sequence's Grams
+        bad: list[torch.Tensor] = []                                                  # positions of dropped rows
+        for c0 in range(0, n_all, C):
+            c = min(C, n_all - c0)
+            P = self._buf[:, : Htot * c * D].view(3, Htot, c, D)                      # powers x, x^3, x^4
+            x = P[0]
+            if isinstance(sel, slice):
+                torch.cat([p[:, sel.start + c0: sel.start + c0 + c] for p in src], dim=0, out=x)  # (Htot, c, D) f64
             else:
-                b, t = idx // T, idx % T
-                kk = self.keys_kv[s0 + b, t]
-                kq = self.keys_qo[s0 + b, t].reshape(-1)
-            self._candidates("kv", kk, lambda i: X[:, Hq:Hq + 2 * H] if i is None else X[i, Hq:Hq + 2 * H])
+                torch.cat([p.index_select(1, tok[c0:c0 + c]) for p in src], dim=0, out=x)
+            x2 = torch.mul(x, x, out=P[2])                                            # x^2 (exact from fp32)
+            sq_max = x2.amax(1)                                                       # (Htot, D)
+            torch.mul(x2, x, out=P[1])                                                # x^3
+            x2.mul_(x2)                                                               # x^4
+            sums = P.sum(2)                                                           # (3, Htot, D): one reduction
+            if not math.isfinite(float(sums[0].sum())):  # NaN/Inf would poison every sum: redo without those rows
+                fin = x.isfinite().all(2).all(0)                                      # (c,)
+                bad.append(tok[c0:c0 + c][~fin])
+                P = P[:, :, fin]
+                x = P[0]
+                if x.shape[1] == 0:
+                    continue
+                torch.mul(x, x, out=P[2])
+                sq_max = P[2].amax(1)
+                torch.mul(P[2], x, out=P[1])
+                P[2].mul_(P[2])
+                sums = P.sum(2)
+            self.mom += sums
+            torch.maximum(self.absmax2, sq_max, out=self.absmax2)
+            gseq.baddbmm_(x.mT, x)                                                    # (Htot, D, D) += (D, c) @ (c, D)
+        if bad:
+            nb = torch.cat(bad)
+            self.nonfinite += nb.numel()
+            tok = tok[~torch.isin(tok, nb)]
+            sel = tok
+        n = tok.numel()
+        self.kv_count += n
+        self.gram += gseq
+        if n == 0:
+            return
+        # Value target: w_t = k_t C_Q k_t^T with this sequence's own C_Q (docs/decisions.md).
+        cq = gseq[:Hq].view(H, G, D, D).sum(1) / (n * G)                              # (Hkv, D, D)
+        pick = (lambda p: p[:, sel]) if isinstance(sel, slice) else (lambda p: p.index_select(1, tok))
+        Kh, Vh = pick(src[1]).double(), pick(src[2]).double()                        # (Hkv, n, D) each
+        wt = ((Kh @ cq) * Kh).sum(-1)                                                 # (Hkv, n)
+        self.vw_gram += (Vh * wt[..., None]).mT @ Vh
+        self.w_sum += wt.sum(1)
+        if spec.reservoir > 0:
+            self._reservoir(src, tok, seq, T)
 
-            def take_qo(i):  # i = n*G + g -> q and o heads h*G + g of every KV head h
-                if i is None:
-                    i = torch.arange(N * G, device=X.device)
-                return X[(i // G)[:, None], self.qo_heads[i % G]]                     # (n, 2*Hkv, D)
+    def _reservoir(self, src: list[torch.Tensor], tok: torch.Tensor, seq: int, T: int) -> None:
+        """Offer the sequence's rows (as captured, float32) with their keys; keep the R smallest per kind."""
+        G = self.spec.group
+        if self.keys_kv is None:
+            self._keys(T)
+        elif self.keys_kv.shape[1] != T:
+            raise OscarError(f"sequence length changed within block {self.block}")
+        q, k, v, o = src                                                              # (heads, T, D) each
+        kk = self.keys_kv[seq, tok]                                                   # (n,)
+        kq = self.keys_qo[seq, tok].reshape(-1)                                       # (n*G,) as (row, g)
 
-            self._candidates("qo", kq, take_qo)
+        def take_kv(i):
+            t = tok if i is None else tok[i]
+            return torch.cat([k[:, t], v[:, t]], dim=0).transpose(0, 1)               # (m, 2*Hkv, D)
+
+        def take_qo(i):  # i = row*G + g -> q and o heads h*G + g of every KV head h
+            if i is None:
+                i = torch.arange(tok.numel() * G, device=tok.device)
+            t, heads = tok[i // G][:, None], self.g_heads[i % G]                      # (m, 1), (m, Hkv)
+            return torch.cat([q[heads, t], o[heads, t]], dim=1)                       # (m, 2*Hkv, D)
+
+        self._candidates("kv", kk, take_kv)
+        self._candidates("qo", kq, take_qo)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The block's values under their store names (numpy, CPU)."""
@@ -253,7 +279,7 @@ class LayerAccumulator:
 
         gram = pool(self.gram, 0, torch.sum)                                          # (4, Hkv, D, D)
         mom = pool(self.mom, 1, torch.sum).transpose(1, 0, 2, 3)                      # (3, 4, Hkv, D)
-        amax = pool(self.absmax, 0, torch.amax)                                       # (4, Hkv, D)
+        amax = pool(self.absmax2.sqrt(), 0, torch.amax)                                       # (4, Hkv, D)
         res, counts = {}, {}
         for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
             r = np.zeros((0, 2 * H, D), np.float32)
@@ -286,11 +312,9 @@ class LayerAccumulator:
 
 @dataclass
 class _Rows:
-    """The counted-row candidates of one batch on one device (shared by every layer)."""
-    idx: torch.Tensor     # (N,) flat indices b*T + t of eligible rows, ascending
-    seq_n: torch.Tensor   # (B,) eligible rows per sequence
-    seq_offset: int       # index of the batch's first sequence in its block
-    span: tuple[int, int] | None = None  # (a, b): one sequence whose eligible rows are a..b-1
+    """The counted rows of one batch (shared by every layer)."""
+    per_seq: list          # per sequence: slice of contiguous token positions, (n,) positions, or None
+    seq_offset: int        # index of the batch's first sequence in its block
 
 
 @dataclass
@@ -303,13 +327,24 @@ class _BatchContext:
     def rows(self, device: torch.device) -> _Rows:
         r = self._rows.get(device)
         if r is None:
-            e = self.eligible.to(device)
-            idx = torch.nonzero(e.reshape(-1)).flatten()
-            span = None
-            if e.shape[0] == 1 and len(idx) and int(idx[-1]) - int(idx[0]) + 1 == len(idx):
-                span = (int(idx[0]), int(idx[-1]) + 1)
-            r = self._rows[device] = _Rows(idx, e.sum(1), self.seq_offset, span)
+            per_seq = []
+            for e in self.eligible.cpu():  # (T,) per sequence; padding and sinks leave one contiguous run
+                idx = torch.nonzero(e).flatten()
+                if not len(idx):
+                    per_seq.append(None)
+                elif int(idx[-1]) - int(idx[0]) + 1 == len(idx):
+                    per_seq.append(slice(int(idx[0]), int(idx[-1]) + 1))
+                else:
+                    per_seq.append(idx.to(device))
+            r = self._rows[device] = _Rows(per_seq, self.seq_offset)
         return r
+
+
+class StopForward(BaseException):
+    """Raised after the `stop_after` layer's attention was recorded: nothing later is needed.
+
+    A BaseException so that no broad ``except Exception`` in a modeling file can swallow it.
+    """
 
 
 class Capture:
@@ -322,8 +357,9 @@ class Capture:
     arrays = cap.finish_block()                # {layer: {name: ndarray}}
     """
 
-    def __init__(self, spec: CaptureSpec):
+    def __init__(self, spec: CaptureSpec, stop_after: int | None = None):
         self.spec = spec
+        self.stop_after = stop_after  # raise StopForward once this layer is recorded (the rest is dead compute)
         self.block: int | None = None
         self.acc: dict[int, LayerAccumulator] = {}
         self.calls: dict[int, int] = {}
@@ -363,6 +399,8 @@ class Capture:
             acc = self.acc[layer] = LayerAccumulator(self.spec, layer, self.block, q.device)
         acc.update(q.detach(), k.detach(), v.detach(), out.detach(), ctx.rows(q.device))
         self.calls[layer] = self.calls.get(layer, 0) + 1
+        if layer == self.stop_after:
+            raise StopForward
 
     def finish_block(self, layers: tuple[int, ...] | None = None) -> dict[int, dict[str, np.ndarray]]:
         layers = self.spec.layers if layers is None else layers

@@ -12,6 +12,8 @@ import os
 import numpy as np
 import pandas as pd
 
+from oscar.reports.plots import panels, pyplot, save
+
 CONDITIONS = [  # seed 004's recommendation rows -> our regimes
     ("isotropic", ["isotropic"]),
     ("heavy tails", ["heavy"]),
@@ -56,11 +58,9 @@ def _winner(prod: pd.DataFrame, regimes: list[str], bits: int):
 
 
 def build_report(dir: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from cycler import cycler
+
+    plt = pyplot()
 
     # more schemes than tab10 colours: pair 20 colours with markers so no two lines look alike
     plt.rcParams["axes.prop_cycle"] = cycler(color=list(plt.cm.tab20.colors)) + cycler(marker=list("os^vD<>ph*") * 2)
@@ -182,9 +182,7 @@ def build_report(dir: str) -> str:
         ax.plot([1e-4, hi], [1e-4, hi], "k--", lw=1)
         ax.set(xscale="log", yscale="log", xlabel="median sigma^2/2", ylabel="median log mean exp(eps)", title="Jensen amplification")
         ax.legend(fontsize=6, markerscale=2)
-        fig.tight_layout()
-        fig.savefig(os.path.join(dir, "jensen.png"), dpi=110)
-        plt.close(fig)
+        save(fig, os.path.join(dir, "jensen.png"))
         L += ["![jensen](jensen.png)\n"]
 
     if len(gaps):
@@ -211,28 +209,19 @@ def build_report(dir: str) -> str:
                 ax.axhline(v, ls=":", c="gray")
         ax.set(xscale="log", xlabel="calibration tokens", ylabel="d_eff", title="d_eff vs calibration budget")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(dir, "deff.png"), dpi=110)
-        plt.close(fig)
+        save(fig, os.path.join(dir, "deff.png"))
         L += ["![deff](deff.png)\n"]
 
     # error vs storage per regime
-    n = len(regimes)
-    cols = min(3, n)
-    rows_ = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows_, cols, figsize=(4 * cols, 3.2 * rows_), squeeze=False)
-    for ax, r in zip(axes.flat, regimes):
+    fig, axes = panels(len(regimes), 4, 3.2)
+    for ax, r in zip(axes, regimes):
         g = m[m.regime == r]
         for s, gs in g.groupby("scheme"):
             gs = gs.sort_values("c")
             ax.plot(gs.c, gs.v, ms=3, label=s)
         ax.set(yscale="log", title=r, xlabel="bits/element", ylabel="relMSE_O")
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(os.path.join(dir, "error_vs_bits.png"), dpi=100)
-    plt.close(fig)
+    axes[0].legend(fontsize=6)
+    save(fig, os.path.join(dir, "error_vs_bits.png"), dpi=100)
     L += ["## Error vs storage\n", "![error vs bits](error_vs_bits.png)\n"]
 
     # 6-D error geometry at the lowest budget

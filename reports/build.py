@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 from oscar.common import OscarError
+from oscar.reports.plots import panels, save
 
 METHOD_ORDER = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"]
 
@@ -83,20 +84,12 @@ def acceptance(res, ppl) -> list[tuple[str, str, str]]:
 
 
 def _plot_accuracy(res, path: str) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     r = res[res.suite == "ruler"]
     tasks = list(dict.fromkeys(r.task))
     if not tasks:
         return None
-    n = len(tasks)
-    cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, t in zip(axes.flat, tasks):
+    fig, axes = panels(len(tasks), 4.2, 3.2)
+    for ax, t in zip(axes, tasks):
         d = r[r.task == t]
         for m in _order(d.method):
             dm = d[d.method == m].sort_values("length")
@@ -108,26 +101,16 @@ def _plot_accuracy(res, path: str) -> str | None:
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("score (%)")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    axes[0].legend(fontsize=8)
+    return save(fig, path)
 
 
 def _plot_ppl(ppl, path: str) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if ppl is None or not len(ppl):
         return None
     protos = list(dict.fromkeys(ppl.protocol))
-    fig, axes = plt.subplots(1, len(protos), figsize=(5 * len(protos), 3.4), squeeze=False)
-    for ax, p in zip(axes.flat, protos):
+    fig, axes = panels(len(protos), 5, 3.4, cols=len(protos))
+    for ax, p in zip(axes, protos):
         d = ppl[ppl.protocol == p]
         ctxs = sorted(d.context.unique())
         ms = _order(d.method)
@@ -140,22 +123,14 @@ def _plot_ppl(ppl, path: str) -> str | None:
         ax.set_title(f"perplexity, {p} protocol")
         ax.set_xlabel("context")
         ax.grid(alpha=0.3, axis="y")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    axes[0].legend(fontsize=8)
+    return save(fig, path)
 
 
 def _plot_attention(att, path: str) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if att is None or not len(att):
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, axes = panels(2, 5, 3.4)
     for m in _order(att.method):
         d = att[att.method == m].groupby("length").mean(numeric_only=True).reset_index()
         axes[0].plot(d.length, 100 * d.top1, marker="o", label=m)
@@ -167,10 +142,7 @@ def _plot_attention(att, path: str) -> str | None:
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 # ----------------------------------------------------------------- sections
@@ -416,6 +388,10 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         st = goal.get("status", "not measured")
         det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× bf16 at {r['bits_per_element']:.2f} bits/elem" for r in goal.get("rows", []))
         md += [f"**Product goal — {goal['goal']}: {st.upper()}**" + (f" ({det})" if det else ""), ""]
+        for m, o in (goal.get("others") or {}).items():
+            det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× at {r['bits_per_element']:.2f} bits/elem"
+                            for r in o.get("rows", []))
+            md += [f"- the same check for `{m}`: {o.get('status', 'not measured')}" + (f" ({det})" if det else ""), ""]
     checks = acceptance(res, ppl)
     if checks:
         md += [md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]

@@ -35,7 +35,8 @@ class QuantConfig:
     the rotated space; exactly ``bits`` bits per element.
     key_axis="channel": KIVI-style per-channel keys over token groups of ``group_size``.
     clip_rule / param_dtype: how minmax mode applies the clip ratio and the dtype of the
-    stored scale/zero (see `oscar.kernels.quant`); the published OSCAR recipe
+    stored scale/zero (see `oscar.kernels.quant`; "float8_e4m3fn": 8-bit, 2 + 16/G bits per
+    element, directed rounding); the published OSCAR recipe
     (`oscar.stats.reference_recipe`) uses "row-quantile" and "float32". Defaults keep the
     original format, so artifacts written before these fields existed load unchanged.
     """
@@ -49,7 +50,7 @@ class QuantConfig:
     recent: int = 256
     page_size: int = 16
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
-    param_dtype: Literal["float16", "float32"] = "float16"
+    param_dtype: Literal["float16", "float32", "float8_e4m3fn"] = "float16"  # float8_e4m3fn: 8-bit scale/zero
     # validation's fake-quant cache (oscar.validate.methods) releases recent tokens to INT2 in whole pages of
     # page_size, as the published cache does (flush in pages of 8); False: one token at a time. The paged
     # kernels cache always flushes whole pages.
@@ -58,8 +59,9 @@ class QuantConfig:
     def __post_init__(self):
         if self.clip_rule not in ("ratio", "row-quantile"):
             raise OscarError(f"quant.clip_rule must be 'ratio' or 'row-quantile', got {self.clip_rule!r}")
-        if self.param_dtype not in ("float16", "float32"):
-            raise OscarError(f"quant.param_dtype must be 'float16' or 'float32', got {self.param_dtype!r}")
+        if self.param_dtype not in ("float16", "float32", "float8_e4m3fn"):
+            raise OscarError(f"quant.param_dtype must be 'float16', 'float32' or 'float8_e4m3fn', "
+                             f"got {self.param_dtype!r}")
         if self.clip_rule == "row-quantile" and (self.mode != "minmax" or self.key_axis != "token"):
             raise OscarError("quant.clip_rule='row-quantile' clamps token rows: needs mode='minmax' and key_axis='token'")
 

@@ -12,7 +12,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from oscar.stats.reduce import ReduceConfig
 
     quant = QuantConfig(bits=args.bits, group_size=args.group_size, key_axis=args.key_axis, mode=args.mode,
-                        sink=args.sink, recent=args.recent)
+                        sink=args.sink, recent=args.recent, param_dtype=args.param_dtype)
     cfg = FitConfig(variant=args.variant, quant=quant, partial=args.partial, clip=not args.no_clip,
                     reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
                     fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.quiet)
@@ -49,6 +49,9 @@ def register(sub) -> None:
     p.add_argument("--mode", choices=("minmax", "static"), default="minmax")
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--param-dtype", choices=("float16", "float8_e4m3fn"), default="float16",
+                   help="minmax scale/zero storage; the clip search fits that format (float8_e4m3fn: 8-bit, 2.25 bits "
+                        "per element at head_dim 64)")
     p.add_argument("--no-clip", action="store_true", help="skip the clip search (clip 1.0)")
     p.add_argument("--fallback", choices=("hadamard", "none"), default="hadamard")
     p.add_argument("--seed", type=int, default=0)

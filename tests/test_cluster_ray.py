@@ -4,18 +4,25 @@ and resubmitted job both end with every block counted once, the Jobs API end to 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
 from oscar.cluster.localray import LocalHead
+
+_spec = importlib.util.spec_from_file_location("cluster_helpers", Path(__file__).with_name("cluster_helpers.py"))
+_h = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_h)
+opts, reference, assert_same_store = _h.opts, _h.reference, _h.assert_same_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -36,43 +43,6 @@ def head():
         h.stop()
         os.environ.clear()
         os.environ.update(saved)
-
-
-def opts(model, store, blocks=3, **kw):
-    d = dict(model=model, store=str(store), seq_len=48, sink=4, seqs_per_block=2, tokens=48 * 2 * blocks,
-             reservoir=8, batch_size=1)
-    d.update(kw)
-    return d
-
-
-_REFS: dict = {}
-
-
-def reference(tmp_path_factory, **o):
-    """The single-process store for these options (computed once per module)."""
-    from oscar.pipeline.calibrate import CalibConfig, calibrate
-
-    key = json.dumps({k: v for k, v in o.items() if k != "store"}, sort_keys=True)
-    if key not in _REFS:
-        path = tmp_path_factory.mktemp("ref") / "ref.zarr"
-        calibrate(CalibConfig(**{**o, "store": str(path)}), progress=False)
-        _REFS[key] = path
-    return _REFS[key]
-
-
-def assert_same_store(ref, got):
-    from oscar.pipeline.store import CalibStore
-
-    a, b = CalibStore(ref), CalibStore(got)
-    assert a.done().all() and b.done().all()
-    for name in ("tokens", "mask", "done"):
-        assert np.array_equal(a.group[name][:], b.group[name][:]), name
-    for l in range(a.num_layers):
-        for n in a.spec:
-            x, y = a.group[f"layers/{l}/{n}"][:], b.group[f"layers/{l}/{n}"][:]
-            assert np.array_equal(x, y), f"layers/{l}/{n} differs (max {np.abs(x - y).max()})"
-    for k, v in a.group.attrs.items():  # the Ray store adds `cluster` (and MoE) attributes only
-        assert b.group.attrs[k] == v, k
 
 
 def run(o, **cc):

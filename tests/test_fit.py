@@ -323,6 +323,10 @@ def test_cli_fit_and_variants(store, tmp_path, capsys):
     out = str(tmp_path / "c.safetensors")
     assert main(["fit", store[0], "--out", out, "--variant", "hadamard", "--quiet", "--threads", "1"]) == 0
     assert load_artifact(out).meta["variant"] == "hadamard"
+    out8 = str(tmp_path / "c8.safetensors")  # 8-bit scale/zero: the clip search fits that format
+    assert main(["fit", store[0], "--out", out8, "--variant", "hadamard", "--quiet", "--threads", "1",
+                 "--param-dtype", "float8_e4m3fn"]) == 0
+    assert load_artifact(out8).quant.param_dtype == "float8_e4m3fn" and load_artifact(out).quant.param_dtype == "float16"
     assert main(["fit", store[0], "--out", out, "--variant", "bogus"]) == 2
     err = capsys.readouterr().err
     assert "unknown variant 'bogus'" in err and "oscar" in err and "shared-layer" in err

@@ -65,10 +65,14 @@ def test_config_rejects_bad_formats():
     assert (cfg.page_size, cfg.sink, cfg.recent, cfg.ring_size, cfg.packed_dim) == (32, 4, 64, 96, 16)
 
 
-@pytest.mark.parametrize("mode,axis", MODES)
-def test_stored_sequence_matches_brute_force(mode, axis):
+FP8 = torch.float8_e4m3fn
+MODES_PD = [(m, a, torch.float16) for m, a in MODES] + [("minmax", "token", FP8), ("minmax", "channel", FP8)]
+
+
+@pytest.mark.parametrize("mode,axis,pd", MODES_PD)
+def test_stored_sequence_matches_brute_force(mode, axis, pd):
     """dequantize_sequence(rotated) == sink, fake_quant of each page, ring — by definition."""
-    c = make(mode, axis)
+    c = make(mode, axis, param_dtype=pd)
     H, D, P, S = 2, 16, 4, 3
     k, v = tokens(H, 30, D, 1)
     s = c.new_sequence()
@@ -85,9 +89,9 @@ def test_stored_sequence_matches_brute_force(mode, axis):
             want_k[:, p0:p0 + P] = fake_quant(blk_k, QuantSpec(group_size=1, mode="static"), c.rot.clip_k.reshape(H, 1, D))
             want_v[:, p0:p0 + P] = fake_quant(blk_v, QuantSpec(group_size=1, mode="static"), c.rot.clip_v.reshape(H, 1, 1))
         else:
-            kspec = QuantSpec(axis="channel", group_size=P) if axis == "channel" else QuantSpec()
+            kspec = QuantSpec(axis="channel", group_size=P, param_dtype=pd) if axis == "channel" else QuantSpec(param_dtype=pd)
             want_k[:, p0:p0 + P] = fake_quant(blk_k, kspec, 0.9)
-            want_v[:, p0:p0 + P] = fake_quant(blk_v, QuantSpec(), 0.9)
+            want_v[:, p0:p0 + P] = fake_quant(blk_v, QuantSpec(param_dtype=pd), 0.9)
     assert lay.num_pages == 4
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
@@ -109,16 +113,39 @@ def _state(c, s):
     return out
 
 
-@pytest.mark.parametrize("mode,axis", MODES)
-def test_chunked_appends_are_bit_identical_to_one_shot(mode, axis):
+@pytest.mark.parametrize("mode,axis,pd", MODES_PD)
+def test_chunked_appends_are_bit_identical_to_one_shot(mode, axis, pd):
     k, v = tokens(2, 37, 16, 2)
-    one, chunked = make(mode, axis), make(mode, axis)
+    one, chunked = make(mode, axis, param_dtype=pd), make(mode, axis, param_dtype=pd)
     a, b = one.new_sequence(), chunked.new_sequence()
     one.append(a, k, v)
     for lo, hi in [(0, 1), (1, 2), (2, 9), (9, 10), (10, 25), (25, 26), (26, 37)]:
         chunked.append(b, k[:, lo:hi], v[:, lo:hi])
     for x, y in zip(_state(one, a), _state(chunked, b)):
         assert torch.equal(x, y)
+
+
+def test_fp8_params_out_of_range_refused_before_writing():
+    """8-bit scale/zero hold +-448: a page with larger (rotated) values is refused whole, at the append
+    that would quantize it, and nothing changes; 16-bit sink/ring tokens are never checked."""
+    c = make(param_dtype=FP8, S=3, R=8, P=4)
+    a, b = c.new_sequence(), c.new_sequence()
+    c.append(a, *tokens(2, 3 + 2 * 4 + 8, 16, 20))  # 2 pages
+    k, v = tokens(2, 3 + 8, 16, 21)
+    k[:, 0] *= 1e4  # a huge sink token: kept in 16 bits, never quantized
+    v[:, 5] = 1e4  # a huge ring token: accepted for now
+    c.append(b, k, v)
+    before = [t.clone() for t in _state(c, a) + _state(c, b)]
+    lens, free = list(c.lengths), list(c.free_pages)
+    with pytest.raises(OscarError, match=r"rotated values entering INT2 pages reach \|x\| = .*8-bit \(e4m3\).*nothing was written"):
+        c.append(b, *tokens(2, 4, 16, 22))  # pushes the huge token into a page
+    assert c.lengths == lens and c.free_pages == free
+    for x, y in zip(before, _state(c, a) + _state(c, b)):
+        assert torch.equal(x, y)
+    c.append(a, *tokens(2, 4, 16, 23))  # other sequences go on
+    assert len(c.pages[a]) == 3
+    with pytest.raises(OscarError, match="reach"):
+        c.append(a, torch.full((2, 12, 16), float("nan")), torch.zeros(2, 12, 16))  # NaN is refused too
 
 
 def test_page_codes_are_packed_little_endian():

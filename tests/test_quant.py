@@ -91,3 +91,85 @@ def test_row_quantile_clip_matches_hand_computation():
     got = fake_quant(x, spec, clip=0.75)
     assert got.min().item() == pytest.approx(-5.25) and got.max().item() == pytest.approx(5.25)
     assert spec.bits_per_element(8) == 2 + 64 / 8
+
+
+# ------------------------------------------------------------------ 8-bit (e4m3) scale / zero
+FP8 = torch.float8_e4m3fn
+E4M3 = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+E4M3 = E4M3[E4M3 == E4M3].unique()  # the 253 distinct finite values, sorted (+-0 merged)
+
+
+def _fp8_brute(x, bits, G, ratio=None):
+    """Definition: zero = largest e4m3 <= lo, scale = smallest e4m3 >= max((hi - zero) / L, 1e-8), by table lookup."""
+    out = torch.empty_like(x, dtype=torch.float32)
+    T, D = x.shape
+    L = 2**bits - 1
+    for t, g0 in itertools.product(range(T), range(0, D, G)):
+        vals = x[t, g0:g0 + G].float()
+        lo, hi = vals.min(), vals.max()
+        if ratio is not None:
+            lo, hi = lo * ratio, hi * ratio
+        z = E4M3[E4M3 <= lo].max()
+        s = E4M3[E4M3 >= torch.clamp((hi - z) / L, min=1e-8)].min()
+        c = torch.floor((vals - z) / s + 0.5).clamp(0, L)
+        out[t, g0:g0 + G] = c * s + z
+    return out
+
+
+def test_fp8_round_is_directed_rounding_on_every_value():
+    from oscar.kernels.quant import fp8_round
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * torch.exp(torch.randn(20000, generator=g) * 4)
+    x = torch.cat([x.clamp(-448, 448), E4M3, torch.tensor([0.0, -0.0, 1e-30, -1e-30, 448.0, -448.0])])
+    up, down = fp8_round(x, up=True), fp8_round(x, up=False)
+    assert up.dtype == FP8 and down.dtype == FP8
+    assert torch.equal(up.float(), E4M3[torch.searchsorted(E4M3, x, right=False)])
+    assert torch.equal(down.float(), E4M3[torch.searchsorted(E4M3, x, right=True) - 1])
+
+
+@pytest.mark.parametrize("G,ratio,scale", [(8, None, 3.0), (16, 0.8, 1.0), (32, None, 1e-3), (64, None, 100.0)])
+def test_fp8_params_match_brute_force(G, ratio, scale):
+    torch.manual_seed(G)
+    x = torch.randn(6, 64) * scale  # 1e-3: subnormal e4m3 scales; 100: zeros near the top of the range
+    spec = QuantSpec(bits=2, group_size=G, param_dtype=FP8)
+    s, z = choose_qparams(x, spec, clip=ratio)
+    assert s.dtype == FP8 and z.dtype == FP8
+    torch.testing.assert_close(fake_quant(x, spec, clip=ratio), _fp8_brute(x, 2, G, ratio), rtol=0, atol=0)
+    assert spec.bits_per_element(64) == 2 + 16 / G
+    assert QuantSpec(param_dtype=FP8).bits_per_element(64) == 2.25  # 1/7.11 of BF16 at head_dim 64
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_fp8_grid_covers_the_range_no_clipping(axis):
+    """zero <= min, zero + L * scale >= max: every value within half a step of its grid point."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, 48, generator=g) * torch.exp(torch.randn(3, 64, 1, generator=g) * 2).clamp(max=60)  # (H, T, D)
+    spec = QuantSpec(bits=2, axis=axis, group_size=16 if axis == "channel" else None, param_dtype=FP8)
+    s, z = choose_qparams(x, spec)
+    xg = x.reshape(3, 64, 1, 48) if axis == "token" else x.transpose(-1, -2).reshape(3, 48, 4, 16)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    assert bool((z.float() <= lo).all()) and bool((z.float() + 3 * s.float() >= hi * (1 - 1e-6)).all())
+    err = (x - dequantize(quantize(x, s, z, spec), s, z, spec)).abs()
+    step = (s.float().unsqueeze(-1).expand(*s.shape, 48).reshape(3, 64, 48) if axis == "token"
+            else s.float().unsqueeze(-1).expand(3, 48, 4, 16).reshape(3, 48, 64).transpose(-1, -2))
+    assert bool((err <= step / 2 * (1 + 1e-5)).all())
+
+
+def test_fp8_params_out_of_range_raise_instead_of_saturating():
+    spec = QuantSpec(bits=2, param_dtype=FP8)
+    ok = torch.full((1, 8), -448.0)
+    ok[0, 0] = 448.0
+    s, z = choose_qparams(ok, spec)  # exactly the largest finite e4m3: accepted
+    assert z.float().item() == -448.0 and s.float().item() == pytest.approx(320.0)  # 896/3 rounded up
+    for bad in (449.0, -1e4, float("nan"), float("inf")):
+        x = torch.randn(2, 8)
+        x[1, 3] = bad
+        with pytest.raises(ValueError, match=r"8-bit \(e4m3\).*param_dtype=torch.float16"):
+            choose_qparams(x, spec)
+    with pytest.raises(ValueError, match="param_dtype"):
+        QuantSpec(param_dtype=torch.bfloat16)
+    # static mode has no per-token params: its constants stay fp16 (as the paged cache stores them)
+    st = QuantSpec(mode="static", param_dtype=FP8)
+    s, z = choose_qparams(torch.zeros(1, 4), st, clip=1000.0)
+    assert s.dtype == torch.float16 and z.item() == -1000.0 and st.bits_per_element(64) == 2.0

@@ -93,6 +93,27 @@ def test_method_factory(tiny, tmp_path):
         method_artifact("oscar-ref-int2", tiny.config, art)
 
 
+def test_channel_keys_method(tiny, tmp_path):
+    """oscar-kc-int2: the same variant refitted on the same store with per-channel key groups of head_dim tokens."""
+    import dataclasses
+
+    from oscar.stats.fit import FitConfig, fit
+    from oscar.validate.methods import channel_keys_artifact
+
+    p, art = _store_and_oscar_artifact(tmp_path, tiny.config)
+    got = method_artifact("oscar-kc-int2", tiny.config, art)
+    assert got.quant.key_axis == "channel" and got.quant.group_size == art.head_dim and got.quant.value_axis == "token"
+    assert got.meta["variant"] == art.meta["variant"]
+    want = fit(p, FitConfig(variant="hadamard", quant=got.quant, progress=False, threads=1))
+    for l in range(2):
+        assert torch.equal(got.rot_k[l], want.rot_k[l]) and torch.equal(got.clip_k[l], want.clip_k[l])
+    assert channel_keys_artifact(art) is got  # fitted once per store
+    kc = dataclasses.replace(art, quant=got.quant)
+    assert channel_keys_artifact(kc) is kc  # already per-channel: used as is
+    with pytest.raises(OscarError, match="needs --artifact"):
+        method_artifact("oscar-kc-int2", tiny.config, None)
+
+
 @pytest.mark.slow
 def test_smollm2_report_has_both_methods_and_protocols(tmp_path):
     """On SmolLM2: calibrate a small store, fit oscar, ppl of oscar-int2 and oscar-ref-int2 (strict + serving), report."""

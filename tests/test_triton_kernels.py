@@ -1,7 +1,7 @@
 """Triton kernels against the torch reference (CPU via TRITON_INTERPRET=1, or CUDA).
 
-Tolerances: kernel (a) codes and fp16 params are bit-identical to the reference
-(same rounding rule, IEEE division). Kernel (b) with fp32 IEEE dots: |o - o_ref| <=
+Tolerances: kernel (a) codes and fp16 / 8-bit (e4m3) params are bit-identical to the
+reference (same rounding rule, IEEE division, directed e4m3 rounding). Kernel (b) with fp32 IEEE dots: |o - o_ref| <=
 2e-5 (summation order only); with fp16 dots (the CUDA default): <= 6e-3 for
 |q|, |k|, |v| ~ 1 (fp16 rounding of q, k, p, v: ~2^-11 relative each).
 """
@@ -174,13 +174,14 @@ def test_decode_kernel_with_shared_prefix_pages(monkeypatch):
     torch.testing.assert_close(o2[0], o[0], rtol=0, atol=2e-5)
 
 
-def test_triton_cache_equals_reference_cache(monkeypatch):
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_triton_cache_equals_reference_cache(monkeypatch, param_dtype):
     """Appends through kernel (a) give the same pool bytes as appends through the reference."""
     k, v = kv(2, 70, 64, 9)
     caches = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("OSCAR_KERNELS", backend)
-        c = cache("minmax", "token", D=64)
+        c = cache("minmax", "token", D=64, param_dtype=param_dtype)
         s = c.new_sequence()
         c.append(s, k[:, :33], v[:, :33])
         c.append(s, k[:, 33:], v[:, 33:])
@@ -189,7 +190,58 @@ def test_triton_cache_equals_reference_cache(monkeypatch):
     ids = torch.tensor(a.pages[sa], device=DEV)
     assert a.pages[sa] == b.pages[sb] and len(ids) == layout(70, a.cfg).num_pages
     for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero"):
-        assert torch.equal(getattr(a, name)[ids], getattr(b, name)[ids]), name
+        assert torch.equal(_bytes(getattr(a, name)[ids]), _bytes(getattr(b, name)[ids])), name
+
+
+# ------------------------------------------------------------------ 8-bit (e4m3) scale/zero
+FP8 = torch.float8_e4m3fn
+
+
+def _bytes(t):
+    """Bit patterns (fp8 params compare by bytes: no float equality on e4m3 needed)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+@pytest.mark.parametrize("axis,D,group", [("token", 64, None), ("token", 44, None), ("token", 64, 16),
+                                          ("channel", 64, None), ("channel", 44, None)])
+def test_quantize_kernel_fp8_params_bit_identical_to_reference(axis, D, group):
+    from oscar.kernels.triton_quant import quantize_pages_into
+
+    c = cache("minmax", axis, D=D, group_size=group, param_dtype=FP8)
+    k, v = kv(2, 32, D, 3)
+    ids = torch.tensor([9, 2, 5, 0], device=DEV)
+    for which, x in (("k", k), ("v", v)):
+        rot = c.rot.rotate_k(x) if which == "k" else c.rot.rotate_v(x)
+        pages = rot.to(c.cfg.dtype).reshape(2, 4, 8, D).transpose(0, 1).contiguous()  # (N, Hkv, P, D)
+        pages[1] *= 1e-3  # subnormal e4m3 scales (< 2^-6)
+        pages[2, 0] = 0.25  # constant rows: zero exact, smallest scale 2^-9
+        pages[3] = pages[3] / pages[3].abs().amax() * 440  # near the top of e4m3's range
+        codes, s, z = ref.quantize_page_tensors(c, pages, which)
+        assert s.dtype == FP8 and z.dtype == FP8
+        quantize_pages_into(c, ids, pages, which)
+        assert torch.equal(getattr(c, f"{which}_codes")[ids], codes)
+        assert torch.equal(_bytes(getattr(c, f"{which}_scale")[ids]), _bytes(s))
+        assert torch.equal(_bytes(getattr(c, f"{which}_zero")[ids]), _bytes(z))
+
+
+@pytest.mark.parametrize(
+    "axis,H,D,G,group",
+    [
+        ("token", 2, 64, 1, None),  # per-token 8-bit params, factored path
+        ("token", 1, 44, 3, None),  # non-power-of-two head dim, GQA 3
+        ("token", 1, 64, 3, 16),  # 4 channel groups per token: dequantized in registers
+        ("channel", 1, 64, 3, None),  # KIVI keys with 8-bit per-channel params
+    ],
+)
+def test_decode_kernel_fp8_params_matches_reference(monkeypatch, axis, H, D, G, group):
+    monkeypatch.setenv("OSCAR_KERNELS", "triton")  # pages quantized by kernel (a)
+    c = cache("minmax", axis, H=H, D=D, group_size=group, param_dtype=FP8)
+    assert c.k_scale.dtype == FP8 and c.v_zero.dtype == FP8
+    lengths = [4, 5 + 16 + 7, 5 + 16 + 8, 61, 77]  # sink only, before / at the first page, several pages
+    seqs = fill(c, lengths)[::-1]
+    o, lse, ro, rlse = run_both(c, seqs, G, splits=2)
+    torch.testing.assert_close(o, ro, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse, rlse, rtol=0, atol=2e-5)
 
 
 def test_dispatch_rejects_mismatches(monkeypatch):

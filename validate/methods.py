@@ -7,6 +7,8 @@
     oscar-int2     the fitted artifact (whatever its QuantConfig says)
     oscar-ref-int2 the published OSCAR code's recipe (`oscar fit --variant oscar-ref`) on the same store:
                    per-layer rotation, row-quantile clips K 0.96 / V 0.92, float32 scale+zero, pages of 8
+    oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
+                   rotated space over head_dim tokens (KIVI style; `oscar fit --key-axis channel --group-size D`)
 
 Other helpers add methods with `register_method(name, factory)`.
 
@@ -24,7 +26,7 @@ position mask that reproduces token-by-token decoding with the same cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -101,46 +103,68 @@ def _oscar(config, art):
     return art
 
 
-_REFERENCE: dict = {}  # (store path, store fingerprint) -> the oscar-ref artifact fitted from it
+_REFITS: dict = {}  # (method, store path, store fingerprint) -> the artifact refitted from that store
 
 
-def reference_artifact(art: Artifact) -> Artifact:
-    """The published recipe's artifact for the same data as `art` (no model check).
-
-    `art` itself when it is an `oscar fit --variant oscar-ref` artifact; otherwise the reference
-    recipe is fitted (no clip search: a few eigendecompositions) from the calibration store `art`
-    was fitted from (its provenance), so both methods see the same calibration data.
-    """
+def _refit(art: Artifact, method: str, how: str, cfg_kw: dict) -> Artifact:
+    """Fit `cfg_kw`'s recipe from the calibration store `art` was fitted from (its provenance), so
+    that both methods see the same calibration data; cached per store."""
     import os
 
-    if art.meta.get("variant") == "oscar-ref":
-        return art
     prov = art.meta.get("provenance") or {}
     store = prov.get("store")
     if not store or not os.path.isdir(store):
-        raise OscarError(f"method oscar-ref-int2 refits the published recipe from the calibration store of --artifact, "
-                         f"but {'it records none' if not store else f'{store!r} does not exist'}; pass an artifact "
-                         f"made by `oscar fit STORE --variant oscar-ref` as --artifact, or keep the store")
-    key = (os.path.abspath(store), prov.get("store_fingerprint"))
-    if key not in _REFERENCE:
+        raise OscarError(f"method {method} refits {how} from the calibration store of --artifact, but "
+                         f"{'it records none' if not store else f'{store!r} does not exist'}; keep the store, "
+                         f"or pass an artifact fitted that way as --artifact")
+    key = (method, os.path.abspath(store), prov.get("store_fingerprint"))
+    if key not in _REFITS:
         from oscar.stats.fit import FitConfig, fit
 
-        _REFERENCE[key] = fit(store, FitConfig(variant="oscar-ref", partial=bool(prov.get("partial")), progress=False))
-    return _REFERENCE[key]
+        _REFITS[key] = fit(store, FitConfig(partial=bool(prov.get("partial")), progress=False, **cfg_kw))
+    return _REFITS[key]
+
+
+def reference_artifact(art: Artifact) -> Artifact:
+    """The published recipe's artifact for the same data as `art` (no model check): `art` itself
+    when it is an `oscar fit --variant oscar-ref` artifact, else refitted (no clip search)."""
+    if art.meta.get("variant") == "oscar-ref":
+        return art
+    return _refit(art, "oscar-ref-int2", "the published recipe", {"variant": "oscar-ref"})
+
+
+def channel_keys_artifact(art: Artifact) -> Artifact:
+    """`art`'s recipe (same variant, rotations from the same store) with KIVI-style keys: per channel
+    of the rotated space over groups of head_dim tokens (64 on SmolLM2), clips searched for that
+    grouping; values stay per token. Same bits per element as per-token groups of head_dim."""
+    if art.quant.key_axis == "channel":
+        return art
+    quant = replace(art.quant, key_axis="channel", group_size=art.head_dim)
+    return _refit(art, "oscar-kc-int2", "per-channel keys", {"variant": art.meta.get("variant", "oscar"), "quant": quant})
+
+
+def _needs(name: str, art):
+    if art is None:
+        raise OscarError(f"method {name} needs --artifact (an `oscar fit` artifact whose calibration store still exists)")
 
 
 def _oscar_ref(config, art):
-    if art is None:
-        raise OscarError("method oscar-ref-int2 needs --artifact (an `oscar fit` artifact whose store still exists, "
-                         "or one fitted with --variant oscar-ref)")
+    _needs("oscar-ref-int2", art)
     ref = reference_artifact(art)
     ref.check_model(config)
     return ref
 
 
+def _oscar_kc(config, art):
+    _needs("oscar-kc-int2", art)
+    kc = channel_keys_artifact(art)
+    kc.check_model(config)
+    return kc
+
+
 def fitted_for(name: str, fitted: Artifact) -> Artifact:
     """A NEEDS_ARTIFACT method's artifact from the fitted one, without a model check (callers check shapes)."""
-    return reference_artifact(fitted) if name == "oscar-ref-int2" else fitted
+    return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact}.get(name, lambda a: a)(fitted)
 
 
 register_method("bf16", _bf16)
@@ -149,6 +173,7 @@ register_method("kivi2", _kivi)
 register_method("hadamard-int2", _hadamard)
 register_method("oscar-int2", _oscar, needs_artifact=True)
 register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the published recipe (stats/reference_recipe.py)
+register_method("oscar-kc-int2", _oscar_kc, needs_artifact=True)   # oscar-int2's rotations, KIVI-style key groups
 
 
 def parse_methods(s: str | list[str]) -> list[str]:

@@ -1,0 +1,45 @@
+"""Shared by the Ray tests (test helper, not a test): job options, the single-process reference
+store, and the store equality check. Load with `spec_from_file_location` (--import-mode=importlib)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+
+def opts(model, store, blocks=3, **kw):
+    d = dict(model=model, store=str(store), seq_len=48, sink=4, seqs_per_block=2, tokens=48 * 2 * blocks,
+             reservoir=8, batch_size=1)
+    d.update(kw)
+    return d
+
+
+_REFS: dict = {}
+
+
+def reference(tmp_path_factory, **o):
+    """The single-process store for these options (computed once per session)."""
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    key = json.dumps({k: v for k, v in o.items() if k != "store"}, sort_keys=True)
+    if key not in _REFS:
+        path = tmp_path_factory.mktemp("ref") / "ref.zarr"
+        calibrate(CalibConfig(**{**o, "store": str(path)}), progress=False)
+        _REFS[key] = path
+    return _REFS[key]
+
+
+def assert_same_store(ref, got):
+    from oscar.pipeline.store import CalibStore
+
+    a, b = CalibStore(ref), CalibStore(got)
+    assert a.done().all() and b.done().all()
+    for name in ("tokens", "mask", "done"):
+        assert np.array_equal(a.group[name][:], b.group[name][:]), name
+    for l in range(a.num_layers):
+        for n in a.spec:
+            x, y = a.group[f"layers/{l}/{n}"][:], b.group[f"layers/{l}/{n}"][:]
+            assert np.array_equal(x, y), f"layers/{l}/{n} differs (max {np.abs(x - y).max()})"
+    for k, v in a.group.attrs.items():  # the Ray store adds `cluster` (and MoE) attributes only
+        assert b.group.attrs[k] == v, k
