@@ -107,6 +107,18 @@ def decode_threads() -> int:
     return 1 if busy else n
 
 
+class load_aware_threads:
+    """Context manager: intra-op threads = `decode_threads()` inside, restored after."""
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(decode_threads())
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.prev)
+
+
 @torch.no_grad()
 def greedy(model, cache, question_ids: list[int], max_new_tokens: int, eos: set[int], rows: int = 1,
            threads: int | None = None) -> list[list[int]]:
@@ -208,7 +220,8 @@ class PrefillPool:
         if n > 0:
             for l, layer in enumerate(best.layers):
                 cache.update(layer.keys[..., :n, :], layer.values[..., :n, :], l)
-        self.model(input_ids=torch.tensor([ids[n:]]), cache=cache, use_cache=True, logits_to_keep=1)
+        with load_aware_threads():  # two threads on a busy 2-core machine stall in OpenMP barriers
+            self.model(input_ids=torch.tensor([ids[n:]]), cache=cache, use_cache=True, logits_to_keep=1)
         self.reused += n
         self.computed += len(ids) - n
         self.entries = (self.entries + [(list(ids), cache)])[-self.keep:]

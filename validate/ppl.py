@@ -260,7 +260,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
     from oscar.stats.artifact import load_artifact
     from oscar.validate import env
     from oscar.validate.methods import NEEDS_ARTIFACT, PROTOCOLS, method_artifact, parse_methods
-    from oscar.validate.niah import check_lengths
+    from oscar.validate.niah import check_lengths, load_aware_threads
 
     methods = parse_methods(cfg.methods)
     bad = [p for p in cfg.protocols if p not in PROTOCOLS]
@@ -322,11 +322,12 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
             # A shorter context's window that starts where this one starts is this window's prefix.
             short = [(c2, w * c // c2) for c2 in cfg.contexts if c2 < c and (w * c) % c2 == 0
                      and (m, p, c2, w * c // c2) in jobset and (m, p, c2, w * c // c2) not in done]
-            if arts[m] is None:
-                res = window_nll(model, win, prefixes=tuple(c2 for c2, _ in short))
-            else:
-                with simulated(model, arts[m], PROTOCOLS[p]):
+            with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
+                if arts[m] is None:
                     res = window_nll(model, win, prefixes=tuple(c2 for c2, _ in short))
+                else:
+                    with simulated(model, arts[m], PROTOCOLS[p]):
+                        res = window_nll(model, win, prefixes=tuple(c2 for c2, _ in short))
             record({"method": m, "protocol": p, "context": c, "window": w, "nll": res[0], "count": res[1]})
             for (c2, w2), (nll2, n2) in zip(short, res[2] if short else []):
                 record({"method": m, "protocol": p, "context": c2, "window": w2, "nll": nll2, "count": n2,
