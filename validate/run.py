@@ -89,6 +89,17 @@ class Stages:
         with open(os.path.join(self.dir, f"{name}.json"), "w") as f:
             json.dump({"fingerprint": fp, "outputs": outputs, "seconds": seconds, **(extra or {})}, f, indent=1)
 
+    def run(self, name: str, label: str, fp: str, outputs: list[str], work) -> None:
+        """Skip stage `name` if done with fingerprint `fp` and its outputs exist; else run
+        `work()` and mark it done (a dict it returns is kept in the marker)."""
+        if self.done(name, fp, outputs):
+            _say(f"{label}: done (skipped)")
+            return
+        _say(f"{label} ...")
+        t = time.time()
+        extra = work()
+        self.mark(name, fp, outputs, time.time() - t, extra if isinstance(extra, dict) else None)
+
 
 def _calibrate(cfg: RunConfig, store: str) -> dict:
     from oscar.pipeline.calibrate import CalibConfig, calibrate
@@ -121,25 +132,16 @@ def run_main(cfg: RunConfig) -> dict:
 
     # 1. calibrate
     fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len})
-    if st.done("calibrate", fp_cal, [store]):
-        _say("calibrate: done (skipped)")
-    else:
-        _say("calibrate ...")
-        t = time.time()
-        info = _calibrate(cfg, store)
-        st.mark("calibrate", fp_cal, [store], time.time() - t, info)
+    st.run("calibrate", "calibrate", fp_cal, [store], lambda: _calibrate(cfg, store))
 
     # 2. fit (+ the calibration section of the report)
     fp_fit = fingerprint({"cal": fp_cal, "fit": cfg.variant})
     cal_dir = os.path.join(d, "calibration")
-    if st.done("fit", fp_fit, [art_path]):
-        _say("fit: done (skipped)")
-    else:
+
+    def do_fit() -> None:
         from oscar.stats.artifact import save_artifact
         from oscar.stats.fit import FitConfig, fit
 
-        _say("fit ...")
-        t = time.time()
         art = fit(store, FitConfig(variant=cfg.variant, progress=cfg.progress))
         tmp = art_path + ".tmp"
         save_artifact(art, tmp)
@@ -150,9 +152,16 @@ def run_main(cfg: RunConfig) -> dict:
             calibration_section(art_path, store, cal_dir)
         except ImportError:
             _say("fit: oscar.stats.report.calibration_section not available; no calibration section")
-        st.mark("fit", fp_fit, [art_path], time.time() - t)
 
-    loaded = None
+    st.run("fit", "fit", fp_fit, [art_path], do_fit)
+
+    loaded: list = []  # the model, loaded once by whichever stage needs it first
+
+    def model():
+        if not loaded:
+            loaded.append(load_model(cfg.model))
+        return loaded[0]
+
     art_fp = file_fingerprint(art_path)
 
     # 3. NIAH (resumable per sample)
@@ -162,14 +171,8 @@ def run_main(cfg: RunConfig) -> dict:
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
                       protocol=cfg.niah_protocol, dtype=cfg.dtype)
     fp_n = fingerprint({"art": art_fp, "cfg": asdict(ncfg)})
-    if st.done("niah", fp_n, [os.path.join(d, "results.parquet")]):
-        _say("validate niah: done (skipped)")
-    else:
-        _say("validate niah ...")
-        t = time.time()
-        loaded = loaded or load_model(cfg.model)
-        run_niah(ncfg, loaded=loaded, progress=cfg.progress)
-        st.mark("niah", fp_n, [os.path.join(d, "results.parquet")], time.time() - t)
+    st.run("niah", "validate niah", fp_n, [os.path.join(d, "results.parquet")],
+           lambda: run_niah(ncfg, loaded=model(), progress=cfg.progress))
 
     # 4. perplexity (resumable per window)
     from oscar.validate.ppl import PplConfig, run_ppl
@@ -177,14 +180,8 @@ def run_main(cfg: RunConfig) -> dict:
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
                      tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype)
     fp_p = fingerprint({"art": art_fp, "cfg": asdict(pcfg)})
-    if st.done("ppl", fp_p, [os.path.join(d, "ppl.parquet")]):
-        _say("validate ppl: done (skipped)")
-    else:
-        _say("validate ppl ...")
-        t = time.time()
-        loaded = loaded or load_model(cfg.model)
-        run_ppl(pcfg, loaded=loaded, progress=cfg.progress)
-        st.mark("ppl", fp_p, [os.path.join(d, "ppl.parquet")], time.time() - t)
+    st.run("ppl", "validate ppl", fp_p, [os.path.join(d, "ppl.parquet")],
+           lambda: run_ppl(pcfg, loaded=model(), progress=cfg.progress))
 
     # 5. attention-level retrieval on captured q/k/v
     try:
@@ -194,13 +191,8 @@ def run_main(cfg: RunConfig) -> dict:
     if run_attention is not None:
         acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths)
         fp_a = fingerprint({"art": art_fp, "cfg": asdict(acfg)})
-        if st.done("attention", fp_a, [os.path.join(d, "attention.parquet")]):
-            _say("validate attention: done (skipped)")
-        else:
-            _say("validate attention (captured q/k/v, to 128k) ...")
-            t = time.time()
-            run_attention(acfg, progress=cfg.progress)
-            st.mark("attention", fp_a, [os.path.join(d, "attention.parquet")], time.time() - t)
+        st.run("attention", "validate attention (captured q/k/v, to 128k)", fp_a,
+               [os.path.join(d, "attention.parquet")], lambda: run_attention(acfg, progress=cfg.progress))
 
     # 6. report (always rebuilt: cheap, reads files only)
     total = time.time() - t_all
