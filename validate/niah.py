@@ -61,6 +61,26 @@ def check_lengths(lengths: list[int], max_ctx: int, model: str) -> None:
         )
 
 
+def load_checked(name: str, artifact: str | None, methods: list[str], lengths: list[int], dtype: str, loaded=None):
+    """Refuse what cannot run (artifact missing or needed, lengths past the model's context,
+    unknown dtype) before loading weights where possible; return (model in `dtype`, tokenizer)."""
+    from oscar.validate import env
+    from oscar.validate.methods import NEEDS_ARTIFACT
+
+    if artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
+        raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
+    if artifact and not os.path.exists(artifact):
+        raise OscarError(f"artifact {artifact} does not exist")
+    if loaded is None:  # refuse impossible lengths before loading weights
+        check_lengths(lengths, env.config_max_context(name) or 0, name)
+    if dtype not in env.DTYPES:
+        raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(env.DTYPES)}")
+    model, tok, _ = loaded or env.load_model(name)
+    model = env.with_dtype(model, dtype)
+    check_lengths(lengths, env.max_context(model), name)
+    return model, tok
+
+
 def _read_done(path: str) -> dict[tuple, dict]:
     done: dict[tuple, dict] = {}
     if not os.path.exists(path):
@@ -242,7 +262,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate import env
-    from oscar.validate.methods import NEEDS_ARTIFACT, PROTOCOLS, MethodBatchCache, method_artifact, parse_methods
+    from oscar.validate.methods import PROTOCOLS, MethodBatchCache, method_artifact, parse_methods
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
     methods = parse_methods(cfg.methods)
@@ -253,17 +273,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
         raise OscarError(f"unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
     if cfg.samples < 1:
         raise OscarError("--samples must be >= 1")
-    if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
-        raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
-    if cfg.artifact and not os.path.exists(cfg.artifact):
-        raise OscarError(f"artifact {cfg.artifact} does not exist")
-    if loaded is None:  # refuse impossible lengths before loading weights
-        check_lengths(cfg.lengths, env.config_max_context(cfg.model) or 0, cfg.model)
-    if cfg.dtype not in env.DTYPES:
-        raise OscarError(f"unknown dtype {cfg.dtype!r}; known: {', '.join(env.DTYPES)}")
-    model, tok, _ = loaded or env.load_model(cfg.model)
-    model = env.with_dtype(model, cfg.dtype)
-    check_lengths(cfg.lengths, env.max_context(model), cfg.model)
+    model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     arts = {m: method_artifact(m, model.config, fitted) for m in methods}

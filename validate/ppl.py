@@ -258,28 +258,17 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate import env
-    from oscar.validate.methods import NEEDS_ARTIFACT, PROTOCOLS, method_artifact, parse_methods
-    from oscar.validate.niah import check_lengths, load_aware_threads
+    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods
+    from oscar.validate.niah import load_aware_threads, load_checked
 
     methods = parse_methods(cfg.methods)
     bad = [p for p in cfg.protocols if p not in PROTOCOLS]
     if bad:
         raise OscarError(f"unknown protocol(s) {bad}; known: {', '.join(PROTOCOLS)}")
-    if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
-        raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
-    if cfg.artifact and not os.path.exists(cfg.artifact):
-        raise OscarError(f"artifact {cfg.artifact} does not exist")
     for c in cfg.contexts:
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
-    if loaded is None:  # refuse impossible contexts before loading weights
-        check_lengths(cfg.contexts, env.config_max_context(cfg.model) or 0, cfg.model)
-    if cfg.dtype not in env.DTYPES:
-        raise OscarError(f"unknown dtype {cfg.dtype!r}; known: {', '.join(env.DTYPES)}")
-    model, tok, _ = loaded or env.load_model(cfg.model)
-    model = env.with_dtype(model, cfg.dtype)
-    check_lengths(cfg.contexts, env.max_context(model), cfg.model)
+    model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.contexts, cfg.dtype, loaded)
     os.makedirs(cfg.out, exist_ok=True)
     cpath = os.path.join(cfg.out, "ppl_config.json")
     if os.path.exists(cpath) and json.load(open(cpath)).get("identity") != cfg.identity():
