@@ -89,6 +89,7 @@ class CalibResult:
     forward_s: float                # model forward incl. capture (wall, device-synchronised)
     write_s: float                  # store writes the run waited for (the writer thread overlaps the next block)
     write_busy_s: float             # time the writer thread spent writing (overlapped or not)
+    stats_s: float                  # part of forward_s spent in the statistics (CPU: not device-synchronised)
     nonfinite: dict[int, int]       # layer -> rows excluded for NaN/Inf (whole store)
 
     @property
@@ -206,7 +207,8 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
               + ", ".join(f"layer {l}: {n}" for l, n in bad.items()), file=sys.stderr)
     return CalibResult(store=str(store.path), blocks_total=meta.num_blocks, blocks_run=len(todo),
                        blocks_skipped=meta.num_blocks - len(todo), blocks_redone=redone, tokens_run=run_tokens,
-                       wall_s=wall, forward_s=fwd_s, write_s=write_s, write_busy_s=busy[0], nonfinite=nonfinite)
+                       wall_s=wall, forward_s=fwd_s, write_s=write_s, write_busy_s=busy[0], stats_s=cap.stats_s,
+                       nonfinite=nonfinite)
 
 
 class _Progress:

@@ -21,6 +21,8 @@ import contextvars
 import hashlib
 import math
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -28,10 +30,11 @@ import numpy as np
 import torch
 
 from oscar.common import OscarError
+from oscar.pipeline import native
 
 PREFIX = "oscar_capture_"
 XS = ("q", "k", "v", "o")
-CHUNK_BYTES = 768 << 10
+CHUNK_BYTES = 768 << 10    # torch path: float64 rows per chunk (x, x^3, x^4 stay in cache)
 
 # The capture that the registered attention function feeds (None: plain pass-through).
 _ACTIVE: contextvars.ContextVar["_BatchContext | None"] = contextvars.ContextVar("oscar_capture", default=None)
@@ -122,6 +125,42 @@ def reservoir_seed(seed: int, block: int, layer: int) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor:
+    """A float64 work buffer of at least `numel` elements, shared by every layer of this thread."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    b = bufs.get(device)
+    if b is None or b.numel() < numel:
+        b = bufs[device] = torch.empty(numel, dtype=torch.float64, device=device)
+    return b[:numel]
+
+
+def _rows(p: torch.Tensor, head: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """p[head, t] as float32 for p (heads, T, D) and broadcastable index tensors: (*idx, D).
+
+    One index_select over p's rows seen as a flat (N, D) table (q/k/v are head-major, o is
+    token-major: both are whole rows of D at strides that are multiples of D), instead of
+    advanced indexing of a strided view.
+    """
+    s0, s1, s2 = p.stride()
+    D = p.shape[2]
+    if s2 != 1 or s0 % D or s1 % D:
+        return p[head, t].float()
+    n = ((p.shape[0] - 1) * s0 + (p.shape[1] - 1) * s1) // D + 1
+    flat = p.as_strided((n, D), (D, 1))                                               # (N, D) rows of p's storage
+    idx = head * (s0 // D) + t * (s1 // D)                                            # (*idx)
+    return flat.index_select(0, idx.reshape(-1)).view(*idx.shape, D).float()
+
+
+def _native_ok(src: list[torch.Tensor]) -> bool:
+    """The C kernel takes CPU float32/float64 rows with contiguous channels (the usual case)."""
+    p = src[0]
+    return (p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) and p.shape[2] <= native.MAX_D
+            and all(s.dtype == p.dtype and s.stride(2) == 1 for s in src) and native.available())
+
+
 class LayerAccumulator:
     """float64 sums of one layer over one block (everything lives on the activations' device).
 
@@ -146,10 +185,9 @@ class LayerAccumulator:
         self.absmax2 = z(Htot, D)              # max x^2 (sqrt at the end: exact, and no |x| pass)
         self.vw_gram, self.w_sum = z(H, D, D), z(H)
         self.kv_count = self.nonfinite = 0
-        self.g_heads = (torch.arange(H)[None, :] * G + torch.arange(G)[:, None]).to(device)  # (G, Hkv): q head of (g, h)
         # Rows per chunk: on CPU the chunk's float64 copy and its powers stay in cache (~768 KiB).
+        self.htot = Htot
         self.chunk = max(8, CHUNK_BYTES // (Htot * D * 8)) if device.type == "cpu" else 1 << 14
-        self._buf = None
         # Reservoir keys: one uniform per (sequence, token) for k/v and per (sequence, token, group
         # head) for q/o, drawn once per (seed, block, layer); the R smallest keys are kept.
         self._gen = torch.Generator().manual_seed(reservoir_seed(spec.seed, block, layer))
@@ -166,7 +204,7 @@ class LayerAccumulator:
         """Keep the batch's R smallest keys (only those can end in the block's reservoir)."""
         R = self.spec.reservoir
         sel = torch.topk(keys, R, largest=False, sorted=False).indices if keys.numel() > R else None
-        self.cand[kind].append((keys if sel is None else keys[sel], take(sel).float()))
+        self.cand[kind].append((keys if sel is None else keys[sel], take(sel)))
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: "_Rows") -> None:
         """q: (B, Hq, T, D); k, v: (B, Hkv, T, D); out: (B, T, Hq, D) (the attention output, o_proj input)."""
@@ -177,25 +215,70 @@ class LayerAccumulator:
                 self._sequence(src, sel, rows.seq_offset + b, T)
 
     def _sequence(self, src: list[torch.Tensor], sel: "slice | torch.Tensor", seq: int, T: int) -> None:
-        """One sequence's counted positions `sel` (a slice or (n,) indices) of src = [q, k, v, o], each (heads, T, D).
-
-        Rows go through in chunks of `self.chunk` so that the float64 copy and its powers stay in
-        cache: a float64 pass over a whole 2048-token batch per statistic costs more than the MLP.
-        """
+        """One sequence's counted positions `sel` (a slice or (n,) indices) of src = [q, k, v, o], each (heads, T, D)."""
         spec = self.spec
         H, G, D = spec.num_kv_heads, spec.group, spec.head_dim
         Hq = H * G
-        Htot = 2 * Hq + 2 * H
-        dev = src[0].device
-        tok = torch.arange(sel.start, sel.stop, device=dev) if isinstance(sel, slice) else sel   # (n,)
+        tok = torch.arange(sel.start, sel.stop, device=src[0].device) if isinstance(sel, slice) else sel   # (n,)
+        fast = isinstance(sel, slice) and _native_ok(src)
+        gseq = self._native_sums(src, sel) if fast else None
+        if gseq is None:  # torch ops: GPU, index selections, NaN/Inf rows, or no C compiler
+            fast = False
+            gseq, sel, tok = self._torch_sums(src, sel, tok)
+        n = tok.numel()
+        self.kv_count += n
+        self.gram += gseq
+        if n == 0:
+            return
+        # Value target: w_t = k_t C_Q k_t^T with this sequence's own C_Q (docs/decisions.md).
+        cq = gseq[:Hq].view(H, G, D, D).sum(1) / (n * G)                              # (Hkv, D, D)
+        if fast:
+            vw, ws = torch.empty(H, D, D, dtype=torch.float64), torch.empty(H, dtype=torch.float64)
+            native.value_target(src[1], src[2], sel.start, sel.stop, cq, vw, ws)
+            self.vw_gram += vw
+            self.w_sum += ws
+        else:
+            pick = (lambda p: p[:, sel]) if isinstance(sel, slice) else (lambda p: p.index_select(1, tok))
+            Kh, Vh = pick(src[1]).double(), pick(src[2]).double()                    # (Hkv, n, D) each
+            wt = ((Kh @ cq) * Kh).sum(-1)                                             # (Hkv, n)
+            self.vw_gram += (Vh * wt[..., None]).mT @ Vh
+            self.w_sum += wt.sum(1)
+        if spec.reservoir > 0:
+            self._reservoir(src, tok, seq, T)
+
+    def _native_sums(self, src: list[torch.Tensor], sel: slice) -> "torch.Tensor | None":
+        """This sequence's Grams (Htot, D, D) through the one-pass C kernel (pipeline/_moments.c).
+
+        None when the rows hold NaN/Inf: the torch path then redoes the sequence and drops those
+        rows (nothing has been added to the totals yet).
+        """
+        Htot, D = self.htot, self.spec.head_dim
+        out = torch.empty(Htot * D * D + 4 * Htot * D, dtype=torch.float64)
+        gseq = out[: Htot * D * D].view(Htot, D, D)
+        mom = out[Htot * D * D: Htot * D * (D + 3)].view(3, Htot, D)
+        mx = out[Htot * D * (D + 3):].view(Htot, D)
+        native.gram_moments(src, sel.start, sel.stop, gseq, mom, mx)
+        if not bool(torch.isfinite(mom).all()):
+            return None
+        self.mom += mom
+        torch.maximum(self.absmax2, mx, out=self.absmax2)
+        return gseq
+
+    def _torch_sums(self, src: list[torch.Tensor], sel: "slice | torch.Tensor", tok: torch.Tensor):
+        """Grams and moments with torch ops; rows with NaN/Inf are dropped (and counted).
+
+        Rows go through in chunks of `self.chunk` so that the float64 copy and its powers stay in
+        cache: a float64 pass over a whole 2048-token batch per statistic costs more than the MLP.
+        Returns (this sequence's Grams (Htot, D, D), the kept rows as `sel` and as positions (n,)).
+        """
+        Htot, D = self.htot, self.spec.head_dim
         n_all, C = tok.numel(), self.chunk
-        if self._buf is None:
-            self._buf = torch.empty(3, Htot * C * D, dtype=torch.float64, device=self.device)
+        buf = _scratch(3 * Htot * C * D, self.device)
         gseq = torch.zeros(Htot, D, D, dtype=torch.float64, device=self.device)      # this sequence's Grams
         bad: list[torch.Tensor] = []                                                  # positions of dropped rows
         for c0 in range(0, n_all, C):
             c = min(C, n_all - c0)
-            P = self._buf[:, : Htot * c * D].view(3, Htot, c, D)                      # powers x, x^3, x^4
+            P = buf[: 3 * Htot * c * D].view(3, Htot, c, D)                          # powers x, x^3, x^4
             x = P[0]
             if isinstance(sel, slice):
                 torch.cat([p[:, sel.start + c0: sel.start + c0 + c] for p in src], dim=0, out=x)  # (Htot, c, D) f64
@@ -206,7 +289,7 @@ class LayerAccumulator:
             torch.mul(x2, x, out=P[1])                                                # x^3
             x2.mul_(x2)                                                               # x^4
             sums = P.sum(2)                                                           # (3, Htot, D): one reduction
-            if not math.isfinite(float(sums[0].sum())):  # NaN/Inf would poison every sum: redo without those rows
+            if not bool(torch.isfinite(sums).all()):  # NaN/Inf would poison every sum: redo without those rows
                 fin = x.isfinite().all(2).all(0)                                      # (c,)
                 bad.append(tok[c0:c0 + c][~fin])
                 P = P[:, :, fin]
@@ -224,26 +307,12 @@ class LayerAccumulator:
         if bad:
             nb = torch.cat(bad)
             self.nonfinite += nb.numel()
-            tok = tok[~torch.isin(tok, nb)]
-            sel = tok
-        n = tok.numel()
-        self.kv_count += n
-        self.gram += gseq
-        if n == 0:
-            return
-        # Value target: w_t = k_t C_Q k_t^T with this sequence's own C_Q (docs/decisions.md).
-        cq = gseq[:Hq].view(H, G, D, D).sum(1) / (n * G)                              # (Hkv, D, D)
-        pick = (lambda p: p[:, sel]) if isinstance(sel, slice) else (lambda p: p.index_select(1, tok))
-        Kh, Vh = pick(src[1]).double(), pick(src[2]).double()                        # (Hkv, n, D) each
-        wt = ((Kh @ cq) * Kh).sum(-1)                                                 # (Hkv, n)
-        self.vw_gram += (Vh * wt[..., None]).mT @ Vh
-        self.w_sum += wt.sum(1)
-        if spec.reservoir > 0:
-            self._reservoir(src, tok, seq, T)
+            tok = sel = tok[~torch.isin(tok, nb)]
+        return gseq, sel, tok
 
     def _reservoir(self, src: list[torch.Tensor], tok: torch.Tensor, seq: int, T: int) -> None:
         """Offer the sequence's rows (as captured, float32) with their keys; keep the R smallest per kind."""
-        G = self.spec.group
+        G, H, D = self.spec.group, self.spec.num_kv_heads, self.spec.head_dim
         if self.keys_kv is None:
             self._keys(T)
         elif self.keys_kv.shape[1] != T:
@@ -253,14 +322,16 @@ class LayerAccumulator:
         kq = self.keys_qo[seq, tok].reshape(-1)                                       # (n*G,) as (row, g)
 
         def take_kv(i):
-            t = tok if i is None else tok[i]
-            return torch.cat([k[:, t], v[:, t]], dim=0).transpose(0, 1)               # (m, 2*Hkv, D)
+            t = (tok if i is None else tok[i])[:, None]                               # (m, 1)
+            h = torch.arange(H, device=t.device)                                      # (Hkv,)
+            return torch.cat([_rows(k, h, t), _rows(v, h, t)], dim=1)                # (m, 2*Hkv, D) float32
 
         def take_qo(i):  # i = row*G + g -> q and o heads h*G + g of every KV head h
             if i is None:
                 i = torch.arange(tok.numel() * G, device=tok.device)
-            t, heads = tok[i // G][:, None], self.g_heads[i % G]                      # (m, 1), (m, Hkv)
-            return torch.cat([q[heads, t], o[heads, t]], dim=1)                       # (m, 2*Hkv, D)
+            t = tok[i // G][:, None]                                                  # (m, 1)
+            h = torch.arange(H, device=t.device) * G + (i % G)[:, None]               # (m, Hkv)
+            return torch.cat([_rows(q, h, t), _rows(o, h, t)], dim=1)
 
         self._candidates("kv", kk, take_kv)
         self._candidates("qo", kq, take_qo)
@@ -363,6 +434,7 @@ class Capture:
         self.block: int | None = None
         self.acc: dict[int, LayerAccumulator] = {}
         self.calls: dict[int, int] = {}
+        self.stats_s = 0.0  # wall time spent in the statistics (record + finish_block), all blocks
 
     def start_block(self, block: int) -> None:
         self.block, self.acc, self.calls = int(block), {}, {}
@@ -394,10 +466,12 @@ class Capture:
         if ctx.seq_offset + q.shape[0] > self.spec.seqs_per_block:
             raise OscarError(f"batch rows {ctx.seq_offset}..{ctx.seq_offset + q.shape[0]} exceed "
                              f"seqs_per_block={self.spec.seqs_per_block}")
+        t0 = time.perf_counter()
         acc = self.acc.get(layer)
         if acc is None:
             acc = self.acc[layer] = LayerAccumulator(self.spec, layer, self.block, q.device)
         acc.update(q.detach(), k.detach(), v.detach(), out.detach(), ctx.rows(q.device))
+        self.stats_s += time.perf_counter() - t0
         self.calls[layer] = self.calls.get(layer, 0) + 1
         if layer == self.stop_after:
             raise StopForward
@@ -408,6 +482,8 @@ class Capture:
         if missing:
             raise OscarError(f"capture: block {self.block} never reached layers {missing} "
                              f"(is the model using attn_implementation '{PREFIX}*'?)")
+        t0 = time.perf_counter()
         out = {l: self.acc[l].arrays() for l in layers}
+        self.stats_s += time.perf_counter() - t0
         self.block, self.acc = None, {}
         return out

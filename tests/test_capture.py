@@ -42,9 +42,14 @@ def run_capture(model, tokens, mask, *, impl="sdpa", sink=2, reservoir=5, seed=3
     return cap.finish_block()
 
 
-@pytest.mark.parametrize("kind,impl", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"),
-                                       ("glm4moe", "sdpa"), ("glm4moe", "eager")])
-def test_capture_matches_bruteforce(kind, impl):
+@pytest.mark.parametrize("kind,impl,ops", [("llama", "sdpa", "native"), ("llama", "eager", "native"),
+                                           ("qwen3", "sdpa", "native"), ("glm4moe", "sdpa", "native"),
+                                           ("glm4moe", "eager", "native"), ("llama", "sdpa", "torch"),
+                                           ("glm4moe", "sdpa", "torch")])
+def test_capture_matches_bruteforce(kind, impl, ops, monkeypatch):
+    """ops: the C kernel where it can build (pipeline/native.py), or the torch-ops path forced."""
+    if ops == "torch":
+        monkeypatch.setattr(C, "_native_ok", lambda src: False)
     model = make_model(kind)
     tokens, mask = batch_data()
     got = run_capture(model, tokens, mask, impl=impl, batch_size=2)

@@ -1,0 +1,265 @@
+/* One pass over a sequence's captured rows: per-head float64 Gram and per-channel moments.
+ *
+ * As torch ops the capture's statistics cost a float64 copy of every row (MKL's dgemm wants
+ * float64 operands) plus five passes for x^2, x^3, x^4, their sums and the |x| maximum: ~65 MB
+ * of memory traffic per SmolLM2 layer and sequence, more than the layer's own forward. Here
+ * each row is read once (float32 or float64, any head/row stride, channels contiguous),
+ * widened in registers and folded into
+ *   - the head's Gram sum_t x_t x_t^T, upper triangle only (it is symmetric: half the FMAs),
+ *     four rows per sweep so that each load/store of the L1-resident Gram feeds four FMAs;
+ *   - sum x, sum x^3, sum x^4 and max x^2 per channel.
+ * Products of float32 values are exact in float64; every sum runs in row order in float64 (no
+ * -ffast-math: nothing is reassociated across rows). Accuracy is that of a float64 dot product;
+ * the tests compare against brute-force loops to 1e-10.
+ *
+ * Built and loaded at run time by oscar/pipeline/native.py (C11 + OpenMP, no Python or torch
+ * headers); torch ops are the fallback and the reference in the tests.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAXD 512   /* the Python side checks it too */
+
+typedef struct {
+    const void *base;   /* first element of the source's first head, first row */
+    int64_t heads;      /* heads in this source */
+    int64_t s_head;     /* element strides */
+    int64_t s_row;
+} oscar_src;
+
+typedef struct {
+    int is_f64;
+    int64_t row0, nrows, D, htot;
+    double *gram;       /* (Htot, D, D) */
+    double *mom;        /* (3, Htot, D): sum x, sum x^3, sum x^4 */
+    double *max2;       /* (Htot, D): max x^2 */
+} job;
+
+/* Rows are handled in blocks of RB: each block is widened to float64 once into a buffer that
+ * stays in L1/L2, then the moments and every Gram tile sweep it. */
+#define RB 64
+
+typedef double v8d __attribute__((vector_size(64)));
+
+static inline v8d load8(const double *p) { v8d v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(double *p, v8d v) { memcpy(p, &v, sizeof v); }
+
+/* Rows r0 .. r0+m of head hs of source s, widened into out (m, D) float64. */
+static void widen(const oscar_src *s, int is_f64, int64_t hs, int64_t r0, int64_t m, int64_t D, double *restrict out) {
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t off = hs * s->s_head + r0 * s->s_row + r * s->s_row;
+        double *o = out + r * D;
+        if (is_f64) {
+            const double *x = (const double *)s->base + off;
+            for (int64_t d = 0; d < D; d++) o[d] = x[d];
+        } else {
+            const float *x = (const float *)s->base + off;
+            for (int64_t d = 0; d < D; d++) o[d] = (double)x[d];
+        }
+    }
+}
+
+typedef long long v8l __attribute__((vector_size(64)));
+
+static inline v8d vmax(v8d a, v8d b) {  /* a > b ? a : b per lane; a NaN lane keeps b */
+    v8l k = a > b;
+    return (v8d)(((v8l)a & k) | ((v8l)b & ~k));
+}
+
+/* Per-channel sum x, x^3, x^4 and max x^2 of the block, in row order (v^2 is exact for float32
+ * inputs; NaN rows are found by the caller in s1). 16 channels at a time: eight vector
+ * accumulators in registers, two independent chains each, so the adds don't wait on latency. */
+static void moments(const double *restrict buf, int64_t m, int64_t D, double *restrict s1, double *restrict s3,
+                    double *restrict s4, double *restrict mx) {
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16) {
+        v8d a1 = load8(s1 + c), b1 = load8(s1 + c + 8), a3 = load8(s3 + c), b3 = load8(s3 + c + 8);
+        v8d a4 = load8(s4 + c), b4 = load8(s4 + c + 8), am = load8(mx + c), bm = load8(mx + c + 8);
+        const double *x = buf + c;
+        for (int64_t r = 0; r < m; r++, x += D) {
+            const v8d u = load8(x), v = load8(x + 8), u2 = u * u, v2 = v * v;
+            a1 += u;       b1 += v;
+            a3 += u2 * u;  b3 += v2 * v;
+            a4 += u2 * u2; b4 += v2 * v2;
+            am = vmax(u2, am); bm = vmax(v2, bm);
+        }
+        store8(s1 + c, a1); store8(s1 + c + 8, b1); store8(s3 + c, a3); store8(s3 + c + 8, b3);
+        store8(s4 + c, a4); store8(s4 + c + 8, b4); store8(mx + c, am); store8(mx + c + 8, bm);
+    }
+    for (; c < D; c++)
+        for (int64_t r = 0; r < m; r++) {
+            const double v = buf[r * D + c], v2 = v * v;
+            s1[c] += v;
+            s3[c] += v2 * v;
+            s4[c] += v2 * v2;
+            mx[c] = v2 > mx[c] ? v2 : mx[c];
+        }
+}
+
+/* Gram tile g[i:i+8, c:c+16] += sum_r a[r, i:i+8]^T b[r, c:c+16] (a = b: the Gram; a = w b: the
+ * weighted one of the value target). The 8x16 partial sums are sixteen 8-double vectors
+ * (GCC/Clang vector extensions: AVX-512 registers where the CPU has them, pairs of narrower ones
+ * elsewhere) held in registers across the block, so a row costs two vector loads, eight
+ * broadcasts and sixteen independent FMAs (enough to hide the FMA latency on two ports).
+ * Tiles left of the diagonal are skipped (mirrored at the end). Needs D % 16 == 0. */
+static void gram_tiles(double *restrict g, const double *restrict a_, const double *restrict b_, int64_t m, int64_t D) {
+    for (int64_t i = 0; i < D; i += 8)
+        for (int64_t c = i & ~(int64_t)15; c < D; c += 16) {
+            v8d a[8][2];
+            for (int k = 0; k < 8; k++) {
+                a[k][0] = load8(g + (i + k) * D + c);
+                a[k][1] = load8(g + (i + k) * D + c + 8);
+            }
+            const double *x = a_, *y = b_;
+            for (int64_t r = 0; r < m; r++, x += D, y += D) {
+                const v8d y0 = load8(y + c), y1 = load8(y + c + 8);
+                for (int k = 0; k < 8; k++) {
+                    a[k][0] += x[i + k] * y0;
+                    a[k][1] += x[i + k] * y1;
+                }
+            }
+            for (int k = 0; k < 8; k++) {
+                store8(g + (i + k) * D + c, a[k][0]);
+                store8(g + (i + k) * D + c + 8, a[k][1]);
+            }
+        }
+}
+
+/* Any D (small test shapes, odd head dims): one row at a time into the upper triangle. */
+static void gram_plain(double *restrict g, const double *restrict a, const double *restrict b, int64_t m, int64_t D) {
+    for (int64_t r = 0; r < m; r++) {
+        const double *x = a + r * D, *y = b + r * D;
+        for (int64_t i = 0; i < D; i++)
+            for (int64_t c = i; c < D; c++) g[i * D + c] += x[i] * y[c];
+    }
+}
+
+static void gram(double *restrict g, const double *a, const double *b, int64_t m, int64_t D) {
+    if (D % 16 == 0) gram_tiles(g, a, b, m, D); else gram_plain(g, a, b, m, D);
+}
+
+static void mirror(double *g, int64_t D) {  /* lower triangle <- upper */
+    for (int64_t i = 1; i < D; i++)
+        for (int64_t c = 0; c < i; c++) g[i * D + c] = g[c * D + i];
+}
+
+static void one_head(const job *j, const oscar_src *s, int64_t hs, int64_t h, double *restrict buf) {
+    const int64_t D = j->D, n = j->nrows, H = j->htot;
+    double *restrict g = j->gram + h * D * D;
+    double *restrict s1 = j->mom + h * D, *restrict s3 = j->mom + (H + h) * D;
+    double *restrict s4 = j->mom + (2 * H + h) * D, *restrict mx = j->max2 + h * D;
+    memset(g, 0, sizeof(double) * D * D);
+    for (int64_t d = 0; d < D; d++) s1[d] = s3[d] = s4[d] = mx[d] = 0.0;
+    for (int64_t r0 = 0; r0 < n; r0 += RB) {
+        const int64_t m = n - r0 < RB ? n - r0 : RB;
+        widen(s, j->is_f64, hs, j->row0 + r0, m, D, buf);
+        moments(buf, m, D, s1, s3, s4, mx);
+        gram(g, buf, buf, m, D);
+    }
+    mirror(g, D);
+}
+
+/* Rows row0 .. row0+nrows of every head of `src` (nsrc sources, heads numbered in order).
+ * Heads are shared out with OpenMP: the library links libgomp.so.1, which resolves to the copy
+ * torch already loaded, so this loop runs on torch's own thread team instead of competing with
+ * it. Returns 0, -1 when D or nsrc is out of range, -2 when out of memory. */
+int oscar_gram_moments(const oscar_src *src, int nsrc, int is_f64, int64_t row0, int64_t nrows, int64_t D,
+                       double *gram, double *mom, double *max2, int nthreads) {
+    int64_t htot = 0, first[64];
+    if (nsrc > 64 || D > MAXD || D < 1) return -1;
+    for (int i = 0; i < nsrc; i++) { first[i] = htot; htot += src[i].heads; }
+    job j = {is_f64, row0, nrows, D, htot, gram, mom, max2};
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+    {
+        double *buf = aligned_alloc(64, sizeof(double) * RB * MAXD);
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t h = 0; h < htot; h++) {
+            if (!buf) continue;
+            int i = 0;
+            while (i + 1 < nsrc && first[i + 1] <= h) i++;
+            one_head(&j, &src[i], h - first[i], h, buf);
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+
+/* w[r] = k_r^T C k_r for the block's rows k (m, D), C (D, D) symmetric. Tiled like the Gram: for
+ * 8 rows and 16 columns, y = k C accumulates in registers over i, then its dot with k's columns is
+ * added to w. */
+static void weights(const double *restrict k, const double *restrict C, int64_t m, int64_t D, double *restrict w) {
+    int64_t r = 0;
+    for (int64_t q = 0; q < m; q++) w[q] = 0.0;
+    if (D % 16 == 0)
+        for (; r + 8 <= m; r += 8)
+            for (int64_t c = 0; c < D; c += 16) {
+                v8d a[8][2] = {{{0}}};
+                for (int64_t i = 0; i < D; i++) {
+                    const v8d c0 = load8(C + i * D + c), c1 = load8(C + i * D + c + 8);
+                    for (int q = 0; q < 8; q++) {
+                        const double kq = k[(r + q) * D + i];
+                        a[q][0] += kq * c0;
+                        a[q][1] += kq * c1;
+                    }
+                }
+                for (int q = 0; q < 8; q++) {
+                    const v8d t = a[q][0] * load8(k + (r + q) * D + c) + a[q][1] * load8(k + (r + q) * D + c + 8);
+                    double acc = 0.0;
+                    for (int l = 0; l < 8; l++) acc += t[l];
+                    w[r + q] += acc;
+                }
+            }
+    for (; r < m; r++)  /* rows left over (and any D) */
+        for (int64_t i = 0; i < D; i++) {
+            double y = 0.0;
+            for (int64_t c = 0; c < D; c++) y += C[i * D + c] * k[r * D + c];
+            w[r] += k[r * D + i] * y;
+        }
+}
+
+/* The value target of one sequence (docs/decisions.md): for every KV head h, with w_t = k_t^T C_h k_t,
+ *   vw[h] <- sum_t w_t v_t v_t^T (D, D),  wsum[h] <- sum_t w_t,
+ * over rows row0 .. row0+nrows of k and v (each one source of H heads). C: (H, D, D) float64.
+ * Heads in parallel (the result does not depend on the thread count). Returns 0 / -1 / -2. */
+int oscar_value_target(const oscar_src *k, const oscar_src *v, int is_f64, int64_t row0, int64_t nrows, int64_t D,
+                       const double *C, double *vw, double *wsum, int nthreads) {
+    if (D > MAXD || D < 1 || k->heads != v->heads) return -1;
+    const int64_t H = k->heads;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+    {
+        double *kb = aligned_alloc(64, sizeof(double) * (3 * RB * MAXD + RB));
+        if (!kb) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t h = 0; h < H; h++) {
+            if (!kb) continue;
+            double *vb = kb + RB * MAXD, *wv = vb + RB * MAXD, *w = wv + RB * MAXD;
+            double *g = vw + h * D * D, ws = 0.0;
+            memset(g, 0, sizeof(double) * D * D);
+            for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
+                const int64_t m = nrows - r0 < RB ? nrows - r0 : RB;
+                widen(k, is_f64, h, row0 + r0, m, D, kb);
+                widen(v, is_f64, h, row0 + r0, m, D, vb);
+                weights(kb, C + h * D * D, m, D, w);
+                for (int64_t r = 0; r < m; r++) {
+                    ws += w[r];
+                    for (int64_t d = 0; d < D; d++) wv[r * D + d] = w[r] * vb[r * D + d];
+                }
+                gram(g, wv, vb, m, D);
+            }
+            mirror(g, D);
+            wsum[h] = ws;
+        }
+        free(kb);
+    }
+    return failed ? -2 : 0;
+}

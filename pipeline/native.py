@@ -1,0 +1,160 @@
+"""The capture's one-pass Gram + moments kernel (`_moments.c`), built with the system C compiler.
+
+Built on first use into a per-machine cache (`$OSCAR_CACHE`, default ~/.cache/oscar-kv) keyed by
+the source, the compiler and the CPU, then loaded with ctypes: no Python or torch headers, no
+build step at install time. Where no compiler works (or `OSCAR_NATIVE=0`), `available()` is
+False and the capture uses torch ops instead (same statistics, a slower calibration on CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).with_name("_moments.c")
+MAX_D = 512  # MAXD in _moments.c
+FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")  # gnu11: FMA contraction on (never reassociation)
+# Native vectorisation (512-bit where the CPU has it) first, then portable code if the compiler refuses.
+MARCH = (("-march=native", "-mprefer-vector-width=512"), ("-march=native",), ())
+_LOCK = threading.Lock()
+_LIB: "ctypes.CDLL | None | bool" = False  # False: not tried yet; None: unavailable
+WHY_NOT = ""
+
+
+class _Src(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("heads", ctypes.c_int64), ("s_head", ctypes.c_int64),
+                ("s_row", ctypes.c_int64)]
+
+
+def _cpu_tag() -> str:
+    try:
+        flags = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()}/{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("OSCAR_CACHE") or Path.home() / ".cache" / "oscar-kv") / "native"
+
+
+def _build() -> "ctypes.CDLL | None":
+    global WHY_NOT
+    if os.environ.get("OSCAR_NATIVE", "1") == "0":
+        WHY_NOT = "disabled by OSCAR_NATIVE=0"
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        WHY_NOT = "no C compiler (cc) on PATH"
+        return None
+    src = SRC.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        WHY_NOT = f"{cc} --version failed: {e}"
+        return None
+    errors = []
+    for march in MARCH:
+        flags = FLAGS + march
+        key = hashlib.sha256(src + version.encode() + " ".join(flags).encode() + _cpu_tag().encode()).hexdigest()[:20]
+        so = _cache_dir() / f"moments-{key}.so"
+        if not so.exists():
+            try:
+                so.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+                os.close(fd)
+                r = subprocess.run([cc, *flags, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+                if r.returncode != 0:
+                    os.unlink(tmp)
+                    errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-300:]}")
+                    continue
+                os.replace(tmp, so)  # atomic: concurrent builders (Ray stages) each publish a complete file
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(str(e))
+                continue
+        try:
+            lib = ctypes.CDLL(str(so))
+        except OSError as e:
+            errors.append(f"loading {so}: {e}")
+            continue
+        f = lib.oscar_gram_moments
+        f.argtypes = [ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        f.restype = ctypes.c_int
+        f = lib.oscar_value_target
+        f.argtypes = [ctypes.POINTER(_Src), ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        f.restype = ctypes.c_int
+        return lib
+    WHY_NOT = "; ".join(errors)
+    return None
+
+
+def available() -> bool:
+    """Build/load the kernel once per process; warn once (with the reason) when it can't be used."""
+    global _LIB
+    with _LOCK:
+        if _LIB is False:
+            _LIB = _build()
+            if _LIB is None and os.environ.get("OSCAR_NATIVE", "1") != "0":
+                warnings.warn(f"oscar: native capture kernel unavailable ({WHY_NOT}); using torch ops "
+                              "(same statistics, slower calibration)", stacklevel=2)
+    return _LIB is not None
+
+
+def _check_src(src: list[torch.Tensor]) -> torch.dtype:
+    dt = src[0].dtype
+    assert dt in (torch.float32, torch.float64) and all(p.dtype == dt and p.device.type == "cpu" for p in src)
+    assert all(p.stride(2) == 1 for p in src), "channels must be contiguous"
+    return dt
+
+
+def _check_out(*pairs) -> None:
+    for t, shape in pairs:
+        assert t.dtype == torch.float64 and t.is_contiguous() and tuple(t.shape) == shape, (tuple(t.shape), shape)
+
+
+def _srcs(src: list[torch.Tensor]):
+    return (_Src * len(src))(*[_Src(p.data_ptr(), p.shape[0], p.stride(0), p.stride(1)) for p in src])
+
+
+def gram_moments(src: list[torch.Tensor], start: int, stop: int, gram: torch.Tensor, mom: torch.Tensor,
+                 max2: torch.Tensor, threads: int | None = None) -> None:
+    """Rows start:stop of src (each (heads, T, D), channels contiguous, one CPU float dtype), heads in order:
+    gram (Htot, D, D) <- sum x x^T; mom (3, Htot, D) <- sums of x, x^3, x^4; max2 (Htot, D) <- max x^2.
+
+    All three are overwritten (the caller checks them for NaN/Inf before adding them up).
+    """
+    assert available(), WHY_NOT
+    dt = _check_src(src)
+    D, htot = src[0].shape[2], sum(p.shape[0] for p in src)
+    _check_out((gram, (htot, D, D)), (mom, (3, htot, D)), (max2, (htot, D)))
+    rc = _LIB.oscar_gram_moments(_srcs(src), len(src), int(dt == torch.float64), start, stop - start, D,
+                                 gram.data_ptr(), mom.data_ptr(), max2.data_ptr(), threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"native gram_moments failed ({rc}) on {len(src)} sources with head_dim {D}")
+
+
+def value_target(k: torch.Tensor, v: torch.Tensor, start: int, stop: int, cq: torch.Tensor, vw: torch.Tensor,
+                 wsum: torch.Tensor, threads: int | None = None) -> None:
+    """Rows start:stop of k, v (each (Hkv, T, D)), w_t = k_t^T cq[h] k_t:
+    vw (Hkv, D, D) <- sum_t w_t v_t v_t^T, wsum (Hkv,) <- sum_t w_t (both overwritten)."""
+    assert available(), WHY_NOT
+    dt = _check_src([k, v])
+    H, D = k.shape[0], k.shape[2]
+    _check_out((cq, (H, D, D)), (vw, (H, D, D)), (wsum, (H,)))
+    ks, vs = _srcs([k]), _srcs([v])
+    rc = _LIB.oscar_value_target(ks, vs, int(dt == torch.float64), start, stop - start, D, cq.data_ptr(),
+                                 vw.data_ptr(), wsum.data_ptr(), threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"native value_target failed ({rc}) with head_dim {D}")
