@@ -10,8 +10,8 @@ Nothing here assumes one process owns the whole model: a `Capture` accumulates o
 layers it was built for (a stage actor passes its layer range) and ignores the others, and
 the function works for any subset of decoder layers that is run (it keys on `module.layer_idx`).
 
-All accumulation is float64 and batched per layer (matmuls and reductions over whole
-tensors): no Python loop over tokens or heads.
+All accumulation is float64 and batched per layer and sequence (a C kernel over every head,
+or matmuls and reductions over whole tensors): no Python loop over tokens or heads.
 """
 
 from __future__ import annotations
@@ -164,14 +164,16 @@ def _native_ok(src: list[torch.Tensor]) -> bool:
 class LayerAccumulator:
     """float64 sums of one layer over one block (everything lives on the activations' device).
 
-    Per sequence, its counted rows of q, k, v and o are gathered chunk by chunk into one
-    (c, Htot, D) float64 tensor (heads: Hq query | Hkv key | Hkv value | Hq output), so that every
-    statistic is one op for all heads at once: one strided batched matmul for the Grams, column
-    reductions for sums, x^3, x^4 and |x| maxima. Chunks are sized to stay in cache (the
-    statistics are memory-bound: one pass over a whole 2048-token float64 batch per statistic
-    cost more than the layer's MLP) and are cut per sequence, so every sum is bit-identical
-    whatever the batch size. At the end of the block heads are pooled into (x, KV head) slots
-    (a GQA group's query/output heads share their KV head's slot).
+    Per sequence, its counted rows of q, k, v and o (heads: Hq query | Hkv key | Hkv value | Hq
+    output) go through one of two implementations of the same sums:
+      - CPU: the C kernel (pipeline/_moments.c via `native`), one call per sequence for every
+        head's Gram and moments and one for the value target, each row read once;
+      - otherwise (GPU, no C compiler, NaN/Inf rows, non-contiguous positions): torch ops on
+        cache-sized chunks gathered into one (Htot, c, D) float64 tensor, so that every statistic
+        is one op for all heads at once.
+    Sums run per sequence, so every sum is bit-identical whatever the batch size. At the end of
+    the block heads are pooled into (x, KV head) slots (a GQA group's query/output heads share
+    their KV head's slot).
     """
 
     def __init__(self, spec: CaptureSpec, layer: int, block: int, device: torch.device):
