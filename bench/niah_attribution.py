@@ -1,0 +1,88 @@
+"""Which half of the INT2 cache loses the needles: oscar-int2 with only its keys or only its values quantized.
+
+Diagnostic, not a product method: two extra methods are registered for this run only —
+`oscar-int2-kq` (keys quantized as the artifact says, values exact) and `oscar-int2-vq` (values
+quantized, keys exact) — by wrapping `LayerQuant` so that the chosen half passes through. Same
+samples, prompts, protocol and cache code as `oscar validate niah` (serving protocol, as the
+main job's needle tests).
+
+    python bench/niah_attribution.py [--artifact reports/examples/smollm2/artifact.safetensors]
+                                     [--lengths 2048,4096] [--samples 10] [--dtype bfloat16]
+
+Writes bench/results/niah_attribution.json (per task, length and method: mean score in %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from oscar.common import set_threads
+from oscar.validate import methods as M
+from oscar.validate.niah import NiahConfig, run_niah
+
+OUT = Path(__file__).with_name("results") / "niah_attribution.json"
+
+
+def _register_halves() -> None:
+    init, keys, values = M.LayerQuant.__init__, M.LayerQuant.keys, M.LayerQuant.values
+
+    def init_(self, art, layer):
+        init(self, art, layer)
+        self.exact_half = art.meta.get("diag_exact")     # "keys" | "values" | None
+
+    M.LayerQuant.__init__ = init_
+    M.LayerQuant.keys = lambda self, k: k if self.exact_half == "keys" else keys(self, k)
+    M.LayerQuant.values = lambda self, v: v if self.exact_half == "values" else values(self, v)
+
+    def variant(exact: str):
+        def factory(config, art):
+            a = copy.copy(M.METHODS["oscar-int2"](config, art))
+            a.meta = {**a.meta, "diag_exact": exact}
+            return a
+        return factory
+
+    M.register_method("oscar-int2-kq", variant("values"), needs_artifact=True)  # keys INT2, values exact
+    M.register_method("oscar-int2-vq", variant("keys"), needs_artifact=True)    # values INT2, keys exact
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--artifact", default="reports/examples/smollm2/artifact.safetensors")
+    ap.add_argument("--tasks", default="niah_single_1,niah_single_2")
+    ap.add_argument("--lengths", default="2048,4096")
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    threads = set_threads()
+    _register_halves()
+    methods = ["bf16", "oscar-int2", "oscar-int2-kq", "oscar-int2-vq"]
+    with tempfile.TemporaryDirectory(prefix="oscar-niah-attr-") as d:
+        cfg = NiahConfig(out=d, artifact=args.artifact, methods=methods, tasks=args.tasks.split(","),
+                         lengths=[int(x) for x in args.lengths.split(",")], samples=args.samples,
+                         protocol="serving", dtype=args.dtype)
+        t0 = time.perf_counter()
+        run_niah(cfg)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(l) for l in open(Path(d) / "niah_samples.jsonl")]
+    table: dict = {}
+    for r in rows:
+        table.setdefault(r["task"], {}).setdefault(str(r["length"]), {}).setdefault(r["method"], []).append(r["score"])
+    scores = {t: {L: {m: 100.0 * sum(v) / len(v) for m, v in ms.items()} for L, ms in Ls.items()} for t, Ls in table.items()}
+    res = {"artifact": args.artifact, "protocol": "serving", "dtype": args.dtype, "samples": args.samples,
+           "methods": {"oscar-int2-kq": "keys INT2 as oscar-int2, values exact",
+                       "oscar-int2-vq": "values INT2 as oscar-int2, keys exact"},
+           "score_percent": scores, "wall_s": wall, "threads": threads,
+           "command": "python bench/niah_attribution.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(scores, indent=1))
+
+
+if __name__ == "__main__":
+    main()
