@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
-import math
 import sys
 import threading
 import time
@@ -314,7 +313,7 @@ class LayerAccumulator:
 
     def _reservoir(self, src: list[torch.Tensor], tok: torch.Tensor, seq: int, T: int) -> None:
         """Offer the sequence's rows (as captured, float32) with their keys; keep the R smallest per kind."""
-        G, H, D = self.spec.group, self.spec.num_kv_heads, self.spec.head_dim
+        G, H = self.spec.group, self.spec.num_kv_heads
         if self.keys_kv is None:
             self._keys(T)
         elif self.keys_kv.shape[1] != T:
