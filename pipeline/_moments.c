@@ -160,34 +160,55 @@ static void one_head(const job *j, const oscar_src *s, int64_t hs, int64_t h, do
     mirror(g, D);
 }
 
-/* Rows row0 .. row0+nrows of every head of `src` (nsrc sources, heads numbered in order).
- * Heads are shared out with OpenMP: the library links libgomp.so.1, which resolves to the copy
- * torch already loaded, so this loop runs on torch's own thread team instead of competing with
- * it. Returns 0, -1 when D or nsrc is out of range, -2 when out of memory. */
-int oscar_gram_moments(const oscar_src *src, int nsrc, int is_f64, int64_t row0, int64_t nrows, int64_t D,
-                       double *gram, double *mom, double *max2, int nthreads) {
-    int64_t htot = 0, first[64];
-    if (nsrc > 64 || D > MAXD || D < 1) return -1;
-    for (int i = 0; i < nsrc; i++) { first[i] = htot; htot += src[i].heads; }
-    job j = {is_f64, row0, nrows, D, htot, gram, mom, max2};
+/* fn(ctx, h, buf) for h in [0, nheads), heads shared out with OpenMP, each thread with its own
+ * 64-byte aligned scratch of buf_doubles. The library links libgomp.so.1, which resolves to the
+ * copy torch already loaded, so this loop runs on torch's own thread team instead of competing
+ * with it. Heads, never rows, are split: results do not depend on the thread count.
+ * Returns 0, or -2 when a thread could not get its scratch. */
+typedef void (*head_fn)(const void *ctx, int64_t h, double *buf);
+
+static int for_each_head(head_fn fn, const void *ctx, int64_t nheads, size_t buf_doubles, int nthreads) {
+    const size_t bytes = (sizeof(double) * buf_doubles + 63) & ~(size_t)63;  /* aligned_alloc: a multiple of 64 */
     int failed = 0;
     #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
     {
-        double *buf = aligned_alloc(64, sizeof(double) * RB * MAXD);
+        double *buf = aligned_alloc(64, bytes);
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t h = 0; h < htot; h++) {
-            if (!buf) continue;
-            int i = 0;
-            while (i + 1 < nsrc && first[i + 1] <= h) i++;
-            one_head(&j, &src[i], h - first[i], h, buf);
-        }
+        for (int64_t h = 0; h < nheads; h++)
+            if (buf) fn(ctx, h, buf);
         free(buf);
     }
     return failed ? -2 : 0;
+}
+
+typedef struct {
+    job j;
+    const oscar_src *src;
+    int nsrc;
+    int64_t first[64];  /* global index of each source's first head */
+} gm_ctx;
+
+static void gm_head(const void *ctx_, int64_t h, double *buf) {
+    const gm_ctx *c = ctx_;
+    int i = 0;
+    while (i + 1 < c->nsrc && c->first[i + 1] <= h) i++;
+    one_head(&c->j, &c->src[i], h - c->first[i], h, buf);
+}
+
+/* Rows row0 .. row0+nrows of every head of `src` (nsrc sources, heads numbered in order).
+ * Returns 0, -1 when D or nsrc is out of range, -2 when out of memory. */
+int oscar_gram_moments(const oscar_src *src, int nsrc, int is_f64, int64_t row0, int64_t nrows, int64_t D,
+                       double *gram, double *mom, double *max2, int nthreads) {
+    if (nsrc > 64 || D > MAXD || D < 1) return -1;
+    gm_ctx c = {.src = src, .nsrc = nsrc};
+    int64_t htot = 0;
+    for (int i = 0; i < nsrc; i++) { c.first[i] = htot; htot += src[i].heads; }
+    c.j = (job){is_f64, row0, nrows, D, htot, gram, mom, max2};
+    return for_each_head(gm_head, &c, htot, RB * MAXD, nthreads);
 }
 
 /* w[r] = k_r^T C k_r for the block's rows k (m, D), C (D, D) symmetric. Tiled like the Gram: for
@@ -223,43 +244,42 @@ static void weights(const double *restrict k, const double *restrict C, int64_t 
         }
 }
 
+typedef struct {
+    const oscar_src *k, *v;
+    int is_f64;
+    int64_t row0, nrows, D;
+    const double *C;
+    double *vw, *wsum;
+} vt_ctx;
+
+static void vt_head(const void *ctx_, int64_t h, double *kb) {
+    const vt_ctx *c = ctx_;
+    const int64_t D = c->D;
+    double *vb = kb + RB * MAXD, *wv = vb + RB * MAXD, *w = wv + RB * MAXD;
+    double *g = c->vw + h * D * D, ws = 0.0;
+    memset(g, 0, sizeof(double) * D * D);
+    for (int64_t r0 = 0; r0 < c->nrows; r0 += RB) {
+        const int64_t m = c->nrows - r0 < RB ? c->nrows - r0 : RB;
+        widen(c->k, c->is_f64, h, c->row0 + r0, m, D, kb);
+        widen(c->v, c->is_f64, h, c->row0 + r0, m, D, vb);
+        weights(kb, c->C + h * D * D, m, D, w);
+        for (int64_t r = 0; r < m; r++) {
+            ws += w[r];
+            for (int64_t d = 0; d < D; d++) wv[r * D + d] = w[r] * vb[r * D + d];
+        }
+        gram(g, wv, vb, m, D);
+    }
+    mirror(g, D);
+    c->wsum[h] = ws;
+}
+
 /* The value target of one sequence (docs/decisions.md): for every KV head h, with w_t = k_t^T C_h k_t,
  *   vw[h] <- sum_t w_t v_t v_t^T (D, D),  wsum[h] <- sum_t w_t,
  * over rows row0 .. row0+nrows of k and v (each one source of H heads). C: (H, D, D) float64.
- * Heads in parallel (the result does not depend on the thread count). Returns 0 / -1 / -2. */
+ * Returns 0 / -1 / -2. */
 int oscar_value_target(const oscar_src *k, const oscar_src *v, int is_f64, int64_t row0, int64_t nrows, int64_t D,
                        const double *C, double *vw, double *wsum, int nthreads) {
     if (D > MAXD || D < 1 || k->heads != v->heads) return -1;
-    const int64_t H = k->heads;
-    int failed = 0;
-    #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
-    {
-        double *kb = aligned_alloc(64, sizeof(double) * (3 * RB * MAXD + RB));
-        if (!kb) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t h = 0; h < H; h++) {
-            if (!kb) continue;
-            double *vb = kb + RB * MAXD, *wv = vb + RB * MAXD, *w = wv + RB * MAXD;
-            double *g = vw + h * D * D, ws = 0.0;
-            memset(g, 0, sizeof(double) * D * D);
-            for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
-                const int64_t m = nrows - r0 < RB ? nrows - r0 : RB;
-                widen(k, is_f64, h, row0 + r0, m, D, kb);
-                widen(v, is_f64, h, row0 + r0, m, D, vb);
-                weights(kb, C + h * D * D, m, D, w);
-                for (int64_t r = 0; r < m; r++) {
-                    ws += w[r];
-                    for (int64_t d = 0; d < D; d++) wv[r * D + d] = w[r] * vb[r * D + d];
-                }
-                gram(g, wv, vb, m, D);
-            }
-            mirror(g, D);
-            wsum[h] = ws;
-        }
-        free(kb);
-    }
-    return failed ? -2 : 0;
+    vt_ctx c = {k, v, is_f64, row0, nrows, D, C, vw, wsum};
+    return for_each_head(vt_head, &c, k->heads, 3 * RB * MAXD + RB, nthreads);  /* k, v, w*v blocks + w */
 }
