@@ -220,7 +220,7 @@ class OscarLayer(CacheLayerMixin):
             k_fp[:, :, c0:] = torch.cat(parts_k, 2)
             v_fp[:, :, c0:] = torch.cat(parts_v, 2)
         qf = query.float().reshape(B, H, G, Tq, D)
-        q_rot = qf if rot.identity else qf @ rot.rot_k[None, :, None]  # (B, H, G, Tq, D); q.mu cancels in softmax
+        q_rot = qf if rot.identity else qf @ rot.rot_q[None, :, None]  # (B, H, G, Tq, D); q.mu cancels in softmax
         out = torch.empty(B, H, G, Tq, D, dtype=torch.float32, device=query.device)
         pos_k = torch.arange(n, device=query.device)
         blk = max(1, min(Tq, 256, (1 << 24) // max(1, B * Hq * n)))  # bounds the (B, H, G, blk, n) scores

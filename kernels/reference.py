@@ -104,7 +104,7 @@ def decode_attention_oracle(q: torch.Tensor, cache: PagedLayerCache, seqs: list[
     q: (B, Hq, D) post-RoPE queries in the model space, Hq = G * Hkv (query head h
     reads KV head h // G). Returns o (B, Hq, D) in q.dtype (and lse (B, Hq) float32,
     the natural-log log-sum-exp of the scaled logits including the key-mean term).
-    Math: q_rot = q @ R_K; logit_t = scale * (q_rot . k_rot_t + q . mu);
+    Math: q_rot = q @ R_Q (= R_K when orthogonal); logit_t = scale * (q_rot . k_rot_t + q . mu);
     o = softmax(logits) @ V_rot @ R_V^T.
     """
     cfg, rot = cache.cfg, cache.rot
@@ -113,7 +113,7 @@ def decode_attention_oracle(q: torch.Tensor, cache: PagedLayerCache, seqs: list[
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qf = q.float().reshape(B, H, G, D)
-    q_rot = qf if rot.identity else qf @ rot.rot_k.unsqueeze(0)  # (B, Hkv, G, D)
+    q_rot = qf if rot.identity else qf @ rot.rot_q.unsqueeze(0)  # (B, Hkv, G, D)
     out = torch.empty(B, H, G, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, G, dtype=torch.float32, device=q.device)
     for b, s in enumerate(seqs):
@@ -219,7 +219,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qf = q.float().reshape(B, H, G, D)
-    q_rot = qf if rot.identity else qf @ rot.rot_k.unsqueeze(0)  # (B, Hkv, G, D)
+    q_rot = qf if rot.identity else qf @ rot.rot_q.unsqueeze(0)  # (B, Hkv, G, D)
     out = torch.empty(B, H, G, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, G, dtype=torch.float32, device=q.device)
     for b, s in enumerate(seqs):

@@ -2,9 +2,9 @@
 
 One query token per sequence, B sequences of different lengths. Three launches:
 
-1. `_rotate_q_kernel` (B, Hkv): q_rot = q @ R_K and the key-mean term q . mu, once per
-   query (row vectors; q . k = q_rot . k_rot + q . mu since R_K is orthogonal and the
-   cache stores k_rot = (k - mu) @ R_K).
+1. `_rotate_q_kernel` (B, Hkv): q_rot = q @ R_Q and the key-mean term q . mu, once per
+   query (row vectors; q . k = q_rot . k_rot + q . mu since R_Q = R_K^{-T} — R_K itself
+   when orthogonal — and the cache stores k_rot = (k - mu) @ R_K).
 2. `_decode_split_kernel` (B, Hkv, 1 + num_splits): flash-decoding. Split 0 reads the
    sequence's cfg.dtype segments (sink + ring), splits 1.. each read a contiguous range
    of its INT2 pages. Every program handles all G query heads of a KV head, so each
@@ -444,7 +444,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     q_mu = torch.empty(B, Hq, dtype=torch.float32, device=dev)
     center = rot.k_mean is not None
     _rotate_q_kernel[(B, H)](
-        q, rot.rot_k, rot.k_mean if center else q_mu, q_rot, q_mu, q.stride(0), q.stride(1),
+        q, rot.rot_q, rot.k_mean if center else q_mu, q_rot, q_mu, q.stride(0), q.stride(1),
         D=D, GROUP=G, ROTATE=not rot.identity, CENTER=center, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D,
     )
 

@@ -5,6 +5,8 @@ per layer l,
 
     layers.{l}.rot_k   float32 (Hkv, D, D)   x_rot = x @ R (row vectors)
     layers.{l}.rot_v   float32 (Hkv, D, D)
+    layers.{l}.rot_q   float32 (Hkv, D, D)   only when rot_k is not orthogonal: q_rot = q @ rot_q,
+                                            rot_q = rot_k^{-T} (format oscar-artifact/2)
     layers.{l}.k_mean  float32 (Hkv, D)      only when key-mean centering is on
     layers.{l}.clip_k  float32 (Hkv,) or (Hkv, D)   see QuantConfig.mode
     layers.{l}.clip_v  float32 (Hkv,) or (Hkv, D)
@@ -24,6 +26,10 @@ from oscar.common import OscarError, attention_shapes, config_fingerprint
 from oscar.kernels.quant import QuantSpec
 
 ARTIFACT_FORMAT = "oscar-artifact/1"
+# /2 = /1 + rot_q. Written only by artifacts that have rot_q, so a /1 reader refuses them instead of
+# reading queries with rot_k (wrong logits); orthogonal artifacts stay /1.
+ARTIFACT_FORMAT_Q = "oscar-artifact/2"
+READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q)
 
 
 @dataclass
@@ -91,6 +97,7 @@ class Artifact:
     quant: QuantConfig = field(default_factory=QuantConfig)
     meta: dict[str, Any] = field(default_factory=dict)  # model, variant, d_eff, fallbacks, provenance...
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # other named tensors, saved verbatim
+    rot_q: list[torch.Tensor] | None = None  # per layer (Hkv, D, D) = rot_k^{-T}; None: rot_k is orthogonal
 
     @property
     def num_layers(self) -> int:
@@ -106,17 +113,24 @@ class Artifact:
 
     def validate(self) -> None:
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
-        for name in ("rot_k", "rot_v", "clip_k", "clip_v") + (("k_mean",) if self.k_mean is not None else ()):
+        names = ("rot_k", "rot_v", "clip_k", "clip_v") + (("k_mean",) if self.k_mean is not None else ()) \
+            + (("rot_q",) if self.rot_q is not None else ())
+        for name in names:
             ts = getattr(self, name)
             if len(ts) != L:
                 raise OscarError(f"artifact: {name} has {len(ts)} layers, rot_k has {L}")
             for l, t in enumerate(ts):
-                want = {"rot_k": (H, D, D), "rot_v": (H, D, D), "k_mean": (H, D)}.get(name)
+                want = {"rot_k": (H, D, D), "rot_v": (H, D, D), "rot_q": (H, D, D), "k_mean": (H, D)}.get(name)
                 ok = tuple(t.shape) == want if want else tuple(t.shape) in ((H,), (H, D))
                 if not ok:
                     raise OscarError(f"artifact: layers.{l}.{name} has shape {tuple(t.shape)}, expected {want or f'({H},) or ({H}, {D})'}")
                 if not torch.isfinite(t).all():
                     raise OscarError(f"artifact: layers.{l}.{name} contains NaN/Inf")
+        for l in range(L) if self.rot_q is not None else ():  # q_rot · k_rot = q · k needs rot_qᵀ rot_k = I
+            err = (self.rot_q[l].double().transpose(-1, -2) @ self.rot_k[l].double() - torch.eye(D, dtype=torch.float64)).abs().max()
+            if err > 1e-3:
+                raise OscarError(f"artifact: layers.{l}.rot_q is not rot_k^(-T) (max |rot_qᵀ rot_k - I| = {err:.2e}); "
+                                 "queries and keys would be read in different spaces")
 
     def check_model(self, config: Any) -> None:
         """Refuse a model whose attention shapes (or config fingerprint) differ."""
@@ -146,9 +160,12 @@ def save_artifact(art: Artifact, path: str) -> None:
         tensors[f"layers.{l}.clip_v"] = art.clip_v[l].float().contiguous()
         if art.k_mean is not None:
             tensors[f"layers.{l}.k_mean"] = art.k_mean[l].float().contiguous()
+        if art.rot_q is not None:
+            tensors[f"layers.{l}.rot_q"] = art.rot_q[l].float().contiguous()
     for k, t in art.extra.items():
         tensors[k] = t.contiguous()
-    meta = dict(art.meta, format=ARTIFACT_FORMAT, quant=asdict(art.quant), centering=art.k_mean is not None)
+    fmt = ARTIFACT_FORMAT_Q if art.rot_q is not None else ARTIFACT_FORMAT
+    meta = dict(art.meta, format=fmt, quant=asdict(art.quant), centering=art.k_mean is not None)
     save_file(tensors, path, metadata={"oscar": json.dumps(meta, sort_keys=True, default=str)})
 
 
@@ -163,8 +180,8 @@ def read_metadata(path: str) -> dict[str, Any]:
     if raw is None:
         raise OscarError(f"{path}: safetensors file has no 'oscar' metadata; not an oscar artifact")
     meta = json.loads(raw)
-    if meta.get("format") != ARTIFACT_FORMAT:
-        raise OscarError(f"{path}: artifact format {meta.get('format')!r}, this version reads {ARTIFACT_FORMAT!r}")
+    if meta.get("format") not in READS:
+        raise OscarError(f"{path}: artifact format {meta.get('format')!r}, this version reads {' and '.join(map(repr, READS))}")
     return meta
 
 
@@ -174,7 +191,7 @@ def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
     meta = read_metadata(path)
     t = load_file(path, device=str(device))
     L = int(meta["model"]["num_layers"]) if "model" in meta else 1 + max(int(k.split(".")[1]) for k in t if k.startswith("layers."))
-    known = {f"layers.{l}.{n}" for l in range(L) for n in ("rot_k", "rot_v", "clip_k", "clip_v", "k_mean")}
+    known = {f"layers.{l}.{n}" for l in range(L) for n in ("rot_k", "rot_v", "rot_q", "clip_k", "clip_v", "k_mean")}
     try:
         art = Artifact(
             rot_k=[t[f"layers.{l}.rot_k"] for l in range(L)],
@@ -182,6 +199,7 @@ def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
             clip_k=[t[f"layers.{l}.clip_k"] for l in range(L)],
             clip_v=[t[f"layers.{l}.clip_v"] for l in range(L)],
             k_mean=[t[f"layers.{l}.k_mean"] for l in range(L)] if meta.get("centering") else None,
+            rot_q=[t[f"layers.{l}.rot_q"] for l in range(L)] if meta["format"] == ARTIFACT_FORMAT_Q else None,
             quant=QuantConfig(**meta["quant"]),
             meta={k: v for k, v in meta.items() if k not in ("quant", "centering")},
             extra={k: v for k, v in t.items() if k not in known},

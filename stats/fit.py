@@ -83,6 +83,8 @@ def _fallbacks(rot: Rotations, ls: LayerStats, cfg: FitConfig, l: int) -> list[d
         for h in heads:
             d = diags[h]
             R[h] = had
+            if side == "k" and rot.rot_q is not None:
+                rot.rot_q[h] = had
             out.append({"layer": l, "head": h, "side": side, "to": "hadamard", "source": src[0],
                         "reason": f"leading {d.k_stab}-dim subspace of C_{src[0]} unstable across blocks: "
                                   f"median mean cos² {d.stability:.3f} < {cfg.stability_min} "
@@ -108,7 +110,7 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
     scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
     rng = np.random.default_rng(cfg.seed)
 
-    rot_k, rot_v, k_mean, clip_k, clip_v, eig_k, eig_v = [], [], [], [], [], [], []
+    rot_k, rot_v, rot_q, k_mean, clip_k, clip_v, eig_k, eig_v = [], [], [], [], [], [], [], []
     layers_meta, fallbacks = [], []
     it = range(L)
     if cfg.progress:
@@ -133,6 +135,7 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
 
         # clip search in the rotated space
         Rk, Rv = rot.rot_k, rot.rot_v  # (H, D, D)
+        Rq = rot.rot_q if rot.rot_q is not None else Rk  # queries are read in the space dual to the keys'
         q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
         meta_clip = {}
         if fixed:
@@ -141,8 +144,8 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         elif cfg.clip and q is not None and k is not None and v is not None:
             T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
             kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
-            q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rk), (kc, Rk), (T(v), Rv)))  # (H, N, D)
-            Cq_r = (T(Rk).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rk)).numpy()  # (H, D, D)
+            q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rq), (kc, Rk), (T(v), Rv)))  # (H, N, D)
+            Cq_r = (T(Rq).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rq)).numpy()  # (H, D, D)
             ck, cv = search_layer(q_r, k_r, v_r, Cq_r, kspec, vspec, scale, np.array(cfg.clip_ratios),
                                   np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries,
                                   seed=cfg.seed + l)
@@ -160,6 +163,8 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
 
         rot_k.append(torch.from_numpy(Rk).float())
         rot_v.append(torch.from_numpy(Rv).float())
+        if rot.rot_q is not None:
+            rot_q.append(torch.from_numpy(rot.rot_q).float())
         clip_k.append(torch.from_numpy(np.asarray(ck_t)).float())
         clip_v.append(torch.from_numpy(np.asarray(cv_t)).float())
         eig_k.append(torch.from_numpy(np.asarray(rot.notes.get("eig_k", src_k[0]))).float())
@@ -215,7 +220,7 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
     for l in range(L):
         extra[f"layers.{l}.eig_k"] = eig_k[l]
         extra[f"layers.{l}.eig_v"] = eig_v[l]
-    art = Artifact(rot_k=rot_k, rot_v=rot_v, clip_k=clip_k, clip_v=clip_v, k_mean=k_mean or None,
+    art = Artifact(rot_k=rot_k, rot_v=rot_v, rot_q=rot_q or None, clip_k=clip_k, clip_v=clip_v, k_mean=k_mean or None,
                    quant=quant, meta=meta, extra=extra)
     art.validate()
     return art

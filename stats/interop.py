@@ -44,6 +44,8 @@ def unsupported_parts(art: Artifact) -> list[str]:
     out = []
     if art.k_mean is not None:
         out.append("key-mean centering (k_mean)")
+    if art.rot_q is not None:
+        out.append("scaled (non-orthogonal) key transform with its query transform (rot_q)")
     if any(not torch.all(c == 1.0) for c in art.clip_k + art.clip_v):
         out.append("searched clip thresholds (clip_k / clip_v)")
     if art.quant.mode == "static":
@@ -53,7 +55,14 @@ def unsupported_parts(art: Artifact) -> list[str]:
     return out
 
 
+def _orthogonal_only(art: Artifact, fmt: str) -> None:
+    if art.rot_q is not None:  # those consumers rotate q and k by the same matrix: q·k holds only if it is orthogonal
+        raise OscarError(f"{fmt} applies one orthogonal rotation to queries and keys; this artifact's key transform is "
+                         f"scaled (variant {art.meta.get('variant')!r}, rot_q != rot_k) and cannot be exported there")
+
+
 def export_sglang(art: Artifact, out_dir: str, tag: str = "oscar", format_version: int | None = None) -> list[str]:
+    _orthogonal_only(art, SGLANG)
     shared = all(torch.equal(r, r[:1].expand_as(r)) for r in art.rot_k + art.rot_v)
     fv = format_version or (1 if shared else 2)
     if fv == 1 and not shared:
@@ -146,6 +155,7 @@ def _gguf_names(l: int) -> tuple[str, str]:
 
 
 def export_gguf(art: Artifact, model_gguf: str, out_path: str) -> str:
+    _orthogonal_only(art, GGUF)
     import gguf
 
     reader = gguf.GGUFReader(model_gguf, "r")

@@ -19,13 +19,16 @@ from oscar.stats.hadamard import bitrev_perm, hadamard, perm_matrix
 
 @dataclass
 class Rotations:
-    rot_k: np.ndarray  # (H, D, D) float64, orthogonal
-    rot_v: np.ndarray  # (H, D, D)
+    rot_k: np.ndarray  # (H, D, D) float64; orthogonal unless rot_q is set
+    rot_v: np.ndarray  # (H, D, D) orthogonal
     k_mean: np.ndarray | None = None  # (H, D) when the variant centres keys
     # statistic whose eigenbasis each side uses, for diagnostics and fallbacks: ("q", pooled) or None
     source_k: tuple[str, bool] | None = None
     source_v: tuple[str, bool] | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    # query transform when rot_k is not orthogonal: rot_q = rot_k^{-T}, so (q rot_q)·(k rot_k) = q·k.
+    # None: rot_q = rot_k (orthogonal).
+    rot_q: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,38 @@ def _refv(ls, rng) -> Rotations:
 def _centered(ls, rng) -> Rotations:
     r = _oscar(ls, rng)
     r.k_mean = ls.mean("k")
+    return r
+
+
+def importance_scales(lam: np.ndarray, sig2: np.ndarray, floor: float = 1e-3) -> np.ndarray:
+    """(H, D) scales d_i = (λ_i / σ_i²)^(1/4) along the query eigenvectors u_i, energy-normalised.
+
+    λ_i = u_iᵀ C_Q u_i, σ_i² = u_iᵀ C_K u_i (centred keys). With keys stored as k U diag(d) H P
+    and queries read as q U diag(1/d) H P, per-token quantization noise is white after H, so the
+    logit error is ∝ (Σ d_i² σ_i²)(Σ λ_i / d_i²); Cauchy–Schwarz puts its minimum at
+    d_i² ∝ √λ_i / σ_i, where it is (Σ σ_i √λ_i)² instead of (Σ σ_i²)(Σ λ_i) for d = 1.
+    Both spectra are floored at ``floor`` × their mean so that a direction no query reads
+    does not get an unbounded scale.
+    """
+    lam = np.maximum(lam, floor * lam.mean(-1, keepdims=True))
+    sig2 = np.maximum(sig2, floor * sig2.mean(-1, keepdims=True))
+    d = (lam / sig2) ** 0.25  # (H, D)
+    return d * np.sqrt(sig2.sum(-1, keepdims=True) / (d**2 * sig2).sum(-1, keepdims=True))  # Σ d² σ² = Σ σ²
+
+
+@register_variant("scaled", "as centered, keys scaled along u_i by (λ_i/σ_i²)^¼ before H P_br, queries by the "
+                  "inverse: R_K = U_Q diag(d) H P_br, R_Q = U_Q diag(1/d) H P_br (logit-error optimal)")
+def _scaled(ls, rng) -> Rotations:
+    r = _centered(ls, rng)
+    U = ls.eig("q")[1]  # (H, D, D) columns u_i, descending
+    mu = r.k_mean
+    Ck = ls.cov("k") - mu[:, :, None] * mu[:, None, :]  # centred key covariance
+    lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
+    sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
+    d = importance_scales(lam, sig2)  # (H, D)
+    M = mixer(ls.D)
+    r.rot_k, r.rot_q = (U * d[:, None, :]) @ M, (U / d[:, None, :]) @ M
+    r.notes["key_scales"] = d
     return r
 
 

@@ -91,11 +91,66 @@ def test_variant_rotations_orthogonal(store, name):
     view = open_store(store[0])
     ls = LayerStats(view, 0, ReduceConfig())
     rot = VARIANTS[name].build(ls, np.random.default_rng(0))
-    for R in (rot.rot_k, rot.rot_v):
+    eye = np.eye(16)
+    # every variant's R_V and query transform are orthogonal; R_K too, except `scaled`, whose R_K is the
+    # dual of its orthogonal-times-diagonal R_Q: R_Qᵀ R_K = I keeps q·k exact
+    orth = (rot.rot_v,) + ((rot.rot_k,) if rot.rot_q is None else ())
+    for R in orth:
         assert R.dtype == np.float64 and R.shape == (2, 16, 16)
-        eye = np.eye(16)
         assert np.abs(R @ np.swapaxes(R, -1, -2) - eye).max() < 1e-10
         assert np.abs(np.swapaxes(R, -1, -2) @ R - eye).max() < 1e-10
+    if rot.rot_q is not None:
+        assert name == "scaled"
+        assert np.abs(np.swapaxes(rot.rot_q, -1, -2) @ rot.rot_k - eye).max() < 1e-10
+        assert np.abs(rot.rot_k @ np.swapaxes(rot.rot_k, -1, -2) - eye).max() > 1e-2  # really scaled
+
+
+def test_importance_scales_minimise_the_logit_error_bound():
+    """d = (λ/σ²)^¼ minimises (Σ d²σ²)(Σ λ/d²) — the per-token logit error after H — at (Σ σ√λ)²
+    (Cauchy–Schwarz), against random scalings by brute force; energy Σ d²σ² = Σ σ² is kept."""
+    from oscar.stats.rotations import importance_scales
+
+    rng = np.random.default_rng(0)
+    lam, sig2 = rng.gamma(0.5, size=(3, 16)) + 0.05, rng.gamma(0.5, size=(3, 16)) + 0.05
+    d = importance_scales(lam, sig2, floor=0.0)
+    obj = lambda d: (d**2 * sig2).sum(-1) * (lam / d**2).sum(-1)  # noqa: E731
+    assert np.allclose(obj(d), (np.sqrt(sig2 * lam).sum(-1)) ** 2)
+    assert np.allclose((d**2 * sig2).sum(-1), sig2.sum(-1))
+    for _ in range(200):
+        assert (obj(d * np.exp(rng.normal(0, 0.3, d.shape))) >= obj(d) * (1 - 1e-12)).all()
+    assert (obj(np.ones_like(d)) > 1.2 * obj(d)).all()  # misaligned spectra: a real gain over d = 1
+    # floors keep directions that no query reads (λ = 0) finite
+    lam[:, :4] = 0.0
+    assert np.isfinite(importance_scales(lam, sig2)).all() and (importance_scales(lam, sig2) > 0).all()
+
+
+def test_scaled_variant_fits_lower_key_error_and_roundtrips(store, tmp_path):
+    """The scaled variant: rot_q = rot_k^{-T} in the artifact (format /2), logits exact, and the
+    searched clip's q-weighted key error below the orthogonal centred recipe's on the same store."""
+    p = store[0]
+    cen, sc = fit(p, _cfg(variant="centered")), fit(p, _cfg(variant="scaled"))
+    assert cen.rot_q is None and sc.rot_q is not None
+    out = str(tmp_path / "scaled.safetensors")
+    save_artifact(sc, out)
+    back = load_artifact(out)
+    assert back.meta["format"] == "oscar-artifact/2" and all(torch.equal(a, b) for a, b in zip(back.rot_q, sc.rot_q))
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 30, 16, generator=g).double(), torch.randn(2, 20, 16, generator=g).double()
+    mu, Rk, Rq = sc.k_mean[0].double(), sc.rot_k[0].double(), sc.rot_q[0].double()
+    got = (q @ Rq) @ ((k - mu[:, None]) @ Rk).transpose(-1, -2) + q @ mu[:, :, None]
+    assert torch.allclose(got, q @ k.transpose(-1, -2), atol=1e-4)
+    err = lambda a: np.mean([np.mean(lm["clip"]["k"]["err"]) for lm in a.meta["layers"]])  # noqa: E731
+    print(f"q-weighted key error: centered {err(cen):.4f}, scaled {err(sc):.4f}")
+    assert err(sc) < err(cen)
+    # values are untouched by the variant
+    assert all(torch.equal(a, b) for a, b in zip(cen.rot_v, sc.rot_v))
+
+
+def test_artifact_with_inconsistent_rot_q_refused(store, tmp_path):
+    sc = fit(store[0], _cfg(variant="scaled"))
+    sc.rot_q[1] = sc.rot_k[1].clone()  # not the dual of a non-orthogonal rot_k
+    with pytest.raises(OscarError, match=r"layers.1.rot_q is not rot_k\^\(-T\)"):
+        sc.validate()
 
 
 def test_rot_k_reproduces_from_stored_cq(store):

@@ -65,6 +65,20 @@ def test_unsupported_parts_named():
     assert any("centering" in s for s in lost) and any("clip" in s for s in lost)
 
 
+def test_scaled_key_transform_refused_by_rotation_only_formats(tmp_path):
+    """Those consumers rotate q and k by one matrix: a scaled rot_k (with its dual rot_q) would change q·k."""
+    art = _random_artifact()
+    d = torch.linspace(0.5, 2.0, 16)
+    art.rot_q = [r / d for r in art.rot_k]  # rot_k = Q diag(d) -> dual Q diag(1/d)
+    art.rot_k = [r * d for r in art.rot_k]
+    art.validate()
+    assert any("rot_q" in s for s in unsupported_parts(art))
+    with pytest.raises(OscarError, match="cannot be exported"):
+        export_sglang(art, str(tmp_path))
+    with pytest.raises(OscarError, match="cannot be exported"):
+        export_gguf(art, "unused.gguf", str(tmp_path / "x.gguf"))
+
+
 @pytest.mark.slow
 def test_gguf_copy_keeps_every_tensor_and_roundtrips(tmp_path):
     import gguf

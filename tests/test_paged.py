@@ -11,7 +11,14 @@ from oscar.kernels.quant import QuantSpec, fake_quant, pack, unpack
 from oscar.stats.artifact import QuantConfig
 
 
-def random_rotation(H, D, seed, mean=True, clip=None, static=False):
+def scaled_pair(H, D, g):
+    """A non-orthogonal key transform U diag(d) M and its dual U diag(1/d) M (the `scaled` variant's shape)."""
+    qr = lambda: torch.linalg.qr(torch.randn(H, D, D, generator=g))[0]  # noqa: E731
+    U, M, d = qr(), qr(), torch.rand(H, 1, D, generator=g) * 3 + 0.25
+    return (U * d) @ M, (U / d) @ M
+
+
+def random_rotation(H, D, seed, mean=True, clip=None, static=False, scaled=False):
     g = torch.Generator().manual_seed(seed)
     qr = lambda: torch.linalg.qr(torch.randn(H, D, D, generator=g))[0]  # noqa: E731
     if static:
@@ -19,13 +26,15 @@ def random_rotation(H, D, seed, mean=True, clip=None, static=False):
     else:
         ck = cv = torch.full((H,), clip or 1.0)
     mu = torch.randn(H, D, generator=g) if mean else None
-    return LayerRotation(rot_k=qr(), rot_v=qr(), clip_k=ck, clip_v=cv, k_mean=mu)
+    rk, rq = scaled_pair(H, D, g) if scaled else (qr(), None)
+    return LayerRotation(rot_k=rk, rot_v=qr(), clip_k=ck, clip_v=cv, k_mean=mu, rot_q=rq)
 
 
-def make(mode="minmax", key_axis="token", H=2, D=16, P=4, S=3, R=8, pages=32, seqs=4, seed=0, dtype=torch.bfloat16, **kw):
+def make(mode="minmax", key_axis="token", H=2, D=16, P=4, S=3, R=8, pages=32, seqs=4, seed=0, dtype=torch.bfloat16,
+         scaled=False, **kw):
     cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=pages, max_seqs=seqs, page_size=P, sink=S, recent=R,
                       mode=mode, key_axis=key_axis, dtype=dtype, **kw)
-    rot = random_rotation(H, D, seed, clip=0.9 if mode == "minmax" else None, static=mode == "static")
+    rot = random_rotation(H, D, seed, clip=0.9 if mode == "minmax" else None, static=mode == "static", scaled=scaled)
     return PagedLayerCache(cfg, rot)
 
 
@@ -168,12 +177,13 @@ def _sdpa(q, k, v, scale):
     return torch.einsum("hn,hnd->hd", torch.softmax(logits, -1), vv), torch.logsumexp(logits, -1)
 
 
-@pytest.mark.parametrize("mode,axis,group", MODES_G)
+@pytest.mark.parametrize("mode,axis,group,scaled", [m + (False,) for m in MODES_G] + [("minmax", "token", None, True)])
 @pytest.mark.parametrize("G", [1, 3])
-def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, group, G):
+def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, group, scaled, G):
     """Rotating q, adding q.mu and un-rotating o is exact: same result as attention on the model-space K/V;
-    the CPU path that works on the codes equals the dequantize-everything oracle."""
-    c = make(mode, axis, group_size=group)
+    the CPU path that works on the codes equals the dequantize-everything oracle. scaled: a non-orthogonal
+    rot_k read with its dual rot_q (keys un-rotated with rot_qᵀ) is exact too."""
+    c = make(mode, axis, group_size=group, scaled=scaled)
     lens = [2, 11, 30, 45]
     seqs = []
     for i, n in enumerate(lens):

@@ -29,7 +29,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = [("minmax", "token"), ("minmax", "channel"), ("static", "token")]
 
 
-def rotation(H, D, seed, mode, center=True):
+def rotation(H, D, seed, mode, center=True, scaled=False):
     g = torch.Generator().manual_seed(seed)
     qr = lambda: torch.linalg.qr(torch.randn(H, D, D, generator=g))[0]  # noqa: E731
     if mode == "static":
@@ -37,14 +37,20 @@ def rotation(H, D, seed, mode, center=True):
     else:
         ck = cv = torch.full((H,), 0.9)
     mu = torch.randn(H, D, generator=g) if center else None
+    rq = None
+    if scaled:  # non-orthogonal keys U diag(d) M, queries read with the dual U diag(1/d) M
+        U, M, d = qr(), qr(), torch.rand(H, 1, D, generator=g) * 3 + 0.25
+        rk, rq = (U * d) @ M, (U / d) @ M
+    else:
+        rk = qr()
     f = lambda t: None if t is None else t.to(DEV)  # noqa: E731
-    return LayerRotation(rot_k=f(qr()), rot_v=f(qr()), clip_k=f(ck), clip_v=f(cv), k_mean=f(mu))
+    return LayerRotation(rot_k=f(rk), rot_v=f(qr()), clip_k=f(ck), clip_v=f(cv), k_mean=f(mu), rot_q=f(rq))
 
 
-def cache(mode="minmax", axis="token", H=2, D=64, P=8, S=5, R=16, pages=64, seqs=8, seed=0, **kw):
+def cache(mode="minmax", axis="token", H=2, D=64, P=8, S=5, R=16, pages=64, seqs=8, seed=0, scaled=False, **kw):
     cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=pages, max_seqs=seqs, page_size=P, sink=S, recent=R,
                       mode=mode, key_axis=axis, device=DEV, **kw)
-    return PagedLayerCache(cfg, rotation(H, D, seed, mode))
+    return PagedLayerCache(cfg, rotation(H, D, seed, mode, scaled=scaled))
 
 
 def kv(H, T, D, seed):
@@ -127,19 +133,20 @@ def fill(c, lengths, seed=0):
 
 
 @pytest.mark.parametrize(
-    "mode,axis,H,D,G,group",
+    "mode,axis,H,D,G,group,scaled",
     [
-        ("minmax", "token", 2, 64, 1, None),  # MHA
-        ("minmax", "channel", 1, 128, 8, None),  # GLM-like GQA 8, KIVI keys
-        ("static", "token", 2, 48, 3, None),  # non-power-of-two head dim (masked to 64)
-        ("minmax", "token", 1, 64, 3, 16),  # 4 channel groups per token
+        ("minmax", "token", 2, 64, 1, None, False),  # MHA
+        ("minmax", "channel", 1, 128, 8, None, False),  # GLM-like GQA 8, KIVI keys
+        ("static", "token", 2, 48, 3, None, False),  # non-power-of-two head dim (masked to 64)
+        ("minmax", "token", 1, 64, 3, 16, False),  # 4 channel groups per token
+        ("minmax", "token", 2, 64, 3, None, True),  # `scaled` variant: non-orthogonal rot_k, dual rot_q
     ],
 )
-def test_decode_kernel_matches_reference(monkeypatch, mode, axis, H, D, G, group):
+def test_decode_kernel_matches_reference(monkeypatch, mode, axis, H, D, G, group, scaled):
     # lengths around S=5, R=16, P=8: inside the sink, at the sink edge, window not yet full,
     # the last length before the first page, the first page, wrapped ring, several pages
     monkeypatch.setenv("OSCAR_KERNELS", "triton")  # pages quantized by kernel (a)
-    c = cache(mode, axis, H=H, D=D, group_size=group)
+    c = cache(mode, axis, H=H, D=D, group_size=group, scaled=scaled)
     lengths = [3, 5, 6, 5 + 16 + 7, 5 + 16 + 8, 61, 77]
     seqs = fill(c, lengths)[::-1]  # slot order != batch order
     o, lse, ro, rlse = run_both(c, seqs, G, splits=3)

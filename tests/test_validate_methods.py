@@ -27,12 +27,17 @@ def tiny():
     return LlamaForCausalLM(cfg).eval()
 
 
-def _rot_artifact(config, quant, seed=1):
+def _rot_artifact(config, quant, seed=1, scaled=False):
+    """Random orthogonal rotations; scaled: keys by Q diag(d), queries by the dual Q diag(1/d) (the `scaled` variant's form)."""
     a = identity_artifact(config, quant)
     g = torch.Generator().manual_seed(seed)
+    a.rot_q = [] if scaled else None
     for l in range(a.num_layers):
         q, _ = torch.linalg.qr(torch.randn(a.num_kv_heads, a.head_dim, a.head_dim, generator=g))
         a.rot_k[l], a.rot_v[l] = q, q.flip(-1)
+        if scaled:
+            d = torch.rand(a.num_kv_heads, 1, a.head_dim, generator=g) * 2 + 0.3
+            a.rot_k[l], a.rot_q = q * d, a.rot_q + [q / d]
         a.clip_k[l] = torch.full((a.num_kv_heads,), 0.9)
     a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
     return a
@@ -46,21 +51,23 @@ def test_hadamard_orthogonal():
         hadamard(48)
 
 
-def test_layerquant_matches_rotated_reference(tiny):
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+@pytest.mark.parametrize("scaled", [False, True])
+def test_layerquant_matches_rotated_reference(tiny, scaled):
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2), scaled=scaled)
     lq = LayerQuant(art, 0)
     k = torch.randn(1, 2, 10, 16, dtype=torch.float64).float()
-    # reference: in the rotated space, per head
+    Rq = art.rot_q[0] if scaled else art.rot_k[0]
+    # reference: in the rotated space, per head; back to model space with R_K^{-1} (brute-force inverse)
     for h in range(2):
         R, mu = art.rot_k[0][h], art.k_mean[0][h]
         kr = (k[0, h] - mu) @ R
-        ref = fake_quant(kr, art.quant.key_spec(16), 0.9) @ R.T + mu
-        assert torch.allclose(lq.keys(k)[0, h], ref, atol=1e-5)
-    # q·k̂ equals the kernel's rotated-space logit (q R)·(k̂_rot) + q·mu
+        ref = fake_quant(kr, art.quant.key_spec(16), 0.9) @ torch.linalg.inv(R.double()).float() + mu
+        assert torch.allclose(lq.keys(k)[0, h], ref, atol=1e-4)
+    # q·k̂ equals the kernel's rotated-space logit (q R_Q)·(k̂_rot) + q·mu
     q = torch.randn(16)
     khat = lq.keys(k)[0, 0]
     kr_hat = fake_quant((k[0, 0] - art.k_mean[0][0]) @ art.rot_k[0][0], art.quant.key_spec(16), 0.9)
-    assert torch.allclose(khat @ q, kr_hat @ (q @ art.rot_k[0][0]) + q @ art.k_mean[0][0], atol=1e-4)
+    assert torch.allclose(khat @ q, kr_hat @ (q @ Rq[0]) + q @ art.k_mean[0][0], atol=1e-4)
 
 
 def test_bits_per_element(tiny):
@@ -214,14 +221,15 @@ def test_window_prefix_equals_shorter_window(tiny, quant):
         assert na == nb and math.isclose(a, b, rel_tol=1e-5), (a, b)
 
 
-def test_simulator_matches_oscarcache(tiny):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_simulator_matches_oscarcache(tiny, scaled):
     """The validation simulator equals the product cache (kernels/cache.py) on the same artifact.
 
     OscarCache's decode step at p reads the layout of p+1 tokens (the current token is written first),
     so its recent window R+1 with 1-token pages is our protocol's recent R.
     """
     cache_mod = pytest.importorskip("oscar.kernels.cache")
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2), scaled=scaled)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(4))
     try:
         with torch.no_grad():

@@ -233,6 +233,8 @@ class LayerQuant:
         D = art.head_dim
         self.rot_k = art.rot_k[layer].float()  # (Hkv, D, D)
         self.rot_v = art.rot_v[layer].float()
+        # rot_k^{-1} = rot_qᵀ (= rot_kᵀ when orthogonal): the dequantized keys go back to the model's space
+        self.unrot_k = (art.rot_q[layer] if art.rot_q is not None else art.rot_k[layer]).float().transpose(-1, -2)
         self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
         self.clip_k, self.kspec = _clip_view(art.clip_k[layer].float(), art.quant.key_spec(D), D)
         self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
@@ -245,7 +247,7 @@ class LayerQuant:
         if self.k_mean is not None:
             x = x - self.k_mean
         xr = x @ self.rot_k  # (B, Hkv, T, D)
-        xq = fake_quant(xr, self.kspec, self.clip_k) @ self.rot_k.transpose(-1, -2)
+        xq = fake_quant(xr, self.kspec, self.clip_k) @ self.unrot_k
         if self.k_mean is not None:
             xq = xq + self.k_mean
         return xq.to(k.dtype)
