@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--model", default="smollm2-135m")
     r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default 20)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (8192 held-out tokens per context; slower)")
-    r.add_argument("--variant", default="centered", help="fit variant behind oscar-int2 (see `oscar variants`)")
+    r.add_argument("--variant", default="scaled", help="fit variant behind oscar-int2 (see `oscar variants`)")
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
                    help="cache protocol for the needle tests (perplexity reports both)")
     r.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),

@@ -43,8 +43,9 @@ class RunConfig:
     ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
     # The product recipe behind `oscar-int2`: the OSCAR rotation with the calibrated key mean
-    # subtracted and searched clips (docs/decisions.md, "Main job recipe").
-    variant: str = "centered"
+    # subtracted, keys scaled along the query eigenvectors (queries by the inverse) and searched
+    # clips (docs/decisions.md, "Main job recipe" and "Scaled keys").
+    variant: str = "scaled"
     # NIAH runs on the method's deployed cache (sink 64 + recent 256 in BF16, the rest INT2);
     # "strict" (recent 0 at token granularity, even for the tokens being generated) is
     # available with --niah-protocol strict. Perplexity always reports both protocols.
