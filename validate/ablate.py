@@ -21,7 +21,8 @@ KS_METRICS = ["relmse_k", "relmse_v", "relmse_o", "d2", "logit_var", "topk"]
 # seed 004's comparisons: rotation vs none, K-path QJL, V-path QJL, water-filling vs uniform, families.
 SCHEME_PAIRS = [("tq_kv", "plain"), ("tq_qkv", "tq_kv"), ("tq_vqjl", "tq_kv"), ("sq_kv", "squ_kv"),
                 ("sq", "squ"), ("squ_kv", "tq_kv"), ("oscar", "tq_kv"), ("oscar", "plain"), ("kivi", "plain"),
-                ("oscar", "oscar_nc"), ("oscar", "oscar_kcov"), ("oscar", "oscar_nobr"), ("oscar", "oscar-ref")]
+                ("oscar", "oscar_nc"), ("oscar", "oscar_kcov"), ("oscar", "oscar_nobr"), ("oscar", "oscar-ref"),
+                ("oscar_scaled", "oscar")]
 
 
 @dataclass

@@ -199,7 +199,8 @@ class Codec:
 class UniformCodec(Codec):
     """Optional rotation R (and key-mean centering), then the shared uniform grid (kernels.quant).
 
-    rotation: callable(calib, role, ctx) -> (D, D) orthogonal R, applied as x @ R.
+    rotation: callable(calib, role, ctx) -> (D, D) invertible R, applied as x @ R and undone with
+    R^{-1} (Rᵀ when orthogonal; `scaled` keys are not).
     """
 
     def __init__(self, bits: int, rotation: Callable | None = None, axis: str = "token",
@@ -213,6 +214,9 @@ class UniformCodec(Codec):
         x = calib[role].to(ctx.dtype)
         D = x.shape[-1]
         self.R = (self.rotation(calib, role, ctx) if self.rotation else torch.eye(D, dtype=torch.float64)).to(ctx.dtype)
+        eye = torch.eye(D, dtype=self.R.dtype)
+        orth = torch.allclose(self.R @ self.R.T, eye, atol=1e-5)
+        self.Rinv = self.R.T if orth else torch.linalg.inv(self.R.double()).to(ctx.dtype)  # (D, D)
         self.mu = x.mean(0) if self.center else torch.zeros(D, dtype=ctx.dtype)
         if self.clip == "search":  # minimise calibration reconstruction MSE over a small grid
             xs = x[: (x.shape[0] // 32) * 32 or x.shape[0]]
@@ -224,7 +228,7 @@ class UniformCodec(Codec):
 
     def _fq(self, x, c):
         y = (x - self.mu) @ self.R  # (T, D)
-        return fake_quant(y, self.spec, clip=c) @ self.R.T + self.mu
+        return fake_quant(y, self.spec, clip=c) @ self.Rinv + self.mu
 
     def encode(self, x):
         from oscar.kernels.quant import choose_qparams, quantize
@@ -238,7 +242,7 @@ class UniformCodec(Codec):
         from oscar.kernels.quant import dequantize
 
         y = dequantize(code["codes"], code["scale"], code["zero"], self.spec, dtype=self.ctx.dtype)
-        return y @ self.R.T + self.mu
+        return y @ self.Rinv + self.mu
 
 
 def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: int = 16) -> tuple[torch.Tensor, float]:
@@ -255,7 +259,8 @@ def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: 
     R = codec.R.float()[None].contiguous()  # (1, D, D)
     c = torch.tensor([float(codec.c or 1.0)])
     mu = codec.mu.float()[None] if (codec.center and role == "k") else None
-    rot = LayerRotation(rot_k=R, rot_v=R.clone(), clip_k=c, clip_v=c.clone(), k_mean=mu)
+    rq = codec.Rinv.T.float()[None].contiguous() if role == "k" else None  # R^{-T}: un-rotates keys via its transpose
+    rot = LayerRotation(rot_k=R, rot_v=R.clone(), clip_k=c, clip_v=c.clone(), k_mean=mu, rot_q=rq)
     cfg = PagedConfig(num_kv_heads=1, head_dim=D, num_pages=T // page_size, max_seqs=1, page_size=page_size,
                       sink=0, recent=0, bits=codec.bits, group_size=codec.group, dtype=torch.float32)
     cache = PagedLayerCache(cfg, rot)
@@ -434,14 +439,16 @@ def allocate(lam: np.ndarray, budget: int, alloc: str, max_bits: int = 8) -> tor
 
 # ----------------------------------------------------------------------------- rotations
 
-def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True) -> torch.Tensor:
+def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True, scaled: bool = False) -> torch.Tensor:
     """R = U H P_br with U the eigenbasis of C_Q (keys) or C_S = O^T O / N (values).
 
     target="kcov": eigenbasis of the role's own covariance instead.
+    scaled (keys): R = U diag(d) H P_br with d = (λ/σ²)^¼ from C_Q and the centred key covariance
+    along U (the fit's `scaled` variant, oscar.stats.rotations.importance_scales).
     The covariance comes from the regime's raw calibration samples; the composite U H P_br
     is the fit stage's (oscar.stats.rotations.compose).
     """
-    from oscar.stats.rotations import compose
+    from oscar.stats.rotations import compose, importance_scales
 
     q, k, v = (calib[n].double() for n in ("q", "k", "v"))
     D = k.shape[-1]
@@ -454,11 +461,16 @@ def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True) -> tor
         o = torch.softmax(qs @ k.T / math.sqrt(D), -1) @ v  # (Nq, D) per-query attention output
         C = o.T @ o / o.shape[0]
     U = eigbasis(C)[1]  # (D, D) columns in descending eigenvalue order
+    if scaled and role == "k":
+        kc = k - k.mean(0)
+        lam = ((q @ U) ** 2).mean(0)  # (D,) query energy along u_i
+        sig2 = ((kc @ U) ** 2).mean(0)  # (D,) centred key variance along u_i
+        U = U * torch.from_numpy(importance_scales(lam.numpy()[None], sig2.numpy()[None])[0])
     return torch.from_numpy(compose(U.numpy()[None], bitrev=br)[0])
 
 
-def oscar_rotation(target: str = "attn", br: bool = True) -> Callable:
-    return functools.partial(_oscar_local, target=target, br=br)
+def oscar_rotation(target: str = "attn", br: bool = True, scaled: bool = False) -> Callable:
+    return functools.partial(_oscar_local, target=target, br=br, scaled=scaled)
 
 
 def reference_rotation(calib, role, ctx) -> torch.Tensor:
@@ -534,6 +546,8 @@ register_scheme("squ_kv", "sq")(lambda b: (SQCodec(b, "uniform"), SQCodec(b, "un
 register_scheme("sq_kv", "sq")(lambda b: (SQCodec(b, "waterfill"), SQCodec(b, "waterfill")))
 register_scheme("oscar", "oscar")(lambda b: (UniformCodec(b, oscar_rotation(), center=True, clip="search"),
                                              UniformCodec(b, oscar_rotation(), clip="search")))
+register_scheme("oscar_scaled", "oscar")(lambda b: (UniformCodec(b, oscar_rotation(scaled=True), center=True, clip="search"),
+                                                    UniformCodec(b, oscar_rotation(), clip="search")))
 register_scheme("oscar_nc", "oscar")(lambda b: (UniformCodec(b, oscar_rotation()), UniformCodec(b, oscar_rotation())))
 register_scheme("oscar_kcov", "oscar")(lambda b: (UniformCodec(b, oscar_rotation("kcov"), center=True, clip="search"),
                                                   UniformCodec(b, oscar_rotation("kcov"), clip="search")))
