@@ -17,7 +17,7 @@ def test_run_main_small_then_resume(tmp_path, capsys):
                     ppl_tokens=1024, ppl_contexts=[1024], attn_lengths=[2048], progress=False)
     run_main(cfg)
     d = cfg.out
-    for f in ("calib.zarr", "artifact.safetensors", "results.parquet", "ppl.parquet", "goal.json",
+    for f in ("calib.zarr", "artifact.fit.safetensors", "artifact.safetensors", "results.parquet", "ppl.parquet", "goal.json",
               "attention.parquet", "report.md", "report.html", "run.json"):
         assert os.path.exists(os.path.join(d, f)), f
     res = pd.read_parquet(os.path.join(d, "results.parquet"))
@@ -25,12 +25,17 @@ def test_run_main_small_then_resume(tmp_path, capsys):
     ppl = pd.read_parquet(os.path.join(d, "ppl.parquet"))
     assert set(ppl.protocol) == {"strict", "serving"} and (ppl.ppl > 1).all()
     info = json.load(open(os.path.join(d, "run.json")))
-    assert set(info["stage_seconds"]) >= {"calibrate", "fit", "niah", "ppl"}
+    assert set(info["stage_seconds"]) >= {"calibrate", "fit", "tune", "niah", "ppl"}
+    from oscar.stats.artifact import load_artifact
+
+    tuned = load_artifact(os.path.join(d, "artifact.safetensors"))
+    rec = tuned.meta["clip_tuning"]  # the served artifact carries its end-to-end clip choice
+    assert float(min(rec["nll_per_token"], key=rec["nll_per_token"].get)) == rec["chosen_factor"]
     report = open(os.path.join(d, "report.md")).read()
     assert "Product goal" in report and "niah_single_1" in report
     capsys.readouterr()
 
     run_main(cfg)  # same config: every stage is found done and skipped
     err = capsys.readouterr().err
-    for stage in ("calibrate", "fit", "validate niah", "validate ppl"):
+    for stage in ("calibrate", "fit", "tune key clip", "validate niah", "validate ppl"):
         assert f"{stage}: done (skipped)" in err, err

@@ -49,6 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True)
     p.set_defaults(func=_ppl)
 
+    t = vs.add_parser("tune", help="scale the artifact's key clips by the factor with the lowest strict NLL on calibration text")
+    t.add_argument("--model", default="smollm2-135m")
+    t.add_argument("--artifact", required=True)
+    t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", help="× the fitted key clip (ratios capped at 1)")
+    t.add_argument("--tokens", type=int, default=2048, help="calibration-split tokens scored per factor")
+    t.add_argument("--protocol", default="strict", choices=["strict", "serving"])
+    t.add_argument("--corpus", default="pydoc")
+    t.add_argument("--out", required=True, help="tuned artifact (.safetensors)")
+    t.set_defaults(func=_tune)
+
     a = vs.add_parser("attention", help="attention-level retrieval to 128k on real captured q/k/v (not a model run)")
     a.add_argument("--store", required=True, help="calibration store (reservoirs layers/{l}/{q,k,v}_res)")
     a.add_argument("--artifact")
@@ -67,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default 20)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (8192 held-out tokens per context; slower)")
     r.add_argument("--variant", default="scaled", help="fit variant behind oscar-int2 (see `oscar variants`)")
+    r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
                    help="cache protocol for the needle tests (perplexity reports both)")
     r.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
@@ -99,6 +110,23 @@ def _ppl(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.validate.env import load_model
+    from oscar.validate.tune import TuneConfig, tune_key_clip
+
+    cfg = TuneConfig(factors=tuple(float(x) for x in _csv(args.factors)), tokens=args.tokens, protocol=args.protocol,
+                     corpus=args.corpus)
+    art = load_artifact(args.artifact)
+    model, tok, _ = load_model(args.model)
+    tuned, rec = tune_key_clip(model, tok, art, cfg)
+    save_artifact(tuned, args.out)
+    for f, v in rec["nll_per_token"].items():
+        print(f"factor {f}: NLL/token {v:.5f}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
+    print(f"{args.out}: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> {rec['mean_clip_k_after']:.3f})")
+    return 0
+
+
 def _attention(args) -> int:
     from oscar.validate.attention import AttnConfig, run_attention
 
@@ -114,5 +142,5 @@ def _run(args) -> int:
     from oscar.validate.run import RunConfig, run_main
 
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       variant=args.variant, niah_protocol=args.niah_protocol, dtype=args.dtype))
+                       variant=args.variant, tune=not args.no_tune, niah_protocol=args.niah_protocol, dtype=args.dtype))
     return 0

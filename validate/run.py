@@ -1,7 +1,8 @@
 """`oscar run --out DIR`: the main job on the embedded defaults, resumable stage by stage.
 
     calibrate (local Ray cluster, or this process with --no-ray)  -> DIR/calib.zarr
-    fit                                                            -> DIR/artifact.safetensors, DIR/calibration/
+    fit                                                            -> DIR/artifact.fit.safetensors
+    tune key clip (strict NLL on calibration text; --no-tune)      -> DIR/artifact.safetensors, DIR/calibration/
     validate niah (strict protocol)                                -> DIR/results.parquet, niah_samples.jsonl
     validate ppl (strict + serving)                                -> DIR/ppl.parquet, goal.json
     validate attention (captured q/k/v, to 128k)                   -> DIR/attention.parquet
@@ -46,6 +47,9 @@ class RunConfig:
     # subtracted, keys scaled along the query eigenvectors (queries by the inverse) and searched
     # clips (docs/decisions.md, "Main job recipe" and "Scaled keys").
     variant: str = "scaled"
+    # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
+    # (validate/tune.py; docs/decisions.md, "Key clip tuned end to end").
+    tune: bool = True
     # NIAH runs on the method's deployed cache (sink 64 + recent 256 in BF16, the rest INT2);
     # "strict" (recent 0 at token granularity, even for the tokens being generated) is
     # available with --niah-protocol strict. Perplexity always reports both protocols.
@@ -135,26 +139,24 @@ def run_main(cfg: RunConfig) -> dict:
     fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len})
     st.run("calibrate", "calibrate", fp_cal, [store], lambda: _calibrate(cfg, store))
 
-    # 2. fit (+ the calibration section of the report)
+    # 2. fit -> DIR/artifact.fit.safetensors
     fp_fit = fingerprint({"cal": fp_cal, "fit": cfg.variant})
     cal_dir = os.path.join(d, "calibration")
+    fit_path = os.path.join(d, "artifact.fit.safetensors")
+
+    def save(art, path: str) -> None:
+        from oscar.stats.artifact import save_artifact
+
+        tmp = path + ".tmp"
+        save_artifact(art, tmp)
+        os.replace(tmp, path)
 
     def do_fit() -> None:
-        from oscar.stats.artifact import save_artifact
         from oscar.stats.fit import FitConfig, fit
 
-        art = fit(store, FitConfig(variant=cfg.variant, progress=cfg.progress))
-        tmp = art_path + ".tmp"
-        save_artifact(art, tmp)
-        os.replace(tmp, art_path)
-        try:
-            from oscar.stats.report import calibration_section
+        save(fit(store, FitConfig(variant=cfg.variant, progress=cfg.progress)), fit_path)
 
-            calibration_section(art_path, store, cal_dir)
-        except ImportError:
-            _say("fit: oscar.stats.report.calibration_section not available; no calibration section")
-
-    st.run("fit", "fit", fp_fit, [art_path], do_fit)
+    st.run("fit", "fit", fp_fit, [fit_path], do_fit)
 
     loaded: list = []  # the model, loaded once by whichever stage needs it first
 
@@ -163,9 +165,36 @@ def run_main(cfg: RunConfig) -> dict:
             loaded.append(load_model(cfg.model))
         return loaded[0]
 
+    # 3. key clip tuned end to end on calibration text -> DIR/artifact.safetensors (+ the report's calibration section)
+    from oscar.validate.tune import TuneConfig, tune_key_clip
+
+    tcfg = TuneConfig(corpus=cfg.corpus)
+    fp_t = fingerprint({"fit": file_fingerprint(fit_path), "tune": asdict(tcfg) if cfg.tune else None})
+
+    def do_tune() -> None:
+        from oscar.stats.artifact import load_artifact
+
+        art, rec = load_artifact(fit_path), None
+        if cfg.tune:
+            m, tok, _ = model()
+            art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress)
+            _say(f"tune: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> "
+                 f"{rec['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
+                 ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
+        save(art, art_path)
+        try:
+            from oscar.stats.report import calibration_section
+
+            calibration_section(art_path, store, cal_dir)
+        except ImportError:
+            _say("fit: oscar.stats.report.calibration_section not available; no calibration section")
+        return {"clip_tuning": rec} if rec else None
+
+    st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [art_path], do_tune)
+
     art_fp = file_fingerprint(art_path)
 
-    # 3. NIAH (resumable per sample)
+    # 4. NIAH (resumable per sample)
     from oscar.validate.niah import NiahConfig, run_niah
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
@@ -175,7 +204,7 @@ def run_main(cfg: RunConfig) -> dict:
     st.run("niah", "validate niah", fp_n, [os.path.join(d, "results.parquet")],
            lambda: run_niah(ncfg, loaded=model(), progress=cfg.progress))
 
-    # 4. perplexity (resumable per window)
+    # 5. perplexity (resumable per window)
     from oscar.validate.ppl import PplConfig, run_ppl
 
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
@@ -184,7 +213,7 @@ def run_main(cfg: RunConfig) -> dict:
     st.run("ppl", "validate ppl", fp_p, [os.path.join(d, "ppl.parquet")],
            lambda: run_ppl(pcfg, loaded=model(), progress=cfg.progress))
 
-    # 5. attention-level retrieval on captured q/k/v
+    # 6. attention-level retrieval on captured q/k/v
     try:
         from oscar.validate.attention import AttnConfig, run_attention
     except ImportError:
@@ -195,12 +224,12 @@ def run_main(cfg: RunConfig) -> dict:
         st.run("attention", "validate attention (captured q/k/v, to 128k)", fp_a,
                [os.path.join(d, "attention.parquet")], lambda: run_attention(acfg, progress=cfg.progress))
 
-    # 6. report (always rebuilt: cheap, reads files only)
+    # 7. report (always rebuilt: cheap, reads files only)
     total = time.time() - t_all
     prev = {}
     rj = os.path.join(d, "run.json")
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
-                + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}"),
+                + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": total}
     with open(rj, "w") as f:
