@@ -157,7 +157,16 @@ def calibration_section(artifact_path: str, store_path: str | None, out_dir: str
         f"Heavy-tailed heads (layer×head): {heavy}; pruned spurious eigenvalues: {summary['pruned_eigenvalues']}; "
         f"fallbacks to Hadamard: {summary['fallbacks']}.",
         "",
-    ] + [f"![{rel(p)}]({rel(p)})" for p in figs]
+    ]
+    tune = meta.get("clip_tuning")
+    if tune:  # `oscar validate tune`: the cache uses the fit's key clips (table, plot) × the chosen factor
+        summary["clip_tuning"] = tune
+        c = tune.get("config", {})
+        md += [f"Key clips tuned end to end: × **{tune['chosen_factor']}** (mean {tune['mean_clip_k_before']:.3f} → "
+               f"{tune['mean_clip_k_after']:.3f}; the table and plot show the fit's clips), chosen by next-token NLL "
+               f"on {c.get('tokens')} tokens of calibration text under the {c.get('protocol')} protocol: "
+               + ", ".join(f"×{f} {v:.4f}" for f, v in tune["nll_per_token"].items()) + ".", ""]
+    md += [f"![{rel(p)}]({rel(p)})" for p in figs]
     for fb in meta.get("fallbacks", [])[:20]:
         md.append(f"- fallback: layer {fb['layer']} head {fb['head']} {fb['side']}: {fb['reason']}")
     md_path, js_path = os.path.join(out_dir, "calibration.md"), os.path.join(out_dir, "calibration.json")

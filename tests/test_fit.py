@@ -396,6 +396,13 @@ def test_calibration_report_section(store, tmp_path):
     r = calibration_section(a, store[0], str(tmp_path / "rep"))
     assert len(r["figures"]) == 6 and all(open(f, "rb").read(4) == b"\x89PNG" for f in r["figures"])
     assert r["summary"]["d_eff_k"]["median"] == 4 and "## Calibration" in open(r["markdown"]).read()
+    assert "tuned end to end" not in open(r["markdown"]).read()
+    art = fit(store[0], _cfg())  # a tuned artifact's record shows up in the section
+    art.meta["clip_tuning"] = {"config": {"tokens": 2048, "protocol": "strict"}, "nll_per_token": {"1.0": 3.2, "1.1": 3.1},
+                               "chosen_factor": 1.1, "mean_clip_k_before": 0.7, "mean_clip_k_after": 0.77}
+    save_artifact(art, a)
+    text = open(calibration_section(a, store[0], str(tmp_path / "rep2"))["markdown"]).read()
+    assert "Key clips tuned end to end: × **1.1**" in text and "×1.1 3.1000" in text
 
 
 # --- bad input ---------------------------------------------------------------------------
