@@ -139,7 +139,6 @@ def _scaled(ls, rng) -> Rotations:
     d = importance_scales(lam, sig2)  # (H, D)
     M = mixer(ls.D)
     r.rot_k, r.rot_q = (U * d[:, None, :]) @ M, (U / d[:, None, :]) @ M
-    r.notes["key_scales"] = d
     return r
 
 

@@ -171,7 +171,7 @@ def run_main(cfg: RunConfig) -> dict:
     tcfg = TuneConfig(corpus=cfg.corpus)
     fp_t = fingerprint({"fit": file_fingerprint(fit_path), "tune": asdict(tcfg) if cfg.tune else None})
 
-    def do_tune() -> None:
+    def do_tune() -> dict | None:
         from oscar.stats.artifact import load_artifact
 
         art, rec = load_artifact(fit_path), None
