@@ -67,13 +67,9 @@ def main() -> None:
                          lengths=[int(x) for x in args.lengths.split(",")], samples=args.samples,
                          protocol="serving", dtype=args.dtype)
         t0 = time.perf_counter()
-        run_niah(cfg)
+        df = run_niah(cfg)
         wall = time.perf_counter() - t0
-        rows = [json.loads(l) for l in open(Path(d) / "niah_samples.jsonl")]
-    table: dict = {}
-    for r in rows:
-        table.setdefault(r["task"], {}).setdefault(str(r["length"]), {}).setdefault(r["method"], []).append(r["score"])
-    scores = {t: {L: {m: 100.0 * sum(v) / len(v) for m, v in ms.items()} for L, ms in Ls.items()} for t, Ls in table.items()}
+    scores = {t: {str(L): dict(zip(g.method, g.score)) for L, g in gt.groupby("length")} for t, gt in df.groupby("task")}
     res = {"artifact": args.artifact, "protocol": "serving", "dtype": args.dtype, "samples": args.samples,
            "methods": {"oscar-int2-kq": "keys INT2 as oscar-int2, values exact",
                        "oscar-int2-vq": "values INT2 as oscar-int2, keys exact"},

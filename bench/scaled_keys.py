@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 
 from oscar.common import set_threads
-from oscar.stats.artifact import save_artifact
 from oscar.stats.fit import FitConfig, fit
 from oscar.validate import methods as M
 
@@ -92,33 +91,22 @@ def main() -> None:
     }
     print("key error (mean over layers):", {v: round(r["mean"], 4) for v, r in res["key_logit_err"].items()})
     methods = ["bf16"] + _register(arts)
-    with tempfile.TemporaryDirectory(prefix="oscar-scaled-") as d:
-        art_path = str(Path(d) / "scaled.safetensors")  # any artifact: the registered methods bring their own
-        save_artifact(arts["scaled"], art_path)
+    with tempfile.TemporaryDirectory(prefix="oscar-scaled-") as d:  # the registered methods bring their artifacts
         if not args.no_niah:
             from oscar.validate.niah import NiahConfig, run_niah
 
-            cfg = NiahConfig(out=str(Path(d) / "niah"), artifact=art_path, methods=methods,
-                             tasks=args.tasks.split(","), lengths=[int(x) for x in args.lengths.split(",")],
-                             samples=args.samples, protocol="serving", dtype=args.dtype)
-            run_niah(cfg)
-            rows = [json.loads(line) for line in open(Path(cfg.out) / "niah_samples.jsonl")]
-            table: dict = {}
-            for r in rows:
-                table.setdefault(r["task"], {}).setdefault(str(r["length"]), {}).setdefault(r["method"], []).append(r["score"])
-            res["niah_score_percent"] = {t: {L: {m: 100.0 * sum(v) / len(v) for m, v in ms.items()} for L, ms in Ls.items()}
-                                         for t, Ls in table.items()}
+            df = run_niah(NiahConfig(out=str(Path(d) / "niah"), methods=methods, tasks=args.tasks.split(","),
+                                     lengths=[int(x) for x in args.lengths.split(",")], samples=args.samples,
+                                     protocol="serving", dtype=args.dtype))
+            res["niah_score_percent"] = {t: {str(L): dict(zip(g.method, g.score)) for L, g in gt.groupby("length")}
+                                         for t, gt in df.groupby("task")}
             res["niah"] = {"protocol": "serving", "samples": args.samples}
             print(json.dumps(res["niah_score_percent"], indent=1))
         if not args.no_ppl:
-            import pandas as pd
-
             from oscar.validate.ppl import PplConfig, run_ppl
 
-            pcfg = PplConfig(out=str(Path(d) / "ppl"), artifact=art_path, methods=methods, contexts=[1024, 4096],
-                             tokens=args.ppl_tokens, dtype=args.dtype)
-            run_ppl(pcfg)
-            df = pd.read_parquet(Path(pcfg.out) / "ppl.parquet")
+            df = run_ppl(PplConfig(out=str(Path(d) / "ppl"), methods=methods, contexts=[1024, 4096],
+                                   tokens=args.ppl_tokens, dtype=args.dtype))
             base = df[df.method == "bf16"].set_index(["protocol", "context"]).ppl
             res["ppl"] = [{"method": r.method, "protocol": r.protocol, "context": int(r.context), "ppl": round(float(r.ppl), 4),
                            "ratio_vs_bf16": round(float(r.ppl / base[(r.protocol, r.context)]), 4),
