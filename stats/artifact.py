@@ -32,6 +32,11 @@ ARTIFACT_FORMAT_Q = "oscar-artifact/2"
 READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q)
 
 
+# fields older artifacts may carry that no longer mean anything: `flush_pages` chose whether validation's
+# simulator released tokens to INT2 in whole pages; the validation protocol decides that now
+_RETIRED_QUANT_FIELDS = ("flush_pages",)
+
+
 @dataclass
 class QuantConfig:
     """How the serving cache stores K and V (recorded in the artifact).
@@ -57,10 +62,6 @@ class QuantConfig:
     page_size: int = 16
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
     param_dtype: Literal["float16", "float32", "float8_e4m3fn"] = "float16"  # float8_e4m3fn: 8-bit scale/zero
-    # validation's fake-quant cache (oscar.validate.methods) releases recent tokens to INT2 in whole pages of
-    # page_size, as the published cache does (flush in pages of 8); False: one token at a time. The paged
-    # kernels cache always flushes whole pages.
-    flush_pages: bool = False
 
     def __post_init__(self):
         if self.clip_rule not in ("ratio", "row-quantile"):
@@ -200,7 +201,7 @@ def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
             clip_v=[t[f"layers.{l}.clip_v"] for l in range(L)],
             k_mean=[t[f"layers.{l}.k_mean"] for l in range(L)] if meta.get("centering") else None,
             rot_q=[t[f"layers.{l}.rot_q"] for l in range(L)] if meta["format"] == ARTIFACT_FORMAT_Q else None,
-            quant=QuantConfig(**meta["quant"]),
+            quant=QuantConfig(**{k: v for k, v in meta["quant"].items() if k not in _RETIRED_QUANT_FIELDS}),
             meta={k: v for k, v in meta.items() if k not in ("quant", "centering")},
             extra={k: v for k, v in t.items() if k not in known},
         )

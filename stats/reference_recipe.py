@@ -156,7 +156,7 @@ def reference_quant_config(bits: int = 2) -> QuantConfig:
     """The published cache format: per-token min/max over head_dim, float32 scale/zero,
     per-row quantile clip, BF16 sink 64 + recent 256, flushed in pages of 8."""
     return QuantConfig(bits=bits, group_size=None, key_axis="token", mode="minmax", sink=SINK, recent=RECENT,
-                       page_size=FLUSH_PAGE, clip_rule="row-quantile", param_dtype="float32", flush_pages=True)
+                       page_size=FLUSH_PAGE, clip_rule="row-quantile", param_dtype="float32")
 
 
 def reference_spec(bits: int = 2) -> QuantSpec:

@@ -46,6 +46,23 @@ def test_pages_of_8_leave_the_window(tiny):
     assert lq.quantized_until(64 + 16, 64, 0) == 80  # strict: two pages
 
 
+def test_artifact_with_retired_flush_pages_field_loads(tiny, tmp_path):
+    """Artifacts written while `QuantConfig.flush_pages` existed still load (the protocol decides flushes now)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path, old = str(tmp_path / "new.safetensors"), str(tmp_path / "old.safetensors")
+    save_artifact(_ref_art(tiny.config), path)
+    with safe_open(path, "pt") as f:
+        meta, tensors = json.loads(f.metadata()["oscar"]), {k: f.get_tensor(k) for k in f.keys()}
+    assert "flush_pages" not in meta["quant"]
+    meta["quant"]["flush_pages"] = True
+    save_file(tensors, old, metadata={"oscar": json.dumps(meta)})
+    assert load_artifact(old).quant == rr.reference_quant_config()
+
+
 def test_masked_ppl_equals_token_by_token_decode_reference_format(tiny):
     from oscar.validate.ppl import simulated
 
@@ -136,6 +153,18 @@ def test_smollm2_report_has_both_methods_and_protocols(tmp_path):
     run_ppl(PplConfig(out=out, artifact=ap, methods=["bf16", "oscar-ref-int2", "oscar-int2"], contexts=[512],
                       tokens=512, protocols=["strict", "serving"]), loaded=loaded, progress=False)
     ppl = pd.read_parquet(os.path.join(out, "ppl.parquet"))
+    # windows scored under an older meaning of the protocols are not resumed into the new table
+    import json
+
+    cpath = os.path.join(out, "ppl_config.json")
+    saved = open(cpath).read()
+    old = json.loads(saved)
+    old["identity"].pop("protocol_version")
+    open(cpath, "w").write(json.dumps(old))
+    with pytest.raises(OscarError, match="holds perplexities for another"):
+        run_ppl(PplConfig(out=out, artifact=ap, methods=["bf16"], contexts=[512], tokens=512), loaded=loaded,
+                progress=False)
+    open(cpath, "w").write(saved)
     for m in ("oscar-ref-int2", "oscar-int2"):
         for p in ("strict", "serving"):
             r = ppl[(ppl.method == m) & (ppl.protocol == p)]

@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from oscar.kernels.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.validate.methods import (
-    LayerQuant, MethodBatchCache, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact,
+    LayerQuant, MethodBatchCache, PROTOCOLS, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact,
     parse_methods,
 )
 from oscar.validate.ppl import fresh_mask, simulated, window_nll
@@ -222,24 +222,36 @@ def test_window_prefix_equals_shorter_window(tiny, quant):
 
 
 @pytest.mark.parametrize("scaled", [False, True])
-def test_simulator_matches_oscarcache(tiny, scaled):
+@pytest.mark.parametrize("page", [1, 4])
+def test_simulator_matches_oscarcache(tiny, scaled, page):
     """The validation simulator equals the product cache (kernels/cache.py) on the same artifact.
 
-    OscarCache's decode step at p reads the layout of p+1 tokens (the current token is written first),
-    so its recent window R+1 with 1-token pages is our protocol's recent R.
+    OscarCache's decode step at p reads the layout of p+1 tokens (the current token is written first)
+    and releases whole pages of P tokens once they are R tokens old, so its recent window R = P is our
+    protocol's recent P - 1 with pages of P (page 1: token-granular, recent 1 ↔ recent 0).
     """
     cache_mod = pytest.importorskip("oscar.kernels.cache")
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2), scaled=scaled)
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2, page_size=page), scaled=scaled)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(4))
     try:
         with torch.no_grad():
-            with simulated(tiny, art, Protocol("strict", sink=4, recent=0)):
+            with simulated(tiny, art, Protocol("strict", sink=4, recent=page - 1)):
                 mine = tiny(input_ids=ids, use_cache=False).logits
-            c = cache_mod.OscarCache.from_artifact(tiny, art, page_size=1, recent=1, sink=4)
+            c = cache_mod.OscarCache.from_artifact(tiny, art, page_size=page, recent=page, sink=4)
             theirs = tiny(input_ids=ids, cache=c, use_cache=True).logits
     finally:
         tiny.set_attn_implementation("sdpa")
     assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
+
+
+def test_pages_leave_the_window_whole(tiny):
+    """`pages` protocols release per-token K/V in whole pages counted from the sink; strict-token does not."""
+    art = _rot_artifact(tiny.config, QuantConfig(bits=2, page_size=16))
+    paged, token = LayerQuant(art, 0), LayerQuant(art, 0, pages=False)
+    assert paged.key_group == 16 and token.key_group == 1
+    assert paged.quantized_until(64 + 15, 64, 0) == 64 and token.quantized_until(64 + 15, 64, 0) == 79
+    assert paged.quantized_until(64 + 256 + 40, 64, 256) == 96
+    assert PROTOCOLS["strict"].pages and PROTOCOLS["serving"].pages and not PROTOCOLS["strict-token"].pages
 
 
 def test_bfloat16_compute_paths(tiny):

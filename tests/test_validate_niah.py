@@ -67,6 +67,15 @@ def test_niah_resume_and_report(smollm2, tmp_path, monkeypatch):
     # a changed identity (seed) is refused instead of mixing results
     with pytest.raises(OscarError, match="holds NIAH samples"):
         run_niah(_cfg(tmp_path / "b", seed=1), loaded=smollm2, progress=False)
+    # so are samples scored under an older meaning of the protocols (before pages were released whole)
+    cpath = tmp_path / "b" / "niah_config.json"
+    saved = cpath.read_text()
+    old = json.loads(saved)
+    old["identity"].pop("protocol_version")
+    cpath.write_text(json.dumps(old))
+    with pytest.raises(OscarError, match="holds NIAH samples"):
+        run_niah(_cfg(tmp_path / "b"), loaded=smollm2, progress=False)
+    cpath.write_text(saved)
 
     # 3. report on it (through the CLI: reads files only)
     r = subprocess.run([sys.executable, "-m", "oscar", "report", str(tmp_path / "b")], capture_output=True, text=True)

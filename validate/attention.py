@@ -118,7 +118,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True):
                 trials.append((h, q, pos, kn, vn))
             for m in methods:
                 bar.set_postfix_str(f"layer {l} N={N} {m}")
-                lq = LayerQuant(arts[m], l)
+                lq = LayerQuant(arts[m], l, pages=False)  # every non-sink key INT2 (whole groups for per-channel keys)
                 G = lq.key_group
                 bk = cfg.sink + (N - cfg.sink) // G * G  # keys quantize in whole groups from the sink on
                 Kq, Vq = K.clone(), V.clone()

@@ -39,16 +39,28 @@ from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 
 @dataclass(frozen=True)
 class Protocol:
-    """Which tokens the cache keeps exact: the first `sink` and the last `recent` (see docs/validation.md)."""
+    """Which tokens the cache keeps exact: the first `sink` and the last `recent` (see docs/validation.md).
+
+    pages: per-token K/V leave the exact window in whole pages of the artifact's `page_size`, as the
+    paged cache stores them (< 1 page stays exact beyond `recent`); False: one token at a time, a
+    stricter reading than any cache runs (`strict-token`, a diagnostic). Per-channel key groups are
+    always released whole (an incomplete group cannot be quantized).
+    """
 
     name: str
     sink: int = 64
     recent: int = 0
+    pages: bool = True
 
 
+# Bumped whenever a protocol's meaning changes, so stored results of the old meaning are not resumed
+# into new tables (NIAH/perplexity identities, `oscar run` stage fingerprints). 2: per-token K/V leave
+# the exact window in whole pages (was: one token at a time).
+PROTOCOL_VERSION = 2
 STRICT = Protocol("strict", sink=64, recent=0)
 SERVING = Protocol("serving", sink=64, recent=256)
-PROTOCOLS = {p.name: p for p in (STRICT, SERVING)}
+STRICT_TOKEN = Protocol("strict-token", sink=64, recent=0, pages=False)
+PROTOCOLS = {p.name: p for p in (STRICT, SERVING, STRICT_TOKEN)}
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -229,7 +241,7 @@ def _clip_view(c: torch.Tensor, spec: QuantSpec, D: int) -> tuple[torch.Tensor, 
 class LayerQuant:
     """Fake-quantization of one layer's K/V (B, Hkv, T, D) as the INT2 cache stores them."""
 
-    def __init__(self, art: Artifact, layer: int):
+    def __init__(self, art: Artifact, layer: int, pages: bool = True):
         D = art.head_dim
         self.rot_k = art.rot_k[layer].float()  # (Hkv, D, D)
         self.rot_v = art.rot_v[layer].float()
@@ -238,7 +250,7 @@ class LayerQuant:
         self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
         self.clip_k, self.kspec = _clip_view(art.clip_k[layer].float(), art.quant.key_spec(D), D)
         self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
-        flush = art.quant.page_size if getattr(art.quant, "flush_pages", False) else 1  # whole pages leave the window
+        flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
@@ -304,7 +316,7 @@ class SimQuantLayer(DynamicLayer):
 
 class SimQuantCache(Cache):
     def __init__(self, art: Artifact, protocol: Protocol):
-        super().__init__(layers=[SimQuantLayer(LayerQuant(art, l), protocol) for l in range(art.num_layers)])
+        super().__init__(layers=[SimQuantLayer(LayerQuant(art, l, protocol.pages), protocol) for l in range(art.num_layers)])
 
     @classmethod
     def from_prefill(cls, art: Artifact, protocol: Protocol, exact: DynamicCache) -> "SimQuantCache":
@@ -419,7 +431,7 @@ class MethodBatchCache(Cache):
 
     def __init__(self, arts: list[Artifact | None], protocol: Protocol, num_layers: int):
         self.arts = arts
-        super().__init__(layers=[BatchQuantLayer([LayerQuant(a, l) if a is not None else None for a in arts], protocol)
+        super().__init__(layers=[BatchQuantLayer([LayerQuant(a, l, protocol.pages) if a is not None else None for a in arts], protocol)
                                  for l in range(num_layers)])
 
     @classmethod

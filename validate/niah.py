@@ -46,7 +46,10 @@ class NiahConfig:
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
         art = file_fingerprint(self.artifact) if self.artifact else None
-        ident = {"model": self.model, "artifact": art, "seed": self.seed, "protocol": self.protocol, "corpus": self.corpus}
+        from oscar.validate.methods import PROTOCOL_VERSION
+
+        ident = {"model": self.model, "artifact": art, "seed": self.seed, "protocol": self.protocol, "corpus": self.corpus,
+                 "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
         return ident

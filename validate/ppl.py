@@ -7,14 +7,16 @@ query i reads key/value j
     exactly     if j < sink, or i - e(j) <= recent
     from INT2   otherwise (j <= i)
 
-where e(j) is the step at which token j's quantization group is complete
-(e(j) = j for per-token groups; the last token of j's group of G tokens for
-KIVI-style per-channel keys). This is what token-by-token decoding through
+where e(j) is the step at which token j is released to INT2: the last token of
+j's page of `page_size` tokens for per-token groups (the paged cache writes whole
+pages; e(j) = j under `strict-token`), the last token of j's group of G tokens
+for KIVI-style per-channel keys. This is what token-by-token decoding through
 `SimQuantCache` computes (the token being decoded reads its own K/V exactly,
-then it is stored), and a test checks the two agree.
+then it is stored), and tests check the two agree, and agree with the paged cache.
 
-- strict:  sink 64, recent 0 — every non-sink token is read from INT2 by every later query.
+- strict:  sink 64, recent 0 — every non-sink token is read from INT2 once its page is complete.
 - serving: sink 64, recent 256.
+- strict-token: as strict, per-token K/V released one token at a time (a diagnostic).
 
 Perplexity = exp(mean NLL) over every predicted token of the first `tokens`
 held-out tokens, cut in non-overlapping windows of the context length, each
@@ -56,7 +58,10 @@ class PplConfig:
 
     def identity(self) -> dict:
         art = file_fingerprint(self.artifact) if self.artifact else None
-        ident = {"model": self.model, "artifact": art, "tokens": self.tokens, "corpus": self.corpus}
+        from oscar.validate.methods import PROTOCOL_VERSION
+
+        ident = {"model": self.model, "artifact": art, "tokens": self.tokens, "corpus": self.corpus,
+                 "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
         return ident
@@ -202,7 +207,7 @@ class simulated:
         from oscar.validate.methods import LayerQuant
 
         self.model, self.protocol, self.dense = model, protocol, dense
-        self.quant = [LayerQuant(art, l) for l in range(art.num_layers)]
+        self.quant = [LayerQuant(art, l, protocol.pages) for l in range(art.num_layers)]
 
     def __enter__(self):
         _register()

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from oscar.validate import DEFAULT_METHODS
+from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
 
 
@@ -51,7 +52,7 @@ class RunConfig:
     # (validate/tune.py; docs/decisions.md, "Key clip tuned end to end").
     tune: bool = True
     # NIAH runs on the method's deployed cache (sink 64 + recent 256 in BF16, the rest INT2);
-    # "strict" (recent 0 at token granularity, even for the tokens being generated) is
+    # "strict" (recent 0: the tokens being generated leave the window with their page) is
     # available with --niah-protocol strict. Perplexity always reports both protocols.
     niah_protocol: str = "serving"
     # Model compute dtype for NIAH and perplexity: bfloat16 (the main job's default: what "bf16"
@@ -169,7 +170,8 @@ def run_main(cfg: RunConfig) -> dict:
     from oscar.validate.tune import TuneConfig, tune_key_clip
 
     tcfg = TuneConfig(corpus=cfg.corpus)
-    fp_t = fingerprint({"fit": file_fingerprint(fit_path), "tune": asdict(tcfg) if cfg.tune else None})
+    fp_t = fingerprint({"fit": file_fingerprint(fit_path), "tune": asdict(tcfg) if cfg.tune else None,
+                        "protocols": PROTOCOL_VERSION})
 
     def do_tune() -> dict | None:
         from oscar.stats.artifact import load_artifact
@@ -200,7 +202,7 @@ def run_main(cfg: RunConfig) -> dict:
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
                       protocol=cfg.niah_protocol, dtype=cfg.dtype)
-    fp_n = fingerprint({"art": art_fp, "cfg": asdict(ncfg)})
+    fp_n = fingerprint({"art": art_fp, "cfg": asdict(ncfg), "protocols": PROTOCOL_VERSION})
     st.run("niah", "validate niah", fp_n, [os.path.join(d, "results.parquet")],
            lambda: run_niah(ncfg, loaded=model(), progress=cfg.progress))
 
@@ -209,7 +211,7 @@ def run_main(cfg: RunConfig) -> dict:
 
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
                      tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype)
-    fp_p = fingerprint({"art": art_fp, "cfg": asdict(pcfg)})
+    fp_p = fingerprint({"art": art_fp, "cfg": asdict(pcfg), "protocols": PROTOCOL_VERSION})
     st.run("ppl", "validate ppl", fp_p, [os.path.join(d, "ppl.parquet")],
            lambda: run_ppl(pcfg, loaded=model(), progress=cfg.progress))
 
@@ -220,7 +222,7 @@ def run_main(cfg: RunConfig) -> dict:
         run_attention = None
     if run_attention is not None:
         acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths)
-        fp_a = fingerprint({"art": art_fp, "cfg": asdict(acfg)})
+        fp_a = fingerprint({"art": art_fp, "cfg": asdict(acfg), "protocols": PROTOCOL_VERSION})
         st.run("attention", "validate attention (captured q/k/v, to 128k)", fp_a,
                [os.path.join(d, "attention.parquet")], lambda: run_attention(acfg, progress=cfg.progress))
 
