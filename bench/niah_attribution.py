@@ -31,8 +31,8 @@ OUT = Path(__file__).with_name("results") / "niah_attribution.json"
 def _register_halves() -> None:
     init, keys, values = M.LayerQuant.__init__, M.LayerQuant.keys, M.LayerQuant.values
 
-    def init_(self, art, layer):
-        init(self, art, layer)
+    def init_(self, art, layer, *args, **kwargs):
+        init(self, art, layer, *args, **kwargs)
         self.exact_half = art.meta.get("diag_exact")     # "keys" | "values" | None
 
     M.LayerQuant.__init__ = init_

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--lengths", default="1k,2k,4k", help="e.g. 1k,2k,4k,...,128k (1k = 1024 tokens)")
     n.add_argument("--samples", type=int, default=20)
     n.add_argument("--seed", type=int, default=0)
-    n.add_argument("--protocol", default="strict", choices=["strict", "serving"])
+    n.add_argument("--protocol", default="strict", choices=["strict", "serving", "strict-token"])
     n.add_argument("--corpus", default="pydoc")
     n.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model compute dtype")
     n.add_argument("--out", required=True)
@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--artifact")
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--contexts", default="1k,4k")
-    p.add_argument("--protocols", default="strict,serving")
+    p.add_argument("--protocols", default="strict,serving",
+                   help="comma-separated: strict, serving, strict-token (diagnostic; docs/validation.md)")
     p.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored per context")
     p.add_argument("--corpus", default="pydoc")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model compute dtype")

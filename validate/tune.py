@@ -9,7 +9,7 @@ too aggressive end to end (docs/decisions.md, "Key clip tuned end to end").
 This stage keeps the fit's per-layer *shape* and scales every key clip by one factor,
 clip = min(1, f · clip_fit), choosing f by the model's next-token NLL on a window of the
 **calibration** split read through the INT2 cache under the strict protocol (every token
-after the sinks from INT2). Only calibration text is used; validation never sees it.
+after the sinks from INT2 once its page is complete). Only calibration text is used; validation never sees it.
 """
 
 from __future__ import annotations
