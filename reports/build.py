@@ -389,6 +389,10 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         st = goal.get("status", "not measured")
         det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× bf16 at {r['bits_per_element']:.2f} bits/elem" for r in goal.get("rows", []))
         md += [f"**Product goal — {goal['goal']}: {st.upper()}**" + (f" ({det})" if det else ""), ""]
+        if goal.get("thin_margin_contexts"):
+            ctx = ", ".join(_len_label(c) for c in goal["thin_margin_contexts"])
+            md += [f"Thin margin at {ctx}: within 2 % of the limit, where INT2 strict perplexity moves by "
+                   "~0.5–1 % with float summation order alone; this verdict could flip between runs.", ""]
         for m, o in (goal.get("others") or {}).items():
             det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× at {r['bits_per_element']:.2f} bits/elem"
                             for r in o.get("rows", []))
