@@ -192,8 +192,8 @@ def _ppl_section(ppl, goal, figdir: str) -> list[str]:
     if ppl is None or not len(ppl):
         return out + ["No perplexity results (`oscar validate ppl`).", ""]
     out += ["strict: only the 64 sink tokens exact, every other token read from INT2 by every later query once "
-            "its page (16 tokens; oscar-ref 8; per-channel keys: group of 64) is complete, as the paged cache "
-            "stores it; serving: sink 64 + recent 256 exact (docs/validation.md).", ""]
+            "its page (the artifact's page_size: 16 by default, 8 for oscar-ref; per-channel keys: their token "
+            "group) is complete, as the paged cache stores it; serving: sink 64 + recent 256 exact (docs/validation.md).", ""]
     ctxs = sorted(ppl.context.unique())
     header = ["method", "bits/elem"] + [f"{p} {_len_label(c)}" for p in dict.fromkeys(ppl.protocol) for c in ctxs]
     rows = []
