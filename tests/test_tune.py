@@ -10,7 +10,7 @@ import torch
 
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
-from oscar.validate.methods import PROTOCOLS
+from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
 from oscar.validate.ppl import simulated
 from oscar.validate.tune import TuneConfig, calibration_ids, scale_key_clips, tune_key_clip
 
@@ -68,6 +68,7 @@ def test_tune_picks_the_argmin_of_independently_recomputed_nll(smollm2, tmp_path
     out = str(tmp_path / "tuned.safetensors")
     save_artifact(tuned, out)
     assert load_artifact(out).meta["clip_tuning"]["chosen_factor"] == best
+    assert load_artifact(out).meta["clip_tuning"]["protocol_version"] == PROTOCOL_VERSION  # which "strict" scored it
 
 
 def test_window_is_calibration_text(smollm2):

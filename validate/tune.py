@@ -62,7 +62,7 @@ def scale_key_clips(art, factor: float):
 def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool = True):
     """Return (tuned artifact, record). The record lists the NLL per token of every factor."""
     from oscar.validate.env import with_dtype
-    from oscar.validate.methods import PROTOCOLS
+    from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
     from oscar.validate.ppl import simulated, window_nll
 
     cfg = cfg or TuneConfig()
@@ -85,7 +85,7 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
         nll[f] = s / n
     best = min(factors, key=lambda f: (nll[f], f))  # ties: the smaller change
     tuned = scale_key_clips(art, best)
-    record = {"config": asdict(cfg), "nll_per_token": {str(f): round(v, 6) for f, v in nll.items()},
+    record = {"config": asdict(cfg), "protocol_version": PROTOCOL_VERSION, "nll_per_token": {str(f): round(v, 6) for f, v in nll.items()},
               "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
               "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
               "seconds": round(time.perf_counter() - t0, 2)}
