@@ -42,10 +42,15 @@ MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
 
 @dataclass
 class DecodeConfig:
-    """Launch parameters. num_splits=None: enough programs to fill the device
-    (about 4 per SM over B * Hkv), never fewer than min_pages_per_split pages each.
-    The partial outputs cost (1 + splits) x Hq x D x 4 bytes written and read back per
-    sequence, hence the floor on pages per split."""
+    """Launch parameters.
+
+    num_splits=None: enough programs to fill the device (about 4 per SM over B * Hkv). The
+    split count depends on the device, the batch and the KV heads only, never on the context
+    length, and it reaches the kernels as a runtime argument: a growing context (or batch)
+    reuses the compiled kernels. A sequence uses only as many of its splits as give each at
+    least min_pages_per_split pages; the others see an empty range and write lse = -inf
+    (skipped by the merge). The floor is there because each active split writes and reads
+    back G x D fp32 partials."""
 
     block_n: int = 64  # tokens per tile
     num_splits: int | None = None
@@ -55,7 +60,7 @@ class DecodeConfig:
     num_stages: int = 2
     dot_fp16: bool = True  # fp16 tensor-core dots (fp32 accumulate); False: fp32 IEEE dots
 
-    def splits_for(self, batch: int, kv_heads: int, max_pages: int, device: torch.device) -> int:
+    def splits_for(self, batch: int, kv_heads: int, device: torch.device) -> int:
         if self.num_splits is not None:
             return max(1, self.num_splits)
         if device.type == "cuda":
@@ -63,8 +68,7 @@ class DecodeConfig:
         else:
             sms = 2  # interpreter: keep the grid small
         want = triton.cdiv(4 * sms, batch * kv_heads)
-        cap = max(1, triton.cdiv(max_pages, self.min_pages_per_split))
-        return max(1, min(want, cap, self.max_splits))
+        return max(1, min(want, self.max_splits))
 
 
 @triton.jit
@@ -117,13 +121,14 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, qmu, DOT_FP16: tl.cons
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     QROT, QMU, SEQ_LENS, SLOTS, BLOCK_TABLES,
     SINK_K, SINK_V, RING_K, RING_V,
     K_CODES, V_CODES, K_SCALE, K_ZERO, V_SCALE, V_ZERO,
     O_PART, LSE_PART,
     qk_scale,
+    num_splits,  # runtime: the split count never recompiles the kernel
     stride_bt,  # block table row (indexed by sequence slot)
     stride_sb, stride_sh, stride_st,  # sink (max_seqs, Hkv, S, D); ring has the same strides but its own token count
     stride_rb, stride_rh, stride_rt,
@@ -132,7 +137,7 @@ def _decode_split_kernel(
     stride_vsn, stride_vsh, stride_vst,  # value params: token | static
     D: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     G_SIZE: tl.constexpr, BITS: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP16: tl.constexpr, PARAM_FP8: tl.constexpr,
+    MIN_PAGES: tl.constexpr, DOT_FP16: tl.constexpr, PARAM_FP8: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -185,7 +190,7 @@ def _decode_split_kernel(
             k = tl.load(RING_K + ptr, mask=mask2, other=0.0).to(tl.float32)
             v = tl.load(RING_V + ptr, mask=mask2, other=0.0).to(tl.float32)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, qmu, DOT_FP16)
-        _store_part(O_PART, LSE_PART, heads * (NUM_SPLITS + 1) + split, acc, m_i, l_i, offs_d[None, :], g_mask,
+        _store_part(O_PART, LSE_PART, heads * (num_splits + 1) + split, acc, m_i, l_i, offs_d[None, :], g_mask,
                     d_mask, D)
     else:
         # INT2 history: pages [p0, p1) of this sequence. Codes are read as whole packed rows
@@ -199,7 +204,8 @@ def _decode_split_kernel(
         # so the inner loop is shift, mask, convert and the dot: no per-element scaling.
         K_FACT: tl.constexpr = K_MODE == 2 or (K_MODE == 0 and G_SIZE == D)
         V_FACT: tl.constexpr = V_MODE == 2 or (V_MODE == 0 and G_SIZE == D)
-        per_split = tl.cdiv(n_pages, NUM_SPLITS)
+        # at least MIN_PAGES pages per split: short contexts leave the last splits empty
+        per_split = tl.maximum(tl.cdiv(n_pages, num_splits), MIN_PAGES)
         p0 = (split - 1) * per_split
         p1 = tl.minimum(p0 + per_split, n_pages)
         offs_b = tl.arange(0, BLOCK_B)
@@ -297,7 +303,7 @@ def _decode_split_kernel(
         elif V_FACT:  # + sum_t p_t z_t, the same for every channel
             acc0, acc1 = acc0 + accz[:, None], acc1 + accz[:, None]
             acc2, acc3 = acc2 + accz[:, None], acc3 + accz[:, None]
-        part = heads * (NUM_SPLITS + 1) + split
+        part = heads * (num_splits + 1) + split
         _store_part(O_PART, LSE_PART, part, acc0, m_i, l_i, c0[None, :], g_mask, b_mask, D)
         _store_part(O_PART, LSE_PART, part, acc1, m_i, l_i, c1[None, :], g_mask, b_mask, D)
         _store_part(O_PART, LSE_PART, part, acc2, m_i, l_i, c2[None, :], g_mask, b_mask, D)
@@ -375,9 +381,9 @@ def _dot(a, b, DOT_FP16: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit
-def _merge_kernel(O_PART, LSE_PART, R, OUT, LSE, stride_ob, stride_oh,
-                  D: tl.constexpr, GROUP: tl.constexpr, NUM_PARTS: tl.constexpr, ROTATE: tl.constexpr,
+@triton.jit(do_not_specialize=["num_parts"])
+def _merge_kernel(O_PART, LSE_PART, R, OUT, LSE, stride_ob, stride_oh, num_parts,
+                  D: tl.constexpr, GROUP: tl.constexpr, ROTATE: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -390,10 +396,12 @@ def _merge_kernel(O_PART, LSE_PART, R, OUT, LSE, stride_ob, stride_oh,
     m = tl.full((BLOCK_G,), -1.0e30, tl.float32)
     w_sum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for s in range(NUM_PARTS):
-        part = heads * NUM_PARTS + s
+    for s in range(num_parts):
+        part = heads * num_parts + s
         lse_s = tl.load(LSE_PART + part, mask=g_mask, other=float("-inf"))
-        o_s = tl.load(O_PART + part[:, None] * D + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        seen = lse_s > float("-inf")  # an empty split's output is 0/1e-30 = 0: weight 0, but skip the read
+        o_s = tl.load(O_PART + part[:, None] * D + offs_d[None, :],
+                      mask=(g_mask & seen)[:, None] & d_mask[None, :], other=0.0)
         m_new = tl.maximum(m, lse_s)
         alpha = tl.math.exp2(m - m_new)
         w = tl.math.exp2(lse_s - m_new)
@@ -448,7 +456,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         D=D, GROUP=G, ROTATE=not rot.identity, CENTER=center, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D,
     )
 
-    splits = config.splits_for(B, H, batch.max_pages, dev)
+    splits = config.splits_for(B, H, dev)
     o_part = torch.empty(B, Hq, splits + 1, D, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, Hq, splits + 1, dtype=torch.float32, device=dev)
     k_mode = MODE_STATIC if cfg.mode == "static" else (MODE_CHANNEL if cfg.key_axis == "channel" else MODE_TOKEN)
@@ -464,13 +472,14 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         cache.k_codes, cache.v_codes, *params,
         o_part, lse_part,
         scale * LOG2E,
+        splits,
         batch.block_table.stride(0),
         cache.sink_k.stride(0), cache.sink_k.stride(1), cache.sink_k.stride(2),
         cache.ring_k.stride(0), cache.ring_k.stride(1), cache.ring_k.stride(2),
         cache.k_codes.stride(0), cache.k_codes.stride(1), cache.k_codes.stride(2),
         kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
         D=D, GROUP=G, P=cfg.page_size, SINK=cfg.sink, RECENT=cfg.recent, G_SIZE=cfg.group_size or D,
-        BITS=cfg.bits, K_MODE=k_mode, V_MODE=v_mode, NUM_SPLITS=splits, DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
+        BITS=cfg.bits, K_MODE=k_mode, V_MODE=v_mode, MIN_PAGES=max(1, config.min_pages_per_split), DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
         BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=_pow2(D // 4),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -478,7 +487,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=dev)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=dev)
     _merge_kernel[(B, H)](
-        o_part, lse_part, rot.rot_v, out, lse, out.stride(0), out.stride(1),
-        D=D, GROUP=G, NUM_PARTS=splits + 1, ROTATE=not rot.identity, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D,
+        o_part, lse_part, rot.rot_v, out, lse, out.stride(0), out.stride(1), splits + 1,
+        D=D, GROUP=G, ROTATE=not rot.identity, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D,
     )
     return (out, lse) if return_lse else out

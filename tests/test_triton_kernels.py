@@ -113,11 +113,12 @@ def test_quantize_kernel_rotating_in_kernel_is_within_one_step(mode, axis):
 
 
 # ------------------------------------------------------------------ kernel (b)
-def run_both(c, seqs, G, seed=0, fp16=False, splits=None, block_n=16):
+def run_both(c, seqs, G, seed=0, fp16=False, splits=None, block_n=16, min_pages=1):
     from oscar.kernels.triton_decode import DecodeConfig, decode_attention
 
     q = torch.randn(len(seqs), c.cfg.num_kv_heads * G, c.cfg.head_dim, generator=torch.Generator().manual_seed(seed)).to(DEV)
-    cfg = DecodeConfig(block_n=block_n, num_splits=splits, dot_fp16=fp16)
+    # min_pages=1: every split gets work even on these short contexts, so the merge is exercised
+    cfg = DecodeConfig(block_n=block_n, num_splits=splits, dot_fp16=fp16, min_pages_per_split=min_pages)
     o, lse = decode_attention(q, c, seqs, scale=0.125, return_lse=True, config=cfg)
     ro, rlse = ref.decode_attention_oracle(q, c, seqs, scale=0.125, return_lse=True)
     return o, lse, ro, rlse
@@ -160,6 +161,56 @@ def test_decode_kernel_fp16_dots_and_auto_splits():
     o, lse, ro, rlse = run_both(c, seqs, 3, fp16=True, splits=None, block_n=32)
     torch.testing.assert_close(o, ro, rtol=0, atol=6e-3)
     torch.testing.assert_close(lse, rlse, rtol=0, atol=6e-3)
+
+
+@pytest.mark.parametrize("axis,G", [("token", 3), ("channel", 8)])
+def test_decode_kernel_at_production_shapes(monkeypatch, axis, G):
+    """The defaults the product ships (pages of 16, block_n 64, sink 64, recent 256, at least
+    64 pages per split) on contexts long enough to use several splits, one short enough to
+    leave most splits empty, and lengths that are not multiples of the page or the block."""
+    from oscar.kernels.triton_decode import DecodeConfig
+
+    monkeypatch.setenv("OSCAR_KERNELS", "triton")
+    c = cache("minmax", axis, H=2, D=64, P=16, S=64, R=256, pages=360, seqs=4)
+    lengths = [64 + 256 + 2 * 1024 + 16 * 70 + 5, 64 + 256 + 16 * 3 + 11, 64 + 256 + 1024 + 7]
+    seqs = fill(c, lengths)
+    pages = [layout(n, c.cfg).num_pages for n in lengths]
+    assert max(pages) > 3 * DecodeConfig().min_pages_per_split  # four splits hold work, the rest none
+    o, lse, ro, rlse = run_both(c, seqs, G, splits=6, block_n=64, min_pages=DecodeConfig().min_pages_per_split)
+    torch.testing.assert_close(o, ro, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse, rlse, rtol=0, atol=2e-5)
+
+
+def test_split_count_does_not_depend_on_the_context():
+    """The split count reaches the kernel as a runtime argument and is chosen from the device,
+    batch and KV heads alone, so decoding a growing context never recompiles."""
+    import inspect
+
+    from oscar.kernels.triton_decode import DecodeConfig, _decode_split_kernel, _merge_kernel
+
+    assert list(inspect.signature(DecodeConfig.splits_for).parameters) == ["self", "batch", "kv_heads", "device"]
+    for fn, arg in ((_decode_split_kernel, "num_splits"), (_merge_kernel, "num_parts")):
+        params = inspect.signature(fn.fn).parameters  # the Python function under the jit wrapper
+        assert arg in params and "constexpr" not in str(params[arg].annotation)
+        if hasattr(fn, "do_not_specialize"):  # compiled (CUDA) mode: no value specialisation either
+            assert arg in fn.do_not_specialize or fn.arg_names.index(arg) in fn.do_not_specialize
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compilation caches exist on CUDA only")
+def test_growing_context_reuses_the_compiled_decode_kernel():
+    from oscar.kernels.triton_decode import _decode_split_kernel, decode_attention
+
+    c = cache("minmax", "token", H=2, D=64, P=16, S=64, R=256, pages=600, seqs=1)
+    (s,) = fill(c, [400])
+    q = torch.randn(1, 6, 64, device=DEV)
+    decode_attention(q, c, [s])
+    compiled = lambda: len(_decode_split_kernel.device_caches[torch.cuda.current_device()][0])  # noqa: E731
+    before = compiled()
+    for _ in range(4):
+        c.append(s, *kv(2, 2000, 64, 7))
+        decode_attention(q, c, [s])
+    assert compiled() == before
 
 
 def test_decode_kernel_with_shared_prefix_pages(monkeypatch):
