@@ -191,8 +191,10 @@ def flashinfer_decode(q, k, v, page_size=16):
     return lambda: w.run(q, kv)
 
 
-def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False, param_dtype=torch.float16) -> dict:
-    """dry_run: the same code path on CPU under TRITON_INTERPRET=1 with tiny sizes (checks the script, times nothing real)."""
+def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False, param_dtype=torch.float16,
+               on_row=None) -> dict:
+    """dry_run: the same code path on CPU under TRITON_INTERPRET=1 with tiny sizes (checks the script, times nothing real).
+    on_row(result so far): called after every row, so a run stopped by its time limit keeps what it measured."""
     import triton.testing
 
     from oscar.kernels.triton_decode import DecodeConfig, decode_attention
@@ -273,10 +275,16 @@ def bench_cuda(contexts, batches, shape, tune: bool, dry_run: bool = False, para
                 torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
+            if on_row:
+                on_row(out)
     rows = [r for r in out["rows"] if "int2_ms" in r]
     out["targets"] = {
         "fraction_of_peak_ge_0.7_at_ge_32k": all(r.get("int2_fraction_of_peak", 0) >= 0.7 for r in rows if r["context"] >= 32768),
         "faster_than_sdpa_bf16_from_16k": all(r.get("speedup_vs_sdpa_bf16", 0) > 1 for r in rows if r["context"] >= 16384),
+        # None when FlashInfer was not importable or 64k batch 1 did not run
+        "faster_than_flashinfer_bf16_at_64k_b1": next((r["speedup_vs_flashinfer_bf16"] > 1 for r in rows
+                                                       if (r["context"], r["batch"]) == (65536, 1)
+                                                       and "speedup_vs_flashinfer_bf16" in r), None),
     }
     return out
 
@@ -342,9 +350,12 @@ def main(argv=None) -> int:
         result = dict(meta, threads=args.threads, rows=bench_cpu(args.context, args.reps, args.threads, shapes))
     else:
         shape = GLM47 if args.shape != "smollm2" else SMOLLM2
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = lambda r: out_path.write_text(json.dumps(dict(meta, **r, partial=True), indent=2))  # noqa: E731
         result = dict(meta, **bench_cuda([int(x) for x in args.contexts.split(",")], [int(x) for x in args.batches.split(",")],
                                          shape, tune=not args.no_tune, dry_run=args.dry_run,
-                                         param_dtype=getattr(torch, args.param_dtype)), param_dtype=args.param_dtype)
+                                         param_dtype=getattr(torch, args.param_dtype), on_row=partial),
+                      param_dtype=args.param_dtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {out_path}")

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# GPU check for the INT2 kernels: kernel tests on CUDA, then the CUDA decode benchmark.
-# Budget < 8 minutes on one H100/H200-class GPU; every result lands as JSON/XML/PNG under $OUT.
+# GPU check: kernel tests on CUDA, the decode benchmark (batch 1 and 32, 4k-128k, vs BF16 SDPA and
+# FlashInfer when importable), an end-to-end OscarCache decode of a random-init model with GLM-4.7's
+# attention shape at 32k and 128k, and a 2-stage calibration on CUDA of GLM-4.7's first layers
+# (3 dense + 1 MoE, 160 experts) against `oscar plan` (bench/gpu_e2e.py). No weights, no downloads.
+# Budget < 8 minutes on one H100/H200-class GPU (each step has its own time limit and keeps what it
+# measured when stopped); the results land under $OUT in at most 8 files (what the device tool returns):
+# env.json, kernel_tests.xml, decode_cuda.{json,png}, e2e_decode.json, e2e_calibrate.json and check.log.
 #
-#   OUT=/some/dir OSCAR_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh
+#   bash bench/gpu_prepare.sh     # here: wheels the device image lacks + the tokenizer, into .gpu/
+#   OUT=/some/dir OSCAR_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh   # there, .gpu carried
 #
 # Results measured on a GPU are meant to be copied to reports/bench/ (they carry the commit).
 set -uo pipefail
@@ -13,10 +19,16 @@ mkdir -p "$OUT"
 unset TRITON_INTERPRET            # real kernels on the device, not the interpreter
 export OSCAR_COMMIT=${OSCAR_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
+# carried wheels (bench/gpu_prepare.sh): installed beside the image's packages, never over them
+if [ -d .gpu/wheels ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/oscar-site .gpu/wheels/*.whl \
+    >>"$OUT/check.log" 2>&1 && export PYTHONPATH=/tmp/oscar-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -d .gpu/tokenizer ] && export OSCAR_TOKENIZER_DIR=$PWD/.gpu/tokenizer
 # the stage folders map onto oscar.<stage> only once installed (no deps: use the machine's torch)
 if ! $PY -c "import oscar.kernels.paged" 2>/dev/null; then
-  $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-    || { echo "install failed, see $OUT/install.log"; exit 2; }
+  $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/check.log" 2>&1 \
+    || { echo "install failed, see $OUT/check.log"; exit 2; }
 fi
 
 $PY - <<'PY' >"$OUT/env.json"
@@ -40,9 +52,13 @@ cat "$OUT/env.json"
 
 status=0
 # 1. kernel tests (DEV = cuda when available; < ~2 min incl. Triton compilation)
-timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py \
-  --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.txt" | tail -15 || status=1
+timeout 140 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py \
+  --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
 # 2. decode benchmark: batch 1 and 32 at 4k..128k vs BF16 SDPA (+ FlashInfer), bandwidth vs peak
-timeout 330 $PY bench/decode.py --device cuda --out "$OUT/decode_cuda.json" 2>&1 | tee "$OUT/decode_cuda.log" | tail -15 || status=1
+timeout 170 $PY bench/decode.py --device cuda --out "$OUT/decode_cuda.json" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
+# 3. end-to-end decode through OscarCache, GLM-4.7 attention shape, 32k and 128k, vs DynamicCache BF16
+timeout 60 $PY bench/gpu_e2e.py decode --out "$OUT/e2e_decode.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
+# 4. calibration on CUDA, 2 pipeline stages on the one GPU, vs oscar plan (Ray if importable)
+timeout 110 $PY bench/gpu_e2e.py calibrate --out "$OUT/e2e_calibrate.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 ls -l "$OUT"
 exit $status

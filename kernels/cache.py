@@ -223,7 +223,8 @@ class OscarLayer(CacheLayerMixin):
         q_rot = qf if rot.identity else qf @ rot.rot_q[None, :, None]  # (B, H, G, Tq, D); q.mu cancels in softmax
         out = torch.empty(B, H, G, Tq, D, dtype=torch.float32, device=query.device)
         pos_k = torch.arange(n, device=query.device)
-        blk = max(1, min(Tq, 256, (1 << 24) // max(1, B * Hq * n)))  # bounds the (B, H, G, blk, n) scores
+        budget = (1 << 27) if query.is_cuda else (1 << 24)  # fp32 scores: 512 MiB on a GPU, 64 MiB on CPU
+        blk = max(1, min(Tq, 256, budget // max(1, B * Hq * n)))  # bounds the (B, H, G, blk, n) scores
         for s0 in range(0, Tq, blk):
             s1 = min(Tq, s0 + blk)
             nq = s1 - s0

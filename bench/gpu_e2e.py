@@ -1,0 +1,336 @@
+"""End-to-end GPU checks on random-init models with GLM-4.7's shapes (no weights, no downloads).
+
+decode     A random-init Glm4MoeForCausalLM with GLM-4.7's attention (96 query / 8 KV heads,
+           head_dim 128, partial RoPE, q/k norm, qkv bias) and full hidden/MLP/vocab sizes, cut to
+           --layers dense layers. Per context (32k, 128k): chunked prefill into an OscarCache
+           (random orthogonal rotations + key means, the shipped quant defaults: sink 64, recent
+           256, pages of 16, INT2 per-token groups), then timed decode steps of the whole model,
+           against the same model decoding with transformers' DynamicCache in BF16 (SDPA), in the
+           same run. Reports ms/step, the ratio, and cache bytes vs the BF16 cache.
+calibrate  GLM-4.7's full layer shapes cut to its first --layers layers (3 dense, then MoE with
+           160 experts, top-8), saved as sharded safetensors, calibrated on CUDA by two pipeline
+           stages (the stage-actor class of oscar.cluster), each loading only its own layers'
+           keys. Through Ray when `ray` imports (a local 1-GPU head, half a GPU per stage);
+           otherwise the same StageWorker objects are driven in-process, block by block and
+           micro-batch by micro-batch, as the Ray driver would, and the JSON says so
+           (`"ray": false`). Reports tokens/s, expert token counts, and per stage the resident
+           parameter bytes and peak memory against `oscar plan`'s prediction for the same cut.
+
+--dry-run runs both on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
+keeps working between GPU sessions.
+
+    python bench/gpu_e2e.py decode --out $OUT/e2e_decode.json
+    python bench/gpu_e2e.py calibrate --out $OUT/e2e_calibrate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from decode import commit  # noqa: E402  (bench/decode.py: the git commit, or OSCAR_COMMIT)
+
+
+def glm47_cut(layers: int, dense: int, dry_run: bool):
+    """GLM-4.7's config with `layers` layers of which the first `dense` are dense (tiny when dry_run)."""
+    from oscar.cluster.plan import load_model_config
+
+    c = load_model_config("glm-4.7")
+    c.num_hidden_layers, c.first_k_dense_replace, c.num_nextn_predict_layers = layers, dense, 0
+    if dry_run:  # the same architecture at toy size; 49152 = the SmolLM2 tokenizer the corpus uses
+        c.hidden_size, c.intermediate_size, c.moe_intermediate_size = 128, 256, 32
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 12, 2, 64
+        c.n_routed_experts, c.num_experts_per_tok, c.vocab_size = 8, 2, 49152
+    c.pad_token_id, c.eos_token_id = 0, 0
+    return c
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def random_artifact(config, seed: int = 0):
+    """Random orthogonal key/value rotations and key means (every rotation term of the cache is exercised)."""
+    from oscar.stats.artifact import identity_artifact
+
+    art = identity_artifact(config, variant="random-gpu-check")
+    g = torch.Generator().manual_seed(seed)
+    H, D = art.num_kv_heads, art.head_dim
+    orth = lambda: torch.linalg.qr(torch.randn(H, D, D, generator=g, dtype=torch.float64))[0].float()  # noqa: E731
+    art.rot_k = [orth() for _ in range(art.num_layers)]
+    art.rot_v = [orth() for _ in range(art.num_layers)]
+    art.k_mean = [0.3 * torch.randn(H, D, generator=g) for _ in range(art.num_layers)]
+    return art
+
+
+def decode_steps(model, cache, token: torch.Tensor, steps: int, dev: torch.device) -> tuple[list[float], torch.Tensor]:
+    """Wall ms of each greedy decode step of the whole model (token (1, 1)) and the last logits."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x renamed it
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            logits = model(input_ids=token, use_cache=True, **{name: cache}).logits[:, -1]  # (1, V)
+            sync(dev)
+            times.append((time.perf_counter() - t0) * 1e3)
+            token = logits.argmax(-1, keepdim=True)
+    return times, logits
+
+
+def bench_decode(args, dev: torch.device, on_row=None) -> dict:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from oscar.kernels.cache import OscarCache, prefill
+
+    cfg = glm47_cut(args.layers, args.layers, args.dry_run)  # dense layers: the attention is what is measured
+    torch.manual_seed(0)
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    art = random_artifact(cfg)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    out = {"model": "glm-4.7 attention shape, random init", "layers": cfg.num_hidden_layers,
+           "q_heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+           "hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "quant": dict(vars(art.quant)), "rows": []}
+    for n in contexts:
+        row = {"context": n}
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(dev)
+        try:
+            cache = OscarCache.from_artifact(model, art, max_len=n + args.steps + 8)
+            sync(dev)
+            t0 = time.perf_counter()
+            logits = prefill(model, cache, ids, chunk=args.chunk)
+            sync(dev)
+            row["oscar_prefill_s"] = time.perf_counter() - t0
+            ms, last = decode_steps(model, cache, logits.argmax(-1, keepdim=True), args.steps, dev)
+            row["oscar_step_ms"] = statistics.median(ms[1:] or ms)  # the first step may compile the kernels
+            row["oscar_first_step_ms"] = ms[0]
+            row["oscar_logits_finite"] = bool(torch.isfinite(last).all())
+            mem = cache.memory()
+            row["oscar_cache_bytes"] = int(sum(mem.values()))
+            row["bf16_cache_bytes"] = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * (n + args.steps)
+            row["cache_ratio_vs_bf16"] = row["oscar_cache_bytes"] / row["bf16_cache_bytes"]
+            cache.release()
+            del cache
+        except Exception as e:  # record and keep going: the baseline row still tells something
+            row["oscar_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        model.set_attn_implementation("sdpa")
+        try:
+            dc = DynamicCache(config=cfg)
+            sync(dev)
+            t0 = time.perf_counter()
+            logits = prefill(model, dc, ids, chunk=args.chunk)
+            sync(dev)
+            row["bf16_prefill_s"] = time.perf_counter() - t0
+            ms, _ = decode_steps(model, dc, logits.argmax(-1, keepdim=True), args.steps, dev)
+            row["bf16_step_ms"] = statistics.median(ms[1:] or ms)
+            del dc
+        except Exception as e:
+            row["bf16_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if "oscar_step_ms" in row and "bf16_step_ms" in row:
+            row["speedup_vs_bf16"] = row["bf16_step_ms"] / row["oscar_step_ms"]
+        if dev.type == "cuda":
+            row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+        if on_row:  # a run stopped by its time limit keeps the contexts it measured
+            on_row(out)
+    return out
+
+
+# ------------------------------------------------------------------ calibration
+def save_random_model(cfg, d: str, dev: torch.device) -> None:
+    """Random-init weights of `cfg` (bf16) as sharded safetensors cut at layer boundaries + the SmolLM2 tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oscar.pipeline.models import _save_sharded
+
+    tok_dir = os.environ.get("OSCAR_TOKENIZER_DIR")  # carried to the GPU machine (bench/gpu_prepare.sh)
+    if tok_dir:
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+    else:
+        from oscar.pipeline.models import load_tokenizer
+
+        tok = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    _save_sharded(model.cpu(), tok, d, layers_per_shard=1)
+    del model
+
+
+def drive_in_process(store_path: str, model_dir: str, ranges, dev: torch.device, micro_batch: int) -> dict:
+    """The Ray driver's block loop without Ray: the same StageWorker objects, chained in one process."""
+    import uuid
+
+    from oscar.cluster.actors import StageArgs, StageWorker
+    from oscar.cluster.pipeline import _ensure_expert_arrays, job_id_for
+    from oscar.pipeline.store import CalibStore, WriterLock
+
+    store = CalibStore(store_path, mode="r+")
+    job = f"{job_id_for(store_path)}-{uuid.uuid4().hex[:8]}"
+    lock = WriterLock(store_path, range(store.num_layers), job=job).acquire()
+    _ensure_expert_arrays(store, model_dir, list(range(store.num_layers)))
+    workers, stages = [], []
+    try:
+        for i, (a, b) in enumerate(ranges):
+            before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            w = StageWorker(StageArgs(model_dir=model_dir, start=a, stop=b, store=store_path, job=job,
+                                      sink=store.meta.sink, reservoir=store.meta.reservoir,
+                                      seqs_per_block=store.meta.seqs_per_block, dtype="bfloat16",
+                                      device=dev.type, stage=i))
+            resident = (torch.cuda.memory_allocated(dev) - before) if dev.type == "cuda" else None
+            workers.append(w)
+            stages.append({"stage": i, "layers": [a, b], "resident_bytes": resident, "peak_bytes": 0,
+                           "load_seconds": w.stats.load_seconds, "loaded_keys": len(w.report.keys)})
+        tokens, masks = store.group["tokens"], store.group["mask"]
+        n_tok, t0 = 0, time.perf_counter()
+        for blk in store.todo_blocks():
+            tok, msk = tokens[blk], masks[blk]  # (S, T)
+            rows = [r for r in range(msk.shape[0]) if msk[r].any()]
+            n_seq = rows[-1] + 1 if rows else 1
+            n_mb = -(-n_seq // micro_batch)
+            for m in range(n_mb):
+                lo, hi = m * micro_batch, min(n_seq, (m + 1) * micro_batch)
+                x = {"input_ids": torch.from_numpy(tok[lo:hi].astype("int64")),
+                     "mask": torch.from_numpy(msk[lo:hi].astype("int64"))}
+                n_tok += int(x["mask"].sum())
+                for i, w in enumerate(workers):
+                    if dev.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(dev)
+                    x = w.forward(blk, m, lo, x)
+                    if dev.type == "cuda":  # this stage's working set on top of what was resident
+                        others = sum(s["resident_bytes"] for j, s in enumerate(stages) if j != i)
+                        stages[i]["peak_bytes"] = max(stages[i]["peak_bytes"],
+                                                      torch.cuda.max_memory_allocated(dev) - others)
+            for w in workers:
+                w.commit(blk, n_mb)
+        sync(dev)
+        wall = time.perf_counter() - t0
+        for s, w in zip(stages, workers):
+            s["busy_seconds"] = w.stats.busy_seconds
+        return {"ray": False, "tokens": n_tok, "wall_seconds": wall, "tokens_per_second": n_tok / wall,
+                "stages": stages}
+    finally:
+        for w in workers:
+            w.close()
+        lock.release()
+
+
+def bench_calibrate(args, dev: torch.device) -> dict:
+    from oscar.cluster.pipeline import prepare_store, unused_experts
+    from oscar.cluster.plan import balance_layers, make_plan, param_bytes
+    from oscar.pipeline.calibrate import CalibConfig
+    from oscar.pipeline.store import CalibStore
+
+    cfg = glm47_cut(args.layers, min(3, args.layers - 1), args.dry_run)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="oscar-gpu-e2e-"))
+    model_dir, store = work / "model", work / "calib.zarr"
+    t0 = time.perf_counter()
+    if not (model_dir / "config.json").exists():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        save_random_model(cfg, str(model_dir), dev)
+    save_s = time.perf_counter() - t0
+    pb = param_bytes(cfg, 2)
+    ranges = balance_layers(pb.layers, 2, pb.embed)
+    cc = CalibConfig(model=str(model_dir), store=str(store), seq_len=args.seq_len, seqs_per_block=args.seqs_per_block,
+                     tokens=args.tokens, dtype="bfloat16", device=dev.type, batch_size=args.micro_batch,
+                     overwrite=True)
+    try:
+        import ray  # noqa: F401
+        have_ray = not args.no_ray
+    except ImportError:
+        have_ray = False
+    if have_ray:
+        from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+
+        ccl = ClusterConfig(stages=2, layers=",".join(f"{a}:{b}" for a, b in ranges),
+                            gpus_per_stage=0.5 if dev.type == "cuda" else 0.0, cpus_per_stage=1.0)
+        t1 = time.perf_counter()
+        rep = calibrate_on_ray(cc, ccl, address=None, progress=False)
+        run = {"ray": True, "tokens": rep.tokens, "wall_seconds": time.perf_counter() - t1,
+               "tokens_per_second": rep.tokens_per_second, "stages": rep.stage_stats}
+    else:
+        prepare_store(cc)
+        run = drive_in_process(str(store), str(model_dir), ranges, dev, args.micro_batch)
+    s = CalibStore(str(store))
+    plan = make_plan(cfg, stages=2, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                     seqs_per_block=s.meta.seqs_per_block, num_blocks=s.num_blocks, dtype="bfloat16",
+                     layers=",".join(f"{a}:{b}" for a, b in ranges), name="glm-4.7 cut")
+    for st, sp in zip(run["stages"], plan.stages):
+        st["plan_param_bytes"], st["plan_peak_bytes"] = sp.param_bytes, sp.peak_bytes
+        if st.get("resident_bytes"):
+            st["resident_vs_plan_params"] = st["resident_bytes"] / sp.param_bytes
+        if st.get("peak_bytes"):
+            st["peak_vs_plan_peak"] = st["peak_bytes"] / sp.peak_bytes
+    moe = [l for l in range(cfg.num_hidden_layers) if l >= cfg.first_k_dense_replace]
+    counts = {}
+    for l in moe:
+        name = f"layers/{l}/expert_tokens"
+        if name in s.group:
+            c = s.group[name][:].sum(0)
+            counts[str(l)] = {"experts": int(c.size), "min": int(c.min()), "max": int(c.max()),
+                              "total": int(c.sum()), "unused": int((c == 0).sum())}
+    return {"model": "glm-4.7 layer shapes, random init", "layers": cfg.num_hidden_layers,
+            "dense_layers": cfg.first_k_dense_replace, "experts": cfg.n_routed_experts,
+            "top_k": cfg.num_experts_per_tok, "ranges": ranges, "blocks_done": int(s.done().all(1).sum()),
+            "save_seconds": save_s, "expert_tokens": counts, "unused_experts": unused_experts(s, moe), **run}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["decode", "calibrate"], help="which check to run")
+    ap.add_argument("--out", required=True, help="JSON result path")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (the script's own test)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of the cut (default: decode 2 dense; calibrate 4 = 3 dense + 1 MoE; dry run 2)")
+    ap.add_argument("--contexts", default="32768,131072", help="decode: contexts (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=12, help="decode: timed decode steps (default: %(default)s)")
+    ap.add_argument("--chunk", type=int, default=8192, help="decode: prefill chunk (default: %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="calibrate: tokens per sequence (default: %(default)s)")
+    ap.add_argument("--seqs-per-block", type=int, default=4, help="calibrate: sequences per block (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=16384, help="calibrate: corpus tokens (default: %(default)s)")
+    ap.add_argument("--micro-batch", type=int, default=1, help="calibrate: sequences per micro-batch (default: %(default)s)")
+    ap.add_argument("--no-ray", action="store_true", help="calibrate: drive the stage workers in-process even if ray imports")
+    ap.add_argument("--workdir", default=None, help="calibrate: where the model and store go (default: a temp dir)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        dev = torch.device("cpu")
+        args.layers = args.layers or 2
+        if args.what == "decode" and args.contexts == ap.get_default("contexts"):
+            args.contexts, args.steps, args.chunk = "400,700", 3, 256
+        if args.what == "calibrate" and args.tokens == ap.get_default("tokens"):
+            args.seq_len, args.seqs_per_block, args.tokens = 128, 2, 512
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device (use --dry-run for the CPU smoke run)", file=sys.stderr)
+            return 2
+        dev = torch.device("cuda")
+        args.layers = args.layers or (2 if args.what == "decode" else 4)
+    meta = {"commit": commit(), "torch": torch.__version__, "device": torch.cuda.get_device_name(dev)
+            if dev.type == "cuda" else "cpu (dry run)", "argv": sys.argv[1:],
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    partial = lambda r: Path(args.out).write_text(json.dumps(dict(meta, **r, partial=True), indent=2, default=str))  # noqa: E731
+    result = dict(meta, **(bench_decode(args, dev, partial) if args.what == "decode" else bench_calibrate(args, dev)))
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
