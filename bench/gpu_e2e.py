@@ -91,10 +91,24 @@ def decode_steps(model, cache, token: torch.Tensor, steps: int, dev: torch.devic
     return times, logits
 
 
+def timed_run(model, cache, ids: torch.Tensor, args, dev: torch.device, tag: str) -> dict:
+    """Chunked prefill of ids (1, n) into `cache`, then args.steps timed greedy decode steps."""
+    from oscar.kernels.cache import prefill
+
+    sync(dev)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, ids, chunk=args.chunk)
+    sync(dev)
+    prefill_s = time.perf_counter() - t0
+    ms, last = decode_steps(model, cache, logits.argmax(-1, keepdim=True), args.steps, dev)
+    return {f"{tag}_prefill_s": prefill_s, f"{tag}_step_ms": statistics.median(ms[1:] or ms),  # step 1 may compile
+            f"{tag}_first_step_ms": ms[0], f"{tag}_logits_finite": bool(torch.isfinite(last).all())}
+
+
 def bench_decode(args, dev: torch.device, on_row=None) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from oscar.kernels.cache import OscarCache, prefill
+    from oscar.kernels.cache import OscarCache
 
     cfg = glm47_cut(args.layers, args.layers, args.dry_run)  # dense layers: the attention is what is measured
     torch.manual_seed(0)
@@ -108,38 +122,23 @@ def bench_decode(args, dev: torch.device, on_row=None) -> dict:
     for n in contexts:
         row = {"context": n}
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(dev)
-        try:
-            cache = OscarCache.from_artifact(model, art, max_len=n + args.steps + 8)
-            sync(dev)
-            t0 = time.perf_counter()
-            logits = prefill(model, cache, ids, chunk=args.chunk)
-            sync(dev)
-            row["oscar_prefill_s"] = time.perf_counter() - t0
-            ms, last = decode_steps(model, cache, logits.argmax(-1, keepdim=True), args.steps, dev)
-            row["oscar_step_ms"] = statistics.median(ms[1:] or ms)  # the first step may compile the kernels
-            row["oscar_first_step_ms"] = ms[0]
-            row["oscar_logits_finite"] = bool(torch.isfinite(last).all())
-            mem = cache.memory()
-            row["oscar_cache_bytes"] = int(sum(mem.values()))
-            row["bf16_cache_bytes"] = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * (n + args.steps)
-            row["cache_ratio_vs_bf16"] = row["oscar_cache_bytes"] / row["bf16_cache_bytes"]
-            cache.release()
-            del cache
-        except Exception as e:  # record and keep going: the baseline row still tells something
-            row["oscar_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        model.set_attn_implementation("sdpa")
-        try:
-            dc = DynamicCache(config=cfg)
-            sync(dev)
-            t0 = time.perf_counter()
-            logits = prefill(model, dc, ids, chunk=args.chunk)
-            sync(dev)
-            row["bf16_prefill_s"] = time.perf_counter() - t0
-            ms, _ = decode_steps(model, dc, logits.argmax(-1, keepdim=True), args.steps, dev)
-            row["bf16_step_ms"] = statistics.median(ms[1:] or ms)
-            del dc
-        except Exception as e:
-            row["bf16_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        for tag in ("oscar", "bf16"):
+            try:
+                if tag == "oscar":
+                    cache = OscarCache.from_artifact(model, art, max_len=n + args.steps + 8)
+                else:
+                    model.set_attn_implementation("sdpa")
+                    cache = DynamicCache(config=cfg)
+                row.update(timed_run(model, cache, ids, args, dev, tag))
+                if tag == "oscar":
+                    row["oscar_cache_bytes"] = int(sum(cache.memory().values()))
+                    row["bf16_cache_bytes"] = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                                               * 2 * (n + args.steps))  # K and V, 2 bytes
+                    row["cache_ratio_vs_bf16"] = row["oscar_cache_bytes"] / row["bf16_cache_bytes"]
+                    cache.release()
+                del cache
+            except Exception as e:  # record and keep going: the other cache's figures still tell something
+                row[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if "oscar_step_ms" in row and "bf16_step_ms" in row:
             row["speedup_vs_bf16"] = row["bf16_step_ms"] / row["oscar_step_ms"]
         if dev.type == "cuda":
