@@ -13,33 +13,46 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     add_ray_arguments(sub.choices.get("calibrate"))
-    p = sub.add_parser("plan", help="plan a pipeline: memory per stage, activations, store size, stage count")
+    p = sub.add_parser("plan", help="plan a pipeline: memory per stage, activations, store size, stage count",
+                       description="From the model config alone (no weights): parameter bytes per stage, float64 "
+                                   "accumulators, activations per micro-batch, store size and, with --gpu-mem, the "
+                                   "smallest stage count that fits (docs/scale.md).")
     p.add_argument("--model", required=True, help="config.json, model directory, shipped config (glm-4.7) or preset")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--gpus-per-stage", type=int, default=1)
-    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB", help="GPU memory, to suggest a stage count")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages (layer ranges) to plan")
+    p.add_argument("--gpus-per-stage", type=int, default=1, help="GPUs that share one stage's weights")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB", help="memory of one GPU, to check the plan and suggest a stage count (default: no check)")
     p.add_argument("--layers", default=None, help="explicit ranges START:STOP,... (default: balanced by parameters)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--seqs-per-block", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--reservoir", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
+    p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=int, default=1,
+                   help="sequences per forward pass, as `oscar calibrate --batch-size` (--micro-batch: the same)")
+    p.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
+    p.add_argument("--blocks", type=int, default=64, help="store blocks (for the store size)")
+    p.add_argument("--reservoir", type=int, default=256, help="reservoir rows per block, layer and KV head")
     p.add_argument("--dtype", default=None, help="weight/activation dtype (default: the config's)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 
-    s = sub.add_parser("submit", help="submit a calibration as a Ray job (resubmitting resumes)")
+    s = sub.add_parser("submit", help="submit a calibration as a Ray job (resubmitting resumes)",
+                       description="Submit a job config (calibrate options + cluster section) through the Ray Jobs "
+                                   "API. The submission id comes from the store, so resubmitting attaches to a live "
+                                   "attempt or resumes the store after a failed one (docs/cluster.md).")
     s.add_argument("config", help="job config (YAML/JSON): calibrate options + cluster section")
     s.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://127.0.0.1:8265 "
                    "(default: $RAY_ADDRESS)")
-    s.add_argument("--wait", action="store_true", help="poll until the job ends; exit 0 only on SUCCEEDED")
-    s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds")
+    s.add_argument("--wait", action="store_true", help="follow the job until it ends, printing its status changes and "
+                   "new log lines; exit 0 only on SUCCEEDED")
+    s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds (default: wait for the end)")
     s.set_defaults(func=_submit)
 
-    t = sub.add_parser("status", help="blocks done per stage of a (running) calibration store")
-    t.add_argument("store")
-    t.add_argument("--address", default=None, help="also show the Ray job's status (dashboard address)")
-    t.add_argument("--json", action="store_true")
+    t = sub.add_parser("status", help="blocks done per stage of a (running) calibration store",
+                       description="Blocks done per stage and layer of a calibration store (read from its done "
+                                   "markers), and with --address the Ray jobs that wrote it.")
+    t.add_argument("store_pos", nargs="?", metavar="STORE", default=None,
+                   help="calibration store; the same as --store (the positional spelling scripts use)")
+    t.add_argument("--store", default=None, help="calibration store (zarr directory); required, here or as STORE")
+    t.add_argument("--address", default=None,
+                   help="also show the Ray job's status (dashboard address; default: the store only)")
+    t.add_argument("--json", action="store_true", help="print the status as JSON")
     t.set_defaults(func=_status)
 
 
@@ -64,7 +77,9 @@ def _submit(args) -> int:
 def _status(args) -> int:
     from oscar.cluster.jobs import format_status, store_status
 
-    st = store_status(args.store, address=args.address)
+    from oscar.common import positional_or_option
+
+    st = store_status(positional_or_option(args, "store", "--store"), address=args.address)
     print(json.dumps(st, indent=1) if args.json else format_status(st))
     return 0
 
@@ -83,17 +98,18 @@ def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
     g = p.add_argument_group("distributed (Ray)")
     g.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_ADDRESS, a running "
-                        "local cluster, else start one on 127.0.0.1)")
-    g.add_argument("--stages", type=int, default=None, help="stage actors per replica (layer ranges)")
-    g.add_argument("--replicas", type=int, default=None, help="pipeline replicas splitting the blocks")
+                        "local cluster, else start one on 127.0.0.1; default: no Ray, this process)")
+    g.add_argument("--stages", type=int, default=None, help="stage actors per replica (layer ranges; default 1 with --ray)")
+    g.add_argument("--replicas", type=int, default=None, help="pipeline replicas splitting the blocks (default 1 with --ray)")
     g.add_argument("--stage-layers", default=None, metavar="A:B,B:C",
                    help="explicit layer ranges (default: balanced by parameter count)")
-    g.add_argument("--cpus-per-stage", type=float, default=1.0)
-    g.add_argument("--gpus-per-stage", type=float, default=0.0)
-    g.add_argument("--memory-per-stage", type=float, default=None, metavar="GiB")
+    g.add_argument("--cpus-per-stage", type=float, default=1.0, help="Ray CPUs reserved per stage actor")
+    g.add_argument("--gpus-per-stage", type=float, default=0.0, help="Ray GPUs reserved per stage actor")
+    g.add_argument("--memory-per-stage", type=float, default=None, metavar="GiB",
+                   help="host memory reserved per stage actor (Ray `memory` resource; default: none reserved)")
     g.add_argument("--stage-resources", default=None, metavar="JSON",
                    help='custom Ray resources per stage actor: {"res": 1} for every stage, or a list with one '
-                        'dict per stage, e.g. \'[{}, {"bigmem": 1}]\'')
+                        'dict per stage, e.g. \'[{}, {"bigmem": 1}]\' (default: none)')
     g.add_argument("--max-restarts", type=int, default=4, help="restarts per stage actor")
     single = p.get_default("func")
     p.set_defaults(func=lambda args: calibrate_dispatch(args, single))

@@ -429,7 +429,9 @@ def _import_gguf_ext(path, reader, ts, rk, rv, mat) -> Artifact:
 # --- CLI -------------------------------------------------------------------
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    art = load_artifact(args.artifact)
+    from oscar.common import positional_or_option
+
+    art = load_artifact(positional_or_option(args, "artifact", "--artifact"))
     fv = args.format_version
     ext = SGLANG_EXT if args.format == SGLANG else GGUF_EXT
     if fv is not None and fv not in ((1, 2, SGLANG_EXT) if args.format == SGLANG else (1, GGUF_EXT)):
@@ -465,9 +467,15 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export an artifact's rotations for a serving engine")
-    p.add_argument("artifact")
-    p.add_argument("--format", choices=FORMATS, required=True)
+    p = sub.add_parser("export", help="export an artifact's rotations for a serving engine",
+                       description="Write an artifact in a format a serving engine loads: the sglang-oscar .pt files "
+                                   "or a copy of a GGUF model with the rotations added (docs/interop.md). The plain "
+                                   "formats carry rotations only; the oscar extension carries the whole recipe.")
+    p.add_argument("artifact_pos", nargs="?", metavar="ARTIFACT", default=None,
+                   help="artifact .safetensors; the same as --artifact (the positional spelling scripts use)")
+    p.add_argument("--artifact", default=None, help="artifact .safetensors to export; required, here or as ARTIFACT")
+    p.add_argument("--format", choices=FORMATS, required=True,
+                   help="sglang-oscar ({k,v}_rotation_TAG.pt) or gguf-rot (GGUF model copy with rotation tensors)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tag", default="oscar", help="file tag for sglang-oscar ({k,v}_rotation_TAG.pt)")
     p.add_argument("--format-version", type=int, choices=(1, 2, 3), default=None,
@@ -478,11 +486,14 @@ def register(sub) -> None:
     p.add_argument("--model-gguf", help="gguf-rot: the GGUF model file to copy (default: the embedded SmolLM2)")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("import", help="import rotations calibrated elsewhere into an artifact")
+    p = sub.add_parser("import", help="import rotations calibrated elsewhere into an artifact",
+                       description="Read sglang-oscar .pt files or a gguf-rot GGUF (plain or oscar extension) back into "
+                                   "an artifact that `oscar validate` and OscarCache load.")
     p.add_argument("path", help="sglang-oscar directory or gguf-rot file")
-    p.add_argument("--format", choices=FORMATS, required=True)
+    p.add_argument("--format", choices=FORMATS, required=True, help="format of PATH: sglang-oscar or gguf-rot")
     p.add_argument("--out", required=True, help="artifact .safetensors to write")
-    p.add_argument("--tag", default=None)
-    p.add_argument("--num-kv-heads", type=int, default=None)
-    p.add_argument("--model", default=None, help="record and check this model's fingerprint")
+    p.add_argument("--tag", default=None, help="sglang-oscar file tag to read (default: the only {k,v}_rotation_*.pt pair)")
+    p.add_argument("--num-kv-heads", type=int, default=None,
+                   help="KV heads to broadcast a per-layer (format_version 1) rotation to (default: none; v1 needs it)")
+    p.add_argument("--model", default=None, help="record and check this model's fingerprint (default: no check)")
     p.set_defaults(func=_cmd_import)
