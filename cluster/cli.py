@@ -42,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--wait", action="store_true", help="follow the job until it ends, printing its status changes and "
                    "new log lines; exit 0 only on SUCCEEDED")
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds (default: wait for the end)")
+    s.add_argument("--no-progress", action="store_true", help="with --wait: print only the final status")
     s.set_defaults(func=_submit)
 
     t = sub.add_parser("status", help="blocks done per stage of a (running) calibration store",
@@ -71,7 +72,8 @@ def _plan(args) -> int:
 def _submit(args) -> int:
     from oscar.cluster.jobs import submit
 
-    return submit(args.config, address=args.address, wait=args.wait, timeout=args.timeout)
+    return submit(args.config, address=args.address, wait=args.wait, timeout=args.timeout,
+                  progress=not args.no_progress)
 
 
 def _status(args) -> int:
