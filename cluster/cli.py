@@ -55,6 +55,75 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also show the Ray job's status (dashboard address; default: the store only)")
     t.add_argument("--json", action="store_true", help="print the status as JSON")
     t.set_defaults(func=_status)
+    _register_render(sub)
+
+
+def _register_render(sub) -> None:
+    c = sub.add_parser("cluster", help="cluster manifests: `oscar cluster render`",
+                       description="Cluster manifests for calibrating at scale (docs/cluster.md).")
+    cs = c.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    r = cs.add_parser("render", help="write complete KubeRay / Ray-launcher manifests, checked against `oscar plan`",
+                      description="Fill the shipped templates (cluster/templates) with these parameters and write "
+                                  "complete manifests. Refuses, writing nothing, while a required parameter is unset "
+                                  "or when `oscar plan` says the GPUs cannot hold the model.")
+    req = "required"
+    r.add_argument("--target", choices=("kuberay", "aws"), default="kuberay",
+                   help="kuberay: a RayJob (rayjob.yaml); aws: a Ray cluster launcher config (cluster.yaml) + the job "
+                        "config for `oscar submit` (job.yaml)")
+    r.add_argument("--out", required=True, help="directory the manifests are written to")
+    r.add_argument("--image", help=f"container image with oscar-kv installed (built from the Dockerfile); {req}")
+    r.add_argument("--nodes", type=int, help=f"GPU worker nodes (pods); {req}")
+    r.add_argument("--gpus-per-node", type=int, help=f"GPUs of one worker node; {req}")
+    r.add_argument("--gpu-mem", type=float, metavar="GiB", help=f"memory of one GPU, for the plan check; {req}")
+    r.add_argument("--cpus-per-node", type=int, help=f"CPUs of one worker node (shared by its stages); {req}")
+    r.add_argument("--memory-per-node", type=float, metavar="GiB", help=f"kuberay: memory of one worker pod; {req} "
+                   "for kuberay")
+    r.add_argument("--model", help=f"model directory (HF safetensors + index) as the nodes see it; {req}")
+    r.add_argument("--model-config", help="config the plan reads on this machine: config.json, model directory or a "
+                   "shipped config such as glm-4.7 (default: --model, when it is readable here)")
+    r.add_argument("--store", help=f"calibration store as the nodes see it, below --shared-dir; {req}")
+    r.add_argument("--corpus", default="pydoc", help="calibration corpus: pydoc or a file below a shared mount")
+    r.add_argument("--shared-dir", default="/data", help="mount point of the volume every node shares (store, corpus)")
+    r.add_argument("--pvc", help="kuberay: ReadWriteMany PersistentVolumeClaim mounted at --shared-dir; required for kuberay")
+    r.add_argument("--models-pvc", help="kuberay: ReadOnlyMany claim with the weights, mounted at --models-dir "
+                   "(default: none; the model is then below --shared-dir)")
+    r.add_argument("--models-dir", default="/models", help="kuberay: mount point of --models-pvc")
+    r.add_argument("--region", help="aws: region of the cluster; required for aws")
+    r.add_argument("--instance-type", help="aws: GPU worker instance type, e.g. p5.48xlarge; required for aws")
+    r.add_argument("--head-instance-type", default="m7i.4xlarge", help="aws: head node instance type (driver only)")
+    r.add_argument("--ami", default="latest_dlami", help="aws: node AMI (latest_dlami: Ray's Deep Learning AMI of the region)")
+    r.add_argument("--mount-command", help="aws: host command run before the container starts that mounts the shared "
+                   "filesystem at --shared-dir (e.g. a Lustre or NFS mount); required for aws")
+    r.add_argument("--disk-gib", type=int, default=500, help="aws: root volume of each worker (GiB)")
+    r.add_argument("--stages", type=int, help="pipeline stages per replica (default: the smallest count `oscar plan` fits)")
+    r.add_argument("--gpus-per-stage", type=int, help="GPUs per stage, dividing --gpus-per-node (default: --gpus-per-node)")
+    r.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
+    r.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
+    r.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
+                   help="sequences per forward pass (--micro-batch: the same)")
+    r.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole corpus)")
+    r.add_argument("--dtype", default="bfloat16", help="weight and activation dtype on the GPUs")
+    r.add_argument("--name", default="oscar-calib", help="RayJob / cluster name")
+    r.add_argument("--head-cpus", type=int, default=8, help="kuberay: CPUs of the head pod (driver only)")
+    r.add_argument("--head-memory", type=float, default=32.0, metavar="GiB", help="kuberay: memory of the head pod")
+    r.add_argument("--dashboard", default="http://127.0.0.1:8265",
+                   help="aws: dashboard address the printed `oscar submit` uses (after `ray dashboard cluster.yaml`)")
+    r.set_defaults(func=_render)
+
+
+def _render(args) -> int:
+    import sys
+    from dataclasses import fields
+
+    from oscar.cluster.render import RenderConfig, render, write
+
+    cfg = RenderConfig(**{f.name: getattr(args, f.name) for f in fields(RenderConfig) if hasattr(args, f.name)})
+    argv = sys.argv[sys.argv.index("render") + 1:] if "render" in sys.argv else []
+    r = render(cfg, argv)
+    for p in write(r, args.out):
+        print(p)
+    print("runs: " + " ".join(r.command))
+    return 0
 
 
 def _plan(args) -> int:
