@@ -112,14 +112,12 @@ def _register_render(sub) -> None:
 
 
 def _render(args) -> int:
-    import sys
     from dataclasses import fields
 
     from oscar.cluster.render import RenderConfig, render, write
 
     cfg = RenderConfig(**{f.name: getattr(args, f.name) for f in fields(RenderConfig) if hasattr(args, f.name)})
-    argv = sys.argv[sys.argv.index("render") + 1:] if "render" in sys.argv else []
-    r = render(cfg, argv)
+    r = render(cfg)
     for p in write(r, args.out):
         print(p)
     print("runs: " + " ".join(r.command))

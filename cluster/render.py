@@ -194,7 +194,17 @@ def fill(template: str, values: dict[str, str]) -> str:
     return _PARAM.sub(lambda m: values[m.group(1)], template)
 
 
-def render(cfg: RenderConfig, argv: list[str] | None = None) -> Rendered:
+def render_argv(cfg: RenderConfig) -> list[str]:
+    """The `oscar cluster render` arguments that reproduce `cfg` (non-default fields; --out left to the user)."""
+    out = []
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name != "out" and v is not None and v != f.default:
+            out += [f"--{f.name.replace('_', '-')}", f"{v:g}" if isinstance(v, float) else str(v)]
+    return out
+
+
+def render(cfg: RenderConfig) -> Rendered:
     import yaml
 
     _check_params(cfg)
@@ -205,7 +215,7 @@ def render(cfg: RenderConfig, argv: list[str] | None = None) -> Rendered:
                 f"--gpu-mem {cfg.gpu_mem:g} --seq-len {cfg.seq_len} --seqs-per-block {cfg.seqs_per_block} "
                 f"--blocks {plan.num_blocks} --dtype {cfg.dtype}")
     v = {
-        "model": cfg.model, "render_command": shlex.join(["oscar", "cluster", "render", *(argv or [])]),
+        "model": cfg.model, "render_command": shlex.join(["oscar", "cluster", "render", *render_argv(cfg)]),
         "plan_command": plan_cmd, "plan_comment": _comment(_plan_lines(plan, stages, replicas, g, cfg)),
         "name": q(cfg.name), "image": q(cfg.image), "command": q(shlex.join(cmd)),
         "nodes": str(cfg.nodes), "gpus_per_node": str(cfg.gpus_per_node), "cpus_per_node": str(cfg.cpus_per_node),

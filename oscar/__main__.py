@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OscarParser(prog="oscar", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"oscar-kv {__version__}",
                    help="print the installed oscar-kv version and exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OscarParser)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OscarParser,
+                           help="`oscar COMMAND --help` gives each command's options, their meaning and defaults")
     for mod in STAGE_CLIS:
         try:
             m = importlib.import_module(mod)

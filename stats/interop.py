@@ -467,7 +467,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export an artifact's rotations for a serving engine",
+    p = sub.add_parser("export", help="export an artifact for a serving engine (sglang-oscar, gguf-rot)",
                        description="Write an artifact in a format a serving engine loads: the sglang-oscar .pt files "
                                    "or a copy of a GGUF model with the rotations added (docs/interop.md). The plain "
                                    "formats carry rotations only; the oscar extension carries the whole recipe.")

@@ -48,6 +48,12 @@ def test_kuberay_manifest_is_complete_and_runs_a_real_oscar_command(tmp_path):
     text = (tmp_path / "rayjob.yaml").read_text()
     for fake in ("ami-0123456789abcdef0", "fs-XXXX", "ghcr.io/example", "{{", "}}"):
         assert fake not in text
+    # the header names the render command that reproduces the file, and it parses
+    again = shlex.split(text.split("# Rendered by: ")[1].splitlines()[0])
+    a2 = build_parser().parse_args(again[1:] + ["--out", str(tmp_path / "again")])
+    assert a2.image == IMAGE and a2.nodes == 2 and a2.tokens == KUBE["tokens"]
+    assert main(again[1:] + ["--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "rayjob.yaml").read_text() == text
 
     # the exact command, parsed by the real CLI parser
     argv = shlex.split(rayjob["spec"]["entrypoint"])
