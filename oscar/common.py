@@ -48,7 +48,6 @@ def silence_progress() -> None:
     (weight loading) and huggingface_hub's. `--no-progress` calls it before any work starts."""
     os.environ["TQDM_DISABLE"] = "1"  # tqdm >= 4.66 reads TQDM_<param> as the default of each parameter
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:

@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--samples", type=int, default=20, help="samples per (task, length) cell")
     n.add_argument("--seed", type=int, default=0, help="seed of the haystacks, needles and questions")
     n.add_argument("--protocol", default="strict", choices=["strict", "serving", "strict-token"],
-                   help="cache protocol: strict (only sinks exact), serving (sink + recent window exact), "
+                   help="cache protocol: strict (recent window 0: sinks and under a page of the latest tokens exact), "
+                        "serving (sink + recent window exact), "
                         "strict-token (diagnostic: per-token K/V quantized the moment they are written)")
     n.add_argument("--corpus", default="pydoc", help="haystack corpus: pydoc, or a .parquet / .jsonl / .txt file")
     n.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help=_DTYPE_HELP)
