@@ -13,34 +13,115 @@ import json
 
 def register(sub: argparse._SubParsersAction) -> None:
     add_ray_arguments(sub.choices.get("calibrate"))
-    p = sub.add_parser("plan", help="plan a pipeline: memory per stage, activations, store size, stage count")
+    p = sub.add_parser("plan", help="plan a pipeline: memory per stage, activations, store size, stage count",
+                       description="From the model config alone (no weights): parameter bytes per stage, float64 "
+                                   "accumulators, activations per micro-batch, store size and, with --gpu-mem, the "
+                                   "smallest stage count that fits (docs/scale.md).")
     p.add_argument("--model", required=True, help="config.json, model directory, shipped config (glm-4.7) or preset")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--gpus-per-stage", type=int, default=1)
-    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB", help="GPU memory, to suggest a stage count")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages (layer ranges) to plan")
+    p.add_argument("--gpus-per-stage", type=int, default=1, help="GPUs that share one stage's weights")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB", help="memory of one GPU, to check the plan and suggest a stage count (default: no check)")
     p.add_argument("--layers", default=None, help="explicit ranges START:STOP,... (default: balanced by parameters)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--seqs-per-block", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--reservoir", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
+    p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=int, default=1,
+                   help="sequences per forward pass, as `oscar calibrate --batch-size` (--micro-batch: the same)")
+    p.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
+    p.add_argument("--blocks", type=int, default=64, help="store blocks (for the store size)")
+    p.add_argument("--reservoir", type=int, default=256, help="reservoir rows per block, layer and KV head")
     p.add_argument("--dtype", default=None, help="weight/activation dtype (default: the config's)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 
-    s = sub.add_parser("submit", help="submit a calibration as a Ray job (resubmitting resumes)")
+    s = sub.add_parser("submit", help="submit a calibration as a Ray job (resubmitting resumes)",
+                       description="Submit a job config (calibrate options + cluster section) through the Ray Jobs "
+                                   "API. The submission id comes from the store, so resubmitting attaches to a live "
+                                   "attempt or resumes the store after a failed one (docs/cluster.md).")
     s.add_argument("config", help="job config (YAML/JSON): calibrate options + cluster section")
     s.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://127.0.0.1:8265 "
                    "(default: $RAY_ADDRESS)")
-    s.add_argument("--wait", action="store_true", help="poll until the job ends; exit 0 only on SUCCEEDED")
-    s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds")
+    s.add_argument("--wait", action="store_true", help="follow the job until it ends, printing its status changes and "
+                   "new log lines; exit 0 only on SUCCEEDED")
+    s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds (default: wait for the end)")
+    s.add_argument("--no-progress", action="store_true", help="with --wait: print only the final status")
     s.set_defaults(func=_submit)
 
-    t = sub.add_parser("status", help="blocks done per stage of a (running) calibration store")
-    t.add_argument("store")
-    t.add_argument("--address", default=None, help="also show the Ray job's status (dashboard address)")
-    t.add_argument("--json", action="store_true")
+    t = sub.add_parser("status", help="blocks done per stage of a (running) calibration store",
+                       description="Blocks done per stage and layer of a calibration store (read from its done "
+                                   "markers), and with --address the Ray jobs that wrote it.")
+    t.add_argument("store_pos", nargs="?", metavar="STORE", default=None,
+                   help="calibration store; the same as --store (the positional spelling scripts use)")
+    t.add_argument("--store", default=None, help="calibration store (zarr directory); required, here or as STORE")
+    t.add_argument("--address", default=None,
+                   help="also show the Ray job's status (dashboard address; default: the store only)")
+    t.add_argument("--json", action="store_true", help="print the status as JSON")
     t.set_defaults(func=_status)
+    _register_render(sub)
+
+
+def _register_render(sub) -> None:
+    c = sub.add_parser("cluster", help="cluster manifests: `oscar cluster render`",
+                       description="Cluster manifests for calibrating at scale (docs/cluster.md).")
+    cs = c.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    r = cs.add_parser("render", help="write complete KubeRay / Ray-launcher manifests, checked against `oscar plan`",
+                      description="Fill the shipped templates (cluster/templates) with these parameters and write "
+                                  "complete manifests. Refuses, writing nothing, while a required parameter is unset "
+                                  "or when `oscar plan` says the GPUs cannot hold the model.")
+    req = "required"
+    r.add_argument("--target", choices=("kuberay", "aws"), default="kuberay",
+                   help="kuberay: a RayJob (rayjob.yaml); aws: a Ray cluster launcher config (cluster.yaml) + the job "
+                        "config for `oscar submit` (job.yaml)")
+    r.add_argument("--out", required=True, help="directory the manifests are written to")
+    r.add_argument("--image", help=f"container image with oscar-kv installed (built from the Dockerfile); {req}")
+    r.add_argument("--nodes", type=int, help=f"GPU worker nodes (pods); {req}")
+    r.add_argument("--gpus-per-node", type=int, help=f"GPUs of one worker node; {req}")
+    r.add_argument("--gpu-mem", type=float, metavar="GiB", help=f"memory of one GPU, for the plan check; {req}")
+    r.add_argument("--cpus-per-node", type=int, help=f"CPUs of one worker node (shared by its stages); {req}")
+    r.add_argument("--memory-per-node", type=float, metavar="GiB", help=f"kuberay: memory of one worker pod; {req} "
+                   "for kuberay")
+    r.add_argument("--model", help=f"model directory (HF safetensors + index) as the nodes see it; {req}")
+    r.add_argument("--model-config", help="config the plan reads on this machine: config.json, model directory or a "
+                   "shipped config such as glm-4.7 (default: --model, when it is readable here)")
+    r.add_argument("--store", help=f"calibration store as the nodes see it, below --shared-dir; {req}")
+    r.add_argument("--corpus", default="pydoc", help="calibration corpus: pydoc or a file below a shared mount")
+    r.add_argument("--shared-dir", default="/data", help="mount point of the volume every node shares (store, corpus)")
+    r.add_argument("--pvc", help="kuberay: ReadWriteMany PersistentVolumeClaim mounted at --shared-dir; required for kuberay")
+    r.add_argument("--models-pvc", help="kuberay: ReadOnlyMany claim with the weights, mounted at --models-dir "
+                   "(default: none; the model is then below --shared-dir)")
+    r.add_argument("--models-dir", default="/models", help="kuberay: mount point of --models-pvc")
+    r.add_argument("--region", help="aws: region of the cluster; required for aws")
+    r.add_argument("--instance-type", help="aws: GPU worker instance type, e.g. p5.48xlarge; required for aws")
+    r.add_argument("--head-instance-type", default="m7i.4xlarge", help="aws: head node instance type (driver only)")
+    r.add_argument("--ami", default="latest_dlami", help="aws: node AMI (latest_dlami: Ray's Deep Learning AMI of the region)")
+    r.add_argument("--mount-command", help="aws: host command run before the container starts that mounts the shared "
+                   "filesystem at --shared-dir (e.g. a Lustre or NFS mount); required for aws")
+    r.add_argument("--disk-gib", type=int, default=500, help="aws: root volume of each worker (GiB)")
+    r.add_argument("--stages", type=int, help="pipeline stages per replica (default: the smallest count `oscar plan` fits)")
+    r.add_argument("--gpus-per-stage", type=int, help="GPUs per stage, dividing --gpus-per-node (default: --gpus-per-node)")
+    r.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
+    r.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
+    r.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
+                   help="sequences per forward pass (--micro-batch: the same)")
+    r.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole corpus)")
+    r.add_argument("--dtype", default="bfloat16", help="weight and activation dtype on the GPUs")
+    r.add_argument("--name", default="oscar-calib", help="RayJob / cluster name")
+    r.add_argument("--head-cpus", type=int, default=8, help="kuberay: CPUs of the head pod (driver only)")
+    r.add_argument("--head-memory", type=float, default=32.0, metavar="GiB", help="kuberay: memory of the head pod")
+    r.add_argument("--dashboard", default="http://127.0.0.1:8265",
+                   help="aws: dashboard address the printed `oscar submit` uses (after `ray dashboard cluster.yaml`)")
+    r.set_defaults(func=_render)
+
+
+def _render(args) -> int:
+    from dataclasses import fields
+
+    from oscar.cluster.render import RenderConfig, render, write
+
+    cfg = RenderConfig(**{f.name: getattr(args, f.name) for f in fields(RenderConfig) if hasattr(args, f.name)})
+    r = render(cfg)
+    for p in write(r, args.out):
+        print(p)
+    print("runs: " + " ".join(r.command))
+    return 0
 
 
 def _plan(args) -> int:
@@ -58,13 +139,16 @@ def _plan(args) -> int:
 def _submit(args) -> int:
     from oscar.cluster.jobs import submit
 
-    return submit(args.config, address=args.address, wait=args.wait, timeout=args.timeout)
+    return submit(args.config, address=args.address, wait=args.wait, timeout=args.timeout,
+                  progress=not args.no_progress)
 
 
 def _status(args) -> int:
     from oscar.cluster.jobs import format_status, store_status
 
-    st = store_status(args.store, address=args.address)
+    from oscar.common import positional_or_option
+
+    st = store_status(positional_or_option(args, "store", "--store"), address=args.address)
     print(json.dumps(st, indent=1) if args.json else format_status(st))
     return 0
 
@@ -83,17 +167,18 @@ def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
     g = p.add_argument_group("distributed (Ray)")
     g.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_ADDRESS, a running "
-                        "local cluster, else start one on 127.0.0.1)")
-    g.add_argument("--stages", type=int, default=None, help="stage actors per replica (layer ranges)")
-    g.add_argument("--replicas", type=int, default=None, help="pipeline replicas splitting the blocks")
+                        "local cluster, else start one on 127.0.0.1; default: no Ray, this process)")
+    g.add_argument("--stages", type=int, default=None, help="stage actors per replica (layer ranges; default 1 with --ray)")
+    g.add_argument("--replicas", type=int, default=None, help="pipeline replicas splitting the blocks (default 1 with --ray)")
     g.add_argument("--stage-layers", default=None, metavar="A:B,B:C",
                    help="explicit layer ranges (default: balanced by parameter count)")
-    g.add_argument("--cpus-per-stage", type=float, default=1.0)
-    g.add_argument("--gpus-per-stage", type=float, default=0.0)
-    g.add_argument("--memory-per-stage", type=float, default=None, metavar="GiB")
+    g.add_argument("--cpus-per-stage", type=float, default=1.0, help="Ray CPUs reserved per stage actor")
+    g.add_argument("--gpus-per-stage", type=float, default=0.0, help="Ray GPUs reserved per stage actor")
+    g.add_argument("--memory-per-stage", type=float, default=None, metavar="GiB",
+                   help="host memory reserved per stage actor (Ray `memory` resource; default: none reserved)")
     g.add_argument("--stage-resources", default=None, metavar="JSON",
                    help='custom Ray resources per stage actor: {"res": 1} for every stage, or a list with one '
-                        'dict per stage, e.g. \'[{}, {"bigmem": 1}]\'')
+                        'dict per stage, e.g. \'[{}, {"bigmem": 1}]\' (default: none)')
     g.add_argument("--max-restarts", type=int, default=4, help="restarts per stage actor")
     single = p.get_default("func")
     p.set_defaults(func=lambda args: calibrate_dispatch(args, single))

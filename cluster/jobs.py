@@ -119,7 +119,7 @@ def attempts(client, base: str) -> list:
 
 
 def submit(config_path: str, *, address: str | None = None, wait: bool = False, timeout: float | None = None,
-           poll: float = 2.0) -> int:
+           poll: float = 2.0, progress: bool = True) -> int:
     cfg = load_job_config(config_path)
     client = _client(address)
     base = submission_base(cfg)
@@ -147,11 +147,12 @@ def submit(config_path: str, *, address: str | None = None, wait: bool = False, 
         raise OscarError(f"could not find a free submission id for {base}")
     if not wait:
         return 0
-    status = wait_for(client, sid, timeout=timeout, poll=poll)
+    status = wait_for(client, sid, timeout=timeout, poll=poll, progress=progress)
     print(f"oscar submit: {sid} {status}")
     if status != "SUCCEEDED":
-        logs = client.get_job_logs(sid)
-        print("\n".join(logs.splitlines()[-30:]), file=sys.stderr)
+        if not progress:  # with progress the log has been followed already
+            logs = client.get_job_logs(sid)
+            print("\n".join(logs.splitlines()[-30:]), file=sys.stderr)
         return 1
     return 0
 
@@ -160,10 +161,27 @@ def _status_name(s) -> str:
     return str(getattr(s, "value", s))
 
 
-def wait_for(client, sid: str, *, timeout: float | None = None, poll: float = 2.0) -> str:
+def wait_for(client, sid: str, *, timeout: float | None = None, poll: float = 2.0, progress: bool = False,
+             stream=None) -> str:
+    """Poll until the job ends. progress: print each status change (with the elapsed time) and the job log's new
+    output as it arrives — the driver's block bar and report — to `stream` (stderr)."""
+    stream = stream or sys.stderr
     t0 = time.time()
+    last, seen = None, 0
     while True:
         st = _status_name(client.get_job_status(sid))
+        if progress:
+            if st != last:
+                print(f"oscar submit: {sid} {st} after {time.time() - t0:.0f} s", file=stream, flush=True)
+                last = st
+            try:
+                logs = client.get_job_logs(sid) or ""
+            except Exception:  # noqa: BLE001 - logs are not there before the driver starts
+                logs = ""
+            if len(logs) > seen:
+                stream.write(logs[seen:])
+                stream.flush()
+                seen = len(logs)
         if st in TERMINAL:
             return st
         if timeout is not None and time.time() - t0 > timeout:

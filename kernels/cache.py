@@ -1,7 +1,7 @@
 """OscarCache: the paged INT2 KV cache as a transformers `Cache`, plus its attention function.
 
     cache = OscarCache.from_artifact(model, "artifact.safetensors")
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(ids, cache=cache, max_new_tokens=32)
 
 `from_artifact` checks the artifact against the model, registers the ``"oscar"``
 attention function *and* its mask function (a custom attention name without a

@@ -25,9 +25,43 @@ STAGE_CLIS = [
 ]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already states its default or there is
+    none to state (None, a flag that is off, a required option)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if ("default" in h.lower() or not action.option_strings or action.required
+                or action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool)):
+            return h
+        return h + " (default: %(default)s)"
+
+
+class _SubParsers(argparse._SubParsersAction):
+    def add_parser(self, name, **kwargs):
+        if kwargs.get("help") and not kwargs.get("description"):  # `oscar X --help` says what X does
+            kwargs["description"] = kwargs["help"][:1].upper() + kwargs["help"][1:] + "."
+        return super().add_parser(name, **kwargs)
+
+
+class OscarParser(argparse.ArgumentParser):
+    """Every `oscar` parser, nested subcommands included, formats option defaults the same way and gets a
+    description (its one-line help when it has no longer one)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _SubParsers)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="oscar", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from oscar import __version__
+
+    p = OscarParser(prog="oscar", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"oscar-kv {__version__}",
+                   help="print the installed oscar-kv version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OscarParser,
+                           help="`oscar COMMAND --help` gives each command's options, their meaning and defaults")
     for mod in STAGE_CLIS:
         try:
             m = importlib.import_module(mod)
@@ -54,6 +88,10 @@ def interruptible() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     interruptible()
+    if getattr(args, "no_progress", False):
+        from oscar.common import silence_progress
+
+        silence_progress()
     try:
         rc = args.func(args)
     except OscarError as e:

@@ -32,6 +32,29 @@ def file_fingerprint(path: str, n: int = 16, chunk: int = 1 << 20) -> str:
     return h.hexdigest()[:n]
 
 
+def positional_or_option(args: Any, name: str, flag: str) -> Any:
+    """The value of an option that also keeps its old positional spelling (`oscar fit STORE` = `oscar fit --store
+    STORE`): parsers store the positional as `<name>_pos`. Both given and different, or neither: a clear error."""
+    pos, opt = getattr(args, f"{name}_pos", None), getattr(args, name, None)
+    if pos is not None and opt is not None and pos != opt:
+        raise OscarError(f"{flag} given twice ({pos!r} positionally, {opt!r} as {flag}); give it once")
+    if pos is None and opt is None:
+        raise OscarError(f"{flag} is required (or give it as the first positional argument)")
+    return opt if opt is not None else pos
+
+
+def silence_progress() -> None:
+    """Turn off every progress bar of this process and its children: tqdm (ours, Ray's), transformers'
+    (weight loading) and huggingface_hub's. `--no-progress` calls it before any work starts."""
+    os.environ["TQDM_DISABLE"] = "1"  # tqdm >= 4.66 reads TQDM_<param> as the default of each parameter
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def set_threads(n: int | None = None) -> int:
     """Pin torch's intra-op threads (default: all cores, or $OSCAR_THREADS)."""
     import torch

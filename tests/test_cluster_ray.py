@@ -222,8 +222,11 @@ def test_jobs_submit_stop_resubmit(head, tmp_path, tmp_path_factory):
     cfg2 = tmp_path / "job2.yaml"
     cfg2.write_text(yaml.safe_dump({"calibrate": o, "cluster": {"stages": 2, "replicas": 1},
                                     "job": {"python": sys.executable}}))
-    out = oscar("submit", str(cfg2), "--address", head.dashboard, "--wait", "--timeout", "400", timeout=450).stdout
+    r = oscar("submit", str(cfg2), "--address", head.dashboard, "--wait", "--timeout", "400", timeout=450)
+    out = r.stdout
     assert sid[:-2] + "-2" in out and "SUCCEEDED" in out
+    # --wait shows progress: status changes and the job's log (the driver's report) as it arrives
+    assert f"{sid[:-2]}-2 RUNNING after" in r.stderr and "OSCAR_REPORT" in r.stderr, r.stderr[-2000:]
     logs = client.get_job_logs(sid[:-2] + "-2")
     rep = json.loads(logs.split("OSCAR_REPORT ")[1].splitlines()[0])
     assert rep["blocks_skipped"] == int(done.sum()) and len(rep["blocks_done"]) == 6 - int(done.sum())

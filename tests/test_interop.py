@@ -65,18 +65,27 @@ def test_unsupported_parts_named():
     assert any("centering" in s for s in lost) and any("clip" in s for s in lost)
 
 
-def test_scaled_key_transform_refused_by_rotation_only_formats(tmp_path):
-    """Those consumers rotate q and k by one matrix: a scaled rot_k (with its dual rot_q) would change q·k."""
-    art = _random_artifact()
-    d = torch.linspace(0.5, 2.0, 16)
+def _scaled(art: Artifact) -> Artifact:
+    d = torch.linspace(0.5, 2.0, art.head_dim)
     art.rot_q = [r / d for r in art.rot_k]  # rot_k = Q diag(d) -> dual Q diag(1/d)
     art.rot_k = [r * d for r in art.rot_k]
     art.validate()
+    return art
+
+
+def test_scaled_key_transform_refused_by_rotation_only_formats(tmp_path):
+    """Those consumers rotate q and k by one matrix: a scaled rot_k (with its dual rot_q) would change q·k. The
+    refusal names what the format is missing and where it is carried."""
+    art = _scaled(_random_artifact())
     assert any("rot_q" in s for s in unsupported_parts(art))
-    with pytest.raises(OscarError, match="cannot be exported"):
-        export_sglang(art, str(tmp_path))
-    with pytest.raises(OscarError, match="cannot be exported"):
-        export_gguf(art, "unused.gguf", str(tmp_path / "x.gguf"))
+    for fv in (1, 2):
+        with pytest.raises(OscarError, match=r"cannot be exported in format_version %d \(missing: the query "
+                                             r"transform rot_q\).*--format-version 3" % fv):
+            export_sglang(art, str(tmp_path), format_version=fv)
+    with pytest.raises(OscarError, match=r"cannot be exported in version 1 \(missing: the query transform rot_q\)"
+                                         r".*--format-version 2"):
+        export_gguf(art, "unused.gguf", str(tmp_path / "x.gguf"), format_version=1)
+    assert not os.path.exists(tmp_path / "k_rotation_oscar.pt") and not os.path.exists(tmp_path / "x.gguf")
 
 
 @pytest.mark.slow
@@ -124,3 +133,135 @@ def test_import_rejects_bad_files(tmp_path):
         import_sglang(str(tmp_path))
     with pytest.raises(OscarError, match="exactly one"):
         import_sglang(str(tmp_path / "nothing"))
+
+
+# --- the oscar extension: every recipe `oscar run` can ship, bit for bit -------------------------------------------
+
+def _tiny_gguf(path: str, num_layers: int) -> str:
+    """A real GGUF 'model' file with `num_layers` blocks and one tensor (the copy keeps it byte for byte)."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch="llama")
+    w.add_block_count(num_layers)
+    w.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+RECIPE = ("rot_k", "rot_v", "rot_q", "k_mean", "clip_k", "clip_v")
+
+
+def assert_same_recipe(a: Artifact, b: Artifact) -> None:
+    for name in RECIPE:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        for l, (s, t) in enumerate(zip(x or [], y or [])):
+            assert s.dtype == t.dtype == torch.float32 and torch.equal(s, t), f"layers.{l}.{name}"
+    assert a.quant == b.quant
+    assert a.meta["variant"] == b.meta["variant"] and a.meta.get("model") == b.meta.get("model")
+
+
+@pytest.fixture(scope="module")
+def shipped_recipes(tmp_path_factory):
+    """Artifacts of every recipe `oscar run --variant V` (tuned or `--no-tune`) can ship, plus the fit options
+    behind oscar-kc-int2 (per-channel keys) and 8-bit parameters, fitted on a real (synthetic) calibration store."""
+    from oscar.stats.artifact import QuantConfig
+    from oscar.stats.fit import FitConfig, fit
+    from oscar.stats.rotations import VARIANTS
+    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
+    from oscar.validate.tune import scale_key_clips
+
+    store = str(tmp_path_factory.mktemp("ext") / "store")
+    write_synthetic_store(store, SynthSpec(num_layers=2, num_kv_heads=2, head_dim=16, num_q_heads=4, num_blocks=2,
+                                           rows=64, reservoir=32, k_mean=2.0, compress=False))
+    out = {}
+    for v in sorted(VARIANTS):
+        art = fit(store, FitConfig(variant=v, progress=False, threads=1))
+        out[v] = art
+        out[f"{v}+tuned"] = scale_key_clips(art, 1.2)  # what `oscar run`'s tune stage writes
+    out["scaled/channel-keys"] = fit(store, FitConfig(variant="scaled", quant=QuantConfig(key_axis="channel", group_size=16),
+                                                      progress=False, threads=1))
+    out["scaled/fp8-params"] = fit(store, FitConfig(variant="scaled", quant=QuantConfig(param_dtype="float8_e4m3fn"),
+                                                    progress=False, threads=1))
+    assert out["scaled"].rot_q is not None and out["scaled"].k_mean is not None  # the main job's recipe
+    return out
+
+
+def test_extension_roundtrip_every_shipped_recipe_bit_exact(tmp_path, shipped_recipes):
+    import gguf
+
+    model = _tiny_gguf(str(tmp_path / "tiny.gguf"), 2)
+    for name, art in shipped_recipes.items():
+        d = tmp_path / name.replace("/", "_").replace("+", "_")
+        saved = str(d / "a.safetensors")
+        os.makedirs(d)
+        save_artifact(art, saved)
+        art = load_artifact(saved)  # what `oscar export` reads
+        paths = export_sglang(art, str(d / "sg"), format_version=3)
+        o = torch.load(paths[0], weights_only=True)
+        assert o["format_version"] == 3 and o["extension"] == "oscar-kv" and o["extension_version"] == 1
+        assert ("query_rotation" in o["layers"][0]) == (art.rot_q is not None)
+        assert_same_recipe(art, import_sglang(str(d / "sg")))
+
+        g = export_gguf(art, model, str(d / "m.gguf"), format_version=2)
+        r = gguf.GGUFReader(g, "r")
+        assert r.get_field("oscar.gguf_rot.version").contents() == 2
+        assert ("blk.1.attn_q_rot.weight" in {t.name for t in r.tensors}) == (art.rot_q is not None)
+        back = import_gguf(g)
+        assert_same_recipe(art, back)
+        save_artifact(back, str(d / "b.safetensors"))  # and it is a loadable artifact again
+        assert_same_recipe(art, load_artifact(str(d / "b.safetensors")))
+
+
+def test_scaled_artifact_exports_by_default_to_the_extension(tmp_path, shipped_recipes):
+    art = shipped_recipes["scaled+tuned"]
+    o = torch.load(export_sglang(art, str(tmp_path / "sg"))[0], weights_only=True)
+    assert o["format_version"] == 3
+    lay = o["layers"][1]
+    assert torch.equal(lay["query_rotation"], art.rot_q[1]) and torch.equal(lay["rotation"], art.rot_k[1])
+    # the query transform is the dual of the key transform: q·k survives export
+    assert (lay["query_rotation"].double().transpose(-1, -2) @ lay["rotation"].double()
+            - torch.eye(16, dtype=torch.float64)).abs().max() < 1e-4
+    g = export_gguf(art, _tiny_gguf(str(tmp_path / "t.gguf"), 2), str(tmp_path / "m.gguf"))
+    import gguf
+
+    ts = {t.name: t for t in gguf.GGUFReader(g, "r").tensors}
+    assert np.array_equal(np.asarray(ts["blk.0.attn_q_rot.weight"].data)[1], art.rot_q[0][1].T.numpy())  # rot_qᵀ per head
+    assert np.array_equal(np.asarray(ts["blk.0.attn_k_mean"].data), art.k_mean[0].numpy())
+
+
+def test_cli_exports_the_main_jobs_recipe(tmp_path, shipped_recipes, capsys):
+    p = str(tmp_path / "a.safetensors")
+    save_artifact(shipped_recipes["scaled+tuned"], p)
+    assert oscar_main(["export", p, "--format", "sglang-oscar", "--out", str(tmp_path / "sg")]) == 0
+    assert "not exported" not in capsys.readouterr().err  # nothing dropped
+    assert oscar_main(["import", str(tmp_path / "sg"), "--format", "sglang-oscar", "--out", str(tmp_path / "b.safetensors")]) == 0
+    assert_same_recipe(load_artifact(p), load_artifact(str(tmp_path / "b.safetensors")))
+    assert oscar_main(["export", p, "--format", "sglang-oscar", "--format-version", "2", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "missing: the query transform rot_q" in err and "--format-version 3" in err
+    assert oscar_main(["export", p, "--format", "gguf-rot", "--format-version", "3", "--out", str(tmp_path / "x")]) == 2
+    assert "gguf-rot has 1 and 2" in capsys.readouterr().err
+
+
+def test_extension_import_rejects_bad_files(tmp_path, shipped_recipes):
+    art = shipped_recipes["scaled"]
+    export_sglang(art, str(tmp_path / "sg"))
+    k = torch.load(tmp_path / "sg" / "k_rotation_oscar.pt", weights_only=True)
+    k["extension_version"] = 99
+    torch.save(k, tmp_path / "sg" / "k_rotation_oscar.pt")
+    with pytest.raises(OscarError, match="extension 'oscar-kv' version 99"):
+        import_sglang(str(tmp_path / "sg"))
+    k["extension_version"] = 1
+    del k["layers"][1]["query_rotation"]
+    torch.save(k, tmp_path / "sg" / "k_rotation_oscar.pt")
+    with pytest.raises(OscarError, match="layer 1 has no 'query_rotation'"):
+        import_sglang(str(tmp_path / "sg"))
+    export_sglang(art, str(tmp_path / "mix"))
+    export_sglang(shipped_recipes["oscar"], str(tmp_path / "v2"), format_version=2)
+    os.replace(tmp_path / "v2" / "v_rotation_oscar.pt", tmp_path / "mix" / "v_rotation_oscar.pt")
+    with pytest.raises(OscarError, match="different format_version"):
+        import_sglang(str(tmp_path / "mix"))

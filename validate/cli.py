@@ -19,71 +19,110 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+_METHODS_HELP = "comma list of cache methods (docs/validation.md: bf16, naive-int2, kivi2, hadamard-int2, " \
+                "oscar-ref-int2, oscar-kc-int2, oscar-int2, ...)"
+_DTYPE_HELP = ("model compute dtype: bfloat16 (default, as `oscar run`: the serving precision the product compares "
+               "against) or float32 (steadier digits: bfloat16 results move with the thread count)")
+_PROGRESS_HELP = "no progress bars (ours and transformers')"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    v = sub.add_parser("validate", help="RULER-style needle tests, perplexity, attention-level retrieval")
+    v = sub.add_parser("validate", help="RULER-style needle tests, perplexity, attention-level retrieval",
+                       description="Model-level checks of an artifact against BF16 and the baseline INT2 schemes; "
+                                   "niah and ppl resume when re-run with the same options (docs/validation.md).")
     vs = v.add_subparsers(dest="validate_command", required=True, metavar="CHECK")
 
-    n = vs.add_parser("niah", help="RULER-style tasks under the strict protocol (resumable)")
-    n.add_argument("--model", default="smollm2-135m")
-    n.add_argument("--artifact", help="fitted artifact (needed by oscar-int2)")
-    n.add_argument("--methods", default=DEFAULT_METHODS)
-    n.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma list, or 'all'")
-    n.add_argument("--lengths", default="1k,2k,4k", help="e.g. 1k,2k,4k,...,128k (1k = 1024 tokens)")
-    n.add_argument("--samples", type=int, default=20)
-    n.add_argument("--seed", type=int, default=0)
-    n.add_argument("--protocol", default="strict", choices=["strict", "serving", "strict-token"])
-    n.add_argument("--corpus", default="pydoc")
-    n.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model compute dtype")
-    n.add_argument("--out", required=True)
+    n = vs.add_parser("niah", help="RULER-style tasks under the strict protocol (resumable)",
+                      description="RULER-style needle-in-a-haystack tasks on held-out haystacks, every method on the "
+                                  "same samples; writes DIR/results.parquet and DIR/niah_samples.jsonl.")
+    n.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    n.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
+    n.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
+    n.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma list of RULER tasks, or 'all'")
+    n.add_argument("--lengths", "--contexts", dest="lengths", default="1k,2k,4k",
+                   help="comma list of haystack lengths, e.g. 1k,2k,4k,...,128k (1k = 1024 tokens; --contexts: the "
+                        "same, as `oscar validate ppl` spelled it)")
+    n.add_argument("--samples", type=int, default=20, help="samples per (task, length) cell")
+    n.add_argument("--seed", type=int, default=0, help="seed of the haystacks, needles and questions")
+    n.add_argument("--protocol", default="strict", choices=["strict", "serving", "strict-token"],
+                   help="cache protocol: strict (recent window 0: sinks and under a page of the latest tokens exact), "
+                        "serving (sink + recent window exact), "
+                        "strict-token (diagnostic: per-token K/V quantized the moment they are written)")
+    n.add_argument("--corpus", default="pydoc", help="haystack corpus: pydoc, or a .parquet / .jsonl / .txt file")
+    n.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help=_DTYPE_HELP)
+    n.add_argument("--out", required=True, help="output directory (resumes what it already holds)")
+    n.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     n.set_defaults(func=_niah)
 
-    p = vs.add_parser("ppl", help="held-out perplexity, strict and serving protocols")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--artifact")
-    p.add_argument("--methods", default=DEFAULT_METHODS)
-    p.add_argument("--contexts", default="1k,4k")
-    p.add_argument("--protocols", default="strict,serving",
-                   help="comma-separated: strict, serving, strict-token (diagnostic; docs/validation.md)")
+    p = vs.add_parser("ppl", help="held-out perplexity, strict and serving protocols",
+                      description="Held-out perplexity of every method, paired by window against bf16; writes "
+                                  "DIR/ppl.parquet and DIR/goal.json.")
+    p.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    p.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
+    p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k",
+                   help="comma list of context lengths scored (1k = 1024 tokens; --contexts: the older spelling)")
+    p.add_argument("--protocol", "--protocols", dest="protocols", default="strict,serving",
+                   help="one protocol or a comma list: strict, serving, strict-token (diagnostic; docs/validation.md); "
+                        "--protocols: the older spelling")
     p.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored per context")
-    p.add_argument("--corpus", default="pydoc")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model compute dtype")
-    p.add_argument("--out", required=True)
+    p.add_argument("--corpus", default="pydoc", help="held-out corpus: pydoc, or a .parquet / .jsonl / .txt file")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help=_DTYPE_HELP)
+    p.add_argument("--out", required=True, help="output directory (resumes what it already holds)")
+    p.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     p.set_defaults(func=_ppl)
 
-    t = vs.add_parser("tune", help="scale the artifact's key clips by the factor with the lowest strict NLL on calibration text")
-    t.add_argument("--model", default="smollm2-135m")
-    t.add_argument("--artifact", required=True)
-    t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", help="× the fitted key clip (ratios capped at 1)")
+    t = vs.add_parser("tune", help="scale the artifact's key clips by the factor with the lowest strict NLL on calibration text",
+                      description="Score each factor x the fitted key clips by NLL per token on calibration-split text "
+                                  "(float32, so the choice does not depend on thread counts) and write the artifact "
+                                  "with the best factor applied.")
+    t.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    t.add_argument("--artifact", required=True, help="fitted artifact to tune")
+    t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", help="comma list of factors x the fitted key clip "
+                   "(ratios capped at 1)")
     t.add_argument("--tokens", type=int, default=2048, help="calibration-split tokens scored per factor")
-    t.add_argument("--protocol", default="strict", choices=["strict", "serving"])
-    t.add_argument("--corpus", default="pydoc")
+    t.add_argument("--protocol", default="strict", choices=["strict", "serving"], help="cache protocol the NLL is scored under")
+    t.add_argument("--corpus", default="pydoc", help="corpus whose calibration split is scored")
     t.add_argument("--out", required=True, help="tuned artifact (.safetensors)")
+    t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     t.set_defaults(func=_tune)
 
-    a = vs.add_parser("attention", help="attention-level retrieval to 128k on real captured q/k/v (not a model run)")
+    a = vs.add_parser("attention", help="attention-level retrieval to 128k on real captured q/k/v (not a model run)",
+                      description="Plant a needle key among captured keys and check that each method's quantized "
+                                  "attention still ranks it first, up to 128k tokens; writes DIR/attention.parquet.")
     a.add_argument("--store", required=True, help="calibration store (reservoirs layers/{l}/{q,k,v}_res)")
-    a.add_argument("--artifact")
-    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2")
-    a.add_argument("--lengths", default="4k,16k,32k,64k,128k")
-    a.add_argument("--trials", type=int, default=8)
+    a.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
+    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2", help=_METHODS_HELP)
+    a.add_argument("--lengths", "--contexts", dest="lengths", default="4k,16k,32k,64k,128k",
+                   help="comma list of context lengths (1k = 1024 tokens; --contexts: the same)")
+    a.add_argument("--trials", type=int, default=8, help="needle trials per layer and length (spread over the KV heads)")
     a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--out", required=True)
+    a.add_argument("--seed", type=int, default=0, help="seed of the trials")
+    a.add_argument("--out", required=True, help="output directory")
+    a.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     a.set_defaults(func=_attention)
 
-    r = sub.add_parser("run", help="the main job: calibrate -> fit -> validate -> report, resumable by stage")
-    r.add_argument("--out", required=True)
+    r = sub.add_parser("run", help="the main job: calibrate -> fit -> validate -> report, resumable by stage",
+                       description="The main job on the embedded defaults: calibrate (a local Ray cluster on "
+                                   "127.0.0.1), fit the recipe behind oscar-int2, tune its key clips, run the needle "
+                                   "tests, perplexity and attention-level retrieval, and write DIR/report.md and "
+                                   "DIR/report.html. Re-running the same command skips finished stages and resumes "
+                                   "inside calibrate, niah and ppl.")
+    r.add_argument("--out", required=True, help="run directory (everything the job writes; resumes what it holds)")
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
-    r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
     r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default 20)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (8192 held-out tokens per context; slower)")
     r.add_argument("--variant", default="scaled", help="fit variant behind oscar-int2 (see `oscar variants`)")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
-                   help="cache protocol for the needle tests (perplexity reports both)")
+                   help="cache protocol of the needle stage (`oscar validate niah --protocol`; named for its stage "
+                        "because perplexity always reports both)")
     r.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                    help="model compute dtype for NIAH and perplexity (default bfloat16: serving precision, fast on "
-                        "CPUs with bf16 units; float32 is digit-comparable with `oscar validate` defaults)")
+                        "CPUs with bf16 units; float32: steadier digits, ~1.7x slower)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's); "
+                   "stage lines are still printed")
     r.set_defaults(func=_run)
 
 
@@ -95,7 +134,7 @@ def _niah(args) -> int:
     cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods), tasks=tasks,
                      lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed, protocol=args.protocol,
                      corpus=args.corpus, dtype=args.dtype)
-    df = run_niah(cfg)
+    df = run_niah(cfg, progress=not args.no_progress)
     print(df.pivot_table(index=["task", "method"], columns="length", values="score").round(1).to_string())
     return 0
 
@@ -106,7 +145,7 @@ def _ppl(args) -> int:
     cfg = PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
                     contexts=_lengths(args.contexts), protocols=_csv(args.protocols), tokens=args.tokens, corpus=args.corpus,
                     dtype=args.dtype)
-    df = run_ppl(cfg)
+    df = run_ppl(cfg, progress=not args.no_progress)
     print(df.round(3).to_string(index=False))
     return 0
 
@@ -120,7 +159,7 @@ def _tune(args) -> int:
                      corpus=args.corpus)
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
-    tuned, rec = tune_key_clip(model, tok, art, cfg)
+    tuned, rec = tune_key_clip(model, tok, art, cfg, progress=not args.no_progress)
     save_artifact(tuned, args.out)
     for f, v in rec["nll_per_token"].items():
         print(f"factor {f}: NLL/token {v:.5f}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
@@ -134,7 +173,7 @@ def _attention(args) -> int:
     cfg = AttnConfig(out=args.out, store=args.store, artifact=args.artifact, methods=_csv(args.methods),
                      lengths=_lengths(args.lengths), trials=args.trials, seed=args.seed,
                      layers=[int(x) for x in _csv(args.layers)])
-    df = run_attention(cfg)
+    df = run_attention(cfg, progress=not args.no_progress)
     print(df.round(4).to_string(index=False))
     return 0
 
@@ -143,5 +182,6 @@ def _run(args) -> int:
     from oscar.validate.run import RunConfig, run_main
 
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       variant=args.variant, tune=not args.no_tune, niah_protocol=args.niah_protocol, dtype=args.dtype))
+                       variant=args.variant, tune=not args.no_tune, niah_protocol=args.niah_protocol, dtype=args.dtype,
+                       progress=not args.no_progress))
     return 0

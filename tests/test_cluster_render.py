@@ -1,0 +1,140 @@
+"""`oscar cluster render`: complete manifests from named parameters; the command they run parses with the real
+CLI; unset parameters and GPU counts `oscar plan` says cannot hold the model are refused, writing nothing."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+import yaml
+
+from oscar.__main__ import build_parser, main
+from oscar.cluster import jobs
+from oscar.cluster.pipeline import ClusterConfig
+from oscar.cluster.render import REQUIRED, RenderConfig, fill, render
+from oscar.common import OscarError
+
+IMAGE = "registry.internal/ml/oscar-kv:0.1.0-cu128"
+KUBE = dict(target="kuberay", image=IMAGE, nodes=2, gpus_per_node=8, gpu_mem=80, cpus_per_node=32, memory_per_node=256,
+            model="/data/models/GLM-4.7", model_config="glm-4.7", store="/data/calib/glm47.zarr", pvc="oscar-data",
+            tokens=2097152)
+AWS = dict(target="aws", image=IMAGE, nodes=1, gpus_per_node=8, gpu_mem=141, cpus_per_node=192,
+           model="/data/models/GLM-4.7", model_config="glm-4.7", store="/data/calib/glm47.zarr", region="us-west-2",
+           instance_type="p5en.48xlarge", mount_command="sudo mount -t nfs fs.internal:/export /data")
+
+
+def argv_of(kw: dict) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def test_kuberay_manifest_is_complete_and_runs_a_real_oscar_command(tmp_path):
+    assert main(["cluster", "render", "--out", str(tmp_path), *argv_of(KUBE)]) == 0
+    rayjob = yaml.safe_load(open(tmp_path / "rayjob.yaml"))
+    assert rayjob["kind"] == "RayJob" and rayjob["apiVersion"] == "ray.io/v1"
+    spec = rayjob["spec"]["rayClusterSpec"]
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    workers = spec["workerGroupSpecs"][0]
+    worker = workers["template"]["spec"]["containers"][0]
+    assert head["image"] == worker["image"] == IMAGE
+    lim = worker["resources"]["limits"]
+    assert (lim["nvidia.com/gpu"], lim["cpu"], lim["memory"]) == (8, 32, "256Gi") and worker["resources"]["requests"] == lim
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == 2
+    vols = spec["headGroupSpec"]["template"]["spec"]["volumes"]
+    assert vols == [{"name": "data", "persistentVolumeClaim": {"claimName": "oscar-data"}}]
+    text = (tmp_path / "rayjob.yaml").read_text()
+    for fake in ("ami-0123456789abcdef0", "fs-XXXX", "ghcr.io/example", "{{", "}}"):
+        assert fake not in text
+    # the header names the render command that reproduces the file, and it parses
+    again = shlex.split(text.split("# Rendered by: ")[1].splitlines()[0])
+    a2 = build_parser().parse_args(again[1:] + ["--out", str(tmp_path / "again")])
+    assert a2.image == IMAGE and a2.nodes == 2 and a2.tokens == KUBE["tokens"]
+    assert main(again[1:] + ["--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "rayjob.yaml").read_text() == text
+
+    # the exact command, parsed by the real CLI parser
+    argv = shlex.split(rayjob["spec"]["entrypoint"])
+    assert argv[0] == "oscar"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "calibrate" and args.ray == "auto" and args.device == "cuda" and args.dtype == "bfloat16"
+    assert (args.model, args.store, args.tokens) == (KUBE["model"], KUBE["store"], KUBE["tokens"])
+    assert (args.stages, args.replicas, args.gpus_per_stage) == (2, 1, 8.0)  # oscar plan: 2 stages x 8 x 80 GiB
+    c = ClusterConfig(stages=args.stages, replicas=args.replicas, gpus_per_stage=args.gpus_per_stage)
+    assert workers["replicas"] * lim["nvidia.com/gpu"] == c.stages * c.replicas * c.gpus_per_stage  # the arithmetic adds up
+    assert args.cpus_per_stage * c.stages * c.replicas <= lim["cpu"] * workers["replicas"]
+
+
+def test_aws_launcher_and_job_config(tmp_path, capsys):
+    assert main(["cluster", "render", "--out", str(tmp_path), *argv_of(AWS)]) == 0
+    printed = capsys.readouterr().out
+    cl = yaml.safe_load(open(tmp_path / "cluster.yaml"))
+    assert cl["docker"]["image"] == IMAGE and cl["provider"]["region"] == "us-west-2"
+    w = cl["available_node_types"]["gpu_worker"]
+    assert w["resources"] == {"CPU": 192, "GPU": 8} and w["min_workers"] == w["max_workers"] == 1
+    assert w["node_config"]["InstanceType"] == "p5en.48xlarge" and w["node_config"]["ImageId"] == "latest_dlami"
+    assert AWS["mount_command"] in cl["initialization_commands"]
+    assert not any("pip install" in c for c in cl.get("setup_commands", []))  # the image carries oscar-kv
+    job = jobs.normalize_job_config(yaml.safe_load(open(tmp_path / "job.yaml")))
+    assert job["calibrate"]["store"] == AWS["store"] and job["calibrate"]["device"] == "cuda"
+    assert job["cluster"]["stages"] * job["cluster"]["replicas"] * job["cluster"]["gpus_per_stage"] == 8  # 1 x 8 x H200
+    run = printed.split("runs: ")[1].strip()
+    args = build_parser().parse_args(shlex.split(run)[1:])
+    assert args.command == "submit" and args.config == "job.yaml" and args.wait
+    assert run in (tmp_path / "cluster.yaml").read_text()
+
+
+@pytest.mark.parametrize("target,base", [("kuberay", KUBE), ("aws", AWS)])
+def test_every_required_parameter_unset_is_refused(tmp_path, target, base, capsys):
+    for name in REQUIRED[target]:
+        kw = {k: v for k, v in base.items() if k != name}
+        out = tmp_path / f"{target}-{name}"
+        assert main(["cluster", "render", "--out", str(out), *argv_of(kw)]) == 2
+        err = capsys.readouterr().err
+        assert f"parameter(s) unset: --{name.replace('_', '-')}" in err and "nothing written" in err, err
+        assert not out.exists()
+
+
+def test_gpu_counts_the_plan_cannot_hold_are_refused(tmp_path):
+    with pytest.raises(OscarError, match=r"needs 2 stage\(s\) x 8 GPU\(s\) = 16 GPUs, but --nodes 1 x --gpus-per-node 8 = 8"):
+        render(RenderConfig(**{**KUBE, "nodes": 1}))
+    with pytest.raises(OscarError, match=r"does not fit: stage 0 .* peaks at .* GiB > 576.0 GiB .* smallest stage count "
+                                         r"that fits is 2"):
+        render(RenderConfig(**{**KUBE, "stages": 1}))
+    with pytest.raises(OscarError, match="no stage count fits"):
+        render(RenderConfig(**{**KUBE, "gpu_mem": 1}))
+    with pytest.raises(OscarError, match="do not split into replicas"):
+        render(RenderConfig(**{**KUBE, "nodes": 3}))
+    assert main(["cluster", "render", "--out", str(tmp_path / "x"), *argv_of({**KUBE, "nodes": 1})]) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_paths_and_configs_are_refused():
+    with pytest.raises(OscarError, match="not on a volume every node mounts"):
+        render(RenderConfig(**{**KUBE, "store": "/scratch/s.zarr"}))
+    with pytest.raises(OscarError, match="must be an absolute path"):
+        render(RenderConfig(**{**KUBE, "store": "calib.zarr"}))
+    with pytest.raises(OscarError, match="give --model-config"):
+        render(RenderConfig(**{**KUBE, "model_config": None}))
+    with pytest.raises(OscarError, match="must divide --gpus-per-node"):
+        render(RenderConfig(**{**KUBE, "gpus_per_stage": 3}))
+    with pytest.raises(OscarError, match="one line"):
+        render(RenderConfig(**{**KUBE, "image": "a\nkind: Pod"}))
+    ok = render(RenderConfig(**{**KUBE, "models_pvc": "glm47-weights", "model": "/models/GLM-4.7"}))
+    vols = yaml.safe_load(ok.files["rayjob.yaml"])["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "glm47-weights", "readOnly": True}} in vols
+
+
+def test_template_parameters_without_value_are_refused():
+    with pytest.raises(OscarError, match="template parameter\\(s\\) unset: image, nodes"):
+        fill("image: {{image}}\nreplicas: {{ nodes }}\nname: {{name}}", {"name": '"x"'})
+
+
+def test_small_real_model_plans_from_its_own_config():
+    """--model readable here: the plan reads it directly (the tiny preset, one stage on one GPU)."""
+    r = render(RenderConfig(**{**KUBE, "model": "/data/m", "model_config": "tiny-llama", "nodes": 1, "gpus_per_node": 1,
+                               "gpu_mem": 1}))
+    args = build_parser().parse_args(r.command[1:])
+    assert (args.stages, args.replicas, args.gpus_per_stage) == (1, 1, 1.0)
