@@ -222,13 +222,14 @@ def _goal_rows(df, method: str, windows: list[dict] | None, tokens: int | None) 
         ratio = float(r.ratio)
         lo, hi = float(getattr(r, "ratio_ci_low", float("nan"))), float(getattr(r, "ratio_ci_high", float("nan")))
         has_ci = lo == lo and hi == hi
-        if not has_ci:  # results written before intervals: the point estimate stands in for its interval
+        legacy = "ratio_ci_low" not in df  # results written before intervals existed
+        if legacy:  # the point estimate stands in for its interval (the report says "no interval")
             lo = hi = ratio
         alo = ahi = float("nan")
         if idx is not None and tokens and has_ci and m > 1:  # Bonferroni-level interval for MISSED (see combine)
             (bm, bb), _, _ = blocks(idx, [(method, "strict"), ("bf16", "-")], int(r.context), tokens // int(r.context))
             _, alo, ahi, _ = ratio_of(bm, bb, 1 - ALPHA / m)
-        if alo != alo:
+        if alo != alo and (has_ci or legacy):  # no adjusted interval: the 95 % one (or the point) stands in
             alo, ahi = lo, hi
         bits = float(r.bits_per_element)
         v = iv.verdict(lo, hi, GOAL_RATIO, "below")
@@ -282,3 +283,83 @@ def product_goal(df, windows: list[dict] | None = None, tokens: int | None = Non
             v, s = _status(rows)
             g["others"][m] = {"status": s, "verdict": v, "rows": rows}
     return g
+
+
+# ----------------------------------------------------------------- the report's checks
+
+
+def _cell_verdicts(est_lo_hi: list[tuple], threshold: float, better: str, adjusted: list[tuple], n: list[int]) -> dict:
+    """Combine per-cell (est, lo, hi) 95 % intervals and (lo, hi) at level 1 - 0.05/m into one check."""
+    vs = [iv.verdict(lo, hi, threshold, better) for _, lo, hi in est_lo_hi]
+    va = [iv.verdict(lo, hi, threshold, better) for lo, hi in adjusted]
+    v = iv.combine(vs, va)
+    need, stuck = None, 0
+    if v == iv.UNRESOLVED:  # the cells that do not pass decide: the most demanding one
+        ns = [iv.resolve_n(e, lo, hi, threshold, k) for (e, lo, hi), c, k in zip(est_lo_hi, vs, n) if c != iv.PASS]
+        stuck = sum(x is None for x in ns)  # estimate on the threshold, or no interval
+        need = max([x for x in ns if x is not None], default=None)
+    return {"verdict": v, "cells": vs, "resolve": need, "stuck": stuck}
+
+
+def niah_check(done: dict, res, keys: list[tuple], method: str, threshold: float, better: str,
+               paired: bool) -> dict:
+    """One report check over NIAH cells `keys` = [(task, length)]: the score of `method` (paired=False)
+    or its paired difference to bf16 in points (paired=True) against `threshold`.
+
+    Returns verdict, per-cell (task, length, est, lo, hi), the worst cell and the samples that would
+    resolve an UNRESOLVED verdict. Without per-sample lines, paired checks are UNRESOLVED and score
+    checks use Wilson intervals from (score, samples).
+    """
+    m = len(keys)
+    cells = cell_scores(done) if done else {}
+    rows, adj, ns = [], [], []
+    for t, L in keys:
+        if done:
+            if paired:
+                x, y = paired_arrays(cells, t, L, method)
+                e, lo, hi = paired_diff(x, y)
+                _, alo, ahi = paired_diff(x, y, 1 - ALPHA / m)
+                k = len(x)
+            else:
+                x = np.array(list(cells.get((t, L, method), {}).values()))
+                if not len(x):
+                    continue
+                e = 100 * float(x.mean())
+                lo, hi, _ = score_interval(x)
+                alo, ahi, _ = score_interval(x, 1 - ALPHA / m)
+                k = len(x)
+        else:
+            r = res[(res.task == t) & (res.length == L) & (res.method == method)]
+            if paired or not len(r):
+                e = lo = hi = alo = ahi = float("nan")
+                k = 0
+            else:
+                k, e = int(r.samples.iloc[0]), float(r.score.iloc[0])
+                lo, hi = (100 * v for v in iv.wilson(round(e * k / 100), k))
+                alo, ahi = (100 * v for v in iv.wilson(round(e * k / 100), k, 1 - ALPHA / m))
+        rows.append((t, L, e, lo, hi))
+        adj.append((alo, ahi))
+        ns.append(k)
+    out = _cell_verdicts([r[2:] for r in rows], threshold, better, adj, ns)
+    worst = None
+    if rows:  # the cell nearest to failing: lowest lower bound ("above"), highest upper bound ("below")
+        worst = min(rows, key=lambda r: r[3] if better == "above" else -r[4]) if all(r[3] == r[3] for r in rows) else rows[0]
+    out.update(rows=rows, worst=worst, samples=min(ns) if ns else 0)
+    return out
+
+
+def ppl_pair_check(windows: list[dict], tokens: int, contexts, a: str, b: str, protocol: str) -> dict:
+    """ppl(a) < ppl(b) under `protocol` at every context: the ratio a/b paired by block, against 1."""
+    idx = _index(windows)
+    m = len(contexts)
+    rows, adj, ns = [], [], []
+    for c in contexts:
+        (ba, bb), unit, _ = blocks(idx, [(a, proto_key(a, protocol)), (b, proto_key(b, protocol))], c, tokens // c)
+        r, lo, hi, n = ratio_of(ba, bb)
+        _, alo, ahi, _ = ratio_of(ba, bb, 1 - ALPHA / m) if m > 1 else (r, lo, hi, n)
+        rows.append((c, r, lo, hi, n, unit))
+        adj.append((alo, ahi))
+        ns.append(n)
+    out = _cell_verdicts([(r[1], r[2], r[3]) for r in rows], 1.0, "below", adj, ns)
+    out.update(rows=rows)
+    return out
