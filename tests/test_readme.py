@@ -92,3 +92,9 @@ def test_cli_report_readme(tmp_path):
     assert r.returncode == 0, r.stderr
     text = readme.read_text()
     assert f"`oscar report {d} --readme {readme}`" in text and "Product goal" in text and "[95 % interval]" in text
+    # results from before the interval columns: the intervals come from the per-sample/per-window
+    # lines, those resting on fewer than 8 windows are marked, and a single window gives no verdict
+    md = (d / "report.md").read_text()
+    assert "100.0 [84–100]" in md  # bf16 20/20: Wilson [83.9, 100]
+    assert "†" in md and "fewer than 8 blocks (1k: 4 windows, 4k: 1 window)" in md
+    assert "4k: 1.242× (no interval) bf16 at 2.50 bits/elem, UNRESOLVED (1 window)" in md
