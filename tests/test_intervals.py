@@ -251,3 +251,47 @@ def test_niah_stats_intervals_and_holm():
     assert st["oscar-int2"]["diff_vs_bf16"] == pytest.approx(-5.0) and st["oscar-int2"]["diff_ci_low"] < -5 < st["oscar-int2"]["diff_ci_high"]
     frac = _samples({("niah_multikey_1", 1024, "bf16"): [1, 0.5, 0.75, 1] * 5})
     assert ev.niah_stats(frac)[0]["ci_method"] == "bootstrap"
+
+
+def _res(done):
+    rows = [{"suite": "ruler", "task": r["task"], "length": r["length"], "method": r["method"], "samples": r["samples"],
+             "score": r["score"], "protocol": "serving"} for r in ev.niah_stats(done)]
+    return pd.DataFrame(rows)
+
+
+def test_report_checks_come_out_pass_missed_unresolved():
+    from oscar.reports.build import acceptance
+
+    keys = [("niah_single_1", L) for L in (1024, 2048, 4096)]
+    rng = np.random.default_rng(8)
+
+    def checks(cells):
+        done = _samples(cells)
+        return {c[0]: (c[1], c[2]) for c in acceptance(_res(done), None, done)}
+
+    # 60 samples per cell: bf16 60/60 clears 90 %, naive 0/60 is > 20 points below, oscar-int2 equal to bf16
+    full = {**{(t, L, "bf16"): [1] * 60 for t, L in keys}, **{(t, L, "naive-int2"): [0] * 60 for t, L in keys},
+            **{(t, L, "oscar-int2"): [1] * 60 for t, L in keys}}
+    c = checks(full)
+    assert c["bf16 >= 90% on niah_single_1/2 at 1k-4k"][0] == "PASS"
+    assert c["naive-int2 clearly below bf16 (paired)"][0] == "PASS"
+    # 60/60 vs 60/60: the paired interval is about +-6 points, which still straddles -5: unresolved
+    assert c["oscar-int2 within 5 points of bf16 (paired)"][0] == "UNRESOLVED"
+    assert "would resolve it" in c["oscar-int2 within 5 points of bf16 (paired)"][1]
+    # 20 samples: bf16 20/20 cannot clear 90 % (Wilson lower bound 83.9 %): unresolved, with a projection
+    small = {k: v[:20] for k, v in full.items()}
+    c = checks(small)
+    v, det = c["bf16 >= 90% on niah_single_1/2 at 1k-4k"]
+    assert v == "UNRESOLVED" and f"~{iv.resolve_n(100, 100 * iv.wilson(20, 20)[0], 100, 90, 20)} samples" in det
+    # bf16 collapses in one cell, oscar-int2 loses 40 points in every cell: both missed
+    bad = dict(full)
+    bad[("niah_single_1", 4096, "bf16")] = [1] * 20 + [0] * 40
+    for t, L in keys:
+        bad[(t, L, "oscar-int2")] = list(rng.permutation([1] * 36 + [0] * 24))
+    c = checks(bad)
+    assert c["bf16 >= 90% on niah_single_1/2 at 1k-4k"][0] == "MISSED"
+    assert c["oscar-int2 within 5 points of bf16 (paired)"][0] == "MISSED"
+    # bf16 20/60 vs naive 0/60 at 4k: a 33-point gap whose interval still clears 20 points
+    assert c["naive-int2 clearly below bf16 (paired)"][0] == "PASS"
+    lo = -ev.paired_diff(np.zeros(60), np.array([1] * 20 + [0] * 40))[2]
+    assert lo > 20
