@@ -49,34 +49,81 @@ def md_table(header: list[str], rows: list[list]) -> str:
 
 # ----------------------------------------------------------------- checks (the issue's "must hold")
 
+CHECK_TASKS, CHECK_LENGTHS = ["niah_single_1", "niah_single_2"], [1024, 2048, 4096]
 
-def acceptance(res, ppl) -> list[tuple[str, str, str]]:
-    """(check, status, detail) for the validation targets; status is PASS, MISSED or not measured."""
+
+def _n(k: int, unit: str) -> str:
+    return f"{k} {unit}" + ("" if k == 1 else "s")
+
+
+def _iv(lo: float, hi: float, fmt: str = ".1f") -> str:
+    return "" if lo != lo or hi != hi else f" [{lo:{fmt}}–{hi:{fmt}}]"
+
+
+def _resolve(c: dict, unit: str) -> str:
+    if c["verdict"] != "UNRESOLVED":
+        return ""
+    out = f"; ~{c['resolve']} {unit} would resolve it" if c.get("resolve") else ""
+    if c.get("stuck"):
+        out += (f"; {c['stuck']} cell(s) with no interval (fewer than 2 {unit}) or an estimate on the threshold: "
+                "more data, not a projection, decides those")
+    return out
+
+
+def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, tokens: int | None = None
+               ) -> list[tuple[str, str, str]]:
+    """(check, status, detail) for the validation targets; status is PASS, MISSED or UNRESOLVED by the
+    interval rule (oscar.validate.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
+    at 1 - 0.05/m over the m cells for MISSED."""
+    from oscar.validate.evidence import niah_check, ppl_pair_check
+
     out = []
     if res is not None and len(res):
-        r = res[(res.suite == "ruler") & res.task.isin(["niah_single_1", "niah_single_2"]) & res.length.isin([1024, 2048, 4096])]
-        cells = r.pivot_table(index=["task", "length"], columns="method", values="score")
+        r = res[(res.suite == "ruler") & res.task.isin(CHECK_TASKS) & res.length.isin(CHECK_LENGTHS)]
         n = r.groupby(["task", "length", "method"]).samples.min()
         few = int(n.min()) if len(n) else 0
         note = f"; {few} samples per cell (target >= 20)" if few < 20 else f"; >= {few} samples per cell"
-        if "bf16" in cells:
-            lo = cells["bf16"].min()
-            out.append(("bf16 >= 90% on niah_single_1/2 at 1k-4k", "PASS" if lo >= 90 else "MISSED", f"min {lo:.1f}%{note}"))
-        if "bf16" in cells and "naive-int2" in cells:
-            gap = (cells["bf16"] - cells["naive-int2"]).min()
-            out.append(("naive-int2 clearly below bf16", "PASS" if gap >= 20 else "MISSED", f"smallest gap {gap:.1f} points"))
-        if "bf16" in cells and "oscar-int2" in cells:
-            gap = (cells["bf16"] - cells["oscar-int2"]).max()
-            out.append(("oscar-int2 within 5 points of bf16", "PASS" if gap <= 5 else "MISSED", f"largest gap {gap:.1f} points{note}"))
+        methods = set(r.method)
+
+        def keys(m):
+            return sorted({(t, L) for t, L, mm in zip(r.task, r.length, r.method) if mm == m})
+
+        def where(c):
+            return f" ({c['worst'][0]} {_len_label(c['worst'][1])})" if c.get("worst") else ""
+
+        if "bf16" in methods:
+            c = niah_check(done, r, keys("bf16"), "bf16", 90.0, "above", paired=False)
+            w = c["worst"]
+            out.append(("bf16 >= 90% on niah_single_1/2 at 1k-4k", c["verdict"],
+                        f"min {w[2]:.1f}%{_iv(w[3], w[4])}{where(c)}{note}{_resolve(c, 'samples per cell')}"))
+        for m, thr, better, name, label in (("naive-int2", -20.0, "below", "naive-int2 clearly below bf16", "smallest gap"),
+                                            ("oscar-int2", -5.0, "above", "oscar-int2 within 5 points of bf16", "largest gap")):
+            if "bf16" in methods and m in methods:
+                c = niah_check(done, r, keys(m), m, thr, better, paired=True)
+                if not done:
+                    out.append((name, c["verdict"], "no per-sample file (niah_samples.jsonl): no paired interval"))
+                    continue
+                w = max(c["rows"], key=lambda x: x[4]) if better == "below" else min(c["rows"], key=lambda x: x[3])
+                out.append((name + " (paired)", c["verdict"],
+                            f"{label} {-w[2]:.1f} points{_iv(-w[4], -w[3])} ({w[0]} {_len_label(w[1])}){note}"
+                            f"{_resolve(c, 'samples per cell')}"))
     if ppl is not None and len(ppl):
+        ctxs = sorted(ppl.context.unique())
         for proto in ("strict", "serving"):
             p = ppl[ppl.protocol == proto].pivot_table(index="context", columns="method", values="ppl")
-            if "oscar-int2" in p:
-                for other in ("naive-int2", "hadamard-int2", "oscar-ref-int2"):
-                    if other in p:
-                        ok = bool((p["oscar-int2"] < p[other]).all())
-                        det = ", ".join(f"{_len_label(c)}: {p.loc[c, 'oscar-int2']:.3f} vs {p.loc[c, other]:.3f}" for c in p.index)
-                        out.append((f"ppl oscar-int2 < {other} ({proto})", "PASS" if ok else "MISSED", det))
+            if "oscar-int2" not in p:
+                continue
+            for other in ("naive-int2", "hadamard-int2", "oscar-ref-int2"):
+                if other not in p:
+                    continue
+                name = f"ppl oscar-int2 < {other} ({proto})"
+                if not windows:
+                    out.append((name, "UNRESOLVED", "no per-window file (ppl_windows.jsonl): no paired interval; "
+                                + ", ".join(f"{_len_label(c)}: {p.loc[c, 'oscar-int2']:.3f} vs {p.loc[c, other]:.3f}" for c in p.index)))
+                    continue
+                c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", other, proto)
+                det = ", ".join(f"{_len_label(x[0])}: ratio {x[1]:.3f}{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
+                out.append((name, c["verdict"], det + _resolve(c, "blocks")))
     return out
 
 
@@ -91,36 +138,53 @@ def _plot_accuracy(res, path: str) -> str | None:
     fig, axes = panels(len(tasks), 4.2, 3.2)
     for ax, t in zip(axes, tasks):
         d = r[r.task == t]
-        for m in _order(d.method):
+        ms = _order(d.method)
+        for i, m in enumerate(ms):
             dm = d[d.method == m].sort_values("length")
-            ax.plot(dm.length, dm.score, marker="o", label=m)
+            x = dm.length * 2 ** (0.06 * (i - (len(ms) - 1) / 2))  # spread the methods' bars apart (log axis)
+            err = [dm.score - dm.ci_low, dm.ci_high - dm.score] if "ci_low" in dm else None  # 95 % interval
+            ax.errorbar(x, dm.score, yerr=err, marker="o", ms=4, capsize=2, lw=1.2, elinewidth=0.8, label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(d.length.unique()), [_len_label(x) for x in sorted(d.length.unique())])
         ax.set_ylim(-3, 103)
         ax.set_title(t)
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("score (%)")
+        ax.set_ylabel("score (%, bars: 95% interval)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     return save(fig, path)
 
 
 def _plot_ppl(ppl, path: str) -> str | None:
+    """Ratio to bf16 with its paired 95 % interval (what the verdicts use), per protocol; the
+    perplexity itself when the table has no ratio intervals (results from before them)."""
     if ppl is None or not len(ppl):
         return None
+    ratio = "ratio_ci_low" in ppl
     protos = list(dict.fromkeys(ppl.protocol))
     fig, axes = panels(len(protos), 5, 3.4, cols=len(protos))
     for ax, p in zip(axes, protos):
-        d = ppl[ppl.protocol == p]
+        d = ppl[(ppl.protocol == p) & ((ppl.method != "bf16") | (not ratio))]
         ctxs = sorted(d.context.unique())
         ms = _order(d.method)
         w = 0.8 / max(1, len(ms))
         for i, m in enumerate(ms):
             dm = d[d.method == m].set_index("context")
-            ax.bar([k + i * w for k in range(len(ctxs))], [dm.ppl.get(c, float("nan")) for c in ctxs], w, label=m)
+            col = "ratio" if ratio else "ppl"
+            y = [float(dm[col].get(c, float("nan"))) for c in ctxs]
+            err = None
+            if ratio:
+                lo = [float(dm.ratio_ci_low.get(c, float("nan"))) for c in ctxs]
+                hi = [float(dm.ratio_ci_high.get(c, float("nan"))) for c in ctxs]
+                err = [[a - b if b == b else 0.0 for a, b in zip(y, lo)], [b - a if b == b else 0.0 for a, b in zip(y, hi)]]
+            ax.bar([k + i * w for k in range(len(ctxs))], y, w, yerr=err, capsize=2, label=m)
         ax.set_xticks([k + 0.4 - w / 2 for k in range(len(ctxs))], [_len_label(c) for c in ctxs])
         ax.set_yscale("log")
-        ax.set_title(f"perplexity, {p} protocol")
+        if ratio:
+            ax.axhline(1.0, color="k", lw=0.8)
+            if p == "strict":
+                ax.axhline(1.25, color="k", ls="--", lw=0.8, label="goal 1.25×")
+        ax.set_title(f"{'perplexity / bf16 (95% interval)' if ratio else 'perplexity'}, {p} protocol")
         ax.set_xlabel("context")
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
@@ -155,7 +219,38 @@ def _read(d: str, name: str):
     return pd.read_parquet(p) if os.path.exists(p) else None
 
 
-def _ruler_section(res, figdir: str) -> list[str]:
+def _cell(est: float, lo: float, hi: float) -> str:
+    return "—" if est != est else f"{est:.1f}{_iv(lo, hi, '.0f')}"
+
+
+def _avg_over_tasks(r, done: dict | None, method: str, length: int) -> tuple[float, float, float]:
+    """Score of `method` at `length` pooled over the tasks' samples, with its 95 % interval."""
+    from oscar.validate.evidence import score_interval
+    from oscar.validate.intervals import wilson
+
+    d = r[(r.method == method) & (r.length == length)]
+    if not len(d):
+        return float("nan"), float("nan"), float("nan")
+    if done:
+        x = [v["score"] for (t, L, i, m), v in done.items() if m == method and L == length and t in set(d.task)]
+        if x:
+            lo, hi, _ = score_interval(x)
+            return 100 * sum(x) / len(x), lo, hi
+    k, n = float((d.score * d.samples / 100).sum()), int(d.samples.sum())
+    lo, hi = wilson(round(k), n)
+    return 100 * k / n, 100 * lo, 100 * hi
+
+
+def needle_avg_table(r, done: dict | None, methods=None) -> tuple[list[str], list[list]]:
+    """(header, rows) of the score averaged over tasks (samples pooled), one column per length."""
+    lengths = sorted(r.length.unique())
+    rows = []
+    for m in methods or _order(r.method):
+        rows.append([m] + [_cell(*_avg_over_tasks(r, done, m, L)) for L in lengths])
+    return ["method"] + [_len_label(L) for L in lengths], rows
+
+
+def _ruler_section(res, figdir: str, done: dict | None = None) -> list[str]:
     if res is None or not len(res[res.suite == "ruler"]):
         return ["## RULER-style tasks", "", "No NIAH results in this directory (`oscar validate niah`).", ""]
     r = res[res.suite == "ruler"]
@@ -163,28 +258,91 @@ def _ruler_section(res, figdir: str) -> list[str]:
     out = [f"## RULER-style tasks ({proto} protocol)", ""]
     lengths = sorted(r.length.unique())
     out += [f"Score = RULER string match (%), protocol: {proto}. Samples per cell: "
-            f"{int(r.samples.min())}–{int(r.samples.max())}. Haystacks are held-out text and noise; "
+            f"{int(r.samples.min())}–{int(r.samples.max())}; [brackets]: 95 % interval over samples (Wilson for "
+            "0/1 scores, bootstrap otherwise). Haystacks are held-out text and noise; "
             "the needle prompt is prefilled into each method's cache, then the question attends to it.", ""]
-    avg_rows = []
+    has_ci = "ci_low" in r
     for t in dict.fromkeys(r.task):
         d = r[r.task == t]
         rows = []
         for m in _order(d.method):
-            s = d[d.method == m].set_index("length").score
-            vals = [float(s.get(L, float("nan"))) for L in lengths]
+            dm = d[d.method == m].set_index("length")
+            vals = [float(dm.score.get(L, float("nan"))) for L in lengths]
+            cells = [_cell(v, float(dm.ci_low.get(L)), float(dm.ci_high.get(L))) if has_ci and v == v else _cell(v, *(float("nan"),) * 2)
+                     for v, L in zip(vals, lengths)]
             have = [v for v in vals if v == v]
-            rows.append([m] + vals + [sum(have) / len(have) if have else float("nan")])
+            rows.append([m] + cells + [sum(have) / len(have) if have else float("nan")])
         out += [f"### {t}", "", md_table(["method"] + [_len_label(L) for L in lengths] + ["Avg."], rows), ""]
-    for m in _order(r.method):
-        s = r[r.method == m].groupby("length").score.mean()
-        vals = [float(s.get(L, float("nan"))) for L in lengths]
-        have = [v for v in vals if v == v]
-        avg_rows.append([m] + vals + [sum(have) / len(have) if have else float("nan")])
-    out += ["### Average over tasks", "", md_table(["method"] + [_len_label(L) for L in lengths] + ["Avg."], avg_rows), ""]
+    head, rows = needle_avg_table(r, done)
+    out += ["### Average over tasks (samples pooled)", "", md_table(head, rows), ""]
+    if "diff_vs_bf16" in r and r.diff_vs_bf16.notna().any():
+        out += ["### Paired difference to bf16 (points, same samples)", "",
+                "Each cell: method − bf16 [95 % interval: Newcombe for 0/1 scores, paired bootstrap otherwise]; "
+                "* marks a difference significant after Holm's correction over every cell compared "
+                "(exact McNemar / sign-flip test, adjusted p < 0.05).", ""]
+        rows = []
+        for t in dict.fromkeys(r.task):
+            for m in _order(r.method):
+                if m == "bf16":
+                    continue
+                dm = r[(r.task == t) & (r.method == m)].set_index("length")
+                if not len(dm):
+                    continue
+                cells = []
+                for L in lengths:
+                    if L not in dm.index or dm.diff_vs_bf16.get(L) != dm.diff_vs_bf16.get(L):
+                        cells.append("—")
+                        continue
+                    star = "*" if dm.p_holm.get(L) < 0.05 else ""
+                    cells.append(f"{dm.diff_vs_bf16.get(L):+.1f}{_iv(dm.diff_ci_low.get(L), dm.diff_ci_high.get(L), '+.0f')}{star}")
+                rows.append([t, m] + cells)
+        out += [md_table(["task", "method"] + [_len_label(L) for L in lengths], rows), ""]
     p = _plot_accuracy(r, os.path.join(figdir, "accuracy_vs_length.png"))
     if p:
         out += [f"![accuracy vs length]({os.path.relpath(p, os.path.dirname(figdir))})", ""]
     return out
+
+
+def _ratio_cell(x) -> str:
+    """'1.16× [1.13–1.19]' with † when the interval rests on fewer than 8 blocks."""
+    from oscar.validate.evidence import MIN_BLOCKS
+
+    if "ratio" not in x or x.ratio != x.ratio:
+        return f"{x.ratio_vs_bf16:.2f}×" if "ratio_vs_bf16" in x and x.ratio_vs_bf16 == x.ratio_vs_bf16 else "—"
+    few = "†" if x.method != "bf16" and int(x.blocks) < MIN_BLOCKS else ""
+    return f"{x.ratio:.3g}×{_iv(x.ratio_ci_low, x.ratio_ci_high, '.3g')}{few}"
+
+
+def ppl_ratio_table(ppl, methods=None) -> tuple[list[str], list[list]]:
+    """(header, rows): bits/elem and the ratio to bf16 with its interval, per protocol and context."""
+    ctxs = sorted(ppl.context.unique())
+    protos = list(dict.fromkeys(ppl.protocol))
+    rows = []
+    for m in methods or [m for m in _order(ppl.method) if m != "bf16"]:
+        d = ppl[ppl.method == m]
+        if not len(d):
+            continue
+        row = [m, float(d.bits_per_element.iloc[0])]
+        for p in protos:
+            for c in ctxs:
+                x = d[(d.protocol == p) & (d.context == c)]
+                row.append(_ratio_cell(x.iloc[0]) if len(x) else "—")
+        rows.append(row)
+    return ["method", "bits/elem"] + [f"{p} {_len_label(c)}" for p in protos for c in ctxs], rows
+
+
+def _few_blocks_note(ppl) -> str:
+    from oscar.validate.evidence import MIN_BLOCKS, SEGMENT
+
+    if "blocks" not in ppl:
+        return "No intervals: these results predate per-window intervals."
+    few = ppl[(ppl.method != "bf16") & (ppl.blocks < MIN_BLOCKS)]
+    note = (f"Ratio intervals: paired by block with bf16, expanded-percentile bootstrap; a block is a window, or a "
+            f"{SEGMENT}-token segment of one when a context has fewer than {MIN_BLOCKS} windows.")
+    if len(few):
+        desc = ", ".join(f"{_len_label(c)}: {_n(int(g.blocks.min()), g.block.iloc[0])}" for c, g in few.groupby("context"))
+        note += f" † fewer than {MIN_BLOCKS} blocks ({desc}): read these intervals as rough, or absent."
+    return note
 
 
 def _ppl_section(ppl, goal, figdir: str) -> list[str]:
@@ -205,12 +363,12 @@ def _ppl_section(ppl, goal, figdir: str) -> list[str]:
                 x = d[(d.protocol == p) & (d.context == c)]
                 if len(x):
                     r = x.iloc[0]
-                    ratio = f" ({r.ratio_vs_bf16:.2f}×)" if "ratio_vs_bf16" in x and r.ratio_vs_bf16 == r.ratio_vs_bf16 else ""
+                    ratio = f" ({_ratio_cell(r)})" if m != "bf16" else (f" (1×, {_n(int(r.windows), 'window')})" if "windows" in x else "")
                     row.append(f"{r.ppl:.3f}{ratio}")
                 else:
                     row.append("—")
         rows.append(row)
-    out += [md_table(header, rows), ""]
+    out += [md_table(header, rows), "", _few_blocks_note(ppl), ""]
     p = _plot_ppl(ppl, os.path.join(figdir, "perplexity.png"))
     if p:
         out += [f"![perplexity]({os.path.relpath(p, os.path.dirname(figdir))})", ""]
@@ -367,12 +525,79 @@ class Report:
     html_path: str
 
 
+@dataclass
+class Results:
+    """A run's result files, with the intervals recomputed from the per-sample / per-window lines
+    when the tables predate them (validate/evidence.py)."""
+
+    res: object = None  # results.parquet (+ ci_low, ci_high, paired columns)
+    done: dict | None = None  # niah_samples.jsonl
+    ppl: object = None  # ppl.parquet (+ windows, blocks, ratio, ratio_ci_low, ratio_ci_high)
+    windows: list | None = None  # ppl_windows.jsonl
+    tokens: int | None = None  # held-out tokens per context (ppl_config.json)
+    goal: dict | None = None  # goal.json, three-valued
+    mem: list | None = None
+    att: object = None
+
+
+def load_results(d: str) -> Results:
+    import pandas as pd
+
+    from oscar.validate import evidence as ev
+
+    def js(name):
+        p = os.path.join(d, name)
+        return json.load(open(p)) if os.path.exists(p) else None
+
+    r = Results(res=_read(d, "results.parquet"), ppl=_read(d, "ppl.parquet"), att=_read(d, "attention.parquet"),
+                mem=js("memory.json"), goal=js("goal.json"))
+    r.done = ev.read_samples(os.path.join(d, "niah_samples.jsonl")) or None
+    if r.res is not None and len(r.res):
+        r.res = ev.interval_columns(r.res, r.done)
+    r.windows = ev.read_windows(os.path.join(d, "ppl_windows.jsonl")) or None
+    pcfg = (js("ppl_config.json") or {}).get("config") or {}
+    r.tokens = pcfg.get("tokens")
+    if r.ppl is not None and len(r.ppl) and r.windows and r.tokens and "ratio_ci_low" not in r.ppl:
+        st = pd.DataFrame(ev.ppl_stats(r.windows, list(dict.fromkeys(r.ppl.method)), list(dict.fromkeys(r.ppl.protocol)),
+                                       sorted(r.ppl.context.unique()), int(r.tokens)))
+        keep = [c for c in r.ppl.columns if c not in st.columns or c in ("method", "protocol", "context")]
+        r.ppl = r.ppl[keep].merge(st, on=["method", "protocol", "context"], how="left")
+    if r.ppl is not None and len(r.ppl) and (r.goal is None or "verdict" not in r.goal):
+        r.goal = ev.product_goal(r.ppl, r.windows, r.tokens)  # goal.json written before verdicts
+    return r
+
+
+def _goal_row(r: dict) -> str:
+    lo, hi = r.get("ratio_ci_low"), r.get("ratio_ci_high")
+    iv = _iv(lo, hi, ".3f") if lo is not None and lo == lo else " (no interval)"
+    unit = _n(r.get("blocks") or r.get("windows") or 0, r.get("block") or "window")
+    need = f", ~{r['resolve_blocks']} blocks would resolve it" if r.get("resolve_blocks") else ""
+    return (f"{_len_label(r['context'])}: {r['ratio']:.3f}×{iv} bf16 at {r['bits_per_element']:.2f} bits/elem, "
+            f"{r.get('verdict', '?')} ({unit}{need})")
+
+
+def goal_lines(goal: dict) -> list[str]:
+    """The product goal's headline: the verdict, each context's interval, the other OSCAR recipes."""
+    st = goal.get("status", "not measured")
+    det = "; ".join(_goal_row(r) for r in goal.get("rows", []))
+    md = [f"**Product goal — {goal['goal']}: {st.upper()}**" + (f" ({det})" if det else ""), ""]
+    if goal.get("rule"):
+        md += [f"Rule: {goal['rule']}.", ""]
+    if goal.get("thin_margin_contexts"):
+        ctx = ", ".join(_len_label(c) for c in goal["thin_margin_contexts"])
+        md += [f"Thin margin at {ctx}: within 2 % of the limit, where INT2 strict perplexity moves by "
+               "~0.5–1 % with float summation order alone; this verdict could flip between runs.", ""]
+    for m, o in (goal.get("others") or {}).items():
+        det = "; ".join(_goal_row(r) for r in o.get("rows", []))
+        md += [f"- the same check for `{m}`: {o.get('status', 'not measured')}" + (f" ({det})" if det else ""), ""]
+    return md
+
+
 def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
     if not os.path.isdir(d):
         raise OscarError(f"{d} is not a directory")
-    res, ppl, att = _read(d, "results.parquet"), _read(d, "ppl.parquet"), _read(d, "attention.parquet")
-    mem = json.load(open(os.path.join(d, "memory.json"))) if os.path.exists(os.path.join(d, "memory.json")) else None
-    goal = json.load(open(os.path.join(d, "goal.json"))) if os.path.exists(os.path.join(d, "goal.json")) else None
+    R = load_results(d)
+    res, ppl, att, mem, goal = R.res, R.ppl, R.att, R.mem, R.goal
     has_cal = bool(glob.glob(os.path.join(d, "calibration", "*.md")))
     if res is None and ppl is None and att is None and not has_cal and not os.path.isdir(os.path.join(d, "ablation")):
         raise OscarError(f"{d} has no result files (results.parquet, ppl.parquet, attention.parquet, calibration/, ablation/)")
@@ -386,21 +611,13 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
                f"{info.get('total_seconds', 0) / 60:.1f} min on {info.get('host', '?')}.", ""]
     md += ["## Headline", ""]
     if goal:
-        st = goal.get("status", "not measured")
-        det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× bf16 at {r['bits_per_element']:.2f} bits/elem" for r in goal.get("rows", []))
-        md += [f"**Product goal — {goal['goal']}: {st.upper()}**" + (f" ({det})" if det else ""), ""]
-        if goal.get("thin_margin_contexts"):
-            ctx = ", ".join(_len_label(c) for c in goal["thin_margin_contexts"])
-            md += [f"Thin margin at {ctx}: within 2 % of the limit, where INT2 strict perplexity moves by "
-                   "~0.5–1 % with float summation order alone; this verdict could flip between runs.", ""]
-        for m, o in (goal.get("others") or {}).items():
-            det = "; ".join(f"{_len_label(r['context'])}: {r['ratio']:.3f}× at {r['bits_per_element']:.2f} bits/elem"
-                            for r in o.get("rows", []))
-            md += [f"- the same check for `{m}`: {o.get('status', 'not measured')}" + (f" ({det})" if det else ""), ""]
-    checks = acceptance(res, ppl)
+        md += goal_lines(goal)
+    checks = acceptance(res, ppl, R.done, R.windows, R.tokens)
     if checks:
-        md += [md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
-    md += _ruler_section(res, figdir)
+        md += ["Every check: PASS when its 95 % interval clears the threshold in every cell, MISSED when one cell's "
+               "interval (at 1 − 0.05/m over the m cells) lies beyond it, UNRESOLVED otherwise.", "",
+               md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
+    md += _ruler_section(res, figdir, R.done)
     md += _ppl_section(ppl, goal, figdir)
     md += _memory_section(mem)
     md += _attention_section(att, figdir)

@@ -9,7 +9,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="Markdown + self-contained HTML report of a results directory",
                        description="Build DIR/report.md and DIR/report.html from the result files a run wrote.")
     p.add_argument("dir", help="directory with results.parquet / ppl.parquet / memory.json / calibration/ / ablation/")
-    p.add_argument("--title", default="oscar-kv validation report", help="report title")
+    p.add_argument("--title", default="oscar-kv validation report", help="report title (default: %(default)s)")
+    p.add_argument("--readme", metavar="README",
+                   help="also rewrite the generated results block of this Markdown file (e.g. README.md) from DIR "
+                        "(default: not done)")
     p.set_defaults(func=_report)
 
 
@@ -18,4 +21,9 @@ def _report(args) -> int:
 
     r = build_report(args.dir, title=args.title)
     print(f"wrote {r.md_path} and {r.html_path}")
+    if args.readme:
+        from oscar.reports.readme import rewrite_readme
+
+        changed = rewrite_readme(args.readme, args.dir, f"oscar report {args.dir} --readme {args.readme}")
+        print(f"{args.readme}: generated block {'rewritten' if changed else 'unchanged'}")
     return 0

@@ -13,7 +13,8 @@ method's cache.
 Files in OUT:
 - niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
 - niah_samples.jsonl  one line per (task, length, index, method), appended and flushed
-- results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ...
+- results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ci_low, ci_high
+                      (95 %), the paired difference to bf16 and its Holm-adjusted test (validate/evidence.py), ...
 - memory.json         bytes per token per method
 """
 
@@ -337,15 +338,16 @@ def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
     from oscar.validate.methods import bits_per_element
 
     D = attention_shapes(config)["head_dim"]
-    cells: dict[tuple, list[float]] = {}
-    for (t, L, i, m), r in done.items():  # every sample in OUT (one identity per OUT, see _prepare_out)
-        cells.setdefault((t, L, m), []).append(r["score"])
+    from oscar.validate.evidence import niah_stats
+
     rows = []
-    for (t, L, m), sc in sorted(cells.items()):
+    for st in niah_stats(done):  # every sample in OUT (one identity per OUT, see _prepare_out)
+        m = st["method"]
         art = arts[m] if m in arts else None
-        rows.append({"suite": "ruler", "task": t, "method": m, "length": L, "samples": len(sc),
-                     "score": 100.0 * sum(sc) / len(sc), "protocol": cfg.protocol, "model": cfg.model,
-                     "bits_per_element": bits_per_element(art, D) if m in arts else float("nan")})
+        rows.append({"suite": "ruler", "task": st["task"], "method": m, "length": st["length"], "samples": st["samples"],
+                     "score": st["score"], "protocol": cfg.protocol, "model": cfg.model,
+                     "bits_per_element": bits_per_element(art, D) if m in arts else float("nan"),
+                     **{k: v for k, v in st.items() if k not in ("task", "method", "length", "samples", "score")}})
     df = pd.DataFrame(rows)
     df.to_parquet(os.path.join(cfg.out, "results.parquet"), index=False)
     return df

@@ -23,8 +23,10 @@ held-out tokens, cut in non-overlapping windows of the context length, each
 window starting from an empty cache.
 
 Files in OUT: ppl_windows.jsonl (one line per method, protocol, context,
-window; resumable), ppl.parquet (method, protocol, context, ppl,
-bits_per_element, tokens, ratio_vs_bf16), goal.json (the product goal).
+window, with the NLL of its 512-token segments; resumable), ppl.parquet
+(method, protocol, context, ppl, ppl_ci_low, ppl_ci_high, bits_per_element,
+tokens, windows, blocks, block, ratio, ratio_ci_low, ratio_ci_high,
+ratio_vs_bf16: validate/evidence.py), goal.json (the product goal, three-valued).
 """
 
 from __future__ import annotations
@@ -40,11 +42,7 @@ import torch.nn.functional as F
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
 
-GOAL_RATIO = 1.25  # oscar-int2 strict ppl <= 1.25x bf16 ...
-GOAL_BITS = 2.5  # ... at <= 2.5 bits per element
-# A ratio within 2 % of the limit is reported as a thin margin: INT2 strict perplexity moves by
-# ~0.5-1 % with float summation order alone (docs/validation.md), so such a verdict could flip.
-GOAL_THIN = 0.02
+from oscar.validate.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -319,71 +317,48 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
             # A shorter context's window that starts where this one starts is this window's prefix.
             short = [(c2, w * c // c2) for c2 in cfg.contexts if c2 < c and (w * c) % c2 == 0
                      and (m, p, c2, w * c // c2) in jobset and (m, p, c2, w * c // c2) not in done]
+            cuts = tuple(dict.fromkeys([c2 for c2, _ in short] + segment_cuts(c)))  # + segment ends (intervals)
             with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
                 if arts[m] is None:
-                    res = window_nll(model, win, prefixes=tuple(c2 for c2, _ in short))
+                    res = window_nll(model, win, prefixes=cuts)
                 else:
                     with simulated(model, arts[m], PROTOCOLS[p]):
-                        res = window_nll(model, win, prefixes=tuple(c2 for c2, _ in short))
-            record({"method": m, "protocol": p, "context": c, "window": w, "nll": res[0], "count": res[1]})
-            for (c2, w2), (nll2, n2) in zip(short, res[2] if short else []):
+                        res = window_nll(model, win, prefixes=cuts)
+            cum = dict(zip(cuts, res[2])) if cuts else {}
+            record({"method": m, "protocol": p, "context": c, "window": w, "nll": res[0], "count": res[1],
+                    "seg": _segments(cum, c, res[0], res[1])})
+            for c2, w2 in short:
+                nll2, n2 = cum[c2]
                 record({"method": m, "protocol": p, "context": c2, "window": w2, "nll": nll2, "count": n2,
-                        "prefix_of": c})
+                        "seg": _segments(cum, c2, nll2, n2), "prefix_of": c})
     bar.close()
     return write_ppl(cfg, methods, arts, model.config, done)
+
+
+def _segments(cum: dict, P: int, nll: float, count: int) -> list[list[float]]:
+    """[[nll, count], ...] of the SEGMENT-token segments of a P-token window, from the cumulative
+    (nll, count) at its cut points (`cum`: window length -> (nll, count)) and its total."""
+    pts = [(0.0, 0)] + [cum[q] for q in segment_cuts(P)] + [(nll, count)]
+    return [[b[0] - a[0], b[1] - a[1]] for a, b in zip(pts[:-1], pts[1:])]
 
 
 def write_ppl(cfg: PplConfig, methods, arts, config, done):
     import pandas as pd
 
     from oscar.common import attention_shapes
+    from oscar.validate.evidence import ppl_stats
     from oscar.validate.methods import bits_per_element
 
     D = attention_shapes(config)["head_dim"]
-    rows = []
-    for m in methods:
-        for p in cfg.protocols:
-            for c in cfg.contexts:
-                key_p = "-" if arts[m] is None else p
-                ws = [done[(m, key_p, c, w)] for w in range(cfg.tokens // c) if (m, key_p, c, w) in done]
-                if not ws:
-                    continue
-                nll = sum(r["nll"] for r in ws) / sum(r["count"] for r in ws)
-                rows.append({"method": m, "protocol": p, "context": c, "ppl": math.exp(nll),
-                             "bits_per_element": bits_per_element(arts[m], D), "tokens": sum(r["count"] for r in ws)})
+    rows = ppl_stats(list(done.values()), methods, cfg.protocols, cfg.contexts, cfg.tokens,
+                     bf16_key=lambda m, p: "-" if arts[m] is None else p)
+    for r in rows:
+        r["bits_per_element"] = bits_per_element(arts[r["method"]], D)
     df = pd.DataFrame(rows)
     if len(df):
         base = df[df.method == "bf16"].set_index("context")["ppl"].groupby(level=0).first()
         df["ratio_vs_bf16"] = [r.ppl / base[r.context] if r.context in base.index else float("nan") for r in df.itertuples()]
     df.to_parquet(os.path.join(cfg.out, "ppl.parquet"), index=False)
-    json.dump(product_goal(df), open(os.path.join(cfg.out, "goal.json"), "w"), indent=1)
+    goal = product_goal(df, list(done.values()), cfg.tokens)
+    json.dump(goal, open(os.path.join(cfg.out, "goal.json"), "w"), indent=1)
     return df
-
-
-def product_goal(df) -> dict:
-    """oscar-int2 strict-protocol ppl <= 1.25x bf16 at <= 2.5 bits/element, at every context measured.
-
-    The other OSCAR recipes in the run (oscar-kc-int2, oscar-ref-int2) are checked the same way
-    under "others", so the report can say which recipe meets the goal when oscar-int2 does not.
-    """
-    g = {"goal": f"oscar-int2 strict ppl <= {GOAL_RATIO}x bf16 at <= {GOAL_BITS} bits/element", "rows": []}
-    if not len(df) or "ratio_vs_bf16" not in df:
-        g["status"] = "not measured"
-        return g
-
-    def check(method: str) -> tuple[list, str]:
-        rows = [{"context": int(r.context), "ratio": float(r.ratio_vs_bf16), "bits_per_element": float(r.bits_per_element),
-                 "met": bool(r.ratio_vs_bf16 <= GOAL_RATIO and r.bits_per_element <= GOAL_BITS)}
-                for r in df[(df.method == method) & (df.protocol == "strict")].itertuples()]
-        return rows, "not measured" if not rows else ("met" if all(x["met"] for x in rows) else "missed")
-
-    g["rows"], g["status"] = check("oscar-int2")
-    thin = [r["context"] for r in g["rows"] if abs(r["ratio"] / GOAL_RATIO - 1) < GOAL_THIN]
-    if thin:  # contexts whose verdict lies within float-order noise of the limit
-        g["thin_margin_contexts"] = thin
-    g["others"] = {}
-    for m in sorted(set(df.method)):
-        if m.startswith("oscar") and m != "oscar-int2":
-            rows, status = check(m)
-            g["others"][m] = {"status": status, "rows": rows}
-    return g

@@ -1,0 +1,62 @@
+"""`validate ppl` on SmolLM2 records each window's 512-token segments and writes the interval columns;
+a segment's NLL is what a window of its length computes (causal model: a prefix is a window)."""
+
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from oscar.validate.ppl import PplConfig, heldout_ids, run_ppl, window_nll
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from oscar.validate.env import load_model
+
+    torch.set_num_threads(1)
+    return load_model("smollm2-135m")
+
+
+def test_segments_windows_and_interval_columns(smollm2, tmp_path):
+    out = str(tmp_path / "ppl")
+    df = run_ppl(PplConfig(out=out, methods=["bf16", "naive-int2"], contexts=[256, 1024], tokens=2048,
+                           protocols=["strict"]), loaded=smollm2, progress=False)
+    assert set(df.columns) >= {"windows", "ratio", "ratio_ci_low", "ratio_ci_high", "ppl_ci_low", "ppl_ci_high", "blocks"}
+    recs = [json.loads(l) for l in open(os.path.join(out, "ppl_windows.jsonl"))]
+    for r in recs:  # segments add up to the window, each <= 512 predicted tokens
+        assert sum(s[1] for s in r["seg"]) == r["count"] and max(s[1] for s in r["seg"]) <= 512
+        assert sum(s[0] for s in r["seg"]) == pytest.approx(r["nll"], rel=1e-9)
+    big = [r for r in recs if r["context"] == 1024]
+    assert len(big) == 4 and all(len(r["seg"]) == 2 for r in big)
+    # the first segment of a 1k window = a 513-token window scored on its own
+    model, tok, _ = smollm2
+    ids = torch.tensor([heldout_ids(tok, "pydoc", 2048)])
+    first = next(r for r in big if r["method"] == "bf16" and r["window"] == 1)
+    nll, n = window_nll(model, ids[:, 1024:1024 + 513])
+    assert n == first["seg"][0][1] and nll == pytest.approx(first["seg"][0][0], rel=2e-4)
+    row = df[(df.method == "naive-int2") & (df.context == 1024)].iloc[0]
+    assert row.windows == 2 and row.block == "segment" and row.blocks == 4  # < 8 windows: their segments
+    assert row.ratio_ci_low < row.ratio < row.ratio_ci_high and row.ratio > 1
+    row = df[(df.method == "naive-int2") & (df.context == 256)].iloc[0]
+    assert row.windows == 8 and row.block == "window" and row.blocks == 8
+    assert row.ratio == pytest.approx(row.ratio_vs_bf16, rel=1e-12)  # every window paired: the same ratio
+    goal = json.load(open(os.path.join(out, "goal.json")))
+    assert goal["status"] == "not measured" and "rule" in goal  # no oscar-int2 in this run
+    old = pd.read_parquet(os.path.join(out, "ppl.parquet"))
+    assert len(old) == len(df)
+
+
+def test_heldout_split_holds_the_main_jobs_windows(smollm2):
+    """8192 tokens (the main job: 8 windows of 1k, 2 of 4k) and 12288 (--full: 3 of 4k) fit the split."""
+    from oscar.common import OscarError
+    from oscar.validate.run import RunConfig
+
+    _, tok, _ = smollm2
+    assert RunConfig(out="x").ppl_tokens == 8192 and RunConfig(out="x", full=True).ppl_tokens == 12288
+    assert len(heldout_ids(tok, "pydoc", 12288)) == 12288
+    with pytest.raises(OscarError, match="held-out split has"):
+        heldout_ids(tok, "pydoc", 4 * 4096)
