@@ -167,6 +167,12 @@ def quantize_stream(lq, Ks: torch.Tensor, Vs: torch.Tensor) -> tuple[torch.Tenso
     return Kq, lq.values(Vs[None])[0]
 
 
+def window_keys_int2(Kq: torch.Tensor, Ks: torch.Tensor, a: int, n: int, group: int) -> torch.Tensor:
+    """The INT2 reading of stream keys [a, a + n) (a a multiple of `group`): whole groups from Kq, the incomplete tail exact."""
+    nf = n // group * group
+    return torch.cat([Kq[:, a:a + nf], Ks[:, a + nf:a + n]], 1) if nf < n else Kq[:, a:a + n]
+
+
 def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[int, list[int]]):
     """Run each sequence through the model once; (k, v per layer: lists (Hkv, T, D); q per layer: {seq: (Hq, n, D)})."""
     from oscar.pipeline import capture as C
@@ -292,11 +298,10 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
             Kq, Vq = quantize_stream(lq, Ks, Vs)
             for N, aa in wins.items():
                 n = N - cfg.sink
-                nf = n // lq.key_group * lq.key_group
                 for w, a in enumerate(aa):
                     s, p = ends[(N, a)]
                     Q = Qs[l][s][:, q_pos[s].index(p)].float().view(Hkv, Gq, D)    # (Hkv, G, D)
-                    Kwq = torch.cat([Kq[:, a:a + nf], Ks[:, a + nf:a + n]], 1) if nf < n else Kq[:, a:a + n]
+                    Kwq = window_keys_int2(Kq, Ks, a, n, lq.key_group)                   # (Hkv, n, D)
                     r = trial_metrics(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n], K0, V0, Kwq, Vq[:, a:a + n], Q)
                     for h in range(Hkv):
                         for g in range(Gq):

@@ -60,15 +60,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True, help="tuned artifact (.safetensors)")
     t.set_defaults(func=_tune)
 
-    a = vs.add_parser("attention", help="attention-level retrieval to 128k on real captured q/k/v (not a model run)")
-    a.add_argument("--store", required=True, help="calibration store (reservoirs layers/{l}/{q,k,v}_res)")
-    a.add_argument("--artifact")
-    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2")
-    a.add_argument("--lengths", default="4k,16k,32k,64k,128k")
-    a.add_argument("--trials", type=int, default=8)
+    a = vs.add_parser("attention", help="attention-level retrieval to 128k on held-out captured q/k/v (not a model run)")
+    a.add_argument("--store", required=True, help="calibration store the artifact was fitted on (held-out text is checked "
+                   "against its tokens; the model is the store's)")
+    a.add_argument("--artifact", help="fitted artifact (needed by oscar-int2)")
+    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2",
+                   help="comma list of INT2 methods (default: every INT2 baseline and oscar-int2)")
+    a.add_argument("--lengths", default="4k,16k,64k,128k",
+                   help="context lengths in keys (default 4k,16k,64k,128k; every key a distinct held-out row)")
+    a.add_argument("--windows", type=int, default=8,
+                   help="contexts per layer and length, each scored by every query head (default 8)")
     a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--out", required=True)
+    a.add_argument("--seq-len", type=int, default=4096,
+                   help="tokens per captured held-out sequence, at most the model's context (default 4096)")
+    a.add_argument("--sink", type=int, default=64, help="first keys of each context kept exact (default 64)")
+    a.add_argument("--corpus", default="pydoc", help="corpus whose held-out split comes first (default pydoc)")
+    a.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model compute dtype of the capture (default float32)")
+    a.add_argument("--seed", type=int, default=0, help="seed of the context offsets (default 0)")
+    a.add_argument("--out", required=True, help="output directory (attention.parquet, attention.json)")
     a.set_defaults(func=_attention)
 
     r = sub.add_parser("run", help="the main job: calibrate -> fit -> validate -> report, resumable by stage")
@@ -132,8 +142,8 @@ def _attention(args) -> int:
     from oscar.validate.attention import AttnConfig, run_attention
 
     cfg = AttnConfig(out=args.out, store=args.store, artifact=args.artifact, methods=_csv(args.methods),
-                     lengths=_lengths(args.lengths), trials=args.trials, seed=args.seed,
-                     layers=[int(x) for x in _csv(args.layers)])
+                     lengths=_lengths(args.lengths), windows=args.windows, seed=args.seed, seq_len=args.seq_len,
+                     sink=args.sink, corpus=args.corpus, dtype=args.dtype, layers=[int(x) for x in _csv(args.layers)])
     df = run_attention(cfg)
     print(df.round(4).to_string(index=False))
     return 0
