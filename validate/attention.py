@@ -173,8 +173,10 @@ def window_keys_int2(Kq: torch.Tensor, Ks: torch.Tensor, a: int, n: int, group: 
     return torch.cat([Kq[:, a:a + nf], Ks[:, a + nf:a + n]], 1) if nf < n else Kq[:, a:a + n]
 
 
-def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[int, list[int]]):
+def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[int, list[int]], progress: bool = False):
     """Run each sequence through the model once; (k, v per layer: lists (Hkv, T, D); q per layer: {seq: (Hq, n, D)})."""
+    from tqdm import tqdm
+
     from oscar.pipeline import capture as C
 
     impl = model.config._attn_implementation
@@ -184,7 +186,7 @@ def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[i
     cap = C.RowCapture(layers, q_every=1)
     qs: dict[int, dict[int, torch.Tensor]] = {l: {} for l in layers}
     try:
-        for i, s in enumerate(seqs):
+        for i, s in enumerate(tqdm(seqs, desc="capture held-out sequences", disable=not progress, dynamic_ncols=True)):
             ids = torch.from_numpy(s)[None].to(dev)                                   # (1, T)
             with cap.batch(torch.ones_like(ids), seq_offset=i):
                 base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
@@ -281,7 +283,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
                 q_pos[s].append(p)
     q_pos = {s: sorted(v) for s, v in q_pos.items()}
     t_cap = time.perf_counter()
-    K, V, Qs = capture_rows(model, seqs, layers, q_pos)
+    K, V, Qs = capture_rows(model, seqs, layers, q_pos, progress)
     cap_s = time.perf_counter() - t_cap
 
     rows = []
