@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -30,6 +31,7 @@ def _old_module(rev: str) -> types.ModuleType:
     src = subprocess.run(["git", "show", f"{rev}:validate/attention.py"], check=True, capture_output=True, text=True,
                          cwd=Path(__file__).parents[1]).stdout
     mod = types.ModuleType("oscar_attention_old")
+    sys.modules[mod.__name__] = mod  # dataclasses look their module up
     exec(compile(src, f"{rev}:validate/attention.py", "exec"), mod.__dict__)
     return mod
 

@@ -214,3 +214,18 @@ def test_attention_bad_inputs(tiny, tmp_path):
         run_attention(AttnConfig(store=store, methods=["naive-int2"], **{**kw, "lengths": [4]}), progress=False)
     with pytest.raises(OscarError, match="exceeds the model's context"):
         run_attention(AttnConfig(store=store, methods=["naive-int2"], **{**kw, "seq_len": 16384}), progress=False)
+
+
+def test_heldout_sequences_pydoc_then_docstrings():
+    from oscar.pipeline.models import load_tokenizer
+    from oscar.validate.heldout import heldout_sequences, stdlib_docstrings
+
+    docs = stdlib_docstrings(5000)
+    assert docs and all(len(d.split()) >= 8 for d in docs) and len(set(docs)) == len(docs)
+    assert stdlib_docstrings(5000) == docs  # deterministic: sorted paths, no imports
+    tok = load_tokenizer("tiny-qwen3")
+    h = heldout_sequences(tok, 20000, 4096)
+    assert [len(s) for s in h.seqs] == [4096] * 4 + [20000 - 4 * 4096]
+    assert h.sources[0] == "heldout:pydoc" and h.sources[-1] == "stdlib-docstrings"
+    assert h.info["corpus_heldout_tokens"] + h.info["docstring_tokens"] == 20000 and h.info["docstrings"] > 0
+    assert heldout_sequences(tok, 20000, 4096).fingerprint == h.fingerprint
