@@ -212,8 +212,8 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     methods = parse_methods(cfg.methods)
     if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
         raise OscarError("oscar-int2 needs --artifact")
-    if not cfg.lengths or min(cfg.lengths) <= cfg.sink:
-        raise OscarError(f"lengths {cfg.lengths} must all exceed the sink ({cfg.sink})")
+    if not cfg.lengths or min(cfg.lengths) <= cfg.sink + 1:
+        raise OscarError(f"lengths {cfg.lengths} must all exceed the sink ({cfg.sink}) + 1: a needle needs a runner-up")
     if cfg.windows < 1:
         raise OscarError(f"windows must be >= 1, got {cfg.windows}")
     if cfg.seq_len <= cfg.sink + 1:
