@@ -181,6 +181,14 @@ def test_run_attention_end_to_end(tiny, tmp_path):
     # the needle is the same real key for every method (chosen on exact logits)
     per = df.groupby(["layer", "q_head", "length", "window"]).needle_pos.nunique()
     assert (per == 1).all()
+    # the report names it for what it is and draws the margin curve
+    from oscar.reports.build import build_report
+
+    md = open(build_report(str(tmp_path / "o")).md_path).read()
+    sec = md[md.index("## Attention-level retrieval on held-out captured q/k/v (not a model run)"):]
+    assert "not an end-to-end model run" in sec and "top-1 kept, by margin (nats)" in sec
+    assert f"{meta['heldout']['tokens']:,} held-out tokens" in sec and "no resampling" in sec
+    assert (tmp_path / "o" / "report" / "attention_retrieval.png").exists()
 
 
 def test_run_attention_refuses_overlap_and_foreign_artifact(tiny, tmp_path):
