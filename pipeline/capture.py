@@ -488,3 +488,57 @@ class Capture:
         self.stats_s += time.perf_counter() - t0
         self.block, self.acc = None, {}
         return out
+
+
+# --------------------------------------------------------------------------- raw rows
+
+class RowCapture:
+    """Keeps the q/k/v rows the attention function receives (post-RoPE, post q/k-norm), unreduced.
+
+    The same registered attention function and `_ACTIVE` context as `Capture`, so validation reads
+    exactly what calibration accumulates. One sequence per forward (no padding):
+
+        cap = RowCapture(layers=(0, 10), q_every=64)
+        with cap.batch(mask):                  # mask: (1, T)
+            base(input_ids=ids, attention_mask=mask, use_cache=False)   # StopForward after max(layers)
+        cap.k[l], cap.v[l]                     # lists of (Hkv, T, D) per sequence, captured dtype, CPU
+        cap.q[l]                               # lists of (Hq, n, D): positions p with p % q_every == q_every - 1
+
+    q is kept at every `q_every`-th position only (what the caller scores as queries): a whole
+    128k-token capture of every query head would be several times the K/V memory.
+    """
+
+    def __init__(self, layers, q_every: int = 1):
+        self.layers = tuple(sorted(int(l) for l in layers))
+        self.q_every = int(q_every)
+        self.stop_after = max(self.layers)
+        self.k: dict[int, list[torch.Tensor]] = {l: [] for l in self.layers}
+        self.v: dict[int, list[torch.Tensor]] = {l: [] for l in self.layers}
+        self.q: dict[int, list[torch.Tensor]] = {l: [] for l in self.layers}
+
+    @contextlib.contextmanager
+    def batch(self, mask: torch.Tensor, seq_offset: int = 0) -> Iterator[None]:
+        if mask.shape[0] != 1 or not bool(mask.bool().all()):
+            raise OscarError("RowCapture takes one unpadded sequence per forward")
+        token = _ACTIVE.set(_BatchContext(self, mask.bool(), int(seq_offset)))
+        try:
+            with torch.no_grad():
+                yield
+        except StopForward:
+            pass
+        finally:
+            _ACTIVE.reset(token)
+
+    def record(self, layer, q, k, v, out, ctx: _BatchContext) -> None:
+        """q: (1, Hq, T, D), k/v: (1, Hkv, T, D) as passed to attention."""
+        if layer not in self.layers:
+            return
+        if k.shape[2] != ctx.eligible.shape[1]:
+            raise OscarError(f"capture: attention saw k {tuple(k.shape)} for a {ctx.eligible.shape[1]}-token "
+                             f"sequence (KV cache on? capture runs with use_cache=False)")
+        e = self.q_every
+        self.k[layer].append(k[0].detach().cpu().clone())                            # (Hkv, T, D)
+        self.v[layer].append(v[0].detach().cpu().clone())
+        self.q[layer].append(q[0, :, e - 1::e].detach().cpu().clone())                # (Hq, T // e, D)
+        if layer == self.stop_after:
+            raise StopForward

@@ -1,34 +1,55 @@
-"""`oscar validate attention`: attention-level needle retrieval to 128k on captured q/k/v.
+"""`oscar validate attention`: attention-level needle retrieval to 128k on held-out captured q/k/v.
 
-NOT a model run. Where the model stops at 8k, this asks the narrower question
-the INT2 cache must answer at any length: among N real keys, is a needle key
-that a real query prefers still ranked first after quantization, and how far
-does the attention output move?
+NOT a model run. The embedded model stops at 8k; this asks the narrower question the INT2 cache
+must answer at any length: at the end of N real keys, does the key a real query prefers stay
+ranked first once the keys are read from INT2, and how far does the attention output move?
 
-For each sampled layer, KV head, length N and trial:
-- keys/values: N rows drawn (with replacement, seeded) from the calibration
-  store's reservoirs ``layers/{l}/k_res``, ``v_res`` (real post-RoPE rows of
-  that head); the first `sink` positions stay exact (strict protocol);
-- query: a captured row of ``layers/{l}/q_res`` (a query head of the group);
-- needle: at a random position >= sink, a real key moved along q so that its
-  exact logit beats the best real key by `margin` standard deviations of the
-  logits; its value is another real value row;
-- measured: top-1 kept (argmax of q·k̂ is the needle), relative error of the
-  attention output ||ô - o|| / ||o||, the needle's attention weight exact and
-  quantized.
-Reads the public store format (docs/store-format.md) with zarr directly.
+Data (validate/heldout.py): held-out text the calibration never saw (the corpus's held-out split,
+then standard-library docstrings), cut into whole sequences of `seq_len` tokens and run through
+the model once; `pipeline.capture.RowCapture` keeps the post-RoPE q/k/v the attention function
+receives, at their own positions. Before anything is captured the text is checked against the
+calibration store's tokens (no shared 32-token run) and the artifact against the store (its
+provenance names this store's model, corpus and blocks).
+
+Layout, per layer: the *stream* is every sequence's rows at positions [sink, T) laid end to end
+(no row repeated); a context of length N is the first sequence's `sink` rows (exact) followed by
+N - sink consecutive stream rows starting at an aligned offset `a`. The query is the captured query
+of the context's last token (a decode step at the end of the context), one trial per query head.
+
+Needle: the real key with the highest exact logit among the context's non-sink keys; its margin is
+its lead over the best other non-sink key, in nats (logit difference / sqrt(D): exp(margin) = the
+ratio of their attention weights) and in standard deviations of the logits. Results are binned
+by margin: retrieval as a curve over margins, not at one planted margin.
+
+Measured per trial and method: top-1 kept (argmax of q·k̂ over non-sink keys is the needle), the
+needle's rank after INT2, the relative error of the attention output ||ô - o|| / ||o|| (sink
+included, values INT2 too) and the needle's attention weight exact / INT2. Every non-sink key is
+read from INT2 (per-channel key groups: the trailing incomplete group stays exact), as before.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError
+from oscar.validate import DEFAULT_METHODS
+
+# Margin bin edges in nats (exp(0.25) = 1.28x the runner-up's weight, exp(4) = 55x).
+MARGIN_EDGES = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, math.inf)
+
+
+def margin_bin(m: float) -> str:
+    for lo, hi in zip(MARGIN_EDGES[:-1], MARGIN_EDGES[1:]):
+        if m < hi:
+            return f"{lo:g}-{hi:g}" if hi != math.inf else f">={lo:g}"
+    return f">={MARGIN_EDGES[-2]:g}"
 
 
 @dataclass
@@ -38,140 +59,277 @@ class AttnConfig:
     artifact: str | None = None
     methods: list[str] = field(default_factory=lambda: [m for m in DEFAULT_METHODS if m != "bf16"])
     lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
-    trials: int = 8
+    windows: int = 8  # contexts per (layer, length); each is scored by every query head (trials = windows x Hq)
     layers: list[int] = field(default_factory=list)  # default: 4 spread over depth
-    margin: float = 1.0  # needle logit lead over the best real key, in std of the logits
     sink: int = 64
+    seq_len: int = 4096  # tokens per captured held-out sequence (<= the model's context)
+    model: str | None = None  # default: the store's model
+    corpus: str = "pydoc"  # whose held-out split comes first (then standard-library docstrings)
+    dtype: str = "float32"  # model compute dtype of the capture
     seed: int = 0
 
 
-def _open(store: str):
-    import zarr
+def _open_store(path: str):
+    from oscar.pipeline.store import CalibStore
 
-    if not os.path.exists(store):
-        raise OscarError(f"calibration store {store} does not exist")
-    g = zarr.open_group(store, mode="r")
-    if g.attrs.get("format") != "oscar-calib/1":
-        raise OscarError(f"{store}: not an oscar-calib/1 store (format {g.attrs.get('format')!r})")
-    return g
+    if not os.path.exists(path):
+        raise OscarError(f"calibration store {path} does not exist")
+    return CalibStore(path)
 
 
-def _rows(g, l: int, name: str) -> torch.Tensor:
-    """Valid reservoir rows of layer l: (Hkv, n, D) over every done block."""
-    a = np.asarray(g[f"layers/{l}/{name}"][:])  # (B, Hkv, R, D)
-    cnt = np.asarray(g[f"layers/{l}/res_count"][:])  # (B,)
-    done = np.asarray(g["done"][:])[:, l].astype(bool) if "done" in g else np.ones(len(cnt), bool)
-    parts = [a[b, :, : int(cnt[b])] for b in range(a.shape[0]) if done[b] and cnt[b] > 0]
-    if not parts:
-        raise OscarError(f"store has no reservoir rows for layer {l} ({name}); calibrate with --reservoir > 0")
-    return torch.from_numpy(np.concatenate(parts, axis=1)).float()
+def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> dict:
+    """Refuse an artifact not fitted on this store (model, corpus, job config, blocks): the token
+    check against the store would then prove nothing about the artifact."""
+    from oscar.stats.reduce import StoreView
+
+    prov = fitted.meta.get("provenance") or {}
+    mfp, sfp = fitted.meta.get("model", {}).get("fingerprint"), store_meta.model.get("fingerprint")
+    if mfp and sfp and mfp != sfp:
+        raise OscarError(f"artifact was fitted for model fingerprint {mfp}, store {store_path} holds model {sfp}")
+    if not prov:
+        return {"checked": False, "why": "artifact records no provenance (baseline methods only)"}
+    pc, sc = (prov.get("corpus") or {}).get("fingerprint"), store_meta.corpus.get("fingerprint")
+    if pc != sc:
+        raise OscarError(f"artifact was fitted on corpus fingerprint {pc}, store {store_path} holds corpus {sc}: "
+                         f"pass the store the artifact was fitted on (its provenance: {prov.get('store')})")
+    blocks = prov.get("blocks")
+    if blocks is not None:
+        view = StoreView(path=store_path, attrs=store_attrs, blocks=list(blocks))
+        if view.fingerprint != prov.get("store_fingerprint"):
+            raise OscarError(f"artifact provenance store fingerprint {prov.get('store_fingerprint')} is not that of "
+                             f"{store_path} ({view.fingerprint}): the artifact was fitted on another store")
+        if blocks and max(blocks) >= store_meta.num_blocks:
+            raise OscarError(f"artifact was fitted on blocks {blocks} but {store_path} has {store_meta.num_blocks}")
+    return {"checked": True, "store_fingerprint": prov.get("store_fingerprint"), "corpus_fingerprint": pc,
+            "blocks": blocks}
 
 
-def run_attention(cfg: AttnConfig, progress: bool = True):
+def plan_windows(lengths: list[int], stream: int, sink: int, align: int, windows: int, seed: int) -> dict[int, list[int]]:
+    """{N: sorted distinct aligned stream offsets a} with a + N - sink <= stream, `windows` per N (fewer if they don't fit)."""
+    g = np.random.default_rng(seed)
+    out = {}
+    for N in lengths:
+        n_starts = (stream - (N - sink)) // align + 1
+        if n_starts < 1:
+            raise OscarError(f"length {N} needs {N - sink} stream rows, the capture has {stream}")
+        out[N] = sorted(int(a) * align for a in g.choice(n_starts, min(windows, n_starts), replace=False))
+    return out
+
+
+def stream_rows_needed(lengths: list[int], sink: int, align: int, windows: int) -> int:
+    return max(lengths) - sink + (windows - 1) * align
+
+
+def sequence_lengths(stream: int, seq_len: int, sink: int) -> list[int]:
+    """Token counts of the captured sequences giving `stream` rows at positions >= sink (the last one shorter)."""
+    per = seq_len - sink
+    k = -(-stream // per)
+    return [seq_len] * (k - 1) + [stream - (k - 1) * per + sink]
+
+
+def trial_metrics(K0, V0, Kw, Vw, K0q, V0q, Kwq, Vwq, Q) -> dict[str, torch.Tensor]:
+    """Every query head's trial on one context.
+
+    K0, V0 (Hkv, s, D): sink rows; Kw, Vw (Hkv, n, D): the non-sink rows; *q: their INT2 reading
+    (sink rows exact, passed for symmetry); Q (Hkv, G, D): the last token's query heads, grouped by
+    KV head. Returns (Hkv, G) tensors: needle (index into the non-sink rows), margin (nats),
+    margin_std, top1, rank_int2, out_rel_err, needle_weight, needle_weight_int2.
+    """
+    D = Q.shape[-1]
+    s = 1.0 / math.sqrt(D)
+    lw = torch.einsum("hnd,hgd->hgn", Kw, Q)                                          # (Hkv, G, n)
+    l0 = torch.einsum("hnd,hgd->hgn", K0, Q)                                          # (Hkv, G, s)
+    top2 = lw.topk(2, dim=-1)
+    needle = top2.indices[..., 0]                                                     # (Hkv, G)
+    gap = top2.values[..., 0] - top2.values[..., 1]
+    lwq = torch.einsum("hnd,hgd->hgn", Kwq, Q)
+    l0q = torch.einsum("hnd,hgd->hgn", K0q, Q)
+    nq = lwq.gather(-1, needle[..., None])                                            # (Hkv, G, 1)
+    rank = (lwq > nq).sum(-1)
+    pe = torch.softmax(torch.cat([l0, lw], -1) * s, -1)                               # (Hkv, G, s + n)
+    pq = torch.softmax(torch.cat([l0q, lwq], -1) * s, -1)
+    n0 = K0.shape[1]
+    o = torch.einsum("hgn,hnd->hgd", pe[..., :n0], V0) + torch.einsum("hgn,hnd->hgd", pe[..., n0:], Vw)
+    oh = torch.einsum("hgn,hnd->hgd", pq[..., :n0], V0q) + torch.einsum("hgn,hnd->hgd", pq[..., n0:], Vwq)
+    return {"needle": needle, "margin": gap * s, "margin_std": gap / lw.std(-1).clamp_min(1e-12),
+            "top1": (rank == 0).float(), "rank_int2": rank,
+            "out_rel_err": (oh - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-12),
+            "needle_weight": pe[..., n0:].gather(-1, needle[..., None])[..., 0],
+            "needle_weight_int2": pq[..., n0:].gather(-1, needle[..., None])[..., 0]}
+
+
+def quantize_stream(lq, Ks: torch.Tensor, Vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT2 reading of the stream (Hkv, S, D): keys in whole groups from offset 0 (the tail exact), values per token."""
+    G = lq.key_group
+    b = Ks.shape[1] // G * G
+    Kq = Ks.clone()
+    Kq[:, :b] = lq.keys(Ks[None, :, :b])[0]
+    return Kq, lq.values(Vs[None])[0]
+
+
+def window_keys_int2(Kq: torch.Tensor, Ks: torch.Tensor, a: int, n: int, group: int) -> torch.Tensor:
+    """The INT2 reading of stream keys [a, a + n) (a a multiple of `group`): whole groups from Kq, the incomplete tail exact."""
+    nf = n // group * group
+    return torch.cat([Kq[:, a:a + nf], Ks[:, a + nf:a + n]], 1) if nf < n else Kq[:, a:a + n]
+
+
+def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[int, list[int]], progress: bool = False):
+    """Run each sequence through the model once; (k, v per layer: lists (Hkv, T, D); q per layer: {seq: (Hq, n, D)})."""
+    from tqdm import tqdm
+
+    from oscar.pipeline import capture as C
+
+    impl = model.config._attn_implementation
+    C.install(model, impl if impl in ("eager", "sdpa") else "sdpa")  # q/k/v do not depend on the kernel
+    base = C.base_model(model)
+    dev = next(model.parameters()).device
+    cap = C.RowCapture(layers, q_every=1)
+    qs: dict[int, dict[int, torch.Tensor]] = {l: {} for l in layers}
+    try:
+        for i, s in enumerate(tqdm(seqs, desc="capture held-out sequences", disable=not progress, dynamic_ncols=True)):
+            ids = torch.from_numpy(s)[None].to(dev)                                   # (1, T)
+            with cap.batch(torch.ones_like(ids), seq_offset=i):
+                base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            pos = torch.tensor(q_pos.get(i, []), dtype=torch.long)
+            for l in layers:  # keep only the query positions scored (the rest would be ~2x the K/V memory)
+                qs[l][i] = cap.q[l][-1].index_select(1, pos).clone()                  # (Hq, n, D)
+                cap.q[l][-1] = None
+    finally:
+        model.set_attn_implementation(impl[len(C.PREFIX):] if impl.startswith(C.PREFIX) else impl)
+    return cap.k, cap.v, qs
+
+
+def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     import pandas as pd
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
+    from oscar.validate.env import load_model, max_context, with_dtype
+    from oscar.validate.heldout import check_disjoint, heldout_sequences
     from oscar.validate.methods import NEEDS_ARTIFACT, LayerQuant, fitted_for, method_artifact, parse_methods
 
+    t0 = time.perf_counter()
     methods = parse_methods(cfg.methods)
     if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
         raise OscarError("oscar-int2 needs --artifact")
-    g = _open(cfg.store)
-    mi = g.attrs["model"]
+    if not cfg.lengths or min(cfg.lengths) <= cfg.sink + 1:
+        raise OscarError(f"lengths {cfg.lengths} must all exceed the sink ({cfg.sink}) + 1: a needle needs a runner-up")
+    if cfg.windows < 1:
+        raise OscarError(f"windows must be >= 1, got {cfg.windows}")
+    if cfg.seq_len <= cfg.sink + 1:
+        raise OscarError(f"seq_len {cfg.seq_len} must exceed the sink {cfg.sink} + 1")
+    st = _open_store(cfg.store)
+    mi = st.meta.model
     L, Hkv, D = int(mi["num_layers"]), int(mi["num_kv_heads"]), int(mi["head_dim"])
-    shapes = {"num_hidden_layers": L, "num_attention_heads": int(mi["num_q_heads"]), "num_key_value_heads": Hkv,
-              "head_dim": D, "hidden_size": int(mi["num_q_heads"]) * D}
-    config = _ShapeConfig(shapes)
-    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
-    if fitted is not None:
-        have = (fitted.num_layers, fitted.num_kv_heads, fitted.head_dim)
-        fp = fitted.meta.get("model", {}).get("fingerprint")
-        if have != (L, Hkv, D) or (fp and mi.get("fingerprint") and fp != mi["fingerprint"]):
-            raise OscarError(f"artifact {cfg.artifact} (shapes {have}, model {fp}) was not fitted for the store's "
-                             f"model (shapes {(L, Hkv, D)}, model {mi.get('fingerprint')})")
-    arts = {m: fitted_for(m, fitted) if m in NEEDS_ARTIFACT else method_artifact(m, config, None) for m in methods}
-    layers = cfg.layers or sorted({0, L // 3, (2 * L) // 3, L - 1})
+    layers = sorted(set(cfg.layers)) if cfg.layers else sorted({0, L // 3, (2 * L) // 3, L - 1})
     bad = [l for l in layers if not 0 <= l < L]
     if bad:
         raise OscarError(f"layers {bad} out of range for a {L}-layer model")
-    gen = torch.Generator().manual_seed(cfg.seed)
+    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
+    prov = {"checked": False, "why": "no artifact"}
+    if fitted is not None:
+        have = (fitted.num_layers, fitted.num_kv_heads, fitted.head_dim)
+        if have != (L, Hkv, D):
+            raise OscarError(f"artifact {cfg.artifact} (shapes {have}) was not fitted for the store's model "
+                             f"(shapes {(L, Hkv, D)})")
+        prov = check_provenance(fitted, st.meta, dict(st.group.attrs), cfg.store)
+
+    model, tok, _ = loaded if loaded is not None else load_model(cfg.model or mi.get("source") or mi["name"])
+    from oscar.common import config_fingerprint
+
+    if mi.get("fingerprint") and config_fingerprint(model.config) != mi["fingerprint"]:
+        raise OscarError(f"model {cfg.model or mi.get('name')} (fingerprint {config_fingerprint(model.config)}) is not "
+                         f"the store's model ({mi.get('name')}, {mi['fingerprint']})")
+    ctx = max_context(model)
+    if ctx and cfg.seq_len > ctx:
+        raise OscarError(f"seq_len {cfg.seq_len} exceeds the model's context ({ctx}): capture sequences at real positions")
+    with_dtype(model, cfg.dtype)
+    Hq = int(model.config.num_attention_heads)
+    Gq = Hq // Hkv
+
+    class _Shapes:  # the store model's attention shapes, for the baselines' identity artifacts
+        def __init__(self, d):
+            self.__dict__.update(d)
+
+        def to_dict(self):
+            return dict(self.__dict__)
+
+    shapes = _Shapes({"num_hidden_layers": L, "num_attention_heads": Hq, "num_key_value_heads": Hkv, "head_dim": D,
+                      "hidden_size": Hq * D})
+    arts = {m: fitted_for(m, fitted) if m in NEEDS_ARTIFACT else method_artifact(m, shapes, None) for m in methods}
+    align = math.lcm(*[LayerQuant(arts[m], 0, pages=False).key_group for m in methods])
+
+    # 1. held-out sequences, checked against every calibration token of the store
+    stream = stream_rows_needed(cfg.lengths, cfg.sink, align, cfg.windows)
+    lens = sequence_lengths(stream, cfg.seq_len, cfg.sink)
+    held = heldout_sequences(tok, sum(lens), cfg.seq_len, cfg.corpus)
+    seqs = held.seqs
+    if [len(s) for s in seqs] != lens:
+        raise OscarError(f"held-out sequences {[len(s) for s in seqs]} differ from the plan {lens}")
+    overlap = check_disjoint(seqs, st.array("tokens")[:], st.array("mask")[:])
+
+    # 2. contexts and their last tokens' queries
+    wins = plan_windows(cfg.lengths, stream, cfg.sink, align, cfg.windows, cfg.seed)
+    starts = np.cumsum([0] + [n - cfg.sink for n in lens])                           # stream offset of each sequence
+    q_pos: dict[int, list[int]] = {}
+    ends = {}
+    for N, aa in wins.items():
+        for a in aa:
+            e = a + N - cfg.sink - 1
+            s = int(np.searchsorted(starts, e, side="right") - 1)
+            p = int(e - starts[s] + cfg.sink)
+            ends[(N, a)] = (s, p)
+            if p not in q_pos.setdefault(s, []):
+                q_pos[s].append(p)
+    q_pos = {s: sorted(v) for s, v in q_pos.items()}
+    t_cap = time.perf_counter()
+    K, V, Qs = capture_rows(model, seqs, layers, q_pos, progress)
+    cap_s = time.perf_counter() - t_cap
+
     rows = []
-    total = len(layers) * len(cfg.lengths) * len(methods)
-    bar = tqdm(total=total, desc="attention", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(layers) * len(methods), desc="attention", disable=not progress, dynamic_ncols=True)
     for l in layers:
-        kp, vp, qp = _rows(g, l, "k_res"), _rows(g, l, "v_res"), _rows(g, l, "q_res")  # (Hkv, n, D)
-        for N in cfg.lengths:
-            idx = torch.randint(0, kp.shape[1], (Hkv, N), generator=gen)
-            K = torch.gather(kp, 1, idx[..., None].expand(Hkv, N, D))  # (Hkv, N, D)
-            V = torch.gather(vp, 1, torch.randint(0, vp.shape[1], (Hkv, N), generator=gen)[..., None].expand(Hkv, N, D))
-            trials = []
-            for t in range(cfg.trials):
-                h = t % Hkv
-                q = qp[h, int(torch.randint(0, qp.shape[1], (1,), generator=gen))]  # (D,)
-                pos = int(torch.randint(cfg.sink, N, (1,), generator=gen))
-                logits = K[h] @ q  # (N,)
-                target = logits.max() + cfg.margin * logits.std()
-                kr = kp[h, int(torch.randint(0, kp.shape[1], (1,), generator=gen))]
-                kn = kr + (target - q @ kr) / (q @ q) * q  # needle key: q·kn = target
-                vn = vp[h, int(torch.randint(0, vp.shape[1], (1,), generator=gen))]
-                trials.append((h, q, pos, kn, vn))
-            for m in methods:
-                bar.set_postfix_str(f"layer {l} N={N} {m}")
-                lq = LayerQuant(arts[m], l, pages=False)  # every non-sink key INT2 (whole groups for per-channel keys)
-                G = lq.key_group
-                bk = cfg.sink + (N - cfg.sink) // G * G  # keys quantize in whole groups from the sink on
-                Kq, Vq = K.clone(), V.clone()
-                Kq[:, cfg.sink:bk] = lq.keys(K[None, :, cfg.sink:bk])[0]  # (Hkv, N, D)
-                Vq[:, cfg.sink:] = lq.values(V[None, :, cfg.sink:])[0]
-                for t, (h, q, pos, kn, vn) in enumerate(trials):
-                    r = trial_metrics(lq, K, V, Kq, Vq, h, q, pos, kn, vn, cfg.sink)
-                    rows.append({"layer": l, "head": h, "length": N, "method": m, "trial": t, **r,
-                                 "margin_std": cfg.margin, "sink": cfg.sink})
-                bar.update(1)
+        K0, V0 = K[l][0][:, :cfg.sink].float(), V[l][0][:, :cfg.sink].float()        # (Hkv, sink, D)
+        Ks = torch.cat([k[:, cfg.sink:] for k in K[l]], 1).float()                    # (Hkv, S, D)
+        Vs = torch.cat([v[:, cfg.sink:] for v in V[l]], 1).float()
+        K[l], V[l] = None, None
+        seq_of = np.searchsorted(starts, np.arange(Ks.shape[1]), side="right") - 1
+        for m in methods:
+            bar.set_postfix_str(f"layer {l} {m}")
+            lq = LayerQuant(arts[m], l, pages=False)  # every non-sink key INT2 (whole groups for per-channel keys)
+            Kq, Vq = quantize_stream(lq, Ks, Vs)
+            for N, aa in wins.items():
+                n = N - cfg.sink
+                for w, a in enumerate(aa):
+                    s, p = ends[(N, a)]
+                    Q = Qs[l][s][:, q_pos[s].index(p)].float().view(Hkv, Gq, D)    # (Hkv, G, D)
+                    Kwq = window_keys_int2(Kq, Ks, a, n, lq.key_group)                   # (Hkv, n, D)
+                    r = trial_metrics(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n], K0, V0, Kwq, Vq[:, a:a + n], Q)
+                    for h in range(Hkv):
+                        for g in range(Gq):
+                            j = a + int(r["needle"][h, g])
+                            mg = float(r["margin"][h, g])
+                            rows.append({
+                                "layer": l, "head": h, "q_head": h * Gq + g, "length": N, "method": m, "window": w,
+                                "start": a, "query_seq": s, "query_pos": p, "needle_seq": int(seq_of[j]),
+                                "needle_pos": int(j - starts[seq_of[j]] + cfg.sink), "needle_back": a + n - 1 - j,
+                                "margin": mg, "margin_std": float(r["margin_std"][h, g]), "margin_bin": margin_bin(mg),
+                                "top1": float(r["top1"][h, g]), "rank_int2": int(r["rank_int2"][h, g]),
+                                "out_rel_err": float(r["out_rel_err"][h, g]),
+                                "needle_weight": float(r["needle_weight"][h, g]),
+                                "needle_weight_int2": float(r["needle_weight_int2"][h, g]),
+                                "unique_tokens": N, "sink": cfg.sink, "seq_len": cfg.seq_len})
+            bar.update(1)
     bar.close()
     df = pd.DataFrame(rows)
     os.makedirs(cfg.out, exist_ok=True)
     df.to_parquet(os.path.join(cfg.out, "attention.parquet"), index=False)
+    meta = {"kind": "attention-level (not a model run)", "config": asdict(cfg), "methods": methods, "layers": layers,
+            "heldout": {**held.info, "fingerprint": held.fingerprint, "tokens": held.num_tokens,
+                        "sources": sorted(set(held.sources))},
+            "stream_rows": stream, "sequence_lengths": lens, "align": align, "overlap_check": overlap,
+            "provenance_check": prov, "capture_seconds": round(cap_s, 2),
+            "seconds": round(time.perf_counter() - t0, 2)}
+    with open(os.path.join(cfg.out, "attention.json"), "w") as f:
+        json.dump(meta, f, indent=1, default=str)
     return df.groupby(["method", "length"])[["top1", "out_rel_err"]].mean().reset_index()
-
-
-def trial_metrics(lq, K, V, Kq, Vq, h: int, q, pos: int, kn, vn, sink: int) -> dict:
-    """One needle trial on head h: K, V (Hkv, N, D) real rows; Kq, Vq their strict-protocol INT2 reading.
-
-    Only the needle's key group and value row are re-quantized (the rest is shared across trials);
-    tests check this against quantizing the planted K, V whole.
-    """
-    N, D = K.shape[1], K.shape[2]
-    G = lq.key_group
-    bk = sink + (N - sink) // G * G
-    s = 1.0 / D ** 0.5
-    le = K[h] @ q  # (N,) exact logits with the needle planted at pos
-    le[pos] = q @ kn
-    pe = torch.softmax(le * s, 0)
-    o = pe @ V[h] + pe[pos] * (vn - V[h, pos])
-    lh = Kq[h] @ q
-    if pos < bk:
-        a0 = sink + (pos - sink) // G * G
-        grp = K[:, a0:a0 + G].clone()  # (Hkv, G, D); only head h is used
-        grp[h, pos - a0] = kn
-        lh[a0:a0 + G] = lq.keys(grp[None])[0, h] @ q
-    else:  # trailing partial key group: still exact
-        lh[pos] = q @ kn
-    vrow = V[:, pos:pos + 1].clone()
-    vrow[h, 0] = vn
-    vq = lq.values(vrow[None])[0, h, 0]
-    pq = torch.softmax(lh * s, 0)
-    oh = pq @ Vq[h] + pq[pos] * (vq - Vq[h, pos])
-    return {"top1": float(int(lh.argmax()) == pos), "out_rel_err": float((oh - o).norm() / o.norm().clamp_min(1e-12)),
-            "needle_weight": float(pe[pos]), "needle_weight_int2": float(pq[pos])}
-
-
-class _ShapeConfig:
-    """The store model's attention shapes as a config object (for the baseline methods' identity artifacts)."""
-
-    def __init__(self, d: dict):
-        self.__dict__.update(d)
-
-    def to_dict(self):
-        return dict(self.__dict__)

@@ -87,18 +87,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     t.set_defaults(func=_tune)
 
-    a = vs.add_parser("attention", help="attention-level retrieval to 128k on real captured q/k/v (not a model run)",
-                      description="Plant a needle key among captured keys and check that each method's quantized "
-                                  "attention still ranks it first, up to 128k tokens; writes DIR/attention.parquet.")
-    a.add_argument("--store", required=True, help="calibration store (reservoirs layers/{l}/{q,k,v}_res)")
+    a = vs.add_parser("attention", help="attention-level retrieval to 128k on held-out captured q/k/v (not a model run)",
+                      description="Whole held-out sequences (text the fit never saw) captured at their own positions "
+                                  "and laid end to end; the needle is the real key a real query prefers most; each "
+                                  "method's INT2 reading must keep it first. Writes DIR/attention.parquet and "
+                                  "DIR/attention.json.")
+    a.add_argument("--store", required=True, help="calibration store the artifact was fitted on (held-out text is checked "
+                   "against its tokens; the model is the store's)")
     a.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2", help=_METHODS_HELP)
-    a.add_argument("--lengths", "--contexts", dest="lengths", default="4k,16k,32k,64k,128k",
-                   help="comma list of context lengths (1k = 1024 tokens; --contexts: the same)")
-    a.add_argument("--trials", type=int, default=8, help="needle trials per layer and length (spread over the KV heads)")
+    a.add_argument("--lengths", "--contexts", dest="lengths", default="4k,16k,64k,128k",
+                   help="context lengths in keys, every key a distinct held-out row (1k = 1024 tokens; --contexts: the same)")
+    a.add_argument("--windows", type=int, default=8,
+                   help="contexts per layer and length, each scored by every query head")
     a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")
-    a.add_argument("--seed", type=int, default=0, help="seed of the trials")
-    a.add_argument("--out", required=True, help="output directory")
+    a.add_argument("--seq-len", type=int, default=4096,
+                   help="tokens per captured held-out sequence, at most the model's context")
+    a.add_argument("--sink", type=int, default=64, help="first keys of each context kept exact")
+    a.add_argument("--corpus", default="pydoc", help="corpus whose held-out split comes first")
+    a.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model compute dtype of the capture")
+    a.add_argument("--seed", type=int, default=0, help="seed of the context offsets")
+    a.add_argument("--out", required=True, help="output directory (attention.parquet, attention.json)")
     a.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     a.set_defaults(func=_attention)
 
@@ -172,8 +182,8 @@ def _attention(args) -> int:
     from oscar.validate.attention import AttnConfig, run_attention
 
     cfg = AttnConfig(out=args.out, store=args.store, artifact=args.artifact, methods=_csv(args.methods),
-                     lengths=_lengths(args.lengths), trials=args.trials, seed=args.seed,
-                     layers=[int(x) for x in _csv(args.layers)])
+                     lengths=_lengths(args.lengths), windows=args.windows, seed=args.seed, seq_len=args.seq_len,
+                     sink=args.sink, corpus=args.corpus, dtype=args.dtype, layers=[int(x) for x in _csv(args.layers)])
     df = run_attention(cfg, progress=not args.no_progress)
     print(df.round(4).to_string(index=False))
     return 0
