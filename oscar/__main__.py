@@ -14,7 +14,7 @@ import sys
 from oscar.common import OscarError
 
 STAGE_CLIS = [
-    "oscar.pipeline.cli",   # calibrate, inspect
+    "oscar.pipeline.cli",   # calibrate, inspect, verify
     "oscar.stats.cli",      # fit
     "oscar.stats.interop",  # export, import
     "oscar.kernels.cli",    # bench memory

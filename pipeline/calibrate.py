@@ -91,6 +91,7 @@ class CalibResult:
     write_busy_s: float             # time the writer thread spent writing (overlapped or not)
     stats_s: float                  # part of forward_s spent in the statistics (CPU: not device-synchronised)
     nonfinite: dict[int, int]       # layer -> rows excluded for NaN/Inf (whole store)
+    blocks_damaged: list[int] = field(default_factory=list)  # done blocks that failed verification, redone
 
     @property
     def tokens_per_s(self) -> float:
@@ -131,9 +132,10 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     base = C.base_model(model)
     device = next(model.parameters()).device
 
+    damaged = sorted({d.block for d in store.repair(layers)})  # damaged done blocks: un-marked, redone below
     done0 = store.done()                     # (B, L); we hold the locks of `layers`: nobody else writes them
     todo = [b for b in range(meta.num_blocks) if not done0[b, list(layers)].all()]
-    redone = [b for b in todo if any(store.partial(b, l) for l in layers if not done0[b, l])]
+    redone = [b for b in todo if b not in damaged and any(store.partial(b, l) for l in layers if not done0[b, l])]
     for b in redone:
         print(f"oscar calibrate: block {b} was half-written by an interrupted run (chunks without done "
               f"marker); redoing it", file=sys.stderr)
@@ -208,7 +210,7 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     return CalibResult(store=str(store.path), blocks_total=meta.num_blocks, blocks_run=len(todo),
                        blocks_skipped=meta.num_blocks - len(todo), blocks_redone=redone, tokens_run=run_tokens,
                        wall_s=wall, forward_s=fwd_s, write_s=write_s, write_busy_s=busy[0], stats_s=cap.stats_s,
-                       nonfinite=nonfinite)
+                       nonfinite=nonfinite, blocks_damaged=damaged)
 
 
 class _Progress:
