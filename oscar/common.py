@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 
@@ -70,3 +71,112 @@ def attention_shapes(config: Any) -> dict:
         "num_kv_heads": getattr(c, "num_key_value_heads", None) or nq,
         "head_dim": getattr(c, "head_dim", None) or c.hidden_size // nq,
     }
+
+
+# --------------------------------------------------------------------------- weights fingerprint
+# Which checkpoint tensors identify a model's attention: every projection and norm that shapes q, k, v, o.
+_ATTN_KEY = re.compile(r"\.layers\.(\d+)\.(self_attn\.[A-Za-z0-9_.]+|input_layernorm\.[A-Za-z0-9_.]+)$")
+WEIGHTS_SCHEME = "attn-sampled-v1"  # 16 windows of 4 KiB per tensor (whole tensor when <= 64 KiB)
+_WIN, _NWIN = 4096, 16
+_WEIGHTS_MEMO: dict[tuple, dict | None] = {}
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """(header JSON, offset of the data section) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
+def _weight_files(model_dir: str) -> dict[str, str] | None:
+    idx = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(idx):
+        with open(idx) as f:
+            return {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return {k: single for k in _safetensors_header(single)[0] if k != "__metadata__"}
+    return None
+
+
+def weights_fingerprint(model_dir: str | None, layers=None) -> dict | None:
+    """{weights_fingerprint, weights_layers, weights_scheme} of a safetensors checkpoint directory, or None.
+
+    Per decoder layer, a hash of its attention tensors (q/k/v/o projections, their biases, q/k norms,
+    the input norm): name, dtype, shape and 16 evenly spaced 4 KiB windows of the stored bytes
+    (the whole tensor when it is at most 64 KiB). Reads ~64 KiB per tensor through the checkpoint
+    index, so a 358B checkpoint costs ~50 MB of reads and a stage can check only its layer range
+    (`layers`). It identifies the model (another fine-tune differs everywhere), not the integrity of
+    every byte of the checkpoint.
+    """
+    if not model_dir or not os.path.isdir(model_dir):
+        return None
+    try:
+        files = _weight_files(model_dir)
+    except (OSError, ValueError):
+        return None
+    if not files:
+        return None
+    key = (os.path.realpath(model_dir), tuple(sorted((p, os.stat(p).st_mtime_ns) for p in set(files.values()))),
+           None if layers is None else tuple(layers))
+    if key in _WEIGHTS_MEMO:
+        return _WEIGHTS_MEMO[key]
+    per_layer: dict[int, list[tuple[str, str]]] = {}
+    headers: dict[str, tuple[dict, int]] = {}
+    want = None if layers is None else set(int(l) for l in layers)
+    for name, path in sorted(files.items()):
+        m = _ATTN_KEY.search(name)
+        if not m or (want is not None and int(m.group(1)) not in want):
+            continue
+        if path not in headers:
+            headers[path] = _safetensors_header(path)
+        hdr, base = headers[path]
+        t = hdr[name]
+        a, b = t["data_offsets"]
+        n = b - a
+        h = hashlib.sha256(canonical_json([m.group(2), t["dtype"], t["shape"], n]).encode())
+        with open(path, "rb") as f:
+            starts = [0] if n <= _WIN * _NWIN else [i * (n - _WIN) // (_NWIN - 1) for i in range(_NWIN)]
+            for s in starts:
+                f.seek(base + a + s)
+                h.update(f.read(n if len(starts) == 1 else _WIN))
+        per_layer.setdefault(int(m.group(1)), []).append((m.group(2), h.hexdigest()))
+    if not per_layer:
+        _WEIGHTS_MEMO[key] = None
+        return None
+    L = max(per_layer) + 1
+    lay = [fingerprint(sorted(per_layer.get(l, []))) if l in per_layer else None for l in range(L)]
+    out = {"weights_fingerprint": fingerprint(lay), "weights_layers": lay, "weights_scheme": WEIGHTS_SCHEME}
+    _WEIGHTS_MEMO[key] = out
+    return out
+
+
+def model_fingerprint(config_fp: str, weights: dict | None) -> str:
+    """The model fingerprint stores and artifacts carry: config hash, combined with the weights' when known."""
+    return fingerprint({"config": config_fp, "weights": weights["weights_fingerprint"]}) if weights else config_fp
+
+
+def model_mismatch(have: dict, want: dict, what: str = "store") -> str | None:
+    """Why model record `have` (of a store / artifact) does not describe model `want` (None: same model).
+
+    Records written before weights were fingerprinted carry only the config hash as `fingerprint`:
+    they are compared on the config alone.
+    """
+    hc = have.get("config_fingerprint", have.get("fingerprint"))
+    wc = want.get("config_fingerprint", want.get("fingerprint"))
+    if hc and wc and hc != wc:
+        return (f"the {what} was made for model {have.get('name')!r} with config fingerprint {hc}, this model "
+                f"({want.get('name')!r}) has config fingerprint {wc}: a different model (another config)")
+    hw, ww = have.get("weights_fingerprint"), want.get("weights_fingerprint")
+    if hw and ww and hw != ww:
+        hl, wl = have.get("weights_layers") or [], want.get("weights_layers") or []
+        diff = [l for l, (a, b) in enumerate(zip(hl, wl)) if a and b and a != b]
+        return (f"the {what} was made for model {have.get('name')!r} with weights fingerprint {hw}, this model "
+                f"({want.get('name')!r}) has the same config but weights fingerprint {ww} (attention weights of "
+                f"layers {diff[:12]}{'...' if len(diff) > 12 else ''} differ): same config, different weights")
+    return None
+
+
+def allow_weights_mismatch() -> bool:
+    """`oscar --allow-weights-mismatch ...` (or $OSCAR_ALLOW_WEIGHTS_MISMATCH=1): a deliberate transfer."""
+    return os.environ.get("OSCAR_ALLOW_WEIGHTS_MISMATCH", "") not in ("", "0")

@@ -277,7 +277,8 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     info_d = info.to_dict()
     meta = StoreMeta(
         model={k: info_d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
-                                          "head_dim", "model_type", "source")},
+                                          "head_dim", "model_type", "source", "config_fingerprint",
+                                          "weights_fingerprint", "weights_layers")},
         corpus=corpus.to_dict(),
         seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from typing import Iterable
 
 import numpy as np
 
-from oscar.common import OscarError, canonical_json
+from oscar.common import OscarError, canonical_json, model_mismatch
 
 
 def _load_syncfs():
@@ -142,9 +142,10 @@ def _mismatch(path: str, old: StoreMeta, new: StoreMeta) -> str | None:
     """Why the store at `path` cannot be resumed with `new` (None: it can)."""
     hint = "pass --overwrite to start over, or choose another --store"
     om, nm = old.model, new.model
-    if om.get("fingerprint") != nm.get("fingerprint") or om.get("name") != nm.get("name"):
+    why = model_mismatch(om, nm, "store")
+    if why or om.get("name") != nm.get("name"):
         return (f"store {path} was made for model {om.get('name')!r} (fingerprint {om.get('fingerprint')}), "
-                f"not {nm.get('name')!r} (fingerprint {nm.get('fingerprint')}); {hint}")
+                f"not {nm.get('name')!r} (fingerprint {nm.get('fingerprint')}){': ' + why if why else ''}; {hint}")
     oc, nc = old.corpus, new.corpus
     if oc.get("fingerprint") != nc.get("fingerprint") or oc.get("name") != nc.get("name"):
         return (f"store {path} was made from corpus {oc.get('name')!r} (fingerprint {oc.get('fingerprint')}), "
@@ -310,6 +311,7 @@ class CalibStore:
         if not self.checksummed:
             warn_unverified(self.path, attrs.get("format"))
         self.checksum_names = list(self.spec) + [EXTRA_SLOT]
+        self.checksum_s = 0.0  # time spent hashing and writing checksum records (bench/calibrate.py reports it)
 
     # ---------------------------------------------------------------- creation
     @classmethod
@@ -432,7 +434,10 @@ class CalibStore:
             self._write_file(self._chunk_path(name, block), data)
         else:
             a[block] = value
-        return zlib.crc32(data)
+        t = time.perf_counter()
+        crc = zlib.crc32(data)
+        self.checksum_s += time.perf_counter() - t
+        return crc
 
     def write_layer(self, block: int, layer: int, arrays: dict[str, np.ndarray]) -> None:
         """Write every array of (block, layer) whole, then the done marker (last)."""
@@ -460,7 +465,9 @@ class CalibStore:
                 ex = zlib.crc32(name.encode(), ex)
                 ex = zlib.crc32(self.put(f"layers/{layer}/{name}", block, extra[layer][name]).to_bytes(4, "little"), ex)
             if self.checksummed:
+                t = time.perf_counter()
                 self._put_checksums(block, layer, crcs + [ex])
+                self.checksum_s += time.perf_counter() - t
         self.sync()
         for layer in layers:
             self._put_done(block, layer)

@@ -50,9 +50,13 @@ def _open(store: str):
 
     if not os.path.exists(store):
         raise OscarError(f"calibration store {store} does not exist")
+    from oscar.pipeline.store import READS, CalibStore
+
     g = zarr.open_group(store, mode="r")
-    if g.attrs.get("format") != "oscar-calib/1":
-        raise OscarError(f"{store}: not an oscar-calib/1 store (format {g.attrs.get('format')!r})")
+    if g.attrs.get("format") not in READS:
+        raise OscarError(f"{store}: not an oscar calibration store (format {g.attrs.get('format')!r})")
+    if "checksums" in g:  # verified through the store format's owner: a damaged done block is refused
+        CalibStore(store).check()
     return g
 
 
