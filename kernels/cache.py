@@ -318,7 +318,7 @@ class OscarCache(Cache):
     def from_artifact(cls, model, artifact: str | Path | Artifact, *, format: Format = "int2",
                       quant: QuantConfig | None = None, max_len: int | None = None, max_pages: int | None = None,
                       max_seqs: int | None = None, backend: str | None = None, dtype: torch.dtype | None = None,
-                      **overrides) -> "OscarCache":
+                      allow_weights_mismatch: bool | None = None, **overrides) -> "OscarCache":
         """An empty cache for `model` from an artifact (path or `Artifact`).
 
         overrides: any of bits, group_size, key_axis, mode, sink, recent, page_size, clip_rule, param_dtype (replace the
@@ -327,12 +327,14 @@ class OscarCache(Cache):
         max_pages: pool size in pages per layer (shared by the batch's sequences).
         backend: None (Triton on CUDA, reference on CPU), "triton" or "reference".
         dtype: storage dtype of sink / recent window (default: the model's k/v dtype).
+        allow_weights_mismatch: accept an artifact fitted on other weights of the same config (a
+        deliberate transfer; default: `oscar --allow-weights-mismatch` / $OSCAR_ALLOW_WEIGHTS_MISMATCH).
         """
         art = load_artifact(str(artifact)) if isinstance(artifact, (str, Path)) else artifact
         if not isinstance(art, Artifact):
             raise OscarError(f"artifact must be a path or an Artifact, got {type(artifact).__name__}")
         art.validate()
-        art.check_model(model.config)
+        art.check_model(model.config, allow_weights_mismatch=allow_weights_mismatch)
         bad = set(overrides) - set(_QUANT_FIELDS)
         if bad:
             raise OscarError(f"unknown OscarCache option(s) {sorted(bad)}; quant overrides are {list(_QUANT_FIELDS)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -27,6 +28,9 @@ STAGE_CLIS = [
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oscar", description=__doc__.splitlines()[0])
+    p.add_argument("--allow-weights-mismatch", action="store_true",
+                   help="accept an artifact or store made for a model with the same config but other weights "
+                        "(a deliberate transfer; default: refuse, naming the layers that differ)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in STAGE_CLIS:
         try:
@@ -53,6 +57,8 @@ def interruptible() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.allow_weights_mismatch:
+        os.environ["OSCAR_ALLOW_WEIGHTS_MISMATCH"] = "1"  # read by Artifact.check_model in every stage
     interruptible()
     try:
         rc = args.func(args)

@@ -143,9 +143,11 @@ def _mismatch(path: str, old: StoreMeta, new: StoreMeta) -> str | None:
     hint = "pass --overwrite to start over, or choose another --store"
     om, nm = old.model, new.model
     why = model_mismatch(om, nm, "store")
-    if why or om.get("name") != nm.get("name"):
+    if why:
+        return f"store {path}: {why}; {hint}"
+    if om.get("name") != nm.get("name"):
         return (f"store {path} was made for model {om.get('name')!r} (fingerprint {om.get('fingerprint')}), "
-                f"not {nm.get('name')!r} (fingerprint {nm.get('fingerprint')}){': ' + why if why else ''}; {hint}")
+                f"not {nm.get('name')!r} (fingerprint {nm.get('fingerprint')}); {hint}")
     oc, nc = old.corpus, new.corpus
     if oc.get("fingerprint") != nc.get("fingerprint") or oc.get("name") != nc.get("name"):
         return (f"store {path} was made from corpus {oc.get('name')!r} (fingerprint {oc.get('fingerprint')}), "

@@ -128,3 +128,83 @@ def test_missing_checksum_record_is_damage(tmp_path, full):
     st = CalibStore(path)
     (path / "checksums" / st.array("checksums").metadata.encode_chunk_key((1, 2, 0))).unlink()
     assert [str(d) for d in CalibStore(path).verify()] == ["block 1, layer 2, checksums: checksum record missing"]
+
+
+# ------------------------------------------------------------------ artifacts and model identity
+def test_flipped_byte_in_artifact_tensor_detected(tmp_path, capsys):
+    import torch
+    from transformers import LlamaConfig
+
+    from oscar.stats.artifact import identity_artifact, load_artifact, save_artifact
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    art = identity_artifact(cfg)
+    art.rot_k[1] = torch.linalg.qr(torch.randn(2, 16, 16))[0]
+    path = tmp_path / "a.safetensors"
+    save_artifact(art, str(path))
+    assert torch.equal(load_artifact(str(path)).rot_k[1], art.rot_k[1])  # intact: loads
+    data = bytearray(path.read_bytes())
+    hdr = 8 + int.from_bytes(data[:8], "little")
+    import json as _json
+
+    off = _json.loads(data[8:hdr])["layers.1.rot_k"]["data_offsets"][0]
+    data[hdr + off + 21] ^= 0x04  # one bit of one float of layers.1.rot_k: still finite, still loads in safetensors
+    path.write_bytes(bytes(data))
+    with pytest.raises(OscarError, match=r"layers\.1\.rot_k.*fail their checksum"):
+        load_artifact(str(path))
+    assert main(["inspect", str(path)]) == 2
+    assert "fail their checksum" in capsys.readouterr().err
+
+
+def _perturbed_copy(src: str, dst: Path, layer: int) -> None:
+    """A checkpoint with the same config.json and tokenizer, one layer's q_proj weights changed."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    idx = _json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    key = f"model.layers.{layer}.self_attn.q_proj.weight"
+    shard = dst / idx[key]
+    t = load_file(str(shard))
+    t[key] = t[key] * 1.01
+    save_file(t, str(shard), metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+def test_same_config_different_weights_refused(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from oscar.kernels.cache import OscarCache
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+    from oscar.pipeline.models import load_info, resolve_model
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.stats.fit import FitConfig, fit
+
+    a, b = tmp_path / "model-a", tmp_path / "model-b"
+    shutil.copytree(resolve_model("tiny-llama"), a)
+    _perturbed_copy(str(a), b, layer=2)
+    ia, ib = load_info(str(a)), load_info(str(b))
+    assert ia.config_fingerprint == ib.config_fingerprint and ia.fingerprint != ib.fingerprint
+    assert [x == y for x, y in zip(ia.weights_layers, ib.weights_layers)] == [True, True, False, True]
+
+    store = str(tmp_path / "s.zarr")
+    cal = dict(corpus="pydoc", store=store, seq_len=48, sink=4, seqs_per_block=2, tokens=4 * 48, reservoir=16,
+               threads=1)
+    calibrate(CalibConfig(model=str(a), **cal), progress=False)
+    with pytest.raises(OscarError, match=r"layers \[2\] differ\): same config, different weights"):  # resume with B refused
+        calibrate(CalibConfig(model=str(b), **cal), progress=False)
+    out = str(tmp_path / "a.safetensors")
+    save_artifact(fit(store, FitConfig(variant="centered", progress=False, threads=1)), out)
+    art = load_artifact(out)
+    assert art.meta["model"]["weights_fingerprint"] == ia.weights_fingerprint
+
+    ma = AutoModelForCausalLM.from_pretrained(str(a))
+    mb = AutoModelForCausalLM.from_pretrained(str(b))
+    OscarCache.from_artifact(ma, art)  # its own model: accepted
+    with pytest.raises(OscarError, match=r"layers \[2\] differ\): same config, different weights.*--allow-weights-mismatch"):
+        OscarCache.from_artifact(mb, art)
+    capsys.readouterr()
+    OscarCache.from_artifact(mb, art, allow_weights_mismatch=True)  # a deliberate transfer
+    assert "accepted (--allow-weights-mismatch)" in capsys.readouterr().err
