@@ -39,7 +39,7 @@ def load_job_config(path: str) -> dict:
     try:
         with open(path) as f:
             text = f.read()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise OscarError(f"cannot read job config {path}: {e}") from None
     try:
         cfg = yaml.safe_load(text)

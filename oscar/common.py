@@ -180,3 +180,37 @@ def model_mismatch(have: dict, want: dict, what: str = "store") -> str | None:
 def allow_weights_mismatch() -> bool:
     """`oscar --allow-weights-mismatch ...` (or $OSCAR_ALLOW_WEIGHTS_MISMATCH=1): a deliberate transfer."""
     return os.environ.get("OSCAR_ALLOW_WEIGHTS_MISMATCH", "") not in ("", "0")
+
+
+# --------------------------------------------------------------------------- output paths
+FILE_SUFFIXES = (".safetensors", ".json", ".jsonl", ".parquet", ".md", ".html", ".txt", ".csv", ".gguf", ".png")
+
+
+def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out") -> None:
+    """Refuse, before any work, an output path the command could not write at the end.
+
+    file=None: a path with a known file suffix (.safetensors, .json, ...) is a file, else a directory.
+    A file needs an existing, writable directory; a directory (created by the command) needs its
+    nearest existing ancestor to be a writable directory and must not be an existing file.
+    """
+    p = os.path.abspath(os.path.expanduser(str(path)))
+    file = os.path.splitext(p)[1].lower() in FILE_SUFFIXES if file is None else file
+    if file:
+        if os.path.isdir(p):
+            raise OscarError(f"{flag} {path} is a directory; give a file path")
+        d = os.path.dirname(p)
+        if not os.path.isdir(d):
+            raise OscarError(f"{flag} {path}: directory {os.path.dirname(str(path)) or d} does not exist "
+                             f"(create it first)")
+        if not os.access(d, os.W_OK) or (os.path.exists(p) and not os.access(p, os.W_OK)):
+            raise OscarError(f"{flag} {path}: not writable")
+        return
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise OscarError(f"{flag} {path} exists and is not a directory")
+    a = p
+    while not os.path.exists(a):
+        a = os.path.dirname(a)
+    if not os.path.isdir(a):
+        raise OscarError(f"{flag} {path}: {a} is a file, so the directory cannot be created")
+    if not os.access(a, os.W_OK | os.X_OK):
+        raise OscarError(f"{flag} {path}: {a} is not writable")

@@ -158,7 +158,10 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str) -> str:
     _orthogonal_only(art, GGUF)
     import gguf
 
-    reader = gguf.GGUFReader(model_gguf, "r")
+    try:
+        reader = gguf.GGUFReader(model_gguf, "r")
+    except (OSError, ValueError) as e:  # gguf raises ValueError on a bad magic / truncated file
+        raise OscarError(f"{model_gguf}: not a readable GGUF file ({e})") from None
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     n_layer = reader.get_field(f"{arch}.block_count").contents()
     if n_layer != art.num_layers:
@@ -201,7 +204,10 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str) -> str:
 def import_gguf(path: str) -> Artifact:
     import gguf
 
-    reader = gguf.GGUFReader(path, "r")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (OSError, ValueError) as e:  # gguf raises ValueError on a bad magic / truncated file
+        raise OscarError(f"{path}: not a readable GGUF file ({e})") from None
     ts = {t.name: t for t in reader.tensors}
     rk, rv = [], []
     l = 0
