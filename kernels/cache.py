@@ -75,7 +75,9 @@ def oscar_attention(module, query, key, value, attention_mask, dropout: float = 
                                       **kwargs)
     key._oscar_layer = None  # one attention call per update
     if kwargs.get("sliding_window"):
-        raise OscarError("OscarCache does not support sliding-window attention layers")
+        from oscar.constraints import SLIDING_WINDOW
+
+        raise OscarError(f"layer {layer.idx} uses sliding-window attention: {SLIDING_WINDOW}")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return layer.attend(module, query, attention_mask, scaling), None
 
@@ -308,6 +310,9 @@ class OscarCache(Cache):
                  backend: str | None = None, dtype: torch.dtype | None = None, pool: PagedKVCache | None = None):
         if format not in ("int2", "passthrough"):
             raise OscarError(f"format must be 'int2' or 'passthrough', got {format!r}")
+        from oscar.constraints import check_model
+
+        check_model(config, what="the model")  # sliding-window layers: refused here as in every stage
         self.artifact, self.config, self.quant, self.format = artifact, config, quant, format
         self.shapes = attention_shapes(config)
         c = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -34,12 +34,78 @@ def file_fingerprint(path: str, n: int = 16, chunk: int = 1 << 20) -> str:
 
 
 def set_threads(n: int | None = None) -> int:
-    """Pin torch's intra-op threads (default: all cores, or $OSCAR_THREADS)."""
+    """Pin torch's intra-op threads (default: `default_threads()`, or $OSCAR_THREADS)."""
     import torch
 
-    n = n or int(os.environ.get("OSCAR_THREADS", "0")) or os.cpu_count() or 1
+    n = n or int(os.environ.get("OSCAR_THREADS", "0")) or default_threads()
     torch.set_num_threads(n)
     return n
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs this process's cgroup may use (cgroup v2 cpu.max, v1 cfs quota/period), None if unlimited."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            q, p = f.read().split()[:2]
+        return None if q == "max" else int(q) / int(p)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            q = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            p = int(f.read())
+        return None if q <= 0 else q / p
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_busy(window_s: float) -> float | None:
+    """CPUs kept busy by other processes over `window_s` (from /proc/stat, minus this process's own use)."""
+    def stat():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)  # total, idle + iowait (jiffies)
+
+    try:
+        import time
+
+        (t0, i0), c0, w0 = stat(), os.times(), time.monotonic()
+        time.sleep(window_s)
+        (t1, i1), c1, w1 = stat(), os.times(), time.monotonic()
+    except (OSError, ValueError, IndexError):
+        return None
+    if t1 <= t0:
+        return None
+    cpus = os.cpu_count() or 1
+    busy = cpus * (1 - (i1 - i0) / (t1 - t0))
+    own = (c1.user + c1.system - c0.user - c0.system) / max(w1 - w0, 1e-9)
+    return max(0.0, busy - own)
+
+
+def default_threads(window_s: float = 0.3) -> int:
+    """Threads worth running now: the CPUs this process may use (affinity, cgroup quota) minus those
+    other processes keep busy (sampled over `window_s`; the 1-minute load average where /proc/stat is
+    missing), at least 1. torch's threads spin and wait on each other: two threads on a machine whose
+    other job holds ~1.8 of 2 cores ran calibration 9x slower than one thread (issue 20)."""
+    return threads_decision(window_s)["threads"]
+
+
+def threads_decision(window_s: float = 0.3) -> dict:
+    """`default_threads` with its inputs (benches record them)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    avail = min(float(cpus), quota) if quota else float(cpus)
+    busy = _cpu_busy(window_s)
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    other = busy if busy is not None else (load1 or 0.0)
+    free = min(avail, (os.cpu_count() or cpus) - other)  # the host's other work competes for our CPUs too
+    n = max(1, min(int(avail), int(free + 0.25)))  # a thread needs (nearly) a whole free core
+    return {"threads": n, "cpus_allowed": cpus, "cgroup_quota": quota, "busy_other": other, "loadavg_1": load1,
+            "window_s": window_s}
 
 
 # Keys of a transformers config that do not change what the model computes.

@@ -268,6 +268,7 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
     info = info or load_info(cfg.model)
+    check_servable(info)
     tokenizer = tokenizer or load_tokenizer(info.source)
     plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
     tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
@@ -287,11 +288,20 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     return meta, info
 
 
+def check_servable(info) -> None:
+    """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack)."""
+    from oscar.constraints import check_model
+    from oscar.pipeline.models import load_config
+
+    check_model(load_config(info.source), info.head_dim, what=f"model {info.name!r}")
+
+
 def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
-    from oscar.pipeline.models import load_model
+    from oscar.pipeline.models import load_info, load_model
     from oscar.pipeline.store import CalibStore, WriterLock
 
+    check_servable(load_info(cfg.model))  # before loading weights or reading the corpus
     set_threads(cfg.threads)
     model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
                                         dtype=_torch_dtype(cfg.dtype), device=cfg.device)

@@ -484,6 +484,9 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
     dtype = torch.float32 if dtype is None else dtype
     d = resolve_model(spec, cache_dir, seed=seed)
     config = load_config(d)
+    from oscar.constraints import check_model
+
+    check_model(config, what=f"model {spec!r}")  # sliding-window layers: refused in every stage, before loading
     kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
     if is_moe(config):
         # transformers' default grouped_mm experts bypass per-expert modules; eager loops over experts

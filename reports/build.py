@@ -155,6 +155,19 @@ def _read(d: str, name: str):
     return pd.read_parquet(p) if os.path.exists(p) else None
 
 
+def _skipped_section(d: str) -> list[str]:
+    """Methods validation skipped because their cache format cannot serve the model (skipped_methods.json)."""
+    skipped: dict[str, str] = {}
+    for p in sorted(glob.glob(os.path.join(d, "skipped_methods.json")) + glob.glob(os.path.join(d, "*", "skipped_methods.json"))):
+        try:
+            skipped.update(json.load(open(p)))
+        except (OSError, ValueError):
+            continue
+    if not skipped:
+        return []
+    return ["## Methods skipped", "", md_table(["method", "reason"], [[m, r] for m, r in sorted(skipped.items())]), ""]
+
+
 def _ruler_section(res, figdir: str) -> list[str]:
     if res is None or not len(res[res.suite == "ruler"]):
         return ["## RULER-style tasks", "", "No NIAH results in this directory (`oscar validate niah`).", ""]
@@ -400,6 +413,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
     checks = acceptance(res, ppl)
     if checks:
         md += [md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
+    md += _skipped_section(d)
     md += _ruler_section(res, figdir)
     md += _ppl_section(ppl, goal, figdir)
     md += _memory_section(mem)

@@ -76,7 +76,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True):
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate.methods import NEEDS_ARTIFACT, LayerQuant, fitted_for, method_artifact, parse_methods
+    from oscar.validate.methods import NEEDS_ARTIFACT, LayerQuant, fitted_for, method_artifact, parse_methods, resolve_methods
 
     methods = parse_methods(cfg.methods)
     if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
@@ -94,7 +94,8 @@ def run_attention(cfg: AttnConfig, progress: bool = True):
         if have != (L, Hkv, D) or (fp and mi.get("fingerprint") and fp != mi["fingerprint"]):
             raise OscarError(f"artifact {cfg.artifact} (shapes {have}, model {fp}) was not fitted for the store's "
                              f"model (shapes {(L, Hkv, D)}, model {mi.get('fingerprint')})")
-    arts = {m: fitted_for(m, fitted) if m in NEEDS_ARTIFACT else method_artifact(m, config, None) for m in methods}
+    arts, skipped = resolve_methods(methods, config, fitted, checked=False, out=cfg.out)  # unsupported: skipped
+    methods = [m for m in methods if m not in skipped]
     layers = cfg.layers or sorted({0, L // 3, (2 * L) // 3, L - 1})
     bad = [l for l in layers if not 0 <= l < L]
     if bad:
