@@ -90,8 +90,10 @@ def run_attention(cfg: AttnConfig, progress: bool = True):
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if fitted is not None:
         have = (fitted.num_layers, fitted.num_kv_heads, fitted.head_dim)
+        from oscar.common import model_mismatch
+
         fp = fitted.meta.get("model", {}).get("fingerprint")
-        if have != (L, Hkv, D) or (fp and mi.get("fingerprint") and fp != mi["fingerprint"]):
+        if have != (L, Hkv, D) or (fp and mi.get("fingerprint") and model_mismatch(fitted.meta["model"], mi, "artifact")):
             raise OscarError(f"artifact {cfg.artifact} (shapes {have}, model {fp}) was not fitted for the store's "
                              f"model (shapes {(L, Hkv, D)}, model {mi.get('fingerprint')})")
     arts, skipped = resolve_methods(methods, config, fitted, checked=False, out=cfg.out)  # unsupported: skipped
