@@ -209,10 +209,9 @@ class StageWorker:
     def _write(self, block: int) -> None:
         arrays = self.cap.finish_block(self.layers)
         todo = {l: arrays[l] for l in self.layers if not self.store.done_at(block, l)}  # never rewrite a done chunk
-        for l in todo:
-            if l in self.expert_counts:  # before write_block: the done markers are the commit point
-                self.store.put(f"layers/{l}/{EXPERT_ARRAY}", block, self.expert_counts[l].numpy())
-        self.store.write_block(block, todo)  # one filesystem sync for the stage's layers
+        # expert counts are written and checksummed with their layer, before the done markers (the commit point)
+        extra = {l: {EXPERT_ARRAY: self.expert_counts[l].numpy()} for l in todo if l in self.expert_counts}
+        self.store.write_block(block, todo, extra=extra)  # one filesystem sync for the stage's layers
         self.stats.blocks_written.append(block)
 
     # ------------------------------------------------------------------ introspection

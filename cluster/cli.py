@@ -150,7 +150,7 @@ def _status(args) -> int:
 
     st = store_status(positional_or_option(args, "store", "--store"), address=args.address)
     print(json.dumps(st, indent=1) if args.json else format_status(st))
-    return 0
+    return 1 if st.get("damage") else 0
 
 
 # --------------------------------------------------------------------------- calibrate --ray

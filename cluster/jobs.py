@@ -39,7 +39,7 @@ def load_job_config(path: str) -> dict:
     try:
         with open(path) as f:
             text = f.read()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise OscarError(f"cannot read job config {path}: {e}") from None
     try:
         cfg = yaml.safe_load(text)
@@ -211,6 +211,8 @@ def store_status(store: str, address: str | None = None) -> dict:
         "replicas": cl.get("replicas"),
         "unused_experts": {str(k): v for k, v in unused_experts(st).items()},
         "tokens_done": int(np.asarray(st.group["mask"][:])[done.all(1)].sum()),
+        "verified": st.checksummed,
+        "damage": [str(d) for d in st.verify()],  # damaged chunks of done blocks (re-run calibrate: redone)
     }
     if address:
         client = _client(address)
@@ -229,6 +231,10 @@ def format_status(s: dict) -> str:
     for st in s["stages"]:
         a, b = st["layers"]
         lines.append(f"  stage {st['stage']}  layers {a:>3}-{b - 1:<3}  {st['blocks_done']}/{s['num_blocks']} blocks")
+    if s.get("damage"):
+        lines.append(f"  DAMAGED: {len(s['damage'])} chunk(s) of done blocks fail verification (re-run the same "
+                     f"calibrate command to redo them):")
+        lines += [f"    {d}" for d in s["damage"][:20]]
     for l, ex in s.get("unused_experts", {}).items():
         lines.append(f"  layer {l}: {len(ex)} experts with no routed token" + (f": {ex}" if ex else ""))
     for j in s.get("jobs", []):

@@ -251,6 +251,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         _, moe_layers = _ensure_expert_arrays(store, model_dir, list(range(L)))
         store.group.attrs["cluster"] = {"stages": [list(r) for r in ranges], "replicas": cc.replicas,
                                         "micro_batch": cc.micro_batch, "job": job}
+        store.repair()  # damaged done blocks (missing / truncated / altered chunks) are un-marked and redone
         todo = store.todo_blocks()
         skipped = store.num_blocks - len(todo)
         tokens = store.group["tokens"]

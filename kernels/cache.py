@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar.common import OscarError, attention_shapes
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, layout
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layout
 from oscar.stats.artifact import Artifact, QuantConfig, load_artifact
 
 ATTN_NAME = "oscar"
@@ -75,7 +75,9 @@ def oscar_attention(module, query, key, value, attention_mask, dropout: float = 
                                       **kwargs)
     key._oscar_layer = None  # one attention call per update
     if kwargs.get("sliding_window"):
-        raise OscarError("OscarCache does not support sliding-window attention layers")
+        from oscar.constraints import SLIDING_WINDOW
+
+        raise OscarError(f"layer {layer.idx} uses sliding-window attention: {SLIDING_WINDOW}")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return layer.attend(module, query, attention_mask, scaling), None
 
@@ -134,9 +136,11 @@ class OscarLayer(CacheLayerMixin):
         B, H, T, D = key_states.shape
         cfg, pc = o.pool.cfg, self.pc
         n0, n1 = self.n, self.n + T
-        if o.format == "passthrough" and n1 > o.max_len:
-            raise OscarError(f"pass-through OscarCache holds at most max_len={o.max_len} tokens, "
-                             f"this update would make {n1}; build it with a larger max_len")
+        if n1 > o.max_len:  # layer 0 refuses first: no layer holds the chunk
+            kind = "pass-through " if o.format == "passthrough" else ""
+            raise OscarError(f"{kind}OscarCache holds at most max_len={o.max_len} tokens per sequence, "
+                             f"this update would make {n1} (nothing was written); build it with a larger max_len, "
+                             f"or use oscar.kernels.cache.generate, which checks the length before decoding")
         # A multi-token chunk needs the 16-bit values of the tokens it flushes into pages (queries of the
         # chunk that precede the flush still see them unquantized): snapshot the old ring tail first.
         tail_old = None
@@ -151,6 +155,10 @@ class OscarLayer(CacheLayerMixin):
             raise OscarError(f"this OscarCache is unusable after a refused update: {o.broken}")
         try:
             pc.append_batch(o.seqs, key_states, value_states)  # all-or-nothing (PoolExhausted before any write)
+        except PoolExhausted as e:  # every layer has the same pages: layer 0 refuses first, nothing is written
+            raise PoolExhausted(f"{e}; the cache holds {n0} tokens per sequence, room for {o.capacity()} "
+                                f"(oscar.kernels.cache.generate checks this before decoding and keeps the tokens "
+                                f"generated)") from None
         except ParamRangeError as e:
             # 8-bit params: layer l learns its range only now, after layers < l appended this chunk
             if self.idx:
@@ -267,7 +275,7 @@ class OscarLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        raise OscarError("OscarCache cannot be reset in place; build a new one (or fork before generating)")
+        self.n = 0  # OscarCache.reset releases the pool's sequences for every layer at once
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
@@ -303,6 +311,9 @@ class OscarCache(Cache):
                  backend: str | None = None, dtype: torch.dtype | None = None, pool: PagedKVCache | None = None):
         if format not in ("int2", "passthrough"):
             raise OscarError(f"format must be 'int2' or 'passthrough', got {format!r}")
+        from oscar.constraints import check_model
+
+        check_model(config, what="the model")  # sliding-window layers: refused here as in every stage
         self.artifact, self.config, self.quant, self.format = artifact, config, quant, format
         self.shapes = attention_shapes(config)
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -311,6 +322,7 @@ class OscarCache(Cache):
         self.broken: str | None = None  # why the layers disagree after a refused 8-bit-param update
         self.pool: PagedKVCache | None = pool
         self.seqs: list[int] = []
+        self._ids: list[torch.Tensor] | None = []  # token ids fed so far (None: unknown, e.g. embeddings fed)
         if pool is None:
             self.paged_config(1, torch.float32, "cpu")  # validate the format now, not at the first update
         super().__init__(layers=[OscarLayer(self, i) for i in range(self.shapes["num_layers"])])
@@ -319,7 +331,7 @@ class OscarCache(Cache):
     def from_artifact(cls, model, artifact: str | Path | Artifact, *, format: Format = "int2",
                       quant: QuantConfig | None = None, max_len: int | None = None, max_pages: int | None = None,
                       max_seqs: int | None = None, backend: str | None = None, dtype: torch.dtype | None = None,
-                      **overrides) -> "OscarCache":
+                      allow_weights_mismatch: bool | None = None, **overrides) -> "OscarCache":
         """An empty cache for `model` from an artifact (path or `Artifact`).
 
         overrides: any of bits, group_size, key_axis, mode, sink, recent, page_size, clip_rule, param_dtype (replace the
@@ -328,12 +340,14 @@ class OscarCache(Cache):
         max_pages: pool size in pages per layer (shared by the batch's sequences).
         backend: None (Triton on CUDA, reference on CPU), "triton" or "reference".
         dtype: storage dtype of sink / recent window (default: the model's k/v dtype).
+        allow_weights_mismatch: accept an artifact fitted on other weights of the same config (a
+        deliberate transfer; default: `oscar --allow-weights-mismatch` / $OSCAR_ALLOW_WEIGHTS_MISMATCH).
         """
         art = load_artifact(str(artifact)) if isinstance(artifact, (str, Path)) else artifact
         if not isinstance(art, Artifact):
             raise OscarError(f"artifact must be a path or an Artifact, got {type(artifact).__name__}")
         art.validate()
-        art.check_model(model.config)
+        art.check_model(model.config, allow_weights_mismatch=allow_weights_mismatch)
         bad = set(overrides) - set(_QUANT_FIELDS)
         if bad:
             raise OscarError(f"unknown OscarCache option(s) {sorted(bad)}; quant overrides are {list(_QUANT_FIELDS)}")
@@ -341,6 +355,10 @@ class OscarCache(Cache):
         register_attention()
         if model.config._attn_implementation != ATTN_NAME:
             model.set_attn_implementation(ATTN_NAME)
+        if not getattr(model, "_oscar_position_hook", None):  # refuses a cache reused for another prompt
+            model._oscar_position_hook = model.register_forward_pre_hook(_check_cache_positions, with_kwargs=True)
+            if hasattr(model, "prepare_inputs_for_generation"):  # generate: the whole prompt vs the cached tokens
+                model.prepare_inputs_for_generation = _guard_prefix(model.prepare_inputs_for_generation)
         return cls(art, model.config, q, format=format, max_len=max_len, max_pages=max_pages, max_seqs=max_seqs,
                    backend=backend, dtype=dtype)
 
@@ -398,6 +416,7 @@ class OscarCache(Cache):
                          max_pages=self.max_pages, max_seqs=self.max_seqs, backend=self.backend,
                          dtype=self.store_dtype, pool=self.pool)
         new.seqs = [self.pool.fork(s) for s in self.seqs]
+        new._ids = [t] if (t := self.token_ids()) is not None else None
         for a, b in zip(new.layers, self.layers):
             a.n, a.is_initialized = b.n, b.is_initialized
             a.dtype, a.device = getattr(b, "dtype", None), getattr(b, "device", None)
@@ -411,11 +430,167 @@ class OscarCache(Cache):
         for layer in self.layers:
             layer.n = 0
 
+    def reset(self) -> None:
+        """Empty the cache for a new prompt: its sequences (and unshared pages) go back to the pool."""
+        if self.pool is not None and self.seqs:
+            self.release()
+        for layer in self.layers:
+            layer.n, layer.is_initialized = 0, False  # the next update claims new sequences of the same pool
+        self.broken = None
+        self._ids = []
+
+    def capacity(self, batch: int | None = None) -> int:
+        """Longest length (tokens per sequence) `batch` sequences of this cache can reach: max_len, the
+        pool's free pages (shared with forks) and the block table width, whichever binds first."""
+        if self.format == "passthrough":
+            return self.max_len
+        B = len(self.seqs) or batch or 1
+        cfg = self.pool.cfg if self.pool is not None else self.paged_config(B, torch.float32, "cpu")
+        n = self.layers[0].n if self.seqs else 0
+        free = len(self.pool[0].free_pages) if self.pool is not None else cfg.num_pages
+        pages_now = layout(n, cfg).num_pages
+        p_max = min(cfg.max_pages_per_seq, pages_now + free // B)  # pages per sequence reachable
+        room = cfg.sink + cfg.recent + (p_max + 1) * cfg.page_size - 1  # layout(room).num_pages == p_max
+        return min(self.max_len, room)
+
+    def check_positions(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                        attention_mask: torch.Tensor | None) -> None:
+        """Refuse a forward whose positions do not continue this cache (a reuse for another prompt)."""
+        n = self.get_seq_length()
+        T = input_ids.shape[-1] if input_ids is not None else None
+        ok = True
+        if attention_mask is not None and T is not None and attention_mask.dim() == 2:
+            ok = attention_mask.shape[-1] == n + T
+        elif position_ids is not None and position_ids.numel():
+            ok = int(position_ids.reshape(-1, position_ids.shape[-1])[:, 0].max()) == n
+        if not ok:
+            raise OscarError(f"this OscarCache holds {n} tokens per sequence, but the model is fed a chunk that does "
+                             f"not continue them: it is being reused for another prompt (or the prompt does not "
+                             f"start with the cached tokens); call cache.reset() to start over, or build a new cache")
+        held = self.token_ids()
+        if input_ids is not None and (held is None or held.shape[0] == input_ids.shape[0]):
+            # record the token ids the cache holds (what check_prefix compares)
+            self._ids = [held, input_ids.detach()] if held is not None else ([input_ids.detach()] if n == 0 else None)
+        else:
+            self._ids = None  # fed embeddings: the tokens are unknown, prefix checks are off
+
+    def token_ids(self) -> torch.Tensor | None:
+        """(B, n) token ids this cache holds, when every chunk was fed as input_ids (None otherwise)."""
+        ids = getattr(self, "_ids", None)
+        if not ids:
+            return None
+        t = torch.cat(ids, 1)
+        if t.shape[1] < self.get_seq_length():  # a chunk went in unrecorded: the tokens are unknown
+            self._ids = None
+            return None
+        t = t[:, : self.get_seq_length()]
+        self._ids = [t]
+        return t
+
+    def check_prefix(self, input_ids: torch.Tensor) -> None:
+        """Refuse a prompt that does not start with the tokens this cache holds (a reuse for another prompt)."""
+        n, held = self.get_seq_length(), self.token_ids()
+        if not n or held is None:
+            return
+        if input_ids.shape[1] < n or held.shape != input_ids[:, :n].shape or \
+                not torch.equal(held.to(input_ids.device), input_ids[:, :n]):
+            raise OscarError(f"this OscarCache holds {n} tokens per sequence of another prompt: the prompt does not "
+                             f"start with them, so the cache is being reused for another prompt; call cache.reset() "
+                             f"to start over, or build a new cache")
+
+    def stopping_criteria(self):
+        """A transformers StoppingCriteria that ends `model.generate` before the cache runs out (keeps the tokens)."""
+        return CacheRoom(self)
+
     def memory(self) -> dict:
         """Bytes held by component for the tokens in this cache (see oscar.kernels.memory)."""
         from oscar.kernels.memory import cache_bytes
 
         return cache_bytes(self)
+
+
+def _check_cache_positions(module, args, kwargs):
+    """Forward pre-hook of a model served with OscarCache: the chunk must continue the cache."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if isinstance(cache, OscarCache):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache.check_positions(ids, kwargs.get("position_ids"), kwargs.get("attention_mask"))
+
+
+def _guard_prefix(prepare):
+    """Wrap a model's prepare_inputs_for_generation: the full sequence must extend the OscarCache's tokens."""
+    import functools
+
+    @functools.wraps(prepare)
+    def guarded(input_ids, *args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if isinstance(cache, OscarCache) and input_ids is not None:
+            cache.check_prefix(input_ids)
+        return prepare(input_ids, *args, **kwargs)
+
+    return guarded
+
+
+try:
+    from transformers.generation.stopping_criteria import StoppingCriteria as _StoppingCriteria
+except ImportError:  # pragma: no cover - transformers always ships it
+    _StoppingCriteria = object
+
+
+class CacheRoom(_StoppingCriteria):
+    """Stops generation when the next decode step would not fit in the cache; `hit` says it did."""
+
+    def __init__(self, cache: OscarCache):
+        self.cache, self.hit = cache, False
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        full = self.cache.get_seq_length() + 1 > self.cache.capacity()  # the newest token is not cached yet
+        self.hit = self.hit or full
+        return torch.full((input_ids.shape[0],), full, dtype=torch.bool, device=input_ids.device)
+
+
+class CacheFull(OscarError):
+    """The cache ran out during `generate`: `.sequences` (B, T) holds the prompt and every token generated."""
+
+    def __init__(self, message: str, sequences: torch.Tensor):
+        super().__init__(message)
+        self.sequences = sequences
+
+
+def generate(model, cache: OscarCache, input_ids: torch.Tensor, *, max_new_tokens: int, allow_partial: bool = False,
+             **kwargs) -> torch.Tensor:
+    """`model.generate` with an OscarCache that never loses work.
+
+    Before decoding: the prompt must continue what the cache holds (else refused: `cache.reset()`),
+    and prompt + max_new_tokens must fit in the cache (max_len, free pages): else refused at once,
+    nothing computed. allow_partial=True decodes as far as the cache allows instead and then raises
+    `CacheFull` carrying the sequences generated so far. A pool shared with forks that runs out
+    mid-decode also ends in `CacheFull` with the tokens produced.
+    """
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    B, T = input_ids.shape
+    n = cache.get_seq_length()
+    cache.check_prefix(input_ids)
+    if n and T <= n:
+        raise OscarError(f"this OscarCache already holds {n} tokens per sequence and the prompt has {T}: it is being "
+                         f"reused for another prompt; call cache.reset() first, or build a new cache")
+    room, want = cache.capacity(B), T + max_new_tokens
+    if T > room or (want > room and not allow_partial):
+        raise OscarError(f"the OscarCache can hold {room} tokens per sequence (max_len={cache.max_len}, free pages), "
+                         f"but the prompt ({T}) + max_new_tokens ({max_new_tokens}) = {want}; nothing was generated: "
+                         f"build the cache with a larger max_len / max_pages, ask for fewer tokens, or pass "
+                         f"allow_partial=True to keep what fits")
+    stop = CacheRoom(cache)
+    crit = StoppingCriteriaList([stop, *(kwargs.pop("stopping_criteria", None) or [])])
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, stopping_criteria=crit,
+                         **kwargs)
+    seqs = out if isinstance(out, torch.Tensor) else out.sequences
+    if stop.hit and seqs.shape[1] < want:
+        raise CacheFull(f"the OscarCache is full after {seqs.shape[1]} tokens per sequence ({seqs.shape[1] - T} "
+                        f"generated of {max_new_tokens} asked; room {cache.capacity()}): the tokens generated are in "
+                        f"this error's .sequences", seqs)
+    return out
 
 
 def prefill(model, cache: OscarCache, input_ids: torch.Tensor, chunk: int | None = None,

@@ -224,8 +224,13 @@ def load_model_config(spec: str):
         if os.path.isfile(spec) and os.path.basename(spec) != "config.json":
             import json
 
-            with open(spec) as f:
-                d = json.load(f)
+            try:
+                with open(spec) as f:
+                    d = json.load(f)
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise OscarError(f"--model {spec}: not a readable JSON model config ({e})") from None
+            if not isinstance(d, dict):
+                raise OscarError(f"--model {spec}: not a JSON object (a model config)")
             from transformers import CONFIG_MAPPING
 
             mt = d.get("model_type")

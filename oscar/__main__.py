@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
 from oscar.common import OscarError
 
 STAGE_CLIS = [
-    "oscar.pipeline.cli",   # calibrate, inspect
+    "oscar.pipeline.cli",   # calibrate, inspect, verify
     "oscar.stats.cli",      # fit
     "oscar.stats.interop",  # export, import
     "oscar.kernels.cli",    # bench memory
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = OscarParser(prog="oscar", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"oscar-kv {__version__}",
                    help="print the installed oscar-kv version and exit")
+    p.add_argument("--allow-weights-mismatch", action="store_true",
+                   help="accept an artifact fitted on a model with the same config but other weights "
+                        "(a deliberate transfer; default: refuse, naming the layers that differ)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OscarParser,
                            help="`oscar COMMAND --help` gives each command's options, their meaning and defaults")
     for mod in STAGE_CLIS:
@@ -85,15 +89,41 @@ def interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def check_outputs(args) -> None:
+    """Output paths checked before any work: a command must not compute for minutes and then fail to write."""
+    from oscar.common import check_output_path
+
+    if getattr(args, "out", None):
+        check_output_path(args.out)
+    if args.command == "calibrate" and getattr(args, "store", None):
+        check_output_path(args.store, file=False, flag="--store")
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (`oscar inspect ... | head -1`): stop quietly, as Unix tools do."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.allow_weights_mismatch:
+        os.environ["OSCAR_ALLOW_WEIGHTS_MISMATCH"] = "1"  # read by Artifact.check_model in every stage
     interruptible()
     if getattr(args, "no_progress", False):
         from oscar.common import silence_progress
 
         silence_progress()
     try:
+        check_outputs(args)
         rc = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except OscarError as e:
         print(f"oscar {args.command}: error: {e}", file=sys.stderr)
         return 2

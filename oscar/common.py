@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 
@@ -56,12 +57,78 @@ def silence_progress() -> None:
 
 
 def set_threads(n: int | None = None) -> int:
-    """Pin torch's intra-op threads (default: all cores, or $OSCAR_THREADS)."""
+    """Pin torch's intra-op threads (default: `default_threads()`, or $OSCAR_THREADS)."""
     import torch
 
-    n = n or int(os.environ.get("OSCAR_THREADS", "0")) or os.cpu_count() or 1
+    n = n or int(os.environ.get("OSCAR_THREADS", "0")) or default_threads()
     torch.set_num_threads(n)
     return n
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs this process's cgroup may use (cgroup v2 cpu.max, v1 cfs quota/period), None if unlimited."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            q, p = f.read().split()[:2]
+        return None if q == "max" else int(q) / int(p)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            q = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            p = int(f.read())
+        return None if q <= 0 else q / p
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_busy(window_s: float) -> float | None:
+    """CPUs kept busy by other processes over `window_s` (from /proc/stat, minus this process's own use)."""
+    def stat():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)  # total, idle + iowait (jiffies)
+
+    try:
+        import time
+
+        (t0, i0), c0, w0 = stat(), os.times(), time.monotonic()
+        time.sleep(window_s)
+        (t1, i1), c1, w1 = stat(), os.times(), time.monotonic()
+    except (OSError, ValueError, IndexError):
+        return None
+    if t1 <= t0:
+        return None
+    cpus = os.cpu_count() or 1
+    busy = cpus * (1 - (i1 - i0) / (t1 - t0))
+    own = (c1.user + c1.system - c0.user - c0.system) / max(w1 - w0, 1e-9)
+    return max(0.0, busy - own)
+
+
+def default_threads(window_s: float = 0.3) -> int:
+    """Threads worth running now: the CPUs this process may use (affinity, cgroup quota) minus those
+    other processes keep busy (sampled over `window_s`; the 1-minute load average where /proc/stat is
+    missing), at least 1. torch's threads spin and wait on each other: two threads on a machine whose
+    other job holds ~1.8 of 2 cores ran calibration 9x slower than one thread (issue 20)."""
+    return threads_decision(window_s)["threads"]
+
+
+def threads_decision(window_s: float = 0.3) -> dict:
+    """`default_threads` with its inputs (benches record them)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    avail = min(float(cpus), quota) if quota else float(cpus)
+    busy = _cpu_busy(window_s)
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    other = busy if busy is not None else (load1 or 0.0)
+    free = min(avail, (os.cpu_count() or cpus) - other)  # the host's other work competes for our CPUs too
+    n = max(1, min(int(avail), int(free + 0.25)))  # a thread needs (nearly) a whole free core
+    return {"threads": n, "cpus_allowed": cpus, "cgroup_quota": quota, "busy_other": other, "loadavg_1": load1,
+            "window_s": window_s}
 
 
 # Keys of a transformers config that do not change what the model computes.
@@ -93,3 +160,146 @@ def attention_shapes(config: Any) -> dict:
         "num_kv_heads": getattr(c, "num_key_value_heads", None) or nq,
         "head_dim": getattr(c, "head_dim", None) or c.hidden_size // nq,
     }
+
+
+# --------------------------------------------------------------------------- weights fingerprint
+# Which checkpoint tensors identify a model's attention: every projection and norm that shapes q, k, v, o.
+_ATTN_KEY = re.compile(r"\.layers\.(\d+)\.(self_attn\.[A-Za-z0-9_.]+|input_layernorm\.[A-Za-z0-9_.]+)$")
+WEIGHTS_SCHEME = "attn-sampled-v1"  # 16 windows of 4 KiB per tensor (whole tensor when <= 64 KiB)
+_WIN, _NWIN = 4096, 16
+_WEIGHTS_MEMO: dict[tuple, dict | None] = {}
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """(header JSON, offset of the data section) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
+def _weight_files(model_dir: str) -> dict[str, str] | None:
+    idx = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(idx):
+        with open(idx) as f:
+            return {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return {k: single for k in _safetensors_header(single)[0] if k != "__metadata__"}
+    return None
+
+
+def weights_fingerprint(model_dir: str | None, layers=None) -> dict | None:
+    """{weights_fingerprint, weights_layers, weights_scheme} of a safetensors checkpoint directory, or None.
+
+    Per decoder layer, a hash of its attention tensors (q/k/v/o projections, their biases, q/k norms,
+    the input norm): name, dtype, shape and 16 evenly spaced 4 KiB windows of the stored bytes
+    (the whole tensor when it is at most 64 KiB). Reads ~64 KiB per tensor through the checkpoint
+    index, so a 358B checkpoint costs ~50 MB of reads and a stage can check only its layer range
+    (`layers`). It identifies the model (another fine-tune differs everywhere), not the integrity of
+    every byte of the checkpoint.
+    """
+    if not model_dir or not os.path.isdir(model_dir):
+        return None
+    try:
+        files = _weight_files(model_dir)
+    except (OSError, ValueError):
+        return None
+    if not files:
+        return None
+    key = (os.path.realpath(model_dir), tuple(sorted((p, os.stat(p).st_mtime_ns) for p in set(files.values()))),
+           None if layers is None else tuple(layers))
+    if key in _WEIGHTS_MEMO:
+        return _WEIGHTS_MEMO[key]
+    per_layer: dict[int, list[tuple[str, str]]] = {}
+    headers: dict[str, tuple[dict, int]] = {}
+    want = None if layers is None else set(int(l) for l in layers)
+    for name, path in sorted(files.items()):
+        m = _ATTN_KEY.search(name)
+        if not m or (want is not None and int(m.group(1)) not in want):
+            continue
+        if path not in headers:
+            headers[path] = _safetensors_header(path)
+        hdr, base = headers[path]
+        t = hdr[name]
+        a, b = t["data_offsets"]
+        n = b - a
+        h = hashlib.sha256(canonical_json([m.group(2), t["dtype"], t["shape"], n]).encode())
+        with open(path, "rb") as f:
+            starts = [0] if n <= _WIN * _NWIN else [i * (n - _WIN) // (_NWIN - 1) for i in range(_NWIN)]
+            for s in starts:
+                f.seek(base + a + s)
+                h.update(f.read(n if len(starts) == 1 else _WIN))
+        per_layer.setdefault(int(m.group(1)), []).append((m.group(2), h.hexdigest()))
+    if not per_layer:
+        _WEIGHTS_MEMO[key] = None
+        return None
+    L = max(per_layer) + 1
+    lay = [fingerprint(sorted(per_layer.get(l, []))) if l in per_layer else None for l in range(L)]
+    out = {"weights_fingerprint": fingerprint(lay), "weights_layers": lay, "weights_scheme": WEIGHTS_SCHEME}
+    _WEIGHTS_MEMO[key] = out
+    return out
+
+
+def model_fingerprint(config_fp: str, weights: dict | None) -> str:
+    """The model fingerprint stores and artifacts carry: config hash, combined with the weights' when known."""
+    return fingerprint({"config": config_fp, "weights": weights["weights_fingerprint"]}) if weights else config_fp
+
+
+def model_mismatch(have: dict, want: dict, what: str = "store") -> str | None:
+    """Why model record `have` (of a store / artifact) does not describe model `want` (None: same model).
+
+    Records written before weights were fingerprinted carry only the config hash as `fingerprint`:
+    they are compared on the config alone.
+    """
+    hc = have.get("config_fingerprint", have.get("fingerprint"))
+    wc = want.get("config_fingerprint", want.get("fingerprint"))
+    if hc and wc and hc != wc:
+        return (f"the {what} was made for model {have.get('name')!r} with config fingerprint {hc}, this model "
+                f"({want.get('name')!r}) has config fingerprint {wc}: a different model (another config)")
+    hw, ww = have.get("weights_fingerprint"), want.get("weights_fingerprint")
+    if hw and ww and hw != ww:
+        hl, wl = have.get("weights_layers") or [], want.get("weights_layers") or []
+        diff = [l for l, (a, b) in enumerate(zip(hl, wl)) if a and b and a != b]
+        return (f"the {what} was made for model {have.get('name')!r} with weights fingerprint {hw}, this model "
+                f"({want.get('name')!r}) has the same config but weights fingerprint {ww} (attention weights of "
+                f"layers {diff[:12]}{'...' if len(diff) > 12 else ''} differ): same config, different weights")
+    return None
+
+
+def allow_weights_mismatch() -> bool:
+    """`oscar --allow-weights-mismatch ...` (or $OSCAR_ALLOW_WEIGHTS_MISMATCH=1): a deliberate transfer."""
+    return os.environ.get("OSCAR_ALLOW_WEIGHTS_MISMATCH", "") not in ("", "0")
+
+
+# --------------------------------------------------------------------------- output paths
+FILE_SUFFIXES = (".safetensors", ".json", ".jsonl", ".parquet", ".md", ".html", ".txt", ".csv", ".gguf", ".png")
+
+
+def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out") -> None:
+    """Refuse, before any work, an output path the command could not write at the end.
+
+    file=None: a path with a known file suffix (.safetensors, .json, ...) is a file, else a directory.
+    A file needs an existing, writable directory; a directory (created by the command) needs its
+    nearest existing ancestor to be a writable directory and must not be an existing file.
+    """
+    p = os.path.abspath(os.path.expanduser(str(path)))
+    file = os.path.splitext(p)[1].lower() in FILE_SUFFIXES if file is None else file
+    if file:
+        if os.path.isdir(p):
+            raise OscarError(f"{flag} {path} is a directory; give a file path")
+        d = os.path.dirname(p)
+        if not os.path.isdir(d):
+            raise OscarError(f"{flag} {path}: directory {os.path.dirname(str(path)) or d} does not exist "
+                             f"(create it first)")
+        if not os.access(d, os.W_OK) or (os.path.exists(p) and not os.access(p, os.W_OK)):
+            raise OscarError(f"{flag} {path}: not writable")
+        return
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise OscarError(f"{flag} {path} exists and is not a directory")
+    a = p
+    while not os.path.exists(a):
+        a = os.path.dirname(a)
+    if not os.path.isdir(a):
+        raise OscarError(f"{flag} {path}: {a} is a file, so the directory cannot be created")
+    if not os.access(a, os.W_OK | os.X_OK):
+        raise OscarError(f"{flag} {path}: {a} is not writable")

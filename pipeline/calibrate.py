@@ -91,6 +91,7 @@ class CalibResult:
     write_busy_s: float             # time the writer thread spent writing (overlapped or not)
     stats_s: float                  # part of forward_s spent in the statistics (CPU: not device-synchronised)
     nonfinite: dict[int, int]       # layer -> rows excluded for NaN/Inf (whole store)
+    blocks_damaged: list[int] = field(default_factory=list)  # done blocks that failed verification, redone
 
     @property
     def tokens_per_s(self) -> float:
@@ -131,9 +132,10 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     base = C.base_model(model)
     device = next(model.parameters()).device
 
+    damaged = sorted({d.block for d in store.repair(layers)})  # damaged done blocks: un-marked, redone below
     done0 = store.done()                     # (B, L); we hold the locks of `layers`: nobody else writes them
     todo = [b for b in range(meta.num_blocks) if not done0[b, list(layers)].all()]
-    redone = [b for b in todo if any(store.partial(b, l) for l in layers if not done0[b, l])]
+    redone = [b for b in todo if b not in damaged and any(store.partial(b, l) for l in layers if not done0[b, l])]
     for b in redone:
         print(f"oscar calibrate: block {b} was half-written by an interrupted run (chunks without done "
               f"marker); redoing it", file=sys.stderr)
@@ -208,7 +210,7 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     return CalibResult(store=str(store.path), blocks_total=meta.num_blocks, blocks_run=len(todo),
                        blocks_skipped=meta.num_blocks - len(todo), blocks_redone=redone, tokens_run=run_tokens,
                        wall_s=wall, forward_s=fwd_s, write_s=write_s, write_busy_s=busy[0], stats_s=cap.stats_s,
-                       nonfinite=nonfinite)
+                       nonfinite=nonfinite, blocks_damaged=damaged)
 
 
 class _Progress:
@@ -266,6 +268,7 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
     info = info or load_info(cfg.model)
+    check_servable(info)
     tokenizer = tokenizer or load_tokenizer(info.source)
     plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
     tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
@@ -275,7 +278,8 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     info_d = info.to_dict()
     meta = StoreMeta(
         model={k: info_d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
-                                          "head_dim", "model_type", "source")},
+                                          "head_dim", "model_type", "source", "config_fingerprint",
+                                          "weights_fingerprint", "weights_layers")},
         corpus=corpus.to_dict(),
         seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
@@ -284,11 +288,20 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     return meta, info
 
 
+def check_servable(info) -> None:
+    """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack)."""
+    from oscar.constraints import check_model
+    from oscar.pipeline.models import load_config
+
+    check_model(load_config(info.source), info.head_dim, what=f"model {info.name!r}")
+
+
 def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
-    from oscar.pipeline.models import load_model
+    from oscar.pipeline.models import load_info, load_model
     from oscar.pipeline.store import CalibStore, WriterLock
 
+    check_servable(load_info(cfg.model))  # before loading weights or reading the corpus
     set_threads(cfg.threads)
     model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
                                         dtype=_torch_dtype(cfg.dtype), device=cfg.device)

@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from oscar.common import OscarError, config_fingerprint, file_fingerprint, fingerprint
+from oscar.common import (OscarError, config_fingerprint, file_fingerprint, fingerprint, model_fingerprint,
+                          weights_fingerprint)
 
 CACHE_VERSION = 1  # bump when the on-disk layout of converted models changes
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,7 +73,7 @@ class ModelInfo:
 
     name: str
     source: str  # local HF directory
-    fingerprint: str  # oscar.common.config_fingerprint(config)
+    fingerprint: str  # oscar.common.model_fingerprint: config hash combined with the attention weights' hash
     model_type: str
     num_layers: int
     num_q_heads: int
@@ -93,6 +94,9 @@ class ModelInfo:
     experts_implementation: str | None = None  # set by load_model for MoE models ("eager")
     attn_implementation: str | None = None  # set by load_model
     origin: dict = dataclasses.field(default_factory=dict)  # preset+seed or gguf hash, when known
+    config_fingerprint: str | None = None  # oscar.common.config_fingerprint(config)
+    weights_fingerprint: str | None = None  # oscar.common.weights_fingerprint(source): attention q/k/v/o + norms
+    weights_layers: list | None = None  # the per-layer hashes it combines (a layer-range stage checks its own)
 
     @property
     def gqa_ratio(self) -> int:
@@ -120,8 +124,12 @@ def model_info(config: Any, name: str, source: str) -> ModelInfo:
         dense, moe = list(range(min(k, L))), list(range(min(k, L), L))
     else:
         dense, moe = list(range(L)), []
+    cfp = config_fingerprint(config)
+    w = weights_fingerprint(source)  # None when the directory holds no safetensors (config only)
     return ModelInfo(
-        name=name, source=source, fingerprint=config_fingerprint(config), model_type=c.model_type,
+        name=name, source=source, fingerprint=model_fingerprint(cfp, w), model_type=c.model_type,
+        config_fingerprint=cfp, weights_fingerprint=(w or {}).get("weights_fingerprint"),
+        weights_layers=(w or {}).get("weights_layers"),
         num_layers=L, num_q_heads=nq, num_kv_heads=getattr(c, "num_key_value_heads", None) or nq,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // nq, hidden_size=c.hidden_size,
         vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
@@ -476,6 +484,9 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
     dtype = torch.float32 if dtype is None else dtype
     d = resolve_model(spec, cache_dir, seed=seed)
     config = load_config(d)
+    from oscar.constraints import check_model
+
+    check_model(config, what=f"model {spec!r}")  # sliding-window layers: refused in every stage, before loading
     kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
     if is_moe(config):
         # transformers' default grouped_mm experts bypass per-expert modules; eager loops over experts

@@ -1,8 +1,12 @@
-"""The calibration store `oscar-calib/1`: a zarr v3 group of per-block float64 sums.
+"""The calibration store `oscar-calib/2`: a zarr v3 group of per-block float64 sums.
 
 See docs/store-format.md for the public names. Exactly-once resume comes from the layout:
 every per-layer array has one chunk per block, a (block, layer) is rewritten whole and then
 marked done (`done[b, l]`, written last), and `reduce` sums done blocks in block order.
+Integrity: with its done marker each (block, layer) records a CRC-32 of every array's block
+value (`checksums`); `CalibStore.verify` finds missing, truncated or altered chunks of done
+blocks, `repair` un-marks them so a resumed run redoes them, and every reader refuses them.
+Stores of format `oscar-calib/1` (no checksums) are read with a warning.
 
 Writers: one process, or several (Ray stage actors), each owning a set of layers and
 holding a `WriterLock` on them; chunks of different layers never share a file.
@@ -17,13 +21,14 @@ import socket
 import sys
 import time
 import uuid
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-from oscar.common import OscarError, canonical_json
+from oscar.common import OscarError, canonical_json, model_mismatch
 
 
 def _load_syncfs():
@@ -38,8 +43,52 @@ def _load_syncfs():
 
 _SYNCFS = _load_syncfs()
 
-FORMAT = "oscar-calib/1"
+FORMAT = "oscar-calib/2"       # /1 + `checksums` (written with every done marker)
+FORMAT_V1 = "oscar-calib/1"    # no checksums: read with a warning, never verified
+READS = (FORMAT_V1, FORMAT)
 XS = ("q", "k", "v", "o")
+CHECKSUM_ALGO = "crc32"
+EXTRA_SLOT = "_extra"  # last checksum slot: the additive arrays of a (block, layer) (Ray: expert_tokens), 0 if none
+_WARNED: set[str] = set()
+
+
+def block_checksum(value: np.ndarray, dtype) -> int:
+    """CRC-32 of a block value as stored: C-order, little-endian `dtype` bytes (zlib releases the GIL)."""
+    return zlib.crc32(np.ascontiguousarray(value, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
+
+
+def warn_unverified(path, fmt: str) -> None:
+    """Once per store and process: a /1 store has no checksums, damage in it goes unnoticed."""
+    key = os.path.abspath(str(path))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        print(f"oscar: WARNING: {path} is an {fmt} store written before block checksums existed; its blocks "
+              f"cannot be verified (a damaged chunk would go unnoticed). Re-calibrate into a new store to get "
+              f"{FORMAT}.", file=sys.stderr)
+
+
+@dataclass
+class Damage:
+    """One damaged array of a done (block, layer)."""
+    block: int
+    layer: int
+    array: str
+    problem: str  # "missing chunk", "truncated chunk (n of m bytes)", "checksum mismatch", ...
+
+    def __str__(self) -> str:
+        return f"block {self.block}, layer {self.layer}, {self.array}: {self.problem}"
+
+
+def format_damage(path, damage: list[Damage], limit: int = 20) -> str:
+    blocks = sorted({d.block for d in damage})
+    lines = [f"store {path} is damaged: {len(damage)} array chunk(s) of done block(s) {blocks[:20]}"
+             f"{'...' if len(blocks) > 20 else ''} fail verification:"]
+    lines += [f"  {d}" for d in damage[:limit]]
+    if len(damage) > limit:
+        lines.append(f"  ... {len(damage) - limit} more")
+    lines.append("re-run the same `oscar calibrate` command to redo those blocks (resume verifies and redoes them), "
+                 "or `oscar verify` to list every damaged chunk")
+    return "\n".join(lines)
 
 
 def layer_arrays(H: int, D: int, R: int) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -93,7 +142,10 @@ def _mismatch(path: str, old: StoreMeta, new: StoreMeta) -> str | None:
     """Why the store at `path` cannot be resumed with `new` (None: it can)."""
     hint = "pass --overwrite to start over, or choose another --store"
     om, nm = old.model, new.model
-    if om.get("fingerprint") != nm.get("fingerprint") or om.get("name") != nm.get("name"):
+    why = model_mismatch(om, nm, "store")
+    if why:
+        return f"store {path}: {why}; {hint}"
+    if om.get("name") != nm.get("name"):
         return (f"store {path} was made for model {om.get('name')!r} (fingerprint {om.get('fingerprint')}), "
                 f"not {nm.get('name')!r} (fingerprint {nm.get('fingerprint')}); {hint}")
     oc, nc = old.corpus, new.corpus
@@ -228,7 +280,7 @@ def _attrs(path: Path) -> dict:
 
 
 def _is_store(path: Path) -> bool:
-    return _attrs(path).get("format") == FORMAT
+    return _attrs(path).get("format") in READS
 
 
 class CalibStore:
@@ -245,8 +297,9 @@ class CalibStore:
         except Exception as e:  # zarr raises several types for corrupt metadata
             raise OscarError(f"cannot open zarr store {self.path}: {e}") from e
         attrs = dict(self.group.attrs)
-        if attrs.get("format") != FORMAT:
-            raise OscarError(f"{self.path} is not an {FORMAT} store (format={attrs.get('format')!r})")
+        if attrs.get("format") not in READS:
+            raise OscarError(f"{self.path} is not an oscar calibration store of format {' or '.join(READS)} "
+                             f"(format={attrs.get('format')!r})")
         if attrs.get("creating"):
             raise OscarError(f"{self.path} was never fully created (a killed run); re-run oscar calibrate")
         self.meta = StoreMeta.from_attrs(attrs)
@@ -256,6 +309,11 @@ class CalibStore:
         self._arrays: dict[str, object] = {}
         self._dirs: set[Path] = set()
         self.mode = mode
+        self.checksummed = attrs.get("format") != FORMAT_V1 and "checksums" in self.group
+        if not self.checksummed:
+            warn_unverified(self.path, attrs.get("format"))
+        self.checksum_names = list(self.spec) + [EXTRA_SLOT]
+        self.checksum_s = 0.0  # time spent hashing and writing checksum records (bench/calibrate.py reports it)
 
     # ---------------------------------------------------------------- creation
     @classmethod
@@ -276,10 +334,13 @@ class CalibStore:
         root.create_array("mask", shape=(B, S, T), chunks=(1, S, T), dtype="uint8", fill_value=0)[:] = mask
         root.create_array("done", shape=(B, L), chunks=(1, 1), dtype="uint8", **kw)
         spec = layer_arrays(H, D, R)
+        # one CRC-32 per array of a (block, layer), in spec order + EXTRA_SLOT; written just before done[b, l]
+        root.create_array("checksums", shape=(B, L, len(spec) + 1), chunks=(1, 1, len(spec) + 1), dtype="uint32", **kw)
         for l in range(L):
             for name, (dtype, tail) in spec.items():
                 root.create_array(f"layers/{l}/{name}", shape=(B, *tail), chunks=(1, *tail), dtype=dtype, **kw)
-        root.attrs.update({**meta.to_attrs(), "creating": False})
+        root.attrs.update({**meta.to_attrs(), "creating": False,
+                           "checksums": {"algorithm": CHECKSUM_ALGO, "arrays": [*spec, EXTRA_SLOT]}})
         return cls(path, mode="r+")
 
     @classmethod
@@ -349,43 +410,66 @@ class CalibStore:
         return bool(self.array("done")[block, layer])
 
     # ---------------------------------------------------------------- writing
-    def put(self, name: str, block: int, value: np.ndarray) -> None:
-        """Write chunk `block` of a one-block-per-chunk array whole."""
+    def _raw_codec(self, a) -> bool:
+        """True if chunks of `a` are stored as raw little-endian bytes (no compression)."""
+        codecs = a.metadata.codecs
+        return len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec" and str(getattr(codecs[0].endian, "value", "")) == "little"
+
+    def _write_file(self, path: Path, data: bytes) -> None:
+        """Replace one chunk file atomically (write a temp file, rename)."""
+        self._mkdir(path.parent)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def put(self, name: str, block: int, value: np.ndarray) -> int:
+        """Write chunk `block` of a one-block-per-chunk array whole; returns its CRC-32 (`block_checksum`)."""
         a = self.array(name)
         value = np.asarray(value)
         if value.shape != a.shape[1:]:
             raise ValueError(f"{name}: block value shape {value.shape} != {a.shape[1:]}")
-        codecs = a.metadata.codecs
-        if len(codecs) == 1 and type(codecs[0]).__name__ == "BytesCodec" and str(getattr(codecs[0].endian, "value", "")) == "little":
+        data = np.ascontiguousarray(value, dtype=a.dtype.newbyteorder("<")).tobytes()
+        if self._raw_codec(a):
             # Uncompressed little-endian chunk = the raw C-order bytes: write it directly (atomic
             # rename), ~10x faster than zarr's per-chunk async machinery for hundreds of small arrays.
-            path = self._chunk_path(name, block)
-            self._mkdir(path.parent)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(np.ascontiguousarray(value, dtype=a.dtype.newbyteorder("<")).tobytes())
-            os.replace(tmp, path)
+            self._write_file(self._chunk_path(name, block), data)
         else:
             a[block] = value
+        t = time.perf_counter()
+        crc = zlib.crc32(data)
+        self.checksum_s += time.perf_counter() - t
+        return crc
 
     def write_layer(self, block: int, layer: int, arrays: dict[str, np.ndarray]) -> None:
         """Write every array of (block, layer) whole, then the done marker (last)."""
         self.write_block(block, {layer: arrays})
 
-    def write_block(self, block: int, layers: dict[int, dict[str, np.ndarray]]) -> None:
+    def write_block(self, block: int, layers: dict[int, dict[str, np.ndarray]],
+                    extra: dict[int, dict[str, np.ndarray]] | None = None) -> None:
         """Write every array of `block` for each of `layers`, make them durable, then the done markers.
 
+        `extra`: additive arrays per layer (the Ray path's `expert_tokens`), written and checksummed
+        with the layer. Each layer's checksums chunk is written after its arrays and before the sync.
         One filesystem sync per block instead of one fsync per marker: a marker is only ever
         written after its chunks reached the disk, so even a host crash cannot leave a done
         marker over missing data (a lost marker only means the block is redone).
         """
+        extra = extra or {}
         for layer, arrays in layers.items():
             missing = set(self.spec) - set(arrays)
             if missing:
                 raise ValueError(f"write_layer: missing arrays {sorted(missing)}")
         for layer, arrays in layers.items():
-            for name in self.spec:
-                self.put(f"layers/{layer}/{name}", block, arrays[name])
+            crcs = [self.put(f"layers/{layer}/{name}", block, arrays[name]) for name in self.spec]
+            ex = 0
+            for name in sorted(extra.get(layer, {})):
+                ex = zlib.crc32(name.encode(), ex)
+                ex = zlib.crc32(self.put(f"layers/{layer}/{name}", block, extra[layer][name]).to_bytes(4, "little"), ex)
+            if self.checksummed:
+                t = time.perf_counter()
+                self._put_checksums(block, layer, crcs + [ex])
+                self.checksum_s += time.perf_counter() - t
         self.sync()
         for layer in layers:
             self._put_done(block, layer)
@@ -404,14 +488,113 @@ class CalibStore:
             d.mkdir(parents=True, exist_ok=True)
             self._dirs.add(d)
 
+    def _done_path(self, block: int, layer: int) -> Path:
+        return self.path / "done" / self.array("done").metadata.encode_chunk_key((block, layer))
+
     def _put_done(self, block: int, layer: int) -> None:
-        a = self.array("done")
-        path = self.path / "done" / a.metadata.encode_chunk_key((block, layer))
-        self._mkdir(path.parent)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(b"\x01")
-        os.replace(tmp, path)
+        self._write_file(self._done_path(block, layer), b"\x01")
+
+    def _put_checksums(self, block: int, layer: int, crcs: list[int]) -> None:
+        a = self.array("checksums")
+        path = self.path / "checksums" / a.metadata.encode_chunk_key((block, layer, 0))
+        self._write_file(path, np.asarray(crcs, dtype="<u4").tobytes())
+
+    # ---------------------------------------------------------------- integrity
+    def _extra_names(self, layer: int) -> list[str]:
+        """Additive arrays of `layers/{layer}/` (not in the spec), from the directory listing."""
+        d = self.path / "layers" / str(layer)
+        try:
+            return sorted(n for n in os.listdir(d) if n not in self.spec and (d / n / "zarr.json").exists())
+        except OSError:
+            return []
+
+    def _read_block(self, name: str, block: int) -> tuple[bytes | None, str | None]:
+        """(stored bytes of chunk `block` of `name` as block_checksum hashes them, problem or None)."""
+        a = self.array(name)
+        path = self._chunk_path(name, block)
+        if not path.exists():
+            return None, "missing chunk"
+        want = int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
+        if self._raw_codec(a):
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                return None, f"unreadable chunk ({e.strerror})"
+            if len(data) != want:
+                return None, f"truncated chunk ({len(data)} of {want} bytes)" if len(data) < want else \
+                    f"oversized chunk ({len(data)} bytes, expected {want})"
+            return data, None
+        try:
+            v = a[block]
+        except Exception as e:  # a corrupt compressed chunk: zarr/numcodecs raise many types
+            return None, f"undecodable chunk ({type(e).__name__}: {str(e)[:120]})"
+        return np.ascontiguousarray(v, dtype=a.dtype.newbyteorder("<")).tobytes(), None
+
+    def verify_block(self, block: int, layer: int) -> list[Damage]:
+        """Damage of one done (block, layer): every array re-read and compared to its recorded CRC-32."""
+        if not self.checksummed:
+            return []
+        ca = self.array("checksums")
+        cpath = self.path / "checksums" / ca.metadata.encode_chunk_key((block, layer, 0))
+        try:
+            rec = np.frombuffer(cpath.read_bytes(), dtype="<u4")
+        except OSError:
+            return [Damage(block, layer, "checksums", "checksum record missing")]
+        if rec.size != len(self.checksum_names):
+            return [Damage(block, layer, "checksums", f"checksum record truncated ({rec.size * 4} of "
+                                                      f"{len(self.checksum_names) * 4} bytes)")]
+        out = []
+        for i, name in enumerate(self.spec):
+            data, problem = self._read_block(f"layers/{layer}/{name}", block)
+            if problem is None and zlib.crc32(data) != int(rec[i]):
+                problem = "checksum mismatch (the chunk's bytes were altered)"
+            if problem:
+                out.append(Damage(block, layer, f"layers/{layer}/{name}", problem))
+        if int(rec[-1]):  # additive arrays were written with this (block, layer): their combined CRC
+            ex, names = 0, self._extra_names(layer)
+            for name in names:
+                data, problem = self._read_block(f"layers/{layer}/{name}", block)
+                if problem:
+                    out.append(Damage(block, layer, f"layers/{layer}/{name}", problem))
+                    data = b""
+                ex = zlib.crc32(name.encode(), ex)
+                ex = zlib.crc32(zlib.crc32(data).to_bytes(4, "little"), ex)
+            if ex != int(rec[-1]) and not any(d.array in {f"layers/{layer}/{n}" for n in names} for d in out):
+                out.append(Damage(block, layer, f"layers/{layer}/{','.join(names) or '(additive arrays)'}",
+                                  "checksum mismatch (the chunk's bytes were altered, or an additive array is gone)"))
+        return out
+
+    def verify(self, layers: Iterable[int] | None = None, blocks: Iterable[int] | None = None) -> list[Damage]:
+        """Every damaged array chunk of the done (block, layer)s of `layers` x `blocks` (default: all).
+
+        A store without checksums (format /1) verifies nothing (it warned when opened).
+        """
+        if not self.checksummed:
+            return []
+        layers = range(self.num_layers) if layers is None else layers
+        blocks = range(self.num_blocks) if blocks is None else blocks
+        done = self.done()
+        return [d for b in blocks for l in layers if done[b, l] for d in self.verify_block(b, l)]
+
+    def check(self, layers: Iterable[int] | None = None) -> None:
+        """Raise OscarError naming every damaged chunk (block, layer, array): what readers call."""
+        damage = self.verify(layers)
+        if damage:
+            raise OscarError(format_damage(self.path, damage))
+
+    def repair(self, layers: Iterable[int] | None = None) -> list[Damage]:
+        """Un-mark every damaged done (block, layer) of `layers` so a resumed run redoes it (the caller
+        holds their WriterLock); reports each on stderr. Returns the damage found."""
+        damage = self.verify(layers)
+        for b, l in sorted({(d.block, d.layer) for d in damage}):
+            for d in damage:
+                if (d.block, d.layer) == (b, l):
+                    print(f"oscar calibrate: damaged done block: {d}; redoing block {b} layer {l}", file=sys.stderr)
+            try:
+                self._done_path(b, l).unlink()
+            except FileNotFoundError:
+                pass
+        return damage
 
     # ---------------------------------------------------------------- reading
     def block_values(self, stat: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -468,6 +651,7 @@ def _kurtosis(n: np.ndarray, s: np.ndarray, gram: np.ndarray, m3: np.ndarray, m4
 def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
     """Schema, progress, token counts and per-layer spectra of a store (JSON-able)."""
     st = CalibStore(path)
+    st.check()  # a damaged done block is refused, by block, layer and array
     m = st.meta
     done = st.done()
     full = done.all(1)
@@ -500,7 +684,7 @@ def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
     for name, (dtype, tail) in st.spec.items():
         schema[f"layers/{{l}}/{name}"] = {"dtype": dtype, "shape": [st.num_blocks, *tail]}
     return {
-        "path": str(st.path), "format": m.format, "model": m.model, "corpus": m.corpus,
+        "path": str(st.path), "format": m.format, "verified": st.checksummed, "model": m.model, "corpus": m.corpus,
         "seq_len": m.seq_len, "sink": m.sink, "num_blocks": m.num_blocks, "seqs_per_block": m.seqs_per_block,
         "reservoir": m.reservoir, "config": m.config,
         "blocks_done": int(full.sum()), "blocks_partial": int((done.any(1) & ~full).sum()),
@@ -512,7 +696,7 @@ def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
 def format_summary(s: dict) -> str:
     m = s["model"]
     lines = [
-        f"{s['path']}: {s['format']}",
+        f"{s['path']}: {s['format']}" + ("" if s.get("verified", True) else " (no checksums: not verified)"),
         f"  model   {m.get('name')} (fingerprint {m.get('fingerprint')}): {m['num_layers']} layers, "
         f"{m['num_q_heads']} q / {m['num_kv_heads']} kv heads, head_dim {m['head_dim']}",
         f"  corpus  {s['corpus'].get('name')} (fingerprint {s['corpus'].get('fingerprint')}), split {s['corpus'].get('split')}",

@@ -235,6 +235,19 @@ def _read(d: str, name: str):
     return pd.read_parquet(p) if os.path.exists(p) else None
 
 
+def _skipped_section(d: str) -> list[str]:
+    """Methods validation skipped because their cache format cannot serve the model (skipped_methods.json)."""
+    skipped: dict[str, str] = {}
+    for p in sorted(glob.glob(os.path.join(d, "skipped_methods.json")) + glob.glob(os.path.join(d, "*", "skipped_methods.json"))):
+        try:
+            skipped.update(json.load(open(p)))
+        except (OSError, ValueError):
+            continue
+    if not skipped:
+        return []
+    return ["## Methods skipped", "", md_table(["method", "reason"], [[m, r] for m, r in sorted(skipped.items())]), ""]
+
+
 def _cell(est: float, lo: float, hi: float) -> str:
     return "—" if est != est else f"{est:.1f}{_iv(lo, hi, '.0f')}"
 
@@ -659,6 +672,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         md += ["Every check: PASS when its 95 % interval clears the threshold in every cell, MISSED when one cell's "
                "interval (at 1 − 0.05/m over the m cells) lies beyond it, UNRESOLVED otherwise.", "",
                md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
+    md += _skipped_section(d)
     md += _ruler_section(res, figdir, R.done)
     md += _ppl_section(ppl, goal, figdir)
     md += _memory_section(mem)

@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 import torch
 
-from oscar.common import OscarError, attention_shapes, config_fingerprint
+from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
+from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
 from oscar.kernels.quant import QuantSpec
 
 ARTIFACT_FORMAT = "oscar-artifact/1"
@@ -133,20 +134,39 @@ class Artifact:
                 raise OscarError(f"artifact: layers.{l}.rot_q is not rot_k^(-T) (max |rot_qᵀ rot_k - I| = {err:.2e}); "
                                  "queries and keys would be read in different spaces")
 
-    def check_model(self, config: Any) -> None:
-        """Refuse a model whose attention shapes (or config fingerprint) differ."""
+    def check_model(self, config: Any, *, allow_weights_mismatch: bool | None = None) -> None:
+        """Refuse a model whose attention shapes, config fingerprint or attention weights differ.
+
+        The weights are compared when the artifact records them (fitted from a store that hashed its
+        model's checkpoint) and the model was loaded from a checkpoint directory
+        (`config._name_or_path`). allow_weights_mismatch (default: `oscar --allow-weights-mismatch`,
+        $OSCAR_ALLOW_WEIGHTS_MISMATCH): accept other weights of the same config, with a warning.
+        """
+        import os
+        import sys
+
         shapes = attention_shapes(config)
         mine = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
         bad = {k: (v, shapes[k]) for k, v in mine.items() if shapes[k] != v}
         if bad:
             desc = ", ".join(f"{k}: artifact {a} vs model {b}" for k, (a, b) in bad.items())
             raise OscarError(f"artifact does not match the model ({desc}); fit an artifact for this model")
-        fp = self.meta.get("model", {}).get("fingerprint")
-        if fp and fp != config_fingerprint(config):
-            raise OscarError(
-                f"artifact was fitted for model fingerprint {fp} ({self.meta['model'].get('name', '?')}), "
-                f"this model's is {config_fingerprint(config)}; same shapes but a different model"
-            )
+        rec = self.meta.get("model", {})
+        if not rec.get("fingerprint"):
+            return
+        src = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+        w = weights_fingerprint(src) if rec.get("weights_fingerprint") and src and os.path.isdir(str(src)) else None
+        want = {"name": str(src or "this model"), "config_fingerprint": config_fingerprint(config), **(w or {})}
+        why = model_mismatch(rec, want, "artifact")
+        if why is None:
+            return
+        allow = allow_weights_mismatch_env() if allow_weights_mismatch is None else allow_weights_mismatch
+        if "different weights" in why and allow:
+            print(f"oscar: WARNING: {why}; accepted (--allow-weights-mismatch)", file=sys.stderr)
+            return
+        hint = ("; pass --allow-weights-mismatch (oscar --allow-weights-mismatch COMMAND ...) for a deliberate "
+                "transfer" if "different weights" in why else "")
+        raise OscarError(f"{why}{hint}")
 
 
 def save_artifact(art: Artifact, path: str) -> None:
@@ -166,8 +186,58 @@ def save_artifact(art: Artifact, path: str) -> None:
     for k, t in art.extra.items():
         tensors[k] = t.contiguous()
     fmt = ARTIFACT_FORMAT_Q if art.rot_q is not None else ARTIFACT_FORMAT
-    meta = dict(art.meta, format=fmt, quant=asdict(art.quant), centering=art.k_mean is not None)
+    meta = dict(art.meta, format=fmt, quant=asdict(art.quant), centering=art.k_mean is not None,
+                checksums={"algorithm": "crc32", "tensors": {k: tensor_checksum(t) for k, t in sorted(tensors.items())}})
+    _check_writable(path)
     save_file(tensors, path, metadata={"oscar": json.dumps(meta, sort_keys=True, default=str)})
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes as safetensors stores them (C order, little endian)."""
+    import zlib
+
+    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def check_checksums(path: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse an artifact whose tensor data differs from the checksums in its metadata (naming the tensors)."""
+    rec = (meta.get("checksums") or {}).get("tensors")
+    if rec is None:
+        _warn_once(path, f"oscar: WARNING: {path} has no tensor checksums (written by an older version); "
+                         "its tensor data cannot be verified")
+        return
+    missing = sorted(set(rec) - set(tensors))
+    bad = [k for k in sorted(rec) if k in tensors and tensor_checksum(tensors[k]) != int(rec[k])]
+    if missing or bad:
+        raise OscarError(f"{path}: artifact tensor data is damaged: "
+                         + "; ".join(([f"tensor(s) {bad[:8]}{'...' if len(bad) > 8 else ''} fail their checksum "
+                                       f"(bytes altered)"] if bad else [])
+                                     + ([f"tensor(s) {missing[:8]} missing"] if missing else []))
+                         + "; re-fit (or copy) the artifact")
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    import sys
+
+    if key not in _WARNED:
+        _WARNED.add(key)
+        print(msg, file=sys.stderr)
+
+
+def _check_writable(path: str) -> None:
+    """An output path the artifact can be written to (checked before work by the CLIs, again here)."""
+    import os
+
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise OscarError(f"--out {path} is a directory; give a .safetensors file path")
+    if not os.path.isdir(d):
+        raise OscarError(f"--out {path}: directory {d} does not exist")
+    if not os.access(d, os.W_OK):
+        raise OscarError(f"--out {path}: directory {d} is not writable")
 
 
 def read_metadata(path: str) -> dict[str, Any]:
@@ -190,7 +260,12 @@ def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
     from safetensors.torch import load_file
 
     meta = read_metadata(path)
-    t = load_file(path, device=str(device))
+    try:
+        t = load_file(path, device="cpu")
+    except Exception as e:  # safetensors raises its own error types on a truncated / corrupt file
+        raise OscarError(f"{path}: artifact tensor data is unreadable ({e})") from e
+    check_checksums(path, meta, t)
+    t = {k: v.to(device) for k, v in t.items()} if str(device) != "cpu" else t
     L = int(meta["model"]["num_layers"]) if "model" in meta else 1 + max(int(k.split(".")[1]) for k in t if k.startswith("layers."))
     known = {f"layers.{l}.{n}" for l in range(L) for n in ("rot_k", "rot_v", "rot_q", "clip_k", "clip_v", "k_mean")}
     try:
@@ -202,7 +277,7 @@ def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
             k_mean=[t[f"layers.{l}.k_mean"] for l in range(L)] if meta.get("centering") else None,
             rot_q=[t[f"layers.{l}.rot_q"] for l in range(L)] if meta["format"] == ARTIFACT_FORMAT_Q else None,
             quant=QuantConfig(**{k: v for k, v in meta["quant"].items() if k not in _RETIRED_QUANT_FIELDS}),
-            meta={k: v for k, v in meta.items() if k not in ("quant", "centering")},
+            meta={k: v for k, v in meta.items() if k not in ("quant", "centering", "checksums")},
             extra={k: v for k, v in t.items() if k not in known},
         )
     except KeyError as e:
@@ -233,6 +308,7 @@ def describe(path: str) -> str:
     meta = read_metadata(path)
     with safe_open(path, "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        check_checksums(path, meta, {k: f.get_tensor(k) for k in f.keys()})  # refuse damaged tensor data
     m = meta.get("model", {})
     q = meta.get("quant", {})
     prov = meta.get("provenance", {})
@@ -243,6 +319,8 @@ def describe(path: str) -> str:
         f"  quant: {q.get('bits')} bits, mode {q.get('mode')}, group {q.get('group_size') or 'head_dim'}, "
         f"keys per {q.get('key_axis')}, sink {q.get('sink')}, recent {q.get('recent')}, "
         f"key-mean centering {'on' if meta.get('centering') else 'off'}",
+        f"  checksums: {len(meta['checksums']['tensors'])} tensors verified" if meta.get("checksums")
+        else "  checksums: none (older artifact: not verified)",
     ]
     if prov:
         lines.append(f"  provenance: store {prov.get('store_fingerprint')} ({prov.get('store')}), "

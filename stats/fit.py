@@ -106,6 +106,13 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         hadamard(D)  # raises the OscarError naming the alternatives
     fixed = variant.fixed  # a variant with its own format and fixed clip ratios (oscar-ref)
     quant = fixed.quant(cfg.quant) if fixed else cfg.quant
+    from oscar.constraints import quant_problems
+
+    probs = quant_problems(D, quant)  # what the cache will require of this artifact, before any fitting
+    if probs:
+        raise OscarError(f"{store_path}: the cache format asked for (bits {quant.bits}, group_size {quant.group_size}, "
+                         f"keys per {quant.key_axis}, pages of {quant.page_size}) cannot serve head_dim {D}: "
+                         f"{'; '.join(probs)}")
     kspec, vspec = quant.key_spec(D), quant.value_spec(D)
     scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
     rng = np.random.default_rng(cfg.seed)

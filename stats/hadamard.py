@@ -17,6 +17,10 @@ from oscar.common import OscarError
 PALEY_ORDERS = (12, 20)
 
 
+class HadamardUnsupported(OscarError):
+    """No Hadamard matrix of this order here: a format / variant that needs one cannot serve the model."""
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
@@ -24,7 +28,7 @@ def _is_pow2(n: int) -> bool:
 def sylvester(n: int) -> np.ndarray:
     """Unnormalised Sylvester Hadamard matrix of order n = 2^k (entries ±1)."""
     if not _is_pow2(n):
-        raise OscarError(f"Sylvester Hadamard needs a power of two, got {n}")
+        raise HadamardUnsupported(f"Sylvester Hadamard needs a power of two, got {n}")
     h = np.ones((1, 1))
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
@@ -59,7 +63,7 @@ def _hadamard(n: int) -> np.ndarray:
     else:
         m = next((m for m in PALEY_ORDERS if n % m == 0 and _is_pow2(n // m)), None)
         if m is None:
-            raise OscarError(
+            raise HadamardUnsupported(
                 f"head_dim {n} has no Hadamard construction here (supported: 2^k, 12*2^k, 20*2^k, e.g. "
                 f"64, 96, 128, 160); use a variant without a Hadamard factor: --variant random or --variant identity"
             )

@@ -299,7 +299,10 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str, format_version: i
         _orthogonal_only(art, GGUF, "version 1", f"--format-version {GGUF_EXT}")
     import gguf
 
-    reader = gguf.GGUFReader(model_gguf, "r")
+    try:
+        reader = gguf.GGUFReader(model_gguf, "r")
+    except (OSError, ValueError) as e:  # gguf raises ValueError on a bad magic / truncated file
+        raise OscarError(f"{model_gguf}: not a readable GGUF file ({e})") from None
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     n_layer = reader.get_field(f"{arch}.block_count").contents()
     if n_layer != art.num_layers:
@@ -361,7 +364,10 @@ def _gguf_field(reader, name: str, default=None):
 def import_gguf(path: str) -> Artifact:
     import gguf
 
-    reader = gguf.GGUFReader(path, "r")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (OSError, ValueError) as e:  # gguf raises ValueError on a bad magic / truncated file
+        raise OscarError(f"{path}: not a readable GGUF file ({e})") from None
     ts = {t.name: t for t in reader.tensors}
     fv = int(_gguf_field(reader, GGUF_VERSION_KEY, 1))  # files written before the key existed are version 1
     if fv not in (1, GGUF_EXT):

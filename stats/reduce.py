@@ -22,7 +22,7 @@ import numpy as np
 
 from oscar.common import OscarError, fingerprint
 
-STORE_FORMAT = "oscar-calib/1"
+STORE_FORMAT = "oscar-calib/2"  # fit also reads /1 (pipeline.store.READS)
 ESTIMATORS = ("plain", "mom", "trimmed")
 
 
@@ -98,14 +98,16 @@ def open_store(path: str, partial: bool = False, log=None) -> StoreView:
     """Open and check a store; refuse an incomplete one unless ``partial`` (then use fully done blocks)."""
     import zarr
 
+    from oscar.pipeline.store import READS, CalibStore
+
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         g = zarr.open_group(path, mode="r")
     except Exception as e:
         raise OscarError(f"{path}: not a zarr calibration store ({e})") from e
     attrs = dict(g.attrs)
-    if attrs.get("format") != STORE_FORMAT:
-        raise OscarError(f"{path}: store format {attrs.get('format')!r}, fit reads {STORE_FORMAT!r}")
+    if attrs.get("format") not in READS:
+        raise OscarError(f"{path}: store format {attrs.get('format')!r}, fit reads {' or '.join(map(repr, READS))}")
     for k in ("num_layers", "num_kv_heads", "head_dim"):
         if k not in attrs.get("model", {}):
             raise OscarError(f"{path}: store attribute model.{k} missing")
@@ -115,6 +117,11 @@ def open_store(path: str, partial: bool = False, log=None) -> StoreView:
     L = int(attrs["model"]["num_layers"])
     if done.ndim != 2 or done.shape[1] != L:
         raise OscarError(f"{path}: 'done' has shape {done.shape}, expected (num_blocks, {L})")
+    try:
+        st = CalibStore(path)
+    except TypeError as e:  # root attributes missing (StoreMeta)
+        raise OscarError(f"{path}: store root attributes incomplete ({e})") from None
+    st.check()  # the store format's owner verifies every done block's checksums (by block, layer, array)
     full = [int(b) for b in np.flatnonzero(done.all(1))]
     if not done.all():
         missing = int((~done).sum())

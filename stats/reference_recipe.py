@@ -92,7 +92,9 @@ def eig_ascending(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def hadamard(D: int) -> torch.Tensor:
     """Normalised Sylvester Hadamard (D, D), D a power of two (the published code's only case)."""
     if D < 1 or D & (D - 1):
-        raise OscarError(f"the reference recipe needs a power-of-two head_dim for its Hadamard, got {D}")
+        from oscar.stats.hadamard import HadamardUnsupported
+
+        raise HadamardUnsupported(f"the reference recipe needs a power-of-two head_dim for its Hadamard, got {D}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < D:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

@@ -104,7 +104,8 @@ def test_preset_loads_and_runs_forward(name, attn):
     assert not model.training and info.attn_implementation == attn
     assert (info.num_layers, info.num_q_heads, info.num_kv_heads, info.head_dim) == EXPECTED[name]
     assert info.head_dim & (info.head_dim - 1) == 0 and info.vocab_size == len(tok) == 49152
-    assert info.fingerprint == config_fingerprint(model.config) == M.load_info(name).fingerprint
+    assert info.config_fingerprint == config_fingerprint(model.config)
+    assert info.fingerprint == M.load_info(name).fingerprint and info.weights_fingerprint  # config + weights
     assert info.name == f"{name}@seed=0" and info.origin == {"preset": name, "seed": 0}
     json.dumps(info.to_dict())  # store attributes must be JSON
     ids = tok(["def f(x): return x", "The quick brown fox"], return_tensors="pt", padding=True)

@@ -55,7 +55,7 @@ def test_run_blocks_store_equals_bruteforce(tmp_path, model):
         r = run_blocks(model, st, batch_size=2, progress=False)
     assert r.blocks_run == 3 and r.blocks_skipped == 0 and r.tokens_run == int(mask.sum())
     g = zarr.open_group(str(path), mode="r")   # plain zarr, not our reader
-    assert g.attrs["format"] == "oscar-calib/1" and g["done"][:].all()
+    assert g.attrs["format"] == "oscar-calib/2" and g["done"][:].all()
     assert np.array_equal(g["tokens"][:], tokens) and np.array_equal(g["mask"][:], mask)
     for b in range(3):
         want = ref.block_reference(model, torch.from_numpy(tokens[b]).long(), torch.from_numpy(mask[b]).long(),
@@ -126,7 +126,7 @@ def test_refuses_other_model_corpus_config(tmp_path, model):
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "precious.txt").write_text("x")
-    with pytest.raises(OscarError, match="not an oscar-calib/1 store"):
+    with pytest.raises(OscarError, match="not an oscar-calib/2 store"):
         CalibStore.open_or_create(junk, meta_for(model), tokens, mask, overwrite=True)
     assert (junk / "precious.txt").exists()
     with pytest.raises(OscarError, match="not a zarr store"):
@@ -197,7 +197,7 @@ def test_summary_and_cli_inspect(tmp_path, model, capsys):
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     j = json.loads(out.stdout)
-    assert j["format"] == "oscar-calib/1" and j["layers"][2]["kv_rows"] == s["layers"][2]["kv_rows"]
+    assert j["format"] == "oscar-calib/2" and j["layers"][2]["kv_rows"] == s["layers"][2]["kv_rows"]
     assert "layers/{l}/q_gram" in j["schema"]
     from oscar.__main__ import main
 

@@ -74,7 +74,10 @@ def _open_store(path: str):
 
     if not os.path.exists(path):
         raise OscarError(f"calibration store {path} does not exist")
-    return CalibStore(path)
+    st = CalibStore(path)
+    if "checksums" in st.group:  # verified through the store format's owner: a damaged done block is refused
+        st.check()
+    return st
 
 
 def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> dict:
@@ -83,9 +86,11 @@ def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> 
     from oscar.stats.reduce import StoreView
 
     prov = fitted.meta.get("provenance") or {}
-    mfp, sfp = fitted.meta.get("model", {}).get("fingerprint"), store_meta.model.get("fingerprint")
-    if mfp and sfp and mfp != sfp:
-        raise OscarError(f"artifact was fitted for model fingerprint {mfp}, store {store_path} holds model {sfp}")
+    from oscar.common import model_mismatch
+
+    why = model_mismatch(fitted.meta.get("model", {}), store_meta.model, "artifact")
+    if why:
+        raise OscarError(f"{why} (store {store_path})")
     if not prov:
         return {"checked": False, "why": "artifact records no provenance (baseline methods only)"}
     pc, sc = (prov.get("corpus") or {}).get("fingerprint"), store_meta.corpus.get("fingerprint")
@@ -206,7 +211,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     from oscar.stats.artifact import load_artifact
     from oscar.validate.env import load_model, max_context, with_dtype
     from oscar.validate.heldout import check_disjoint, heldout_sequences
-    from oscar.validate.methods import NEEDS_ARTIFACT, LayerQuant, fitted_for, method_artifact, parse_methods
+    from oscar.validate.methods import LayerQuant, NEEDS_ARTIFACT, parse_methods, resolve_methods
 
     t0 = time.perf_counter()
     methods = parse_methods(cfg.methods)
@@ -237,7 +242,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     model, tok, _ = loaded if loaded is not None else load_model(cfg.model or mi.get("source") or mi["name"])
     from oscar.common import config_fingerprint
 
-    if mi.get("fingerprint") and config_fingerprint(model.config) != mi["fingerprint"]:
+    if mi.get("fingerprint") and config_fingerprint(model.config) != mi.get("config_fingerprint", mi["fingerprint"]):
         raise OscarError(f"model {cfg.model or mi.get('name')} (fingerprint {config_fingerprint(model.config)}) is not "
                          f"the store's model ({mi.get('name')}, {mi['fingerprint']})")
     ctx = max_context(model)
@@ -256,7 +261,10 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
 
     shapes = _Shapes({"num_hidden_layers": L, "num_attention_heads": Hq, "num_key_value_heads": Hkv, "head_dim": D,
                       "hidden_size": Hq * D})
-    arts = {m: fitted_for(m, fitted) if m in NEEDS_ARTIFACT else method_artifact(m, shapes, None) for m in methods}
+    arts, skipped = resolve_methods(methods, shapes, fitted, checked=False, out=cfg.out)  # unsupported: skipped
+    methods = [m for m in methods if m not in skipped]
+    if not methods:
+        raise OscarError(f"no method can serve this model: {skipped}")
     align = math.lcm(*[LayerQuant(arts[m], 0, pages=False).key_group for m in methods])
 
     # 1. held-out sequences, checked against every calibration token of the store

@@ -23,7 +23,7 @@ def load_model(spec: str = "smollm2-135m"):
     except ImportError:
         _load = None
     if _load is not None:
-        model, tok, info = _load(spec)
+        model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
         return model.eval(), tok, info
     # Fallback until the pipeline's loader is on main: the embedded GGUF only.
     if spec != "smollm2-135m":

@@ -102,7 +102,10 @@ def _kivi(config, art):
 
 def _hadamard(config, art):
     a = identity_artifact(config, QuantConfig(bits=2), clip=1.0, variant="hadamard-int2")
-    H = hadamard(a.head_dim)
+    try:
+        H = hadamard(a.head_dim)
+    except OscarError as e:
+        raise MethodUnsupported(str(e)) from None
     a.rot_k = [H.expand_as(r).clone() for r in a.rot_k]
     a.rot_v = [H.expand_as(r).clone() for r in a.rot_v]
     return a
@@ -200,6 +203,63 @@ def parse_methods(s: str | list[str]) -> list[str]:
 
 def method_artifact(name: str, config, fitted: Artifact | None) -> Artifact | None:
     return METHODS[name](config, fitted)
+
+
+class MethodUnsupported(OscarError):
+    """A method whose cache format cannot serve this model (validation skips it, with this reason)."""
+
+
+def method_problems(name: str, config, art: Artifact | None) -> list[str]:
+    """Why method `name`'s artifact (its QuantConfig, its rotation) cannot serve `config`'s head_dim."""
+    from oscar.constraints import quant_problems
+
+    if art is None:
+        return []
+    D = attention_shapes(config)["head_dim"]
+    return quant_problems(D, art.quant)
+
+
+def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, checked: bool = True,
+                    out: str | None = None) -> tuple[dict[str, Artifact | None], dict[str, str]]:
+    """({method: artifact} of the methods that can serve `config`, {method: reason} of those skipped).
+
+    A method is skipped (not crashed on) when its format cannot store this head_dim: packing
+    (head_dim * bits whole bytes), group size, pages, a Hadamard of that order. checked=False builds
+    NEEDS_ARTIFACT methods without a model check (`fitted_for`, as the attention test does).
+    Skips are printed and, with `out`, recorded in out/skipped_methods.json (the report lists them).
+    """
+    import sys
+
+    from oscar.stats.hadamard import HadamardUnsupported
+
+    D = attention_shapes(config)["head_dim"]
+    arts, skipped = {}, {}
+    for m in methods:
+        if fitted is None or m not in NEEDS_ARTIFACT:
+            pre = []
+        else:  # judge the fitted artifact's format before any refit from its store
+            pre = method_problems(m, config, fitted)
+        try:
+            art = None if pre else (method_artifact(m, config, fitted) if checked or m not in NEEDS_ARTIFACT
+                                    else fitted_for(m, fitted))
+        except (MethodUnsupported, HadamardUnsupported) as e:  # e.g. a refit whose variant needs a Hadamard of order D
+            pre = [str(e)]
+        probs = pre or method_problems(m, config, art)
+        if probs:
+            skipped[m] = f"cannot serve head_dim {D}: " + "; ".join(probs)
+            print(f"oscar validate: skipping method {m}: {skipped[m]}", file=sys.stderr)
+        else:
+            arts[m] = art
+    if out and skipped:
+        import json
+        import os
+
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "skipped_methods.json")
+        old = json.load(open(path)) if os.path.exists(path) else {}
+        with open(path, "w") as f:
+            json.dump({**old, **skipped}, f, indent=1, sort_keys=True)
+    return arts, skipped
 
 
 def bits_per_element(art: Artifact | None, head_dim: int) -> float:

@@ -266,7 +266,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate import env
-    from oscar.validate.methods import PROTOCOLS, MethodBatchCache, method_artifact, parse_methods
+    from oscar.validate.methods import PROTOCOLS, MethodBatchCache, method_artifact, parse_methods, resolve_methods
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
     methods = parse_methods(cfg.methods)
@@ -280,7 +280,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
-    arts = {m: method_artifact(m, model.config, fitted) for m in methods}
+    arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
+    methods = [m for m in methods if m not in skipped]
     protocol = PROTOCOLS[cfg.protocol]
     src = Sources.from_text(env.heldout_text(cfg.corpus))
     eos = eos_ids(model, tok)

@@ -264,7 +264,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods
+    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
     from oscar.validate.niah import load_aware_threads, load_checked
 
     methods = parse_methods(cfg.methods)
@@ -282,7 +282,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
     json.dump({"identity": cfg.identity(), "config": asdict(cfg)}, open(cpath, "w"), indent=1)
 
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
-    arts = {m: method_artifact(m, model.config, fitted) for m in methods}
+    arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
+    methods = [m for m in methods if m not in skipped]
     ids = torch.tensor([heldout_ids(tok, cfg.corpus, cfg.tokens)])
     path = os.path.join(cfg.out, "ppl_windows.jsonl")
     done: dict[tuple, dict] = {}

@@ -184,8 +184,12 @@ def real(cfg, rng):
         g = zarr.open_group(cfg.store, mode="r")
     except Exception as e:
         raise OscarError(f"{cfg.store}: not a readable zarr store ({e})") from e
-    if g.attrs.get("format") != "oscar-calib/1":
-        raise OscarError(f"{cfg.store}: format {g.attrs.get('format')!r}, expected 'oscar-calib/1'")
+    from oscar.pipeline.store import READS, CalibStore
+
+    if g.attrs.get("format") not in READS:
+        raise OscarError(f"{cfg.store}: format {g.attrs.get('format')!r}, expected one of {', '.join(READS)}")
+    if "checksums" in g:  # a damaged done block is refused (by block, layer and array)
+        CalibStore(cfg.store).check()
     L = int(g.attrs["model"]["num_layers"])
     layer = L // 2 if cfg.layer is None else cfg.layer
     if not 0 <= layer < L:
