@@ -44,7 +44,7 @@ def register(sub) -> None:
                                    "versioned .safetensors artifact (docs/artifact-format.md).")
     p.add_argument("store_pos", nargs="?", metavar="STORE", default=None,
                    help="calibration store; the same as --store (the positional spelling scripts use)")
-    p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/1); required, "
+    p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/2; /1 read with a warning); required, "
                    "here or as STORE (no default)")
     p.add_argument("--out", required=True, help="artifact .safetensors to write")
     p.add_argument("--variant", default="oscar", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default oscar; "

@@ -80,6 +80,9 @@ CASES = [
     ["submit", "{missing}"], ["submit", "{junk.yaml}"], ["submit", "{junk.bin}"],
     ["status", "{missing}"], ["status", "{junk.zarr}"], ["status", "{other.zarr}"],
     ["report", "{missing}"], ["report", "{junkdir}"], ["report", "{junk.bin}"],
+    ["cluster", "render", "--out", "{tmp}/m1"],  # every required parameter unset
+    ["cluster", "render", "--out", "{junk.bin}", "--image", "x", "--nodes", "1", "--gpus-per-node", "8",
+     "--gpu-mem", "80", "--model", "{missing}", "--store", "/data/s.zarr"],
 ]
 
 

@@ -17,7 +17,7 @@ def register(sub) -> None:
     p.add_argument("--schemes", nargs="+", help="subset of schemes (default: all of the preset)")
     p.add_argument("--bits", nargs="+", type=int, help="budgets among 2 3 4 (default: the preset's)")
     p.add_argument("--nu", type=float, help="Student-t degrees of freedom of the heavy regime (default 3)")
-    p.add_argument("--store", help="calibration store (oscar-calib/1) for the real regime (default: no real regime)")
+    p.add_argument("--store", help="calibration store (oscar-calib/2 or /1) for the real regime (default: no real regime)")
     p.add_argument("--layer", type=int, help="store layer for the real regime (default: middle)")
     p.add_argument("--head", type=int, default=0, help="KV head for the real regime")
     p.add_argument("--triton-seeds", type=int, help="also run N seeds of plain/oscar on isotropic/heavy through the "
