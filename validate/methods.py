@@ -2,11 +2,21 @@
 
     bf16           the unquantized cache (DynamicCache, model dtype: fp32 on CPU)
     naive-int2     identity rotation, per-token min/max groups of head_dim (fp16 scale+zero)
-    kivi2          KIVI-style: keys per channel over groups of 64 tokens, values per token
-    hadamard-int2  normalised Sylvester Hadamard rotation, per-token groups
+    kivi2          the published KIVI recipe (Liu et al. 2024): keys per channel over groups of 64 tokens,
+                   values per token, min/max fp16 scale+zero, the protocol's recent window exact (KIVI's
+                   full-precision residual); data-free: no clip search, and key-mean centering is a no-op
+                   for per-channel groups (their zero point absorbs any per-channel shift)
+    hadamard-int2  normalised Sylvester Hadamard rotation, per-token groups (data-free: no clips, no centering)
     oscar-int2     the fitted artifact (whatever its QuantConfig says)
-    oscar-ref-int2 the published OSCAR code's recipe (`oscar fit --variant oscar-ref`) on the same store:
-                   per-layer rotation, row-quantile clips K 0.96 / V 0.92, float32 scale+zero, pages of 8
+    oscar-ref-int2 a re-implementation, from its public description and code, of the published OSCAR
+                   recipe (`oscar fit --variant oscar-ref`) on the same store: per-layer rotation,
+                   row-quantile clips K 0.96 / V 0.92, float32 scale+zero, pages of 8
+    tq-int2        TurboQuant (re-implemented from the paper): random-sign Walsh–Hadamard, per-vector fp16
+                   norm, Beta Lloyd–Max codes; the paper's 2.5-bit split (D/4 outlier channels at 3 bits, the
+                   rest at 2), keys centred; 2.75 bits/element at head_dim 64 (validate/codebooks.py)
+    sq-int2        SpectralQuant with uniform allocation (re-implemented): calibrated eigenbasis, per-dim
+                   Gaussian Lloyd–Max codes scaled by the calibrated std, K and V centred, no per-token
+                   metadata: 2.0 bits/element (validate/codebooks.py)
     oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
                    rotated space over head_dim tokens (KIVI style; `oscar fit --key-axis channel --group-size D`)
 
@@ -174,9 +184,41 @@ def _oscar_kc(config, art):
     return kc
 
 
+_CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
+
+
+def codebook_artifact(name: str, art: Artifact) -> Artifact:
+    """tq-int2 / sq-int2 built from the calibration store `art` was fitted from (validate/codebooks.py); cached per store."""
+    import os
+
+    from oscar.validate import codebooks
+
+    prov = art.meta.get("provenance") or {}
+    key = (name, os.path.abspath(prov.get("store") or ""), prov.get("store_fingerprint"))
+    if key not in _CODEBOOK_ARTS:
+        _CODEBOOK_ARTS[key] = codebooks.tq_artifact(art) if name == "tq-int2" else codebooks.sq_artifact(art)
+    return _CODEBOOK_ARTS[key]
+
+
+def _tq(config, art):
+    _needs("tq-int2", art)
+    a = codebook_artifact("tq-int2", art)
+    a.check_model(config)
+    return a
+
+
+def _sq(config, art):
+    _needs("sq-int2", art)
+    a = codebook_artifact("sq-int2", art)
+    a.check_model(config)
+    return a
+
+
 def fitted_for(name: str, fitted: Artifact) -> Artifact:
     """A NEEDS_ARTIFACT method's artifact from the fitted one, without a model check (callers check shapes)."""
-    return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact}.get(name, lambda a: a)(fitted)
+    return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact,
+            "tq-int2": lambda a: codebook_artifact("tq-int2", a),
+            "sq-int2": lambda a: codebook_artifact("sq-int2", a)}.get(name, lambda a: a)(fitted)
 
 
 register_method("bf16", _bf16)
@@ -186,6 +228,8 @@ register_method("hadamard-int2", _hadamard)
 register_method("oscar-int2", _oscar, needs_artifact=True)
 register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the published recipe (stats/reference_recipe.py)
 register_method("oscar-kc-int2", _oscar_kc, needs_artifact=True)   # oscar-int2's rotations, KIVI-style key groups
+register_method("tq-int2", _tq, needs_artifact=True)  # TurboQuant, the paper's 2.5-bit 3/2-bit split (validate/codebooks.py)
+register_method("sq-int2", _sq, needs_artifact=True)  # SpectralQuant, uniform allocation (validate/codebooks.py)
 
 
 def parse_methods(s: str | list[str]) -> list[str]:
@@ -206,6 +250,11 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
     """Stored bits per K/V element of the quantized history (metadata included); 16 for the exact cache."""
     if art is None:
         return 16.0
+    from oscar.validate.codebooks import codec_bits_per_element
+
+    cb = codec_bits_per_element(art)
+    if cb is not None:
+        return cb
     q = art.quant
     return 0.5 * (q.key_spec(head_dim).bits_per_element(head_dim) + q.value_spec(head_dim).bits_per_element(head_dim))
 
@@ -252,6 +301,13 @@ class LayerQuant:
         self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
         flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
+        # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token
+        from oscar.validate.codebooks import layer_codecs
+
+        cb = layer_codecs(art, layer)
+        self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
+        if cb:
+            self.key_group = flush
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
@@ -259,14 +315,20 @@ class LayerQuant:
         if self.k_mean is not None:
             x = x - self.k_mean
         xr = x @ self.rot_k  # (B, Hkv, T, D)
-        xq = fake_quant(xr, self.kspec, self.clip_k) @ self.unrot_k
+        xq = (self.codec_k(xr) if self.codec_k else fake_quant(xr, self.kspec, self.clip_k)) @ self.unrot_k
         if self.k_mean is not None:
             xq = xq + self.k_mean
         return xq.to(k.dtype)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
-        vr = v.float() @ self.rot_v  # (B, Hkv, T, D)
-        return (fake_quant(vr, self.vspec, self.clip_v) @ self.rot_v.transpose(-1, -2)).to(v.dtype)
+        x = v.float()
+        if self.v_mean is not None:
+            x = x - self.v_mean
+        vr = x @ self.rot_v  # (B, Hkv, T, D)
+        xq = (self.codec_v(vr) if self.codec_v else fake_quant(vr, self.vspec, self.clip_v)) @ self.rot_v.transpose(-1, -2)
+        if self.v_mean is not None:
+            xq = xq + self.v_mean
+        return xq.to(v.dtype)
 
     def quantized_until(self, T: int, sink: int, recent: int) -> int:
         """Tokens [sink, b) are stored quantized once T tokens are written (keys quantize in whole groups)."""
