@@ -172,3 +172,19 @@ def test_codebook_methods_need_the_store(fitted, tmp_path):
                                                                  store_fingerprint="x")))
     with pytest.raises(OscarError, match="does not exist"):
         method_artifact("sq-int2", config, gone)
+
+
+def test_every_method_has_a_note_the_report_lists():
+    """Each registered method says what it is and what it lacks; memory.json carries it to the report."""
+    from oscar.pipeline.models import load_config
+    from oscar.reports.build import _memory_section
+    from oscar.stats.artifact import identity_artifact
+    from oscar.validate.methods import METHOD_NOTES, METHODS, SERVING, memory_row
+
+    assert set(METHODS) <= set(METHOD_NOTES) and all(METHOD_NOTES[m] for m in METHODS)
+    assert "re-implementation" in METHOD_NOTES["oscar-ref-int2"]
+    config = load_config("tiny-llama")
+    mem = [memory_row(m, None if m == "bf16" else identity_artifact(config), config, 1024, SERVING) for m in METHODS]
+    md = "\n".join(_memory_section(mem))
+    for m in METHODS:
+        assert f"- `{m}`: {METHOD_NOTES[m]}" in md

@@ -259,6 +259,26 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
     return 0.5 * (q.key_spec(head_dim).bits_per_element(head_dim) + q.value_spec(head_dim).bits_per_element(head_dim))
 
 
+# What each method is, and which knobs of the INT2 comparison it lacks and why (written into memory.json,
+# listed by the report; docs/decisions.md "Second model on request").
+METHOD_NOTES: dict[str, str] = {
+    "bf16": "the unquantized cache",
+    "naive-int2": "identity rotation, per-token min/max groups; data-free: no clip search, no centering",
+    "kivi2": "the published KIVI recipe: keys per channel (64-token groups), values per token, the recent window "
+             "exact as its full-precision residual; data-free: no clip search (KIVI has none), key-mean centering "
+             "a no-op for per-channel groups",
+    "hadamard-int2": "Hadamard rotation, per-token groups; data-free: no clip search, no centering",
+    "oscar-ref-int2": "a re-implementation of the published OSCAR recipe from its public description and code: "
+                      "fixed row-quantile clips (no search), float32 scale+zero, pages of 8",
+    "oscar-kc-int2": "oscar-int2's rotations with keys per channel (64-token groups), clips searched",
+    "oscar-int2": "OSCAR rotation, key-mean centering, scaled keys, searched and tuned clips",
+    "tq-int2": "TurboQuant re-implemented from its paper: random-sign Walsh-Hadamard, fp16 norms, Beta Lloyd-Max codes, "
+               "D/4 outlier channels at 3 bits; keys centred; no clip search (a Lloyd-Max codebook has none)",
+    "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "
+               "scaled by the calibrated std, K and V centred, no per-token metadata; no clip search",
+}
+
+
 def memory_row(name: str, art: Artifact | None, config, context: int, protocol: Protocol) -> dict:
     """Bytes per token of K+V over all layers: history (quantized), and the average at `context` with exact sink/recent."""
     s = attention_shapes(config)
@@ -270,7 +290,7 @@ def memory_row(name: str, art: Artifact | None, config, context: int, protocol: 
         "method": name, "bits_per_element": bpe, "bytes_per_token_history": elems * bpe / 8,
         "bytes_per_token_bf16": elems * 2, "context": context, "protocol": protocol.name,
         "sink": protocol.sink, "recent": protocol.recent, "bytes_per_token_avg": elems * avg_bits / 8,
-        "ratio_vs_bf16": avg_bits / 16,
+        "ratio_vs_bf16": avg_bits / 16, "note": METHOD_NOTES.get(name, ""),
     }
 
 
