@@ -188,3 +188,24 @@ def test_every_method_has_a_note_the_report_lists():
     md = "\n".join(_memory_section(mem))
     for m in METHODS:
         assert f"- `{m}`: {METHOD_NOTES[m]}" in md
+
+
+def test_searched_baselines_get_their_formats_knobs(fitted):
+    """kivi2-clip / hadamard-clip-int2: the data-free baselines' formats, with clips from oscar-int2's
+    search on the same store (and centering where it is not a no-op)."""
+    from oscar.pipeline.models import load_config
+    from oscar.validate.methods import method_artifact, searched_baseline
+    from oscar.validate.schemes import hadamard as sylvester
+
+    config = load_config("tiny-llama")
+    kc = method_artifact("kivi2-clip", config, fitted)
+    assert (kc.quant.key_axis, kc.quant.group_size) == ("channel", 32)  # kivi2's 64 where head_dim allows (here 32)
+    assert kc.k_mean is None and all(torch.equal(r, torch.eye(kc.head_dim).expand_as(r)) for r in kc.rot_k)
+    hc = searched_baseline("hadamard-clip-int2", fitted)
+    assert hc.k_mean is not None and hc.quant.key_axis == "token"
+    for a in (kc, hc):
+        assert a.meta["fit"]["clip_searched"] and a.quant.page_size == fitted.quant.page_size
+        assert a.meta["provenance"]["store"] == fitted.meta["provenance"]["store"]
+        assert any((c < 1).any() for c in a.clip_k + a.clip_v)  # the search moved some clip off 1.0
+    H = sylvester(hc.head_dim).float()
+    assert torch.allclose(hc.rot_k[0][0].abs(), H.abs(), atol=1e-6)  # a Hadamard (column order aside)

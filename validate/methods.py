@@ -7,6 +7,8 @@
                    full-precision residual); data-free: no clip search, and key-mean centering is a no-op
                    for per-channel groups (their zero point absorbs any per-channel shift)
     hadamard-int2  normalised Sylvester Hadamard rotation, per-token groups (data-free: no clips, no centering)
+    kivi2-clip     kivi2's format with clips searched from the same store by oscar-int2's search
+    hadamard-clip-int2  hadamard-int2 with key-mean centering and searched clips (same store, same search)
     oscar-int2     the fitted artifact (whatever its QuantConfig says)
     oscar-ref-int2 a re-implementation, from its public description and code, of the published OSCAR
                    recipe (`oscar fit --variant oscar-ref`) on the same store: per-layer rotation,
@@ -184,6 +186,29 @@ def _oscar_kc(config, art):
     return kc
 
 
+def searched_baseline(name: str, art: Artifact) -> Artifact:
+    """A data-free baseline given the knobs its format allows, from `art`'s store and oscar-int2's clip
+    search (same rows, grid and objective), same page size, sink and recent window:
+    kivi2-clip = kivi2's format (identity rotation, keys per channel over 64 tokens) with searched clips;
+    hadamard-clip-int2 = hadamard-int2's format with key-mean centering and searched clips."""
+    q = art.quant
+    if name == "kivi2-clip":
+        g = 64 if art.head_dim % 64 == 0 else art.head_dim  # kivi2's 64-token groups (values: per token, same G)
+        quant = replace(q, key_axis="channel", group_size=g, clip_rule="ratio", param_dtype="float16", mode="minmax")
+        return _refit(art, name, "KIVI with searched clips", {"variant": "identity", "quant": quant})
+    quant = replace(q, key_axis="token", group_size=None, clip_rule="ratio", param_dtype="float16", mode="minmax")
+    return _refit(art, name, "Hadamard with centering and searched clips", {"variant": "hadamard-centered", "quant": quant})
+
+
+def _searched(name: str):
+    def factory(config, art):
+        _needs(name, art)
+        a = searched_baseline(name, art)
+        a.check_model(config)
+        return a
+    return factory
+
+
 _CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
 
 
@@ -218,7 +243,9 @@ def fitted_for(name: str, fitted: Artifact) -> Artifact:
     """A NEEDS_ARTIFACT method's artifact from the fitted one, without a model check (callers check shapes)."""
     return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact,
             "tq-int2": lambda a: codebook_artifact("tq-int2", a),
-            "sq-int2": lambda a: codebook_artifact("sq-int2", a)}.get(name, lambda a: a)(fitted)
+            "sq-int2": lambda a: codebook_artifact("sq-int2", a),
+            "kivi2-clip": lambda a: searched_baseline("kivi2-clip", a),
+            "hadamard-clip-int2": lambda a: searched_baseline("hadamard-clip-int2", a)}.get(name, lambda a: a)(fitted)
 
 
 register_method("bf16", _bf16)
@@ -230,6 +257,8 @@ register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the publis
 register_method("oscar-kc-int2", _oscar_kc, needs_artifact=True)   # oscar-int2's rotations, KIVI-style key groups
 register_method("tq-int2", _tq, needs_artifact=True)  # TurboQuant, the paper's 2.5-bit 3/2-bit split (validate/codebooks.py)
 register_method("sq-int2", _sq, needs_artifact=True)  # SpectralQuant, uniform allocation (validate/codebooks.py)
+register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
+register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
 
 def parse_methods(s: str | list[str]) -> list[str]:
@@ -268,6 +297,10 @@ METHOD_NOTES: dict[str, str] = {
              "exact as its full-precision residual; data-free: no clip search (KIVI has none), key-mean centering "
              "a no-op for per-channel groups",
     "hadamard-int2": "Hadamard rotation, per-token groups; data-free: no clip search, no centering",
+    "kivi2-clip": "kivi2's format given the knobs it allows: clips searched on the same store with oscar-int2's "
+                  "search (centering is a no-op for per-channel keys)",
+    "hadamard-clip-int2": "hadamard-int2's format given the knobs it allows: key-mean centering and clips searched "
+                          "on the same store with oscar-int2's search",
     "oscar-ref-int2": "a re-implementation of the published OSCAR recipe from its public description and code: "
                       "fixed row-quantile clips (no search), float32 scale+zero, pages of 8",
     "oscar-kc-int2": "oscar-int2's rotations with keys per channel (64-token groups), clips searched",
