@@ -409,7 +409,9 @@ def assemble_gguf(sp: SplitGguf, parts: list[str], dest: str) -> dict:
                 try:
                     with open(p, "rb") as f:
                         while b := f.read(1 << 22):
-                            h.update(b), whole.update(b), out.write(b)
+                            h.update(b)
+                            whole.update(b)
+                            out.write(b)
                             m += len(b)
                 except OSError as e:
                     raise OscarError(f"{sp.name}: cannot read part {i + 1} ({p}): {e.strerror}") from None
