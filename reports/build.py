@@ -422,7 +422,16 @@ def _memory_section(mem) -> list[str]:
     sr = {p: next(f"{x['sink']}+{x['recent']}" for x in mem if x["protocol"] == p) for p in protos}
     return out + [md_table(["method", "bits/elem", "history B/token"] + [f"{p} ({sr[p]} exact) @{_len_label(c)}" for p in protos for c in ctxs], rows),
                   "", "History = one token stored quantized, K+V over all layers (codes + fp16 scale/zero). "
-                  "Other columns: average bytes per token at that context, the exact sink/recent tokens included, and the ratio to bf16.", ""]
+                  "Other columns: average bytes per token at that context, the exact sink/recent tokens included, and the ratio to bf16.", ""] \
+        + _method_notes(mem)
+
+
+def _method_notes(mem) -> list[str]:
+    """The methods compared, and what each lacks (memory.json's `note`, written by validate)."""
+    notes = {m["method"]: m.get("note") for m in mem if m.get("note")}
+    if not notes:
+        return []
+    return ["Methods:", ""] + [f"- `{m}`: {notes[m]}" for m in _order(notes)] + [""]
 
 
 def _attention_section(att, figdir: str) -> list[str]:

@@ -147,6 +147,13 @@ def _had(ls, rng) -> Rotations:
     return Rotations(hadamard_rot(ls.H, ls.D), hadamard_rot(ls.H, ls.D))
 
 
+@register_variant("hadamard-centered", "as hadamard, keys centred by the calibrated key mean first (hadamard-clip-int2)")
+def _had_c(ls, rng) -> Rotations:
+    r = _had(ls, rng)
+    r.k_mean = ls.mean("k")
+    return r
+
+
 @register_variant("k-eig", "R_K = U_K H P_br from the key covariance; R_V as oscar")
 def _keig(ls, rng) -> Rotations:
     return Rotations(_eig_rot(ls, "k"), _eig_rot(ls, "o"), source_k=("k", False), source_v=("o", False))

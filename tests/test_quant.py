@@ -173,3 +173,27 @@ def test_fp8_params_out_of_range_raise_instead_of_saturating():
     st = QuantSpec(mode="static", param_dtype=FP8)
     s, z = choose_qparams(torch.zeros(1, 4), st, clip=1000.0)
     assert s.dtype == torch.float16 and z.item() == -1000.0 and st.bits_per_element(64) == 2.0
+
+
+@pytest.mark.parametrize("axis,group", [("channel", 64), ("token", None)])
+def test_constant_group_dequantizes_to_its_value(axis, group):
+    """A group whose values are all equal (bf16 rounding of a channel dominated by a large key bias,
+    as on Qwen2.5) has a scale that rounds to 0 in fp16: 0/0 must give code 0 -> exactly the constant,
+    in fake_quant as in quantize/dequantize, never NaN (the kivi2 bfloat16 collapse)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 128, 64, generator=g).to(torch.bfloat16)
+    if axis == "channel":
+        x[0, 1, :64, 5] = 146.0  # one channel constant over a 64-token group
+    else:
+        x[0, 0, 7, :] = -3.25  # one token constant over its channels
+    spec = QuantSpec(bits=2, axis=axis, group_size=group)
+    s, z = choose_qparams(x, spec)
+    assert (s == 0).any()  # the case: fp16 scale underflows to zero
+    want = dequantize(quantize(x, s, z, spec), s, z, spec).to(x.dtype)
+    got = fake_quant(x, spec)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    if axis == "channel":
+        assert torch.equal(got[0, 1, :64, 5], x[0, 1, :64, 5])
+    else:
+        assert torch.equal(got[0, 0, 7], x[0, 0, 7])

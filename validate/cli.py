@@ -122,6 +122,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
     r.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
     r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default 20)")
+    r.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma list of KV-cache methods to compare (default: %(default)s; also tq-int2, sq-int2, "
+                        "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (12288 held-out tokens per context, all the pydoc held-out split holds "
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
     r.add_argument("--variant", default="scaled", help="fit variant behind oscar-int2 (see `oscar variants`)")
@@ -192,7 +195,10 @@ def _attention(args) -> int:
 def _run(args) -> int:
     from oscar.validate.run import RunConfig, run_main
 
+    from oscar.validate.methods import parse_methods
+
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
+                       methods=parse_methods(args.methods),
                        variant=args.variant, tune=not args.no_tune, niah_protocol=args.niah_protocol, dtype=args.dtype,
                        progress=not args.no_progress))
     return 0

@@ -2,11 +2,23 @@
 
     bf16           the unquantized cache (DynamicCache, model dtype: fp32 on CPU)
     naive-int2     identity rotation, per-token min/max groups of head_dim (fp16 scale+zero)
-    kivi2          KIVI-style: keys per channel over groups of 64 tokens, values per token
-    hadamard-int2  normalised Sylvester Hadamard rotation, per-token groups
+    kivi2          the published KIVI recipe (Liu et al. 2024): keys per channel over groups of 64 tokens,
+                   values per token, min/max fp16 scale+zero, the protocol's recent window exact (KIVI's
+                   full-precision residual); data-free: no clip search, and key-mean centering is a no-op
+                   for per-channel groups (their zero point absorbs any per-channel shift)
+    hadamard-int2  normalised Sylvester Hadamard rotation, per-token groups (data-free: no clips, no centering)
+    kivi2-clip     kivi2's format with clips searched from the same store by oscar-int2's search
+    hadamard-clip-int2  hadamard-int2 with key-mean centering and searched clips (same store, same search)
     oscar-int2     the fitted artifact (whatever its QuantConfig says)
-    oscar-ref-int2 the published OSCAR code's recipe (`oscar fit --variant oscar-ref`) on the same store:
-                   per-layer rotation, row-quantile clips K 0.96 / V 0.92, float32 scale+zero, pages of 8
+    oscar-ref-int2 a re-implementation, from its public description and code, of the published OSCAR
+                   recipe (`oscar fit --variant oscar-ref`) on the same store: per-layer rotation,
+                   row-quantile clips K 0.96 / V 0.92, float32 scale+zero, pages of 8
+    tq-int2        TurboQuant (re-implemented from the paper): random-sign Walsh–Hadamard, per-vector fp16
+                   norm, Beta Lloyd–Max codes; the paper's 2.5-bit split (D/4 outlier channels at 3 bits, the
+                   rest at 2), keys centred; 2.75 bits/element at head_dim 64 (validate/codebooks.py)
+    sq-int2        SpectralQuant with uniform allocation (re-implemented): calibrated eigenbasis, per-dim
+                   Gaussian Lloyd–Max codes scaled by the calibrated std, K and V centred, no per-token
+                   metadata: 2.0 bits/element (validate/codebooks.py)
     oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
                    rotated space over head_dim tokens (KIVI style; `oscar fit --key-axis channel --group-size D`)
 
@@ -177,9 +189,66 @@ def _oscar_kc(config, art):
     return kc
 
 
+def searched_baseline(name: str, art: Artifact) -> Artifact:
+    """A data-free baseline given the knobs its format allows, from `art`'s store and oscar-int2's clip
+    search (same rows, grid and objective), same page size, sink and recent window:
+    kivi2-clip = kivi2's format (identity rotation, keys per channel over 64 tokens) with searched clips;
+    hadamard-clip-int2 = hadamard-int2's format with key-mean centering and searched clips."""
+    q = art.quant
+    if name == "kivi2-clip":
+        g = 64 if art.head_dim % 64 == 0 else art.head_dim  # kivi2's 64-token groups (values: per token, same G)
+        quant = replace(q, key_axis="channel", group_size=g, clip_rule="ratio", param_dtype="float16", mode="minmax")
+        return _refit(art, name, "KIVI with searched clips", {"variant": "identity", "quant": quant})
+    quant = replace(q, key_axis="token", group_size=None, clip_rule="ratio", param_dtype="float16", mode="minmax")
+    return _refit(art, name, "Hadamard with centering and searched clips", {"variant": "hadamard-centered", "quant": quant})
+
+
+def _searched(name: str):
+    def factory(config, art):
+        _needs(name, art)
+        a = searched_baseline(name, art)
+        a.check_model(config)
+        return a
+    return factory
+
+
+_CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
+
+
+def codebook_artifact(name: str, art: Artifact) -> Artifact:
+    """tq-int2 / sq-int2 built from the calibration store `art` was fitted from (validate/codebooks.py); cached per store."""
+    import os
+
+    from oscar.validate import codebooks
+
+    prov = art.meta.get("provenance") or {}
+    key = (name, os.path.abspath(prov.get("store") or ""), prov.get("store_fingerprint"))
+    if key not in _CODEBOOK_ARTS:
+        _CODEBOOK_ARTS[key] = codebooks.tq_artifact(art) if name == "tq-int2" else codebooks.sq_artifact(art)
+    return _CODEBOOK_ARTS[key]
+
+
+def _tq(config, art):
+    _needs("tq-int2", art)
+    a = codebook_artifact("tq-int2", art)
+    a.check_model(config)
+    return a
+
+
+def _sq(config, art):
+    _needs("sq-int2", art)
+    a = codebook_artifact("sq-int2", art)
+    a.check_model(config)
+    return a
+
+
 def fitted_for(name: str, fitted: Artifact) -> Artifact:
     """A NEEDS_ARTIFACT method's artifact from the fitted one, without a model check (callers check shapes)."""
-    return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact}.get(name, lambda a: a)(fitted)
+    return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact,
+            "tq-int2": lambda a: codebook_artifact("tq-int2", a),
+            "sq-int2": lambda a: codebook_artifact("sq-int2", a),
+            "kivi2-clip": lambda a: searched_baseline("kivi2-clip", a),
+            "hadamard-clip-int2": lambda a: searched_baseline("hadamard-clip-int2", a)}.get(name, lambda a: a)(fitted)
 
 
 register_method("bf16", _bf16)
@@ -189,6 +258,10 @@ register_method("hadamard-int2", _hadamard)
 register_method("oscar-int2", _oscar, needs_artifact=True)
 register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the published recipe (stats/reference_recipe.py)
 register_method("oscar-kc-int2", _oscar_kc, needs_artifact=True)   # oscar-int2's rotations, KIVI-style key groups
+register_method("tq-int2", _tq, needs_artifact=True)  # TurboQuant, the paper's 2.5-bit 3/2-bit split (validate/codebooks.py)
+register_method("sq-int2", _sq, needs_artifact=True)  # SpectralQuant, uniform allocation (validate/codebooks.py)
+register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
+register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
 
 def parse_methods(s: str | list[str]) -> list[str]:
@@ -266,8 +339,37 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
     """Stored bits per K/V element of the quantized history (metadata included); 16 for the exact cache."""
     if art is None:
         return 16.0
+    from oscar.validate.codebooks import codec_bits_per_element
+
+    cb = codec_bits_per_element(art)
+    if cb is not None:
+        return cb
     q = art.quant
     return 0.5 * (q.key_spec(head_dim).bits_per_element(head_dim) + q.value_spec(head_dim).bits_per_element(head_dim))
+
+
+# What each method is, and which knobs of the INT2 comparison it lacks and why (written into memory.json,
+# listed by the report; docs/decisions.md "Second model on request").
+METHOD_NOTES: dict[str, str] = {
+    "bf16": "the unquantized cache",
+    "naive-int2": "identity rotation, per-token min/max groups; data-free: no clip search, no centering",
+    "kivi2": "the published KIVI recipe: keys per channel (64-token groups), values per token, the recent window "
+             "exact as its full-precision residual; data-free: no clip search (KIVI has none), key-mean centering "
+             "a no-op for per-channel groups",
+    "hadamard-int2": "Hadamard rotation, per-token groups; data-free: no clip search, no centering",
+    "kivi2-clip": "kivi2's format given the knobs it allows: clips searched on the same store with oscar-int2's "
+                  "search (centering is a no-op for per-channel keys)",
+    "hadamard-clip-int2": "hadamard-int2's format given the knobs it allows: key-mean centering and clips searched "
+                          "on the same store with oscar-int2's search",
+    "oscar-ref-int2": "a re-implementation of the published OSCAR recipe from its public description and code: "
+                      "fixed row-quantile clips (no search), float32 scale+zero, pages of 8",
+    "oscar-kc-int2": "oscar-int2's rotations with keys per channel (64-token groups), clips searched",
+    "oscar-int2": "OSCAR rotation, key-mean centering, scaled keys, searched and tuned clips",
+    "tq-int2": "TurboQuant re-implemented from its paper: random-sign Walsh-Hadamard, fp16 norms, Beta Lloyd-Max codes, "
+               "D/4 outlier channels at 3 bits; keys centred; no clip search (a Lloyd-Max codebook has none)",
+    "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "
+               "scaled by the calibrated std, K and V centred, no per-token metadata; no clip search",
+}
 
 
 def memory_row(name: str, art: Artifact | None, config, context: int, protocol: Protocol) -> dict:
@@ -281,7 +383,7 @@ def memory_row(name: str, art: Artifact | None, config, context: int, protocol: 
         "method": name, "bits_per_element": bpe, "bytes_per_token_history": elems * bpe / 8,
         "bytes_per_token_bf16": elems * 2, "context": context, "protocol": protocol.name,
         "sink": protocol.sink, "recent": protocol.recent, "bytes_per_token_avg": elems * avg_bits / 8,
-        "ratio_vs_bf16": avg_bits / 16,
+        "ratio_vs_bf16": avg_bits / 16, "note": METHOD_NOTES.get(name, ""),
     }
 
 
@@ -312,6 +414,13 @@ class LayerQuant:
         self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
         flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
+        # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token
+        from oscar.validate.codebooks import layer_codecs
+
+        cb = layer_codecs(art, layer)
+        self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
+        if cb:
+            self.key_group = flush
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
@@ -319,14 +428,20 @@ class LayerQuant:
         if self.k_mean is not None:
             x = x - self.k_mean
         xr = x @ self.rot_k  # (B, Hkv, T, D)
-        xq = fake_quant(xr, self.kspec, self.clip_k) @ self.unrot_k
+        xq = (self.codec_k(xr) if self.codec_k else fake_quant(xr, self.kspec, self.clip_k)) @ self.unrot_k
         if self.k_mean is not None:
             xq = xq + self.k_mean
         return xq.to(k.dtype)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
-        vr = v.float() @ self.rot_v  # (B, Hkv, T, D)
-        return (fake_quant(vr, self.vspec, self.clip_v) @ self.rot_v.transpose(-1, -2)).to(v.dtype)
+        x = v.float()
+        if self.v_mean is not None:
+            x = x - self.v_mean
+        vr = x @ self.rot_v  # (B, Hkv, T, D)
+        xq = (self.codec_v(vr) if self.codec_v else fake_quant(vr, self.vspec, self.clip_v)) @ self.rot_v.transpose(-1, -2)
+        if self.v_mean is not None:
+            xq = xq + self.v_mean
+        return xq.to(v.dtype)
 
     def quantized_until(self, T: int, sink: int, recent: int) -> int:
         """Tokens [sink, b) are stored quantized once T tokens are written (keys quantize in whole groups)."""
