@@ -42,6 +42,10 @@ class NiahConfig:
     protocol: str = "strict"
     corpus: str = "pydoc"
     dtype: str = "float32"  # model compute dtype (env.with_dtype)
+    # Samples of one (task, length) cell decoded together: max(1, batch_tokens // length) of them, all
+    # their methods as rows of one `RowBatchCache` (4 at 1k, 2 at 2k, 1 at 4k: ~1.4 GB of float32 K/V).
+    # Results do not depend on it beyond float summation order, so it is not part of the identity.
+    batch_tokens: int = 4096
 
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
@@ -251,6 +255,22 @@ class PrefillPool:
         return cache
 
 
+def _batches(cells, methods, done, batch_tokens: int):
+    """Consecutive samples of one (task, length) with methods still to score, up to
+    max(1, batch_tokens // length) per batch: [(task, length, index, missing methods), ...]."""
+    batch: list = []
+    for t, L, i in cells:
+        missing = [m for m in methods if (t, L, i, m) not in done]
+        if not missing:
+            continue
+        if batch and ((batch[0][0], batch[0][1]) != (t, L) or len(batch) >= max(1, batch_tokens // L)):
+            yield batch
+            batch = []
+        batch.append((t, L, i, missing))
+    if batch:
+        yield batch
+
+
 def eos_ids(model, tok) -> set[int]:
     e = model.generation_config.eos_token_id if model.generation_config is not None else None
     ids = set(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
@@ -265,7 +285,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate import env
-    from oscar.validate.methods import PROTOCOLS, MethodBatchCache, method_artifact, parse_methods
+    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods
+    from oscar.validate.rowbatch import RowBatchCache, decode_rows
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
     methods = parse_methods(cfg.methods)
@@ -276,6 +297,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
         raise OscarError(f"unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
     if cfg.samples < 1:
         raise OscarError("--samples must be >= 1")
+    if cfg.batch_tokens < 1:
+        raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
@@ -291,27 +314,34 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
     pool = PrefillPool(model)
     with open(path, "a") as f:
-        for t, L, i in cells:
-            missing = [m for m in methods if (t, L, i, m) not in done]
-            if not missing:
-                continue
-            bar.set_postfix_str(f"{t} {L} #{i}")
-            s = make_sample(t, L, i, tok, src, seed=cfg.seed)
-            exact = pool.prefill(s.context_ids)  # chunk 1, exact, shared by every method
-            cache = MethodBatchCache.from_prefill([arts[m] for m in missing], protocol, exact,
-                                                  capacity=s.total_tokens)
-            gens = greedy(model, cache, s.question_ids, s.max_new_tokens, eos, rows=len(missing))
+        for batch in _batches(cells, methods, done, cfg.batch_tokens):
+            t, L = batch[0][0], batch[0][1]
+            bar.set_postfix_str(f"{t} {L} #{batch[0][2]}" + (f"-{batch[-1][2]}" if len(batch) > 1 else ""))
+            samples = [make_sample(t, L, i, tok, src, seed=cfg.seed) for _, _, i, _ in batch]
+            groups = [[arts[m] for m in missing] for *_, missing in batch]
+            cap = max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
+                max(s.max_new_tokens for s in samples)
+            cache = RowBatchCache(groups, protocol, model.config.get_text_config().num_hidden_layers, cap,
+                                  next(model.parameters()).dtype)
+            for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
+                cache.load(g, pool.prefill(s.context_ids))
+            with load_aware_threads():
+                gens = decode_rows(model, cache, [s.question_ids for s, (*_, ms) in zip(samples, batch) for _ in ms],
+                                   [s.max_new_tokens for s, (*_, ms) in zip(samples, batch) for _ in ms], eos)
             del cache
-            for m, gen in zip(missing, gens):
-                pred = tok.decode(gen, skip_special_tokens=True)
-                row = {"task": t, "length": L, "index": i, "method": m, "score": score_one(pred, s.answers, s.metric),
-                       "pred": pred, "answers": s.answers, "metric": s.metric, "prompt_tokens": s.prompt_tokens,
-                       "protocol": cfg.protocol}
-                f.write(json.dumps(row) + "\n")
-                done[(t, L, i, m)] = row
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(missing))
+            r = 0
+            for s, (_, _, i, missing) in zip(samples, batch):
+                for m in missing:
+                    pred = tok.decode(gens[r], skip_special_tokens=True)
+                    r += 1
+                    row = {"task": t, "length": L, "index": i, "method": m, "score": score_one(pred, s.answers, s.metric),
+                           "pred": pred, "answers": s.answers, "metric": s.metric, "prompt_tokens": s.prompt_tokens,
+                           "protocol": cfg.protocol}
+                    f.write(json.dumps(row) + "\n")
+                    done[(t, L, i, m)] = row
+                f.flush()
+                os.fsync(f.fileno())
+                bar.update(len(missing))
     bar.close()
     write_memory(cfg.out, methods, arts, model.config, max(cfg.lengths), protocol)
     return write_results(cfg, methods, done, arts, model.config)
