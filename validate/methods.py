@@ -252,19 +252,27 @@ class LayerQuant:
         self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
         flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
+        # Identity rotations (naive-int2, kivi2) skip their matmuls: x @ I == x exactly in float32.
+        eye = torch.eye(D)
+        self.k_eye = bool((self.rot_k == eye).all() and (self.unrot_k == eye).all())
+        self.v_eye = bool((self.rot_v == eye).all())
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
         x = k.float()
         if self.k_mean is not None:
             x = x - self.k_mean
-        xr = x @ self.rot_k  # (B, Hkv, T, D)
-        xq = fake_quant(xr, self.kspec, self.clip_k) @ self.unrot_k
+        xr = x if self.k_eye else x @ self.rot_k  # (B, Hkv, T, D)
+        xq = fake_quant(xr, self.kspec, self.clip_k)
+        if not self.k_eye:
+            xq = xq @ self.unrot_k
         if self.k_mean is not None:
             xq = xq + self.k_mean
         return xq.to(k.dtype)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
+        if self.v_eye:
+            return fake_quant(v.float(), self.vspec, self.clip_v).to(v.dtype)
         vr = v.float() @ self.rot_v  # (B, Hkv, T, D)
         return (fake_quant(vr, self.vspec, self.clip_v) @ self.rot_v.transpose(-1, -2)).to(v.dtype)
 

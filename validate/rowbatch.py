@@ -88,7 +88,9 @@ class RowLayer(DynamicLayer):
 
     def alloc(self, heads: int, capacity: int, head_dim: int, device) -> None:
         R = len(self.lqs)
-        self.kbuf = torch.zeros(R, heads, capacity, head_dim, dtype=torch.float32, device=device)  # (R, Hkv, cap, D)
+        # Slots past a row's length are masked, but a masked score times a non-finite value is NaN:
+        # values start as zeros; masked keys are overwritten by -inf scores, so keys need no fill.
+        self.kbuf = torch.empty(R, heads, capacity, head_dim, dtype=torch.float32, device=device)  # (R, Hkv, cap, D)
         self.vbuf = torch.zeros_like(self.kbuf)
         self.dtype, self.device, self.is_initialized = torch.float32, device, True
 
@@ -97,24 +99,24 @@ class RowLayer(DynamicLayer):
         T = keys.shape[-2]
         if T > self.kbuf.shape[2]:
             raise OscarError(f"prefill of {T} tokens exceeds the batch capacity {self.kbuf.shape[2]}")
-        self.kbuf[rows.start:rows.stop, :, :T] = keys[0]
-        self.vbuf[rows.start:rows.stop, :, :T] = values[0]
         done: dict[int, tuple] = {}  # id(LayerQuant) -> its quantized prefill: rows of one method share it
         for r in rows:
             self.n[r] = T
             lq = self.lqs[r]
-            if lq is None:
+            b_all = lq.quantized_until(T, self.sink, 0) if lq is not None else 0
+            if b_all <= self.sink:  # nothing quantized (the exact cache, or a prompt within the sink)
+                self.kbuf[r, :, :T], self.vbuf[r, :, :T] = keys[0], values[0]
                 continue
-            b_all = lq.quantized_until(T, self.sink, 0)
             b = lq.quantized_until(T, self.sink, self.recent)
-            if b_all > self.sink:
-                if id(lq) not in done:
-                    done[id(lq)] = (lq.keys(keys[..., self.sink:b_all, :])[0], lq.values(values[..., self.sink:b_all, :])[0])
-                kq, vq = done[id(lq)]  # (Hkv, b_all - sink, D), model dtype
-                self.kbuf[r, :, self.sink:b] = kq[:, :b - self.sink]
-                self.vbuf[r, :, self.sink:b] = vq[:, :b - self.sink]
-                if b_all > b:
-                    self.pre[r] = (b, kq[:, b - self.sink:], vq[:, b - self.sink:])
+            if id(lq) not in done:
+                done[id(lq)] = (lq.keys(keys[..., self.sink:b_all, :])[0], lq.values(values[..., self.sink:b_all, :])[0])
+            kq, vq = done[id(lq)]  # (Hkv, b_all - sink, D), model dtype
+            for buf, x, xq in ((self.kbuf, keys[0], kq), (self.vbuf, values[0], vq)):
+                buf[r, :, :self.sink] = x[:, :self.sink]
+                buf[r, :, self.sink:b] = xq[:, :b - self.sink]
+                buf[r, :, b:T] = x[:, b:]
+            if b_all > b:
+                self.pre[r] = (b, kq[:, b - self.sink:], vq[:, b - self.sink:])
             self.n_quant[r] = b
 
     def _commit(self) -> None:
