@@ -255,6 +255,23 @@ class PrefillPool:
         return cache
 
 
+def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set[int]) -> list[list[int]]:
+    """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
+    `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
+    decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
+    from oscar.validate import rowbatch
+
+    cap = max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
+        max(s.max_new_tokens for s in samples)
+    cache = rowbatch.RowBatchCache(groups, protocol, model.config.get_text_config().num_hidden_layers, cap,
+                                   next(model.parameters()).dtype)
+    for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
+        cache.load(g, pool.prefill(s.context_ids))
+    with load_aware_threads():
+        return rowbatch.decode_rows(model, cache, [s.question_ids for s, ms in zip(samples, groups) for _ in ms],
+                                    [s.max_new_tokens for s, ms in zip(samples, groups) for _ in ms], eos)
+
+
 def _batches(cells, methods, done, batch_tokens: int):
     """Consecutive samples of one (task, length) with methods still to score, up to
     max(1, batch_tokens // length) per batch: [(task, length, index, missing methods), ...]."""
@@ -286,7 +303,6 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     from oscar.stats.artifact import load_artifact
     from oscar.validate import env
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods
-    from oscar.validate.rowbatch import RowBatchCache, decode_rows
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
     methods = parse_methods(cfg.methods)
@@ -318,17 +334,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
             t, L = batch[0][0], batch[0][1]
             bar.set_postfix_str(f"{t} {L} #{batch[0][2]}" + (f"-{batch[-1][2]}" if len(batch) > 1 else ""))
             samples = [make_sample(t, L, i, tok, src, seed=cfg.seed) for _, _, i, _ in batch]
-            groups = [[arts[m] for m in missing] for *_, missing in batch]
-            cap = max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
-                max(s.max_new_tokens for s in samples)
-            cache = RowBatchCache(groups, protocol, model.config.get_text_config().num_hidden_layers, cap,
-                                  next(model.parameters()).dtype)
-            for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
-                cache.load(g, pool.prefill(s.context_ids))
-            with load_aware_threads():
-                gens = decode_rows(model, cache, [s.question_ids for s, (*_, ms) in zip(samples, batch) for _ in ms],
-                                   [s.max_new_tokens for s, (*_, ms) in zip(samples, batch) for _ in ms], eos)
-            del cache
+            gens = decode_batch(model, samples, [[arts[m] for m in missing] for *_, missing in batch], protocol, pool, eos)
             r = 0
             for s, (_, _, i, missing) in zip(samples, batch):
                 for m in missing:
