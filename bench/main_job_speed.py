@@ -35,6 +35,7 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.validate import DEFAULT_METHODS, env
 from oscar.validate.methods import PROTOCOLS, LayerQuant, MethodBatchCache, method_artifact
+from oscar.validate import ppl as P
 from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy
 from oscar.validate.ruler import Sources, make_sample
 
@@ -69,7 +70,7 @@ def new_loop(model, samples, arts, proto, eos) -> list[list[int]]:
     return out
 
 
-def niah_cells(model, tok, arts, cells, tasks, proto) -> list[dict]:
+def niah_cells(model, tok, arts, cells, tasks, proto, save=lambda rows: None) -> list[dict]:
     src = Sources.from_text(env.heldout_text("pydoc"))
     eos = eos_ids(model, tok)
     rows = []
@@ -90,6 +91,7 @@ def niah_cells(model, tok, arts, cells, tasks, proto) -> list[dict]:
                              "old_wall_s": o.wall, "new_wall_s": w.wall, "cpu_ratio": o.cpu / w.cpu, "wall_ratio": o.wall / w.wall,
                              "identical_predictions": same, "same_score": sum(a == b for a, b in hits), "loadavg": load})
                 print(json.dumps(rows[-1]), flush=True)
+                save(rows)
     return rows
 
 
@@ -151,9 +153,94 @@ def quant_timing(model, fitted, methods, T: int = 4032, reps: int = 5) -> list[d
     return rows
 
 
-def ppl_windows(model, tok, fitted) -> dict:
-    """Placeholder until the perplexity path has an old/new pair (see `oscar.validate.ppl`)."""
-    return {}
+def _sim_attention_previous(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """`oscar.validate.ppl.sim_attention` before this change (the baseline). query (B, Hq, T, D), key/value (B, Hkv, T, D) post-RoPE; a whole window from an empty cache.
+
+    With W = recent + key_group, every key j <= i - W is read from the stored cache (INT2, or an
+    exact sink) by query i: that part is one causal flash attention over the stored keys shifted
+    by W. The band i - W < j <= i mixes exact and INT2 keys per (i, j) (the fresh mask); it is
+    computed in query blocks, and the two parts are merged through their log-sum-exps. Same
+    result as the dense masked softmax (tests compare it with token-by-token decoding).
+    """
+    lq = P._SIM["quant"][module.layer_idx]
+    p = P._SIM["protocol"]
+    B, Hq, T, D = query.shape
+    sink = min(p.sink, T)
+    b = lq.quantized_until(T, sink, 0)  # everything from sink, keys in whole groups
+    kh, vh = key.clone(), value.clone()  # (B, Hkv, T, D): the stored cache (sink exact, [sink, b) INT2)
+    kh[..., sink:b, :] = lq.keys(key[..., sink:b, :])
+    vh[..., sink:b, :] = lq.values(value[..., sink:b, :])
+    rep = Hq // key.shape[1]
+    scale = scaling if scaling is not None else D ** -0.5
+    W = p.recent + lq.key_group  # j <= i - W: read from the stored cache by every query i
+    far = None
+    if T > W:
+        Kf, Vf = kh[..., :T - W, :].repeat_interleave(rep, 1), vh[..., :T - W, :].repeat_interleave(rep, 1)
+        far = P._flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
+    out = torch.empty_like(query)
+    pos = torch.arange(T, device=query.device)
+    C = 256  # the previous fixed query block
+    for q0 in range(0, T, C):
+        q1 = min(T, q0 + C)
+        k0 = max(0, q0 - W + 1)
+        qi, kj = pos[q0:q1], pos[k0:q1]
+        fr = P._fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
+        band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
+        K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
+        q = query[:, :, q0:q1]  # (B, Hq, c, D)
+        mixed = not bool((fr | ~band).all())  # per-token groups: the band is all exact
+        s = q @ K.transpose(-1, -2)  # (B, Hq, c, n)
+        if mixed:
+            Kh, Vh = kh[..., k0:q1, :].repeat_interleave(rep, 1), vh[..., k0:q1, :].repeat_interleave(rep, 1)
+            s = torch.where(fr, s, q @ Kh.transpose(-1, -2))
+        s = s.float().mul_(scale).masked_fill_(~band, float("-inf"))
+        m = s.amax(-1, keepdim=True)  # every row has its own key in the band: finite
+        e = torch.exp(s - m)
+        z = e.sum(-1, keepdim=True)
+        if mixed:
+            frf = fr.to(e.dtype)
+            o = ((e * frf) @ V.float() + (e * (1 - frf)) @ Vh.float()) / z  # (B, Hq, c, D)
+        else:
+            o = (e @ V.float()) / z
+        if far is not None and q1 > W:
+            a = max(q0, W)  # queries [a, q1) also have a far part
+            of, lf = far[0][:, :, a - W:q1 - W].float(), far[1][:, :, a - W:q1 - W].float().unsqueeze(-1)
+            ln = (m + torch.log(z))[:, :, a - q0:]
+            lse = torch.logaddexp(ln, lf)
+            o[:, :, a - q0:] = torch.exp(ln - lse) * o[:, :, a - q0:] + torch.exp(lf - lse) * of
+        out[:, :, q0:q1] = o.to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+
+
+def ppl_windows(model, tok, fitted, configs=(("oscar-int2", "strict"), ("oscar-int2", "serving"), ("kivi2", "strict")),
+                context: int = 4096, prefix: int = 1024) -> dict:
+    """One `context`-token window (its first `prefix` tokens scored as the shorter window, as `run_ppl` does)
+    per (method, protocol): the previous band loop vs the current batched band; NLLs compared."""
+    from transformers import AttentionInterface
+
+
+
+    AttentionInterface.register("oscar_sim", P.sim_attention)
+    ids = torch.tensor([P.heldout_ids(tok, "pydoc", context)])
+    rows = []
+    for m, proto in configs:
+        art = method_artifact(m, model.config, fitted)
+        t, nll = {}, {}
+        for name, fn in (("old", _sim_attention_previous), ("new", P.sim_attention)):
+            with P.simulated(model, art, PROTOCOLS[proto]):
+                AttentionInterface.register("oscar_sim", fn)  # `simulated` registered the current one
+                c = time.process_time()
+                nll[name] = P.window_nll(model, ids, prefixes=(prefix,))
+                t[name] = time.process_time() - c
+            AttentionInterface.register("oscar_sim", P.sim_attention)
+        rows.append({"method": m, "protocol": proto, "context": context, "old_cpu_s": t["old"], "new_cpu_s": t["new"],
+                     "cpu_ratio": t["old"] / t["new"], "nll_old": nll["old"][0], "nll_new": nll["new"][0],
+                     "nll_rel_diff": abs(nll["new"][0] / nll["old"][0] - 1),
+                     "prefix_nll_rel_diff": abs(nll["new"][2][0][0] / nll["old"][2][0][0] - 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"windows": rows, "ratio": sum(r["old_cpu_s"] for r in rows) / sum(r["new_cpu_s"] for r in rows)}
 
 
 def project(rows: list[dict], samples: int = 20) -> dict:
@@ -171,10 +258,14 @@ def main() -> None:
                     help="oscar-int2 artifact whose calibration store still exists (default: the main job's, runs/demo)")
     ap.add_argument("--dtype", default="bfloat16", help="model compute dtype, as `oscar run` (default bfloat16)")
     ap.add_argument("--check-dtype", default="float32",
-                    help="dtype of a second, smaller comparison (1k, 4 samples; '' to skip; default float32)")
+                    help="dtype of a second, smaller comparison (NIAH 1k x 4 samples, ppl 1k windows; '' to skip; "
+                         "default float32)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads for both paths (default 1: robust on a shared machine)")
     ap.add_argument("--cells", default="1024:4,2048:2,4096:2", help="length:samples per cell (default 1024:4,2048:2,4096:2)")
     ap.add_argument("--tasks", default="niah_single_1,niah_single_2", help="tasks (default: the main job's two)")
+    ap.add_argument("--ppl-context", type=int, default=4096,
+                    help="perplexity window scored per config, its first quarter as the shorter window (default 4096)")
+    ap.add_argument("--out", default=str(OUT), help=f"JSON written after every measured cell (default {OUT})")
     ap.add_argument("--sections", default="quant,niah,ppl",
                     help="what to measure (default quant,niah,ppl); results of other sections already in the JSON are kept")
     a = ap.parse_args()
@@ -185,27 +276,44 @@ def main() -> None:
     methods = list(DEFAULT_METHODS)
     proto = PROTOCOLS["serving"]
     sections = a.sections.split(",")
-    res = json.loads(OUT.read_text()) if OUT.exists() else {}
+    out = Path(a.out)
+    res = json.loads(out.read_text()) if out.exists() else {}
+
+    def save() -> None:
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+
     run = {"host": f"{platform.node()} ({os.cpu_count()} CPUs)", "threads": a.threads, "dtype": a.dtype,
            "artifact": a.artifact, "methods": methods, "protocol": proto.name, "loadavg_start": os.getloadavg()}
     env.with_dtype(model, a.dtype)
     arts = [method_artifact(m, model.config, fitted) for m in methods]
     if "quant" in sections:
         res["quant"] = {**run, "rows": quant_timing(model, fitted, methods)}
+        save()
     if "niah" in sections:
-        rows = niah_cells(model, tok, arts, cells, a.tasks.split(","), proto)
-        res["niah"] = {**run, "cells": rows, "projection": project(rows)}
+        def part(rows):
+            res["niah"] = {**run, "cells": rows, "projection": project(rows), "loadavg_now": os.getloadavg()}
+            save()
+
+        rows = niah_cells(model, tok, arts, cells, a.tasks.split(","), proto, save=part)
         if a.check_dtype:
             env.with_dtype(model, a.check_dtype)
-            res["niah"]["check"] = {"dtype": a.check_dtype,
-                                    "cells": niah_cells(model, tok, arts, [(1024, 4)], ["niah_single_2"], proto)}
+
+            def part_check(rows):
+                res["niah"]["check"] = {"dtype": a.check_dtype, "cells": rows}
+                save()
+
+            niah_cells(model, tok, arts, [(1024, 4)], ["niah_single_2"], proto, save=part_check)
             env.with_dtype(model, a.dtype)
-        res["niah"]["loadavg_end"] = os.getloadavg()
     if "ppl" in sections:
-        res["ppl"] = {**run, **ppl_windows(model, tok, fitted), "loadavg_end": os.getloadavg()}
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v.get("projection") for k, v in res.items() if isinstance(v, dict)}, indent=1))
+        res["ppl"] = {**run, **ppl_windows(model, tok, fitted, context=a.ppl_context, prefix=a.ppl_context // 4)}
+        if a.check_dtype:
+            env.with_dtype(model, a.check_dtype)
+            res["ppl"]["check"] = {"dtype": a.check_dtype, **ppl_windows(model, tok, fitted, context=1024, prefix=256)}
+            env.with_dtype(model, a.dtype)
+        res["ppl"]["loadavg_end"] = os.getloadavg()
+    save()
+    print(json.dumps({k: v.get("projection", v.get("ratio"))  for k, v in res.items() if isinstance(v, dict)}, indent=1))
 
 
 if __name__ == "__main__":
