@@ -10,7 +10,8 @@ Same model object, samples, artifact, protocol (serving) and methods (all 7 defa
 Both start each (task, length) from an empty prefill pool; the quantization primitives are the current
 ones in both (their speed-up is bit-identical and timed separately: `quant` below, previous
 `fake_quant` vs current on a 4k prefill's K/V for each method's spec). Predictions are compared row
-by row; `--check-dtype float32` repeats the comparison in float32 (expected: identical).
+by row; `--check-dtype float32` repeats the comparison in float32 arithmetic (expected: identical
+predictions) on the same model object (its weights were rounded to bfloat16 once by the first part).
 
     python bench/main_job_speed.py [--artifact A] [--dtype bfloat16] [--threads 1]
                                    [--cells 1024:4,2048:2,4096:2] [--tasks niah_single_1,niah_single_2]

@@ -8,7 +8,9 @@ cache. Chunk 1 attends to itself exactly (as a serving prefill does: the
 chunk's own K/V are on chip, only what is *stored* is quantized), so its
 exact prefill is computed once per sample and handed to every method's cache;
 `tests/test_validate_niah.py` checks that this equals prefilling through the
-method's cache.
+method's cache. Several samples of a cell decode as one batch of (sample, method)
+rows (`decode_batch`, `oscar.validate.rowbatch`); `greedy` on a `MethodBatchCache`
+is the per-sample path it is tested against.
 
 Files in OUT:
 - niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
@@ -151,6 +153,8 @@ def greedy(model, cache, question_ids: list[int], max_new_tokens: int, eos: set[
            threads: int | None = None) -> list[list[int]]:
     """Chunk 2 attends to the stored cache, then greedy decoding (each token attends to the cache).
 
+    The per-sample path (one sample's methods in a `MethodBatchCache`); `run_niah` decodes with
+    `decode_batch`, which tests and bench/main_job_speed.py compare with this.
     rows: batch rows of `cache` (one per method, `MethodBatchCache`); each row stops at its own EOS
     and the batch at the last one. A stopped row keeps decoding its own continuation (rows are
     independent) but nothing more is recorded for it. threads: intra-op threads (default

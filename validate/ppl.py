@@ -133,13 +133,49 @@ def sim_attention(module, query, key, value, attention_mask=None, scaling=None, 
     if T > W:
         Kf, Vf = kh[..., :T - W, :].repeat_interleave(rep, 1), vh[..., :T - W, :].repeat_interleave(rep, 1)
         far = _flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
-    o, ln = _band(query, key, value, kh, vh, sink, p.recent, lq.key_group, W, scale)  # (B, Hq, T, D), (B, Hq, T)
+    band = _band if W <= 64 else _band_loop  # measured: batched blocks win for narrow bands only
+    o, ln = band(query, key, value, kh, vh, sink, p.recent, lq.key_group, W, scale)  # (B, Hq, T, D), (B, Hq, T)
     if far is not None:  # queries W..T-1 also read the stored cache beyond the band: merge by log-sum-exp
         of, lf = far[0].float(), far[1].float()
         lse = torch.logaddexp(ln[:, :, W:], lf)
         o[:, :, W:] = torch.exp(ln[:, :, W:] - lse)[..., None] * o[:, :, W:] + torch.exp(lf - lse)[..., None] * of
     out = o.to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _band_loop(query, key, value, kh, vh, sink: int, recent: int, key_group: int, W: int, scale: float):
+    """`_band` as a loop over blocks of 256 queries, each over its 256 + W - 1 keys (heads repeated): for
+    wide bands (serving: W = 272, 320) this ran faster than the batched windows (bench/main_job_speed.py)."""
+    B, Hq, T, D = query.shape
+    rep = Hq // key.shape[1]
+    o_all = torch.empty(B, Hq, T, D, dtype=torch.float32, device=query.device)
+    ln_all = torch.empty(B, Hq, T, dtype=torch.float32, device=query.device)
+    pos = torch.arange(T, device=query.device)
+    C = _SIM["qchunk"] or 256
+    for q0 in range(0, T, C):
+        q1 = min(T, q0 + C)
+        k0 = max(0, q0 - W + 1)
+        qi, kj = pos[q0:q1], pos[k0:q1]
+        fr = _fresh(qi, kj, sink, recent, key_group)  # (c, n) exact?
+        band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
+        K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
+        q = query[:, :, q0:q1]  # (B, Hq, c, D)
+        mixed = not bool((fr | ~band).all())  # token-granular groups: the band is all exact
+        s = q @ K.transpose(-1, -2)  # (B, Hq, c, n)
+        if mixed:
+            Kh, Vh = kh[..., k0:q1, :].repeat_interleave(rep, 1), vh[..., k0:q1, :].repeat_interleave(rep, 1)
+            s = torch.where(fr, s, q @ Kh.transpose(-1, -2))
+        s = s.float().mul_(scale).masked_fill_(~band, float("-inf"))
+        m = s.amax(-1, keepdim=True)  # every row has its own key in the band: finite
+        e = torch.exp(s - m)
+        z = e.sum(-1, keepdim=True)
+        if mixed:
+            frf = fr.to(e.dtype)
+            o_all[:, :, q0:q1] = ((e * frf) @ V.float() + (e * (1 - frf)) @ Vh.float()) / z  # (B, Hq, c, D)
+        else:
+            o_all[:, :, q0:q1] = (e @ V.float()) / z
+        ln_all[:, :, q0:q1] = (m + torch.log(z))[..., 0]
+    return o_all, ln_all
 
 
 def _band(query, key, value, kh, vh, sink: int, recent: int, key_group: int, W: int, scale: float):
@@ -154,7 +190,7 @@ def _band(query, key, value, kh, vh, sink: int, recent: int, key_group: int, W: 
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
     rep = Hq // Hkv
-    C = _SIM["qchunk"] or (16 if W <= 32 else 64)
+    C = _SIM["qchunk"] or (16 if W <= 32 else 64)  # W <= 64 here (sim_attention's choice)
     nb = -(-T // C)
     Tp, n = nb * C, C + W - 1
     dev = query.device
