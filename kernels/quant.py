@@ -149,23 +149,27 @@ def choose_qparams(
     static: ``clip`` is the absolute threshold c > 0 (broadcast over the group
     layout, e.g. a tensor (..., 1, D//G) or a float); the grid spans [-c, c].
     """
-    xf = x.float()
+    return _params(_grouped(x.float(), spec), spec, clip)
+
+
+def _params(g: torch.Tensor, spec: QuantSpec, clip) -> tuple[torch.Tensor, torch.Tensor]:
+    """choose_qparams on x already grouped: g (..., groups, G) float32."""
     if spec.mode == "static":
         if clip is None:
             raise ValueError("static mode needs clip thresholds")
-        c = torch.as_tensor(clip, dtype=torch.float32, device=x.device)
-        shape = _grouped(xf, spec).shape[:-1]
-        c = torch.broadcast_to(c, shape)
+        c = torch.as_tensor(clip, dtype=torch.float32, device=g.device)
+        c = torch.broadcast_to(c, g.shape[:-1])
         lo, hi = -c, c
     else:
-        g = _grouped(xf, spec)  # (..., groups, G)
         if clip is not None and spec.clip_rule == "row-quantile":
             t = _row_quantile(g.abs(), clip)  # (..., groups, 1)
             g = torch.minimum(torch.maximum(g, -t), t)
             clip = None
-        lo, hi = torch.aminmax(g, dim=-1)
+        # the same values either way; on CPU amin + amax is ~8x faster than aminmax over contiguous groups
+        # of 64, aminmax ~3x faster over strided ones
+        lo, hi = (g.amin(dim=-1), g.amax(dim=-1)) if g.is_contiguous() else torch.aminmax(g, dim=-1)
         if clip is not None:
-            r = torch.as_tensor(clip, dtype=torch.float32, device=x.device)
+            r = torch.as_tensor(clip, dtype=torch.float32, device=g.device)
             lo, hi = lo * r, hi * r
     if spec.param_dtype == FP8_PARAM:
         if spec.mode == "static":  # per-layer constants, no per-token metadata: kept fp16 (what the cache stores)
@@ -229,8 +233,10 @@ def fake_quant(x: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | No
     Bit-identical to ``dequantize(quantize(x, *choose_qparams(x, spec, clip), spec), ...)`` (the codes
     are small integers, exact in float32), in place on one buffer instead of ~10 full-size passes.
     """
-    scale, zero = choose_qparams(x, spec, clip)
     g = _grouped(x.float(), spec)
+    if not g.is_contiguous():  # channel groups: one copy makes every pass below contiguous (2x faster)
+        g = g.contiguous()
+    scale, zero = _params(g, spec, clip)
     s = scale.float().unsqueeze(-1)
     z = zero.float().unsqueeze(-1)
     codes = (g - z).div_(s).add_(0.5).floor_().nan_to_num_(nan=0.0).clamp_(0, spec.levels)  # as quantize()

@@ -9,7 +9,6 @@ import pandas as pd
 import pytest
 
 from oscar.common import OscarError
-from oscar.validate import niah as niah_mod
 from oscar.validate.niah import NiahConfig, run_niah
 
 pytestmark = pytest.mark.slow
@@ -39,9 +38,12 @@ def test_niah_resume_and_report(smollm2, tmp_path, monkeypatch):
     bf16 = full.set_index("method").score["bf16"]
     assert bf16 == 100.0  # SmolLM2 retrieves a 7-digit needle at 400 tokens in full precision
 
-    # 2. the same run interrupted after its first sample (both methods decode it together), then resumed
+    # 2. the same run, one sample per batch (part 1 decoded both samples in one batch), interrupted after
+    # its first sample (both methods decode it together), then resumed
+    from oscar.validate import rowbatch
+
     calls = {"n": 0}
-    real = niah_mod.greedy
+    real = rowbatch.decode_rows
 
     def interrupting(*a, **k):
         if calls["n"] == 1:
@@ -49,14 +51,14 @@ def test_niah_resume_and_report(smollm2, tmp_path, monkeypatch):
         calls["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(niah_mod, "greedy", interrupting)
+    monkeypatch.setattr(rowbatch, "decode_rows", interrupting)
     with pytest.raises(KeyboardInterrupt):
-        run_niah(_cfg(tmp_path / "b"), loaded=smollm2, progress=False)
+        run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False)
     lines = open(tmp_path / "b" / "niah_samples.jsonl").read().splitlines()
     assert len(lines) == 2
-    monkeypatch.setattr(niah_mod, "greedy", real)
+    monkeypatch.setattr(rowbatch, "decode_rows", real)
     calls["n"] = 0
-    resumed = run_niah(_cfg(tmp_path / "b"), loaded=smollm2, progress=False)
+    resumed = run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False)
     lines2 = open(tmp_path / "b" / "niah_samples.jsonl").read().splitlines()
     assert lines2[:2] == lines and len(lines2) == 4  # only the missing sample was scored
     pd.testing.assert_frame_equal(full.reset_index(drop=True), resumed.reset_index(drop=True))
@@ -99,6 +101,8 @@ def test_bad_inputs(smollm2, tmp_path):
         run_niah(_cfg(tmp_path, methods=["bf16", "oscar-int2"]), loaded=smollm2, progress=False)
     with pytest.raises(OscarError, match="unknown task"):
         run_niah(_cfg(tmp_path, tasks=["nope"]), loaded=smollm2, progress=False)
+    with pytest.raises(OscarError, match="batch_tokens must be >= 1"):
+        run_niah(_cfg(tmp_path, batch_tokens=0), loaded=smollm2, progress=False)
     with pytest.raises(OscarError, match="does not exist"):
         run_niah(_cfg(tmp_path, methods=["oscar-int2"], artifact=str(tmp_path / "x.safetensors")), loaded=smollm2, progress=False)
 

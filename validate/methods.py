@@ -421,14 +421,20 @@ class LayerQuant:
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
         if cb:
             self.key_group = flush
+        # Identity rotations (naive-int2, kivi2) skip their matmuls: x @ I == x exactly in float32.
+        eye = torch.eye(D)
+        self.k_eye = bool((self.rot_k == eye).all() and (self.unrot_k == eye).all())
+        self.v_eye = bool((self.rot_v == eye).all())
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
         x = k.float()
         if self.k_mean is not None:
             x = x - self.k_mean
-        xr = x @ self.rot_k  # (B, Hkv, T, D)
-        xq = (self.codec_k(xr) if self.codec_k else fake_quant(xr, self.kspec, self.clip_k)) @ self.unrot_k
+        xr = x if self.k_eye else x @ self.rot_k  # (B, Hkv, T, D)
+        xq = self.codec_k(xr) if self.codec_k else fake_quant(xr, self.kspec, self.clip_k)
+        if not self.k_eye:
+            xq = xq @ self.unrot_k
         if self.k_mean is not None:
             xq = xq + self.k_mean
         return xq.to(k.dtype)
@@ -437,8 +443,10 @@ class LayerQuant:
         x = v.float()
         if self.v_mean is not None:
             x = x - self.v_mean
-        vr = x @ self.rot_v  # (B, Hkv, T, D)
-        xq = (self.codec_v(vr) if self.codec_v else fake_quant(vr, self.vspec, self.clip_v)) @ self.rot_v.transpose(-1, -2)
+        vr = x if self.v_eye else x @ self.rot_v  # (B, Hkv, T, D)
+        xq = self.codec_v(vr) if self.codec_v else fake_quant(vr, self.vspec, self.clip_v)
+        if not self.v_eye:
+            xq = xq @ self.rot_v.transpose(-1, -2)
         if self.v_mean is not None:
             xq = xq + self.v_mean
         return xq.to(v.dtype)

@@ -8,7 +8,9 @@ cache. Chunk 1 attends to itself exactly (as a serving prefill does: the
 chunk's own K/V are on chip, only what is *stored* is quantized), so its
 exact prefill is computed once per sample and handed to every method's cache;
 `tests/test_validate_niah.py` checks that this equals prefilling through the
-method's cache.
+method's cache. Several samples of a cell decode as one batch of (sample, method)
+rows (`decode_batch`, `oscar.validate.rowbatch`); `greedy` on a `MethodBatchCache`
+is the per-sample path it is tested against.
 
 Files in OUT:
 - niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
@@ -43,6 +45,10 @@ class NiahConfig:
     protocol: str = "strict"
     corpus: str = "pydoc"
     dtype: str = "float32"  # model compute dtype (env.with_dtype)
+    # Samples of one (task, length) cell decoded together: max(1, batch_tokens // length) of them, all
+    # their methods as rows of one `RowBatchCache` (4 at 1k, 2 at 2k, 1 at 4k: ~1.4 GB of float32 K/V).
+    # Results do not depend on it beyond float summation order, so it is not part of the identity.
+    batch_tokens: int = 4096
 
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
@@ -148,6 +154,8 @@ def greedy(model, cache, question_ids: list[int], max_new_tokens: int, eos: set[
            threads: int | None = None) -> list[list[int]]:
     """Chunk 2 attends to the stored cache, then greedy decoding (each token attends to the cache).
 
+    The per-sample path (one sample's methods in a `MethodBatchCache`); `run_niah` decodes with
+    `decode_batch`, which tests and bench/main_job_speed.py compare with this.
     rows: batch rows of `cache` (one per method, `MethodBatchCache`); each row stops at its own EOS
     and the batch at the last one. A stopped row keeps decoding its own continuation (rows are
     independent) but nothing more is recorded for it. threads: intra-op threads (default
@@ -252,6 +260,39 @@ class PrefillPool:
         return cache
 
 
+def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set[int]) -> list[list[int]]:
+    """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
+    `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
+    decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
+    from oscar.validate import rowbatch
+
+    cap = max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
+        max(s.max_new_tokens for s in samples)
+    cache = rowbatch.RowBatchCache(groups, protocol, model.config.get_text_config().num_hidden_layers, cap,
+                                   next(model.parameters()).dtype)
+    for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
+        cache.load(g, pool.prefill(s.context_ids))
+    with load_aware_threads():
+        return rowbatch.decode_rows(model, cache, [s.question_ids for s, ms in zip(samples, groups) for _ in ms],
+                                    [s.max_new_tokens for s, ms in zip(samples, groups) for _ in ms], eos)
+
+
+def _batches(cells, methods, done, batch_tokens: int):
+    """Consecutive samples of one (task, length) with methods still to score, up to
+    max(1, batch_tokens // length) per batch: [(task, length, index, missing methods), ...]."""
+    batch: list = []
+    for t, L, i in cells:
+        missing = [m for m in methods if (t, L, i, m) not in done]
+        if not missing:
+            continue
+        if batch and ((batch[0][0], batch[0][1]) != (t, L) or len(batch) >= max(1, batch_tokens // L)):
+            yield batch
+            batch = []
+        batch.append((t, L, i, missing))
+    if batch:
+        yield batch
+
+
 def eos_ids(model, tok) -> set[int]:
     e = model.generation_config.eos_token_id if model.generation_config is not None else None
     ids = set(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
@@ -266,7 +307,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate import env
-    from oscar.validate.methods import PROTOCOLS, MethodBatchCache, method_artifact, parse_methods, resolve_methods
+    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
     methods = parse_methods(cfg.methods)
@@ -277,6 +318,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
         raise OscarError(f"unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
     if cfg.samples < 1:
         raise OscarError("--samples must be >= 1")
+    if cfg.batch_tokens < 1:
+        raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
@@ -293,27 +336,24 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
     pool = PrefillPool(model)
     with open(path, "a") as f:
-        for t, L, i in cells:
-            missing = [m for m in methods if (t, L, i, m) not in done]
-            if not missing:
-                continue
-            bar.set_postfix_str(f"{t} {L} #{i}")
-            s = make_sample(t, L, i, tok, src, seed=cfg.seed)
-            exact = pool.prefill(s.context_ids)  # chunk 1, exact, shared by every method
-            cache = MethodBatchCache.from_prefill([arts[m] for m in missing], protocol, exact,
-                                                  capacity=s.total_tokens)
-            gens = greedy(model, cache, s.question_ids, s.max_new_tokens, eos, rows=len(missing))
-            del cache
-            for m, gen in zip(missing, gens):
-                pred = tok.decode(gen, skip_special_tokens=True)
-                row = {"task": t, "length": L, "index": i, "method": m, "score": score_one(pred, s.answers, s.metric),
-                       "pred": pred, "answers": s.answers, "metric": s.metric, "prompt_tokens": s.prompt_tokens,
-                       "protocol": cfg.protocol}
-                f.write(json.dumps(row) + "\n")
-                done[(t, L, i, m)] = row
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(missing))
+        for batch in _batches(cells, methods, done, cfg.batch_tokens):
+            t, L = batch[0][0], batch[0][1]
+            bar.set_postfix_str(f"{t} {L} #{batch[0][2]}" + (f"-{batch[-1][2]}" if len(batch) > 1 else ""))
+            samples = [make_sample(t, L, i, tok, src, seed=cfg.seed) for _, _, i, _ in batch]
+            gens = decode_batch(model, samples, [[arts[m] for m in missing] for *_, missing in batch], protocol, pool, eos)
+            r = 0
+            for s, (_, _, i, missing) in zip(samples, batch):
+                for m in missing:
+                    pred = tok.decode(gens[r], skip_special_tokens=True)
+                    r += 1
+                    row = {"task": t, "length": L, "index": i, "method": m, "score": score_one(pred, s.answers, s.metric),
+                           "pred": pred, "answers": s.answers, "metric": s.metric, "prompt_tokens": s.prompt_tokens,
+                           "protocol": cfg.protocol}
+                    f.write(json.dumps(row) + "\n")
+                    done[(t, L, i, m)] = row
+                f.flush()
+                os.fsync(f.fileno())
+                bar.update(len(missing))
     bar.close()
     write_memory(cfg.out, methods, arts, model.config, max(cfg.lengths), protocol)
     return write_results(cfg, methods, done, arts, model.config)

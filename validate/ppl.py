@@ -70,7 +70,7 @@ class PplConfig:
 
 # ----------------------------------------------------------------- the masked attention
 
-_SIM: dict = {"quant": None, "protocol": None, "qchunk": 256}
+_SIM: dict = {"quant": None, "protocol": None, "qchunk": None}  # qchunk: the band's query block (None: by width)
 
 
 def fresh_mask(T: int, sink: int, recent: int, key_group: int, device=None) -> torch.Tensor:
@@ -81,11 +81,16 @@ def fresh_mask(T: int, sink: int, recent: int, key_group: int, device=None) -> t
 
 def _fresh(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: int) -> torch.Tensor:
     """(len(i), len(j)) bool: query position i reads key position j exactly (see the module docstring)."""
+    return _fresh_pairs(i[:, None], j[None, :], sink, recent, key_group)
+
+
+def _fresh_pairs(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: int) -> torch.Tensor:
+    """_fresh on broadcastable position tensors i (queries) and j (keys)."""
     if key_group > 1:
         e = torch.where(j >= sink, sink + ((j - sink) // key_group + 1) * key_group - 1, j)
     else:
         e = j
-    return (j < sink)[None, :] | ((i[:, None] - e[None, :]) <= recent)
+    return (j < sink) | ((i - e) <= recent)
 
 
 def _flash_lse(q, k, v, scale: float, causal: bool):
@@ -126,18 +131,34 @@ def sim_attention(module, query, key, value, attention_mask=None, scaling=None, 
     if T > W:
         Kf, Vf = kh[..., :T - W, :].repeat_interleave(rep, 1), vh[..., :T - W, :].repeat_interleave(rep, 1)
         far = _flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
-    out = torch.empty_like(query)
+    band = _band if W <= 64 else _band_loop  # measured: batched blocks win for narrow bands only
+    o, ln = band(query, key, value, kh, vh, sink, p.recent, lq.key_group, W, scale)  # (B, Hq, T, D), (B, Hq, T)
+    if far is not None:  # queries W..T-1 also read the stored cache beyond the band: merge by log-sum-exp
+        of, lf = far[0].float(), far[1].float()
+        lse = torch.logaddexp(ln[:, :, W:], lf)
+        o[:, :, W:] = torch.exp(ln[:, :, W:] - lse)[..., None] * o[:, :, W:] + torch.exp(lf - lse)[..., None] * of
+    out = o.to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _band_loop(query, key, value, kh, vh, sink: int, recent: int, key_group: int, W: int, scale: float):
+    """`_band` as a loop over blocks of 256 queries, each over its 256 + W - 1 keys (heads repeated): for
+    wide bands (serving: W = 272, 320) this ran faster than the batched windows (bench/main_job_speed.py)."""
+    B, Hq, T, D = query.shape
+    rep = Hq // key.shape[1]
+    o_all = torch.empty(B, Hq, T, D, dtype=torch.float32, device=query.device)
+    ln_all = torch.empty(B, Hq, T, dtype=torch.float32, device=query.device)
     pos = torch.arange(T, device=query.device)
-    C = _SIM["qchunk"]
+    C = _SIM["qchunk"] or 256
     for q0 in range(0, T, C):
         q1 = min(T, q0 + C)
         k0 = max(0, q0 - W + 1)
         qi, kj = pos[q0:q1], pos[k0:q1]
-        fr = _fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
+        fr = _fresh(qi, kj, sink, recent, key_group)  # (c, n) exact?
         band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
         K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
         q = query[:, :, q0:q1]  # (B, Hq, c, D)
-        mixed = not bool((fr | ~band).all())  # per-token groups: the band is all exact
+        mixed = not bool((fr | ~band).all())  # token-granular groups: the band is all exact
         s = q @ K.transpose(-1, -2)  # (B, Hq, c, n)
         if mixed:
             Kh, Vh = kh[..., k0:q1, :].repeat_interleave(rep, 1), vh[..., k0:q1, :].repeat_interleave(rep, 1)
@@ -148,17 +169,56 @@ def sim_attention(module, query, key, value, attention_mask=None, scaling=None, 
         z = e.sum(-1, keepdim=True)
         if mixed:
             frf = fr.to(e.dtype)
-            o = ((e * frf) @ V.float() + (e * (1 - frf)) @ Vh.float()) / z  # (B, Hq, c, D)
+            o_all[:, :, q0:q1] = ((e * frf) @ V.float() + (e * (1 - frf)) @ Vh.float()) / z  # (B, Hq, c, D)
         else:
-            o = (e @ V.float()) / z
-        if far is not None and q1 > W:
-            a = max(q0, W)  # queries [a, q1) also have a far part
-            of, lf = far[0][:, :, a - W:q1 - W].float(), far[1][:, :, a - W:q1 - W].float().unsqueeze(-1)
-            ln = (m + torch.log(z))[:, :, a - q0:]
-            lse = torch.logaddexp(ln, lf)
-            o[:, :, a - q0:] = torch.exp(ln - lse) * o[:, :, a - q0:] + torch.exp(lf - lse) * of
-        out[:, :, q0:q1] = o.to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+            o_all[:, :, q0:q1] = (e @ V.float()) / z
+        ln_all[:, :, q0:q1] = (m + torch.log(z))[..., 0]
+    return o_all, ln_all
+
+
+def _band(query, key, value, kh, vh, sink: int, recent: int, key_group: int, W: int, scale: float):
+    """Attention of every query i over its band i - W < j <= i (exact or stored K/V per the fresh mask),
+    with its log-sum-exp: (B, Hq, T, D) float32, (B, Hq, T) float32.
+
+    Queries go in blocks of C (16 for a narrow band, else 64), each reading the window of C + W - 1 keys
+    ending at its last query, all blocks in one batched matmul per product; query heads are grouped per
+    KV head (no repeat_kv). Scores are the model dtype's matmul, softmax and values in float32, as before
+    (the previous loop took blocks of 256 queries over 256 + W - 1 keys: ~2x the work for the serving
+    band, ~9x for strict's 16-token band)."""
+    B, Hq, T, D = query.shape
+    Hkv = key.shape[1]
+    rep = Hq // Hkv
+    C = _SIM["qchunk"] or (16 if W <= 32 else 64)  # W <= 64 here (sim_attention's choice)
+    nb = -(-T // C)
+    Tp, n = nb * C, C + W - 1
+    dev = query.device
+    pq = torch.arange(Tp, device=dev).view(nb, C)  # query positions per block
+    pk = (torch.arange(nb, device=dev) * C - (W - 1))[:, None] + torch.arange(n, device=dev)  # (nb, n) key positions
+    band = (pk[:, None, :] <= pq[:, :, None]) & (pk[:, None, :] > pq[:, :, None] - W) & (pk >= 0)[:, None, :]  # (nb, C, n)
+    fr = _fresh_pairs(pq[:, :, None], pk[:, None, :], sink, recent, key_group)  # (nb, C, n): exact?
+    mixed = not bool((fr | ~band).all())  # token-granular groups: the band is all exact
+
+    def win(x):  # (B, Hkv, T, D) -> (B, Hkv, nb, D, n): block i's window of keys, transposed (a strided view)
+        return F.pad(x, (0, 0, W - 1, Tp - T)).unfold(2, n, C)
+
+    q = F.pad(query, (0, 0, 0, Tp - T)).view(B, Hkv, rep, nb, C, D).transpose(2, 3).reshape(B, Hkv, nb, rep * C, D)
+    s = (q @ win(key)).view(B, Hkv, nb, rep, C, n)  # model dtype, as a plain attention's scores
+    if mixed:
+        s = torch.where(fr[:, None], s, (q @ win(kh)).view(B, Hkv, nb, rep, C, n))
+    s = s.float().mul_(scale).masked_fill_(~band[:, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)  # every query has its own key in the band: finite
+    e = torch.exp(s - m)
+    z = e.sum(-1, keepdim=True)
+    vw = win(value).float().transpose(-1, -2)  # (B, Hkv, nb, n, D)
+    if mixed:
+        frf = fr[:, None].to(e.dtype)
+        vhw = win(vh).float().transpose(-1, -2)
+        o = (e * frf).view(B, Hkv, nb, rep * C, n) @ vw + (e * (1 - frf)).view(B, Hkv, nb, rep * C, n) @ vhw
+    else:
+        o = e.view(B, Hkv, nb, rep * C, n) @ vw  # (B, Hkv, nb, rep*C, D)
+    o = (o.view(B, Hkv, nb, rep, C, D) / z).transpose(2, 3).reshape(B, Hq, Tp, D)[:, :, :T]
+    ln = (m + torch.log(z)).transpose(2, 3).reshape(B, Hq, Tp)[:, :, :T]
+    return o, ln
 
 
 def dense_sim_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):

@@ -1,0 +1,321 @@
+"""The needle stage of `oscar run` (its dominant cost), previous loop vs current, measured in one process.
+
+Same model object, samples, artifact, protocol (serving) and methods (all 7 defaults):
+
+- old: the previous `run_niah` loop — per sample, `PrefillPool` prefill, one `MethodBatchCache` of its
+  methods, `greedy` (SDPA attention in the model dtype, every row decoding to the batch's last stop);
+- new: `niah.decode_batch` — max(1, 4096 // length) samples per batch, all their methods as rows of
+  one `RowBatchCache` (float32 K/V, `rows_attention`, finished rows leave the batch).
+
+Both start each (task, length) from an empty prefill pool; the quantization primitives are the current
+ones in both (their speed-up is bit-identical and timed separately: `quant` below, previous
+`fake_quant` vs current on a 4k prefill's K/V for each method's spec). Predictions are compared row
+by row; `--check-dtype float32` repeats the comparison in float32 arithmetic (expected: identical
+predictions) on the same model object (its weights were rounded to bfloat16 once by the first part).
+
+    python bench/main_job_speed.py [--artifact A] [--dtype bfloat16] [--threads 1]
+                                   [--cells 1024:4,2048:2,4096:2] [--tasks niah_single_1,niah_single_2]
+
+Writes bench/results/main_job_speed.json: CPU (process) and wall seconds per path and cell, their
+ratios, the prediction agreement, and a projection of the NIAH stage at the defaults (20 samples per
+cell) from the per-sample costs and the stage time of the run the issue measured. The load average
+is recorded: ratios, not absolute seconds, are what carries over between machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from oscar.stats.artifact import load_artifact
+from oscar.validate import DEFAULT_METHODS, env
+from oscar.validate.methods import PROTOCOLS, LayerQuant, MethodBatchCache, method_artifact
+from oscar.validate import ppl as P
+from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy
+from oscar.validate.ruler import Sources, make_sample
+
+OUT = Path(__file__).with_name("results") / "main_job_speed.json"
+ISSUE_NIAH_S = 828.0  # the needle stage of the 20.2-min run issue 19 measured (the old loop)
+
+
+class Clock:
+    def __enter__(self):
+        self.w, self.c = time.time(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.time() - self.w, time.process_time() - self.c
+
+
+def old_loop(model, samples, arts, proto, eos) -> list[list[int]]:
+    pool, out = PrefillPool(model), []
+    for s in samples:
+        exact = pool.prefill(s.context_ids)
+        cache = MethodBatchCache.from_prefill(arts, proto, exact, capacity=s.total_tokens)
+        out += greedy(model, cache, s.question_ids, s.max_new_tokens, eos, rows=len(arts))
+    return out
+
+
+def new_loop(model, samples, arts, proto, eos) -> list[list[int]]:
+    pool, out = PrefillPool(model), []
+    per = max(1, 4096 // samples[0].length)
+    for b in range(0, len(samples), per):
+        chunk = samples[b:b + per]
+        out += decode_batch(model, chunk, [arts] * len(chunk), proto, pool, eos)
+    return out
+
+
+def niah_cells(model, tok, arts, cells, tasks, proto, save=lambda rows: None) -> list[dict]:
+    src = Sources.from_text(env.heldout_text("pydoc"))
+    eos = eos_ids(model, tok)
+    rows = []
+    with torch.no_grad():
+        for task in tasks:
+            for L, n in cells:
+                samples = [make_sample(task, L, i, tok, src, seed=0) for i in range(n)]
+                load = os.getloadavg()[0]
+                with Clock() as o:
+                    old = old_loop(model, samples, arts, proto, eos)
+                with Clock() as w:
+                    new = new_loop(model, samples, arts, proto, eos)
+                same = sum(a == b for a, b in zip(old, new))
+                texts = [(tok.decode(a, skip_special_tokens=True), tok.decode(b, skip_special_tokens=True)) for a, b in zip(old, new)]
+                hits = [(any(x in p for x in s.answers), any(x in q for x in s.answers))
+                        for (p, q), s in zip(texts, [s for s in samples for _ in arts])]
+                rows.append({"task": task, "length": L, "samples": n, "rows": len(old), "old_cpu_s": o.cpu, "new_cpu_s": w.cpu,
+                             "old_wall_s": o.wall, "new_wall_s": w.wall, "cpu_ratio": o.cpu / w.cpu, "wall_ratio": o.wall / w.wall,
+                             "identical_predictions": same, "same_score": sum(a == b for a, b in hits), "loadavg": load})
+                print(json.dumps(rows[-1]), flush=True)
+                save(rows)
+    return rows
+
+
+def _fake_quant_previous(x, spec, clip):
+    """`kernels.quant.fake_quant` before this change (aminmax, strided channel groups), for the timing."""
+    from oscar.kernels import quant as Q
+
+    xf = x.float()
+    g = Q._grouped(xf, spec)
+    if clip is not None and spec.clip_rule == "row-quantile":
+        t = Q._row_quantile(g.abs(), clip)
+        gc = torch.minimum(torch.maximum(g, -t), t)
+        lo, hi = torch.aminmax(gc, dim=-1)
+    else:
+        lo, hi = torch.aminmax(g, dim=-1)
+        r = torch.as_tensor(clip, dtype=torch.float32)
+        lo, hi = lo * r, hi * r
+    scale = ((hi - lo) / spec.levels).clamp_min(1e-8).to(spec.param_dtype).float().unsqueeze(-1)
+    zero = lo.to(spec.param_dtype).float().unsqueeze(-1)
+    codes = (g - zero).div_(scale).add_(0.5).floor_().clamp_(0, spec.levels)
+    return Q._ungrouped(codes.mul_(scale).add_(zero), spec, x.shape).to(x.dtype)
+
+
+def quant_timing(model, fitted, methods, T: int = 4032, reps: int = 5) -> list[dict]:
+    """One layer's prefill K/V (1, Hkv, T, D) quantized per method: previous fake_quant (with the rotation
+    matmuls always applied) vs LayerQuant.keys/values now; outputs compared bit for bit."""
+    from oscar.kernels.quant import fake_quant
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for m in methods:
+        art = method_artifact(m, model.config, fitted)
+        if art is None:
+            continue
+        lq = LayerQuant(art, 5)
+        x = torch.randn(1, art.num_kv_heads, T, art.head_dim, generator=g).to(next(model.parameters()).dtype)
+
+        def old():
+            xk = x.float() - lq.k_mean if lq.k_mean is not None else x.float()
+            k = _fake_quant_previous(xk @ lq.rot_k, lq.kspec, lq.clip_k) @ lq.unrot_k
+            k = (k + lq.k_mean if lq.k_mean is not None else k).to(x.dtype)
+            v = (_fake_quant_previous(x.float() @ lq.rot_v, lq.vspec, lq.clip_v) @ lq.rot_v.transpose(-1, -2)).to(x.dtype)
+            return k, v
+
+        def new():
+            return lq.keys(x), lq.values(x)
+
+        ok = all(torch.equal(a, b) for a, b in zip(old(), new()))
+        assert torch.equal(fake_quant(x.float(), lq.kspec, lq.clip_k), _fake_quant_previous(x.float(), lq.kspec, lq.clip_k))
+        t = {}
+        for name, f in (("old", old), ("new", new)):
+            c = time.process_time()
+            for _ in range(reps):
+                f()
+            t[name] = (time.process_time() - c) / reps
+        rows.append({"method": m, "old_ms": 1e3 * t["old"], "new_ms": 1e3 * t["new"], "ratio": t["old"] / t["new"],
+                     "identical": ok})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _sim_attention_previous(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """`oscar.validate.ppl.sim_attention` before this change (the baseline). query (B, Hq, T, D), key/value (B, Hkv, T, D) post-RoPE; a whole window from an empty cache.
+
+    With W = recent + key_group, every key j <= i - W is read from the stored cache (INT2, or an
+    exact sink) by query i: that part is one causal flash attention over the stored keys shifted
+    by W. The band i - W < j <= i mixes exact and INT2 keys per (i, j) (the fresh mask); it is
+    computed in query blocks, and the two parts are merged through their log-sum-exps. Same
+    result as the dense masked softmax (tests compare it with token-by-token decoding).
+    """
+    lq = P._SIM["quant"][module.layer_idx]
+    p = P._SIM["protocol"]
+    B, Hq, T, D = query.shape
+    sink = min(p.sink, T)
+    b = lq.quantized_until(T, sink, 0)  # everything from sink, keys in whole groups
+    kh, vh = key.clone(), value.clone()  # (B, Hkv, T, D): the stored cache (sink exact, [sink, b) INT2)
+    kh[..., sink:b, :] = lq.keys(key[..., sink:b, :])
+    vh[..., sink:b, :] = lq.values(value[..., sink:b, :])
+    rep = Hq // key.shape[1]
+    scale = scaling if scaling is not None else D ** -0.5
+    W = p.recent + lq.key_group  # j <= i - W: read from the stored cache by every query i
+    far = None
+    if T > W:
+        Kf, Vf = kh[..., :T - W, :].repeat_interleave(rep, 1), vh[..., :T - W, :].repeat_interleave(rep, 1)
+        far = P._flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
+    out = torch.empty_like(query)
+    pos = torch.arange(T, device=query.device)
+    C = 256  # the previous fixed query block
+    for q0 in range(0, T, C):
+        q1 = min(T, q0 + C)
+        k0 = max(0, q0 - W + 1)
+        qi, kj = pos[q0:q1], pos[k0:q1]
+        fr = P._fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
+        band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
+        K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
+        q = query[:, :, q0:q1]  # (B, Hq, c, D)
+        mixed = not bool((fr | ~band).all())  # per-token groups: the band is all exact
+        s = q @ K.transpose(-1, -2)  # (B, Hq, c, n)
+        if mixed:
+            Kh, Vh = kh[..., k0:q1, :].repeat_interleave(rep, 1), vh[..., k0:q1, :].repeat_interleave(rep, 1)
+            s = torch.where(fr, s, q @ Kh.transpose(-1, -2))
+        s = s.float().mul_(scale).masked_fill_(~band, float("-inf"))
+        m = s.amax(-1, keepdim=True)  # every row has its own key in the band: finite
+        e = torch.exp(s - m)
+        z = e.sum(-1, keepdim=True)
+        if mixed:
+            frf = fr.to(e.dtype)
+            o = ((e * frf) @ V.float() + (e * (1 - frf)) @ Vh.float()) / z  # (B, Hq, c, D)
+        else:
+            o = (e @ V.float()) / z
+        if far is not None and q1 > W:
+            a = max(q0, W)  # queries [a, q1) also have a far part
+            of, lf = far[0][:, :, a - W:q1 - W].float(), far[1][:, :, a - W:q1 - W].float().unsqueeze(-1)
+            ln = (m + torch.log(z))[:, :, a - q0:]
+            lse = torch.logaddexp(ln, lf)
+            o[:, :, a - q0:] = torch.exp(ln - lse) * o[:, :, a - q0:] + torch.exp(lf - lse) * of
+        out[:, :, q0:q1] = o.to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+
+
+def ppl_windows(model, tok, fitted, configs=(("oscar-int2", "strict"), ("oscar-int2", "serving"), ("kivi2", "strict")),
+                context: int = 4096, prefix: int = 1024) -> dict:
+    """One `context`-token window (its first `prefix` tokens scored as the shorter window, as `run_ppl` does)
+    per (method, protocol): the previous band loop vs the current batched band; NLLs compared."""
+    from transformers import AttentionInterface
+
+
+
+    AttentionInterface.register("oscar_sim", P.sim_attention)
+    ids = torch.tensor([P.heldout_ids(tok, "pydoc", context)])
+    rows = []
+    for m, proto in configs:
+        art = method_artifact(m, model.config, fitted)
+        t, nll = {}, {}
+        for name, fn in (("old", _sim_attention_previous), ("new", P.sim_attention)):
+            with P.simulated(model, art, PROTOCOLS[proto]):
+                AttentionInterface.register("oscar_sim", fn)  # `simulated` registered the current one
+                c = time.process_time()
+                nll[name] = P.window_nll(model, ids, prefixes=(prefix,))
+                t[name] = time.process_time() - c
+            AttentionInterface.register("oscar_sim", P.sim_attention)
+        rows.append({"method": m, "protocol": proto, "context": context, "old_cpu_s": t["old"], "new_cpu_s": t["new"],
+                     "cpu_ratio": t["old"] / t["new"], "nll_old": nll["old"][0], "nll_new": nll["new"][0],
+                     "nll_rel_diff": abs(nll["new"][0] / nll["old"][0] - 1),
+                     "prefix_nll_rel_diff": abs(nll["new"][2][0][0] / nll["old"][2][0][0] - 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"windows": rows, "ratio": sum(r["old_cpu_s"] for r in rows) / sum(r["new_cpu_s"] for r in rows)}
+
+
+def project(rows: list[dict], samples: int = 20) -> dict:
+    """NIAH stage at `samples` per cell: per-sample CPU cost of each path per (task, length), summed."""
+    old = sum(r["old_cpu_s"] / r["samples"] * samples for r in rows)
+    new = sum(r["new_cpu_s"] / r["samples"] * samples for r in rows)
+    return {"old_cpu_s_at_defaults": old, "new_cpu_s_at_defaults": new, "ratio": old / new,
+            "issue_niah_s": ISSUE_NIAH_S, "projected_niah_s": ISSUE_NIAH_S * new / old,
+            "note": "cells measured here stand for all cells of their length; quant speed-ups are in both paths"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--artifact", default="runs/demo/artifact.safetensors",
+                    help="oscar-int2 artifact whose calibration store still exists (default: the main job's, runs/demo)")
+    ap.add_argument("--dtype", default="bfloat16", help="model compute dtype, as `oscar run` (default bfloat16)")
+    ap.add_argument("--check-dtype", default="float32",
+                    help="dtype of a second, smaller comparison (NIAH 1k x 4 samples, ppl 1k windows; '' to skip; "
+                         "default float32)")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads for both paths (default 1: robust on a shared machine)")
+    ap.add_argument("--cells", default="1024:4,2048:2,4096:2", help="length:samples per cell (default 1024:4,2048:2,4096:2)")
+    ap.add_argument("--tasks", default="niah_single_1,niah_single_2", help="tasks (default: the main job's two)")
+    ap.add_argument("--ppl-context", type=int, default=4096,
+                    help="perplexity window scored per config, its first quarter as the shorter window (default 4096)")
+    ap.add_argument("--out", default=str(OUT), help=f"JSON written after every measured cell (default {OUT})")
+    ap.add_argument("--sections", default="quant,niah,ppl",
+                    help="what to measure (default quant,niah,ppl); results of other sections already in the JSON are kept")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    cells = [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
+    model, tok, _ = env.load_model("smollm2-135m")
+    fitted = load_artifact(a.artifact)
+    methods = list(DEFAULT_METHODS)
+    proto = PROTOCOLS["serving"]
+    sections = a.sections.split(",")
+    out = Path(a.out)
+    res = json.loads(out.read_text()) if out.exists() else {}
+
+    def save() -> None:
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+
+    run = {"host": f"{platform.node()} ({os.cpu_count()} CPUs)", "threads": a.threads, "dtype": a.dtype,
+           "artifact": a.artifact, "methods": methods, "protocol": proto.name, "loadavg_start": os.getloadavg()}
+    env.with_dtype(model, a.dtype)
+    arts = [method_artifact(m, model.config, fitted) for m in methods]
+    if "quant" in sections:
+        res["quant"] = {**run, "rows": quant_timing(model, fitted, methods)}
+        save()
+    if "niah" in sections:
+        def part(rows):
+            res["niah"] = {**run, "cells": rows, "projection": project(rows), "loadavg_now": os.getloadavg()}
+            save()
+
+        rows = niah_cells(model, tok, arts, cells, a.tasks.split(","), proto, save=part)
+        if a.check_dtype:
+            env.with_dtype(model, a.check_dtype)
+
+            def part_check(rows):
+                res["niah"]["check"] = {"dtype": a.check_dtype, "cells": rows}
+                save()
+
+            niah_cells(model, tok, arts, [(1024, 4)], ["niah_single_2"], proto, save=part_check)
+            env.with_dtype(model, a.dtype)
+    if "ppl" in sections:
+        res["ppl"] = {**run, **ppl_windows(model, tok, fitted, context=a.ppl_context, prefix=a.ppl_context // 4)}
+        if a.check_dtype:
+            env.with_dtype(model, a.check_dtype)
+            res["ppl"]["check"] = {"dtype": a.check_dtype, **ppl_windows(model, tok, fitted, context=1024, prefix=256)}
+            env.with_dtype(model, a.dtype)
+        res["ppl"]["loadavg_end"] = os.getloadavg()
+    save()
+    print(json.dumps({k: v.get("projection", v.get("ratio"))  for k, v in res.items() if isinstance(v, dict)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
