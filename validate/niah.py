@@ -30,6 +30,7 @@ import torch
 
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
+from oscar.validate.evidence import read_samples
 
 
 @dataclass
@@ -89,20 +90,6 @@ def load_checked(name: str, artifact: str | None, methods: list[str], lengths: l
     model = env.with_dtype(model, dtype)
     check_lengths(lengths, env.max_context(model), name)
     return model, tok
-
-
-def _read_done(path: str) -> dict[tuple, dict]:
-    done: dict[tuple, dict] = {}
-    if not os.path.exists(path):
-        return done
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill: that sample is redone
-                continue
-            done[(r["task"], r["length"], r["index"], r["method"])] = r
-    return done
 
 
 def _prepare_out(cfg: NiahConfig) -> None:
@@ -330,7 +317,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     eos = eos_ids(model, tok)
 
     path = os.path.join(cfg.out, "niah_samples.jsonl")
-    done = _read_done(path)
+    done = read_samples(path)  # a line cut by a kill: that sample is redone
     cells = [(t, L, i) for t in cfg.tasks for L in cfg.lengths for i in range(cfg.samples)]
     todo = sum(1 for (t, L, i) in cells for m in methods if (t, L, i, m) not in done)
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
