@@ -80,6 +80,9 @@ CASES = [
     ["submit", "{missing}"], ["submit", "{junk.yaml}"], ["submit", "{junk.bin}"],
     ["status", "{missing}"], ["status", "{junk.zarr}"], ["status", "{other.zarr}"],
     ["report", "{missing}"], ["report", "{junkdir}"], ["report", "{junk.bin}"],
+    ["models", "install", "no-such-model"],
+    ["models", "install", "qwen2.5-0.5b", "--source", "{missing}", "--cache-dir", "{tmp}/mc1"],
+    ["models", "install", "qwen2.5-0.5b", "--source", "{junkdir}", "--cache-dir", "{tmp}/mc2"],
     ["cluster", "render", "--out", "{tmp}/m1"],  # every required parameter unset
     ["cluster", "render", "--out", "{junk.bin}", "--image", "x", "--nodes", "1", "--gpus-per-node", "8",
      "--gpu-mem", "80", "--model", "{missing}", "--store", "/data/s.zarr"],
