@@ -570,17 +570,7 @@ class BatchQuantLayer(DynamicLayer):
             a, b = self.n_quant[r], lq.quantized_until(self.n, self.sink, self.recent)
             if b <= a:
                 continue
-            pre = self.pre[r]
-            if pre is not None:  # quantized ahead at load time
-                s0, kq, vq = pre
-                e = min(b, s0 + kq.shape[1])
-                if e > a:
-                    self.kbuf[r, :, a:e] = kq[:, a - s0:e - s0]
-                    self.vbuf[r, :, a:e] = vq[:, a - s0:e - s0]
-                    a = e
-            if b > a:  # tokens written after the load (strict protocol, or past the window)
-                self.kbuf[r:r + 1, :, a:b] = lq.keys(self.kbuf[r:r + 1, :, a:b])
-                self.vbuf[r:r + 1, :, a:b] = lq.values(self.vbuf[r:r + 1, :, a:b])
+            commit_row(lq, self.pre[r], self.kbuf, self.vbuf, r, a, b)
             self.n_quant[r] = b
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -603,6 +593,26 @@ class BatchQuantLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.n
+
+
+def commit_row(lq: "LayerQuant", pre, kbuf: torch.Tensor, vbuf: torch.Tensor, r: int, a: int, b: int,
+               dtype: torch.dtype | None = None) -> None:
+    """Replace tokens [a, b) of row r of kbuf/vbuf (R, Hkv, S, D) by their INT2 reading: from `pre`
+    (start, k̂, v̂) quantized ahead at load time where it covers them, else quantized now — from
+    `dtype` (the model's) when the buffers hold wider values than the model wrote."""
+    if pre is not None:
+        s0, kq, vq = pre
+        e = min(b, s0 + kq.shape[1])
+        if e > a:
+            kbuf[r, :, a:e] = kq[:, a - s0:e - s0]
+            vbuf[r, :, a:e] = vq[:, a - s0:e - s0]
+            a = e
+    if b > a:  # tokens written after the load (strict protocol, or past the window)
+        k, v = kbuf[r:r + 1, :, a:b], vbuf[r:r + 1, :, a:b]
+        if dtype is not None:
+            k, v = k.to(dtype), v.to(dtype)
+        kbuf[r:r + 1, :, a:b] = lq.keys(k)
+        vbuf[r:r + 1, :, a:b] = lq.values(v)
 
 
 class MethodBatchCache(Cache):

@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from oscar.common import OscarError
-from oscar.validate.methods import LayerQuant, Protocol
+from oscar.validate.methods import LayerQuant, Protocol, commit_row
 
 ATTN = "oscar_rows"
 _SCORE_ELEMS = 1 << 24  # scores held at once by rows_attention (64 MiB of float32); rows are chunked beyond
@@ -127,18 +127,8 @@ class RowLayer(DynamicLayer):
             a, b = self.n_quant[r], lq.quantized_until(self.n[r], self.sink, self.recent)
             if b <= a:
                 continue
-            pre = self.pre[r]
-            if pre is not None:  # quantized ahead at load time
-                s0, kq, vq = pre
-                e = min(b, s0 + kq.shape[1])
-                if e > a:
-                    self.kbuf[r, :, a:e] = kq[:, a - s0:e - s0]
-                    self.vbuf[r, :, a:e] = vq[:, a - s0:e - s0]
-                    a = e
-            if b > a:  # tokens written after the load: quantized from the model dtype, as MethodBatchCache does
-                md = self.model_dtype
-                self.kbuf[r:r + 1, :, a:b] = lq.keys(self.kbuf[r:r + 1, :, a:b].to(md))
-                self.vbuf[r:r + 1, :, a:b] = lq.values(self.vbuf[r:r + 1, :, a:b].to(md))
+            # float32 buffers: quantize from the model dtype, as MethodBatchCache does
+            commit_row(lq, self.pre[r], self.kbuf, self.vbuf, r, a, b, dtype=self.model_dtype)
             self.n_quant[r] = b
 
     def update(self, key_states, value_states, *args, **kwargs):
