@@ -124,3 +124,50 @@ def test_bad_requests(tok, src):
     assert parse_length("4k") == 4096 and parse_length("128k") == 131072 and parse_length("1500") == 1500
     with pytest.raises(OscarError, match="bad length"):
         parse_length("four")
+
+
+# ----------------------------------------------------------------- corpus haystacks past the held-out split
+
+
+def _repeated_windows(words: list[str], n: int = 32) -> int:
+    g = [" ".join(words[i:i + n]) for i in range(len(words) - n)]
+    return len(g) - len(set(g))
+
+
+def test_corpus_haystack_past_the_split_continues_instead_of_repeating(tok, src):
+    """A corpus haystack longer than the held-out split (pydoc: ~7.7k words; 16k SmolLM2 tokens need more)
+    continues into further held-out text (standard-library docstrings, calibration sentences dropped)
+    instead of wrapping round the split; wrapping repeated ~14 % of the 32-word windows at this size."""
+    from oscar.validate.env import heldout_text, more_heldout_words
+
+    ext = Sources.from_text(heldout_text("pydoc"), more=more_heldout_words("pydoc"))
+    s = make_sample("niah_single_2", 16384, 0, tok, ext)
+    words = s.context_text.split()
+    assert len(words) > len(src.corpus_words)  # really past the split
+    assert 0.98 * 16384 <= s.total_tokens <= 16384
+    W = src.corpus_words
+    wrapped = [W[i % len(W)] for i in range(len(words))]
+    assert _repeated_windows(wrapped) > 0.1 * len(words)  # what the old haystack did
+    assert _repeated_windows(words) < 0.01 * len(words)  # the text's own repeats only
+    # the needle is there once and is what the answer asks for
+    assert sum(s.answers[0] in w for w in words) == 1
+
+
+def test_corpus_haystack_within_the_split_is_unchanged(tok, src):
+    from oscar.validate.env import heldout_text, more_heldout_words
+
+    calls = []
+
+    def more(n):
+        calls.append(n)
+        return more_heldout_words("pydoc")(n)
+
+    ext = Sources.from_text(heldout_text("pydoc"), more=more)
+    for i in range(3):
+        assert make_sample("niah_single_2", 4096, i, tok, ext).context_ids == make_sample("niah_single_2", 4096, i, tok, src).context_ids
+    assert calls == []  # never read below the split's size
+
+
+def test_corpus_haystack_past_the_split_without_more_text_is_refused(tok, src):
+    with pytest.raises(OscarError, match="would repeat"):
+        make_sample("niah_single_2", 16384, 0, tok, src)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -313,7 +314,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     protocol = PROTOCOLS[cfg.protocol]
-    src = Sources.from_text(env.heldout_text(cfg.corpus))
+    src = Sources.from_text(env.heldout_text(cfg.corpus), more=env.more_heldout_words(cfg.corpus))
     eos = eos_ids(model, tok)
 
     path = os.path.join(cfg.out, "niah_samples.jsonl")
@@ -327,7 +328,12 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
             t, L = batch[0][0], batch[0][1]
             bar.set_postfix_str(f"{t} {L} #{batch[0][2]}" + (f"-{batch[-1][2]}" if len(batch) > 1 else ""))
             samples = [make_sample(t, L, i, tok, src, seed=cfg.seed) for _, _, i, _ in batch]
+            c0, w0 = time.process_time(), time.perf_counter()
             gens = decode_batch(model, samples, [[arts[m] for m in missing] for *_, missing in batch], protocol, pool, eos)
+            # What the batch cost (prefill + decode of all its rows; this process's CPU): the figure the long-context
+            # reports quote per sample. Not part of a sample's identity.
+            cost = {"batch_samples": len(batch), "batch_cpu_s": round(time.process_time() - c0, 2),
+                    "batch_wall_s": round(time.perf_counter() - w0, 2)}
             r = 0
             for s, (_, _, i, missing) in zip(samples, batch):
                 for m in missing:
@@ -335,7 +341,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
                     r += 1
                     row = {"task": t, "length": L, "index": i, "method": m, "score": score_one(pred, s.answers, s.metric),
                            "pred": pred, "answers": s.answers, "metric": s.metric, "prompt_tokens": s.prompt_tokens,
-                           "protocol": cfg.protocol}
+                           "protocol": cfg.protocol, **cost}
                     f.write(json.dumps(row) + "\n")
                     done[(t, L, i, m)] = row
                 f.flush()

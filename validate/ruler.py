@@ -92,9 +92,14 @@ class Sources:
     corpus_words: list[str]  # held-out text, whitespace-normalised, split on spaces
     vocab: list[str]  # distinct lowercase words for cwe (from the held-out text)
     name: str = "heldout"
+    # more(n) -> at least n words of further text that is not calibration text, read only by a corpus
+    # haystack longer than corpus_words (which would otherwise repeat the split: pydoc's held-out split
+    # is ~7.7k words, a 32k-token Qwen haystack needs ~21k). None: such a haystack is refused.
+    more: Callable[[int], list[str]] | None = field(default=None, repr=False)
+    _more_words: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
-    def from_text(cls, text: str, name: str = "heldout") -> "Sources":
+    def from_text(cls, text: str, name: str = "heldout", more: Callable[[int], list[str]] | None = None) -> "Sources":
         words = text.split()
         if len(words) < 1000:
             raise OscarError(f"held-out text too short for haystacks ({len(words)} words, need >= 1000)")
@@ -102,7 +107,23 @@ class Sources:
         for w in words:
             if w.isalpha() and w.islower() and 4 <= len(w) <= 10:
                 seen.setdefault(w, None)
-        return cls(corpus_words=words, vocab=sorted(seen), name=name)
+        return cls(corpus_words=words, vocab=sorted(seen), name=name, more=more)
+
+    def haystack_words(self, n: int) -> list[str]:
+        """The word list a corpus haystack of n words draws from: the held-out split, continued by
+        `more` when n exceeds it, so that no haystack repeats text (samples within the split unchanged)."""
+        W = self.corpus_words
+        if n <= len(W):
+            return W
+        if self.more is None:
+            raise OscarError(f"a corpus haystack of {n} words exceeds the {len(W)} held-out words of {self.name!r} "
+                             "and would repeat them; give Sources a source of more held-out text (more=...)")
+        if len(self._more_words) < n:
+            self._more_words = list(self.more(n))
+            if len(self._more_words) < n:
+                raise OscarError(f"a corpus haystack of {n} words needs {n - len(W)} words beyond the held-out "
+                                 f"split; only {len(self._more_words)} more are available")
+        return W + self._more_words
 
 
 @dataclass
@@ -222,8 +243,9 @@ def _noise_units(n: int) -> list[str]:
 
 
 def _corpus_units(src: Sources, n: int, offset: int) -> tuple[list[str], list[int]]:
-    """n consecutive held-out words from offset (wrapping), and the sentence boundaries in them."""
-    W = src.corpus_words
+    """n consecutive held-out words from offset (wrapping within the split, which repeats nothing while
+    n <= its size; past it the split continues into `src.more`'s text), and the sentence boundaries in them."""
+    W = src.haystack_words(n)  # offset < len(corpus_words), len(W) >= len(corpus_words) + n: no word twice
     words = [W[(offset + i) % len(W)] for i in range(n)]
     bounds = [0] + [i + 1 for i, w in enumerate(words) if w.endswith((".", ":", "?", "!"))]
     return words, sorted(set(bounds))
