@@ -1,20 +1,29 @@
 """Ray Jobs: `oscar submit` (resubmitting resumes) and `oscar status`.
 
-A job config (YAML or JSON) has three sections:
+A job config (YAML or JSON) is a calibration or a whole validation run:
 
-    calibrate:   # the options of `oscar calibrate` (CalibConfig field names)
+    calibrate:   # a calibration: the options of `oscar calibrate` (CalibConfig field names)
       model: smollm2-135m
       store: /data/calib/smollm2.zarr
-    cluster:     # ClusterConfig: stages, replicas, cpus_per_stage, gpus_per_stage, ...
+    run:         # or a validation run: the options of `oscar run` (RunConfig field names) -- calibrate
+      model: /models/Qwen3-8B     # (on the Ray pipeline), fit, tune, needles, perplexity, report, all of
+      out: /data/val/qwen3-8b     # ONE model, into `out` (its calib.zarr included)
+    cluster:     # ClusterConfig of the calibration: stages, replicas, cpus_per_stage, gpus_per_stage, ...
       stages: 2
     job:         # how to launch the driver
       python: python            # interpreter on the head node
+      num_gpus: 1               # GPUs the driver process gets (Ray's entrypoint_num_gpus; default 1 for a
+                                # run -- its validation runs in the driver -- 0 for a calibration)
+      num_cpus: 1               # CPUs of the driver (entrypoint_num_cpus; default Ray's)
+      resources: {}             # custom resources of the driver (entrypoint_resources)
       runtime_env: {...}        # merged over cluster/runtime_env.yaml
 
 The submission id is derived from the store (`oscar-calib-<hash of store path and
-model>-<attempt>`): while an attempt is PENDING/RUNNING, submitting again attaches to
-it instead of starting a duplicate; after a STOPPED/FAILED attempt, the next attempt
-resumes the store (done blocks are skipped, half-written ones redone).
+model>-<attempt>`), for a run from its output directory and model (`oscar-run-...`):
+while an attempt is PENDING/RUNNING, submitting again attaches to it instead of starting
+a duplicate; after a STOPPED/FAILED attempt, the next attempt resumes (a calibration's
+done blocks are skipped, half-written ones redone; a run skips its finished stages and
+scores only the needle samples and perplexity windows not yet in `out`).
 """
 
 from __future__ import annotations
@@ -48,18 +57,52 @@ def load_job_config(path: str) -> dict:
     return normalize_job_config(cfg, path)
 
 
+JOB_KEYS = {"python", "runtime_env", "num_gpus", "num_cpus", "resources"}
+
+
 def normalize_job_config(cfg, where: str = "job config") -> dict:
+    """The config with paths made absolute and every section checked here, not on the cluster:
+    {"calibrate": ..., "cluster": ..., "job": ...} or {"run": ..., "cluster": ..., "job": ...}."""
     from dataclasses import fields
 
     from oscar.cluster.pipeline import ClusterConfig
+
+    if not isinstance(cfg, dict) or not (isinstance(cfg.get("calibrate"), dict) or isinstance(cfg.get("run"), dict)):
+        raise OscarError(f"{where}: needs a `calibrate:` section (options of oscar calibrate) or a `run:` section "
+                         "(options of oscar run)")
+    unknown = set(cfg) - {"calibrate", "run", "cluster", "job"}
+    if unknown:
+        raise OscarError(f"{where}: unknown sections {sorted(unknown)} (calibrate or run, cluster, job)")
+    if "calibrate" in cfg and "run" in cfg:
+        raise OscarError(f"{where}: give `calibrate:` or `run:`, not both (a run calibrates its own model into "
+                         "run.out/calib.zarr; its `run.calibrate` holds further calibrate options)")
+    clu = dict(cfg.get("cluster") or {})
+    cnames = {f.name for f in fields(ClusterConfig)}
+    bad = set(clu) - cnames
+    if bad:
+        raise OscarError(f"{where}: unknown cluster options {sorted(bad)}; known: {sorted(cnames)}")
+    ClusterConfig(**clu)  # validate now, not on the cluster
+    job = dict(cfg.get("job") or {})
+    bad = set(job) - JOB_KEYS
+    if bad:
+        raise OscarError(f"{where}: unknown job options {sorted(bad)}; known: {sorted(JOB_KEYS)}")
+    for k in ("num_gpus", "num_cpus"):
+        if k in job and (isinstance(job[k], bool) or not isinstance(job[k], (int, float)) or job[k] < 0):
+            raise OscarError(f"{where}: job.{k} must be a number >= 0, got {job[k]!r}")
+    if "resources" in job and not (isinstance(job["resources"], dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in job["resources"].items())):
+        raise OscarError(f"{where}: job.resources must map resource names to amounts >= 0, got {job['resources']!r}")
+    if "run" in cfg:
+        return {"run": _normalize_run(cfg["run"], where), "cluster": clu, "job": job}
+    return {"calibrate": _normalize_calibrate(cfg["calibrate"], where), "cluster": clu, "job": job}
+
+
+def _normalize_calibrate(cal: dict, where: str) -> dict:
+    from dataclasses import fields
+
     from oscar.pipeline.calibrate import CalibConfig
 
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("calibrate"), dict):
-        raise OscarError(f"{where}: needs a `calibrate:` section (options of oscar calibrate)")
-    unknown = set(cfg) - {"calibrate", "cluster", "job"}
-    if unknown:
-        raise OscarError(f"{where}: unknown sections {sorted(unknown)} (calibrate, cluster, job)")
-    cal = dict(cfg["calibrate"])
+    cal = dict(cal)
     names = {f.name for f in fields(CalibConfig) if f.init}
     bad = set(cal) - names
     if bad:
@@ -67,16 +110,38 @@ def normalize_job_config(cfg, where: str = "job config") -> dict:
     if "store" not in cal:
         raise OscarError(f"{where}: calibrate.store is required (the store identifies the job)")
     cal["store"] = os.path.abspath(os.path.expanduser(cal["store"]))
-    clu = dict(cfg.get("cluster") or {})
-    cnames = {f.name for f in fields(ClusterConfig)}
-    bad = set(clu) - cnames
+    CalibConfig(**cal)
+    return cal
+
+
+def _normalize_run(run: dict, where: str) -> dict:
+    from dataclasses import fields
+
+    from oscar.pipeline.calibrate import CalibConfig
+    from oscar.validate.run import RunConfig
+
+    run = dict(run)
+    names = {f.name for f in fields(RunConfig) if f.init} - {"ray", "progress"}
+    bad = set(run) - names
     if bad:
-        raise OscarError(f"{where}: unknown cluster options {sorted(bad)}; known: {sorted(cnames)}")
-    CalibConfig(**cal), ClusterConfig(**clu)  # validate now, not on the cluster
-    return {"calibrate": cal, "cluster": clu, "job": dict(cfg.get("job") or {})}
+        raise OscarError(f"{where}: unknown run options {sorted(bad)}; known: {sorted(names)}")
+    if "out" not in run:
+        raise OscarError(f"{where}: run.out is required (the output directory identifies the job)")
+    run["out"] = os.path.abspath(os.path.expanduser(run["out"]))
+    cal = run.get("calibrate") or {}
+    owned = {"model", "corpus", "store", "seq_len", "tokens"}  # set by the run itself: one model, one corpus
+    if not isinstance(cal, dict) or set(cal) & owned or set(cal) - {f.name for f in fields(CalibConfig) if f.init}:
+        raise OscarError(f"{where}: run.calibrate holds further options of oscar calibrate (device, dtype, "
+                         f"block_tokens, ...), not {sorted(set(cal) & owned) or cal!r}: the run sets model, corpus, "
+                         "store, seq_len and tokens itself")
+    RunConfig(**run)  # validate now, not on the cluster
+    return run
 
 
 def submission_base(cfg: dict) -> str:
+    if "run" in cfg:
+        r = cfg["run"]
+        return "oscar-run-" + fingerprint({"out": r["out"], "model": r.get("model")}, 12)
     cal = cfg["calibrate"]
     return "oscar-calib-" + fingerprint({"store": cal["store"], "model": cal.get("model")}, 12)
 
@@ -90,7 +155,7 @@ def runtime_env(cfg: dict) -> dict:
     own = cfg["job"].get("runtime_env") or {}
     env_vars = {**(env.get("env_vars") or {}), **(own.get("env_vars") or {})}
     env = {**env, **own}
-    env_vars[CONFIG_ENV] = json.dumps({"calibrate": cfg["calibrate"], "cluster": cfg["cluster"]})
+    env_vars[CONFIG_ENV] = json.dumps({k: cfg[k] for k in ("calibrate", "run", "cluster") if k in cfg})
     env["env_vars"] = {k: str(v) for k, v in env_vars.items()}
     return env
 
@@ -98,6 +163,28 @@ def runtime_env(cfg: dict) -> dict:
 def entrypoint(cfg: dict) -> str:
     python = cfg["job"].get("python") or "python"
     return f"{shlex.quote(python)} -m oscar.cluster.entrypoint"
+
+
+def submission(cfg: dict, submission_id: str, attempt: int) -> dict:
+    """The keyword arguments of `JobSubmissionClient.submit_job` for this config: the entrypoint, its
+    runtime environment and what the driver process asks Ray for. A run's driver runs the validation
+    itself, so it asks for a GPU (job.num_gpus, default 1; 0 on a CPU cluster); the calibration's stage
+    actors ask for their own (cluster.gpus_per_stage)."""
+    job = cfg["job"]
+    kw = {"entrypoint": entrypoint(cfg), "submission_id": submission_id, "runtime_env": runtime_env(cfg),
+          "metadata": {"attempt": str(attempt)}}
+    if "run" in cfg:
+        kw["metadata"].update(out=cfg["run"]["out"], model=str(cfg["run"].get("model", "")))
+    else:
+        kw["metadata"]["store"] = cfg["calibrate"]["store"]
+    gpus = job.get("num_gpus", 1 if "run" in cfg else 0)
+    if gpus:
+        kw["entrypoint_num_gpus"] = gpus
+    if job.get("num_cpus") is not None:
+        kw["entrypoint_num_cpus"] = job["num_cpus"]
+    if job.get("resources"):
+        kw["entrypoint_resources"] = dict(job["resources"])
+    return kw
 
 
 def _client(address: str | None):
@@ -129,19 +216,20 @@ def submit(config_path: str, *, address: str | None = None, wait: bool = False, 
         live = [j for j in prev if str(j.status) in LIVE or getattr(j.status, "value", None) in LIVE]
         if live:
             sid = live[-1].submission_id
-            print(f"oscar submit: {sid} is already {_status_name(live[-1].status)} for this store; "
+            print(f"oscar submit: {sid} is already {_status_name(live[-1].status)} for this "
+                  f"{'run' if 'run' in cfg else 'store'}; "
                   f"not submitting a duplicate")
             break
         n = int(prev[-1].submission_id.rsplit("-", 1)[1]) + 1 if prev else 1
         sid = f"{base}-{n}"
         try:
-            client.submit_job(entrypoint=entrypoint(cfg), submission_id=sid, runtime_env=runtime_env(cfg),
-                              metadata={"store": cfg["calibrate"]["store"], "attempt": str(n)})
+            client.submit_job(**submission(cfg, sid, n))
         except Exception as e:  # noqa: BLE001
             if "already exists" in str(e):
                 continue
             raise OscarError(f"job submission failed: {e}") from None
-        print(f"oscar submit: submitted {sid}" + (f" (attempt {n}: resumes the store)" if n > 1 else ""))
+        what = "resumes the run: finished stages skipped, scored samples kept" if "run" in cfg else "resumes the store"
+        print(f"oscar submit: submitted {sid}" + (f" (attempt {n}: {what})" if n > 1 else ""))
         break
     else:
         raise OscarError(f"could not find a free submission id for {base}")

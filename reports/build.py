@@ -142,7 +142,8 @@ def _plot_accuracy(res, path: str) -> str | None:
         for i, m in enumerate(ms):
             dm = d[d.method == m].sort_values("length")
             x = dm.length * 2 ** (0.06 * (i - (len(ms) - 1) / 2))  # spread the methods' bars apart (log axis)
-            err = [dm.score - dm.ci_low, dm.ci_high - dm.score] if "ci_low" in dm else None  # 95 % interval
+            # 95 % interval; clipped at 0: a score equal to its bound can sit a rounding error outside it
+            err = [(dm.score - dm.ci_low).clip(lower=0), (dm.ci_high - dm.score).clip(lower=0)] if "ci_low" in dm else None
             ax.errorbar(x, dm.score, yerr=err, marker="o", ms=4, capsize=2, lw=1.2, elinewidth=0.8, label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(d.length.unique()), [_len_label(x) for x in sorted(d.length.unique())])
@@ -330,6 +331,45 @@ def _ruler_section(res, figdir: str, done: dict | None = None) -> list[str]:
     if p:
         out += [f"![accuracy vs length]({os.path.relpath(p, os.path.dirname(figdir))})", ""]
     return out
+
+
+def _cost_section(done: dict | None) -> list[str]:
+    """CPU seconds per needle sample by (task, length), from the batch costs niah_samples.jsonl rows record
+    (a batch: the samples of one cell decoded together, every method of each; one sample per batch from 4k up)."""
+    if not done:
+        return []
+    per_sample: dict[tuple, set] = {}  # (task, length, index) -> the batches its rows came from
+    for (t, L, i, m), r in done.items():
+        if "batch_cpu_s" in r:
+            per_sample.setdefault((t, L, i), set()).add((r["batch_cpu_s"], r["batch_wall_s"], r["batch_samples"]))
+    if not per_sample:
+        return []
+    cells: dict[tuple, list] = {}
+    for (t, L, i), bs in per_sample.items():  # a batch's cost split evenly over its samples
+        c = cells.setdefault((t, L), [0, 0.0, 0.0])
+        c[0] += 1
+        c[1] += sum(cpu / n for cpu, _, n in bs)
+        c[2] += sum(wall / n for _, wall, n in bs)
+    rows = [[t, _len_label(L), n, f"{cpu / n:.0f}", f"{cpu / 60:.1f}", f"{wall / 60:.1f}"]
+            for (t, L), (n, cpu, wall) in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+    tot = sum(c[1] for c in cells.values())
+    return ["## Compute", "",
+            "CPU seconds of the needle runs (this process: prefill of each sample, shared by its methods, and the "
+            "decode of every method's row), as recorded per batch in niah_samples.jsonl; wall time depends on what "
+            f"else ran on the host. Total {tot / 60:.1f} CPU min.", "",
+            md_table(["task", "length", "samples", "CPU s / sample", "CPU min", "wall min"], rows), ""]
+
+
+def _steps_section(info: dict) -> list[str]:
+    """run.json's `steps`, for a run made of several commands: each one as run, with its time."""
+    steps = info.get("steps") or []
+    if not steps:
+        return []
+    rows = [[s.get("stage", ""), f"`{s['command']}`", "" if s.get("cpu_s") is None else f"{s['cpu_s'] / 60:.1f}",
+             "" if s.get("wall_s") is None else f"{s['wall_s'] / 60:.1f}", s.get("note", "")] for s in steps]
+    return ["## Commands", "", "Each step is one command; re-running it resumes or reproduces it "
+            "(the needle commands resume from niah_samples.jsonl).", "",
+            md_table(["stage", "command", "CPU min", "wall min", "note"], rows), ""]
 
 
 def _ratio_cell(x) -> str:
@@ -673,6 +713,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         info = json.load(open(run))
         md += [f"Run: `{info.get('command', '')}` — model {info.get('model', '?')}, "
                f"{info.get('total_seconds', 0) / 60:.1f} min on {info.get('host', '?')}.", ""]
+        md += [info["summary"], ""] if info.get("summary") else []
     md += ["## Headline", ""]
     if goal:
         md += goal_lines(goal)
@@ -683,11 +724,13 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
                md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
     md += _skipped_section(d)
     md += _ruler_section(res, figdir, R.done)
+    md += _cost_section(R.done)
     md += _ppl_section(ppl, goal, figdir)
     md += _memory_section(mem)
     md += _attention_section(att, figdir)
     md += _included_section(d, "calibration", "Calibration")
     md += _ablation_section(d)
+    md += _steps_section(json.load(open(run))) if os.path.exists(run) else []
     text = "\n".join(md)
     mp, hp = os.path.join(d, "report.md"), os.path.join(d, "report.html")
     with open(mp, "w") as f:

@@ -104,3 +104,56 @@ def test_a_second_writer_is_refused(tmp_path):
         with pytest.raises(OscarError, match="is being written by pid"):
             prepare_store(c)
     prepare_store(c)  # released: resuming is fine
+
+
+# ----------------------------------------------------------------- validation runs as jobs (`run:` section)
+
+
+def run_cfg(tmp_path, job=None, **run):
+    return {"run": {"model": "tiny-llama", "out": str(tmp_path / "val"), **run}, "cluster": {"stages": 2},
+            **({"job": job} if job is not None else {})}
+
+
+def test_run_job_asks_for_a_gpu_and_is_identified_by_its_output(tmp_path, monkeypatch):
+    """A `run:` job: one model calibrated, fitted and validated into `out`; the submission asks Ray for a GPU
+    for the driver (which runs the validation) unless the config says otherwise; the id comes from out + model."""
+    a = jobs.normalize_job_config(run_cfg(tmp_path, lengths=[1024], calibrate={"block_tokens": 4096}))
+    monkeypatch.chdir(tmp_path)
+    rel = jobs.normalize_job_config({"run": {"model": "tiny-llama", "out": "val"}})
+    assert rel["run"]["out"] == a["run"]["out"] == str(tmp_path / "val")
+    assert jobs.submission_base(a) == jobs.submission_base(rel) and jobs.submission_base(a).startswith("oscar-run-")
+    assert jobs.submission_base(a) != jobs.submission_base(jobs.normalize_job_config(run_cfg(tmp_path / "x")))
+    assert jobs.submission_base(a) != jobs.submission_base(
+        jobs.normalize_job_config({"run": {"model": "smollm2-135m", "out": str(tmp_path / "val")}}))
+    kw = jobs.submission(a, "sid-1", 1)
+    assert kw["entrypoint_num_gpus"] == 1 and kw["entrypoint"].endswith("-m oscar.cluster.entrypoint")
+    assert kw["metadata"]["out"] == a["run"]["out"] and kw["metadata"]["model"] == "tiny-llama"
+    sent = json.loads(kw["runtime_env"]["env_vars"][jobs.CONFIG_ENV])
+    assert sent["run"]["lengths"] == [1024] and sent["run"]["calibrate"] == {"block_tokens": 4096}
+    assert sent["cluster"] == {"stages": 2} and "calibrate" not in sent
+    # a CPU cluster: 0 GPUs (the key is left out: Ray's default); CPUs and custom resources pass through
+    cpu = jobs.submission(jobs.normalize_job_config(run_cfg(tmp_path, job={"num_gpus": 0, "num_cpus": 2,
+                                                                          "resources": {"big": 1}})), "s", 2)
+    assert "entrypoint_num_gpus" not in cpu and cpu["entrypoint_num_cpus"] == 2 and cpu["entrypoint_resources"] == {"big": 1}
+    assert jobs.submission(jobs.normalize_job_config(run_cfg(tmp_path, job={"num_gpus": 0.5})), "s", 1)[
+        "entrypoint_num_gpus"] == 0.5  # a fraction: driver and a calibration stage sharing one GPU
+    # a calibration job's driver asks for no GPU (its stage actors ask for theirs)
+    assert "entrypoint_num_gpus" not in jobs.submission(jobs.normalize_job_config(cfg(tmp_path)), "s", 1)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"run": {"model": "tiny-llama"}}, "run.out is required"),
+    ({"run": {"out": "o", "bogus": 1}}, "unknown run options"),
+    ({"run": {"out": "o", "ray": False}}, "unknown run options"),
+    ({"run": {"out": "o"}, "calibrate": {"store": "s"}}, "not both"),
+    ({"run": {"out": "o", "calibrate": {"model": "smollm2-135m"}}}, "sets model, corpus"),
+    ({"run": {"out": "o", "calibrate": {"bogus": 1}}}, "further options of oscar calibrate"),
+    ({"run": {"out": "o"}, "job": {"num_gpus": -1}}, "job.num_gpus must be a number >= 0"),
+    ({"run": {"out": "o"}, "job": {"num_gpus": "one"}}, "job.num_gpus must be a number >= 0"),
+    ({"run": {"out": "o"}, "job": {"resources": {"x": -1}}}, "job.resources must map"),
+    ({"run": {"out": "o"}, "job": {"gpus": 1}}, "unknown job options"),
+    ({"run": {"out": "o"}, "cluster": {"stages": 0}}, "cluster.stages must be >= 1"),
+])
+def test_bad_run_job_configs(bad, match):
+    with pytest.raises(OscarError, match=match):
+        jobs.normalize_job_config(bad)

@@ -65,6 +65,12 @@ class RunConfig:
     # means in serving, and the CPU's bf16 matrix units make the run fit 15 min) or float32
     # (digit-for-digit comparable with `oscar validate` defaults). Calibration is float32 either way.
     dtype: str = "bfloat16"
+    # The calibration on Ray: ClusterConfig options (cluster/pipeline.py, e.g. {"stages": 2, "gpus_per_stage": 1};
+    # default one stage with every CPU of this machine) and further CalibConfig options (device, dtype,
+    # block_tokens, batch_size, ...; model, corpus, store, seq_len and tokens are the run's own). Set by a
+    # `run:` job of `oscar submit` (cluster/jobs.py); the stage actors calibrate the model this run validates.
+    cluster: dict | None = None
+    calibrate: dict | None = None
     progress: bool = True
 
     def __post_init__(self):
@@ -116,7 +122,8 @@ class Stages:
 def _calibrate(cfg: RunConfig, store: str) -> dict:
     from oscar.pipeline.calibrate import CalibConfig, calibrate
 
-    cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens)
+    cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
+                     **(cfg.calibrate or {}))
     if cfg.ray:
         try:
             from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
@@ -124,8 +131,8 @@ def _calibrate(cfg: RunConfig, store: str) -> dict:
             _say("oscar.cluster is not available: calibrating in this process (as with --no-ray)")
         else:
             _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
-            rep = calibrate_on_ray(cc, ClusterConfig(stages=1, replicas=1, cpus_per_stage=float(os.cpu_count() or 1)),
-                                   address="auto", progress=cfg.progress)
+            clu = {"stages": 1, "replicas": 1, "cpus_per_stage": float(os.cpu_count() or 1), **(cfg.cluster or {})}
+            rep = calibrate_on_ray(cc, ClusterConfig(**clu), address="auto", progress=cfg.progress)
             return {"backend": "ray", "report": rep.to_dict() if hasattr(rep, "to_dict") else str(rep)}
     res = calibrate(cc, progress=cfg.progress)
     return {"backend": "process", "report": res.to_dict()}
@@ -143,7 +150,8 @@ def run_main(cfg: RunConfig) -> dict:
     _say(f"output in {d}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
 
     # 1. calibrate
-    fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len})
+    fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len,
+                          **({"calibrate": cfg.calibrate} if cfg.calibrate else {})})
     st.run("calibrate", "calibrate", fp_cal, [store], lambda: _calibrate(cfg, store))
 
     # 2. fit -> DIR/artifact.fit.safetensors
