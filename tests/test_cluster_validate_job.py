@@ -22,7 +22,7 @@ from oscar.cluster.localray import LocalHead
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 
 TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery"]
-LENGTHS, SAMPLES, METHODS = [512, 1024], 3, ["bf16", "oscar-int2", "kivi2"]
+LENGTHS, SAMPLES, METHODS = [512, 1024], 3, ["bf16", "oscar-int2"]  # kivi2: skipped on tiny-llama (head_dim 32)
 TOTAL = len(TASKS) * len(LENGTHS) * SAMPLES * len(METHODS)  # needle rows of the finished run
 
 
