@@ -191,11 +191,11 @@ def run_main(cfg: RunConfig) -> dict:
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
         save(art, art_path)
         try:
-            from oscar.stats.report import calibration_section
+            from oscar.reports.calibration import calibration_section
 
             calibration_section(art_path, store, cal_dir)
         except ImportError:
-            _say("fit: oscar.stats.report.calibration_section not available; no calibration section")
+            _say("fit: oscar.reports.calibration.calibration_section not available; no calibration section")
         return {"clip_tuning": rec} if rec else None
 
     st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [art_path], do_tune)
