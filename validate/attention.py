@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from oscar.common import OscarError
+from oscar.defaults import SINK
 from oscar.validate import DEFAULT_METHODS
 
 # Margin bin edges in nats (exp(0.25) = 1.28x the runner-up's weight, exp(4) = 55x).
@@ -61,7 +62,7 @@ class AttnConfig:
     lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
     windows: int = 8  # contexts per (layer, length); each is scored by every query head (trials = windows x Hq)
     layers: list[int] = field(default_factory=list)  # default: 4 spread over depth
-    sink: int = 64
+    sink: int = SINK
     seq_len: int = 4096  # tokens per captured held-out sequence (<= the model's context)
     model: str | None = None  # default: the store's model
     corpus: str = "pydoc"  # whose held-out split comes first (then standard-library docstrings)

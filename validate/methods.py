@@ -45,6 +45,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from oscar.common import OscarError, attention_shapes
+from oscar.defaults import RECENT, SINK
 from oscar.kernels.quant import QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 
@@ -60,7 +61,7 @@ class Protocol:
     """
 
     name: str
-    sink: int = 64
+    sink: int = SINK
     recent: int = 0
     pages: bool = True
 
@@ -69,9 +70,9 @@ class Protocol:
 # into new tables (NIAH/perplexity identities, `oscar run` stage fingerprints). 2: per-token K/V leave
 # the exact window in whole pages (was: one token at a time).
 PROTOCOL_VERSION = 2
-STRICT = Protocol("strict", sink=64, recent=0)
-SERVING = Protocol("serving", sink=64, recent=256)
-STRICT_TOKEN = Protocol("strict-token", sink=64, recent=0, pages=False)
+STRICT = Protocol("strict", sink=SINK, recent=0)
+SERVING = Protocol("serving", sink=SINK, recent=RECENT)
+STRICT_TOKEN = Protocol("strict-token", sink=SINK, recent=0, pages=False)
 PROTOCOLS = {p.name: p for p in (STRICT, SERVING, STRICT_TOKEN)}
 
 
