@@ -40,6 +40,7 @@ import torch
 
 from oscar.common import OscarError
 from oscar.defaults import SINK
+from oscar.pipeline.store import open_verified
 from oscar.validate import DEFAULT_METHODS
 
 # Margin bin edges in nats (exp(0.25) = 1.28x the runner-up's weight, exp(4) = 55x).
@@ -70,21 +71,10 @@ class AttnConfig:
     seed: int = 0
 
 
-def _open_store(path: str):
-    from oscar.pipeline.store import CalibStore
-
-    if not os.path.exists(path):
-        raise OscarError(f"calibration store {path} does not exist")
-    st = CalibStore(path)
-    if "checksums" in st.group:  # verified through the store format's owner: a damaged done block is refused
-        st.check()
-    return st
-
-
 def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> dict:
     """Refuse an artifact not fitted on this store (model, corpus, job config, blocks): the token
     check against the store would then prove nothing about the artifact."""
-    from oscar.stats.reduce import StoreView
+    from oscar.pipeline.store import store_fingerprint
 
     prov = fitted.meta.get("provenance") or {}
     from oscar.common import model_mismatch
@@ -100,10 +90,10 @@ def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> 
                          f"pass the store the artifact was fitted on (its provenance: {prov.get('store')})")
     blocks = prov.get("blocks")
     if blocks is not None:
-        view = StoreView(path=store_path, attrs=store_attrs, blocks=list(blocks))
-        if view.fingerprint != prov.get("store_fingerprint"):
+        fp = store_fingerprint(store_attrs, blocks)
+        if fp != prov.get("store_fingerprint"):
             raise OscarError(f"artifact provenance store fingerprint {prov.get('store_fingerprint')} is not that of "
-                             f"{store_path} ({view.fingerprint}): the artifact was fitted on another store")
+                             f"{store_path} ({fp}): the artifact was fitted on another store")
         if blocks and max(blocks) >= store_meta.num_blocks:
             raise OscarError(f"artifact was fitted on blocks {blocks} but {store_path} has {store_meta.num_blocks}")
     return {"checked": True, "store_fingerprint": prov.get("store_fingerprint"), "corpus_fingerprint": pc,
@@ -224,7 +214,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
         raise OscarError(f"windows must be >= 1, got {cfg.windows}")
     if cfg.seq_len <= cfg.sink + 1:
         raise OscarError(f"seq_len {cfg.seq_len} must exceed the sink {cfg.sink} + 1")
-    st = _open_store(cfg.store)
+    st = open_verified(cfg.store)  # the store format's owner: a damaged done block is refused
     mi = st.meta.model
     L, Hkv, D = int(mi["num_layers"]), int(mi["num_kv_heads"]), int(mi["head_dim"])
     layers = sorted(set(cfg.layers)) if cfg.layers else sorted({0, L // 3, (2 * L) // 3, L - 1})
