@@ -706,14 +706,17 @@ def open_verified(path: str | os.PathLike, what: str = "calibration store") -> C
 
 # --------------------------------------------------------------------------- inspect
 
-def _kurtosis(n: np.ndarray, s: np.ndarray, gram: np.ndarray, m3: np.ndarray, m4: np.ndarray) -> np.ndarray:
-    """Per-channel kurtosis E[(x-mu)^4] / var^2 from raw power sums, (Hkv, D)."""
-    n = np.maximum(n, 1)
-    m1, m2 = s / n, np.diagonal(gram, axis1=-2, axis2=-1) / n
-    c4 = m4 / n - 4 * m1 * m3 / n + 6 * m1**2 * m2 - 3 * m1**4
-    var = m2 - m1**2
+def excess_kurtosis(n, s1: np.ndarray, s2: np.ndarray, s3: np.ndarray, s4: np.ndarray,
+                    empty: float = 0.0) -> np.ndarray:
+    """Per-channel excess kurtosis E[(x-mu)^4] / var^2 - 3 from the stored power sums Σx, Σx², Σx³, Σx⁴
+    over n rows (any matching shapes); `empty` where a channel has no variance. The one formula:
+    fit's tail diagnostics (oscar.stats.tails) and `summarize` use it."""
+    mu = s1 / n
+    m2 = s2 / n - mu**2
+    m4 = s4 / n - 4 * mu * s3 / n + 6 * mu**2 * s2 / n - 3 * mu**4
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(var > 0, c4 / var**2, np.nan)
+        k = m4 / m2**2 - 3.0
+    return np.where(m2 > 1e-300, k, empty)
 
 
 def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
@@ -736,7 +739,8 @@ def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
             cs = r["o_gram"] / max(nq, 1)
             eq = np.linalg.eigvalsh(cq)[..., ::-1][..., :top]   # (Hkv, top) descending
             es = np.linalg.eigvalsh(cs)[..., ::-1][..., :top]
-            ku = _kurtosis(np.float64(nk), r["k_sum"], r["k_gram"], r["k_m3"], r["k_m4"])
+            k2 = np.diagonal(r["k_gram"], axis1=-2, axis2=-1)  # Σk² per channel, (Hkv, D)
+            ku = 3.0 + excess_kurtosis(np.float64(max(nk, 1)), r["k_sum"], k2, r["k_m3"], r["k_m4"], empty=np.nan)
             rec.update(q_rows=nq, kv_rows=nk, nonfinite=int(r["nonfinite"]),
                        cq_top_eig=eq.tolist(), cs_top_eig=es.tolist(),
                        k_kurtosis_max=float(np.nanmax(ku)) if np.isfinite(ku).any() else None,

@@ -235,7 +235,8 @@ class LayerStats:
         return np.concatenate([r[b, :, : n[b]] for b in range(len(n))], axis=1)
 
     def tails(self, x: str) -> list:
-        from oscar.stats.tails import excess_kurtosis, tail_diag
+        from oscar.pipeline.store import excess_kurtosis
+        from oscar.stats.tails import tail_diag
 
         if x not in self._tails:
             if x == "vw":

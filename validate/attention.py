@@ -123,14 +123,25 @@ def sequence_lengths(stream: int, seq_len: int, sink: int) -> list[int]:
     return [seq_len] * (k - 1) + [stream - (k - 1) * per + sink]
 
 
-def trial_metrics(K0, V0, Kw, Vw, K0q, V0q, Kwq, Vwq, Q) -> dict[str, torch.Tensor]:
+@dataclass
+class Window:
+    """The keys and values one trial's query attends to: the sink rows and the window's non-sink rows."""
+    k0: torch.Tensor  # (Hkv, s, D) sink keys
+    v0: torch.Tensor  # (Hkv, s, D)
+    k: torch.Tensor   # (Hkv, n, D) non-sink keys
+    v: torch.Tensor   # (Hkv, n, D)
+
+
+def trial_metrics(exact: Window, int2: Window, Q: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every query head's trial on one context.
 
-    K0, V0 (Hkv, s, D): sink rows; Kw, Vw (Hkv, n, D): the non-sink rows; *q: their INT2 reading
-    (sink rows exact, passed for symmetry); Q (Hkv, G, D): the last token's query heads, grouped by
-    KV head. Returns (Hkv, G) tensors: needle (index into the non-sink rows), margin (nats),
-    margin_std, top1, rank_int2, out_rel_err, needle_weight, needle_weight_int2.
+    `exact`: the window as captured; `int2`: its INT2 reading (sink rows exact, passed for symmetry);
+    Q (Hkv, G, D): the last token's query heads, grouped by KV head. Returns (Hkv, G) tensors: needle
+    (index into the non-sink rows), margin (nats), margin_std, top1, rank_int2, out_rel_err,
+    needle_weight, needle_weight_int2.
     """
+    K0, V0, Kw, Vw = exact.k0, exact.v0, exact.k, exact.v
+    K0q, V0q, Kwq, Vwq = int2.k0, int2.v0, int2.k, int2.v
     D = Q.shape[-1]
     s = 1.0 / math.sqrt(D)
     lw = torch.einsum("hnd,hgd->hgn", Kw, Q)                                          # (Hkv, G, n)
@@ -303,7 +314,8 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
                     s, p = ends[(N, a)]
                     Q = Qs[l][s][:, q_pos[s].index(p)].float().view(Hkv, Gq, D)    # (Hkv, G, D)
                     Kwq = window_keys_int2(Kq, Ks, a, n, lq.key_group)                   # (Hkv, n, D)
-                    r = trial_metrics(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n], K0, V0, Kwq, Vq[:, a:a + n], Q)
+                    r = trial_metrics(Window(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n]),
+                                      Window(K0, V0, Kwq, Vq[:, a:a + n]), Q)
                     for h in range(Hkv):
                         for g in range(Gq):
                             j = a + int(r["needle"][h, g])

@@ -37,7 +37,6 @@ position mask that reproduces token-by-token decoding with the same cache.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -77,13 +76,13 @@ PROTOCOLS = {p.name: p for p in (STRICT, SERVING, STRICT_TOKEN)}
 
 
 def hadamard(n: int) -> torch.Tensor:
-    """Normalised Sylvester Hadamard matrix (n a power of two); orthogonal and symmetric."""
+    """Normalised Sylvester Hadamard matrix (n a power of two: the hadamard-int2 baseline), float32;
+    oscar.stats.hadamard's construction, orthogonal and symmetric."""
+    from oscar.stats.hadamard import hadamard as _hadamard
+
     if n < 1 or n & (n - 1):
         raise OscarError(f"Hadamard rotation needs a power-of-two head_dim, got {n}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+    return torch.from_numpy(_hadamard(n)).float()
 
 
 # ----------------------------------------------------------------- registry
