@@ -3,10 +3,8 @@
 Runs inside a Ray job (the driver process on the head node; `ray.init("auto")` attaches
 to the job's cluster). The job config comes from $OSCAR_JOB_CONFIG (JSON, set by
 `oscar submit` through the runtime environment) or from a YAML/JSON file argument.
-Re-running it on the same store resumes: done blocks are skipped. A `run:` config runs the
-whole validation job of one model (`oscar run`'s stages; calibration on the Ray pipeline
-with the config's `cluster:` section) in this driver, on the GPU the submission gave it;
-re-running it skips finished stages and scores only what `out` does not hold yet.
+Re-running it on the same store resumes: done blocks are skipped. (A `run:` config, a whole
+validation run, has its own entrypoint: `python -m oscar.run`, oscar/run.py's `job_main`.)
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
             cfg = normalize_job_config(json.loads(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
         else:
             raise OscarError(f"no job config: pass a file or set ${CONFIG_ENV}")
-        if "run" in cfg:
-            return _run(cfg)
         rep = calibrate_on_ray(CalibConfig(**cfg["calibrate"]), ClusterConfig(**cfg["cluster"]),
                                address=os.environ.get("RAY_ADDRESS") or "auto", progress=True)
     except OscarError as e:
@@ -39,15 +35,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_report(rep))
     print("OSCAR_REPORT " + json.dumps({k: v for k, v in rep.to_dict().items() if k != "stage_stats"}))
-    return 0
-
-
-def _run(cfg: dict) -> int:
-    """The validation run: RunConfig from the `run:` section, its calibration on this job's cluster."""
-    from oscar.validate.run import RunConfig, run_main
-
-    info = run_main(RunConfig(**cfg["run"], ray=True, cluster=cfg["cluster"]))
-    print("OSCAR_RUN " + json.dumps({k: info[k] for k in ("stage_seconds", "total_seconds") if k in info}))
     return 0
 
 

@@ -115,26 +115,19 @@ def _normalize_calibrate(cal: dict, where: str) -> dict:
 
 
 def _normalize_run(run: dict, where: str) -> dict:
-    from dataclasses import fields
-
-    from oscar.pipeline.calibrate import CalibConfig
-    from oscar.validate.run import RunConfig
-
+    """The run section's shape (out made absolute). Its options are RunConfig's, which cluster may not import
+    (the main job sits above every stage): `oscar.run.check_run_section` checks them when the driver starts,
+    before any stage runs."""
     run = dict(run)
-    names = {f.name for f in fields(RunConfig) if f.init} - {"ray", "progress"}
-    bad = set(run) - names
-    if bad:
-        raise OscarError(f"{where}: unknown run options {sorted(bad)}; known: {sorted(names)}")
     if "out" not in run:
         raise OscarError(f"{where}: run.out is required (the output directory identifies the job)")
     run["out"] = os.path.abspath(os.path.expanduser(run["out"]))
-    cal = run.get("calibrate") or {}
-    owned = {"model", "corpus", "store", "seq_len", "tokens"}  # set by the run itself: one model, one corpus
-    if not isinstance(cal, dict) or set(cal) & owned or set(cal) - {f.name for f in fields(CalibConfig) if f.init}:
-        raise OscarError(f"{where}: run.calibrate holds further options of oscar calibrate (device, dtype, "
-                         f"block_tokens, ...), not {sorted(set(cal) & owned) or cal!r}: the run sets model, corpus, "
-                         "store, seq_len and tokens itself")
-    RunConfig(**run)  # validate now, not on the cluster
+    if not isinstance(run.get("calibrate") or {}, dict) or not isinstance(run.get("cluster") or {}, dict):
+        raise OscarError(f"{where}: run.calibrate must be a mapping of oscar calibrate options; the calibration's "
+                         "cluster options go in the top-level `cluster:` section")
+    if "cluster" in run:
+        raise OscarError(f"{where}: put the calibration's cluster options in the top-level `cluster:` section, "
+                         "not under run")
     return run
 
 
@@ -162,7 +155,7 @@ def runtime_env(cfg: dict) -> dict:
 
 def entrypoint(cfg: dict) -> str:
     python = cfg["job"].get("python") or "python"
-    return f"{shlex.quote(python)} -m oscar.cluster.entrypoint"
+    return f"{shlex.quote(python)} -m " + ("oscar.run" if "run" in cfg else "oscar.cluster.entrypoint")
 
 
 def submission(cfg: dict, submission_id: str, attempt: int) -> dict:

@@ -257,3 +257,61 @@ def run_main(cfg: RunConfig) -> dict:
     r = build_report(d)
     _say(f"report: {r.md_path}, {r.html_path}  (stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in st.seconds.items()) + ")")
     return info
+
+
+# --------------------------------------------------------------------------- as a Ray job (`oscar submit`)
+
+# CalibConfig options a run sets itself: one model, one corpus, its own store.
+RUN_OWNS_CALIBRATE = ("model", "corpus", "store", "seq_len", "tokens")
+
+
+def check_run_section(run: dict, where: str = "job config") -> RunConfig:
+    """The `run:` section of a job config (cluster/jobs.py shapes it) as a RunConfig, or a clear error."""
+    from dataclasses import fields
+
+    from oscar.pipeline.calibrate import CalibConfig
+
+    names = {f.name for f in fields(RunConfig) if f.init} - {"ray", "progress", "cluster"}
+    bad = set(run) - names
+    if bad:
+        raise OscarError(f"{where}: unknown run options {sorted(bad)}; known: {sorted(names)}")
+    cal = run.get("calibrate") or {}
+    owned = set(cal) & set(RUN_OWNS_CALIBRATE)
+    unknown = set(cal) - {f.name for f in fields(CalibConfig) if f.init}
+    if owned or unknown:
+        raise OscarError(f"{where}: run.calibrate holds further options of oscar calibrate (device, dtype, block_tokens, "
+                         f"...); {sorted(owned)} are the run's own (model, corpus, store, seq_len, tokens are set by "
+                         f"the run: calib_tokens, seq_len)" if owned else
+                         f"{where}: unknown run.calibrate options {sorted(unknown)}")
+    return RunConfig(**run)
+
+
+def job_main(argv: list[str] | None = None) -> int:
+    """Ray job entrypoint of a `run:` config: `python -m oscar.run [CONFIG]` (config from $OSCAR_JOB_CONFIG, set
+    by `oscar submit`, or a file). The whole run of one model in this driver (on the GPU the submission asked
+    for): calibration on the job's Ray cluster with its `cluster:` section, then fit, tune, validation and report
+    into run.out. Re-running skips finished stages and scores only the samples and windows `out` lacks."""
+    from oscar.cluster.jobs import CONFIG_ENV, load_job_config, normalize_job_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv:
+            cfg = load_job_config(argv[0])
+        elif os.environ.get(CONFIG_ENV):
+            cfg = normalize_job_config(json.loads(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
+        else:
+            raise OscarError(f"no job config: pass a file or set ${CONFIG_ENV}")
+        if "run" not in cfg:
+            raise OscarError("not a run config (no `run:` section); a calibration runs python -m oscar.cluster.entrypoint")
+        rc = check_run_section(cfg["run"])
+        rc.ray, rc.cluster = True, cfg["cluster"]
+        info = run_main(rc)
+    except OscarError as e:
+        print(f"oscar job: error: {e}", file=sys.stderr)
+        return 2
+    print("OSCAR_RUN " + json.dumps({k: info[k] for k in ("stage_seconds", "total_seconds")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(job_main())

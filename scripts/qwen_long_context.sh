@@ -43,7 +43,7 @@ CMD="oscar validate tune --model qwen2.5-0.5b --artifact $WORK/artifact.fit.safe
 SKIP_IF=$OUT/artifact.safetensors step tune $OSCAR validate tune --model qwen2.5-0.5b --artifact "$WORK/artifact.fit.safetensors" \
   --out "$OUT/artifact.safetensors" --no-progress
 CMD="python -c 'calibration_section(artifact, store, $OUT/calibration)'"
-step calibration-section $PY -c "from oscar.stats.report import calibration_section as c; \
+step calibration-section $PY -c "from oscar.reports.calibration import calibration_section as c; \
 c('$OUT/artifact.safetensors', '$WORK/calib.zarr', '$OUT/calibration')"
 for L in 8k 16k 32k; do
   CMD="OMP_NUM_THREADS=1 oscar validate niah --model qwen2.5-0.5b --artifact $OUT/artifact.safetensors --methods $METHODS --tasks niah_single_1 --lengths $L --samples 5 --protocol serving --dtype bfloat16 --out $OUT"

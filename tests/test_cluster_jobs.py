@@ -126,7 +126,7 @@ def test_run_job_asks_for_a_gpu_and_is_identified_by_its_output(tmp_path, monkey
     assert jobs.submission_base(a) != jobs.submission_base(
         jobs.normalize_job_config({"run": {"model": "smollm2-135m", "out": str(tmp_path / "val")}}))
     kw = jobs.submission(a, "sid-1", 1)
-    assert kw["entrypoint_num_gpus"] == 1 and kw["entrypoint"].endswith("-m oscar.cluster.entrypoint")
+    assert kw["entrypoint_num_gpus"] == 1 and kw["entrypoint"].endswith("-m oscar.run")
     assert kw["metadata"]["out"] == a["run"]["out"] and kw["metadata"]["model"] == "tiny-llama"
     sent = json.loads(kw["runtime_env"]["env_vars"][jobs.CONFIG_ENV])
     assert sent["run"]["lengths"] == [1024] and sent["run"]["calibrate"] == {"block_tokens": 4096}
@@ -143,11 +143,9 @@ def test_run_job_asks_for_a_gpu_and_is_identified_by_its_output(tmp_path, monkey
 
 @pytest.mark.parametrize("bad,match", [
     ({"run": {"model": "tiny-llama"}}, "run.out is required"),
-    ({"run": {"out": "o", "bogus": 1}}, "unknown run options"),
-    ({"run": {"out": "o", "ray": False}}, "unknown run options"),
     ({"run": {"out": "o"}, "calibrate": {"store": "s"}}, "not both"),
-    ({"run": {"out": "o", "calibrate": {"model": "smollm2-135m"}}}, "sets model, corpus"),
-    ({"run": {"out": "o", "calibrate": {"bogus": 1}}}, "further options of oscar calibrate"),
+    ({"run": {"out": "o", "calibrate": ["device"]}}, "run.calibrate must be a mapping"),
+    ({"run": {"out": "o", "cluster": {"stages": 2}}}, "top-level `cluster:` section"),
     ({"run": {"out": "o"}, "job": {"num_gpus": -1}}, "job.num_gpus must be a number >= 0"),
     ({"run": {"out": "o"}, "job": {"num_gpus": "one"}}, "job.num_gpus must be a number >= 0"),
     ({"run": {"out": "o"}, "job": {"resources": {"x": -1}}}, "job.resources must map"),
@@ -157,3 +155,22 @@ def test_run_job_asks_for_a_gpu_and_is_identified_by_its_output(tmp_path, monkey
 def test_bad_run_job_configs(bad, match):
     with pytest.raises(OscarError, match=match):
         jobs.normalize_job_config(bad)
+
+
+@pytest.mark.parametrize("run,match", [
+    ({"out": "o", "bogus": 1}, "unknown run options"),
+    ({"out": "o", "ray": False}, "unknown run options"),
+    ({"out": "o", "calibrate": {"model": "smollm2-135m"}}, "are the run's own"),
+    ({"out": "o", "calibrate": {"bogus": 1}}, "unknown run.calibrate options"),
+])
+def test_bad_run_options_refused_by_the_driver(run, match, tmp_path, capsys):
+    """The run's options are RunConfig's (oscar/run.py, above cluster): the job's driver refuses them before
+    any stage runs, with the same message as a bad calibrate option."""
+    from oscar.run import check_run_section, job_main
+
+    with pytest.raises(OscarError, match=match):
+        check_run_section(run)
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump({"run": {**run, "out": str(tmp_path / "o")}}))
+    assert job_main([str(p)]) == 2
+    assert "oscar job: error:" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -138,7 +138,8 @@ def test_corpus_haystack_past_the_split_continues_instead_of_repeating(tok, src)
     """A corpus haystack longer than the held-out split (pydoc: ~7.7k words; 16k SmolLM2 tokens need more)
     continues into further held-out text (standard-library docstrings, calibration sentences dropped)
     instead of wrapping round the split; wrapping repeated ~14 % of the 32-word windows at this size."""
-    from oscar.validate.env import heldout_text, more_heldout_words
+    from oscar.validate.env import heldout_text
+    from oscar.validate.heldout import more_heldout_words
 
     ext = Sources.from_text(heldout_text("pydoc"), more=more_heldout_words("pydoc"))
     s = make_sample("niah_single_2", 16384, 0, tok, ext)
@@ -154,7 +155,8 @@ def test_corpus_haystack_past_the_split_continues_instead_of_repeating(tok, src)
 
 
 def test_corpus_haystack_within_the_split_is_unchanged(tok, src):
-    from oscar.validate.env import heldout_text, more_heldout_words
+    from oscar.validate.env import heldout_text
+    from oscar.validate.heldout import more_heldout_words
 
     calls = []
 

@@ -82,7 +82,7 @@ def heldout_text(corpus: str = "pydoc", dedupe: bool = True) -> str:
     held = " ".join(_as_text(c.heldout).split())
     if not dedupe:
         return held
-    return _drop_calibration_sentences(held, corpus)
+    return drop_calibration_sentences(held, corpus)
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,31 +92,10 @@ def _calibration_text(corpus: str) -> str:
     return " ".join(_as_text(load_corpus(corpus).calibration).split())
 
 
-def _drop_calibration_sentences(text: str, corpus: str) -> str:
+def drop_calibration_sentences(text: str, corpus: str) -> str:
     """`text` without its sentences (>= 6 words) that occur verbatim in the corpus's calibration split."""
     import re
 
     cal = _calibration_text(corpus)
     sents = re.split(r"(?<=[.:?!])\s+", text)
     return " ".join(s for s in sents if len(s.split()) < 6 or s not in cal)
-
-
-def more_heldout_words(corpus: str = "pydoc"):
-    """more(n) for `ruler.Sources`: >= n words of the standard library's docstrings (the attention-level
-    test's second held-out source, `validate.heldout.stdlib_docstrings`), sentences also found in the
-    corpus's calibration split dropped. Read only by corpus haystacks longer than the held-out split."""
-
-    def more(n: int) -> list[str]:
-        from oscar.validate.heldout import stdlib_docstrings
-
-        words: list[str] = []
-        chars = 8 * n  # ~6 characters per word with its space; grow until enough survive the dedupe
-        while len(words) < n:
-            docs = stdlib_docstrings(chars)
-            words = _drop_calibration_sentences(" ".join(docs), corpus).split()
-            if sum(map(len, docs)) < chars:  # the standard library has no more
-                break
-            chars *= 2
-        return words
-
-    return more

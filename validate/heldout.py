@@ -63,6 +63,26 @@ def stdlib_docstrings(max_chars: int) -> list[str]:
     return out
 
 
+def more_heldout_words(corpus: str = "pydoc"):
+    """more(n) for `ruler.Sources`: >= n words of the standard library's docstrings (the attention-level
+    test's second held-out source, `stdlib_docstrings`), sentences also found in the
+    corpus's calibration split dropped. Read only by corpus haystacks longer than the held-out split."""
+    from oscar.validate.env import drop_calibration_sentences
+
+    def more(n: int) -> list[str]:
+        words: list[str] = []
+        chars = 8 * n  # ~6 characters per word with its space; grow until enough survive the dedupe
+        while len(words) < n:
+            docs = stdlib_docstrings(chars)
+            words = drop_calibration_sentences(" ".join(docs), corpus).split()
+            if sum(map(len, docs)) < chars:  # the standard library has no more
+                break
+            chars *= 2
+        return words
+
+    return more
+
+
 @dataclass
 class HeldoutSequences:
     seqs: list[np.ndarray]             # int64 (T_i,) token ids per sequence, positions 0..T_i-1

@@ -297,6 +297,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     from oscar.stats.artifact import load_artifact
     from oscar.validate import env
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
+    from oscar.validate.heldout import more_heldout_words
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
     methods = parse_methods(cfg.methods)
@@ -315,7 +316,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     protocol = PROTOCOLS[cfg.protocol]
-    src = Sources.from_text(env.heldout_text(cfg.corpus), more=env.more_heldout_words(cfg.corpus))
+    src = Sources.from_text(env.heldout_text(cfg.corpus), more=more_heldout_words(cfg.corpus))
     eos = eos_ids(model, tok)
 
     path = os.path.join(cfg.out, "niah_samples.jsonl")
