@@ -32,11 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 
-    s = sub.add_parser("submit", help="submit a calibration as a Ray job (resubmitting resumes)",
-                       description="Submit a job config (calibrate options + cluster section) through the Ray Jobs "
-                                   "API. The submission id comes from the store, so resubmitting attaches to a live "
-                                   "attempt or resumes the store after a failed one (docs/cluster.md).")
-    s.add_argument("config", help="job config (YAML/JSON): calibrate options + cluster section")
+    s = sub.add_parser("submit", help="submit a calibration or a whole validation run as a Ray job (resubmitting resumes)",
+                       description="Submit a job config (calibrate: or run: options + cluster section) through the Ray "
+                                   "Jobs API. The submission id comes from the store (a run: its out directory and "
+                                   "model), so resubmitting attaches to a live attempt or resumes after a failed one "
+                                   "(docs/cluster.md, docs/validation.md).")
+    s.add_argument("config", help="job config (YAML/JSON): calibrate: (or run:) options + cluster section")
     s.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://127.0.0.1:8265 "
                    "(default: $RAY_ADDRESS)")
     s.add_argument("--wait", action="store_true", help="follow the job until it ends, printing its status changes and "

@@ -141,6 +141,21 @@ def test_run_job_asks_for_a_gpu_and_is_identified_by_its_output(tmp_path, monkey
     assert "entrypoint_num_gpus" not in jobs.submission(jobs.normalize_job_config(cfg(tmp_path)), "s", 1)
 
 
+def test_shipped_validation_job(tmp_path):
+    """cluster/job-validate.yaml (docs/validation.md's GPU job) is a valid run of ONE 128k-capable model that
+    asks for a GPU for its driver and calibrates on GPU stage actors."""
+    from oscar.run import check_run_section
+
+    c = jobs.normalize_job_config(yaml.safe_load(open(os.path.join(HERE, "cluster", "job-validate.yaml"))))
+    rc = check_run_section(c["run"])
+    assert max(rc.lengths) == 131072 and rc.calibrate["device"] == "cuda" and c["cluster"]["gpus_per_stage"] >= 1
+    kw = jobs.submission(c, "s", 1)
+    assert kw["entrypoint_num_gpus"] >= 1 and kw["entrypoint"] == "python -m oscar.run"
+    doc = open(os.path.join(HERE, "docs", "validation.md")).read()
+    sec = doc[doc.index("## To 128k with a real model"):doc.index("## Key clip tuning")]
+    assert "oscar submit cluster/job-validate.yaml" in sec and "model: " + rc.model in sec
+
+
 @pytest.mark.parametrize("bad,match", [
     ({"run": {"model": "tiny-llama"}}, "run.out is required"),
     ({"run": {"out": "o"}, "calibrate": {"store": "s"}}, "not both"),
