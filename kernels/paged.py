@@ -38,7 +38,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from oscar.common import OscarError
-from oscar.kernels.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
+from oscar.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
 from oscar.stats.artifact import Artifact, QuantConfig
 
 
@@ -76,9 +76,9 @@ class PagedConfig:
     dtype: torch.dtype = torch.bfloat16  # sink / ring storage
     device: str | torch.device = "cpu"
     max_pages_per_seq: int | None = None  # block table width; None = num_pages
-    clip_rule: Literal["ratio", "row-quantile"] = "ratio"  # minmax: how the clip ratio applies (kernels.quant)
+    clip_rule: Literal["ratio", "row-quantile"] = "ratio"  # minmax: how the clip ratio applies (oscar.quant)
     param_dtype: torch.dtype = torch.float16  # minmax scale/zero storage (float8_e4m3fn: 8-bit params, directed
-    # rounding, see kernels.quant; float32: the published OSCAR format)
+    # rounding, see oscar.quant; float32: the published OSCAR format)
     # derived
     ring_size: int = field(init=False)  # R + P slots per sequence
     packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row

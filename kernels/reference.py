@@ -3,7 +3,7 @@
 This module defines the semantics; the Triton kernels (triton_quant.py,
 triton_decode.py) are tested against it. It is also the CPU production path
 (`dispatch` picks it when tensors are not on CUDA). Everything is built on
-`oscar.kernels.quant` (same rounding rule: round half up, scale/zero rounded to
+`oscar.quant` (same rounding rule: round half up, scale/zero rounded to
 cfg.param_dtype first: fp16, or 8-bit e4m3 with directed rounding).
 """
 
@@ -14,7 +14,7 @@ import math
 import torch
 
 from oscar.kernels.paged import PagedLayerCache, layout
-from oscar.kernels.quant import choose_qparams, dequantize, pack, quantize, unpack
+from oscar.quant import choose_qparams, dequantize, pack, quantize, unpack
 
 
 # ------------------------------------------------------------------ pages

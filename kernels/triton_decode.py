@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from oscar.kernels.paged import PagedLayerCache
-from oscar.kernels.quant import FP8_PARAM
+from oscar.quant import FP8_PARAM
 from oscar.kernels.triton_quant import _e4m3_value
 
 LOG2E = 1.4426950408889634

@@ -5,7 +5,7 @@ out as PER = 8 // BITS strided column tiles: tile i holds channels j*PER + i for
 j < D*BITS/8, so the byte j of a token is sum_i code_i(j) << (BITS*i) and packing
 needs no reshape (works for any D that is a multiple of PER, power of two or not).
 
-Rounding is exactly `oscar.kernels.quant`: scale = fp16(max((hi - lo)/levels, 1e-8)),
+Rounding is exactly `oscar.quant`: scale = fp16(max((hi - lo)/levels, 1e-8)),
 zero = fp16(lo), code = clamp(floor((x - zero) / scale + 0.5), 0, levels), with
 IEEE division (`div_rn`) so the codes are bit-identical to the torch reference.
 A zero fp16 scale (a constant group) gives 0/0 = NaN in both: code 0.
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from oscar.common import OscarError
 from oscar.kernels.paged import PagedLayerCache
-from oscar.kernels.quant import FP8_PARAM
+from oscar.quant import FP8_PARAM
 
 MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
 

@@ -24,7 +24,7 @@ import torch
 
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
-from oscar.kernels.quant import QuantSpec
+from oscar.quant import QuantSpec
 
 ARTIFACT_FORMAT = "oscar-artifact/1"
 # /2 = /1 + rot_q. Written only by artifacts that have rot_q, so a /1 reader refuses them instead of
@@ -47,7 +47,7 @@ class QuantConfig:
     the rotated space; exactly ``bits`` bits per element.
     key_axis="channel": KIVI-style per-channel keys over token groups of ``group_size``.
     clip_rule / param_dtype: how minmax mode applies the clip ratio and the dtype of the
-    stored scale/zero (see `oscar.kernels.quant`; "float8_e4m3fn": 8-bit, 2 + 16/G bits per
+    stored scale/zero (see `oscar.quant`; "float8_e4m3fn": 8-bit, 2 + 16/G bits per
     element, directed rounding); the published OSCAR recipe
     (`oscar.stats.reference_recipe`) uses "row-quantile" and "float32". Defaults keep the
     original format, so artifacts written before these fields existed load unchanged.

@@ -5,7 +5,7 @@ K objective: relative logit error weighted by the captured queries,
 i.e. the mean squared error of q·k over real queries q. V objective: relative
 attention-output error ||S (V - V̂)||² / ||S V||² with S = softmax(q kᵀ · scale)
 of reservoir queries over reservoir keys. Both use the exact quantizer of the
-artifact's QuantConfig (oscar.kernels.quant.fake_quant), so the clip is optimal
+artifact's QuantConfig (oscar.quant.fake_quant), so the clip is optimal
 for the format the kernel stores.
 
 Candidates: minmax mode, ratios in (0, 1]; static mode, absolute thresholds
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from oscar.kernels.quant import QuantSpec, fake_quant
+from oscar.quant import QuantSpec, fake_quant
 
 
 @dataclass

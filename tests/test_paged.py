@@ -7,7 +7,7 @@ import torch
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, PagedLayerCache, PoolExhausted, layout
-from oscar.kernels.quant import QuantSpec, fake_quant, pack, unpack
+from oscar.quant import QuantSpec, fake_quant, pack, unpack
 from oscar.stats.artifact import QuantConfig
 
 

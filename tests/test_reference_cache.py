@@ -1,7 +1,7 @@
 """oscar-ref in the paged cache: row-quantile clips, float32 scale/zero, pages of 8.
 
 The stored pages are checked against a from-scratch definition (sort-based quantile,
-clamp, min/max, round half up) rather than against `oscar.kernels.quant`, and decode
+clamp, min/max, round half up) rather than against `oscar.quant`, and decode
 attention against the dequantize-everything oracle. The Triton part (kernel decode
 reading float32 params; the page quantizer refusing the format, the dispatcher falling
 back to the reference) runs where Triton can (CUDA, or TRITON_INTERPRET=1 exported before

@@ -26,7 +26,7 @@ Other helpers add methods with `register_method(name, factory)`.
 
 Execution. `LayerQuant` fake-quantizes one layer's K/V exactly as the INT2
 cache stores them: rotate (keys centred by the artifact's key mean first),
-quantize/dequantize with `oscar.kernels.quant` under the artifact's QuantSpec
+quantize/dequantize with `oscar.quant` under the artifact's QuantSpec
 and clips, rotate back. Since the rotations are orthogonal, attention over
 the un-rotated dequantized K/V equals the kernel's attention in the rotated
 space (q R_K)·(k̂ R_K) up to float rounding. `SimQuantCache` is a
@@ -45,7 +45,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from oscar.common import OscarError, attention_shapes
-from oscar.kernels.quant import QuantSpec, fake_quant
+from oscar.quant import QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 
 

@@ -7,7 +7,7 @@ always taken against the decoded keys: for QJL codecs the decoder returns the
 *unbiased* reconstruction ``x_mse + sqrt(pi/2)/m * |r| * S^T sign(S r)``, so
 ``q . k_hat`` is exactly the QJL inner-product estimator.
 
-Scalar uniform grids come from `oscar.kernels.quant` (the one quantizer family);
+Scalar uniform grids come from `oscar.quant` (the one quantizer family);
 Lloyd–Max codebooks (TurboQuant's Beta codebook, SpectralQuant's per-dimension
 Gaussian codebook) are computed here.
 
@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from oscar.kernels.quant import QuantSpec, fake_quant
+from oscar.quant import QuantSpec, fake_quant
 
 
 # ----------------------------------------------------------------------------- context
@@ -197,7 +197,7 @@ class Codec:
 
 
 class UniformCodec(Codec):
-    """Optional rotation R (and key-mean centering), then the shared uniform grid (kernels.quant).
+    """Optional rotation R (and key-mean centering), then the shared uniform grid (oscar.quant).
 
     rotation: callable(calib, role, ctx) -> (D, D) invertible R, applied as x @ R and undone with
     R^{-1} (Rᵀ when orthogonal; `scaled` keys are not).
@@ -231,7 +231,7 @@ class UniformCodec(Codec):
         return fake_quant(y, self.spec, clip=c) @ self.Rinv + self.mu
 
     def encode(self, x):
-        from oscar.kernels.quant import choose_qparams, quantize
+        from oscar.quant import choose_qparams, quantize
 
         y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
         s, z = choose_qparams(y, self.spec, clip=self.c)
@@ -239,7 +239,7 @@ class UniformCodec(Codec):
         return Code({"codes": (quantize(y, s, z, self.spec), self.bits), "scale": (s, pb), "zero": (z, pb)}, tuple(x.shape))
 
     def decode(self, code):
-        from oscar.kernels.quant import dequantize
+        from oscar.quant import dequantize
 
         y = dequantize(code["codes"], code["scale"], code["zero"], self.spec, dtype=self.ctx.dtype)
         return y @ self.Rinv + self.mu
