@@ -1,4 +1,4 @@
-"""The rotation artifact: producer side (fit) and the one reader kernels use.
+"""The rotation artifact: producer side (fit) and the one reader kernels use (header: oscar.artifact_header).
 
 Format ``oscar-artifact/1`` (docs/artifact-format.md): a safetensors file with,
 per layer l,
@@ -22,16 +22,10 @@ from typing import Any, Literal
 
 import torch
 
+from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, read_metadata
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
 from oscar.quant import QuantSpec
-
-ARTIFACT_FORMAT = "oscar-artifact/1"
-# /2 = /1 + rot_q. Written only by artifacts that have rot_q, so a /1 reader refuses them instead of
-# reading queries with rot_k (wrong logits); orthogonal artifacts stay /1.
-ARTIFACT_FORMAT_Q = "oscar-artifact/2"
-READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q)
-
 
 # fields older artifacts may carry that no longer mean anything: `flush_pages` chose whether validation's
 # simulator released tokens to INT2 in whole pages; the validation protocol decides that now
@@ -238,22 +232,6 @@ def _check_writable(path: str) -> None:
         raise OscarError(f"--out {path}: directory {d} does not exist")
     if not os.access(d, os.W_OK):
         raise OscarError(f"--out {path}: directory {d} is not writable")
-
-
-def read_metadata(path: str) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, "pt") as f:
-            raw = (f.metadata() or {}).get("oscar")
-    except Exception as e:  # safetensors raises its own error types
-        raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e
-    if raw is None:
-        raise OscarError(f"{path}: safetensors file has no 'oscar' metadata; not an oscar artifact")
-    meta = json.loads(raw)
-    if meta.get("format") not in READS:
-        raise OscarError(f"{path}: artifact format {meta.get('format')!r}, this version reads {' and '.join(map(repr, READS))}")
-    return meta
 
 
 def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
