@@ -30,6 +30,8 @@ from oscar.quant import QuantSpec
 # fields older artifacts may carry that no longer mean anything: `flush_pages` chose whether validation's
 # simulator released tokens to INT2 in whole pages; the validation protocol decides that now
 _RETIRED_QUANT_FIELDS = ("flush_pages",)
+# static mode's channel group: thresholds may differ per channel, so each channel is its own group
+STATIC_GROUP_SIZE = 1
 
 
 @dataclass
@@ -72,14 +74,18 @@ class QuantConfig:
         return getattr(torch, self.param_dtype)
 
     def key_spec(self, head_dim: int) -> QuantSpec:
-        if self.key_axis == "channel":
+        """The one derivation of the keys' quantizer (fit's clip search, the paged cache, validation)."""
+        if self.key_axis == "channel":  # KIVI: per channel over token groups (the cache's page)
             return QuantSpec(bits=self.bits, axis="channel", group_size=self.group_size or self.page_size,
                              param_dtype=self.torch_param_dtype)
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode,
-                         param_dtype=self.torch_param_dtype, clip_rule=self.clip_rule)
+        return self.value_spec(head_dim)
 
     def value_spec(self, head_dim: int) -> QuantSpec:
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode,
+        if self.mode == "static":
+            # thresholds per head or per (head, channel): one channel per group; layer constants, no
+            # per-token params, so they stay fp16 whatever param_dtype says (the cache stores fp16)
+            return QuantSpec(bits=self.bits, group_size=STATIC_GROUP_SIZE, mode="static")
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax",
                          param_dtype=self.torch_param_dtype, clip_rule=self.clip_rule)
 
 

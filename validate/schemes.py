@@ -250,8 +250,9 @@ def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: 
     with the codec's fitted rotation, key mean and clip ratio. The page quantizer is Triton
     when `oscar.kernels.dispatch.backend` picks it (CUDA, or OSCAR_KERNELS=triton with
     TRITON_INTERPRET=1); bits per element counted from the cache's own tensors."""
-    from oscar.kernels.dispatch import dequantize_sequence
+    from oscar.kernels.dispatch import dequantize_sequence, quantize_pages
     from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+    from oscar.stats.artifact import QuantConfig
 
     T, D = x.shape
     if codec.axis != "token" or codec.bits not in (1, 2, 4, 8) or T % page_size:
@@ -261,9 +262,9 @@ def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: 
     mu = codec.mu.float()[None] if (codec.center and role == "k") else None
     rq = codec.Rinv.T.float()[None].contiguous() if role == "k" else None  # R^{-T}: un-rotates keys via its transpose
     rot = LayerRotation(rot_k=R, rot_v=R.clone(), clip_k=c, clip_v=c.clone(), k_mean=mu, rot_q=rq)
-    cfg = PagedConfig(num_kv_heads=1, head_dim=D, num_pages=T // page_size, max_seqs=1, page_size=page_size,
-                      sink=0, recent=0, bits=codec.bits, group_size=codec.group, dtype=torch.float32)
-    cache = PagedLayerCache(cfg, rot)
+    quant = QuantConfig(bits=codec.bits, group_size=codec.group, sink=0, recent=0, page_size=page_size)
+    cache = PagedLayerCache(PagedConfig(quant, 1, D, num_pages=T // page_size, max_seqs=1, dtype=torch.float32), rot,
+                            quantizer=quantize_pages)
     s = cache.new_sequence()
     xs = x.float()[None]  # (Hkv=1, T, D); the same rows go to both sides, we read `role`'s
     cache.append(s, xs, xs)
