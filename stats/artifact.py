@@ -25,6 +25,7 @@ import torch
 from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, read_metadata
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
+from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
 from oscar.quant import QuantSpec
 
 # fields older artifacts may carry that no longer mean anything: `flush_pages` chose whether validation's
@@ -54,9 +55,9 @@ class QuantConfig:
     key_axis: Literal["token", "channel"] = "token"
     value_axis: Literal["token"] = "token"
     mode: Literal["minmax", "static"] = "minmax"
-    sink: int = 64
-    recent: int = 256
-    page_size: int = 16
+    sink: int = SINK
+    recent: int = RECENT
+    page_size: int = PAGE_SIZE
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
     param_dtype: Literal["float16", "float32", "float8_e4m3fn"] = "float16"  # float8_e4m3fn: 8-bit scale/zero
 
