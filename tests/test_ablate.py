@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from oscar.common import OscarError
-from oscar.validate.ablate import AblationConfig, run_ablation
-from oscar.validate.regimes import RegimeConfig
+from oscar.validate.ablation.ablate import AblationConfig, run_ablation
+from oscar.validate.ablation.regimes import RegimeConfig
 
 COLUMNS = {"regime", "scheme", "bits", "bits_per_element", "metric", "value", "seed", "path"}
 

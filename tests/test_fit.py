@@ -400,7 +400,7 @@ def test_cli_fit_and_variants(store, tmp_path, capsys):
 
 
 def test_calibration_report_section(store, tmp_path):
-    from oscar.stats.report import calibration_section
+    from oscar.reports.calibration import calibration_section
 
     a = str(tmp_path / "a.safetensors")
     save_artifact(fit(store[0], _cfg()), a)
@@ -507,5 +507,5 @@ def test_report_module_does_not_import_kernels():
     import subprocess
     import sys
 
-    code = "import sys, oscar.stats.report; sys.exit('oscar.kernels.quant' in sys.modules)"
+    code = "import sys, oscar.reports.calibration; sys.exit('oscar.kernels.quant' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

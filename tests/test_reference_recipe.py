@@ -268,7 +268,7 @@ def test_fit_oscar_ref_needs_value_target(tmp_path):
 # --- ablation integration: scheme `oscar-ref` ---------------------------------------------------
 
 def test_ablation_scheme_oscar_ref():
-    from oscar.validate.schemes import Ctx, make_scheme
+    from oscar.validate.ablation.schemes import Ctx, make_scheme
 
     g = torch.Generator().manual_seed(0)
     D, N = 8, 200

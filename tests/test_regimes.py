@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from oscar.common import OscarError
-from oscar.validate.regimes import REGIMES, RegimeConfig, excess_kurtosis, make_regime, measure
+from oscar.validate.ablation.regimes import REGIMES, RegimeConfig, excess_kurtosis, make_regime, measure
 
 CFG = RegimeConfig(D=64, n_calib=4096, n_test=512, n_query=32)
 
