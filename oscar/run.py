@@ -118,15 +118,12 @@ def _calibrate(cfg: RunConfig, store: str) -> dict:
 
     cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens)
     if cfg.ray:
-        try:
-            from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
-        except ImportError:
-            _say("oscar.cluster is not available: calibrating in this process (as with --no-ray)")
-        else:
-            _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
-            rep = calibrate_on_ray(cc, ClusterConfig(stages=1, replicas=1, cpus_per_stage=float(os.cpu_count() or 1)),
-                                   address="auto", progress=cfg.progress)
-            return {"backend": "ray", "report": rep.to_dict() if hasattr(rep, "to_dict") else str(rep)}
+        from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+
+        _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
+        rep = calibrate_on_ray(cc, ClusterConfig(stages=1, replicas=1, cpus_per_stage=float(os.cpu_count() or 1)),
+                               address="auto", progress=cfg.progress)
+        return {"backend": "ray", "report": rep.to_dict() if hasattr(rep, "to_dict") else str(rep)}
     res = calibrate(cc, progress=cfg.progress)
     return {"backend": "process", "report": res.to_dict()}
 
@@ -190,12 +187,9 @@ def run_main(cfg: RunConfig) -> dict:
                  f"{rec['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
         save(art, art_path)
-        try:
-            from oscar.reports.calibration import calibration_section
+        from oscar.reports.calibration import calibration_section
 
-            calibration_section(art_path, store, cal_dir)
-        except ImportError:
-            _say("fit: oscar.reports.calibration.calibration_section not available; no calibration section")
+        calibration_section(art_path, store, cal_dir)
         return {"clip_tuning": rec} if rec else None
 
     st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [art_path], do_tune)
@@ -222,16 +216,13 @@ def run_main(cfg: RunConfig) -> dict:
            lambda: run_ppl(pcfg, loaded=model(), progress=cfg.progress))
 
     # 6. attention-level retrieval on captured q/k/v
-    try:
-        from oscar.validate.attention import AttnConfig, run_attention
-    except ImportError:
-        run_attention = None
-    if run_attention is not None:
-        acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype)
-        fp_a = fingerprint({"art": art_fp, "cfg": asdict(acfg), "protocols": PROTOCOL_VERSION})
-        st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp_a,
-               [os.path.join(d, "attention.parquet")],
-               lambda: run_attention(acfg, progress=cfg.progress, loaded=model()))
+    from oscar.validate.attention import AttnConfig, run_attention
+
+    acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype)
+    fp_a = fingerprint({"art": art_fp, "cfg": asdict(acfg), "protocols": PROTOCOL_VERSION})
+    st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp_a,
+           [os.path.join(d, "attention.parquet")],
+           lambda: run_attention(acfg, progress=cfg.progress, loaded=model()))
 
     # 7. report (always rebuilt: cheap, reads files only)
     total = time.time() - t_all

@@ -64,8 +64,6 @@ KNOWN: dict[str, str] = {
     # point 4 (s18b): one model-config loader, owned where kernels and stats may read it
     "layer: oscar.kernels.memory -> oscar.pipeline.models": "point 4",
     "layer: oscar.stats.interop -> oscar.pipeline.models": "point 4",
-    # point 6 (s18c): `oscar ablate` builds its report in the CLI layer, not inside validate
-    "layer: oscar.validate.ablation.ablate -> oscar.reports.ablation": "point 6",
 }
 
 

