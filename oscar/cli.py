@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate import DEFAULT_METHODS as _DEFAULT_METHODS
 
 DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)
@@ -24,7 +25,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                                    "inside calibrate, niah and ppl.")
     r.add_argument("--out", required=True, help="run directory (everything the job writes; resumes what it holds)")
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
-    r.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    r.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default 20)")
     r.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list of KV-cache methods to compare (default: %(default)s; also tq-int2, sq-int2, "

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
@@ -32,7 +33,7 @@ from oscar.common import OscarError, file_fingerprint, fingerprint
 class RunConfig:
     out: str
     ray: bool = True
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
     samples: int | None = None  # NIAH samples per cell (20: the acceptance size)
     full: bool = False  # the acceptance sizes

@@ -6,19 +6,21 @@ import argparse
 import json
 from pathlib import Path
 
+from oscar.defaults import EMBEDDED_MODEL, SINK
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="capture attention statistics into a zarr block store (resumable)",
                        description="Stream the calibration corpus through the model and accumulate per-layer, "
                                    "per-KV-head attention statistics into a zarr store. Re-running the same "
                                    "command resumes; a store made for another model, corpus or config is refused.")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="preset (smollm2-135m, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
-                        "HF directory or .gguf file (default: %(default)s)")
+    p.add_argument("--model", default=EMBEDDED_MODEL,
+                   help=f"preset ({EMBEDDED_MODEL}, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
+                        "HF directory or .gguf file (default: %%(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence")
-    p.add_argument("--sink", type=int, default=64, help="first positions of every sequence left out (default 64)")
+    p.add_argument("--sink", type=int, default=SINK, help=f"first positions of every sequence left out (default {SINK})")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--blocks", type=int, help="number of blocks (default: as many as --block-tokens gives)")
     g.add_argument("--block-tokens", type=int, help="tokens per block (default 16384)")

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from oscar.defaults import RECENT, SINK
+
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     from oscar.stats.artifact import QuantConfig, save_artifact
@@ -82,8 +84,8 @@ def register(sub) -> None:
                    help="key grouping: token (one group per token) or channel (KIVI-style, over a group of tokens)")
     p.add_argument("--mode", choices=("minmax", "static"), default="minmax",
                    help="minmax: per-group scale/zero with clip ratios; static: fixed symmetric grid at absolute clips")
-    p.add_argument("--sink", type=int, default=64, help="first tokens of each sequence kept in the model dtype")
-    p.add_argument("--recent", type=int, default=256, help="latest tokens kept in the model dtype")
+    p.add_argument("--sink", type=int, default=SINK, help="first tokens of each sequence kept in the model dtype")
+    p.add_argument("--recent", type=int, default=RECENT, help="latest tokens kept in the model dtype")
     p.add_argument("--param-dtype", choices=("float16", "float8_e4m3fn"), default="float16",
                    help="minmax scale/zero storage; the clip search fits that format (float8_e4m3fn: 8-bit, 2.25 bits "
                         "per element at head_dim 64)")

@@ -212,9 +212,9 @@ def _fit_layer(ls: LayerStats, l: int, cfg: FitConfig, variant, fmt: _Format, rn
 
 def _metadata(store_path: str, view, cfg: FitConfig, variant, fixed, layers: list[_LayerFit], t0: float) -> dict:
     """The artifact's metadata: the fit's settings, the store's provenance, every layer's record."""
-    q_count = view.group[f"layers/0/q_count"].get_orthogonal_selection((view.blocks,))
-    kv_count = view.group[f"layers/0/kv_count"].get_orthogonal_selection((view.blocks,))
-    tokens = int(np.asarray(view.group["mask"].get_orthogonal_selection((view.blocks,))).sum()) if "mask" in view.group else None
+    q_count = view.read("layers/0/q_count")
+    kv_count = view.read("layers/0/kv_count")
+    tokens = int(view.read("mask").sum()) if view.store.has("mask") else None
     layers_meta = [f.meta for f in layers]
     return {
         "variant": cfg.variant,

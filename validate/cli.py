@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from oscar.validate import DEFAULT_METHODS as _DEFAULT_METHODS
+from oscar.defaults import EMBEDDED_MODEL, SINK
 
 DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)
 
@@ -35,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     n = vs.add_parser("niah", help="RULER-style tasks under the strict protocol (resumable)",
                       description="RULER-style needle-in-a-haystack tasks on held-out haystacks, every method on the "
                                   "same samples; writes DIR/results.parquet and DIR/niah_samples.jsonl.")
-    n.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    n.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     n.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     n.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
     n.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma list of RULER tasks, or 'all'")
@@ -57,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = vs.add_parser("ppl", help="held-out perplexity, strict and serving protocols",
                       description="Held-out perplexity of every method, paired by window against bf16; writes "
                                   "DIR/ppl.parquet and DIR/goal.json.")
-    p.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    p.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     p.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
     p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k",
@@ -76,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       description="Score each factor x the fitted key clips by NLL per token on calibration-split text "
                                   "(float32, so the choice does not depend on thread counts) and write the artifact "
                                   "with the best factor applied.")
-    t.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    t.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     t.add_argument("--artifact", required=True, help="fitted artifact to tune")
     t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", help="comma list of factors x the fitted key clip "
                    "(ratios capped at 1)")
@@ -103,7 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")
     a.add_argument("--seq-len", type=int, default=4096,
                    help="tokens per captured held-out sequence, at most the model's context")
-    a.add_argument("--sink", type=int, default=64, help="first keys of each context kept exact")
+    a.add_argument("--sink", type=int, default=SINK, help="first keys of each context kept exact")
     a.add_argument("--corpus", default="pydoc", help="corpus whose held-out split comes first")
     a.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model compute dtype of the capture")

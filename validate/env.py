@@ -13,9 +13,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from oscar.common import OscarError
+from oscar.defaults import EMBEDDED_MODEL
 
 
-def load_model(spec: str = "smollm2-135m"):
+def load_model(spec: str = EMBEDDED_MODEL):
     """(model, tokenizer, info) in eval mode, float32 on CPU."""
     from oscar.pipeline.models import load_model as _load
 
@@ -42,11 +43,9 @@ def with_dtype(model, dtype: str = "float32"):
 
 def config_max_context(spec: str) -> int:
     """The model's context length from its config alone (no weights loaded)."""
-    from transformers import AutoConfig
+    from oscar.pipeline.models import load_config
 
-    from oscar.pipeline.models import resolve_model
-
-    return max_context(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model(spec))))
+    return max_context(SimpleNamespace(config=load_config(spec)))
 
 
 def max_context(model) -> int:
