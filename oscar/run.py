@@ -341,16 +341,3 @@ def job_main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(job_main())
-=======
-def run_main(cfg: RunConfig) -> dict:
-    """Run (or resume) the main job in cfg.out; returns what DIR/run.json records."""
-    t_all = time.time()
-    os.makedirs(cfg.out, exist_ok=True)
-    job = _Job(cfg, Stages(cfg.out))
-    _say(f"output in {cfg.out}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
-    fp_cal = _stage_calibrate(job)
-    _stage_fit(job, fp_cal)
-    _stage_tune(job)
-    _stage_validate(job)
-    return _stage_report(job, time.time() - t_all)
->>>>>>> main
