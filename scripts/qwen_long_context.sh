@@ -62,7 +62,10 @@ for s in steps:  # a resumed step keeps every attempt's time: sum them
     last.setdefault(k, {**s, "cpu_s": 0.0, "wall_s": 0.0, "attempts": 0})
     last[k]["cpu_s"] += s["cpu_s"]; last[k]["wall_s"] += s["wall_s"]; last[k]["attempts"] += 1
     last[k]["maxrss_kb"] = max(last[k].get("maxrss_kb", 0), s.get("maxrss_kb", 0))
-rows = [{**v, "note": f"peak RSS {v['maxrss_kb'] / 2**20:.1f} GiB" + (f", {v['attempts']} attempts" if v["attempts"] > 1 else "")}
+    if s.get("note"):
+        last[k]["note"] = s["note"]
+rows = [{**v, "note": "; ".join(x for x in (v.get("note"), f"peak RSS {v['maxrss_kb'] / 2**20:.1f} GiB" if v.get("maxrss_kb") else "",
+                                          f"{v['attempts']} attempts" if v["attempts"] > 1 else "") if x)}
         for v in last.values()]
 cpu = sum(r["cpu_s"] for r in rows)
 info = {"command": "bash scripts/qwen_long_context.sh", "model": "qwen2.5-0.5b",
