@@ -19,7 +19,7 @@ import torch
 
 from oscar.common import OscarError
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.stats.clip import search_layer
+from oscar.stats.clip import ClipSearch, search_layer
 from oscar.stats.hadamard import supported as hadamard_supported
 from oscar.stats.reduce import ESTIMATORS, LayerStats, ReduceConfig, open_store, prefetch
 from oscar.stats.rotations import Rotations, get_variant, hadamard_rot
@@ -99,9 +99,7 @@ class _Format:
 
     quant: QuantConfig
     fixed: Any  # the variant's fixed format and clip ratios (oscar-ref), else None
-    kspec: Any  # QuantSpec of keys / values at head_dim D
-    vspec: Any
-    scale: float  # the model's attention scale (D**-0.5 unless the store records another)
+    search: ClipSearch  # the clip search for this format at head_dim D (key/value specs, attention scale, grids)
 
 
 def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
@@ -121,7 +119,9 @@ def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
                          f"keys per {quant.key_axis}, pages of {quant.page_size}) cannot serve head_dim {D}: "
                          f"{'; '.join(probs)}")
     scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
-    return _Format(quant, fixed, quant.key_spec(D), quant.value_spec(D), scale)
+    return _Format(quant, fixed, ClipSearch(quant.key_spec(D), quant.value_spec(D), scale, np.array(cfg.clip_ratios),
+                                            np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows,
+                                            cfg.clip_queries))
 
 
 def _clips(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int):
@@ -139,9 +139,7 @@ def _clips(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int)
         kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
         q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rq), (kc, Rk), (T(v), Rv)))  # (H, N, D)
         Cq_r = (T(Rq).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rq)).numpy()  # (H, D, D)
-        ck, cv = search_layer(q_r, k_r, v_r, Cq_r, fmt.kspec, fmt.vspec, fmt.scale, np.array(cfg.clip_ratios),
-                              np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries,
-                              seed=cfg.seed + l)
+        ck, cv = search_layer(q_r, k_r, v_r, Cq_r, fmt.search, seed=cfg.seed + l)
         ck_t, cv_t = ck.clip, cv.clip
         for side, c in (("k", ck), ("v", cv)):
             meta_clip[side] = {"per_head": c.per_head, "gain_per_head": round(c.gain_per_head, 5),
