@@ -99,7 +99,7 @@ class _Format:
 
     quant: QuantConfig
     fixed: Any  # the variant's fixed format and clip ratios (oscar-ref), else None
-    search: ClipSearch  # the clip search for this format at head_dim D (key/value specs, attention scale, grids)
+    search: ClipSearch  # the clip search at head_dim D: the format's quantizers, the model's attention scale, grids
 
 
 def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
@@ -119,9 +119,9 @@ def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
                          f"keys per {quant.key_axis}, pages of {quant.page_size}) cannot serve head_dim {D}: "
                          f"{'; '.join(probs)}")
     scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
-    return _Format(quant, fixed, ClipSearch(quant.key_spec(D), quant.value_spec(D), scale, np.array(cfg.clip_ratios),
-                                            np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows,
-                                            cfg.clip_queries))
+    search = ClipSearch(quant.key_spec(D), quant.value_spec(D), scale, np.array(cfg.clip_ratios),
+                        np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries)
+    return _Format(quant, fixed, search)
 
 
 def _clips(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int):
