@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
@@ -32,7 +33,7 @@ from oscar.common import OscarError, file_fingerprint, fingerprint
 class RunConfig:
     out: str
     ray: bool = True
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
     samples: int | None = None  # NIAH samples per cell (20: the acceptance size)
     full: bool = False  # the acceptance sizes
@@ -191,11 +192,11 @@ def run_main(cfg: RunConfig) -> dict:
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
         save(art, art_path)
         try:
-            from oscar.stats.report import calibration_section
+            from oscar.reports.calibration import calibration_section
 
             calibration_section(art_path, store, cal_dir)
         except ImportError:
-            _say("fit: oscar.stats.report.calibration_section not available; no calibration section")
+            _say("fit: oscar.reports.calibration.calibration_section not available; no calibration section")
         return {"clip_tuning": rec} if rec else None
 
     st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [art_path], do_tune)
