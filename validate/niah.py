@@ -16,7 +16,7 @@ Files in OUT:
 - niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
 - niah_samples.jsonl  one line per (task, length, index, method), appended and flushed
 - results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ci_low, ci_high
-                      (95 %), the paired difference to bf16 and its Holm-adjusted test (validate/evidence.py), ...
+                      (95 %), the paired difference to bf16 and its Holm-adjusted test (oscar/evidence.py), ...
 - memory.json         bytes per token per method
 """
 
@@ -32,7 +32,7 @@ import torch
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.validate.evidence import read_samples
+from oscar.evidence import read_samples
 
 
 @dataclass
@@ -282,6 +282,16 @@ def _batches(cells, methods, done, batch_tokens: int):
         yield batch
 
 
+class _Inline:
+    """`Workers`' stand-in when everything runs in this process."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 def eos_ids(model, tok) -> set[int]:
     e = model.generation_config.eos_token_id if model.generation_config is not None else None
     ids = set(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
@@ -290,8 +300,37 @@ def eos_ids(model, tok) -> set[int]:
     return ids
 
 
-def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
-    """Score every (task, length, sample, method) not yet in OUT; returns the results table."""
+def _niah_init(model, arg) -> dict:
+    """A worker's state (validate/workers.py): the model, the methods' artifacts, its own prefill pool."""
+    from oscar.validate.methods import PROTOCOLS
+
+    arts, protocol, eos = arg
+    return {"model": model, "arts": arts, "protocol": PROTOCOLS[protocol], "eos": eos, "pool": PrefillPool(model)}
+
+
+def _decode_timed(model, samples, groups, protocol, pool, eos) -> tuple[list[list[int]], dict]:
+    """`decode_batch` and what it cost in the process that ran it (prefill + decode of all the batch's rows):
+    the per-sample figure long-context reports quote (reports/build.py, Compute). Not part of a sample's identity."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    gens = decode_batch(model, samples, groups, protocol, pool, eos)
+    return gens, {"batch_samples": len(samples), "batch_cpu_s": round(time.process_time() - c0, 2),
+                  "batch_wall_s": round(time.perf_counter() - w0, 2)}
+
+
+def _niah_unit(st: dict, arg) -> tuple[list[list[int]], dict]:
+    """One batch in a worker: what `_decode_timed` returns in this process."""
+    samples, missing = arg
+    with torch.no_grad():
+        return _decode_timed(st["model"], samples, [[st["arts"][m] for m in ms] for ms in missing], st["protocol"],
+                             st["pool"], st["eos"])
+
+
+def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int | None = None):
+    """Score every (task, length, sample, method) not yet in OUT; returns the results table.
+
+    workers: processes decoding batches in parallel (validate/workers.py; default: one per CPU this process
+    may use, up to 4, or $OSCAR_WORKERS; 1: in this process). Batches go round-robin, each worker with its
+    own prefill pool; a worker runs one intra-op thread."""
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
@@ -324,18 +363,24 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     cells = [(t, L, i) for t in cfg.tasks for L in cfg.lengths for i in range(cfg.samples)]
     todo = sum(1 for (t, L, i) in cells for m in methods if (t, L, i, m) not in done)
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
-    pool = PrefillPool(model)
-    with open(path, "a") as f:
-        for batch in _batches(cells, methods, done, cfg.batch_tokens):
+    from oscar.validate.workers import Workers, default_workers
+
+    batches = list(_batches(cells, methods, done, cfg.batch_tokens))
+    n = workers or default_workers(len(batches))
+    if next(model.parameters()).device.type != "cpu":
+        n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream
+    with open(path, "a") as f, (Workers(n, model, _niah_init, (arts, cfg.protocol, eos)) if n > 1 else _Inline()) as W:
+        units = [[make_sample(t, L, i, tok, src, seed=cfg.seed) for t, L, i, _ in batch] for batch in batches]
+        if n > 1:
+            results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
+        else:
+            pool = PrefillPool(model)
+            results = ((k, _decode_timed(model, s, [[arts[m] for m in b[3]] for b in batch], protocol, pool, eos))
+                       for k, (s, batch) in enumerate(zip(units, batches)))
+        for k, (gens, cost) in results:
+            batch, samples = batches[k], units[k]
             t, L = batch[0][0], batch[0][1]
             bar.set_postfix_str(f"{t} {L} #{batch[0][2]}" + (f"-{batch[-1][2]}" if len(batch) > 1 else ""))
-            samples = [make_sample(t, L, i, tok, src, seed=cfg.seed) for _, _, i, _ in batch]
-            c0, w0 = time.process_time(), time.perf_counter()
-            gens = decode_batch(model, samples, [[arts[m] for m in missing] for *_, missing in batch], protocol, pool, eos)
-            # What the batch cost (prefill + decode of all its rows; this process's CPU): the figure the long-context
-            # reports quote per sample. Not part of a sample's identity.
-            cost = {"batch_samples": len(batch), "batch_cpu_s": round(time.process_time() - c0, 2),
-                    "batch_wall_s": round(time.perf_counter() - w0, 2)}
             r = 0
             for s, (_, _, i, missing) in zip(samples, batch):
                 for m in missing:
@@ -374,7 +419,7 @@ def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
     from oscar.validate.methods import bits_per_element
 
     D = attention_shapes(config)["head_dim"]
-    from oscar.validate.evidence import niah_stats
+    from oscar.evidence import niah_stats
 
     rows = []
     for st in niah_stats(done):  # every sample in OUT (one identity per OUT, see _prepare_out)
