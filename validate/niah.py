@@ -50,6 +50,8 @@ class NiahConfig:
     # their methods as rows of one `RowBatchCache` (4 at 1k, 2 at 2k, 1 at 4k: ~1.4 GB of float32 K/V).
     # Results do not depend on it beyond float summation order, so it is not part of the identity.
     batch_tokens: int = 4096
+    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
 
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
@@ -60,6 +62,8 @@ class NiahConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
+        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+            ident["engine"] = self.engine
         return ident
 
 
@@ -240,7 +244,7 @@ class PrefillPool:
             for l, layer in enumerate(best.layers):
                 cache.update(layer.keys[..., :n, :], layer.values[..., :n, :], l)
         with load_aware_threads():  # two threads on a busy 2-core machine stall in OpenMP barriers
-            self.model(input_ids=torch.tensor([ids[n:]]), cache=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache, use_cache=True, logits_to_keep=1)
         self.reused += n
         self.computed += len(ids) - n
         self.entries = (self.entries + [(list(ids), cache)])[-self.keep:]
@@ -293,10 +297,12 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate import env
+    from oscar.validate import engine, env
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
+    engine.check_engine(cfg.engine)
+    dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
     for t in cfg.tasks:
         if t not in TASKS:
@@ -308,11 +314,14 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     if cfg.batch_tokens < 1:
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
+    engine.to_device(model, dev)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     protocol = PROTOCOLS[cfg.protocol]
+    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
+        engine.check_methods({m: arts[m] for m in methods}, [protocol])
     src = Sources.from_text(env.heldout_text(cfg.corpus))
     eos = eos_ids(model, tok)
 
@@ -327,7 +336,11 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
             t, L = batch[0][0], batch[0][1]
             bar.set_postfix_str(f"{t} {L} #{batch[0][2]}" + (f"-{batch[-1][2]}" if len(batch) > 1 else ""))
             samples = [make_sample(t, L, i, tok, src, seed=cfg.seed) for _, _, i, _ in batch]
-            gens = decode_batch(model, samples, [[arts[m] for m in missing] for *_, missing in batch], protocol, pool, eos)
+            groups = [[arts[m] for m in missing] for *_, missing in batch]
+            if cfg.engine == "cache":  # the product path, one (sample, method) at a time
+                gens = engine.niah_answers(model, samples, groups, [missing for *_, missing in batch], protocol, eos)
+            else:
+                gens = decode_batch(model, samples, groups, protocol, pool, eos)
             r = 0
             for s, (_, _, i, missing) in zip(samples, batch):
                 for m in missing:

@@ -56,6 +56,8 @@ class PplConfig:
     tokens: int = 8192  # held-out tokens scored per context
     corpus: str = "pydoc"
     dtype: str = "float32"  # model compute dtype (env.with_dtype)
+    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
 
     def identity(self) -> dict:
         art = file_fingerprint(self.artifact) if self.artifact else None
@@ -65,6 +67,8 @@ class PplConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
+        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+            ident["engine"] = self.engine
         return ident
 
 
@@ -325,8 +329,11 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
+    from oscar.validate import engine
     from oscar.validate.niah import load_aware_threads, load_checked
 
+    engine.check_engine(cfg.engine)
+    dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
     bad = [p for p in cfg.protocols if p not in PROTOCOLS]
     if bad:
@@ -335,6 +342,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.contexts, cfg.dtype, loaded)
+    engine.to_device(model, dev)
     os.makedirs(cfg.out, exist_ok=True)
     cpath = os.path.join(cfg.out, "ppl_config.json")
     if os.path.exists(cpath) and json.load(open(cpath)).get("identity") != cfg.identity():
@@ -344,7 +352,9 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
-    ids = torch.tensor([heldout_ids(tok, cfg.corpus, cfg.tokens)])
+    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
+        engine.check_methods({m: arts[m] for m in methods}, [PROTOCOLS[p] for p in cfg.protocols])
+    ids = torch.tensor([heldout_ids(tok, cfg.corpus, cfg.tokens)], device=dev)
     path = os.path.join(cfg.out, "ppl_windows.jsonl")
     done: dict[tuple, dict] = {}
     if os.path.exists(path):
@@ -382,6 +392,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
             with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
                 if arts[m] is None:
                     res = window_nll(model, win, prefixes=cuts)
+                elif cfg.engine == "cache":
+                    res = engine.window_nll(model, m, arts[m], PROTOCOLS[p], win, prefixes=cuts)
                 else:
                     with simulated(model, arts[m], PROTOCOLS[p]):
                         res = window_nll(model, win, prefixes=cuts)

@@ -65,6 +65,10 @@ class RunConfig:
     # means in serving, and the CPU's bf16 matrix units make the run fit 15 min) or float32
     # (digit-for-digit comparable with `oscar validate` defaults). Calibration is float32 either way.
     dtype: str = "bfloat16"
+    # validate/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions.md
+    # "Engines") or cache (OscarCache + the kernel dispatcher) for tune, NIAH and perplexity; device: cpu, cuda[:N]
+    engine: str = "simulate"
+    device: str = "cpu"
     progress: bool = True
 
     def __post_init__(self):
@@ -131,8 +135,22 @@ def _calibrate(cfg: RunConfig, store: str) -> dict:
     return {"backend": "process", "report": res.to_dict()}
 
 
+def _stage_cfg(c) -> dict:
+    """A stage config as its fingerprint sees it: the device is execution only, the default engine is left
+    out (stage markers written before the option stay valid)."""
+    d = asdict(c)
+    d.pop("device", None)
+    if d.get("engine") == "simulate":
+        d.pop("engine")
+    return d
+
+
 def run_main(cfg: RunConfig) -> dict:
+    from oscar.validate.engine import check_engine, resolve_device
     from oscar.validate.env import load_model
+
+    check_engine(cfg.engine)
+    resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
 
     t_all = time.time()
     d = cfg.out
@@ -177,7 +195,7 @@ def run_main(cfg: RunConfig) -> dict:
 
     tcfg = TuneConfig(corpus=cfg.corpus)
     fp_t = fingerprint({"fit": file_fingerprint(fit_path), "tune": asdict(tcfg) if cfg.tune else None,
-                        "protocols": PROTOCOL_VERSION})
+                        "protocols": PROTOCOL_VERSION, **({"engine": cfg.engine} if cfg.engine != "simulate" else {})})
 
     def do_tune() -> dict | None:
         from oscar.stats.artifact import load_artifact
@@ -185,7 +203,7 @@ def run_main(cfg: RunConfig) -> dict:
         art, rec = load_artifact(fit_path), None
         if cfg.tune:
             m, tok, _ = model()
-            art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress)
+            art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress, engine=cfg.engine, device=cfg.device)
             _say(f"tune: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> "
                  f"{rec['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
@@ -207,8 +225,8 @@ def run_main(cfg: RunConfig) -> dict:
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
-                      protocol=cfg.niah_protocol, dtype=cfg.dtype)
-    fp_n = fingerprint({"art": art_fp, "cfg": asdict(ncfg), "protocols": PROTOCOL_VERSION})
+                      protocol=cfg.niah_protocol, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
+    fp_n = fingerprint({"art": art_fp, "cfg": _stage_cfg(ncfg), "protocols": PROTOCOL_VERSION})
     st.run("niah", "validate niah", fp_n, [os.path.join(d, "results.parquet")],
            lambda: run_niah(ncfg, loaded=model(), progress=cfg.progress))
 
@@ -216,8 +234,8 @@ def run_main(cfg: RunConfig) -> dict:
     from oscar.validate.ppl import PplConfig, run_ppl
 
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
-                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype)
-    fp_p = fingerprint({"art": art_fp, "cfg": asdict(pcfg), "protocols": PROTOCOL_VERSION})
+                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
+    fp_p = fingerprint({"art": art_fp, "cfg": _stage_cfg(pcfg), "protocols": PROTOCOL_VERSION})
     st.run("ppl", "validate ppl", fp_p, [os.path.join(d, "ppl.parquet")],
            lambda: run_ppl(pcfg, loaded=model(), progress=cfg.progress))
 
@@ -227,8 +245,9 @@ def run_main(cfg: RunConfig) -> dict:
     except ImportError:
         run_attention = None
     if run_attention is not None:
-        acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype)
-        fp_a = fingerprint({"art": art_fp, "cfg": asdict(acfg), "protocols": PROTOCOL_VERSION})
+        acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype,
+                          engine=cfg.engine, device=cfg.device)
+        fp_a = fingerprint({"art": art_fp, "cfg": _stage_cfg(acfg), "protocols": PROTOCOL_VERSION})
         st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp_a,
                [os.path.join(d, "attention.parquet")],
                lambda: run_attention(acfg, progress=cfg.progress, loaded=model()))
@@ -238,7 +257,9 @@ def run_main(cfg: RunConfig) -> dict:
     prev = {}
     rj = os.path.join(d, "run.json")
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
-                + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune"),
+                + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
+                + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
+                + ("" if cfg.device == "cpu" else f" --device {cfg.device}"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": total}
     with open(rj, "w") as f:
