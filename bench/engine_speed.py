@@ -7,7 +7,9 @@ Same process, same model object (SmolLM2-135M, float32), same artifacts, same wi
   last 16 tokens one decode step each), under the named protocol (strict, serving) and under the
   simulator protocol matched to the cache (`engine.simulator_protocol`: recent R - 1);
 - needles: `--samples` niah_single_1 samples at `--length`, every method: the simulator's batched rows
-  (`niah.decode_batch`) vs the cache engine (`engine.niah_answers`), the named protocol.
+  (`niah.decode_batch`) vs the cache engine (`engine.niah_answers`), the named protocol; and the cache
+  engine with the simulator's exact haystack prefill (`prefill="exact"`), which separates the prefill
+  semantics from the rest.
 
 Artifacts: a small real calibration store of the held-out-disjoint calibration split, fitted without
 clip search, one artifact per INT2 cache format (the methods' formats: see `artifacts` below).
@@ -79,7 +81,7 @@ def main() -> None:
     from oscar.validate.methods import PROTOCOLS
     from oscar.validate.niah import PrefillPool, decode_batch, eos_ids
     from oscar.validate.ppl import heldout_ids, simulated, window_nll
-    from oscar.validate.ruler import Sources, make_sample
+    from oscar.validate.ruler import Sources, make_sample, score_one
 
     model, tok, _ = env.load_model("smollm2-135m")
     with tempfile.TemporaryDirectory() as d:
@@ -121,12 +123,20 @@ def main() -> None:
         cache = engine.niah_answers(model, samples, [[arts[m] for m in names]] * len(samples), [names] * len(samples),
                                     p, eos)
         t2 = cpu()
-        rows = [(s.index if hasattr(s, "index") else i, m) for i, s in enumerate(samples) for m in names]
-        same = [x == y for x, y in zip(sim, cache)]
-        res["niah"][pname] = {"sim_cpu_s": t1 - t0, "cache_cpu_s": t2 - t1, "ratio_cache_over_simulate": (t2 - t1) / (t1 - t0),
-                              "rows": len(rows), "same_prediction": sum(same),
-                              "differ": [f"{m} #{i}: sim {tok.decode(x)!r} cache {tok.decode(y)!r}"
-                                         for (i, m), x, y, ok in zip(rows, sim, cache, same) if not ok]}
+        exact = engine.niah_answers(model, samples, [[arts[m] for m in names]] * len(samples), [names] * len(samples),
+                                    p, eos, prefill="exact")
+        rows = [(i, m) for i, s in enumerate(samples) for m in names]
+        score = lambda s, x: score_one(tok.decode(x, skip_special_tokens=True), s.answers, s.metric)  # noqa: E731
+        ss = [(samples[i], x, y, z) for (i, _), x, y, z in zip(rows, sim, cache, exact)]
+        res["niah"][pname] = {
+            "sim_cpu_s": t1 - t0, "cache_cpu_s": t2 - t1, "ratio_cache_over_simulate": (t2 - t1) / (t1 - t0),
+            "rows": len(rows), "same_prediction": sum(x == y for _, x, y, _ in ss),
+            "same_score": sum(score(s, x) == score(s, y) for s, x, y, _ in ss),
+            "score_sim": sum(score(s, x) for s, x, _, _ in ss), "score_cache": sum(score(s, y) for s, _, y, _ in ss),
+            "exact_prefill_same_prediction": sum(x == z for _, x, _, z in ss),
+            "exact_prefill_same_score": sum(score(s, x) == score(s, z) for s, x, _, z in ss),
+            "predictions": [f"{m} #{i}: sim {tok.decode(x)!r} cache {tok.decode(y)!r} cache-exact-prefill {tok.decode(z)!r}"
+                            for (i, m), (_, x, y, z) in zip(rows, ss)]}
         print(pname, res["niah"][pname], flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

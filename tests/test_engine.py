@@ -237,7 +237,7 @@ def smol(tmp_path_factory):
 @pytest.mark.timeout(1800)
 def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
     """1k held-out window, every INT2 cache format, serving (R = 256) and a strict-side window (R = 64):
-    NLL through OscarCache within 1e-4 (relative) of the simulator at the matched protocol (measured <= 2e-5:
+    NLL through OscarCache within 2e-4 (relative) of the simulator at the matched protocol (measured <= 4.1e-5:
     bench/engine_speed.py). tq-int2 / sq-int2 (codebooks) are refused by name."""
     from oscar.validate.methods import codebook_artifact
     from oscar.validate.ppl import heldout_ids
@@ -251,7 +251,7 @@ def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
             with simulated(model, art, engine.simulator_protocol(p)):
                 s = window_nll(model, ids)[0]
             c = engine.window_nll(model, m, art, p, ids)[0]
-            if not abs(c - s) / s < 1e-4:
+            if not abs(c - s) / s < 2e-4:
                 bad.append(f"{m} R={R}: simulate {s:.4f} cache {c:.4f}")
     assert not bad, bad
     for m in ("tq-int2", "sq-int2"):
@@ -264,11 +264,12 @@ def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
 def test_smollm2_needles_engines_agree_for_every_int2_method(smol):
     """A 1k needle sample, every INT2 method, serving: the cache engine's answer (haystack prefill, question
     chunk, decode steps through the dispatcher) is the simulator's greedy reading of the same sequence at the
-    matched protocol, token for token; and its score equals the simulate engine's (exact haystack prefill)
-    for all but at most one method (bench/engine_speed.py records the predictions of both)."""
+    matched protocol, token for token. (The simulate engine's needle protocol prefills the haystack exactly,
+    OscarCache's prefill reads the INT2 history: a different protocol, whose effect on predictions
+    bench/engine_speed.py measures; docs/decisions.md, "Engines".)"""
     from oscar.validate import env
-    from oscar.validate.niah import PrefillPool, decode_batch, eos_ids
-    from oscar.validate.ruler import Sources, make_sample, score_one
+    from oscar.validate.niah import eos_ids
+    from oscar.validate.ruler import Sources, make_sample
 
     model, tok, arts = smol
     s = make_sample("niah_single_1", 1024, 0, tok, Sources.from_text(env.heldout_text("pydoc")))
@@ -276,13 +277,30 @@ def test_smollm2_needles_engines_agree_for_every_int2_method(smol):
     names = list(arts)
     p = PROTOCOLS["serving"]
     cache = engine.niah_answers(model, [s], [[arts[m] for m in names]], [names], p, eos)
-    sim = decode_batch(model, [s], [[arts[m] for m in names]], p, PrefillPool(model), eos)
-    bad, scores = [], []
-    for m, a, b in zip(names, cache, sim):
+    bad = []
+    for m, a in zip(names, cache):
+        assert a, f"{m}: empty answer"
         pred, _ = _answer_check(model, arts[m], p, s.context_ids, s.question_ids, a)
         if pred != a:
             bad.append(f"{m}: cache {tok.decode(a)!r}, simulator reading {tok.decode(pred)!r}")
-        scores.append((score_one(tok.decode(a, skip_special_tokens=True), s.answers, s.metric),
-                       score_one(tok.decode(b, skip_special_tokens=True), s.answers, s.metric)))
     assert not bad, bad
-    assert sum(x != y for x, y in scores) <= 1, list(zip(names, scores))
+
+
+def test_tiny_exact_prefill_cache_equals_the_simulate_engine(tiny):
+    """With the simulator's needle protocol (the haystack prefilled exactly, then stored), the cache engine's
+    answers are the simulate engine's (`niah.decode_batch`) at the matched protocol, for questions shorter and
+    longer than a page."""
+    from oscar.validate.niah import PrefillPool, decode_batch
+
+    art = _rot_artifact(tiny.config, QUANTS["token"])
+    g = torch.Generator().manual_seed(7)
+    p = Protocol("t", sink=8, recent=16)
+    for qlen in (9, 40):
+        ctx, q = torch.randint(0, 97, (150,), generator=g).tolist(), torch.randint(0, 97, (qlen,), generator=g).tolist()
+
+        class S:
+            context_ids, question_ids, max_new_tokens = ctx, q, 20
+
+        a = engine.niah_answers(tiny, [S], [[art, None]], [["t", "bf16"]], p, eos=set(), prefill="exact")
+        b = decode_batch(tiny, [S], [[art, None]], engine.simulator_protocol(p), PrefillPool(tiny), eos=set())
+        assert a == b

@@ -161,20 +161,37 @@ class served:
 
 
 @torch.no_grad()
-def niah_answers(model, samples, groups, names, protocol, eos: set[int]) -> list[list[int]]:
+def niah_answers(model, samples, groups, names, protocol, eos: set[int], prefill: str = "cache") -> list[list[int]]:
     """Greedy answers of every (sample, method) row, rows as `niah.decode_batch` orders them: sample by
     sample, its methods `names[g]` (artifacts `groups[g]`, None: exact) in order. Each row: a fresh cache,
-    the haystack prefilled into it, the question as a second chunk, then one decode step per token."""
-    from oscar.kernels.cache import prefill
+    the haystack prefilled into it, the question as a second chunk, then one decode step per token.
 
+    prefill="cache": OscarCache's own prefill (decode semantics, the product path); "exact": the haystack
+    attends to itself exactly (an SDPA prefill) and its K/V are then stored through the cache's `update`,
+    the simulator's needle protocol (bench/engine_speed.py compares the two)."""
+    from transformers import DynamicCache
+
+    from oscar.kernels.cache import prefill as cache_prefill
+
+    if prefill not in ("cache", "exact"):
+        raise OscarError(f"prefill must be 'cache' or 'exact', got {prefill!r}")
     dev = next(model.parameters()).device
     out: list[list[int]] = []
     with served(model):
         for s, arts, ms in zip(samples, groups, names):
             need = len(s.context_ids) + len(s.question_ids) + s.max_new_tokens
+            ctx = torch.tensor([s.context_ids], device=dev)  # (1, T)
+            exact = None
             for m, art in zip(ms, arts):
                 cache = new_cache(model, m, art, protocol, need)
-                prefill(model, cache, torch.tensor([s.context_ids], device=dev))
+                if prefill == "cache" or art is None:
+                    cache_prefill(model, cache, ctx)
+                else:
+                    if exact is None:  # one exact prefill per sample (SDPA: not an OscarCache)
+                        exact = DynamicCache()
+                        model(input_ids=ctx, cache=exact, use_cache=True, logits_to_keep=1)
+                    for l, layer in enumerate(exact.layers):
+                        cache.update(layer.keys, layer.values, l)  # stored as the cache stores a chunk
                 out.append(_greedy(model, cache, s.question_ids, s.max_new_tokens, eos, dev))
                 if hasattr(cache, "release"):
                     cache.release()
