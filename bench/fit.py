@@ -70,9 +70,13 @@ def run_case(name: str, spec_kw: dict, tmp: str, store: str | None, target: dict
     if made:  # generated in a child so this process stays small
         store = os.path.join(tmp, f"bench_fit_{name}.zarr")
         t0 = time.perf_counter()
-        code = ("import json, sys; from oscar.stats.synthetic import SynthSpec, write_synthetic_store; "
-                "write_synthetic_store(sys.argv[1], SynthSpec(**json.loads(sys.argv[2])), progress=True)")
-        subprocess.run([sys.executable, "-c", code, store, json.dumps(spec_kw)], check=True,
+        # the generator is a test fixture (tests/synthetic_store.py), loaded by path
+        code = ("import importlib.util, json, sys; s = importlib.util.spec_from_file_location('synthetic_store', "
+                "sys.argv[3]); m = sys.modules['synthetic_store'] = importlib.util.module_from_spec(s); "
+                "s.loader.exec_module(m); "
+                "m.write_synthetic_store(sys.argv[1], m.SynthSpec(**json.loads(sys.argv[2])), progress=True)")
+        synth = os.path.join(HERE, "..", "tests", "synthetic_store.py")
+        subprocess.run([sys.executable, "-c", code, store, json.dumps(spec_kw), synth], check=True,
                        env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"))
         res["generate_s"] = round(time.perf_counter() - t0, 2)
         res["store_spec"] = spec_kw
@@ -113,7 +117,7 @@ def main() -> None:
     if args.case in ("glm", "all"):
         results["glm"] = run_case(
             "glm", dict(num_layers=92, num_kv_heads=8, num_q_heads=96, head_dim=128, num_blocks=16, rows=128,
-                        reservoir=128, rank=24, decay=0.9, seed=2, only_fit_arrays=True, compress=False, model_name="glm-4.7-shaped"),
+                        reservoir=128, rank=24, decay=0.9, seed=2, only_fit_arrays=True, model_name="glm-4.7-shaped"),
             args.tmp, None, {"peak_rss_mb": 2048.0})
     results["env"]["loadavg_at_end"] = os.getloadavg()
     with open(out_path, "w") as f:

@@ -232,7 +232,7 @@ def drive_in_process(store_path: str, model_dir: str, ranges, dev: torch.device,
 
 def bench_calibrate(args, dev: torch.device) -> dict:
     from oscar.cluster.pipeline import prepare_store, unused_experts
-    from oscar.cluster.plan import balance_layers, make_plan, param_bytes
+    from oscar.cluster.plan import PlanConfig, balance_layers, make_plan, param_bytes
     from oscar.pipeline.calibrate import CalibConfig
     from oscar.pipeline.store import CalibStore
 
@@ -267,9 +267,9 @@ def bench_calibrate(args, dev: torch.device) -> dict:
         prepare_store(cc)
         run = drive_in_process(str(store), str(model_dir), ranges, dev, args.micro_batch)
     s = CalibStore(str(store))
-    plan = make_plan(cfg, stages=2, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                     seqs_per_block=s.meta.seqs_per_block, num_blocks=s.num_blocks, dtype="bfloat16",
-                     layers=",".join(f"{a}:{b}" for a, b in ranges), name="glm-4.7 cut")
+    plan = make_plan(cfg, PlanConfig(stages=2, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                                     seqs_per_block=s.meta.seqs_per_block, num_blocks=s.num_blocks, dtype="bfloat16",
+                                     layers=",".join(f"{a}:{b}" for a, b in ranges), name="glm-4.7 cut"))
     for st, sp in zip(run["stages"], plan.stages):
         st["plan_param_bytes"], st["plan_peak_bytes"] = sp.param_bytes, sp.peak_bytes
         if st.get("resident_bytes"):

@@ -125,13 +125,13 @@ def _render(args) -> int:
 
 
 def _plan(args) -> int:
-    from oscar.cluster.plan import format_plan, load_model_config, make_plan
+    from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_plan
 
     cfg = load_model_config(args.model)
-    plan = make_plan(cfg, stages=args.stages, gpus_per_stage=args.gpus_per_stage, gpu_mem_gib=args.gpu_mem,
-                     seq_len=args.seq_len, micro_batch=args.micro_batch, seqs_per_block=args.seqs_per_block,
-                     num_blocks=args.blocks, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
-                     name=args.model)
+    plan = make_plan(cfg, PlanConfig(stages=args.stages, gpus_per_stage=args.gpus_per_stage, gpu_mem_gib=args.gpu_mem,
+                                     seq_len=args.seq_len, micro_batch=args.micro_batch,
+                                     seqs_per_block=args.seqs_per_block, num_blocks=args.blocks,
+                                     reservoir=args.reservoir, dtype=args.dtype, layers=args.layers, name=args.model))
     print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
     return 0
 

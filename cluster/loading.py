@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from oscar.cluster.balance import balance_layers
 from oscar.common import OscarError
+from oscar.modelconfig import read_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -183,8 +185,6 @@ class LayerRange(nn.Module):
 
 def assign_devices(costs: list[int], devices: list[str]) -> list[str]:
     """Contiguous split of a stage's layers over its devices, balanced by parameter bytes."""
-    from oscar.cluster.plan import balance_layers
-
     n = min(len(devices), len(costs))
     out = []
     for dev, (a, b) in zip(devices, balance_layers(costs, n)):
@@ -193,12 +193,7 @@ def assign_devices(costs: list[int], devices: list[str]) -> list[str]:
 
 
 def load_config(model_dir: str, attn_implementation: str | None = None, experts_implementation: str | None = "eager"):
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise OscarError(f"cannot read a model config from {model_dir}: {e}") from e
+    config = read_config(model_dir)
     if attn_implementation:
         config._attn_implementation = attn_implementation
     if experts_implementation and _num_experts(config):
@@ -329,9 +324,3 @@ def _keep_fp32(model: nn.Module, full: str) -> bool:
 def stage_param_names(stage: LayerRange) -> list[str]:
     """Names of every materialised (non-meta) parameter the stage holds, relative to the stage."""
     return [n for n, p in stage.named_parameters() if p.device.type != "meta"]
-
-
-def layer_of(key: str) -> int | None:
-    """Decoder layer index of a checkpoint key (`...layers.{i}....`), or None."""
-    m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
-    return int(m.group(1)) if m else None

@@ -16,7 +16,12 @@ import os
 import numpy as np
 from dataclasses import asdict, dataclass, field
 
+from oscar.cluster.balance import balance_layers  # noqa: F401  (re-exported: plan's public API)
+from oscar.cluster.loading import _num_experts as _ne
+from oscar.cluster.loading import build_skeleton
 from oscar.common import OscarError, attention_shapes
+from oscar.modelconfig import layer_of
+from oscar.modelconfig import load_model_config as _load_model_config
 
 GiB = 1 << 30
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -26,29 +31,9 @@ _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
 # --------------------------------------------------------------------------- config
 
 def load_model_config(spec: str):
-    """A transformers config from a config.json path, a model directory, a config
-    shipped in cluster/configs (`glm-4.7`), or a model preset of oscar.pipeline.models."""
-    from transformers import CONFIG_MAPPING
-
-    path = spec
-    shipped = os.path.join(CONFIG_DIR, f"{spec}.json")
-    if not os.path.exists(path) and os.path.isfile(shipped):
-        path = shipped
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        try:
-            from oscar.pipeline.models import resolve_model  # presets and GGUF, once available
-        except ImportError as e:
-            raise OscarError(f"--model {spec!r}: no such config file, directory or shipped config") from e
-        return load_model_config(str(resolve_model(spec)))
-    try:
-        with open(path) as f:
-            d = json.load(f)
-        cls = CONFIG_MAPPING[d["model_type"]]
-    except (OSError, ValueError, KeyError) as e:
-        raise OscarError(f"{path}: not a transformers config.json ({e})") from e
-    return cls.from_dict(d)
+    """A transformers config from a config.json path, a model directory, a config shipped in
+    cluster/configs (`glm-4.7`), or a model name (oscar.modelconfig: presets, the embedded model...)."""
+    return _load_model_config(spec, shipped=CONFIG_DIR)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -79,8 +64,6 @@ def _param_counts(config_json: str) -> ParamBytes:
     """Parameter counts (1 byte per parameter) of a config, cached: GLM-4.7's meta model takes seconds."""
     from transformers import CONFIG_MAPPING
 
-    from oscar.cluster.loading import build_skeleton, layer_of
-
     d = json.loads(config_json)
     config = CONFIG_MAPPING[d["model_type"]].from_dict(d)
     dtype_bytes = 1
@@ -103,35 +86,6 @@ def _param_counts(config_json: str) -> ParamBytes:
             head += n
     del model
     return ParamBytes(embed, layers, head, dtype_bytes)
-
-
-def balance_layers(costs: list[int], stages: int, first_extra: int = 0) -> list[tuple[int, int]]:
-    """Contiguous layer ranges minimising the largest stage cost (stage 0 also pays
-    `first_extra`, the embeddings). Exact DP over split points."""
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise OscarError(f"--stages must be between 1 and the number of layers ({n}), got {stages}")
-    pre = [0]
-    for c in costs:
-        pre.append(pre[-1] + c)
-    inf = float("inf")
-    # best[s][i]: minimal max cost placing layers [0, i) on s stages; cut[s][i]: start of the last stage
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                cost = pre[i] - pre[j] + (first_extra if j == 0 else 0)
-                v = max(best[s - 1][j], cost)
-                if v < best[s][i]:
-                    best[s][i], cut[s][i] = v, j
-    ranges, i = [], n
-    for s in range(stages, 0, -1):
-        j = cut[s][i]
-        ranges.append((j, i))
-        i = j
-    return ranges[::-1]
 
 
 def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]]:
@@ -169,9 +123,7 @@ def store_bytes_per_block(config, *, seq_len: int, seqs_per_block: int, reservoi
 
 
 def _num_experts(config) -> int:
-    from oscar.cluster.loading import _num_experts as ne
-
-    return ne(config.get_text_config() if hasattr(config, "get_text_config") else config) or 0
+    return _ne(config.get_text_config() if hasattr(config, "get_text_config") else config) or 0
 
 
 def _is_moe_layer(config, layer: int) -> bool:
@@ -236,51 +188,69 @@ class Plan:
         return asdict(self)
 
 
-def make_plan(config, *, stages: int, gpus_per_stage: int = 1, gpu_mem_gib: float | None = None,
-              seq_len: int = 4096, micro_batch: int = 1, seqs_per_block: int = 8, num_blocks: int = 64,
-              reservoir: int = 256, dtype: str | None = None, layers: str | None = None,
-              in_flight: int = 2, usable: float = 0.9, name: str = "") -> Plan:
-    """Plan a pipeline of `stages` stages with `gpus_per_stage` GPUs each."""
-    if gpus_per_stage < 1 or micro_batch < 1 or seq_len < 1 or num_blocks < 1:
+@dataclass
+class PlanConfig:
+    """What `make_plan` sizes: the pipeline's shape and the calibration job's block sizes.
+
+    Not CalibConfig: there seqs_per_block / blocks are optional and derived from the corpus,
+    here they are given (the plan is made before any corpus is read)."""
+    stages: int
+    gpus_per_stage: int = 1
+    gpu_mem_gib: float | None = None  # per GPU; with it the plan suggests the smallest stage count that fits
+    seq_len: int = 4096
+    micro_batch: int = 1              # sequences per micro-batch
+    seqs_per_block: int = 8
+    num_blocks: int = 64
+    reservoir: int = 256
+    dtype: str | None = None          # weights and activations; default: the config's dtype
+    layers: str | None = None         # explicit ranges "0:10,10:30"; default: balanced by parameter bytes
+    in_flight: int = 2                # micro-batches in flight per stage
+    usable: float = 0.9               # share of GPU memory a stage may plan for
+    name: str = ""                    # model name in the plan (default: the config's model_type)
+
+
+def make_plan(config, pc: PlanConfig) -> Plan:
+    """Plan a pipeline of `pc.stages` stages with `pc.gpus_per_stage` GPUs each."""
+    if pc.gpus_per_stage < 1 or pc.micro_batch < 1 or pc.seq_len < 1 or pc.num_blocks < 1:
         raise OscarError("--gpus-per-stage, --micro-batch, --seq-len and --blocks must be positive")
-    dtype = dtype or str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    dtype = pc.dtype or str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     dtype = dtype.removeprefix("torch.")
     if dtype not in _DTYPE_BYTES:
         raise OscarError(f"--dtype {dtype!r}: one of {sorted(_DTYPE_BYTES)}")
     nb = _DTYPE_BYTES[dtype]
     pb = param_bytes(config, nb)
     nl = len(pb.layers)
-    ranges = parse_ranges(layers, nl) if layers else balance_layers(pb.layers, stages, pb.embed)
-    if len(ranges) != stages:
-        raise OscarError(f"--layers gives {len(ranges)} ranges but --stages is {stages}")
-    act = activation_bytes(config, micro_batch=micro_batch, seq_len=seq_len, act_bytes=nb)
-    spb = store_bytes_per_block(config, seq_len=seq_len, seqs_per_block=seqs_per_block, reservoir=reservoir)
+    ranges = parse_ranges(pc.layers, nl) if pc.layers else balance_layers(pb.layers, pc.stages, pb.embed)
+    if len(ranges) != pc.stages:
+        raise OscarError(f"--layers gives {len(ranges)} ranges but --stages is {pc.stages}")
+    act = activation_bytes(config, micro_batch=pc.micro_batch, seq_len=pc.seq_len, act_bytes=nb)
+    spb = store_bytes_per_block(config, seq_len=pc.seq_len, seqs_per_block=pc.seqs_per_block, reservoir=pc.reservoir)
     sp = []
     for i, (a, b) in enumerate(ranges):
         params = sum(pb.layers[a:b]) + (pb.embed if a == 0 else 0)
-        acc = spb["per_layer"] * (b - a) * in_flight
-        peak = params + acc + in_flight * 2 * act["boundary"] + act["layer_working_set"]
-        sp.append(StagePlan(i, (a, b), params, a == 0, acc, peak, math.ceil(peak / gpus_per_stage)))
-    gpu_mem = int(gpu_mem_gib * GiB) if gpu_mem_gib else None
+        acc = spb["per_layer"] * (b - a) * pc.in_flight
+        peak = params + acc + pc.in_flight * 2 * act["boundary"] + act["layer_working_set"]
+        sp.append(StagePlan(i, (a, b), params, a == 0, acc, peak, math.ceil(peak / pc.gpus_per_stage)))
+    gpu_mem = int(pc.gpu_mem_gib * GiB) if pc.gpu_mem_gib else None
     suggested = None
     notes = [f"weights in {dtype} ({nb} B/param); activations in the same dtype",
-             f"{in_flight} micro-batches in flight per stage; accumulators are float64 per block",
+             f"{pc.in_flight} micro-batches in flight per stage; accumulators are float64 per block",
              "scores_if_materialised applies to eager attention and CPU sdpa; flash/mem-efficient kernels avoid it"]
     if gpu_mem:
-        budget = gpus_per_stage * gpu_mem * usable
-        fixed = in_flight * 2 * act["boundary"] + act["layer_working_set"]
+        budget = pc.gpus_per_stage * gpu_mem * pc.usable
+        fixed = pc.in_flight * 2 * act["boundary"] + act["layer_working_set"]
         for n in range(1, nl + 1):
             r = balance_layers(pb.layers, n, pb.embed)
-            worst = max(sum(pb.layers[a:b]) + (pb.embed if a == 0 else 0) + spb["per_layer"] * (b - a) * in_flight
+            worst = max(sum(pb.layers[a:b]) + (pb.embed if a == 0 else 0) + spb["per_layer"] * (b - a) * pc.in_flight
                         for a, b in r)
             if worst + fixed <= budget:
                 suggested = n
                 break
-        notes.append(f"suggested stage count: smallest N whose largest stage fits {usable:.0%} of "
-                     f"{gpus_per_stage} x {gpu_mem_gib:g} GiB" if suggested else
+        notes.append(f"suggested stage count: smallest N whose largest stage fits {pc.usable:.0%} of "
+                     f"{pc.gpus_per_stage} x {pc.gpu_mem_gib:g} GiB" if suggested else
                      "no stage count fits: a single layer exceeds the GPU budget")
-    return Plan(name or getattr(config, "model_type", ""), nl, pb.total, pb.total - pb.head, sp, gpus_per_stage, act,
-                spb, num_blocks, spb["total"] * num_blocks, suggested, gpu_mem, notes)
+    return Plan(pc.name or getattr(config, "model_type", ""), nl, pb.total, pb.total - pb.head, sp, pc.gpus_per_stage,
+                act, spb, pc.num_blocks, spb["total"] * pc.num_blocks, suggested, gpu_mem, notes)
 
 
 def fmt_bytes(n: float) -> str:

@@ -117,7 +117,7 @@ def _layout(cfg: RenderConfig) -> tuple[int, int]:
 
 def plan_for(cfg: RenderConfig):
     """(plan, stages, replicas, gpus_per_stage), or a clear refusal when the GPUs cannot hold the model."""
-    from oscar.cluster.plan import load_model_config, make_plan
+    from oscar.cluster.plan import PlanConfig, load_model_config, make_plan
 
     spec = cfg.model_config or cfg.model
     try:
@@ -132,11 +132,11 @@ def plan_for(cfg: RenderConfig):
               seqs_per_block=cfg.seqs_per_block, num_blocks=blocks, dtype=cfg.dtype, name=spec)
     stages = cfg.stages
     if stages is None:
-        stages = make_plan(mcfg, stages=1, **kw).suggested_stages
+        stages = make_plan(mcfg, PlanConfig(stages=1, **kw)).suggested_stages
         if stages is None:
             raise OscarError(f"oscar plan: no stage count fits {spec} on GPUs of {cfg.gpu_mem:g} GiB x {g} per stage "
                              "(a single layer exceeds the budget); nothing written")
-    plan = make_plan(mcfg, stages=stages, **kw)
+    plan = make_plan(mcfg, PlanConfig(stages=stages, **kw))
     budget = g * cfg.gpu_mem * GiB * 0.9
     worst = max(plan.stages, key=lambda s: s.peak_bytes)
     fit_hint = (f"the smallest stage count that fits is {plan.suggested_stages} "

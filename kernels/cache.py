@@ -90,18 +90,7 @@ def _decode(q: torch.Tensor, pc, seqs: list[int], scale: float, backend: str | N
     """
     from oscar.kernels import dispatch
 
-    if backend is None:
-        return dispatch.decode_attention(q, pc, seqs, scale=scale)
-    dispatch.check_query(q, pc, seqs)
-    if backend == "triton":
-        if not dispatch.triton_usable(q.device):
-            raise OscarError(f"backend='triton' but Triton cannot run on {q.device} (needs CUDA or TRITON_INTERPRET=1)")
-        from oscar.kernels.triton_decode import decode_attention as impl
-    elif backend == "reference":
-        from oscar.kernels.reference import decode_attention as impl
-    else:
-        raise OscarError(f"backend must be None, 'triton' or 'reference', got {backend!r}")
-    return impl(q, pc, seqs, scale=scale)
+    return dispatch.decode_attention(q, pc, seqs, scale=scale, want=backend)
 
 
 # --------------------------------------------------------------------------- one layer

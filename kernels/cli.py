@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 
+from oscar.defaults import EMBEDDED_MODEL, PAGE_SIZE, RECENT, SINK
+
 
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="cache benchmarks (memory accounting)",
                            description="Cache benchmarks; `oscar bench memory` accounts KV-cache bytes per token.")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     m = bsub.add_parser("memory", help="bytes per token by component for BF16 and each INT2 cache mode")
-    m.add_argument("--model", default="smollm2-135m", help="model spec or config.json path (default: the embedded SmolLM2)")
+    m.add_argument("--model", default=EMBEDDED_MODEL, help="model spec or config.json path (default: the embedded SmolLM2)")
     m.add_argument("--context", type=int, default=32768, help="sequence length (tokens) for the whole-context totals")
-    m.add_argument("--sink", type=int, default=64, help="first tokens kept in BF16 by every INT2 format")
-    m.add_argument("--recent", type=int, default=256, help="latest tokens kept in BF16 by every INT2 format")
-    m.add_argument("--page-size", type=int, default=16, help="tokens per INT2 page")
+    m.add_argument("--sink", type=int, default=SINK, help="first tokens kept in BF16 by every INT2 format")
+    m.add_argument("--recent", type=int, default=RECENT, help="latest tokens kept in BF16 by every INT2 format")
+    m.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per INT2 page")
     m.add_argument("--json", action="store_true", help="print the report as JSON")
     m.add_argument("--out", default=None, help="also write the JSON report to this file (default: print only)")
     m.set_defaults(func=memory_cmd)

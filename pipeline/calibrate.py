@@ -15,17 +15,18 @@ from pathlib import Path
 import numpy as np
 
 from oscar.common import OscarError, set_threads
+from oscar.defaults import EMBEDDED_MODEL, SINK
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass
 class CalibConfig:
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
     store: str = "runs/calib.zarr"
     seq_len: int = 2048
-    sink: int = 64                      # first positions of every sequence excluded (kept BF16 at serve time)
+    sink: int = SINK                    # first positions of every sequence excluded (kept BF16 at serve time)
     blocks: int | None = None           # number of blocks, or
     block_tokens: int | None = None     # tokens per block, or
     seqs_per_block: int | None = None   # sequences per block (default: block_tokens = 16384)

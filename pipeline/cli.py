@@ -1,4 +1,4 @@
-"""CLI of the pipeline stage: `oscar calibrate`, `oscar inspect` (thin; heavy imports are lazy)."""
+"""CLI of the pipeline stage: `oscar calibrate`, `oscar verify`, `oscar models` (thin; heavy imports are lazy)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,21 @@ import argparse
 import json
 from pathlib import Path
 
+from oscar.defaults import EMBEDDED_MODEL, SINK
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="capture attention statistics into a zarr block store (resumable)",
                        description="Stream the calibration corpus through the model and accumulate per-layer, "
                                    "per-KV-head attention statistics into a zarr store. Re-running the same "
                                    "command resumes; a store made for another model, corpus or config is refused.")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="preset (smollm2-135m, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
-                        "HF directory or .gguf file (default: %(default)s)")
+    p.add_argument("--model", default=EMBEDDED_MODEL,
+                   help=f"preset ({EMBEDDED_MODEL}, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
+                        "HF directory or .gguf file (default: %%(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence")
-    p.add_argument("--sink", type=int, default=64, help="first positions of every sequence left out (default 64)")
+    p.add_argument("--sink", type=int, default=SINK, help=f"first positions of every sequence left out (default {SINK})")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--blocks", type=int, help="number of blocks (default: as many as --block-tokens gives)")
     g.add_argument("--block-tokens", type=int, help="tokens per block (default 16384)")
@@ -36,14 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's)")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
     p.set_defaults(func=_calibrate)
-
-    p = sub.add_parser("inspect", help="summarise a calibration store or an artifact",
-                       description="A zarr calibration store: schema, blocks done, tokens, per-layer top "
-                                   "eigenvalues of C_Q and C_S, key kurtosis. A .safetensors artifact: its metadata.")
-    p.add_argument("path", help="a calibration store (zarr directory) or an artifact (.safetensors)")
-    p.add_argument("--json", action="store_true", help="print a store's summary as JSON (an artifact is always described as text)")
-    p.add_argument("--top", type=int, default=3, help="eigenvalues shown per layer (default 3)")
-    p.set_defaults(func=_inspect)
 
     p = sub.add_parser("verify", help="check every done block of a calibration store against its checksums",
                        description="Re-read every chunk of every done (block, layer) and compare it with the CRC-32 "
@@ -91,32 +85,6 @@ def _calibrate(args) -> int:
         print(f"{r.store}: {r.blocks_skipped + r.blocks_run}/{r.blocks_total} blocks "
               f"done ({r.blocks_run} this run, {r.blocks_skipped} resumed), {r.tokens_run:,} tokens in "
               f"{r.wall_s:.1f} s ({r.tokens_per_s:,.0f} tok/s; store writes {r.write_s:.2f} s)")
-    return 0
-
-
-def _inspect(args) -> int:
-    from oscar.common import OscarError
-
-    path = Path(args.path)
-    if not path.exists():
-        raise OscarError(f"{path} does not exist")
-    if path.suffix == ".safetensors":
-        try:
-            from oscar.stats.artifact import describe  # added by the fit stage
-        except ImportError:
-            describe = None
-        if describe is not None:
-            out = describe(str(path))
-            print(out if isinstance(out, str) else json.dumps(out, indent=2, default=str))
-        else:
-            from oscar.stats.artifact import read_metadata
-
-            print(json.dumps(read_metadata(str(path)), indent=2, default=str))
-        return 0
-    from oscar.pipeline.store import format_summary, summarize
-
-    s = summarize(path, top=args.top)
-    print(json.dumps(s, indent=2, default=str) if args.json else format_summary(s))
     return 0
 
 

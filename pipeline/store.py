@@ -28,7 +28,7 @@ from typing import Iterable
 
 import numpy as np
 
-from oscar.common import OscarError, canonical_json, model_mismatch
+from oscar.common import OscarError, canonical_json, fingerprint, model_mismatch
 
 
 def _load_syncfs():
@@ -133,9 +133,22 @@ class StoreMeta:
         return json.loads(canonical_json(asdict(self)))  # plain JSON types
 
     @classmethod
-    def from_attrs(cls, a: dict) -> "StoreMeta":
+    def from_attrs(cls, a: dict, path: str = "store") -> "StoreMeta":
         keys = {"model", "corpus", "seq_len", "sink", "num_blocks", "seqs_per_block", "reservoir", "config", "format"}
+        missing = [k for k in ("model", "corpus", "seq_len", "sink", "num_blocks", "seqs_per_block", "reservoir")
+                   if k not in a]
+        missing += [f"model.{k}" for k in ("num_layers", "num_kv_heads", "head_dim")
+                    if "model" in a and k not in (a["model"] or {})]
+        if missing:
+            raise OscarError(f"{path}: store root attributes incomplete (missing {', '.join(missing)})")
         return cls(**{k: a[k] for k in keys if k in a})
+
+
+def store_fingerprint(attrs: dict, blocks: list[int]) -> str:
+    """What an artifact's provenance records of the store it was fitted on: format, model, corpus,
+    job config and the blocks used."""
+    return fingerprint({"format": attrs.get("format"), "model": attrs.get("model"), "corpus": attrs.get("corpus"),
+                        "config": attrs.get("config"), "blocks": list(blocks)})
 
 
 def _mismatch(path: str, old: StoreMeta, new: StoreMeta) -> str | None:
@@ -298,14 +311,22 @@ class CalibStore:
             raise OscarError(f"cannot open zarr store {self.path}: {e}") from e
         attrs = dict(self.group.attrs)
         if attrs.get("format") not in READS:
-            raise OscarError(f"{self.path} is not an oscar calibration store of format {' or '.join(READS)} "
-                             f"(format={attrs.get('format')!r})")
+            raise OscarError(f"{self.path} is not an oscar calibration store: store format {attrs.get('format')!r}, "
+                             f"readable: {' or '.join(READS)}")
         if attrs.get("creating"):
             raise OscarError(f"{self.path} was never fully created (a killed run); re-run oscar calibrate")
-        self.meta = StoreMeta.from_attrs(attrs)
+        self.meta = StoreMeta.from_attrs(attrs, str(self.path))
         self.num_layers, self.H, self.D, self.R = self.meta.shapes
         self.num_blocks = self.meta.num_blocks
         self.spec = layer_arrays(self.H, self.D, self.R)
+        listed = (attrs.get("checksums") or {}).get("arrays")
+        if listed:  # a store may hold a subset of the arrays (synthetic bench stores): its slots say which
+            self.spec = {n: self.spec[n] for n in listed if n in self.spec}
+        if "done" not in self.group:
+            raise OscarError(f"{self.path}: store has no 'done' array")
+        if tuple(self.group["done"].shape) != (self.num_blocks, self.num_layers):
+            raise OscarError(f"{self.path}: 'done' has shape {tuple(self.group['done'].shape)}, expected "
+                             f"(num_blocks, num_layers) = {(self.num_blocks, self.num_layers)}")
         self._arrays: dict[str, object] = {}
         self._dirs: set[Path] = set()
         self.mode = mode
@@ -317,8 +338,12 @@ class CalibStore:
 
     # ---------------------------------------------------------------- creation
     @classmethod
-    def create(cls, path: str | os.PathLike, meta: StoreMeta, tokens: np.ndarray, mask: np.ndarray) -> "CalibStore":
-        """Create an empty store (tokens and mask written, nothing done). `path` must not hold a store."""
+    def create(cls, path: str | os.PathLike, meta: StoreMeta, tokens: np.ndarray, mask: np.ndarray,
+               arrays: Iterable[str] | None = None) -> "CalibStore":
+        """Create an empty store (tokens and mask written, nothing done). `path` must not hold a store.
+
+        `arrays`: the per-layer arrays to hold (default: all of `layer_arrays`); a subset is for
+        synthetic bench stores, recorded as the checksum slots (`checksums.arrays`)."""
         import zarr
 
         path = Path(path)
@@ -334,6 +359,11 @@ class CalibStore:
         root.create_array("mask", shape=(B, S, T), chunks=(1, S, T), dtype="uint8", fill_value=0)[:] = mask
         root.create_array("done", shape=(B, L), chunks=(1, 1), dtype="uint8", **kw)
         spec = layer_arrays(H, D, R)
+        if arrays is not None:
+            unknown = set(arrays) - set(spec)
+            if unknown:
+                raise OscarError(f"unknown store arrays {sorted(unknown)}; known: {', '.join(spec)}")
+            spec = {n: v for n, v in spec.items() if n in set(arrays)}
         # one CRC-32 per array of a (block, layer), in spec order + EXTRA_SLOT; written just before done[b, l]
         root.create_array("checksums", shape=(B, L, len(spec) + 1), chunks=(1, 1, len(spec) + 1), dtype="uint32", **kw)
         for l in range(L):
@@ -597,6 +627,34 @@ class CalibStore:
         return damage
 
     # ---------------------------------------------------------------- reading
+    def has(self, name: str) -> bool:
+        return name in self.group
+
+    def read(self, name: str, blocks: list[int] | None = None) -> np.ndarray:
+        """Array `name` (e.g. `layers/3/q_gram`), restricted to `blocks` along the block axis (default: all)."""
+        if name not in self.group:
+            raise OscarError(f"{self.path}: store has no array {name!r}")
+        a = self.array(name)
+        if blocks is None:
+            return np.asarray(a[:])
+        blocks = [int(b) for b in blocks]
+        if blocks and blocks == list(range(blocks[0], blocks[-1] + 1)):
+            return np.asarray(a[blocks[0]:blocks[-1] + 1])
+        return np.asarray(a.get_orthogonal_selection((blocks,)))
+
+    def reservoir(self, layer: int, x: str, head: int) -> list[np.ndarray]:
+        """Valid reservoir rows of `x` in q/k/v/o for one KV head, per block: [(n_b, D) float32]
+        (`res_count` rows for k/v; `qo_res_count` for q/o when the store has it)."""
+        if not 0 <= layer < self.num_layers:
+            raise OscarError(f"layer {layer} out of range (store has {self.num_layers})")
+        if not 0 <= head < self.H:
+            raise OscarError(f"head {head} out of range (store has {self.H} KV heads)")
+        cnt = self.read(f"layers/{layer}/res_count")
+        if x in "qo" and self.has(f"layers/{layer}/qo_res_count"):
+            cnt = self.read(f"layers/{layer}/qo_res_count")
+        a = self.array(f"layers/{layer}/{x}_res")
+        return [np.asarray(a[b, head, : int(cnt[b])]) for b in range(len(cnt))]
+
     def block_values(self, stat: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(done block indices, their per-block values (n, ...)) of `layers/{layer}/{stat}`."""
         if stat not in self.spec:
@@ -636,16 +694,29 @@ def reduce(store: "CalibStore | str | os.PathLike", stat: str, layers: Iterable[
     return out
 
 
+def open_verified(path: str | os.PathLike, what: str = "calibration store") -> CalibStore:
+    """The one way a stage opens a store to read it: the format and attributes are checked, and every
+    done block is verified (a damaged chunk is refused by block, layer and array)."""
+    if not os.path.exists(path):
+        raise OscarError(f"{what} {path} does not exist")
+    st = CalibStore(path)
+    st.check()
+    return st
+
+
 # --------------------------------------------------------------------------- inspect
 
-def _kurtosis(n: np.ndarray, s: np.ndarray, gram: np.ndarray, m3: np.ndarray, m4: np.ndarray) -> np.ndarray:
-    """Per-channel kurtosis E[(x-mu)^4] / var^2 from raw power sums, (Hkv, D)."""
-    n = np.maximum(n, 1)
-    m1, m2 = s / n, np.diagonal(gram, axis1=-2, axis2=-1) / n
-    c4 = m4 / n - 4 * m1 * m3 / n + 6 * m1**2 * m2 - 3 * m1**4
-    var = m2 - m1**2
+def excess_kurtosis(n, s1: np.ndarray, s2: np.ndarray, s3: np.ndarray, s4: np.ndarray,
+                    empty: float = 0.0) -> np.ndarray:
+    """Per-channel excess kurtosis E[(x-mu)^4] / var^2 - 3 from the stored power sums Σx, Σx², Σx³, Σx⁴
+    over n rows (any matching shapes); `empty` where a channel has no variance. The one formula:
+    fit's tail diagnostics (oscar.stats.tails) and `summarize` use it."""
+    mu = s1 / n
+    m2 = s2 / n - mu**2
+    m4 = s4 / n - 4 * mu * s3 / n + 6 * mu**2 * s2 / n - 3 * mu**4
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(var > 0, c4 / var**2, np.nan)
+        k = m4 / m2**2 - 3.0
+    return np.where(m2 > 1e-300, k, empty)
 
 
 def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
@@ -668,7 +739,8 @@ def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
             cs = r["o_gram"] / max(nq, 1)
             eq = np.linalg.eigvalsh(cq)[..., ::-1][..., :top]   # (Hkv, top) descending
             es = np.linalg.eigvalsh(cs)[..., ::-1][..., :top]
-            ku = _kurtosis(np.float64(nk), r["k_sum"], r["k_gram"], r["k_m3"], r["k_m4"])
+            k2 = np.diagonal(r["k_gram"], axis1=-2, axis2=-1)  # Σk² per channel, (Hkv, D)
+            ku = 3.0 + excess_kurtosis(np.float64(max(nk, 1)), r["k_sum"], k2, r["k_m3"], r["k_m4"], empty=np.nan)
             rec.update(q_rows=nq, kv_rows=nk, nonfinite=int(r["nonfinite"]),
                        cq_top_eig=eq.tolist(), cs_top_eig=es.tolist(),
                        k_kurtosis_max=float(np.nanmax(ku)) if np.isfinite(ku).any() else None,

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
 from oscar.kernels.quant import QuantSpec
@@ -58,9 +59,9 @@ class QuantConfig:
     key_axis: Literal["token", "channel"] = "token"
     value_axis: Literal["token"] = "token"
     mode: Literal["minmax", "static"] = "minmax"
-    sink: int = 64
-    recent: int = 256
-    page_size: int = 16
+    sink: int = SINK
+    recent: int = RECENT
+    page_size: int = PAGE_SIZE
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
     param_dtype: Literal["float16", "float32", "float8_e4m3fn"] = "float16"  # float8_e4m3fn: 8-bit scale/zero
 

@@ -1,9 +1,13 @@
-"""`oscar fit` and `oscar variants` (export/import live in stats/interop.py)."""
+"""`oscar fit`, `oscar variants` and `oscar inspect` (a store or an artifact; export/import live in stats/interop.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+
+from oscar.defaults import RECENT, SINK
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -35,6 +39,32 @@ def _cmd_variants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args) -> int:
+    from oscar.common import OscarError
+
+    path = Path(args.path)
+    if not path.exists():
+        raise OscarError(f"{path} does not exist")
+    if path.suffix == ".safetensors":
+        try:
+            from oscar.stats.artifact import describe  # added by the fit stage
+        except ImportError:
+            describe = None
+        if describe is not None:
+            out = describe(str(path))
+            print(out if isinstance(out, str) else json.dumps(out, indent=2, default=str))
+        else:
+            from oscar.stats.artifact import read_metadata
+
+            print(json.dumps(read_metadata(str(path)), indent=2, default=str))
+        return 0
+    from oscar.pipeline.store import format_summary, summarize
+
+    s = summarize(path, top=args.top)
+    print(json.dumps(s, indent=2, default=str) if args.json else format_summary(s))
+    return 0
+
+
 def register(sub) -> None:
     from oscar.stats.rotations import VARIANTS  # light: numpy + the registry
 
@@ -62,8 +92,8 @@ def register(sub) -> None:
                    help="key grouping: token (one group per token) or channel (KIVI-style, over a group of tokens)")
     p.add_argument("--mode", choices=("minmax", "static"), default="minmax",
                    help="minmax: per-group scale/zero with clip ratios; static: fixed symmetric grid at absolute clips")
-    p.add_argument("--sink", type=int, default=64, help="first tokens of each sequence kept in the model dtype")
-    p.add_argument("--recent", type=int, default=256, help="latest tokens kept in the model dtype")
+    p.add_argument("--sink", type=int, default=SINK, help="first tokens of each sequence kept in the model dtype")
+    p.add_argument("--recent", type=int, default=RECENT, help="latest tokens kept in the model dtype")
     p.add_argument("--param-dtype", choices=("float16", "float8_e4m3fn"), default="float16",
                    help="minmax scale/zero storage; the clip search fits that format (float8_e4m3fn: 8-bit, 2.25 bits "
                         "per element at head_dim 64)")
@@ -80,3 +110,11 @@ def register(sub) -> None:
                        description="Print each rotation variant `oscar fit --variant` (and `oscar run --variant`) "
                                    "accepts, with a one-line description of its recipe.")
     p.set_defaults(func=_cmd_variants)
+
+    p = sub.add_parser("inspect", help="summarise a calibration store or an artifact",
+                       description="A zarr calibration store: schema, blocks done, tokens, per-layer top "
+                                   "eigenvalues of C_Q and C_S, key kurtosis. A .safetensors artifact: its metadata.")
+    p.add_argument("path", help="a calibration store (zarr directory) or an artifact (.safetensors)")
+    p.add_argument("--json", action="store_true", help="print a store's summary as JSON (an artifact is always described as text)")
+    p.add_argument("--top", type=int, default=3, help="eigenvalues shown per layer (default 3)")
+    p.set_defaults(func=_inspect)

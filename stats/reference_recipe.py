@@ -90,15 +90,14 @@ def eig_ascending(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # 4. composite rotation -------------------------------------------------------------------
 
 def hadamard(D: int) -> torch.Tensor:
-    """Normalised Sylvester Hadamard (D, D), D a power of two (the published code's only case)."""
-    if D < 1 or D & (D - 1):
-        from oscar.stats.hadamard import HadamardUnsupported
+    """Normalised Sylvester Hadamard (D, D) float64, D a power of two (the published code's only case):
+    oscar.stats.hadamard's construction, restricted to that case."""
+    from oscar.stats.hadamard import HadamardUnsupported
+    from oscar.stats.hadamard import hadamard as _hadamard
 
+    if D < 1 or D & (D - 1):
         raise HadamardUnsupported(f"the reference recipe needs a power-of-two head_dim for its Hadamard, got {D}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < D:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / D**0.5
+    return torch.from_numpy(_hadamard(D))
 
 
 def bitrev(D: int) -> torch.Tensor:

@@ -1,20 +1,11 @@
-"""Heavy-tail diagnostics: kurtosis from stored power sums, Hill tail index on reservoir rows."""
+"""Heavy-tail diagnostics: Hill tail index on reservoir rows (kurtosis from the stored power sums:
+oscar.pipeline.store.excess_kurtosis)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-
-
-def excess_kurtosis(n: float, s1: np.ndarray, s2: np.ndarray, s3: np.ndarray, s4: np.ndarray) -> np.ndarray:
-    """Per-channel excess kurtosis from Σx, Σx², Σx³, Σx⁴ over n rows (any matching shapes)."""
-    mu = s1 / n
-    m2 = s2 / n - mu**2
-    m4 = s4 / n - 4 * mu * s3 / n + 6 * mu**2 * s2 / n - 3 * mu**4
-    with np.errstate(divide="ignore", invalid="ignore"):
-        k = m4 / m2**2 - 3.0
-    return np.where(m2 > 1e-300, k, 0.0)
 
 
 def hill(x: np.ndarray, frac: float = 0.05, k_min: int = 10) -> float:

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from oscar.common import OscarError
-from oscar.validate.ablate import AblationConfig, run_ablation
-from oscar.validate.regimes import RegimeConfig
+from oscar.validate.ablation.ablate import AblationConfig, run_ablation
+from oscar.validate.ablation.regimes import RegimeConfig
 
 COLUMNS = {"regime", "scheme", "bits", "bits_per_element", "metric", "value", "seed", "path"}
 
@@ -63,7 +63,7 @@ def test_real_regime_through_ablation(tmp_path):
     spec = importlib.util.spec_from_file_location("_tr", os.path.join(os.path.dirname(__file__), "test_regimes.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    write_store = mod.write_store  # the sibling test's tiny oscar-calib/1 store
+    write_store = mod.write_store  # the sibling test's tiny store
 
     store = write_store(tmp_path / "s.zarr", D=32, R=128)
     cfg = AblationConfig.preset("smoke", str(tmp_path / "r"), regimes=["isotropic"], seeds=2, progress=False,

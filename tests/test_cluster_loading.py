@@ -12,7 +12,8 @@ import safetensors
 import torch
 
 from oscar.cluster import loading
-from oscar.cluster.loading import layer_of, load_layer_range
+from oscar.cluster.loading import load_layer_range
+from oscar.modelconfig import layer_of
 from oscar.common import OscarError
 from oscar.pipeline.models import load_model, resolve_model
 

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from oscar.cluster.plan import (balance_layers, load_model_config, make_plan, param_bytes, parse_ranges,
+from oscar.cluster.plan import (PlanConfig, balance_layers, load_model_config, make_plan, param_bytes, parse_ranges,
                                 store_bytes_per_block)
 from oscar.common import OscarError, attention_shapes
 
@@ -74,12 +74,12 @@ def test_glm47_parameters_match_an_independent_count():
 
 def test_glm47_plan_and_cli(capsys):
     c = load_model_config("glm-4.7")
-    p = make_plan(c, stages=4, gpus_per_stage=8, gpu_mem_gib=80, seq_len=4096)
+    p = make_plan(c, PlanConfig(stages=4, gpus_per_stage=8, gpu_mem_gib=80, seq_len=4096))
     assert [s.layers for s in p.stages][0][0] == 0 and p.stages[-1].layers[1] == 92
     assert sum(s.param_bytes for s in p.stages) == p.loaded_param_bytes
     assert max(s.param_bytes for s in p.stages) < 1.1 * p.loaded_param_bytes / 4  # balanced
     assert p.suggested_stages == 2  # ~656 GiB of bf16 weights: 2 x (8 x 80 GiB x 0.9)
-    assert make_plan(c, stages=1, gpus_per_stage=8, gpu_mem_gib=141).suggested_stages == 1
+    assert make_plan(c, PlanConfig(stages=1, gpus_per_stage=8, gpu_mem_gib=141)).suggested_stages == 1
     from oscar.__main__ import main
 
     assert main(["plan", "--model", "glm-4.7", "--stages", "4", "--gpus-per-stage", "8", "--gpu-mem", "80",

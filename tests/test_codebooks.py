@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oscar.validate import codebooks as cb
-from oscar.validate.schemes import Ctx, TQCodec, lloyd_max
+from oscar.validate.ablation.schemes import Ctx, TQCodec, lloyd_max
 
 
 def _nearest(u: np.ndarray, levels: np.ndarray) -> np.ndarray:
@@ -195,7 +195,7 @@ def test_searched_baselines_get_their_formats_knobs(fitted):
     search on the same store (and centering where it is not a no-op)."""
     from oscar.pipeline.models import load_config
     from oscar.validate.methods import method_artifact, searched_baseline
-    from oscar.validate.schemes import hadamard as sylvester
+    from oscar.validate.ablation.schemes import hadamard as sylvester
 
     config = load_config("tiny-llama")
     kc = method_artifact("kivi2-clip", config, fitted)

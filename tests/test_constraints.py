@@ -4,7 +4,10 @@ sliding-window models are refused by every stage with one message."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,14 @@ import torch
 from oscar.common import OscarError, config_fingerprint
 from oscar.constraints import SLIDING_WINDOW, format_problems
 from oscar.validate import DEFAULT_METHODS
+
+# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
+# and registered in sys.modules (its dataclass needs its module there)
+_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
+if "synthetic_store" not in sys.modules:
+    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
+    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
+SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
 
 
 def _config(D: int):
@@ -39,7 +50,6 @@ def _fitted(D: int, tmp_path):
     """An `oscar fit` artifact for a model of head_dim D (a synthetic store; provenance kept for refits)."""
     from oscar.stats.artifact import QuantConfig, identity_artifact
     from oscar.stats.fit import FitConfig, fit
-    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
 
     cfg = _config(D)
     if format_problems(D):  # no store can be fitted for it (calibration refuses): a shape-valid stand-in
@@ -113,7 +123,6 @@ def test_calibration_refuses_head_dim_30_up_front(tmp_path):
 def test_fit_refuses_a_format_that_cannot_serve_the_store(tmp_path):
     from oscar.stats.artifact import QuantConfig
     from oscar.stats.fit import FitConfig, fit
-    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
 
     store = str(tmp_path / "s.zarr")
     write_synthetic_store(store, SynthSpec(num_layers=1, num_kv_heads=1, head_dim=48, num_blocks=2, rows=32, reservoir=16))

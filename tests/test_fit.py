@@ -1,10 +1,13 @@
 """Fit: Hadamard/bit reversal, reduction, spectrum, tails, rotations, clip search, bad input.
 
-Synthetic stores (oscar.stats.synthetic) with planted spectra are written to disk
+Synthetic stores (tests/synthetic_store.py) with planted spectra are written to disk
 in the documented format and fitted through the public functions.
 """
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +19,14 @@ from oscar.stats.fit import FitConfig, fit
 from oscar.stats.hadamard import bitrev_perm, hadamard, perm_matrix
 from oscar.stats.reduce import LayerStats, ReduceConfig, block_means, open_store, reduce
 from oscar.stats.rotations import VARIANTS
-from oscar.stats.synthetic import SynthSpec, write_synthetic_store
+
+# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
+# and registered in sys.modules (its dataclass needs its module there)
+_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
+if "synthetic_store" not in sys.modules:
+    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
+    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
+SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
 
 
 def _cfg(**kw):
@@ -244,7 +254,8 @@ def test_reduce_estimators_match_bruteforce():
 
 
 def test_kurtosis_and_hill_against_bruteforce():
-    from oscar.stats.tails import excess_kurtosis, hill
+    from oscar.pipeline.store import excess_kurtosis
+    from oscar.stats.tails import hill
 
     rng = np.random.default_rng(1)
     x = rng.standard_t(5, size=(4000, 3)) + 0.5
@@ -389,7 +400,7 @@ def test_cli_fit_and_variants(store, tmp_path, capsys):
 
 
 def test_calibration_report_section(store, tmp_path):
-    from oscar.stats.report import calibration_section
+    from oscar.reports.calibration import calibration_section
 
     a = str(tmp_path / "a.safetensors")
     save_artifact(fit(store[0], _cfg()), a)
@@ -428,12 +439,17 @@ def test_incomplete_store_refused_or_partial(tmp_path, capsys):
 def test_nan_sums_and_counts_refused(tmp_path):
     import zarr
 
+    from oscar.pipeline.store import FORMAT_V1, CalibStore
+
     p = _small(tmp_path, "a")
-    g = zarr.open_group(p, mode="r+")
-    g["layers/1/o_gram"][1, 0, 0, 0] = np.nan
+    st = CalibStore(p, mode="r+")  # a NaN written by the store's writer: checksums agree, the NaN check refuses it
+    arrays = {n: st.array(f"layers/1/{n}")[1] for n in st.spec}
+    arrays["o_gram"][0, 0, 0] = np.nan
+    st.write_layer(1, 1, arrays)
     with pytest.raises(OscarError, match=r"layers/1/o_gram has NaN/Inf in block\(s\) \[1\]"):
         fit(p, _cfg())
     p = _small(tmp_path, "b")
+    zarr.open_group(p, mode="r+").attrs["format"] = FORMAT_V1  # a foreign float q_count in a store without checksums
     lg = zarr.open_group(p, mode="r+")["layers/0"]
     del lg["q_count"]
     a = lg.create_array("q_count", shape=(4,), dtype="float64", chunks=(1,))
@@ -491,5 +507,5 @@ def test_report_module_does_not_import_kernels():
     import subprocess
     import sys
 
-    code = "import sys, oscar.stats.report; sys.exit('oscar.kernels.quant' in sys.modules)"
+    code = "import sys, oscar.reports.calibration; sys.exit('oscar.kernels.quant' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,6 +1,9 @@
 """Export -> import round trips for the serving-engine formats (bit for bit)."""
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +13,14 @@ from oscar.__main__ import main as oscar_main
 from oscar.common import OscarError
 from oscar.stats.artifact import Artifact, QuantConfig, load_artifact, save_artifact
 from oscar.stats.interop import embedded_gguf, export_gguf, export_sglang, import_gguf, import_sglang, unsupported_parts
+
+# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
+# and registered in sys.modules (its dataclass needs its module there)
+_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
+if "synthetic_store" not in sys.modules:
+    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
+    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
+SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
 
 
 def _random_artifact(L=3, H=2, D=16, shared=False, seed=0) -> Artifact:
@@ -171,12 +182,11 @@ def shipped_recipes(tmp_path_factory):
     from oscar.stats.artifact import QuantConfig
     from oscar.stats.fit import FitConfig, fit
     from oscar.stats.rotations import VARIANTS
-    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
     from oscar.validate.tune import scale_key_clips
 
     store = str(tmp_path_factory.mktemp("ext") / "store")
     write_synthetic_store(store, SynthSpec(num_layers=2, num_kv_heads=2, head_dim=16, num_q_heads=4, num_blocks=2,
-                                           rows=64, reservoir=32, k_mean=2.0, compress=False))
+                                           rows=64, reservoir=32, k_mean=2.0))
     out = {}
     for v in sorted(VARIANTS):
         art = fit(store, FitConfig(variant=v, progress=False, threads=1))

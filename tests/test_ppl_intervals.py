@@ -53,7 +53,7 @@ def test_segments_windows_and_interval_columns(smollm2, tmp_path):
 def test_heldout_split_holds_the_main_jobs_windows(smollm2):
     """8192 tokens (the main job: 8 windows of 1k, 2 of 4k) and 12288 (--full: 3 of 4k) fit the split."""
     from oscar.common import OscarError
-    from oscar.validate.run import RunConfig
+    from oscar.run import RunConfig
 
     _, tok, _ = smollm2
     assert RunConfig(out="x").ppl_tokens == 8192 and RunConfig(out="x", full=True).ppl_tokens == 12288

@@ -4,7 +4,10 @@ Expected values are literals derived in the comments (not re-computed with the c
 under test); inputs are tiny so each number can be checked on paper.
 """
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,15 @@ from oscar.common import OscarError
 from oscar.kernels.quant import choose_qparams, dequantize, fake_quant, quantize
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
+
+# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
+# and registered in sys.modules (its dataclass needs its module there)
+_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
+if "synthetic_store" not in sys.modules:
+    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
+    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
+SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
+
 
 T = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
 S2 = 1 / math.sqrt(2)
@@ -194,7 +206,6 @@ def test_fit_oscar_ref_variant(tmp_path):
     import zarr
 
     from oscar.stats.fit import FitConfig, fit
-    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
 
     p = str(tmp_path / "store")
     write_synthetic_store(p, SynthSpec(num_layers=2, num_kv_heads=2, head_dim=8, num_q_heads=4, num_blocks=2,
@@ -246,11 +257,10 @@ def test_fit_oscar_ref_variant(tmp_path):
 
 def test_fit_oscar_ref_needs_value_target(tmp_path):
     from oscar.stats.fit import FitConfig, fit
-    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
 
     p = str(tmp_path / "store")
     write_synthetic_store(p, SynthSpec(num_layers=1, num_kv_heads=1, head_dim=8, num_q_heads=2, num_blocks=1,
-                                       rows=32, reservoir=8, only_fit_arrays=True, compress=False))
+                                       rows=32, reservoir=8, only_fit_arrays=True))
     with pytest.raises(OscarError, match="oscar-ref needs layers/0/vw_gram"):
         fit(p, FitConfig(variant="oscar-ref", progress=False, threads=1))
 
@@ -258,7 +268,7 @@ def test_fit_oscar_ref_needs_value_target(tmp_path):
 # --- ablation integration: scheme `oscar-ref` ---------------------------------------------------
 
 def test_ablation_scheme_oscar_ref():
-    from oscar.validate.schemes import Ctx, make_scheme
+    from oscar.validate.ablation.schemes import Ctx, make_scheme
 
     g = torch.Generator().manual_seed(0)
     D, N = 8, 200

@@ -5,7 +5,10 @@ Fast checks run on a tiny random-init Llama and a synthetic store; the SmolLM2 t
 both protocols and checks the report shows them side by side.
 """
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,14 @@ from oscar.common import OscarError, config_fingerprint
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import identity_artifact, save_artifact, load_artifact
 from oscar.validate.methods import LayerQuant, Protocol, SimQuantCache, method_artifact, reference_artifact
+
+# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
+# and registered in sys.modules (its dataclass needs its module there)
+_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
+if "synthetic_store" not in sys.modules:
+    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
+    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
+SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +93,6 @@ def test_masked_ppl_equals_token_by_token_decode_reference_format(tiny):
 
 def _store_and_oscar_artifact(tmp_path, config):
     from oscar.stats.fit import FitConfig, fit
-    from oscar.stats.synthetic import SynthSpec, write_synthetic_store
 
     p = str(tmp_path / "store")
     write_synthetic_store(p, SynthSpec(num_layers=2, num_kv_heads=2, head_dim=16, num_q_heads=4, num_blocks=2, rows=64,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from oscar.common import OscarError
-from oscar.validate.regimes import REGIMES, RegimeConfig, excess_kurtosis, make_regime, measure
+from oscar.validate.ablation.regimes import REGIMES, RegimeConfig, excess_kurtosis, make_regime, measure
 
 CFG = RegimeConfig(D=64, n_calib=4096, n_test=512, n_query=32)
 
@@ -84,19 +84,28 @@ def test_excess_kurtosis_brute_force():
 # ----------------------------------------------------------------------------- real regime
 
 def write_store(path, B=4, L=2, H=2, R=96, D=16, seed=0):
-    """A minimal oscar-calib/1 store holding only what the real regime reads (root attrs,
-    layers/{l}/{q,k,v}_res, res_count), filled with distinct q/k/v rows."""
-    import zarr
+    """A real oscar-calib/2 store (written by oscar.pipeline.store) whose q/k/v reservoirs hold
+    distinct rows (scales 3 / 1 / 0.5) and whose blocks count R, R-10, R, R-3 valid rows."""
+    from oscar.pipeline.store import CalibStore, StoreMeta, layer_arrays
 
     rng = np.random.default_rng(seed)
-    g = zarr.open_group(str(path), mode="w")
-    g.attrs.update({"format": "oscar-calib/1", "model": {"name": "tiny", "num_layers": L, "num_kv_heads": H, "head_dim": D}})
-    for l in range(L):
-        for n, sc in (("q", 3.0), ("k", 1.0), ("v", 0.5)):
-            a = g.create_array(f"layers/{l}/{n}_res", shape=(B, H, R, D), dtype="float32", chunks=(1, H, R, D))
-            a[:] = (rng.standard_normal((B, H, R, D)) * sc).astype("float32")
-        c = g.create_array(f"layers/{l}/res_count", shape=(B,), dtype="int64", chunks=(1,))
-        c[:] = np.array([R, R - 10, R, R - 3])[:B]
+    meta = StoreMeta(model={"name": "tiny", "fingerprint": "tiny", "num_layers": L, "num_q_heads": 2 * H,
+                            "num_kv_heads": H, "head_dim": D},
+                     corpus={"name": "synthetic", "fingerprint": "c", "split": "all"}, seq_len=8, sink=0,
+                     num_blocks=B, seqs_per_block=1, reservoir=R, config={})
+    st = CalibStore.create(path, meta, np.zeros((B, 1, 8), np.int32), np.ones((B, 1, 8), np.uint8))
+    counts = np.array([R, R - 10, R, R - 3])[:B]
+    for b in range(B):
+        layers = {}
+        for l in range(L):
+            arrays = {n: np.zeros(tail, dtype) for n, (dtype, tail) in layer_arrays(H, D, R).items()}
+            for n, sc in (("q", 3.0), ("k", 1.0), ("v", 0.5)):
+                x = (rng.standard_normal((H, R, D)) * sc).astype("float32")
+                x[:, counts[b]:] = 0  # rows past the count are 0, as calibration writes them
+                arrays[f"{n}_res"] = x
+            arrays["res_count"] = arrays["qo_res_count"] = np.int64(counts[b])
+            layers[l] = arrays
+        st.write_block(b, layers)
     return str(path)
 
 

@@ -7,7 +7,7 @@ import os
 import pandas as pd
 import pytest
 
-from oscar.validate.run import RunConfig, run_main
+from oscar.run import RunConfig, run_main
 
 
 @pytest.mark.slow

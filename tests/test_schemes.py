@@ -9,8 +9,8 @@ import torch
 from oscar.common import OscarError
 
 from oscar.kernels.quant import pack
-from oscar.validate.regimes import RegimeConfig, make_regime
-from oscar.validate.schemes import (SCHEMES, Ctx, KIVI_GROUP, SQCodec, TQCodec, UniformCodec, allocate, bit_reversal,
+from oscar.validate.ablation.regimes import RegimeConfig, make_regime
+from oscar.validate.ablation.schemes import (SCHEMES, Ctx, KIVI_GROUP, SQCodec, TQCodec, UniformCodec, allocate, bit_reversal,
                                     d_eff_gap, hadamard, lloyd_max, make_scheme, qjl_reconstruct)
 
 D = 32

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from oscar.validate.stattests import (adjust, bh, classify, gap_table, holm, kolmogorov_sf, ks_2samp, ks_statistic,
+from oscar.validate.ablation.stattests import (adjust, bh, classify, gap_table, holm, kolmogorov_sf, ks_2samp, ks_statistic,
                                       ks_table, variance_ratio_test)
 
 

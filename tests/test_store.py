@@ -217,3 +217,111 @@ def test_inspect_artifact(tmp_path, model, capsys):
     save_artifact(identity_artifact(model.config), str(p))
     assert main(["inspect", str(p)]) == 0
     assert "oscar-artifact" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the one reader
+
+def _tiny_meta(L=2, H=2, D=4, R=3, B=3):
+    return StoreMeta(model={"name": "t", "fingerprint": "t", "num_layers": L, "num_q_heads": 2 * H, "num_kv_heads": H,
+                            "head_dim": D}, corpus={"name": "c", "fingerprint": "c", "split": "all"}, seq_len=4,
+                     sink=0, num_blocks=B, seqs_per_block=1, reservoir=R, config={})
+
+
+def _tiny_store(path, arrays=None, counts=(3, 1, 2)):
+    from oscar.pipeline.store import layer_arrays
+
+    meta = _tiny_meta()
+    st = CalibStore.create(path, meta, np.zeros((3, 1, 4), np.int32), np.ones((3, 1, 4), np.uint8), arrays=arrays)
+    shapes = layer_arrays(2, 4, 3)
+    for b in range(3):
+        layers = {}
+        for l in range(2):
+            a = {n: np.full(shapes[n][1], 10 * b + l, shapes[n][0]) for n in st.spec}
+            for x in ("q", "k"):
+                if f"{x}_res" in a:
+                    a[f"{x}_res"] = np.arange(2 * 3 * 4, dtype="float32").reshape(2, 3, 4) + 100 * b
+            a["res_count"] = np.int64(counts[b])
+            if "qo_res_count" in a:
+                a["qo_res_count"] = np.int64(3)
+            layers[l] = a
+        st.write_block(b, layers)
+    return st
+
+
+def test_reader_read_and_reservoir(tmp_path):
+    from oscar.pipeline.store import open_verified
+
+    _tiny_store(tmp_path / "s.zarr")
+    st = open_verified(tmp_path / "s.zarr")
+    assert st.read("layers/1/q_count").tolist() == [1, 11, 21]
+    assert st.read("layers/1/q_count", [0, 2]).tolist() == [1, 21]        # orthogonal selection
+    assert st.read("layers/1/q_count", [1, 2]).tolist() == [11, 21]       # contiguous slice
+    k = st.reservoir(0, "k", 1)  # res_count rows per block, head 1
+    assert [r.shape for r in k] == [(3, 4), (1, 4), (2, 4)] and k[2][0, 0] == 200 + 12
+    assert [r.shape[0] for r in st.reservoir(0, "q", 0)] == [3, 3, 3]     # q rows: qo_res_count
+    with pytest.raises(OscarError, match="layer 2 out of range"):
+        st.reservoir(2, "k", 0)
+    with pytest.raises(OscarError, match="head 5 out of range"):
+        st.reservoir(0, "k", 5)
+    with pytest.raises(OscarError, match="store has no array 'layers/0/nope'"):
+        st.read("layers/0/nope")
+
+
+def test_reader_refuses_missing_damaged_and_incomplete(tmp_path):
+    from oscar.pipeline.store import open_verified
+
+    with pytest.raises(OscarError, match="calibration store .* does not exist"):
+        open_verified(tmp_path / "missing.zarr")
+    st = _tiny_store(tmp_path / "s.zarr")
+    chunk = st._chunk_path("layers/1/k_sum", 2)
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 1
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(OscarError, match=r"block 2, layer 1, layers/1/k_sum: checksum mismatch"):
+        open_verified(tmp_path / "s.zarr")
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    del g.attrs["reservoir"]
+    with pytest.raises(OscarError, match=r"root attributes incomplete \(missing reservoir\)"):
+        CalibStore(tmp_path / "s.zarr")
+    g.attrs["reservoir"] = 3
+    g.attrs["model"] = {"name": "t"}
+    with pytest.raises(OscarError, match="missing model.num_layers, model.num_kv_heads, model.head_dim"):
+        CalibStore(tmp_path / "s.zarr")
+    g.attrs["model"] = _tiny_meta().model
+    g.attrs["num_blocks"] = 4
+    with pytest.raises(OscarError, match=r"'done' has shape \(3, 2\), expected"):
+        CalibStore(tmp_path / "s.zarr")
+
+
+def test_subset_store(tmp_path):
+    """A store holding a subset of the arrays (synthetic bench stores) is written and verified like any other."""
+    from oscar.pipeline.store import open_verified
+
+    keep = ("q_gram", "q_count", "kv_count", "res_count", "k_res", "nonfinite")
+    _tiny_store(tmp_path / "s.zarr", arrays=keep)
+    st = open_verified(tmp_path / "s.zarr")
+    assert list(st.spec) == [n for n in st.spec if n in keep] and set(st.spec) == set(keep)
+    assert not os.path.exists(tmp_path / "s.zarr" / "layers" / "0" / "v_gram")
+    assert st.verify() == [] and st.done().all()
+    with pytest.raises(OscarError, match="unknown store arrays"):
+        CalibStore.create(tmp_path / "t.zarr", _tiny_meta(), np.zeros((3, 1, 4), np.int32),
+                          np.ones((3, 1, 4), np.uint8), arrays=["q_gram", "z_gram"])
+
+
+def test_synthetic_store_is_a_verified_store(tmp_path):
+    _spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
+    if "synthetic_store" not in sys.modules:
+        sys.modules["synthetic_store"] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(sys.modules["synthetic_store"])
+    syn = sys.modules["synthetic_store"]
+    from oscar.pipeline.store import FORMAT, open_verified
+
+    for fast in (False, True):
+        p = tmp_path / f"s{fast}.zarr"
+        syn.write_synthetic_store(str(p), syn.SynthSpec(num_layers=2, num_kv_heads=1, head_dim=8, num_blocks=2,
+                                                        rows=32, reservoir=16, only_fit_arrays=fast))
+        st = open_verified(p)
+        assert st.meta.format == FORMAT and st.checksummed and st.done().all()
+        assert ("k_gram" in st.spec) is not fast
+        # the sums are those of the reservoir's source rows: count and reservoir as written
+        assert st.read("layers/1/q_count").tolist() == [32, 32] and st.reservoir(1, "k", 0)[0].shape == (16, 8)

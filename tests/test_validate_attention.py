@@ -10,7 +10,7 @@ import torch
 
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig, identity_artifact
-from oscar.validate.attention import (AttnConfig, margin_bin, plan_windows, quantize_stream, run_attention,
+from oscar.validate.attention import (AttnConfig, Window, margin_bin, plan_windows, quantize_stream, run_attention,
                                       sequence_lengths, stream_rows_needed, trial_metrics, window_keys_int2)
 from oscar.validate.heldout import NGRAM, check_disjoint, ngram_hashes
 from oscar.validate.methods import LayerQuant
@@ -38,7 +38,8 @@ def test_trials_equal_explicit_loop(quant, n):
     Q = torch.randn(Hkv, Gq, D, generator=g) * 2
     Kq, Vq = quantize_stream(lq, Ks, Vs)
     a = 2 * 8  # aligned to every group size used here
-    r = trial_metrics(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n], K0, V0, window_keys_int2(Kq, Ks, a, n, G), Vq[:, a:a + n], Q)
+    r = trial_metrics(Window(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n]),
+                      Window(K0, V0, window_keys_int2(Kq, Ks, a, n, G), Vq[:, a:a + n]), Q)
     # brute force: the context's own INT2 reading (groups from its first non-sink key), then loops
     Kw, Vw = Ks[:, a:a + n].clone(), Vs[:, a:a + n].clone()
     nf = n // G * G

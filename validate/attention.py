@@ -39,6 +39,8 @@ import numpy as np
 import torch
 
 from oscar.common import OscarError
+from oscar.defaults import SINK
+from oscar.pipeline.store import open_verified
 from oscar.validate import DEFAULT_METHODS
 
 # Margin bin edges in nats (exp(0.25) = 1.28x the runner-up's weight, exp(4) = 55x).
@@ -61,7 +63,7 @@ class AttnConfig:
     lengths: list[int] = field(default_factory=lambda: [4096, 16384, 65536, 131072])
     windows: int = 8  # contexts per (layer, length); each is scored by every query head (trials = windows x Hq)
     layers: list[int] = field(default_factory=list)  # default: 4 spread over depth
-    sink: int = 64
+    sink: int = SINK
     seq_len: int = 4096  # tokens per captured held-out sequence (<= the model's context)
     model: str | None = None  # default: the store's model
     corpus: str = "pydoc"  # whose held-out split comes first (then standard-library docstrings)
@@ -71,21 +73,10 @@ class AttnConfig:
     device: str = "cpu"  # where the capture runs (cpu, cuda, cuda:N)
 
 
-def _open_store(path: str):
-    from oscar.pipeline.store import CalibStore
-
-    if not os.path.exists(path):
-        raise OscarError(f"calibration store {path} does not exist")
-    st = CalibStore(path)
-    if "checksums" in st.group:  # verified through the store format's owner: a damaged done block is refused
-        st.check()
-    return st
-
-
 def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> dict:
     """Refuse an artifact not fitted on this store (model, corpus, job config, blocks): the token
     check against the store would then prove nothing about the artifact."""
-    from oscar.stats.reduce import StoreView
+    from oscar.pipeline.store import store_fingerprint
 
     prov = fitted.meta.get("provenance") or {}
     from oscar.common import model_mismatch
@@ -101,10 +92,10 @@ def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> 
                          f"pass the store the artifact was fitted on (its provenance: {prov.get('store')})")
     blocks = prov.get("blocks")
     if blocks is not None:
-        view = StoreView(path=store_path, attrs=store_attrs, blocks=list(blocks))
-        if view.fingerprint != prov.get("store_fingerprint"):
+        fp = store_fingerprint(store_attrs, blocks)
+        if fp != prov.get("store_fingerprint"):
             raise OscarError(f"artifact provenance store fingerprint {prov.get('store_fingerprint')} is not that of "
-                             f"{store_path} ({view.fingerprint}): the artifact was fitted on another store")
+                             f"{store_path} ({fp}): the artifact was fitted on another store")
         if blocks and max(blocks) >= store_meta.num_blocks:
             raise OscarError(f"artifact was fitted on blocks {blocks} but {store_path} has {store_meta.num_blocks}")
     return {"checked": True, "store_fingerprint": prov.get("store_fingerprint"), "corpus_fingerprint": pc,
@@ -134,14 +125,25 @@ def sequence_lengths(stream: int, seq_len: int, sink: int) -> list[int]:
     return [seq_len] * (k - 1) + [stream - (k - 1) * per + sink]
 
 
-def trial_metrics(K0, V0, Kw, Vw, K0q, V0q, Kwq, Vwq, Q) -> dict[str, torch.Tensor]:
+@dataclass
+class Window:
+    """The keys and values one trial's query attends to: the sink rows and the window's non-sink rows."""
+    k0: torch.Tensor  # (Hkv, s, D) sink keys
+    v0: torch.Tensor  # (Hkv, s, D)
+    k: torch.Tensor   # (Hkv, n, D) non-sink keys
+    v: torch.Tensor   # (Hkv, n, D)
+
+
+def trial_metrics(exact: Window, int2: Window, Q: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every query head's trial on one context.
 
-    K0, V0 (Hkv, s, D): sink rows; Kw, Vw (Hkv, n, D): the non-sink rows; *q: their INT2 reading
-    (sink rows exact, passed for symmetry); Q (Hkv, G, D): the last token's query heads, grouped by
-    KV head. Returns (Hkv, G) tensors: needle (index into the non-sink rows), margin (nats),
-    margin_std, top1, rank_int2, out_rel_err, needle_weight, needle_weight_int2.
+    `exact`: the window as captured; `int2`: its INT2 reading (sink rows exact, passed for symmetry);
+    Q (Hkv, G, D): the last token's query heads, grouped by KV head. Returns (Hkv, G) tensors: needle
+    (index into the non-sink rows), margin (nats), margin_std, top1, rank_int2, out_rel_err,
+    needle_weight, needle_weight_int2.
     """
+    K0, V0, Kw, Vw = exact.k0, exact.v0, exact.k, exact.v
+    K0q, V0q, Kwq, Vwq = int2.k0, int2.v0, int2.k, int2.v
     D = Q.shape[-1]
     s = 1.0 / math.sqrt(D)
     lw = torch.einsum("hnd,hgd->hgn", Kw, Q)                                          # (Hkv, G, n)
@@ -229,7 +231,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
         raise OscarError(f"windows must be >= 1, got {cfg.windows}")
     if cfg.seq_len <= cfg.sink + 1:
         raise OscarError(f"seq_len {cfg.seq_len} must exceed the sink {cfg.sink} + 1")
-    st = _open_store(cfg.store)
+    st = open_verified(cfg.store)  # the store format's owner: a damaged done block is refused
     mi = st.meta.model
     L, Hkv, D = int(mi["num_layers"]), int(mi["num_kv_heads"]), int(mi["head_dim"])
     layers = sorted(set(cfg.layers)) if cfg.layers else sorted({0, L // 3, (2 * L) // 3, L - 1})
@@ -326,7 +328,8 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
                     s, p = ends[(N, a)]
                     Q = Qs[l][s][:, q_pos[s].index(p)].float().view(Hkv, Gq, D)    # (Hkv, G, D)
                     Kwq = window_keys_int2(Kq, Ks, a, n, lq.key_group)                   # (Hkv, n, D)
-                    r = trial_metrics(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n], K0, V0, Kwq, Vq[:, a:a + n], Q)
+                    r = trial_metrics(Window(K0, V0, Ks[:, a:a + n], Vs[:, a:a + n]),
+                                      Window(K0, V0, Kwq, Vq[:, a:a + n]), Q)
                     for h in range(Hkv):
                         for g in range(Gq):
                             j = a + int(r["needle"][h, g])

@@ -1,10 +1,11 @@
-"""`oscar validate niah|ppl|attention` and the main job `oscar run`."""
+"""`oscar validate niah|ppl|tune|attention` (the main job `oscar run` is oscar/cli.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 from oscar.validate import DEFAULT_METHODS as _DEFAULT_METHODS
+from oscar.defaults import EMBEDDED_MODEL, SINK
 
 DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)
 
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     n = vs.add_parser("niah", help="RULER-style tasks under the strict protocol (resumable)",
                       description="RULER-style needle-in-a-haystack tasks on held-out haystacks, every method on the "
                                   "same samples; writes DIR/results.parquet and DIR/niah_samples.jsonl.")
-    n.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    n.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     n.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     n.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
     n.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma list of RULER tasks, or 'all'")
@@ -67,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = vs.add_parser("ppl", help="held-out perplexity, strict and serving protocols",
                       description="Held-out perplexity of every method, paired by window against bf16; writes "
                                   "DIR/ppl.parquet and DIR/goal.json.")
-    p.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    p.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     p.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
     p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k",
@@ -87,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       description="Score each factor x the fitted key clips by NLL per token on calibration-split text "
                                   "(float32, so the choice does not depend on thread counts) and write the artifact "
                                   "with the best factor applied.")
-    t.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
+    t.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     t.add_argument("--artifact", required=True, help="fitted artifact to tune")
     t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", help="comma list of factors x the fitted key clip "
                    "(ratios capped at 1)")
@@ -115,7 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")
     a.add_argument("--seq-len", type=int, default=4096,
                    help="tokens per captured held-out sequence, at most the model's context")
-    a.add_argument("--sink", type=int, default=64, help="first keys of each context kept exact")
+    a.add_argument("--sink", type=int, default=SINK, help="first keys of each context kept exact")
     a.add_argument("--corpus", default="pydoc", help="corpus whose held-out split comes first")
     a.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model compute dtype of the capture")
@@ -124,34 +125,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     _exec_args(a)
     a.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     a.set_defaults(func=_attention)
-
-    r = sub.add_parser("run", help="the main job: calibrate -> fit -> validate -> report, resumable by stage",
-                       description="The main job on the embedded defaults: calibrate (a local Ray cluster on "
-                                   "127.0.0.1), fit the recipe behind oscar-int2, tune its key clips, run the needle "
-                                   "tests, perplexity and attention-level retrieval, and write DIR/report.md and "
-                                   "DIR/report.html. Re-running the same command skips finished stages and resumes "
-                                   "inside calibrate, niah and ppl.")
-    r.add_argument("--out", required=True, help="run directory (everything the job writes; resumes what it holds)")
-    r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
-    r.add_argument("--model", default="smollm2-135m", help="model preset, HF directory or .gguf file")
-    r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default 20)")
-    r.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list of KV-cache methods to compare (default: %(default)s; also tq-int2, sq-int2, "
-                        "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
-    r.add_argument("--full", action="store_true", help="larger perplexity budget (12288 held-out tokens per context, all the pydoc held-out split holds "
-                        "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
-    r.add_argument("--variant", default="scaled", help="fit variant behind oscar-int2 (see `oscar variants`)")
-    r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
-    r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
-                   help="cache protocol of the needle stage (`oscar validate niah --protocol`; named for its stage "
-                        "because perplexity always reports both)")
-    r.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                   help="model compute dtype for NIAH and perplexity (default bfloat16: serving precision, fast on "
-                        "CPUs with bf16 units; float32: steadier digits, ~1.7x slower)")
-    _exec_args(r)
-    r.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's); "
-                   "stage lines are still printed")
-    r.set_defaults(func=_run)
 
 
 def _niah(args) -> int:
@@ -208,16 +181,4 @@ def _attention(args) -> int:
                      engine=args.engine, device=args.device)
     df = run_attention(cfg, progress=not args.no_progress)
     print(df.round(4).to_string(index=False))
-    return 0
-
-
-def _run(args) -> int:
-    from oscar.validate.run import RunConfig, run_main
-
-    from oscar.validate.methods import parse_methods
-
-    run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       methods=parse_methods(args.methods),
-                       variant=args.variant, tune=not args.no_tune, niah_protocol=args.niah_protocol, dtype=args.dtype,
-                       engine=args.engine, device=args.device, progress=not args.no_progress))
     return 0

@@ -1,6 +1,6 @@
 """Model-level codebook cache formats: TurboQuant (`tq-int2`) and SpectralQuant, uniform allocation (`sq-int2`).
 
-The synthetic ablation's TQ and SQ codecs (validate/schemes.py) as cache formats the model-level
+The synthetic ablation's TQ and SQ codecs (validate/ablation/schemes.py) as cache formats the model-level
 simulator (`validate.methods.LayerQuant`) runs like every other method. The quantizers are the
 same functions (`schemes.lloyd_max`, `codebook_quant`, `allocate`, `d_eff_gap`); what is added
 here is the per-layer, per-KV-head layout and the calibration statistics, read from the same
@@ -36,7 +36,7 @@ import torch
 
 from oscar.common import OscarError
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.validate.schemes import allocate, codebook_quant, d_eff_gap, hadamard
+from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, hadamard
 
 CODECS = ("tq", "sq")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
@@ -182,7 +182,7 @@ def tq_artifact(fitted: Artifact, seed: int = 0) -> Artifact:
 
 def sq_artifact(fitted: Artifact) -> Artifact:
     """sq-int2 from the calibration store `fitted` came from (eigenbases, stds, means, d_eff)."""
-    from oscar.validate.schemes import eigbasis
+    from oscar.validate.ablation.schemes import eigbasis
 
     store = _store_of(fitted, "sq-int2")
     view, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))

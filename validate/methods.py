@@ -37,7 +37,6 @@ position mask that reproduces token-by-token decoding with the same cache.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -45,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from oscar.common import OscarError, attention_shapes
+from oscar.defaults import RECENT, SINK
 from oscar.kernels.quant import QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 
@@ -60,7 +60,7 @@ class Protocol:
     """
 
     name: str
-    sink: int = 64
+    sink: int = SINK
     recent: int = 0
     pages: bool = True
 
@@ -69,20 +69,20 @@ class Protocol:
 # into new tables (NIAH/perplexity identities, `oscar run` stage fingerprints). 2: per-token K/V leave
 # the exact window in whole pages (was: one token at a time).
 PROTOCOL_VERSION = 2
-STRICT = Protocol("strict", sink=64, recent=0)
-SERVING = Protocol("serving", sink=64, recent=256)
-STRICT_TOKEN = Protocol("strict-token", sink=64, recent=0, pages=False)
+STRICT = Protocol("strict", sink=SINK, recent=0)
+SERVING = Protocol("serving", sink=SINK, recent=RECENT)
+STRICT_TOKEN = Protocol("strict-token", sink=SINK, recent=0, pages=False)
 PROTOCOLS = {p.name: p for p in (STRICT, SERVING, STRICT_TOKEN)}
 
 
 def hadamard(n: int) -> torch.Tensor:
-    """Normalised Sylvester Hadamard matrix (n a power of two); orthogonal and symmetric."""
+    """Normalised Sylvester Hadamard matrix (n a power of two: the hadamard-int2 baseline), float32;
+    oscar.stats.hadamard's construction, orthogonal and symmetric."""
+    from oscar.stats.hadamard import hadamard as _hadamard
+
     if n < 1 or n & (n - 1):
         raise OscarError(f"Hadamard rotation needs a power-of-two head_dim, got {n}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+    return torch.from_numpy(_hadamard(n)).float()
 
 
 # ----------------------------------------------------------------- registry

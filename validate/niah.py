@@ -30,13 +30,14 @@ import torch
 
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
+from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate.evidence import read_samples
 
 
 @dataclass
 class NiahConfig:
     out: str
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     artifact: str | None = None
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])

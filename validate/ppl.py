@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
+from oscar.defaults import EMBEDDED_MODEL
 
 from oscar.validate.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
 
@@ -48,7 +49,7 @@ from oscar.validate.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_go
 @dataclass
 class PplConfig:
     out: str
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     artifact: str | None = None
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     contexts: list[int] = field(default_factory=lambda: [1024, 4096])

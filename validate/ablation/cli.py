@@ -1,4 +1,4 @@
-"""`oscar ablate`: CLI registration (thin; the work is in oscar.validate.ablate)."""
+"""`oscar ablate`: CLI registration (thin; the work is in oscar.validate.ablation.ablate)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def handler(args: argparse.Namespace) -> int:
     import os
 
     from oscar.common import OscarError
-    from oscar.validate.ablate import AblationConfig, run_ablation
-    from oscar.validate.regimes import RegimeConfig
+    from oscar.validate.ablation.ablate import AblationConfig, run_ablation
+    from oscar.validate.ablation.regimes import RegimeConfig
 
     if args.store and not os.path.exists(args.store):
         raise OscarError(f"--store {args.store}: no such path")

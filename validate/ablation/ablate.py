@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from oscar.common import OscarError, fingerprint
-from oscar.validate.regimes import REGIMES, RegimeConfig
+from oscar.validate.ablation.regimes import REGIMES, RegimeConfig
 
 SYNTHETIC = [r for r in REGIMES if r != "real"]
 KS_METRICS = ["relmse_k", "relmse_v", "relmse_o", "d2", "logit_var", "topk"]
@@ -48,7 +48,7 @@ class AblationConfig:
     workers: int = 0  # processes for the (regime, seed) units; 0: min(2, cores)
 
     def __post_init__(self):
-        from oscar.validate.schemes import SCHEMES
+        from oscar.validate.ablation.schemes import SCHEMES
 
         if self.data.store and "real" not in self.regimes:
             self.regimes = [*self.regimes, "real"]
@@ -94,11 +94,11 @@ def run_unit(regime: str, seed: int, cfg: AblationConfig) -> list[dict]:
     """All schemes x bits x paths on one regime draw."""
     import torch
 
-    from oscar.validate.metrics import compute_metrics
-    from oscar.validate.regimes import make_regime
-    from oscar.validate.schemes import Ctx, make_scheme
+    from oscar.validate.ablation.metrics import compute_metrics
+    from oscar.validate.ablation.regimes import make_regime
+    from oscar.validate.ablation.schemes import Ctx, make_scheme
 
-    from oscar.validate.schemes import UniformCodec, paged_roundtrip
+    from oscar.validate.ablation.schemes import UniformCodec, paged_roundtrip
 
     reg = make_regime(regime, cfg.data, seed)
     rows = []
@@ -174,7 +174,7 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
     import torch
     from tqdm import tqdm
 
-    from oscar.validate import stattests
+    from oscar.validate.ablation import stattests
 
     torch.set_num_threads(1)
     os.makedirs(os.path.join(cfg.out, "parts"), exist_ok=True)
@@ -237,6 +237,6 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
 
 
 def _rotation_source() -> str:
-    from oscar.validate import schemes
+    from oscar.validate.ablation import schemes
 
     return getattr(schemes, "ROTATION_SOURCE", "local")

@@ -1,7 +1,7 @@
 """Statistical validation (seed 004): KS tests, multiple-testing control, classification,
 oracle vs production gap variance, and the d_eff vs calibration-budget study.
 
-The two paths of every scheme (validate/schemes.py `Ctx`):
+The two paths of every scheme (validate/ablation/schemes.py `Ctx`):
 - oracle: numpy PCG64 randomness, float64 arithmetic;
 - production: torch's MT19937 generator, float32 arithmetic.
 - triton (opt-in, `triton_seeds`): production's RNG and precision, with the uniform-grid
@@ -168,9 +168,9 @@ def deff_study(regimes: list[str], budgets: list[int], seeds: int, cfg, gap: flo
     import pandas as pd
     import torch
 
-    from oscar.validate.metrics import compute_metrics
-    from oscar.validate.regimes import make_regime
-    from oscar.validate.schemes import Ctx, SQCodec, d_eff_energy, d_eff_gap
+    from oscar.validate.ablation.metrics import compute_metrics
+    from oscar.validate.ablation.regimes import make_regime
+    from oscar.validate.ablation.schemes import Ctx, SQCodec, d_eff_energy, d_eff_gap
 
     rows = []
     for reg in regimes:

@@ -1,8 +1,8 @@
-"""Synthetic calibration stores (`oscar-calib/1`) with planted spectra, for tests and benches.
+"""Synthetic calibration stores with planted spectra, for tests and benches (bench/fit.py).
 
-Writes exactly the arrays and attributes documented in docs/store-format.md from
-generated rows, so every sum is the true sum of the rows the reservoir was drawn
-from. Planted structure per layer and KV head: a random orthogonal basis and an
+Written through the store format's owner (oscar.pipeline.store: an `oscar-calib/2` store
+with block checksums) from generated rows, so every sum is the true sum of the rows the
+reservoir was drawn from. Planted structure per layer and KV head: a random orthogonal basis and an
 eigenvalue profile (rank-r signal + isotropic floor), Gaussian or Student-t rows,
 an optional key mean and an optional spurious direction injected into one block.
 """
@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from oscar.pipeline.store import CalibStore, StoreMeta, layer_arrays
+
 STAT_X = ("q", "k", "v", "o")
+# what fit reads (`only_fit_arrays` stores hold just these: benches write GBs of them)
+FIT_ONLY = ("q_gram", "o_gram", *(f"{x}_{s}" for x in STAT_X for s in ("sum", "m3", "m4", "absmax")),
+            "q_res", "k_res", "v_res", "q_count", "kv_count", "nonfinite", "res_count", "qo_res_count")
 
 
 @dataclass
@@ -34,7 +39,6 @@ class SynthSpec:
     k_mean: float = 0.0  # norm of the planted key mean
     spurious: tuple[int, int, int, float] | None = None  # (layer, head, block, eigenvalue) injected into q
     unstable: tuple[tuple[int, int], ...] = ()  # (layer, head) whose q basis is redrawn every block
-    compress: bool = True  # zarr's default zstd; benches turn it off to write GBs faster
     only_fit_arrays: bool = False  # skip arrays fit never reads (k/v grams... kept small for benches)
     seed: int = 0
     model_name: str = "synthetic"
@@ -67,52 +71,28 @@ def _rows(rng, n, U, lam, tail, nu, mean=None):
 
 def write_synthetic_store(path: str, spec: SynthSpec, progress: bool = False) -> dict:
     """Write the store; returns the planted truth {(l, h): {"U_q", "U_o", "U_k", "U_v", "lam", "k_mean"}}."""
-    import zarr
-
     rng = np.random.default_rng(spec.seed)
     L, H, D, B, N, R = spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.num_blocks, spec.rows, spec.reservoir
     R = min(R, N)
-    g = zarr.open_group(path, mode="w", zarr_format=3)
-    g.attrs.update({
-        "format": "oscar-calib/1",
-        "model": {"name": spec.model_name, "fingerprint": spec.fingerprint, "num_layers": L,
-                  "num_q_heads": spec.num_q_heads, "num_kv_heads": H, "head_dim": D},
-        "corpus": {"name": "synthetic", "fingerprint": f"synthetic-{spec.seed}", "split": "all"},
-        "seq_len": spec.seq_len, "sink": spec.sink, "num_blocks": B, "seqs_per_block": 1, "reservoir": R,
-        "config": {"synthetic": True, "seed": spec.seed, "tail": spec.tail, "rank": spec.rank},
-    })
-    tok = g.create_array("tokens", shape=(B, 1, spec.seq_len), dtype="int32", chunks=(1, 1, spec.seq_len))
-    tok[:] = rng.integers(0, 1000, size=(B, 1, spec.seq_len), dtype=np.int32)
-    msk = g.create_array("mask", shape=(B, 1, spec.seq_len), dtype="uint8", chunks=(1, 1, spec.seq_len))
-    msk[:] = 1
-    done = g.create_array("done", shape=(B, L), dtype="uint8", chunks=(1, 1), fill_value=0)
+    meta = StoreMeta(
+        model={"name": spec.model_name, "fingerprint": spec.fingerprint, "num_layers": L,
+               "num_q_heads": spec.num_q_heads, "num_kv_heads": H, "head_dim": D},
+        corpus={"name": "synthetic", "fingerprint": f"synthetic-{spec.seed}", "split": "all"},
+        seq_len=spec.seq_len, sink=spec.sink, num_blocks=B, seqs_per_block=1, reservoir=R,
+        config={"synthetic": True, "seed": spec.seed, "tail": spec.tail, "rank": spec.rank})
+    tokens = rng.integers(0, 1000, size=(B, 1, spec.seq_len), dtype=np.int32)
+    st = CalibStore.create(path, meta, tokens, np.ones((B, 1, spec.seq_len), np.uint8),
+                           arrays=FIT_ONLY if spec.only_fit_arrays else None)
+    shapes = {n: (dtype, tail) for n, (dtype, tail) in layer_arrays(H, D, R).items() if n in st.spec}
 
     lam = planted_eigs(spec)
     truth = {}
-    grams = ("q", "o") if spec.only_fit_arrays else STAT_X
     for l in range(L):
-        lg = g.require_group(f"layers/{l}")
-        arr = {}
-
-        def mk(name, shape, dtype="float64"):
-            kw = {} if spec.compress else {"compressors": None}
-            arr[name] = lg.create_array(name, shape=(B, *shape), dtype=dtype, chunks=(1, *shape), fill_value=0, **kw)
-
-        for x in grams:
-            mk(f"{x}_gram", (H, D, D))
-        for x in STAT_X:
-            for s in ("sum", "m3", "m4", "absmax"):
-                mk(f"{x}_{s}", (H, D))
-        for x in ("q", "k", "v") if spec.only_fit_arrays else STAT_X:
-            mk(f"{x}_res", (H, R, D), "float32")
-        if not spec.only_fit_arrays:
-            mk("vw_gram", (H, D, D))
-            mk("w_sum", (H,))
-        for c in ("q_count", "kv_count", "nonfinite", "res_count"):
-            mk(c, (), "int64")
         if spec.only_fit_arrays:  # bench path: the whole layer at once, batched over blocks and heads
+            arr = {n: np.zeros((B, *tail), dtype) for n, (dtype, tail) in shapes.items()}
             _fast_layer(spec, rng, arr, lam, l, truth)
-            done[:, l] = 1
+            for b in range(B):
+                st.write_layer(b, l, {n: a[b] for n, a in arr.items()})
             if progress:
                 print(f"synthetic store: layer {l + 1}/{L}", flush=True)
             continue
@@ -124,7 +104,7 @@ def write_synthetic_store(path: str, spec: SynthSpec, progress: bool = False) ->
             bases[h] = (U, mu)
             truth[(l, h)] = {f"U_{x}": U[x] for x in STAT_X} | {"lam": lam, "k_mean": mu}
         for b in range(B):
-            blk = {n: np.zeros(a.shape[1:], dtype=a.dtype) for n, a in arr.items()}
+            blk = {n: np.zeros(tail, dtype=dtype) for n, (dtype, tail) in shapes.items()}
             for h in range(H):
                 U, mu = bases[h]
                 if (l, h) in spec.unstable:  # same spectrum, a new leading subspace in every block
@@ -137,25 +117,21 @@ def write_synthetic_store(path: str, spec: SynthSpec, progress: bool = False) ->
                     xs["q"] = xs["q"] + np.outer(rng.standard_normal(N), u) * np.sqrt(spec.spurious[3] * B)
                     truth[(l, h)]["spurious"] = u
                 for x, v in xs.items():
-                    if f"{x}_gram" in blk:
-                        blk[f"{x}_gram"][h] = v.T @ v
+                    blk[f"{x}_gram"][h] = v.T @ v
                     blk[f"{x}_sum"][h] = v.sum(0)
                     blk[f"{x}_m3"][h] = (v**3).sum(0)
                     blk[f"{x}_m4"][h] = (v**4).sum(0)
                     blk[f"{x}_absmax"][h] = np.abs(v).max(0)
-                    if f"{x}_res" in blk:
-                        blk[f"{x}_res"][h] = v[rng.choice(N, R, replace=False)]
-                if "vw_gram" in blk:
-                    Cq = (U["q"] * lam) @ U["q"].T
-                    w = np.einsum("nd,de,ne->n", xs["k"], Cq, xs["k"])
-                    blk["vw_gram"][h] = (xs["v"] * w[:, None]).T @ xs["v"]
-                    blk["w_sum"][h] = w.sum()
+                    blk[f"{x}_res"][h] = v[rng.choice(N, R, replace=False)]
+                Cq = (U["q"] * lam) @ U["q"].T
+                w = np.einsum("nd,de,ne->n", xs["k"], Cq, xs["k"])
+                blk["vw_gram"][h] = (xs["v"] * w[:, None]).T @ xs["v"]
+                blk["w_sum"][h] = w.sum()
             blk["q_count"][...] = N
             blk["kv_count"][...] = N
             blk["res_count"][...] = R
-            for n, a in arr.items():
-                a[b] = blk[n]
-            done[b, l] = 1
+            blk["qo_res_count"][...] = R  # q/o reservoirs hold R rows too
+            st.write_layer(b, l, blk)
         if progress:
             print(f"synthetic store: layer {l + 1}/{L}", flush=True)
     return truth
@@ -186,3 +162,4 @@ def _fast_layer(spec: SynthSpec, rng, arr: dict, lam: np.ndarray, l: int, truth:
     for c in ("q_count", "kv_count"):
         arr[c][:] = N
     arr["res_count"][:] = R
+    arr["qo_res_count"][:] = R

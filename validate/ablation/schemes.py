@@ -13,7 +13,7 @@ Gaussian codebook) are computed here.
 
 Randomness (WHT signs, QJL matrices) comes from a `Ctx`: the oracle path draws
 from numpy PCG64 in float64, the production path from torch's MT19937 generator
-in float32 (see validate/stattests.py).
+in float32 (see validate/ablation/stattests.py).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
@@ -32,7 +33,7 @@ from oscar.common import OscarError, file_fingerprint, fingerprint
 class RunConfig:
     out: str
     ray: bool = True
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
     samples: int | None = None  # NIAH samples per cell (20: the acceptance size)
     full: bool = False  # the acceptance sizes
@@ -66,7 +67,7 @@ class RunConfig:
     # (digit-for-digit comparable with `oscar validate` defaults). Calibration is float32 either way.
     dtype: str = "bfloat16"
     # validate/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions.md
-    # "Engines") or cache (OscarCache + the kernel dispatcher) for tune, NIAH and perplexity; device: cpu, cuda[:N]
+    # "Engines") or cache (OscarCache + the kernel dispatcher) for tune, NIAH, perplexity, attention; device: cpu, cuda[:N]
     engine: str = "simulate"
     device: str = "cpu"
     progress: bool = True
@@ -209,11 +210,11 @@ def run_main(cfg: RunConfig) -> dict:
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
         save(art, art_path)
         try:
-            from oscar.stats.report import calibration_section
+            from oscar.reports.calibration import calibration_section
 
             calibration_section(art_path, store, cal_dir)
         except ImportError:
-            _say("fit: oscar.stats.report.calibration_section not available; no calibration section")
+            _say("fit: oscar.reports.calibration.calibration_section not available; no calibration section")
         return {"clip_tuning": rec} if rec else None
 
     st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [art_path], do_tune)

@@ -176,32 +176,14 @@ def real(cfg, rng):
     queries. Calibration = first half of the blocks, test = a random draw from the rest."""
     if not cfg.store:
         raise ValueError("the real regime needs a calibration store (--store)")
-    import zarr
-
     from oscar.common import OscarError
+    from oscar.pipeline.store import open_verified
 
-    try:
-        g = zarr.open_group(cfg.store, mode="r")
-    except Exception as e:
-        raise OscarError(f"{cfg.store}: not a readable zarr store ({e})") from e
-    from oscar.pipeline.store import READS, CalibStore
-
-    if g.attrs.get("format") not in READS:
-        raise OscarError(f"{cfg.store}: format {g.attrs.get('format')!r}, expected one of {', '.join(READS)}")
-    if "checksums" in g:  # a damaged done block is refused (by block, layer and array)
-        CalibStore(cfg.store).check()
-    L = int(g.attrs["model"]["num_layers"])
-    layer = L // 2 if cfg.layer is None else cfg.layer
-    if not 0 <= layer < L:
-        raise OscarError(f"layer {layer} out of range (store has {L})")
-    lg = g[f"layers/{layer}"]
-    cnt = np.asarray(lg["res_count"][:])
-    # q rows pool every query head of the group; a store may count them separately
-    qcnt = np.asarray(lg["qo_res_count"][:]) if "qo_res_count" in lg else cnt
-    if not 0 <= cfg.head < lg["k_res"].shape[1]:
-        raise OscarError(f"head {cfg.head} out of range (store has {lg['k_res'].shape[1]} KV heads)")
-    rows = {n: [np.asarray(lg[f"{n}_res"][b, cfg.head, : (qcnt if n == "q" else cnt)[b]], dtype=np.float64)
-                for b in range(len(cnt))] for n in "qkv"}
+    st = open_verified(cfg.store)  # the store format's owner: format, attributes, checksums of done blocks
+    layer = st.num_layers // 2 if cfg.layer is None else cfg.layer
+    # q rows pool every query head of the group (counted by qo_res_count where the store has it)
+    rows = {n: [r.astype(np.float64) for r in st.reservoir(layer, n, cfg.head)] for n in "qkv"}
+    cnt = np.array([len(r) for r in rows["k"]])
     B = len(cnt)
     if B < 2 or cnt.min() == 0:
         raise OscarError(f"{cfg.store}: the real regime needs >= 2 blocks with reservoir rows (counts {cnt.tolist()})")

