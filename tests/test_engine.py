@@ -304,3 +304,27 @@ def test_tiny_exact_prefill_cache_equals_the_simulate_engine(tiny):
         a = engine.niah_answers(tiny, [S], [[art, None]], [["t", "bf16"]], p, eos=set(), prefill="exact")
         b = decode_batch(tiny, [S], [[art, None]], engine.simulator_protocol(p), PrefillPool(tiny), eos=set())
         assert a == b
+
+
+@pytest.mark.parametrize("quant", ["token", "channel", "published"])
+def test_attention_stream_through_the_paged_cache(tiny, quant):
+    """`validate attention --engine cache`: the stream's INT2 reading from the paged cache = LayerQuant's
+    (the simulator's) on every whole page; the last incomplete page stays exact (the simulator quantizes
+    its values: the one difference, on the stream's last < page rows)."""
+    from oscar.validate.attention import quantize_stream
+    from oscar.validate.methods import LayerQuant
+
+    art = _rot_artifact(tiny.config, QUANTS[quant])
+    g = torch.Generator().manual_seed(3)
+    Ks, Vs = torch.randn(2, 100, 16, generator=g), torch.randn(2, 100, 16, generator=g)  # (Hkv, S, D)
+    Kc, Vc = engine.cache_stream("t", art, 1, Ks, Vs, torch.float32)
+    lq = LayerQuant(art, 1, pages=True)
+    Kq, Vq = quantize_stream(lq, Ks, Vs)
+    full = 100 // engine.cache_options("t", art, Protocol("a", sink=0, recent=0))["page_size"] * \
+        engine.cache_options("t", art, Protocol("a", sink=0, recent=0))["page_size"]
+    assert torch.allclose(Kc[:, :full], Kq[:, :full], atol=1e-5) and torch.allclose(Vc[:, :full], Vq[:, :full], atol=1e-5)
+    # the incomplete last page: exact in the cache (up to the rotation's round trip); the simulator's
+    # quantize_stream keeps the keys' incomplete group exact too
+    assert torch.allclose(Kc[:, full:], Ks[:, full:], atol=1e-5) and torch.allclose(Vc[:, full:], Vs[:, full:], atol=1e-5)
+    assert torch.allclose(Kq[:, full:], Ks[:, full:], atol=1e-5)
+    assert not torch.allclose(Kc[:, :full], Ks[:, :full], atol=1e-2)  # really quantized
