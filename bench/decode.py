@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from oscar.kernels import reference as ref
+from oscar.kernels.dispatch import quantize_pages
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
+from oscar.stats.artifact import QuantConfig
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,9 +61,9 @@ def random_rotation(H: int, D: int, device, seed: int = 0) -> LayerRotation:
 def build_cache(H, D, batch, context, device, mode="minmax", key_axis="token", seed=0,
                 param_dtype=torch.float16) -> tuple[PagedLayerCache, list[int]]:
     """One layer's cache with `batch` sequences of `context` tokens, each on its own pages."""
-    cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=batch * (context // 16 + 1), max_seqs=batch,
-                      mode=mode, key_axis=key_axis, device=device, param_dtype=param_dtype)
-    c = PagedLayerCache(cfg, random_rotation(H, D, device, seed))
+    quant = QuantConfig(mode=mode, key_axis=key_axis, param_dtype=str(param_dtype).removeprefix("torch."))
+    cfg = PagedConfig(quant, H, D, num_pages=batch * (context // 16 + 1), max_seqs=batch, device=device)
+    c = PagedLayerCache(cfg, random_rotation(H, D, device, seed), quantizer=quantize_pages)
     g = torch.Generator(device=device).manual_seed(seed)
     seqs = []
     for _ in range(batch):
@@ -76,15 +78,15 @@ def build_cache(H, D, batch, context, device, mode="minmax", key_axis="token", s
 def kernel_bytes(c: PagedLayerCache, seqs: list[int]) -> int:
     """Bytes decode attention must read: INT2 codes, per-page metadata, sink + ring, block tables."""
     cfg = c.cfg
-    H, D, P = cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+    H, D, P = cfg.num_kv_heads, cfg.head_dim, cfg.quant.page_size
     esz = torch.finfo(cfg.dtype).bits // 8
     total = 0
     for s in seqs:
         lay = layout(c.lengths[s], cfg)
         n_hist = lay.num_pages * P
         total += 2 * n_hist * H * cfg.packed_dim  # K and V codes
-        if cfg.mode != "static":
-            k_meta = lay.num_pages * H * D if cfg.key_axis == "channel" else n_hist * H * cfg.groups
+        if cfg.quant.mode != "static":
+            k_meta = lay.num_pages * H * D if cfg.quant.key_axis == "channel" else n_hist * H * cfg.groups
             total += 2 * c.k_scale.element_size() * (k_meta + n_hist * H * cfg.groups)  # scale + zero, K and V
         total += 2 * (lay.sink_len + lay.ring_len) * H * D * esz
         total += 4 * lay.num_pages

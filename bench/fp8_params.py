@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import torch
 
-from oscar.kernels.quant import FP8_MAX, fake_quant
+from oscar.quant import FP8_MAX, fake_quant
 from oscar.stats.artifact import load_artifact
 
 EXAMPLE = "/work/main/reports/examples/smollm2"
@@ -70,7 +70,7 @@ def layer_errors(art, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Ten
         out[f"{name}_v_err"] = (vq - vr).pow(2).sum().item()
         out[f"{name}_o_err"] = (attend(kq, vq) - o).pow(2).sum().item()
         if name == "fp8":
-            from oscar.kernels.quant import choose_qparams
+            from oscar.quant import choose_qparams
 
             sk, _ = choose_qparams(kr, ks, _clip(art.clip_k[layer]))
             sv, _ = choose_qparams(vr, vs, _clip(art.clip_v[layer]))

@@ -97,8 +97,8 @@ def niah_cells(model, tok, arts, cells, tasks, proto, save=lambda rows: None) ->
 
 
 def _fake_quant_previous(x, spec, clip):
-    """`kernels.quant.fake_quant` before this change (aminmax, strided channel groups), for the timing."""
-    from oscar.kernels import quant as Q
+    """`oscar.quant.fake_quant` before this change (aminmax, strided channel groups), for the timing."""
+    from oscar import quant as Q
 
     xf = x.float()
     g = Q._grouped(xf, spec)
@@ -119,7 +119,7 @@ def _fake_quant_previous(x, spec, clip):
 def quant_timing(model, fitted, methods, T: int = 4032, reps: int = 5) -> list[dict]:
     """One layer's prefill K/V (1, Hkv, T, D) quantized per method: previous fake_quant (with the rotation
     matmuls always applied) vs LayerQuant.keys/values now; outputs compared bit for bit."""
-    from oscar.kernels.quant import fake_quant
+    from oscar.quant import fake_quant
 
     g = torch.Generator().manual_seed(0)
     rows = []

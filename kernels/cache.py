@@ -30,7 +30,7 @@ the layer; the attention function finds the layer through that tag and attends:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,12 +38,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar.common import OscarError, attention_shapes
+from oscar.kernels import dispatch
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layout
 from oscar.stats.artifact import Artifact, QuantConfig, load_artifact
 
 ATTN_NAME = "oscar"
 Format = Literal["int2", "passthrough"]
-_QUANT_FIELDS = ("bits", "group_size", "key_axis", "mode", "sink", "recent", "page_size", "clip_rule", "param_dtype")
+# the QuantConfig fields from_artifact may override (value_axis has one value)
+_QUANT_FIELDS = tuple(f.name for f in fields(QuantConfig) if f.name != "value_axis")
 
 
 # --------------------------------------------------------------------------- registration
@@ -88,8 +90,6 @@ def _decode(q: torch.Tensor, pc, seqs: list[int], scale: float, backend: str | N
     The dispatcher chooses by device and $OSCAR_KERNELS (which also governs page quantization);
     this thin adapter adds a per-cache override for the decode call.
     """
-    from oscar.kernels import dispatch
-
     return dispatch.decode_attention(q, pc, seqs, scale=scale, want=backend)
 
 
@@ -135,9 +135,9 @@ class OscarLayer(CacheLayerMixin):
         tail_old = None
         if T > 1 and o.format != "passthrough":
             l0 = layout(n0, cfg)
-            c0 = cfg.sink + l0.num_pages * cfg.page_size
+            c0 = cfg.quant.sink + l0.num_pages * cfg.quant.page_size
             if n0 > c0:
-                slots = (torch.arange(c0, n0, device=pc.ring_k.device) - cfg.sink) % cfg.ring_size
+                slots = (torch.arange(c0, n0, device=pc.ring_k.device) - cfg.quant.sink) % cfg.ring_size
                 sl = torch.tensor(o.seqs, device=slots.device)
                 tail_old = (pc.ring_k[sl][:, :, slots], pc.ring_v[sl][:, :, slots])  # (B, H, n0 - c0, D)
         if o.broken:
@@ -197,7 +197,7 @@ class OscarLayer(CacheLayerMixin):
     def _attend_torch(self, query, mask, scaling, n0, k_new, v_new, tail_old):
         """Decode-semantics attention for Tq queries at positions [n0, n): float32, rotated space."""
         cfg, rot = self.owner.pool.cfg, self.pc.rot
-        S, P = cfg.sink, cfg.page_size
+        S, P = cfg.quant.sink, cfg.quant.page_size
         B, Hq, Tq, D = query.shape
         H = cfg.num_kv_heads
         G, n = Hq // H, self.n
@@ -357,11 +357,11 @@ class OscarCache(Cache):
         q = self.quant
         seqs = self.max_seqs or batch
         if self.format == "passthrough":
-            return PagedConfig.passthrough(H, D, self.max_len, page_size=q.page_size, sink=q.sink, max_seqs=seqs, mode=q.mode,
-                                           dtype=dtype, device=device)
+            fmt = QuantConfig(page_size=q.page_size, sink=q.sink, mode=q.mode)  # no token reaches a page
+            return PagedConfig.passthrough(H, D, self.max_len, fmt, max_seqs=seqs, dtype=dtype, device=device)
         pages = self.max_pages or seqs * (-(-self.max_len // q.page_size))
         try:
-            return PagedConfig.from_quant(q, H, D, pages, max_seqs=seqs, dtype=dtype, device=device)
+            return PagedConfig(q, H, D, pages, max_seqs=seqs, dtype=dtype, device=device)
         except ValueError as e:
             raise OscarError(f"cache format: {e}") from e
 
@@ -373,7 +373,7 @@ class OscarCache(Cache):
         if self.pool is None:
             cfg = self.paged_config(B, dtype, k.device)
             rots = [LayerRotation.from_artifact(self.artifact, l, k.device) for l in range(self.artifact.num_layers)]
-            self.pool = PagedKVCache(cfg, rots)
+            self.pool = PagedKVCache(cfg, rots, quantizer=dispatch.quantize_pages)
         self.seqs = [self.pool.new_sequence() for _ in range(B)]
 
     def _check_attn_impl(self) -> None:
@@ -439,7 +439,7 @@ class OscarCache(Cache):
         free = len(self.pool[0].free_pages) if self.pool is not None else cfg.num_pages
         pages_now = layout(n, cfg).num_pages
         p_max = min(cfg.max_pages_per_seq, pages_now + free // B)  # pages per sequence reachable
-        room = cfg.sink + cfg.recent + (p_max + 1) * cfg.page_size - 1  # layout(room).num_pages == p_max
+        room = cfg.quant.sink + cfg.quant.recent + (p_max + 1) * cfg.quant.page_size - 1  # layout(room).num_pages == p_max
         return min(self.max_len, room)
 
     def check_positions(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,

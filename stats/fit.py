@@ -18,7 +18,7 @@ import torch
 
 from oscar.common import OscarError
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.stats.clip import search_layer
+from oscar.stats.clip import ClipSearch, search_layer
 from oscar.stats.hadamard import supported as hadamard_supported
 from oscar.stats.reduce import ESTIMATORS, LayerStats, ReduceConfig, open_store, prefetch
 from oscar.stats.rotations import Rotations, get_variant, hadamard_rot
@@ -113,8 +113,9 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         raise OscarError(f"{store_path}: the cache format asked for (bits {quant.bits}, group_size {quant.group_size}, "
                          f"keys per {quant.key_axis}, pages of {quant.page_size}) cannot serve head_dim {D}: "
                          f"{'; '.join(probs)}")
-    kspec, vspec = quant.key_spec(D), quant.value_spec(D)
     scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
+    search = ClipSearch(quant.key_spec(D), quant.value_spec(D), scale, np.array(cfg.clip_ratios),
+                        np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries)
     rng = np.random.default_rng(cfg.seed)
 
     rot_k, rot_v, rot_q, k_mean, clip_k, clip_v, eig_k, eig_v = [], [], [], [], [], [], [], []
@@ -153,9 +154,7 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
             kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
             q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rq), (kc, Rk), (T(v), Rv)))  # (H, N, D)
             Cq_r = (T(Rq).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rq)).numpy()  # (H, D, D)
-            ck, cv = search_layer(q_r, k_r, v_r, Cq_r, kspec, vspec, scale, np.array(cfg.clip_ratios),
-                                  np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries,
-                                  seed=cfg.seed + l)
+            ck, cv = search_layer(q_r, k_r, v_r, Cq_r, search, seed=cfg.seed + l)
             ck_t, cv_t = ck.clip, cv.clip
             for side, c in (("k", ck), ("v", cv)):
                 meta_clip[side] = {"per_head": c.per_head, "gain_per_head": round(c.gain_per_head, 5),

@@ -459,9 +459,9 @@ def _cmd_import(args: argparse.Namespace) -> int:
     art = import_sglang(args.path, tag=args.tag, num_kv_heads=args.num_kv_heads) if args.format == SGLANG else import_gguf(args.path)
     if args.model:
         from oscar.common import attention_shapes, config_fingerprint
-        from oscar.pipeline.models import load_config
+        from oscar.modelconfig import load_model_config
 
-        cfg = load_config(args.model)
+        cfg = load_model_config(args.model)  # the config alone: same fingerprint as the resolved model's
         art.meta["model"] = dict(attention_shapes(cfg), fingerprint=config_fingerprint(cfg), name=args.model)
         art.check_model(cfg)
     save_artifact(art, args.out)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar.common import OscarError
-from oscar.kernels.quant import QuantSpec
+from oscar.quant import QuantSpec
 from oscar.stats.artifact import QuantConfig
 
 CLIP_K = 0.96

@@ -309,7 +309,7 @@ def _constructed_keys(n=64):
 
 
 def test_clip_search_finds_constructed_optimum():
-    from oscar.kernels.quant import QuantSpec
+    from oscar.quant import QuantSpec
     from oscar.stats.clip import choose, key_errors
 
     spec = QuantSpec(bits=2)
@@ -330,7 +330,7 @@ def test_clip_search_finds_constructed_optimum():
 
 
 def test_static_clip_search_finds_constructed_optimum():
-    from oscar.kernels.quant import QuantSpec
+    from oscar.quant import QuantSpec
     from oscar.stats.clip import candidates, choose, key_errors
 
     spec = QuantSpec(bits=2, mode="static")
@@ -414,6 +414,21 @@ def test_calibration_report_section(store, tmp_path):
     save_artifact(art, a)
     text = open(calibration_section(a, store[0], str(tmp_path / "rep2"))["markdown"]).read()
     assert "Key clips tuned end to end: × **1.1**" in text and "×1.1 3.1000" in text
+
+
+def test_calibration_report_reads_headers_through_the_one_reader(tmp_path):
+    """The report refuses what `oscar.artifact_header.read_metadata` refuses, with its messages."""
+    from safetensors.torch import save_file
+
+    from oscar.reports.calibration import calibration_section
+
+    junk, plain = tmp_path / "junk.safetensors", str(tmp_path / "plain.safetensors")
+    junk.write_bytes(b"not a safetensors file")
+    save_file({"x": torch.zeros(2)}, plain)
+    with pytest.raises(OscarError, match="not a readable safetensors artifact"):
+        calibration_section(str(junk), None, str(tmp_path / "r1"))
+    with pytest.raises(OscarError, match="no 'oscar' metadata"):
+        calibration_section(plain, None, str(tmp_path / "r2"))
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -507,5 +522,6 @@ def test_report_module_does_not_import_kernels():
     import subprocess
     import sys
 
-    code = "import sys, oscar.reports.calibration; sys.exit('oscar.kernels.quant' in sys.modules)"
+    code = ("import sys, oscar.reports.calibration; "
+            "sys.exit(any(m.startswith('oscar.kernels') or m == 'oscar.stats.artifact' for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -68,3 +68,12 @@ def test_load_model_config_bad_input(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"nope")
     with pytest.raises(OscarError, match="GGUF"):
         load_model_config(str(tmp_path / "x.gguf"))
+
+
+def test_config_fingerprint_matches_the_resolved_model():
+    """Reading a spec's config without materialising it gives the fingerprint stores and artifacts record."""
+    from oscar.common import config_fingerprint
+    from oscar.pipeline.models import load_config
+
+    for spec in (EMBEDDED_MODEL, embedded_gguf_path(), "tiny-qwen3@seed=2"):
+        assert config_fingerprint(load_model_config(spec)) == config_fingerprint(load_config(spec)), spec

@@ -6,8 +6,9 @@ import torch
 
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
+from oscar.kernels.dispatch import quantize_pages
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, PagedLayerCache, PoolExhausted, layout
-from oscar.kernels.quant import QuantSpec, fake_quant, pack, unpack
+from oscar.quant import QuantSpec, fake_quant, pack, unpack
 from oscar.stats.artifact import QuantConfig
 
 
@@ -31,11 +32,12 @@ def random_rotation(H, D, seed, mean=True, clip=None, static=False, scaled=False
 
 
 def make(mode="minmax", key_axis="token", H=2, D=16, P=4, S=3, R=8, pages=32, seqs=4, seed=0, dtype=torch.bfloat16,
-         scaled=False, **kw):
-    cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=pages, max_seqs=seqs, page_size=P, sink=S, recent=R,
-                      mode=mode, key_axis=key_axis, dtype=dtype, **kw)
+         scaled=False, param_dtype=torch.float16, group_size=None, **kw):
+    quant = QuantConfig(page_size=P, sink=S, recent=R, mode=mode, key_axis=key_axis, group_size=group_size,
+                        param_dtype=str(param_dtype).removeprefix("torch."))
+    cfg = PagedConfig(quant, H, D, num_pages=pages, max_seqs=seqs, dtype=dtype, **kw)
     rot = random_rotation(H, D, seed, clip=0.9 if mode == "minmax" else None, static=mode == "static", scaled=scaled)
-    return PagedLayerCache(cfg, rot)
+    return PagedLayerCache(cfg, rot, quantizer=quantize_pages)
 
 
 def tokens(H, T, D, seed):
@@ -48,7 +50,7 @@ MODES_G = [(m, a, None) for m, a in MODES] + [("minmax", "token", 4)]
 
 
 def test_layout_is_sink_pages_ring():
-    cfg = PagedConfig(num_kv_heads=1, head_dim=8, num_pages=4, page_size=4, sink=3, recent=8)
+    cfg = PagedConfig(QuantConfig(page_size=4, sink=3, recent=8), num_kv_heads=1, head_dim=8, num_pages=4)
     assert layout(0, cfg) == (0, 0, 0, 0)
     assert layout(2, cfg) == (2, 0, 0, 0)
     assert layout(3 + 11, cfg) == (3, 0, 11, 0)  # ring holds up to R + P - 1 = 11
@@ -61,17 +63,22 @@ def test_layout_is_sink_pages_ring():
 
 def test_config_rejects_bad_formats():
     with pytest.raises(ValueError, match="multiple of page_size"):
-        PagedConfig(num_kv_heads=1, head_dim=8, num_pages=1, page_size=16, recent=100)
+        PagedConfig(QuantConfig(page_size=16, recent=100), num_kv_heads=1, head_dim=8, num_pages=1)
     with pytest.raises(ValueError, match="static"):
-        PagedConfig(num_kv_heads=1, head_dim=8, num_pages=1, mode="static", key_axis="channel")
+        PagedConfig(QuantConfig(mode="static", key_axis="channel"), num_kv_heads=1, head_dim=8, num_pages=1)
     with pytest.raises(ValueError, match="divide"):
-        PagedConfig(num_kv_heads=1, head_dim=24, num_pages=1, group_size=16)
+        PagedConfig(QuantConfig(group_size=16), num_kv_heads=1, head_dim=24, num_pages=1)
     with pytest.raises(ValueError, match="whole number of bytes"):
-        PagedConfig(num_kv_heads=1, head_dim=6, num_pages=1)
+        PagedConfig(QuantConfig(), num_kv_heads=1, head_dim=6, num_pages=1)
     with pytest.raises(OscarError, match="set page_size = group_size"):
-        PagedConfig.from_quant(QuantConfig(key_axis="channel", group_size=32, page_size=16), 2, 64, num_pages=8)
-    cfg = PagedConfig.from_quant(QuantConfig(page_size=32, sink=4, recent=64), 2, 64, num_pages=8)
-    assert (cfg.page_size, cfg.sink, cfg.recent, cfg.ring_size, cfg.packed_dim) == (32, 4, 64, 96, 16)
+        PagedConfig(QuantConfig(key_axis="channel", group_size=32, page_size=16), 2, 64, num_pages=8)
+    with pytest.raises(OscarError, match="must be a QuantConfig"):
+        PagedConfig({"page_size": 16}, 2, 64, num_pages=8)
+    quant = QuantConfig(page_size=32, sink=4, recent=64)
+    cfg = PagedConfig(quant, 2, 64, num_pages=8)
+    assert cfg.quant is quant  # held, not copied
+    assert (cfg.quant.page_size, cfg.quant.sink, cfg.quant.recent, cfg.ring_size, cfg.packed_dim) == (32, 4, 64, 96, 16)
+    assert (cfg.key_spec, cfg.value_spec) == (quant.key_spec(64), quant.value_spec(64))  # one derivation
 
 
 FP8 = torch.float8_e4m3fn
@@ -117,7 +124,7 @@ def _state(c, s):
     slots = (torch.arange(lay.ring_len) + lay.ring_start) % c.cfg.ring_size
     out = [c.sink_k[s, :, :lay.sink_len], c.sink_v[s, :, :lay.sink_len], c.ring_k[s][:, slots], c.ring_v[s][:, slots],
            c.k_codes[ids], c.v_codes[ids]]
-    if c.cfg.mode != "static":
+    if c.cfg.quant.mode != "static":
         out += [c.k_scale[ids], c.k_zero[ids], c.v_scale[ids], c.v_zero[ids]]
     return out
 
@@ -204,7 +211,7 @@ def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, gr
 
 def test_passthrough_is_exact():
     cfg = PagedConfig.passthrough(num_kv_heads=3, head_dim=8, max_len=40, dtype=torch.float32)
-    c = PagedLayerCache(cfg)
+    c = PagedLayerCache(cfg, quantizer=quantize_pages)
     s = c.new_sequence()
     k, v = tokens(3, 40, 8, 4)
     c.append(s, k[:, :25], v[:, :25])
@@ -296,9 +303,10 @@ def test_bad_inputs_raise_clearly():
     assert c.lengths[s] == 5
     meta = c.rot
     with pytest.raises(OscarError, match="minmax clip ratios"):
-        PagedLayerCache(c.cfg, LayerRotation(meta.rot_k, meta.rot_v, torch.full((2,), 1.5), meta.clip_v))
+        PagedLayerCache(c.cfg, LayerRotation(meta.rot_k, meta.rot_v, torch.full((2,), 1.5), meta.clip_v),
+                        quantizer=quantize_pages)
     with pytest.raises(OscarError, match="rotation shape"):
-        PagedLayerCache(c.cfg, LayerRotation.identity_for(3, 16))
+        PagedLayerCache(c.cfg, LayerRotation.identity_for(3, 16), quantizer=quantize_pages)
 
 
 def test_kv_cache_from_artifact_applies_every_layer():
@@ -308,7 +316,7 @@ def test_kv_cache_from_artifact_applies_every_layer():
 
     conf = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     art = identity_artifact(conf, QuantConfig(page_size=4, sink=2, recent=8))
-    cache = PagedKVCache.from_artifact(art, num_pages=8, max_seqs=2)
+    cache = PagedKVCache.from_artifact(art, num_pages=8, max_seqs=2, quantizer=quantize_pages)
     s = cache.new_sequence()
     for layer in cache.layers:
         layer.append(s, *tokens(2, 20, 16, 0))

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from oscar.kernels.quant import QuantSpec, choose_qparams, dequantize, fake_quant, pack, quantize, unpack
+from oscar.quant import QuantSpec, choose_qparams, dequantize, fake_quant, pack, quantize, unpack
 
 
 def _brute(x, bits, G, ratio=None):
@@ -117,7 +117,7 @@ def _fp8_brute(x, bits, G, ratio=None):
 
 
 def test_fp8_round_is_directed_rounding_on_every_value():
-    from oscar.kernels.quant import fp8_round
+    from oscar.quant import fp8_round
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(20000, generator=g) * torch.exp(torch.randn(20000, generator=g) * 4)

@@ -1,7 +1,7 @@
 """oscar-ref in the paged cache: row-quantile clips, float32 scale/zero, pages of 8.
 
 The stored pages are checked against a from-scratch definition (sort-based quantile,
-clamp, min/max, round half up) rather than against `oscar.kernels.quant`, and decode
+clamp, min/max, round half up) rather than against `oscar.quant`, and decode
 attention against the dequantize-everything oracle. The Triton part (kernel decode
 reading float32 params; the page quantizer refusing the format, the dispatcher falling
 back to the reference) runs where Triton can (CUDA, or TRITON_INTERPRET=1 exported before
@@ -16,22 +16,24 @@ import torch
 
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
+from oscar.kernels.dispatch import quantize_pages
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
 from oscar.stats import reference_recipe as rr
+from oscar.stats.artifact import QuantConfig
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 H, D = 2, 16
 
 
 def _cache(pages=48, dtype=torch.bfloat16, mean=False):
-    cfg = PagedConfig.from_quant(rr.reference_quant_config(), H, D, num_pages=pages, max_seqs=4, dtype=dtype, device=DEV)
+    cfg = PagedConfig(rr.reference_quant_config(), H, D, num_pages=pages, max_seqs=4, dtype=dtype, device=DEV)
     g = torch.Generator().manual_seed(0)
     R = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0].float()
     R = R.expand(H, D, D).clone()  # one rotation per layer, as the reference recipe fits
     rot = LayerRotation(rot_k=R.to(DEV), rot_v=R.clone().to(DEV), clip_k=torch.full((H,), rr.CLIP_K, device=DEV),
                         clip_v=torch.full((H,), rr.CLIP_V, device=DEV),
                         k_mean=torch.randn(H, D, generator=g).to(DEV) if mean else None)
-    return PagedLayerCache(cfg, rot)
+    return PagedLayerCache(cfg, rot, quantizer=quantize_pages)
 
 
 def _kv(T, seed):
@@ -56,13 +58,15 @@ def _page_definition(x: torch.Tensor, ratio: float) -> torch.Tensor:
 def test_config_from_reference_quant():
     c = _cache()
     cfg = c.cfg
-    assert (cfg.sink, cfg.recent, cfg.page_size, cfg.clip_rule, cfg.param_dtype) == (64, 256, 8, "row-quantile", torch.float32)
+    q = cfg.quant
+    assert (q.sink, q.recent, q.page_size, q.clip_rule, q.torch_param_dtype) == (64, 256, 8, "row-quantile", torch.float32)
     assert c.k_scale.dtype == torch.float32 and c.v_zero.dtype == torch.float32
     assert cfg.key_spec == rr.reference_spec() and cfg.value_spec == rr.reference_spec()
-    with pytest.raises(ValueError, match="row-quantile"):
-        PagedConfig(num_kv_heads=1, head_dim=16, num_pages=1, key_axis="channel", clip_rule="row-quantile")
-    with pytest.raises(ValueError, match="param_dtype"):
-        PagedConfig(num_kv_heads=1, head_dim=16, num_pages=1, param_dtype=torch.bfloat16)
+    # the cache takes its format from a QuantConfig, which refuses these (the one owner of the checks)
+    with pytest.raises(OscarError, match="row-quantile"):
+        PagedConfig(QuantConfig(key_axis="channel", clip_rule="row-quantile"), num_kv_heads=1, head_dim=16, num_pages=1)
+    with pytest.raises(OscarError, match="param_dtype"):
+        PagedConfig(QuantConfig(param_dtype="bfloat16"), num_kv_heads=1, head_dim=16, num_pages=1)
 
 
 def test_pages_of_8_clip_and_float32_params():
@@ -157,7 +161,7 @@ def test_oscar_cache_from_reference_artifact():
     cache = OscarCache.from_artifact(m, art, dtype=torch.float32, sink=4, recent=16, max_len=64)
     prefill(m, cache, ids)
     pc = cache.pool[0]
-    assert (pc.cfg.page_size, pc.cfg.clip_rule, pc.k_scale.dtype) == (8, "row-quantile", torch.float32)
+    assert (pc.cfg.quant.page_size, pc.cfg.quant.clip_rule, pc.k_scale.dtype) == (8, "row-quantile", torch.float32)
     s = cache.seqs[0]
     lay = layout(45, pc.cfg)
     assert lay.num_pages == 3  # 41 tokens past the sink: 3 pages of 8 flushed, 17 in the window

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oscar.common import OscarError
-from oscar.kernels.quant import choose_qparams, dequantize, fake_quant, quantize
+from oscar.quant import choose_qparams, dequantize, fake_quant, quantize
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
 

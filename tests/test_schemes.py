@@ -8,7 +8,7 @@ import torch
 
 from oscar.common import OscarError
 
-from oscar.kernels.quant import pack
+from oscar.quant import pack
 from oscar.validate.ablation.regimes import RegimeConfig, make_regime
 from oscar.validate.ablation.schemes import (SCHEMES, Ctx, KIVI_GROUP, SQCodec, TQCodec, UniformCodec, allocate, bit_reversal,
                                     d_eff_gap, hadamard, lloyd_max, make_scheme, qjl_reconstruct)

@@ -14,7 +14,9 @@ import torch
 
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
+from oscar.kernels.dispatch import quantize_pages
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
+from oscar.stats.artifact import QuantConfig
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,10 +49,12 @@ def rotation(H, D, seed, mode, center=True, scaled=False):
     return LayerRotation(rot_k=f(rk), rot_v=f(qr()), clip_k=f(ck), clip_v=f(cv), k_mean=f(mu), rot_q=f(rq))
 
 
-def cache(mode="minmax", axis="token", H=2, D=64, P=8, S=5, R=16, pages=64, seqs=8, seed=0, scaled=False, **kw):
-    cfg = PagedConfig(num_kv_heads=H, head_dim=D, num_pages=pages, max_seqs=seqs, page_size=P, sink=S, recent=R,
-                      mode=mode, key_axis=axis, device=DEV, **kw)
-    return PagedLayerCache(cfg, rotation(H, D, seed, mode, scaled=scaled))
+def cache(mode="minmax", axis="token", H=2, D=64, P=8, S=5, R=16, pages=64, seqs=8, seed=0, scaled=False,
+          group_size=None, param_dtype=torch.float16):
+    quant = QuantConfig(page_size=P, sink=S, recent=R, mode=mode, key_axis=axis, group_size=group_size,
+                        param_dtype=str(param_dtype).removeprefix("torch."))
+    cfg = PagedConfig(quant, H, D, num_pages=pages, max_seqs=seqs, device=DEV)
+    return PagedLayerCache(cfg, rotation(H, D, seed, mode, scaled=scaled), quantizer=quantize_pages)
 
 
 def kv(H, T, D, seed):
@@ -66,12 +70,14 @@ def test_quantize_kernel_bit_identical_to_reference(mode, axis, D, group):
 
     if mode == "static" and group:
         pytest.skip("static mode has no groups")
-    c = cache(mode, axis, D=D, group_size=group)
-    k, v = kv(2, 24, D, 1)
+    # a QuantConfig's group_size is also the channel keys' token group, which the cache holds to the page
+    P = group if axis == "channel" and group else 8
+    c = cache(mode, axis, D=D, P=P, R=2 * P, group_size=group)
+    k, v = kv(2, 3 * P, D, 1)
     ids = torch.tensor([7, 0, 3], device=DEV)
     for which, x in (("k", k), ("v", v)):
         rot = c.rot.rotate_k(x) if which == "k" else c.rot.rotate_v(x)
-        pages = rot.to(c.cfg.dtype).reshape(2, 3, 8, D).transpose(0, 1).contiguous()  # (N, Hkv, P, D)
+        pages = rot.to(c.cfg.dtype).reshape(2, 3, P, D).transpose(0, 1).contiguous()  # (N, Hkv, P, D)
         codes, s, z = ref.quantize_page_tensors(c, pages, which)
         quantize_pages_into(c, ids, pages, which)
         assert torch.equal(getattr(c, f"{which}_codes")[ids], codes)

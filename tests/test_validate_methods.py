@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from oscar.kernels.quant import fake_quant
+from oscar.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.validate.methods import (
     LayerQuant, MethodBatchCache, PROTOCOLS, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact,

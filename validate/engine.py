@@ -264,6 +264,7 @@ def cache_stream(name: str, art, layer: int, Ks: torch.Tensor, Vs: torch.Tensor,
     (`validate attention --engine cache`): appended to a `PagedLayerCache` with no sink and no recent
     window (pages quantized by the dispatcher: Triton on CUDA), read back un-rotated in float32. Every
     whole page is INT2, the last < page tokens stay exact (`attention.quantize_stream`'s incomplete group)."""
+    from oscar.kernels import dispatch
     from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
     from oscar.kernels.reference import dequantize_sequence
     from oscar.validate.methods import Protocol
@@ -272,10 +273,10 @@ def cache_stream(name: str, art, layer: int, Ks: torch.Tensor, Vs: torch.Tensor,
     q = replace(art.quant, **opts)
     H, S, D = Ks.shape
     try:
-        cfg = PagedConfig.from_quant(q, H, D, -(-S // opts["page_size"]), max_seqs=1, dtype=dtype, device=Ks.device)
+        cfg = PagedConfig(q, H, D, -(-S // opts["page_size"]), max_seqs=1, dtype=dtype, device=Ks.device)
     except ValueError as e:
         raise EngineUnsupported(f"method {name}: cache format: {e}") from e
-    pc = PagedLayerCache(cfg, LayerRotation.from_artifact(art, layer, Ks.device))
+    pc = PagedLayerCache(cfg, LayerRotation.from_artifact(art, layer, Ks.device), quantizer=dispatch.quantize_pages)
     s = pc.new_sequence()
     pc.append_batch([s], Ks[None].to(dtype), Vs[None].to(dtype))  # (1, Hkv, S, D)
     return dequantize_sequence(pc, s, dtype=torch.float32)  # (Hkv, S, D) each

@@ -26,7 +26,7 @@ Other helpers add methods with `register_method(name, factory)`.
 
 Execution. `LayerQuant` fake-quantizes one layer's K/V exactly as the INT2
 cache stores them: rotate (keys centred by the artifact's key mean first),
-quantize/dequantize with `oscar.kernels.quant` under the artifact's QuantSpec
+quantize/dequantize with `oscar.quant` under the artifact's QuantSpec
 and clips, rotate back. Since the rotations are orthogonal, attention over
 the un-rotated dequantized K/V equals the kernel's attention in the rotated
 space (q R_K)·(k̂ R_K) up to float rounding. `SimQuantCache` is a
@@ -45,7 +45,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from oscar.common import OscarError, attention_shapes
 from oscar.defaults import RECENT, SINK
-from oscar.kernels.quant import QuantSpec, fake_quant
+from oscar.quant import QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 
 
@@ -390,13 +390,12 @@ def memory_row(name: str, art: Artifact | None, config, context: int, protocol: 
 # ----------------------------------------------------------------- fake-quant of one layer
 
 
-def _clip_view(c: torch.Tensor, spec: QuantSpec, D: int) -> tuple[torch.Tensor, QuantSpec]:
+def _clip_view(c: torch.Tensor, spec: QuantSpec, D: int) -> torch.Tensor:
     """Broadcast an artifact clip (Hkv,) or (Hkv, D) onto the grouped layout (B, Hkv, rows, groups)."""
     if c.dim() == 1:
-        return c.view(-1, 1, 1), spec
-    if spec.mode == "static" and spec.axis == "token":  # per-channel thresholds: one group per channel
-        return c.view(c.shape[0], 1, D), QuantSpec(bits=spec.bits, axis="token", group_size=1, mode="static",
-                                                  param_dtype=spec.param_dtype)
+        return c.view(-1, 1, 1)
+    if spec.mode == "static" and spec.axis == "token":  # per-channel thresholds: the static spec groups one channel
+        return c.view(c.shape[0], 1, D)
     raise OscarError(f"per-channel clip with {spec.mode}/{spec.axis} quantization is not supported by the simulator")
 
 
@@ -410,8 +409,9 @@ class LayerQuant:
         # rot_k^{-1} = rot_qᵀ (= rot_kᵀ when orthogonal): the dequantized keys go back to the model's space
         self.unrot_k = (art.rot_q[layer] if art.rot_q is not None else art.rot_k[layer]).float().transpose(-1, -2)
         self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
-        self.clip_k, self.kspec = _clip_view(art.clip_k[layer].float(), art.quant.key_spec(D), D)
-        self.clip_v, self.vspec = _clip_view(art.clip_v[layer].float(), art.quant.value_spec(D), D)
+        self.kspec, self.vspec = art.quant.key_spec(D), art.quant.value_spec(D)
+        self.clip_k = _clip_view(art.clip_k[layer].float(), self.kspec, D)
+        self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
         flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
         # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token

@@ -7,7 +7,7 @@ always taken against the decoded keys: for QJL codecs the decoder returns the
 *unbiased* reconstruction ``x_mse + sqrt(pi/2)/m * |r| * S^T sign(S r)``, so
 ``q . k_hat`` is exactly the QJL inner-product estimator.
 
-Scalar uniform grids come from `oscar.kernels.quant` (the one quantizer family);
+Scalar uniform grids come from `oscar.quant` (the one quantizer family);
 Lloyd–Max codebooks (TurboQuant's Beta codebook, SpectralQuant's per-dimension
 Gaussian codebook) are computed here.
 
@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from oscar.kernels.quant import QuantSpec, fake_quant
+from oscar.quant import QuantSpec, fake_quant
 
 
 # ----------------------------------------------------------------------------- context
@@ -197,7 +197,7 @@ class Codec:
 
 
 class UniformCodec(Codec):
-    """Optional rotation R (and key-mean centering), then the shared uniform grid (kernels.quant).
+    """Optional rotation R (and key-mean centering), then the shared uniform grid (oscar.quant).
 
     rotation: callable(calib, role, ctx) -> (D, D) invertible R, applied as x @ R and undone with
     R^{-1} (Rᵀ when orthogonal; `scaled` keys are not).
@@ -231,7 +231,7 @@ class UniformCodec(Codec):
         return fake_quant(y, self.spec, clip=c) @ self.Rinv + self.mu
 
     def encode(self, x):
-        from oscar.kernels.quant import choose_qparams, quantize
+        from oscar.quant import choose_qparams, quantize
 
         y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
         s, z = choose_qparams(y, self.spec, clip=self.c)
@@ -239,7 +239,7 @@ class UniformCodec(Codec):
         return Code({"codes": (quantize(y, s, z, self.spec), self.bits), "scale": (s, pb), "zero": (z, pb)}, tuple(x.shape))
 
     def decode(self, code):
-        from oscar.kernels.quant import dequantize
+        from oscar.quant import dequantize
 
         y = dequantize(code["codes"], code["scale"], code["zero"], self.spec, dtype=self.ctx.dtype)
         return y @ self.Rinv + self.mu
@@ -250,8 +250,9 @@ def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: 
     with the codec's fitted rotation, key mean and clip ratio. The page quantizer is Triton
     when `oscar.kernels.dispatch.backend` picks it (CUDA, or OSCAR_KERNELS=triton with
     TRITON_INTERPRET=1); bits per element counted from the cache's own tensors."""
-    from oscar.kernels.dispatch import dequantize_sequence
+    from oscar.kernels.dispatch import dequantize_sequence, quantize_pages
     from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+    from oscar.stats.artifact import QuantConfig
 
     T, D = x.shape
     if codec.axis != "token" or codec.bits not in (1, 2, 4, 8) or T % page_size:
@@ -261,9 +262,9 @@ def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: 
     mu = codec.mu.float()[None] if (codec.center and role == "k") else None
     rq = codec.Rinv.T.float()[None].contiguous() if role == "k" else None  # R^{-T}: un-rotates keys via its transpose
     rot = LayerRotation(rot_k=R, rot_v=R.clone(), clip_k=c, clip_v=c.clone(), k_mean=mu, rot_q=rq)
-    cfg = PagedConfig(num_kv_heads=1, head_dim=D, num_pages=T // page_size, max_seqs=1, page_size=page_size,
-                      sink=0, recent=0, bits=codec.bits, group_size=codec.group, dtype=torch.float32)
-    cache = PagedLayerCache(cfg, rot)
+    quant = QuantConfig(bits=codec.bits, group_size=codec.group, sink=0, recent=0, page_size=page_size)
+    cache = PagedLayerCache(PagedConfig(quant, 1, D, num_pages=T // page_size, max_seqs=1, dtype=torch.float32), rot,
+                            quantizer=quantize_pages)
     s = cache.new_sequence()
     xs = x.float()[None]  # (Hkv=1, T, D); the same rows go to both sides, we read `role`'s
     cache.append(s, xs, xs)

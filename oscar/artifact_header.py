@@ -1,0 +1,35 @@
+"""The artifact's format names and its one header reader (the JSON under the safetensors key ``oscar``).
+
+A leaf (json + safetensors, no torch, no stage): `oscar.stats.artifact` loads and writes artifacts
+through it, and the calibration report reads headers with it without importing a stage.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from oscar.common import OscarError
+
+ARTIFACT_FORMAT = "oscar-artifact/1"
+# /2 = /1 + rot_q. Written only by artifacts that have rot_q, so a /1 reader refuses them instead of
+# reading queries with rot_k (wrong logits); orthogonal artifacts stay /1.
+ARTIFACT_FORMAT_Q = "oscar-artifact/2"
+READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q)
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """The artifact's metadata dict; OscarError for a file that is not an oscar artifact this version reads."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            raw = (f.metadata() or {}).get("oscar")
+    except Exception as e:  # safetensors raises its own error types
+        raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e
+    if raw is None:
+        raise OscarError(f"{path}: safetensors file has no 'oscar' metadata; not an oscar artifact")
+    meta = json.loads(raw)
+    if meta.get("format") not in READS:
+        raise OscarError(f"{path}: artifact format {meta.get('format')!r}, this version reads {' and '.join(map(repr, READS))}")
+    return meta
