@@ -1,34 +1,70 @@
-"""Compare two bench/equivalence.sh outputs: artifact bytes, NIAH predictions, perplexity NLLs.
+"""Compare two bench/equivalence.sh outputs: artifact tensors and metadata, NIAH predictions, perplexity NLLs.
 
 python bench/equivalence.py OUT_A OUT_B   -> prints each check, exit 1 on a difference.
+
+Artifacts are compared tensor by tensor (bit-exact) and by their metadata with wall-clock fields
+("seconds", "time_s", ...) removed: a fit records how long it took, so whole-file hashes differ between
+two runs of the same code.
 """
-import hashlib, json, sys
+import json
+import sys
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
 
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
+CLOCK = {"seconds", "time_s", "elapsed_s", "wall_s", "host", "created", "created_at", "timestamp"}
 
 
-def summary(d: Path) -> dict:
-    s = {f"{n}.safetensors": _sha(d / f"{n}.safetensors") for n in ("oscar", "scaled", "tuned")}
-    rows = [json.loads(l) for l in (d / "niah" / "niah_samples.jsonl").read_text().splitlines() if l.strip()]
-    keep = lambda r: {k: v for k, v in r.items() if k not in ("time_s", "seconds", "elapsed_s", "host", "wall_s")}
-    s["niah"] = sorted(json.dumps(keep(r), sort_keys=True) for r in rows)
-    prow = [json.loads(l) for l in (d / "ppl" / "ppl_windows.jsonl").read_text().splitlines() if l.strip()]
-    s["ppl"] = sorted(json.dumps(keep(r), sort_keys=True) for r in prow)
-    return s
+def _strip(x):
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items() if k not in CLOCK}
+    if isinstance(x, list):
+        return [_strip(v) for v in x]
+    return x
+
+
+def _diff(x, y, path: str = "") -> list[str]:
+    """Paths (a.b[3]) where two JSON values differ."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        return [d for k in sorted(set(x) | set(y)) for d in _diff(x.get(k), y.get(k), f"{path}.{k}" if path else k)]
+    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        return [d for i, (u, v) in enumerate(zip(x, y)) for d in _diff(u, v, f"{path}[{i}]")]
+    same = x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)  # NaN == NaN here
+    return [] if same else [path]
+
+
+def _artifact(p: Path) -> tuple[dict, dict]:
+    with safe_open(str(p), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = {k: (_strip(json.loads(v)) if v[:1] in "{[" else v) for k, v in (f.metadata() or {}).items()}
+    return tensors, meta
+
+
+def _jsonl(p: Path) -> list[str]:
+    rows = [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    return sorted(json.dumps(_strip(r), sort_keys=True) for r in rows)
+
+
+def compare(a: Path, b: Path) -> list[tuple[str, bool, str]]:
+    out = []
+    for n in ("oscar", "scaled", "tuned"):
+        (ta, ma), (tb, mb) = _artifact(a / f"{n}.safetensors"), _artifact(b / f"{n}.safetensors")
+        same_t = ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+        out.append((f"{n}.safetensors tensors", same_t, f"{len(ta)} tensors"))
+        diff = _diff(ma, mb)
+        out.append((f"{n}.safetensors metadata", not diff, "differs in " + ", ".join(diff[:8]) if diff else "equal"))
+    for name, rel in (("niah predictions", "niah/niah_samples.jsonl"), ("ppl windows", "ppl/ppl_windows.jsonl")):
+        ra, rb = _jsonl(a / rel), _jsonl(b / rel)
+        out.append((name, ra == rb, f"{len(ra)} rows"))
+    return out
 
 
 def main(a: str, b: str) -> int:
-    sa, sb = summary(Path(a)), summary(Path(b))
-    bad = 0
-    for k in sa:
-        same = sa[k] == sb[k]
-        bad += not same
-        n = len(sa[k]) if isinstance(sa[k], list) else 1
-        print(f"{'same' if same else 'DIFFERENT'}  {k}  ({n} item{'s' if n != 1 else ''})")
-    return 1 if bad else 0
+    res = compare(Path(a), Path(b))
+    for name, same, detail in res:
+        print(f"{'same' if same else 'DIFFERENT':9s}  {name}  ({detail})")
+    return 0 if all(s for _, s, _ in res) else 1
 
 
 if __name__ == "__main__":

@@ -226,18 +226,13 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
     implementation) is read from the store; `model_dir` defaults to the store's model source.
     """
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from oscar.cluster.actors import StageArgs, stage_actor_class
     from oscar.pipeline.store import CalibStore, WriterLock
 
     if not ray.is_initialized():
         raise OscarError("run_pipeline needs a Ray connection (oscar.cluster.pipeline.connect)")
     store = CalibStore(store_path, mode="r+")
-    L, S = store.num_layers, store.meta.seqs_per_block
-    seed = int(store.meta.config.get("seed", 0))
-    attn = str(store.meta.config.get("attn_implementation", "sdpa"))
+    L = store.num_layers
     model_dir = model_dir or store.meta.model.get("source")
     if not model_dir:
         raise OscarError(f"store {store_path} records no model source; pass the model directory")
@@ -254,46 +249,9 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         store.repair()  # damaged done blocks (missing / truncated / altered chunks) are un-marked and redone
         todo = store.todo_blocks()
         skipped = store.num_blocks - len(todo)
-        tokens = store.group["tokens"]
-        masks = store.group["mask"]
-        mb_per_block: dict[int, int] = {}  # micro-batches of each block submitted
 
-        # ---- actors, one placement group per replica
-        Actor = stage_actor_class()
-        bundle = {"CPU": cc.cpus_per_stage, **({"GPU": cc.gpus_per_stage} if cc.gpus_per_stage else {})}
-        if cc.memory_per_stage:
-            bundle["memory"] = cc.memory_per_stage
-        for r in range(cc.replicas):
-            pg = placement_group([{**bundle, **cc.custom_resources(i)} for i in range(len(ranges))],
-                                 strategy="STRICT_PACK" if cc.gpus_per_stage else "PACK",
-                                 name=f"oscar-{job}-r{r}")
-            pgs.append(pg)
-        try:
-            ray.get([pg.ready() for pg in pgs], timeout=cc.placement_timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise OscarError(
-                f"cannot place {cc.replicas} replica(s) x {len(ranges)} stages of {bundle}"
-                f"{' + ' + str(cc.stage_resources) if cc.stage_resources else ''} within "
-                f"{cc.placement_timeout:.0f}s; the cluster offers {ray.cluster_resources()}") from None
-        for r, pg in enumerate(pgs):
-            actors = []
-            for i, (a, b) in enumerate(ranges):
-                args = StageArgs(model_dir=model_dir, start=a, stop=b, store=str(store_path), job=job, attn=attn,
-                                 sink=store.meta.sink, reservoir=store.meta.reservoir, seed=seed,
-                                 seqs_per_block=S, threads=cc.threads, dtype=cc.dtype, device=cc.device,
-                                 stage=i, replica=r, throttle_s=cc.throttle_s,
-                                 num_devices=max(1, int(cc.gpus_per_stage)))
-                opts = dict(num_cpus=cc.cpus_per_stage, num_gpus=cc.gpus_per_stage,
-                            max_restarts=cc.max_restarts, max_task_retries=0,
-                            name=f"oscar-{job}-r{r}-s{i}", lifetime=None,
-                            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                placement_group=pg, placement_group_bundle_index=i))
-                if cc.memory_per_stage:
-                    opts["memory"] = cc.memory_per_stage
-                if cc.custom_resources(i):
-                    opts["resources"] = cc.custom_resources(i)
-                actors.append(Actor.options(**opts).remote(args))
-            replicas.append(actors)
+        _place(cc, len(ranges), job, into=pgs)
+        _start_stages(store, store_path, model_dir, cc, ranges, job, pgs, into=replicas)
         t_start = time.time()
         # Barrier: every stage has loaded its layers before the first micro-batch, so no stage
         # computes while another is still loading (and the timed window holds no load time).
@@ -301,113 +259,206 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             _wait_alive(actors, timeout=cc.startup_timeout)
         startup = time.time() - t_start
 
-        # ---- the block loop
-        queues = [deque(todo[r::cc.replicas]) for r in range(cc.replicas)]
-        inflight: dict[int, dict] = {}          # block -> {replica, attempt, refs, failed}
-        attempts: dict[int, int] = {}
-        failures: list[str] = []
-        done_blocks: list[int] = []
-        bar = _progress(len(todo), progress)
-
-        def submit(r: int, b: int) -> None:
-            attempts[b] = attempts.get(b, 0) + 1
-            if attempts[b] > cc.max_block_attempts:
-                raise OscarError(f"block {b} failed {cc.max_block_attempts} times; last errors: {failures[-3:]}")
-            tag = uuid.uuid4().hex[:8]
-            tok, msk = tokens[b], masks[b]                       # (S, T)
-            rows = np.flatnonzero(msk.any(1))  # trailing all-padding rows are skipped, as on the single path
-            n_seq = int(rows[-1]) + 1 if rows.size else 1
-            nb = mb_per_block[b] = math.ceil(n_seq / cc.micro_batch)
-            refs = []
-            for m in range(nb):
-                lo, hi = m * cc.micro_batch, min(n_seq, (m + 1) * cc.micro_batch)
-                # int64 like the single-process path: the same mask dtype reaches create_causal_mask
-                x = {"input_ids": _tensor(tok[lo:hi].astype(np.int64)), "mask": _tensor(msk[lo:hi].astype(np.int64))}
-                for actor in replicas[r]:
-                    x = actor.forward.remote(b, m, lo, x, tag)
-                refs.append(x)
-            # Each stage writes after its last micro-batch, in a call of its own: the next stage is
-            # already computing. Calls from one submitter run in order, so the commit precedes the
-            # next block's micro-batches on every stage.
-            refs += [actor.commit.remote(b, nb, tag) for actor in replicas[r]]
-            inflight[b] = {"replica": r, "refs": refs, "pending": set(refs), "failed": None}
-
-        def fill() -> None:
-            for r in range(cc.replicas):
-                busy = sum(1 for v in inflight.values() if v["replica"] == r)
-                while busy < cc.lookahead and queues[r]:
-                    submit(r, queues[r].popleft())
-                    busy += 1
-
-        fill()
-        while inflight:
-            pending = [ref for v in inflight.values() for ref in v["pending"]]
-            ready, _ = ray.wait(pending, num_returns=1, timeout=600)
-            if not ready:
-                raise OscarError("no micro-batch finished in 600 s; is the cluster alive? (ray status)")
-            for ref in ready:
-                b = next(k for k, v in inflight.items() if ref in v["pending"])
-                entry = inflight[b]
-                entry["pending"].discard(ref)
-                try:
-                    ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - any failure redoes the block
-                    if not _is_ray_failure(e):
-                        raise
-                    if isinstance(getattr(e, "cause", None), OscarError):
-                        raise e.cause from None  # a user error inside a stage: no retry
-                    entry["failed"] = entry["failed"] or f"block {b}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                if entry["pending"]:
-                    continue
-                del inflight[b]
-                if entry["failed"]:
-                    failures.append(entry["failed"])
-                    print(f"oscar: {entry['failed']}; redoing block {b}", file=sys.stderr)
-                    _wait_alive(replicas[entry["replica"]], timeout=cc.placement_timeout + cc.startup_timeout)
-                    queues[entry["replica"]].appendleft(b)
-                else:
-                    done_blocks.append(b)
-                    bar.update(1)
-                    if on_block:
-                        on_block(b)
-            fill()
+        masks = store.group["mask"]
+        loop = _BlockLoop(cc, replicas, store.group["tokens"], masks, todo, on_block)
+        loop.run(progress)
         wall = time.time() - t_start
-        bar.close()
 
-        stats = []
-        for actors in replicas:
-            for a in actors:
-                try:
-                    stats.append(ray.get(a.get_stats.remote(), timeout=60))
-                except Exception as e:  # noqa: BLE001
-                    stats.append({"error": str(e)[:200]})
-
-        bubble = measured_bubble(stats)
+        stats = _stage_stats(replicas)
         n = len(ranges)
-        m_total = math.ceil(sum(mb_per_block.values()) / cc.replicas)  # micro-batches per replica
-        real_tokens = int(sum(int(masks[b].sum()) for b in done_blocks))
+        m_total = math.ceil(sum(loop.mb_per_block.values()) / cc.replicas)  # micro-batches per replica
+        real_tokens = int(sum(int(masks[b].sum()) for b in loop.done_blocks))
         unused = unused_experts(CalibStore(store_path), moe_layers) if moe_layers else {}
         if unused:
             store.group.attrs["moe_unused_experts"] = {str(k): v for k, v in unused.items()}
         return PipelineReport(
             store=str(store_path), stages=ranges, replicas=cc.replicas, micro_batch=cc.micro_batch,
-            blocks_done=sorted(done_blocks), blocks_skipped=skipped, block_retries=len(failures), failures=failures,
-            wall_seconds=wall, tokens=real_tokens, tokens_per_second=real_tokens / wall if wall > 0 else 0.0,
-            bubble=bubble, bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup,
+            blocks_done=sorted(loop.done_blocks), blocks_skipped=skipped, block_retries=len(loop.failures),
+            failures=loop.failures, wall_seconds=wall, tokens=real_tokens,
+            tokens_per_second=real_tokens / wall if wall > 0 else 0.0, bubble=measured_bubble(stats),
+            bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup,
             stage_stats=stats, unused_experts={str(k): v for k, v in unused.items()})
     finally:
-        for actors in replicas:  # also on errors: a long-lived caller must get its resources back
-            for a in actors:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-        for pg in pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001
-                pass
+        _release(replicas, pgs)  # also on errors: a long-lived caller must get its resources back
         lock.release()
+
+
+def _bundle(cc: ClusterConfig) -> dict:
+    """The resources of one stage (custom per-stage resources aside)."""
+    bundle = {"CPU": cc.cpus_per_stage, **({"GPU": cc.gpus_per_stage} if cc.gpus_per_stage else {})}
+    if cc.memory_per_stage:
+        bundle["memory"] = cc.memory_per_stage
+    return bundle
+
+
+def _place(cc: ClusterConfig, n_stages: int, job: str, into: list) -> None:
+    """One placement group per replica (a bundle per stage) into `into`, placed; a clear error when the
+    cluster cannot (the caller removes the groups either way)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle = _bundle(cc)
+    for r in range(cc.replicas):
+        into.append(placement_group([{**bundle, **cc.custom_resources(i)} for i in range(n_stages)],
+                                    strategy="STRICT_PACK" if cc.gpus_per_stage else "PACK", name=f"oscar-{job}-r{r}"))
+    try:
+        ray.get([pg.ready() for pg in into], timeout=cc.placement_timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise OscarError(
+            f"cannot place {cc.replicas} replica(s) x {n_stages} stages of {bundle}"
+            f"{' + ' + str(cc.stage_resources) if cc.stage_resources else ''} within "
+            f"{cc.placement_timeout:.0f}s; the cluster offers {ray.cluster_resources()}") from None
+
+
+def _start_stages(store, store_path: str, model_dir: str, cc: ClusterConfig, ranges: list[tuple[int, int]], job: str,
+                  pgs: list, into: list) -> None:
+    """The stage actors of every replica into `into`, [replica][stage], each in its bundle of the replica's group."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from oscar.cluster.actors import StageArgs, stage_actor_class
+
+    Actor = stage_actor_class()
+    common = dict(model_dir=model_dir, store=str(store_path), job=job,
+                  attn=str(store.meta.config.get("attn_implementation", "sdpa")),
+                  sink=store.meta.sink, reservoir=store.meta.reservoir, seed=int(store.meta.config.get("seed", 0)),
+                  seqs_per_block=store.meta.seqs_per_block, threads=cc.threads, dtype=cc.dtype, device=cc.device,
+                  throttle_s=cc.throttle_s, num_devices=max(1, int(cc.gpus_per_stage)))
+    for r, pg in enumerate(pgs):
+        actors = []
+        for i, (a, b) in enumerate(ranges):
+            args = StageArgs(start=a, stop=b, stage=i, replica=r, **common)
+            opts = dict(num_cpus=cc.cpus_per_stage, num_gpus=cc.gpus_per_stage,
+                        max_restarts=cc.max_restarts, max_task_retries=0,
+                        name=f"oscar-{job}-r{r}-s{i}", lifetime=None,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=pg, placement_group_bundle_index=i))
+            if cc.memory_per_stage:
+                opts["memory"] = cc.memory_per_stage
+            if cc.custom_resources(i):
+                opts["resources"] = cc.custom_resources(i)
+            actors.append(Actor.options(**opts).remote(args))
+        into.append(actors)
+
+
+class _BlockLoop:
+    """Blocks through the replicas' stage chains: up to `lookahead` blocks in flight per replica, a block
+    whose micro-batch or commit failed (a Ray failure) redone from its start on the same replica."""
+
+    def __init__(self, cc: ClusterConfig, replicas: list[list], tokens, masks, todo: list[int], on_block=None):
+        self.cc, self.replicas, self.tokens, self.masks, self.on_block = cc, replicas, tokens, masks, on_block
+        self.queues = [deque(todo[r::cc.replicas]) for r in range(cc.replicas)]
+        self.todo = todo
+        self.inflight: dict[int, dict] = {}          # block -> {replica, refs, pending, failed}
+        self.attempts: dict[int, int] = {}
+        self.failures: list[str] = []
+        self.done_blocks: list[int] = []
+        self.mb_per_block: dict[int, int] = {}  # micro-batches of each block submitted
+
+    def submit(self, r: int, b: int) -> None:
+        cc = self.cc
+        self.attempts[b] = self.attempts.get(b, 0) + 1
+        if self.attempts[b] > cc.max_block_attempts:
+            raise OscarError(f"block {b} failed {cc.max_block_attempts} times; last errors: {self.failures[-3:]}")
+        tag = uuid.uuid4().hex[:8]
+        tok, msk = self.tokens[b], self.masks[b]             # (S, T)
+        rows = np.flatnonzero(msk.any(1))  # trailing all-padding rows are skipped, as on the single path
+        n_seq = int(rows[-1]) + 1 if rows.size else 1
+        nb = self.mb_per_block[b] = math.ceil(n_seq / cc.micro_batch)
+        refs = []
+        for m in range(nb):
+            lo, hi = m * cc.micro_batch, min(n_seq, (m + 1) * cc.micro_batch)
+            # int64 like the single-process path: the same mask dtype reaches create_causal_mask
+            x = {"input_ids": _tensor(tok[lo:hi].astype(np.int64)), "mask": _tensor(msk[lo:hi].astype(np.int64))}
+            for actor in self.replicas[r]:
+                x = actor.forward.remote(b, m, lo, x, tag)
+            refs.append(x)
+        # Each stage writes after its last micro-batch, in a call of its own: the next stage is
+        # already computing. Calls from one submitter run in order, so the commit precedes the
+        # next block's micro-batches on every stage.
+        refs += [actor.commit.remote(b, nb, tag) for actor in self.replicas[r]]
+        self.inflight[b] = {"replica": r, "refs": refs, "pending": set(refs), "failed": None}
+
+    def fill(self) -> None:
+        for r in range(self.cc.replicas):
+            busy = sum(1 for v in self.inflight.values() if v["replica"] == r)
+            while busy < self.cc.lookahead and self.queues[r]:
+                self.submit(r, self.queues[r].popleft())
+                busy += 1
+
+    def settle(self, ref, bar) -> None:
+        """One finished call: a failure marks its block for redoing; the block's last call completes it."""
+        import ray
+
+        b = next(k for k, v in self.inflight.items() if ref in v["pending"])
+        entry = self.inflight[b]
+        entry["pending"].discard(ref)
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - any failure redoes the block
+            if not _is_ray_failure(e):
+                raise
+            if isinstance(getattr(e, "cause", None), OscarError):
+                raise e.cause from None  # a user error inside a stage: no retry
+            entry["failed"] = entry["failed"] or f"block {b}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if entry["pending"]:
+            return
+        del self.inflight[b]
+        if entry["failed"]:
+            self.failures.append(entry["failed"])
+            print(f"oscar: {entry['failed']}; redoing block {b}", file=sys.stderr)
+            _wait_alive(self.replicas[entry["replica"]], timeout=self.cc.placement_timeout + self.cc.startup_timeout)
+            self.queues[entry["replica"]].appendleft(b)
+        else:
+            self.done_blocks.append(b)
+            bar.update(1)
+            if self.on_block:
+                self.on_block(b)
+
+    def run(self, progress: bool) -> None:
+        import ray
+
+        bar = _progress(len(self.todo), progress)
+        self.fill()
+        while self.inflight:
+            pending = [ref for v in self.inflight.values() for ref in v["pending"]]
+            ready, _ = ray.wait(pending, num_returns=1, timeout=600)
+            if not ready:
+                raise OscarError("no micro-batch finished in 600 s; is the cluster alive? (ray status)")
+            for ref in ready:
+                self.settle(ref, bar)
+            self.fill()
+        bar.close()
+
+
+def _stage_stats(replicas: list[list]) -> list[dict]:
+    import ray
+
+    stats = []
+    for actors in replicas:
+        for a in actors:
+            try:
+                stats.append(ray.get(a.get_stats.remote(), timeout=60))
+            except Exception as e:  # noqa: BLE001
+                stats.append({"error": str(e)[:200]})
+    return stats
+
+
+def _release(replicas: list[list], pgs: list) -> None:
+    """Kill the stage actors and remove the placement groups (whatever is already gone is skipped)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actors in replicas:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+    for pg in pgs:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def measured_bubble(stats: list[dict]) -> float:

@@ -20,8 +20,7 @@ STAGE_CLIS = [
     "oscar.stats.interop",  # export, import
     "oscar.kernels.cli",    # bench memory
     "oscar.validate.cli",   # validate niah/ppl/tune/attention
-    "oscar.cli",            # run (the main job, oscar/run.py)
-    "oscar.validate.ablation.cli",  # ablate
+    "oscar.cli",            # run (the main job, oscar/run.py), ablate
     "oscar.cluster.cli",    # submit, status, plan
     "oscar.reports.cli",    # report
 ]

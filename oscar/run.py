@@ -124,150 +124,166 @@ def _calibrate(cfg: RunConfig, store: str) -> dict:
 
     cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens)
     if cfg.ray:
-        try:
-            from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
-        except ImportError:
-            _say("oscar.cluster is not available: calibrating in this process (as with --no-ray)")
-        else:
-            _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
-            rep = calibrate_on_ray(cc, ClusterConfig(stages=1, replicas=1, cpus_per_stage=float(os.cpu_count() or 1)),
-                                   address="auto", progress=cfg.progress)
-            return {"backend": "ray", "report": rep.to_dict() if hasattr(rep, "to_dict") else str(rep)}
+        from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+
+        _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
+        rep = calibrate_on_ray(cc, ClusterConfig(stages=1, replicas=1, cpus_per_stage=float(os.cpu_count() or 1)),
+                               address="auto", progress=cfg.progress)
+        return {"backend": "ray", "report": rep.to_dict() if hasattr(rep, "to_dict") else str(rep)}
     res = calibrate(cc, progress=cfg.progress)
     return {"backend": "process", "report": res.to_dict()}
 
 
-def _stage_cfg(c) -> dict:
-    """A stage config as its fingerprint sees it: the device is execution only, the default engine is left
-    out (stage markers written before the option stay valid)."""
-    d = asdict(c)
-    d.pop("device", None)
-    if d.get("engine") == "simulate":
-        d.pop("engine")
-    return d
+@dataclass
+class _Job:
+    """One `oscar run` in progress: its directory, stage markers, and the model, loaded once by whichever
+    stage needs it first."""
+
+    cfg: RunConfig
+    st: Stages
+    loaded: list = field(default_factory=list)
+
+    @property
+    def dir(self) -> str:
+        return self.cfg.out
+
+    @property
+    def store(self) -> str:
+        return os.path.join(self.dir, "calib.zarr")
+
+    @property
+    def fit_path(self) -> str:
+        return os.path.join(self.dir, "artifact.fit.safetensors")
+
+    @property
+    def art_path(self) -> str:
+        return os.path.join(self.dir, "artifact.safetensors")
+
+    def model(self):
+        if not self.loaded:
+            from oscar.validate.env import load_model
+
+            self.loaded.append(load_model(self.cfg.model))
+        return self.loaded[0]
 
 
-def run_main(cfg: RunConfig) -> dict:
-    from oscar.validate.engine import check_engine, resolve_device
-    from oscar.validate.env import load_model
+def _save(art, path: str) -> None:
+    """The artifact written whole or not at all (a re-run never reads a half-written one)."""
+    from oscar.stats.artifact import save_artifact
 
-    check_engine(cfg.engine)
-    resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
+    tmp = path + ".tmp"
+    save_artifact(art, tmp)
+    os.replace(tmp, path)
 
-    t_all = time.time()
-    d = cfg.out
-    os.makedirs(d, exist_ok=True)
-    st = Stages(d)
-    store = os.path.join(d, "calib.zarr")
-    art_path = os.path.join(d, "artifact.safetensors")
-    _say(f"output in {d}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
 
-    # 1. calibrate
+def _stage_calibrate(job: _Job) -> str:
+    """1. calibrate -> DIR/calib.zarr; returns the stage's fingerprint (the fit's input)."""
+    cfg = job.cfg
     fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len})
-    st.run("calibrate", "calibrate", fp_cal, [store], lambda: _calibrate(cfg, store))
+    job.st.run("calibrate", "calibrate", fp_cal, [job.store], lambda: _calibrate(cfg, job.store))
+    return fp_cal
 
-    # 2. fit -> DIR/artifact.fit.safetensors
-    fp_fit = fingerprint({"cal": fp_cal, "fit": cfg.variant})
-    cal_dir = os.path.join(d, "calibration")
-    fit_path = os.path.join(d, "artifact.fit.safetensors")
 
-    def save(art, path: str) -> None:
-        from oscar.stats.artifact import save_artifact
-
-        tmp = path + ".tmp"
-        save_artifact(art, tmp)
-        os.replace(tmp, path)
-
+def _stage_fit(job: _Job, fp_cal: str) -> None:
+    """2. fit -> DIR/artifact.fit.safetensors."""
     def do_fit() -> None:
         from oscar.stats.fit import FitConfig, fit
 
-        save(fit(store, FitConfig(variant=cfg.variant, progress=cfg.progress)), fit_path)
+        _save(fit(job.store, FitConfig(variant=job.cfg.variant, progress=job.cfg.progress)), job.fit_path)
 
-    st.run("fit", "fit", fp_fit, [fit_path], do_fit)
+    job.st.run("fit", "fit", fingerprint({"cal": fp_cal, "fit": job.cfg.variant}), [job.fit_path], do_fit)
 
-    loaded: list = []  # the model, loaded once by whichever stage needs it first
 
-    def model():
-        if not loaded:
-            loaded.append(load_model(cfg.model))
-        return loaded[0]
-
-    # 3. key clip tuned end to end on calibration text -> DIR/artifact.safetensors (+ the report's calibration section)
+def _stage_tune(job: _Job) -> None:
+    """3. key clip tuned end to end on calibration text -> DIR/artifact.safetensors (+ the report's
+    calibration section in DIR/calibration/)."""
     from oscar.validate.tune import TuneConfig, tune_key_clip
 
+    cfg = job.cfg
     tcfg = TuneConfig(corpus=cfg.corpus)
-    fp_t = fingerprint({"fit": file_fingerprint(fit_path), "tune": asdict(tcfg) if cfg.tune else None,
+    fp_t = fingerprint({"fit": file_fingerprint(job.fit_path), "tune": asdict(tcfg) if cfg.tune else None,
                         "protocols": PROTOCOL_VERSION, **({"engine": cfg.engine} if cfg.engine != "simulate" else {})})
 
     def do_tune() -> dict | None:
+        from oscar.reports.calibration import calibration_section
         from oscar.stats.artifact import load_artifact
 
-        art, rec = load_artifact(fit_path), None
+        art, rec = load_artifact(job.fit_path), None
         if cfg.tune:
-            m, tok, _ = model()
+            m, tok, _ = job.model()
             art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress, engine=cfg.engine, device=cfg.device)
             _say(f"tune: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> "
                  f"{rec['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
-        save(art, art_path)
-        try:
-            from oscar.reports.calibration import calibration_section
-
-            calibration_section(art_path, store, cal_dir)
-        except ImportError:
-            _say("fit: oscar.reports.calibration.calibration_section not available; no calibration section")
+        _save(art, job.art_path)
+        calibration_section(job.art_path, job.store, os.path.join(job.dir, "calibration"))
         return {"clip_tuning": rec} if rec else None
 
-    st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [art_path], do_tune)
+    job.st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [job.art_path], do_tune)
 
+
+def _stage_validate(job: _Job) -> None:
+    """4.-6. NIAH (resumable per sample), perplexity (resumable per window), attention-level retrieval on
+    captured q/k/v; each keyed on the tuned artifact's bytes."""
+    from oscar.validate.attention import AttnConfig, run_attention
+    from oscar.validate.niah import NiahConfig, run_niah
+    from oscar.validate.ppl import PplConfig, run_ppl
+
+    cfg, d, art_path = job.cfg, job.dir, job.art_path
     art_fp = file_fingerprint(art_path)
 
-    # 4. NIAH (resumable per sample)
-    from oscar.validate.niah import NiahConfig, run_niah
+    def fp(c) -> str:  # the device is execution only; the default engine is left out (older markers stay valid)
+        d = {k: v for k, v in asdict(c).items() if k != "device" and not (k == "engine" and v == "simulate")}
+        return fingerprint({"art": art_fp, "cfg": d, "protocols": PROTOCOL_VERSION})
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
                       protocol=cfg.niah_protocol, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
-    fp_n = fingerprint({"art": art_fp, "cfg": _stage_cfg(ncfg), "protocols": PROTOCOL_VERSION})
-    st.run("niah", "validate niah", fp_n, [os.path.join(d, "results.parquet")],
-           lambda: run_niah(ncfg, loaded=model(), progress=cfg.progress))
-
-    # 5. perplexity (resumable per window)
-    from oscar.validate.ppl import PplConfig, run_ppl
+    job.st.run("niah", "validate niah", fp(ncfg), [os.path.join(d, "results.parquet")],
+               lambda: run_niah(ncfg, loaded=job.model(), progress=cfg.progress))
 
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
                      tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
-    fp_p = fingerprint({"art": art_fp, "cfg": _stage_cfg(pcfg), "protocols": PROTOCOL_VERSION})
-    st.run("ppl", "validate ppl", fp_p, [os.path.join(d, "ppl.parquet")],
-           lambda: run_ppl(pcfg, loaded=model(), progress=cfg.progress))
+    job.st.run("ppl", "validate ppl", fp(pcfg), [os.path.join(d, "ppl.parquet")],
+               lambda: run_ppl(pcfg, loaded=job.model(), progress=cfg.progress))
 
-    # 6. attention-level retrieval on captured q/k/v
-    try:
-        from oscar.validate.attention import AttnConfig, run_attention
-    except ImportError:
-        run_attention = None
-    if run_attention is not None:
-        acfg = AttnConfig(out=d, store=store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype,
-                          engine=cfg.engine, device=cfg.device)
-        fp_a = fingerprint({"art": art_fp, "cfg": _stage_cfg(acfg), "protocols": PROTOCOL_VERSION})
-        st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp_a,
+    acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype,
+                      engine=cfg.engine, device=cfg.device)
+    job.st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp(acfg),
                [os.path.join(d, "attention.parquet")],
-               lambda: run_attention(acfg, progress=cfg.progress, loaded=model()))
+               lambda: run_attention(acfg, progress=cfg.progress, loaded=job.model()))
 
-    # 7. report (always rebuilt: cheap, reads files only)
-    total = time.time() - t_all
-    prev = {}
-    rj = os.path.join(d, "run.json")
+
+def _stage_report(job: _Job, seconds: float) -> dict:
+    """7. DIR/run.json, then the report (always rebuilt: cheap, reads files only); returns run.json's content."""
+    from oscar.reports.build import build_report
+
+    cfg, d, st = job.cfg, job.dir, job.st
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
                 + ("" if cfg.device == "cpu" else f" --device {cfg.device}"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
-            "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": total}
-    with open(rj, "w") as f:
+            "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": seconds}
+    with open(os.path.join(d, "run.json"), "w") as f:
         json.dump(info, f, indent=1)
-    from oscar.reports.build import build_report
-
     r = build_report(d)
     _say(f"report: {r.md_path}, {r.html_path}  (stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in st.seconds.items()) + ")")
     return info
+
+
+def run_main(cfg: RunConfig) -> dict:
+    """Run (or resume) the main job in cfg.out; returns what DIR/run.json records."""
+    from oscar.validate.engine import check_engine, resolve_device
+
+    check_engine(cfg.engine)
+    resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
+    t_all = time.time()
+    os.makedirs(cfg.out, exist_ok=True)
+    job = _Job(cfg, Stages(cfg.out))
+    _say(f"output in {cfg.out}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
+    fp_cal = _stage_calibrate(job)
+    _stage_fit(job, fp_cal)
+    _stage_tune(job)
+    _stage_validate(job)
+    return _stage_report(job, time.time() - t_all)

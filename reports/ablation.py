@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -57,14 +58,24 @@ def _winner(prod: pd.DataFrame, regimes: list[str], bits: int):
     return a, b, (float((w[a] < w[b]).mean()), float((w[a] == w[b]).mean())), means
 
 
-def build_report(dir: str) -> str:
-    from cycler import cycler
+@dataclass
+class _Results:
+    """The ablation's tables as the report reads them (DIR/*.parquet, run.json)."""
 
-    plt = pyplot()
+    dir: str
+    df: pd.DataFrame      # every (regime, scheme, bits, seed, path, metric) value
+    ks: pd.DataFrame      # KS tests (path and scheme comparisons)
+    gaps: pd.DataFrame    # oracle - production gap variances (empty when absent)
+    deff: pd.DataFrame    # the d_eff study (empty when absent)
+    run: dict             # run.json ({} when absent)
+    prod: pd.DataFrame    # df on the production path
+    m: pd.DataFrame       # mean relMSE_O and bits/element per (regime, scheme, bits)
+    regimes: list
+    schemes: list
+    budgets: list
 
-    # more schemes than tab10 colours: pair 20 colours with markers so no two lines look alike
-    plt.rcParams["axes.prop_cycle"] = cycler(color=list(plt.cm.tab20.colors)) + cycler(marker=list("os^vD<>ph*") * 2)
 
+def _load(dir: str) -> _Results:
     df = pd.read_parquet(os.path.join(dir, "ablation.parquet"))
     ks = pd.read_parquet(os.path.join(dir, "ks.parquet"))
     gaps_p = os.path.join(dir, "gaps.parquet")
@@ -73,9 +84,16 @@ def build_report(dir: str) -> str:
     deff = pd.read_parquet(deff_p) if os.path.exists(deff_p) else pd.DataFrame()
     run = json.load(open(os.path.join(dir, "run.json"))) if os.path.exists(os.path.join(dir, "run.json")) else {}
     prod = df[df.path == "production"]
+    m = prod[prod.metric == MAIN].groupby(["regime", "scheme", "bits"]).agg(v=("value", "mean"), c=("bits_per_element", "mean")).reset_index()
     regimes = list(dict.fromkeys(df.regime))
     schemes = list(dict.fromkeys(df.scheme))
     budgets = sorted(df.bits.unique())
+    return _Results(dir, df, ks, gaps, deff, run, prod, m, regimes, schemes, budgets)
+
+
+def _header(a: _Results) -> list[str]:
+    """Title, sizes and run info."""
+    df, regimes, schemes, budgets, run = a.df, a.regimes, a.schemes, a.budgets, a.run
     nseeds = df.seed.nunique()
     L = [f"# KV-cache scheme ablation (seed 004 protocol)\n",
          f"{len(regimes)} regimes x {len(schemes)} schemes x budgets {list(map(int, budgets))} x {nseeds} seeds x paths "
@@ -83,13 +101,23 @@ def build_report(dir: str) -> str:
          f"Run info: {json.dumps(run)}\n"]
     if "real" not in regimes:
         L.append("The `real` regime was not run (no calibration store given: `--store`).\n")
+    return L
 
-    # bits per element actually stored
+
+def _storage(a: _Results) -> list[str]:
+    """Exact storage: bits per element, metadata included."""
+    prod = a.prod
+    L: list[str] = []
     bpe = prod.groupby(["scheme", "bits"]).bits_per_element.mean().unstack()
     bpe.index.name = "scheme"
     L += ["## Exact storage (bits per element, metadata included)\n", _md(bpe, "{:.3f}"), ""]
+    return L
 
-    # per budget regime x scheme
+
+def _per_budget(a: _Results) -> list[str]:
+    """Per budget: relMSE_O, regime x scheme, the best in bold."""
+    prod, regimes, schemes, budgets = a.prod, a.regimes, a.schemes, a.budgets
+    L: list[str] = []
     for b in budgets:
         t = prod[(prod.metric == MAIN) & (prod.bits == b)].pivot_table(index="regime", columns="scheme", values="value")
         t = t.reindex(index=regimes, columns=schemes)
@@ -98,10 +126,13 @@ def build_report(dir: str) -> str:
         shown.columns = t.columns
         shown.index.name = "regime"
         L += [f"## Budget b = {int(b)}: relMSE_O, regime x scheme (best in bold)\n", _md(shown), ""]
+    return L
 
-    # non-dominated set per regime over (bits/element, relMSE_O)
-    L += ["## Non-dominated set (bits per element vs relMSE_O, all budgets)\n", "| regime | non-dominated scheme@bits |", "|---|---|"]
-    m = prod[prod.metric == MAIN].groupby(["regime", "scheme", "bits"]).agg(v=("value", "mean"), c=("bits_per_element", "mean")).reset_index()
+
+def _non_dominated(a: _Results) -> list[str]:
+    """Non-dominated schemes over (bits per element, relMSE_O), all budgets and per budget."""
+    m, regimes, budgets = a.m, a.regimes, a.budgets
+    L = ["## Non-dominated set (bits per element vs relMSE_O, all budgets)\n", "| regime | non-dominated scheme@bits |", "|---|---|"]
     for r in regimes:
         g = m[m.regime == r]
         pts = [(f"{s}@{int(b)}", c, v) for s, b, c, v in zip(g.scheme, g.bits, g.c, g.v)]
@@ -116,9 +147,13 @@ def build_report(dir: str) -> str:
             cells.append(", ".join(sorted(pareto(list(zip(g.scheme, g.c, g.v))))))
         L.append(f"| {r} | " + " | ".join(cells) + " |")
     L.append("")
+    return L
 
-    # recommendation table, seed 004 style
-    L += ["## Recommendation (best mean relMSE_O at the nominal budget, its measured bits/element; runner-up; "
+
+def _recommendation(a: _Results) -> list[str]:
+    """Seed 004's recommendation table: the best scheme per data condition and budget."""
+    prod, regimes, budgets = a.prod, a.regimes, a.budgets
+    L = ["## Recommendation (best mean relMSE_O at the nominal budget, its measured bits/element; runner-up; "
           "seed-wise win rate of the best; compare with the non-dominated set, which accounts for bits)\n",
           "| data | " + " | ".join(f"b={int(b)}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for cond, regs in CONDITIONS:
@@ -131,14 +166,19 @@ def build_report(dir: str) -> str:
             if w is None:
                 cells.append("")
                 continue
-            a, bb, (rate, tie), _ = w
+            top, bb, (rate, tie), _ = w
             tie_s = f", ties {tie:.0%}" if tie else ""
-            c = prod[(prod.scheme == a) & (prod.bits == b) & prod.regime.isin(regs)].bits_per_element.mean()
-            cells.append(f"**{a}** {c:.2f} b/el (vs {bb}: wins {rate:.0%}{tie_s})" if bb else f"**{a}** {c:.2f} b/el")
+            c = prod[(prod.scheme == top) & (prod.bits == b) & prod.regime.isin(regs)].bits_per_element.mean()
+            cells.append(f"**{top}** {c:.2f} b/el (vs {bb}: wins {rate:.0%}{tie_s})" if bb else f"**{top}** {c:.2f} b/el")
         L.append(f"| {cond} | " + " | ".join(cells) + " |")
     L.append("")
+    return L
 
-    # KS tables
+
+def _ks_tables(a: _Results) -> list[str]:
+    """KS tests: oracle vs production (and Triton) paths, scheme differences."""
+    df, ks = a.df, a.ks
+    L: list[str] = []
     if not ks.empty:
         pk = ks[ks.kind == "path"]
         L += ["## Oracle (numpy PCG64, float64) vs production (torch MT19937, float32) and Triton (serving cache) paths\n",
@@ -160,7 +200,13 @@ def build_report(dir: str) -> str:
             t = sk.pivot_table(index="pair", columns="regime", values="cell", aggfunc="first")
             t.index.name = "pair (relMSE_O a/b)"
             L += ["## Scheme differences: KS on relMSE_O over seeds (SYS = systematic, var = seed variance)\n", _md(t), ""]
+    return L
 
+
+def _jensen(a: _Results) -> list[str]:
+    """Jensen amplification, measured vs predicted (table and DIR/jensen.png)."""
+    prod = a.prod
+    L: list[str] = []
     # Jensen (log space, per query; medians over queries, seeds and regimes)
     jm = ["logit_var", "jensen_log_pred", "jensen_log_measured"]
     j = prod[prod.metric.isin(jm)]
@@ -174,7 +220,7 @@ def build_report(dir: str) -> str:
               "A zero-mean Gaussian score error eps of variance sigma^2 inflates each softmax term by exp(sigma^2/2) "
               "on average (softmax is convex). Ratio ~1: the amplification is the Jensen term; >1: heavier-tailed eps.\n",
               _md(jt), ""]
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, ax = pyplot().subplots(figsize=(5, 4))
         piv = j.pivot_table(index=["regime", "scheme", "bits", "seed"], columns="metric", values="value").reset_index()
         for s, g in piv.groupby("scheme"):
             ax.scatter(g.jensen_log_pred, g.jensen_log_measured, s=5, label=s)
@@ -182,15 +228,27 @@ def build_report(dir: str) -> str:
         ax.plot([1e-4, hi], [1e-4, hi], "k--", lw=1)
         ax.set(xscale="log", yscale="log", xlabel="median sigma^2/2", ylabel="median log mean exp(eps)", title="Jensen amplification")
         ax.legend(fontsize=6, markerscale=2)
-        save(fig, os.path.join(dir, "jensen.png"))
+        save(fig, os.path.join(a.dir, "jensen.png"))
         L += ["![jensen](jensen.png)\n"]
+    return L
 
+
+def _gap_variance(a: _Results) -> list[str]:
+    """Variance over seeds of the oracle - production gap."""
+    gaps = a.gaps
+    L: list[str] = []
     if len(gaps):
         g = gaps[gaps.scheme.str.startswith("tq")].pivot_table(index=["regime", "bits"], columns="scheme", values="gap_var")
         g.index = [f"{r}@{int(b)}" for r, b in g.index]
         g.index.name = "regime@bits"
         L += ["## Variance over seeds of the oracle - production gap of relMSE_O (same data)\n", _md(g), ""]
+    return L
 
+
+def _deff(a: _Results) -> list[str]:
+    """d_eff vs calibration budget (table and DIR/deff.png)."""
+    deff = a.deff
+    L: list[str] = []
     if len(deff):
         d = deff[deff.metric.str.startswith("d_eff")].groupby(["regime", "n_calib", "metric"]).value.mean().unstack()
         d.index = [f"{r}@{n}" for r, n in d.index]
@@ -200,7 +258,7 @@ def build_report(dir: str) -> str:
         d = d.join(c.rename(columns=lambda x: "min " + x))
         tr = deff.groupby("regime").true_rank.first().to_dict()
         L += [f"## d_eff vs calibration budget (true rank: {tr}); SQU-KV b=2 output cosine (worst seed)\n", _md(d), ""]
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, ax = pyplot().subplots(figsize=(5, 4))
         for (r, met), g in deff[deff.metric.str.startswith("d_eff")].groupby(["regime", "metric"]):
             gm = g.groupby("n_calib").value.mean()
             ax.plot(gm.index, gm.values, marker="o", label=f"{r} {met}")
@@ -209,10 +267,15 @@ def build_report(dir: str) -> str:
                 ax.axhline(v, ls=":", c="gray")
         ax.set(xscale="log", xlabel="calibration tokens", ylabel="d_eff", title="d_eff vs calibration budget")
         ax.legend(fontsize=7)
-        save(fig, os.path.join(dir, "deff.png"))
+        save(fig, os.path.join(a.dir, "deff.png"))
         L += ["![deff](deff.png)\n"]
+    return L
 
-    # error vs storage per regime
+
+def _error_vs_bits(a: _Results) -> list[str]:
+    """Error vs storage per regime (DIR/error_vs_bits.png)."""
+    m, regimes = a.m, a.regimes
+    L: list[str] = []
     fig, axes = panels(len(regimes), 4, 3.2)
     for ax, r in zip(axes, regimes):
         g = m[m.regime == r]
@@ -221,16 +284,35 @@ def build_report(dir: str) -> str:
             ax.plot(gs.c, gs.v, ms=3, label=s)
         ax.set(yscale="log", title=r, xlabel="bits/element", ylabel="relMSE_O")
     axes[0].legend(fontsize=6)
-    save(fig, os.path.join(dir, "error_vs_bits.png"), dpi=100)
+    save(fig, os.path.join(a.dir, "error_vs_bits.png"), dpi=100)
     L += ["## Error vs storage\n", "![error vs bits](error_vs_bits.png)\n"]
+    return L
 
-    # 6-D error geometry at the lowest budget
+
+def _geometry(a: _Results) -> list[str]:
+    """6-D error geometry at the lowest budget."""
+    prod, budgets = a.prod, a.budgets
     geo = ["relmse_k", "dir_k", "relmse_v", "dir_v", "relmse_o", "dir_o"]
     gt = prod[prod.metric.isin(geo) & (prod.bits == budgets[0])].groupby(["scheme", "metric"]).value.mean().unstack()[geo]
     gt.index.name = f"scheme (b={int(budgets[0])}, mean over regimes)"
-    L += ["## 6-D error geometry (relMSE, 1-cos) x (K, V, O)\n", _md(gt), ""]
+    return ["## 6-D error geometry (relMSE, 1-cos) x (K, V, O)\n", _md(gt), ""]
 
-    L += ["## Seed 004 findings, checked\n"] + findings(prod, ks, gaps, deff)
+
+def build_report(dir: str) -> str:
+    """DIR/report.md (and its PNGs) from the ablation's tables in DIR; returns the report's path."""
+    from cycler import cycler
+
+    plt = pyplot()
+
+    # more schemes than tab10 colours: pair 20 colours with markers so no two lines look alike
+    plt.rcParams["axes.prop_cycle"] = cycler(color=list(plt.cm.tab20.colors)) + cycler(marker=list("os^vD<>ph*") * 2)
+
+    a = _load(dir)
+    L = []
+    for part in (_header, _storage, _per_budget, _non_dominated, _recommendation, _ks_tables, _jensen, _gap_variance,
+                 _deff, _error_vs_bits, _geometry):
+        L += part(a)
+    L += ["## Seed 004 findings, checked\n"] + findings(a.prod, a.ks, a.gaps, a.deff)
     path = os.path.join(dir, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")

@@ -501,11 +501,9 @@ def _ablation_section(d: str) -> list[str]:
     adir = os.path.join(d, "ablation")
     if not os.path.isdir(adir):
         return []
-    try:
-        from oscar.reports import ablation
-    except ImportError:
-        ablation = None
-    if ablation is not None and hasattr(ablation, "build_report") and os.path.exists(os.path.join(adir, "ablation.parquet")):
+    from oscar.reports import ablation
+
+    if os.path.exists(os.path.join(adir, "ablation.parquet")):
         try:
             r = ablation.build_report(adir)
             text = open(r).read() if isinstance(r, str) and os.path.exists(r) else str(r)

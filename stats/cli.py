@@ -46,17 +46,9 @@ def _inspect(args) -> int:
     if not path.exists():
         raise OscarError(f"{path} does not exist")
     if path.suffix == ".safetensors":
-        try:
-            from oscar.stats.artifact import describe  # added by the fit stage
-        except ImportError:
-            describe = None
-        if describe is not None:
-            out = describe(str(path))
-            print(out if isinstance(out, str) else json.dumps(out, indent=2, default=str))
-        else:
-            from oscar.stats.artifact import read_metadata
+        from oscar.stats.artifact import describe
 
-            print(json.dumps(read_metadata(str(path)), indent=2, default=str))
+        print(describe(str(path)))
         return 0
     from oscar.pipeline.store import format_summary, summarize
 

@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,22 +93,26 @@ def _fallbacks(rot: Rotations, ls: LayerStats, cfg: FitConfig, l: int) -> list[d
     return out
 
 
-def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
-    cfg = cfg or FitConfig()
-    t0 = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    view = open_store(store_path, partial=cfg.partial, log=_log)
-    variant = get_variant(cfg.variant)
-    L, H, D = view.num_layers, view.num_kv_heads, view.head_dim
+@dataclass
+class _Format:
+    """The cache format the artifact is fitted for (the variant's own, or the one asked for)."""
+
+    quant: QuantConfig
+    fixed: Any  # the variant's fixed format and clip ratios (oscar-ref), else None
+    search: ClipSearch  # the clip search at head_dim D: the format's quantizers, the model's attention scale, grids
+
+
+def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
+    """The format, refused before any fitting when the cache could not serve it at the store's head_dim."""
+    from oscar.constraints import quant_problems
+
+    D = view.head_dim
     if variant.name not in ("random", "identity") and not hadamard_supported(D):
         from oscar.stats.hadamard import hadamard
 
         hadamard(D)  # raises the OscarError naming the alternatives
     fixed = variant.fixed  # a variant with its own format and fixed clip ratios (oscar-ref)
     quant = fixed.quant(cfg.quant) if fixed else cfg.quant
-    from oscar.constraints import quant_problems
-
     probs = quant_problems(D, quant)  # what the cache will require of this artifact, before any fitting
     if probs:
         raise OscarError(f"{store_path}: the cache format asked for (bits {quant.bits}, group_size {quant.group_size}, "
@@ -116,10 +121,131 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
     scale = float(view.attrs.get("model", {}).get("attn_scale") or D**-0.5)
     search = ClipSearch(quant.key_spec(D), quant.value_spec(D), scale, np.array(cfg.clip_ratios),
                         np.array(cfg.clip_fracs), cfg.per_head_gain, cfg.clip_rows, cfg.clip_queries)
+    return _Format(quant, fixed, search)
+
+
+def _clips(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int):
+    """Clip thresholds of one layer, searched in the rotated space: (clip_k (H,), clip_v (H,), metadata)."""
+    H, fixed, quant = ls.H, fmt.fixed, fmt.quant
+    Rk, Rv = rot.rot_k, rot.rot_v  # (H, D, D)
+    Rq = rot.rot_q if rot.rot_q is not None else Rk  # queries are read in the space dual to the keys'
+    q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
+    meta_clip = {}
+    if fixed:
+        ck_t, cv_t = np.full(H, fixed.clip_k), np.full(H, fixed.clip_v)
+        meta_clip = {"searched": False, "fixed": {"rule": quant.clip_rule, "k": fixed.clip_k, "v": fixed.clip_v}}
+    elif cfg.clip and q is not None and k is not None and v is not None:
+        T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
+        kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
+        q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rq), (kc, Rk), (T(v), Rv)))  # (H, N, D)
+        Cq_r = (T(Rq).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rq)).numpy()  # (H, D, D)
+        ck, cv = search_layer(q_r, k_r, v_r, Cq_r, fmt.search, seed=cfg.seed + l)
+        ck_t, cv_t = ck.clip, cv.clip
+        for side, c in (("k", ck), ("v", cv)):
+            meta_clip[side] = {"per_head": c.per_head, "gain_per_head": round(c.gain_per_head, 5),
+                               "err": [round(float(e), 6) for e in c.err],
+                               "err_noclip": [round(float(e), 6) for e in c.err_noclip]}
+    else:
+        if cfg.clip and cfg.quant.mode == "static":
+            raise OscarError("static mode needs clip thresholds, but the store has no reservoir rows "
+                             "(layers/{l}/{q,k,v}_res)")
+        ck_t = cv_t = np.ones(H)
+        meta_clip = {"searched": False}
+    return ck_t, cv_t, meta_clip
+
+
+@dataclass
+class _LayerFit:
+    """One layer's artifact tensors (float32) and its metadata record."""
+
+    rot_k: torch.Tensor  # (H, D, D)
+    rot_v: torch.Tensor  # (H, D, D)
+    rot_q: torch.Tensor | None  # (H, D, D), variants that rotate queries by another matrix
+    k_mean: torch.Tensor | None  # (H, D), variants that centre keys
+    clip_k: torch.Tensor  # (H,)
+    clip_v: torch.Tensor  # (H,)
+    eig_k: torch.Tensor  # (H, D) eigenvalues of the keys' rotation source
+    eig_v: torch.Tensor  # (H, D)
+    meta: dict
+    fallbacks: list[dict]
+    eig_order: str
+
+
+def _fit_layer(ls: LayerStats, l: int, cfg: FitConfig, variant, fmt: _Format, rng) -> _LayerFit:
+    rot = variant.build(ls, rng)
+    fb = _fallbacks(rot, ls, cfg, l)
+    # diagnostics always on C_Q and C_S (whatever the variant uses)
+    wq, _, dq = ls.eig("q")
+    wo, _, do = ls.eig("o")
+    src_k = ls.eig(*rot.source_k) if rot.source_k else (wq, None, dq)
+    src_v = ls.eig(*rot.source_v) if rot.source_v else (wo, None, do)
+    ck_t, cv_t, meta_clip = _clips(ls, rot, cfg, fmt, l)
+    tails = {x: ls.tails(x) for x in ("q", "o", "k", "v") if ls.has(f"{x}_gram")}
+    meta = {
+        "d_eff": {"k": [d.d_eff for d in src_k[2]], "v": [d.d_eff for d in src_v[2]],
+                  "q": [d.d_eff for d in dq], "o": [d.d_eff for d in do]},
+        "d_gap_raw": {"q": [d.d_gap_raw for d in dq], "o": [d.d_gap_raw for d in do]},
+        "pruned": {"q": [d.pruned for d in dq], "o": [d.pruned for d in do]},
+        "stability": {"q": [round(d.stability, 5) for d in dq], "o": [round(d.stability, 5) for d in do],
+                      "k_src": [round(d.stability, 5) for d in src_k[2]],
+                      "v_src": [round(d.stability, 5) for d in src_v[2]]},
+        "kurtosis": {x: [round(t.kurtosis, 4) for t in ts] for x, ts in tails.items()},
+        "tail_index": {x: [round(t.alpha, 4) for t in ts] for x, ts in tails.items()},
+        "heavy": {x: [t.heavy for t in ts] for x, ts in tails.items()},
+        "estimator": ls.record["estimator"],
+        "shrinkage": ls.record["shrinkage"],
+        "clip": meta_clip,
+        "clip_k": [round(float(c), 6) for c in ck_t],
+        "clip_v": [round(float(c), 6) for c in cv_t],
+    }
+    return _LayerFit(
+        rot_k=torch.from_numpy(rot.rot_k).float(), rot_v=torch.from_numpy(rot.rot_v).float(),
+        rot_q=torch.from_numpy(rot.rot_q).float() if rot.rot_q is not None else None,
+        k_mean=torch.from_numpy(rot.k_mean).float() if rot.k_mean is not None else None,
+        clip_k=torch.from_numpy(np.asarray(ck_t)).float(), clip_v=torch.from_numpy(np.asarray(cv_t)).float(),
+        eig_k=torch.from_numpy(np.asarray(rot.notes.get("eig_k", src_k[0]))).float(),
+        eig_v=torch.from_numpy(np.asarray(rot.notes.get("eig_v", src_v[0]))).float(),
+        meta=meta, fallbacks=fb, eig_order=rot.notes.get("eig_order", "descending"))
+
+
+def _metadata(store_path: str, view, cfg: FitConfig, variant, fixed, layers: list[_LayerFit], t0: float) -> dict:
+    """The artifact's metadata: the fit's settings, the store's provenance, every layer's record."""
+    q_count = view.read("layers/0/q_count")
+    kv_count = view.read("layers/0/kv_count")
+    tokens = int(view.read("mask").sum()) if view.store.has("mask") else None
+    layers_meta = [f.meta for f in layers]
+    return {
+        "variant": cfg.variant,
+        "variant_doc": variant.doc,
+        "model": dict(view.model),
+        "fit": {"reduce": asdict(cfg.reduce), "stability_min": cfg.stability_min, "fallback": cfg.fallback,
+                "per_head_gain": cfg.per_head_gain, "clip_searched": bool(cfg.clip) and not fixed, "seed": cfg.seed,
+                "eig_order": layers[-1].eig_order if layers else "descending",
+                "clip_objective": {"k": "relative q-weighted logit MSE", "v": "relative attention-output MSE"},
+                "seconds": round(time.perf_counter() - t0, 3)},
+        "provenance": {"store": store_path, "store_fingerprint": view.fingerprint,
+                       "corpus": view.attrs.get("corpus"), "blocks": view.blocks,
+                       "num_blocks": int(view.attrs.get("num_blocks", len(view.blocks))), "partial": view.partial,
+                       "tokens": tokens, "counted_q_rows_layer0": int(np.sum(q_count)),
+                       "counted_kv_rows_layer0": int(np.sum(kv_count))},
+        "d_eff": {"k": [m["d_eff"]["k"] for m in layers_meta], "v": [m["d_eff"]["v"] for m in layers_meta]},
+        "fallbacks": [r for f in layers for r in f.fallbacks],
+        "layers": layers_meta,
+    }
+
+
+def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
+    cfg = cfg or FitConfig()
+    t0 = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    view = open_store(store_path, partial=cfg.partial, log=_log)
+    variant = get_variant(cfg.variant)
+    L = view.num_layers
+    fmt = _format(store_path, view, variant, cfg)
     rng = np.random.default_rng(cfg.seed)
 
-    rot_k, rot_v, rot_q, k_mean, clip_k, clip_v, eig_k, eig_v = [], [], [], [], [], [], [], []
-    layers_meta, fallbacks = [], []
+    layers: list[_LayerFit] = []
     it = range(L)
     if cfg.progress:
         from tqdm import tqdm
@@ -131,102 +257,22 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
     nxt = prefetch(view, pool, 0)
     for l in it:
         cur, nxt = nxt, (prefetch(view, pool, l + 1) if l + 1 < L else {})
-        ls = LayerStats(view, l, cfg.reduce, pending=cur)
-        rot = variant.build(ls, rng)
-        fb = _fallbacks(rot, ls, cfg, l)
-        fallbacks += fb
-        # diagnostics always on C_Q and C_S (whatever the variant uses)
-        wq, _, dq = ls.eig("q")
-        wo, _, do = ls.eig("o")
-        src_k = ls.eig(*rot.source_k) if rot.source_k else (wq, None, dq)
-        src_v = ls.eig(*rot.source_v) if rot.source_v else (wo, None, do)
-
-        # clip search in the rotated space
-        Rk, Rv = rot.rot_k, rot.rot_v  # (H, D, D)
-        Rq = rot.rot_q if rot.rot_q is not None else Rk  # queries are read in the space dual to the keys'
-        q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
-        meta_clip = {}
-        if fixed:
-            ck_t, cv_t = np.full(H, fixed.clip_k), np.full(H, fixed.clip_v)
-            meta_clip = {"searched": False, "fixed": {"rule": quant.clip_rule, "k": fixed.clip_k, "v": fixed.clip_v}}
-        elif cfg.clip and q is not None and k is not None and v is not None:
-            T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
-            kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
-            q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rq), (kc, Rk), (T(v), Rv)))  # (H, N, D)
-            Cq_r = (T(Rq).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rq)).numpy()  # (H, D, D)
-            ck, cv = search_layer(q_r, k_r, v_r, Cq_r, search, seed=cfg.seed + l)
-            ck_t, cv_t = ck.clip, cv.clip
-            for side, c in (("k", ck), ("v", cv)):
-                meta_clip[side] = {"per_head": c.per_head, "gain_per_head": round(c.gain_per_head, 5),
-                                   "err": [round(float(e), 6) for e in c.err],
-                                   "err_noclip": [round(float(e), 6) for e in c.err_noclip]}
-        else:
-            if cfg.clip and cfg.quant.mode == "static":
-                raise OscarError("static mode needs clip thresholds, but the store has no reservoir rows "
-                                 "(layers/{l}/{q,k,v}_res)")
-            ck_t = cv_t = np.ones(H)
-            meta_clip = {"searched": False}
-
-        rot_k.append(torch.from_numpy(Rk).float())
-        rot_v.append(torch.from_numpy(Rv).float())
-        if rot.rot_q is not None:
-            rot_q.append(torch.from_numpy(rot.rot_q).float())
-        clip_k.append(torch.from_numpy(np.asarray(ck_t)).float())
-        clip_v.append(torch.from_numpy(np.asarray(cv_t)).float())
-        eig_k.append(torch.from_numpy(np.asarray(rot.notes.get("eig_k", src_k[0]))).float())
-        eig_v.append(torch.from_numpy(np.asarray(rot.notes.get("eig_v", src_v[0]))).float())
-        if rot.k_mean is not None:
-            k_mean.append(torch.from_numpy(rot.k_mean).float())
-        tails = {x: ls.tails(x) for x in ("q", "o", "k", "v") if ls.has(f"{x}_gram")}
-        layers_meta.append({
-            "d_eff": {"k": [d.d_eff for d in src_k[2]], "v": [d.d_eff for d in src_v[2]],
-                      "q": [d.d_eff for d in dq], "o": [d.d_eff for d in do]},
-            "d_gap_raw": {"q": [d.d_gap_raw for d in dq], "o": [d.d_gap_raw for d in do]},
-            "pruned": {"q": [d.pruned for d in dq], "o": [d.pruned for d in do]},
-            "stability": {"q": [round(d.stability, 5) for d in dq], "o": [round(d.stability, 5) for d in do],
-                          "k_src": [round(d.stability, 5) for d in src_k[2]],
-                          "v_src": [round(d.stability, 5) for d in src_v[2]]},
-            "kurtosis": {x: [round(t.kurtosis, 4) for t in ts] for x, ts in tails.items()},
-            "tail_index": {x: [round(t.alpha, 4) for t in ts] for x, ts in tails.items()},
-            "heavy": {x: [t.heavy for t in ts] for x, ts in tails.items()},
-            "estimator": ls.record["estimator"],
-            "shrinkage": ls.record["shrinkage"],
-            "clip": meta_clip,
-            "clip_k": [round(float(c), 6) for c in ck_t],
-            "clip_v": [round(float(c), 6) for c in cv_t],
-        })
-        del ls, cur
+        layers.append(_fit_layer(LayerStats(view, l, cfg.reduce, pending=cur), l, cfg, variant, fmt, rng))
+        del cur
         _release_memory()
     pool.shutdown()
-    if fallbacks:
-        _log(f"fit: {len(fallbacks)} head rotation(s) fell back to Hadamard (see metadata 'fallbacks')")
+    meta = _metadata(store_path, view, cfg, variant, fmt.fixed, layers, t0)
+    if meta["fallbacks"]:
+        _log(f"fit: {len(meta['fallbacks'])} head rotation(s) fell back to Hadamard (see metadata 'fallbacks')")
 
-    q_count = view.read("layers/0/q_count")
-    kv_count = view.read("layers/0/kv_count")
-    tokens = int(view.read("mask").sum()) if view.store.has("mask") else None
-    meta = {
-        "variant": cfg.variant,
-        "variant_doc": variant.doc,
-        "model": dict(view.model),
-        "fit": {"reduce": asdict(cfg.reduce), "stability_min": cfg.stability_min, "fallback": cfg.fallback,
-                "per_head_gain": cfg.per_head_gain, "clip_searched": bool(cfg.clip) and not fixed, "seed": cfg.seed,
-                "eig_order": rot.notes.get("eig_order", "descending") if L else "descending",
-                "clip_objective": {"k": "relative q-weighted logit MSE", "v": "relative attention-output MSE"},
-                "seconds": round(time.perf_counter() - t0, 3)},
-        "provenance": {"store": store_path, "store_fingerprint": view.fingerprint,
-                       "corpus": view.attrs.get("corpus"), "blocks": view.blocks,
-                       "num_blocks": int(view.attrs.get("num_blocks", len(view.blocks))), "partial": view.partial,
-                       "tokens": tokens, "counted_q_rows_layer0": int(np.sum(q_count)),
-                       "counted_kv_rows_layer0": int(np.sum(kv_count))},
-        "d_eff": {"k": [m["d_eff"]["k"] for m in layers_meta], "v": [m["d_eff"]["v"] for m in layers_meta]},
-        "fallbacks": fallbacks,
-        "layers": layers_meta,
-    }
     extra = {}
-    for l in range(L):
-        extra[f"layers.{l}.eig_k"] = eig_k[l]
-        extra[f"layers.{l}.eig_v"] = eig_v[l]
-    art = Artifact(rot_k=rot_k, rot_v=rot_v, rot_q=rot_q or None, clip_k=clip_k, clip_v=clip_v, k_mean=k_mean or None,
-                   quant=quant, meta=meta, extra=extra)
+    for l, f in enumerate(layers):
+        extra[f"layers.{l}.eig_k"] = f.eig_k
+        extra[f"layers.{l}.eig_v"] = f.eig_v
+    rot_q = [f.rot_q for f in layers if f.rot_q is not None]
+    k_mean = [f.k_mean for f in layers if f.k_mean is not None]
+    art = Artifact(rot_k=[f.rot_k for f in layers], rot_v=[f.rot_v for f in layers], rot_q=rot_q or None,
+                   clip_k=[f.clip_k for f in layers], clip_v=[f.clip_v for f in layers], k_mean=k_mean or None,
+                   quant=fmt.quant, meta=meta, extra=extra)
     art.validate()
     return art

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from oscar.common import OscarError
+from oscar.reports.ablation import build_report
 from oscar.validate.ablation.ablate import AblationConfig, run_ablation
 from oscar.validate.ablation.regimes import RegimeConfig
 
@@ -25,7 +26,7 @@ def test_smoke_outputs_and_resume(tmp_path):
     assert set(df.scheme) == {"plain", "tq_kv", "tq_qkv"} and set(df.bits) == {2, 4}
     ks = pd.read_parquet(paths["ks"])
     assert {"kind", "D", "p", "p_adj", "verdict"} <= set(ks.columns) and len(ks)
-    rep = open(paths["report"]).read()
+    rep = open(build_report(out)).read()  # what `oscar ablate` does after the tables
     assert "Recommendation" in rep and "Non-dominated" in rep and "findings" in rep
     for png in ("jensen.png", "deff.png", "error_vs_bits.png"):
         assert os.path.getsize(os.path.join(out, png)) > 1000
@@ -34,7 +35,7 @@ def test_smoke_outputs_and_resume(tmp_path):
     parts = sorted(os.listdir(os.path.join(out, "parts")))
     for p in parts[:2]:
         os.remove(os.path.join(out, "parts", p))
-    run_ablation(AblationConfig.preset("smoke", out, progress=False, report=False))
+    run_ablation(AblationConfig.preset("smoke", out, progress=False))
     assert json.load(open(os.path.join(out, "run.json")))["resumed_units"] == len(parts) - 2
     pd.testing.assert_frame_equal(pd.read_parquet(paths["ablation"]), df)
 
@@ -67,7 +68,7 @@ def test_real_regime_through_ablation(tmp_path):
 
     store = write_store(tmp_path / "s.zarr", D=32, R=128)
     cfg = AblationConfig.preset("smoke", str(tmp_path / "r"), regimes=["isotropic"], seeds=2, progress=False,
-                                data=RegimeConfig(store=store), report=False, deff_regimes=[])
+                                data=RegimeConfig(store=store), deff_regimes=[])
     df = pd.read_parquet(run_ablation(cfg)["ablation"])
     assert "real" in set(df.regime)
 
@@ -94,7 +95,7 @@ def test_triton_serving_cache_path(tmp_path, monkeypatch):
     # the uniform-grid schemes through the paged cache's Triton quantizer (interpreter on CPU)
     monkeypatch.delenv("OSCAR_KERNELS", raising=False)
     cfg = AblationConfig.preset("smoke", str(tmp_path / "t"), schemes=["plain", "oscar", "tq_kv"], regimes=["isotropic"],
-                                seeds=2, triton_seeds=2, bits=[2], progress=False, report=False, deff_regimes=[])
+                                seeds=2, triton_seeds=2, bits=[2], progress=False, deff_regimes=[])
     df = pd.read_parquet(run_ablation(cfg)["ablation"])
     assert "OSCAR_KERNELS" not in os.environ  # restored
     t = df[df.path == "triton"]

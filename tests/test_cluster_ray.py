@@ -175,6 +175,24 @@ def test_sigkill_stage_actor_mid_run(head, tmp_path, tmp_path_factory):
     assert_same_store(reference(tmp_path_factory, **o), o["store"])
 
 
+def test_unplaceable_stages_are_refused_and_release_everything(head, tmp_path):
+    """A request the cluster cannot place fails with the resources asked and offered, and leaves no
+    placement group nor writer lock behind (run_pipeline's cleanup path)."""
+    from ray.util.state import list_placement_groups
+
+    from oscar.cluster.pipeline import job_id_for
+    from oscar.common import OscarError
+
+    o = opts("tiny-llama", tmp_path / "ray.zarr", blocks=1)
+    with pytest.raises(OscarError, match=r"cannot place 1 replica\(s\) x 2 stages .*'CPU': 64.0.* within 2s"):
+        run(o, stages=2, replicas=1, cpus_per_stage=64.0, placement_timeout=2.0)
+    prefix = f"oscar-{job_id_for(o['store'])}-"
+    left = [g for g in list_placement_groups(detail=True) if (g.name or "").startswith(prefix) and g.state != "REMOVED"]
+    assert not left, left
+    with pytest.raises(OscarError, match="cannot place"):  # the lock was released: the second run gets as far
+        run(o, stages=2, replicas=1, cpus_per_stage=64.0, placement_timeout=2.0)
+
+
 def oscar(*args, check=True, timeout=300):
     r = subprocess.run([sys.executable, "-m", "oscar", *args], capture_output=True, text=True, timeout=timeout)
     if check:

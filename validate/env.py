@@ -1,4 +1,4 @@
-"""Model and held-out text for validation, through the pipeline stage when it provides them.
+"""Model and held-out text for validation, through the pipeline stage.
 
 `oscar.pipeline.models.load_model(spec) -> (model, tokenizer, info)` and
 `oscar.pipeline.corpus.load_corpus(name) -> Corpus(..., calibration, heldout)`
@@ -41,7 +41,7 @@ def with_dtype(model, dtype: str = "float32"):
     return model
 
 
-def config_max_context(spec: str) -> int | None:
+def config_max_context(spec: str) -> int:
     """The model's context length from its config alone (no weights loaded)."""
     from oscar.pipeline.models import load_config
 
@@ -74,12 +74,8 @@ def heldout_text(corpus: str = "pydoc", dedupe: bool = True) -> str:
     """
     import re
 
-    try:
-        from oscar.pipeline.corpus import load_corpus
-    except ImportError:
-        load_corpus = None
-    if load_corpus is None:
-        raise OscarError("held-out text needs oscar.pipeline.corpus (the calibration/held-out split)")
+    from oscar.pipeline.corpus import load_corpus
+
     c = load_corpus(corpus)
     held = " ".join(_as_text(c.heldout).split())
     if not dedupe:

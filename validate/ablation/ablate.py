@@ -43,7 +43,6 @@ class AblationConfig:
     triton_seeds: int = 0  # seeds run on path "triton" (0: off)
     triton_schemes: list[str] = field(default_factory=lambda: ["plain", "oscar"])
     triton_regimes: list[str] = field(default_factory=lambda: ["isotropic", "heavy"])
-    report: bool = True
     progress: bool = True
     workers: int = 0  # processes for the (regime, seed) units; 0: min(2, cores)
 
@@ -85,7 +84,7 @@ class AblationConfig:
 
     def identity(self) -> dict:
         d = dataclasses.asdict(self)
-        for k in ("out", "report", "progress", "workers"):
+        for k in ("out", "progress", "workers"):
             d.pop(k)
         return d
 
@@ -169,7 +168,8 @@ def _write(df, path: str) -> None:
 
 
 def run_ablation(cfg: AblationConfig) -> dict[str, str]:
-    """Run (or resume) the ablation; returns the paths of everything written."""
+    """Run (or resume) the ablation; returns the paths of the tables written. The report on them
+    (report.md, plots) is `oscar.reports.ablation.build_report(cfg.out)`, which `oscar ablate` calls."""
     import pandas as pd
     import torch
     from tqdm import tqdm
@@ -225,18 +225,9 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
         _write(stattests.deff_study(cfg.deff_regimes, cfg.deff_budgets, cfg.deff_seeds, cfg.data), dpath)
     if os.path.exists(dpath):
         out["deff"] = dpath
+    # "rotations": the schemes' own eigenbases (the key the report's run info prints)
     with open(os.path.join(cfg.out, "run.json"), "w") as f:
         json.dump({"seconds": round(time.time() - t0, 1), "units": len(units), "resumed_units": len(units) - len(todo),
                    "triton_path": (f"{cfg.triton_seeds} seeds x {cfg.triton_schemes} x {cfg.triton_regimes} through the paged cache"
-                                   if cfg.triton_seeds else "off (--triton-seeds N)"), "rotations": _rotation_source()}, f, indent=1)
-    if cfg.report:
-        from oscar.reports.ablation import build_report
-
-        out["report"] = build_report(cfg.out)
+                                   if cfg.triton_seeds else "off (--triton-seeds N)"), "rotations": "local"}, f, indent=1)
     return out
-
-
-def _rotation_source() -> str:
-    from oscar.validate.ablation import schemes
-
-    return getattr(schemes, "ROTATION_SOURCE", "local")
