@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from oscar.common import OscarError
+from oscar.defaults import PAGE_SIZE, RECENT
 
 SLIDING_WINDOW = ("sliding-window attention layers are not supported by oscar-kv: the INT2 cache, its kernels and "
                   "the validation simulator attend over the whole history, so every stage (calibrate, validate, "
@@ -26,7 +27,7 @@ def hadamard_supported(n: int) -> bool:
 
 
 def format_problems(head_dim: int, *, bits: int = 2, group_size: int | None = None, key_axis: str = "token",
-                    page_size: int = 16, recent: int = 256, hadamard: bool = False) -> list[str]:
+                    page_size: int = PAGE_SIZE, recent: int = RECENT, hadamard: bool = False) -> list[str]:
     """Why the cache format (QuantConfig fields) cannot store K/V of `head_dim` (empty: it can)."""
     D, out = int(head_dim), []
     if bits not in (1, 2, 4, 8):

@@ -73,9 +73,9 @@ def _resolve(c: dict, unit: str) -> str:
 def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, tokens: int | None = None
                ) -> list[tuple[str, str, str]]:
     """(check, status, detail) for the validation targets; status is PASS, MISSED or UNRESOLVED by the
-    interval rule (oscar.validate.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
+    interval rule (oscar.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
     at 1 - 0.05/m over the m cells for MISSED."""
-    from oscar.validate.evidence import niah_check, ppl_pair_check
+    from oscar.evidence import niah_check, ppl_pair_check
 
     out = []
     if res is not None and len(res):
@@ -254,8 +254,8 @@ def _cell(est: float, lo: float, hi: float) -> str:
 
 def _avg_over_tasks(r, done: dict | None, method: str, length: int) -> tuple[float, float, float]:
     """Score of `method` at `length` pooled over the tasks' samples, with its 95 % interval."""
-    from oscar.validate.evidence import score_interval
-    from oscar.validate.intervals import wilson
+    from oscar.evidence import score_interval
+    from oscar.intervals import wilson
 
     d = r[(r.method == method) & (r.length == length)]
     if not len(d):
@@ -334,7 +334,7 @@ def _ruler_section(res, figdir: str, done: dict | None = None) -> list[str]:
 
 def _ratio_cell(x) -> str:
     """'1.16× [1.13–1.19]' with † when the interval rests on fewer than 8 blocks."""
-    from oscar.validate.evidence import MIN_BLOCKS
+    from oscar.evidence import MIN_BLOCKS
 
     if "ratio" not in x or x.ratio != x.ratio:
         return f"{x.ratio_vs_bf16:.2f}×" if "ratio_vs_bf16" in x and x.ratio_vs_bf16 == x.ratio_vs_bf16 else "—"
@@ -361,7 +361,7 @@ def ppl_ratio_table(ppl, methods=None) -> tuple[list[str], list[list]]:
 
 
 def _few_blocks_note(ppl) -> str:
-    from oscar.validate.evidence import MIN_BLOCKS, SEGMENT
+    from oscar.evidence import MIN_BLOCKS, SEGMENT
 
     if "blocks" not in ppl:
         return "No intervals: these results predate per-window intervals."
@@ -590,7 +590,7 @@ class Report:
 @dataclass
 class Results:
     """A run's result files, with the intervals recomputed from the per-sample / per-window lines
-    when the tables predate them (validate/evidence.py)."""
+    when the tables predate them (oscar/evidence.py)."""
 
     res: object = None  # results.parquet (+ ci_low, ci_high, paired columns)
     done: dict | None = None  # niah_samples.jsonl
@@ -605,7 +605,7 @@ class Results:
 def load_results(d: str) -> Results:
     import pandas as pd
 
-    from oscar.validate import evidence as ev
+    from oscar import evidence as ev
 
     def js(name):
         p = os.path.join(d, name)

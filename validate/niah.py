@@ -16,7 +16,7 @@ Files in OUT:
 - niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
 - niah_samples.jsonl  one line per (task, length, index, method), appended and flushed
 - results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ci_low, ci_high
-                      (95 %), the paired difference to bf16 and its Holm-adjusted test (validate/evidence.py), ...
+                      (95 %), the paired difference to bf16 and its Holm-adjusted test (oscar/evidence.py), ...
 - memory.json         bytes per token per method
 """
 
@@ -31,7 +31,7 @@ import torch
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.validate.evidence import read_samples
+from oscar.evidence import read_samples
 
 
 @dataclass
@@ -380,7 +380,7 @@ def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
     from oscar.validate.methods import bits_per_element
 
     D = attention_shapes(config)["head_dim"]
-    from oscar.validate.evidence import niah_stats
+    from oscar.evidence import niah_stats
 
     rows = []
     for st in niah_stats(done):  # every sample in OUT (one identity per OUT, see _prepare_out)

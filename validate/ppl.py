@@ -26,7 +26,7 @@ Files in OUT: ppl_windows.jsonl (one line per method, protocol, context,
 window, with the NLL of its 512-token segments; resumable), ppl.parquet
 (method, protocol, context, ppl, ppl_ci_low, ppl_ci_high, bits_per_element,
 tokens, windows, blocks, block, ratio, ratio_ci_low, ratio_ci_high,
-ratio_vs_bf16: validate/evidence.py), goal.json (the product goal, three-valued).
+ratio_vs_bf16: oscar/evidence.py), goal.json (the product goal, three-valued).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
 from oscar.defaults import EMBEDDED_MODEL
 
-from oscar.validate.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
+from oscar.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -420,7 +420,7 @@ def write_ppl(cfg: PplConfig, methods, arts, config, done):
     import pandas as pd
 
     from oscar.common import attention_shapes
-    from oscar.validate.evidence import ppl_stats
+    from oscar.evidence import ppl_stats
     from oscar.validate.methods import bits_per_element
 
     D = attention_shapes(config)["head_dim"]

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from oscar.defaults import PAGE_SIZE
 from oscar.quant import QuantSpec, fake_quant
 
 
@@ -245,7 +246,7 @@ class UniformCodec(Codec):
         return y @ self.Rinv + self.mu
 
 
-def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: int = 16) -> tuple[torch.Tensor, float]:
+def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: int = PAGE_SIZE) -> tuple[torch.Tensor, float]:
     """Round-trip x (T, D) through the serving cache (`oscar.kernels.paged`, sink = recent = 0)
     with the codec's fitted rotation, key mean and clip ratio. The page quantizer is Triton
     when `oscar.kernels.dispatch.backend` picks it (CUDA, or OSCAR_KERNELS=triton with

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from oscar.intervals import bh, holm  # one home for the multiple-testing corrections (the leaf the verdicts use)
+
 
 # ----------------------------------------------------------------------------- KS
 
@@ -63,28 +65,7 @@ def ks_2samp(a, b) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------- multiple testing
-
-def holm(p) -> np.ndarray:
-    """Holm–Bonferroni adjusted p-values (family-wise error control)."""
-    p = np.asarray(p, float)
-    n = len(p)
-    o = np.argsort(p)
-    adj = np.maximum.accumulate((n - np.arange(n)) * p[o])
-    out = np.empty(n)
-    out[o] = np.minimum(adj, 1.0)
-    return out
-
-
-def bh(p) -> np.ndarray:
-    """Benjamini–Hochberg adjusted p-values (false discovery rate control)."""
-    p = np.asarray(p, float)
-    n = len(p)
-    o = np.argsort(p)
-    adj = np.minimum.accumulate((n / np.arange(n, 0, -1) * p[o][::-1]))[::-1]
-    out = np.empty(n)
-    out[o] = np.minimum(adj, 1.0)
-    return out
-
+# holm / bh live in oscar.intervals (imported above), beside the verdict intervals that use them.
 
 def adjust(p, method: str = "holm") -> np.ndarray:
     if method not in ("holm", "bh"):

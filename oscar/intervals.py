@@ -184,3 +184,27 @@ def resolve_n(est: float, lo: float, hi: float, threshold: float, n: int) -> int
     if gap <= 0 or half <= 0:
         return None
     return max(n + 1, int(math.ceil(n * (half / gap) ** 2)))
+
+
+# ----------------------------------------------------------------------------- multiple testing
+
+def holm(p) -> np.ndarray:
+    """Holm–Bonferroni adjusted p-values (family-wise error control)."""
+    p = np.asarray(p, float)
+    n = len(p)
+    o = np.argsort(p)
+    adj = np.maximum.accumulate((n - np.arange(n)) * p[o])
+    out = np.empty(n)
+    out[o] = np.minimum(adj, 1.0)
+    return out
+
+
+def bh(p) -> np.ndarray:
+    """Benjamini–Hochberg adjusted p-values (false discovery rate control)."""
+    p = np.asarray(p, float)
+    n = len(p)
+    o = np.argsort(p)
+    adj = np.minimum.accumulate((n / np.arange(n, 0, -1) * p[o][::-1]))[::-1]
+    out = np.empty(n)
+    out[o] = np.minimum(adj, 1.0)
+    return out

@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from oscar.validate import intervals as iv
+from oscar import intervals as iv
 
 GOAL_RATIO = 1.25  # oscar-int2 strict ppl <= 1.25x bf16 ...
 GOAL_BITS = 2.5  # ... at <= 2.5 bits per element
@@ -105,7 +105,7 @@ def niah_stats(done: dict) -> list[dict]:
             r.update(diff_vs_bf16=float("nan"), diff_ci_low=float("nan"), diff_ci_high=float("nan"), paired=0,
                      p_vs_bf16=float("nan"))
         rows.append(r)
-    from oscar.validate.ablation.stattests import holm
+    from oscar.intervals import holm
 
     tested = [i for i, r in enumerate(rows) if r["p_vs_bf16"] == r["p_vs_bf16"]]
     adj = holm([rows[i]["p_vs_bf16"] for i in tested]) if tested else []
