@@ -16,6 +16,13 @@ predictions) on the same model object (its weights were rounded to bfloat16 once
     python bench/main_job_speed.py [--artifact A] [--dtype bfloat16] [--threads 1]
                                    [--cells 1024:4,2048:2,4096:2] [--tasks niah_single_1,niah_single_2]
 
+Sections beyond those (issue 19, point 5): `profile` (the current needle loop's CPU time by phase, one
+thread), `rows_attention` (question-chunk scores in one block vs cache-sized row chunks) and `workers` (the
+NIAH and perplexity stage loops in this process vs on worker processes, validate/workers.py):
+
+    python bench/main_job_speed.py --artifact A --sections profile,rows_attention,workers --check-dtype '' \
+        --out bench/results/main_job_speed_workers.json
+
 Writes bench/results/main_job_speed.json: CPU (process) and wall seconds per path and cell, their
 ratios, the prediction agreement, and a projection of the NIAH stage at the defaults (20 samples per
 cell) from the per-sample costs and the stage time of the run the issue measured. The load average
@@ -244,6 +251,132 @@ def ppl_windows(model, tok, fitted, configs=(("oscar-int2", "strict"), ("oscar-i
     return {"windows": rows, "ratio": sum(r["old_cpu_s"] for r in rows) / sum(r["new_cpu_s"] for r in rows)}
 
 
+def rows_attention_timing(reps: int = 3) -> list[dict]:
+    """`rows_attention` with scores in one 64 MiB block (previous) vs cache-sized row chunks (current), on
+    the question-chunk and decode shapes of a 1k batch (28 rows) and a 4k batch (7 rows); outputs compared."""
+    from oscar.validate import rowbatch as RB
+
+    rows, cur = [], RB._SCORE_ELEMS
+    for A, S, t in ((28, 1100, 40), (7, 4150, 40), (28, 1100, 1), (7, 4150, 1)):
+        g = torch.Generator().manual_seed(A + t)
+        q = torch.randn(A, 9, t, 64, generator=g).bfloat16()
+        k, v = (torch.randn(A, 3, S, 64, generator=g).bfloat16().float() for _ in range(2))
+        pos = torch.full((A, 1), S - t) + torch.arange(t)
+        res, out = {}, {}
+        for name, elems in (("old", 1 << 24), ("new", cur)):
+            RB._SCORE_ELEMS = elems
+            RB.rows_attention(None, q, k, v, position_ids=pos)
+            c = time.process_time()
+            for _ in range(reps):
+                out[name] = RB.rows_attention(None, q, k, v, position_ids=pos)[0]
+            res[name] = (time.process_time() - c) / reps
+        RB._SCORE_ELEMS = cur
+        rows.append({"rows": A, "keys": S, "queries": t, "old_ms": 1e3 * res["old"], "new_ms": 1e3 * res["new"],
+                     "ratio": res["old"] / res["new"], "identical": bool(torch.equal(out["old"], out["new"]))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def profile_niah(model, tok, arts, proto, cells=((1024, 4), (4096, 1)), task: str = "niah_single_2") -> dict:
+    """Where the current needle loop's CPU time goes (one thread): prefill, cache load (quantization),
+    question-chunk and decode-step attention, cache updates; the rest is the linears and Python."""
+    from oscar.validate import niah as N
+    from oscar.validate import rowbatch as RB
+
+    T: dict = {}
+
+    def timed(obj, name, key):
+        f = getattr(obj, name)
+
+        def g(*a, **k):
+            c = time.process_time()
+            r = f(*a, **k)
+            k_ = key(a) if callable(key) else key
+            T[k_] = T.get(k_, 0.0) + time.process_time() - c
+            return r
+        setattr(obj, name, g)
+        return f
+
+    saved = [(N.PrefillPool, "prefill", timed(N.PrefillPool, "prefill", "prefill")),
+             (RB.RowBatchCache, "load", timed(RB.RowBatchCache, "load", "cache_load")),
+             (RB.RowLayer, "update", timed(RB.RowLayer, "update", "cache_update")),
+             (RB, "rows_attention", timed(RB, "rows_attention", lambda a: "attn_question" if a[1].shape[2] > 1 else "attn_decode"))]
+    src = Sources.from_text(env.heldout_text("pydoc"))
+    eos = eos_ids(model, tok)
+    try:
+        with torch.no_grad():
+            c = time.process_time()
+            for L, n in cells:
+                samples = [make_sample(task, L, i, tok, src, seed=0) for i in range(n)]
+                new_loop(model, samples, arts, proto, eos)
+            T["total"] = time.process_time() - c
+    finally:
+        for obj, name, f in saved:
+            setattr(obj, name, f)
+    T["rest"] = T["total"] - sum(v for k, v in T.items() if k not in ("total", "cache_update"))
+    out = {"task": task, "cells": [list(c) for c in cells], "threads": torch.get_num_threads(), "cpu_s": T,
+           "share": {k: v / T["total"] for k, v in T.items() if k != "total"}, "loadavg": os.getloadavg()}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def stage_workers(loaded, artifact: str, dtype: str, workers: int) -> dict:
+    """The needle and perplexity stages' loops (run_niah / run_ppl) at reduced sizes: previous = in this
+    process, intra-op threads by load (what `oscar run` ran: 2 on a quiet 2-core host, 1 on a busy one) vs
+    current = `workers` processes of one intra-op thread. CPU seconds of this process and of the workers
+    (joined children) show the work is the same; predictions and window NLLs are compared."""
+    import tempfile
+
+    from oscar.validate.niah import NiahConfig, run_niah
+    from oscar.validate.ppl import PplConfig, run_ppl
+
+    niah_kw = dict(model="smollm2-135m", artifact=artifact, tasks=["niah_single_2"], lengths=[1024, 2048], samples=4,
+                   protocol="serving", dtype=dtype)  # 3 batches (1k x 4, 2k x 2, 2k x 2), all 7 methods
+    ppl_kw = dict(model="smollm2-135m", artifact=artifact, methods=["bf16", "oscar-int2"], contexts=[1024],
+                  tokens=4096, dtype=dtype)  # 3 configs x 4 windows
+    out: dict = {"workers": workers, "niah": niah_kw, "ppl": ppl_kw}
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="oscar-bench-") as d:
+        for stage, fn, cfg in (("niah", run_niah, NiahConfig), ("ppl", run_ppl, PplConfig)):
+            kw = niah_kw if stage == "niah" else ppl_kw
+            res = {}
+            for name, w in (("previous", 1), ("current", workers)):
+                torch.set_num_threads(os.cpu_count() or 1)  # the in-process path picks its threads by load
+                load = os.getloadavg()
+                w0, c0, k0 = time.time(), time.process_time(), _children_cpu()
+                fn(cfg(out=os.path.join(d, f"{stage}-{name}"), **kw), loaded=loaded, progress=False, workers=w)
+                res[name] = {"wall_s": time.time() - w0, "cpu_s": time.process_time() - c0,
+                             "worker_cpu_s": _children_cpu() - k0, "loadavg_before": load, "loadavg_after": os.getloadavg()}
+            lines = {n: [json.loads(x) for x in open(os.path.join(d, f"{stage}-{n}",
+                                                                  "niah_samples.jsonl" if stage == "niah" else "ppl_windows.jsonl"))]
+                     for n in res}
+            if stage == "niah":
+                key = lambda r: (r["task"], r["length"], r["index"], r["method"])  # noqa: E731
+                a, b = ({key(r): r["pred"] for r in lines[n]} for n in ("previous", "current"))
+                res["rows"], res["identical_predictions"] = len(a), sum(a[k] == b.get(k) for k in a)
+                res["same_score"] = sum(ra["score"] == rb["score"] for ra in lines["previous"] for rb in lines["current"]
+                                        if key(ra) == key(rb))
+            else:
+                key = lambda r: (r["method"], r["protocol"], r["context"], r["window"])  # noqa: E731
+                a, b = ({key(r): r["nll"] for r in lines[n]} for n in ("previous", "current"))
+                res["windows"] = len(a)
+                res["max_nll_rel_diff"] = max(abs(b[k] / a[k] - 1) for k in a)
+                res["identical_nll"] = sum(a[k] == b[k] for k in a)
+            res["wall_ratio"] = res["previous"]["wall_s"] / res["current"]["wall_s"]
+            res["cpu_work_ratio"] = (res["current"]["cpu_s"] + res["current"]["worker_cpu_s"]) / res["previous"]["cpu_s"]
+            out[stage] = {**kw, **res}
+            print(json.dumps({stage: res}), flush=True)
+    torch.set_num_threads(threads)
+    return out
+
+
 def project(rows: list[dict], samples: int = 20) -> dict:
     """NIAH stage at `samples` per cell: per-sample CPU cost of each path per (task, length), summed."""
     old = sum(r["old_cpu_s"] / r["samples"] * samples for r in rows)
@@ -268,11 +401,15 @@ def main() -> None:
                     help="perplexity window scored per config, its first quarter as the shorter window (default 4096)")
     ap.add_argument("--out", default=str(OUT), help=f"JSON written after every measured cell (default {OUT})")
     ap.add_argument("--sections", default="quant,niah,ppl",
-                    help="what to measure (default quant,niah,ppl); results of other sections already in the JSON are kept")
+                    help="what to measure (default quant,niah,ppl; also: profile = where the needle loop's time goes, "
+                         "rows_attention, workers = the NIAH and "
+                         "perplexity stage loops in this process vs on worker processes); results of other sections "
+                         "already in the JSON are kept")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes of the `workers` section (default 2)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cells = [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
-    model, tok, _ = env.load_model("smollm2-135m")
+    model, tok, _info = env.load_model("smollm2-135m")
     fitted = load_artifact(a.artifact)
     methods = list(DEFAULT_METHODS)
     proto = PROTOCOLS["serving"]
@@ -288,6 +425,15 @@ def main() -> None:
            "artifact": a.artifact, "methods": methods, "protocol": proto.name, "loadavg_start": os.getloadavg()}
     env.with_dtype(model, a.dtype)
     arts = [method_artifact(m, model.config, fitted) for m in methods]
+    if "rows_attention" in sections:
+        res["rows_attention"] = {**run, "rows": rows_attention_timing()}
+        save()
+    if "profile" in sections:
+        res["profile"] = {**run, **profile_niah(model, tok, arts, proto)}
+        save()
+    if "workers" in sections:
+        res["workers"] = {**run, **stage_workers((model, tok, _info), a.artifact, a.dtype, a.workers)}
+        save()
     if "quant" in sections:
         res["quant"] = {**run, "rows": quant_timing(model, fitted, methods)}
         save()

@@ -52,13 +52,13 @@ def test_niah_resume_and_report(smollm2, tmp_path, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(rowbatch, "decode_rows", interrupting)
-    with pytest.raises(KeyboardInterrupt):
-        run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False)
+    with pytest.raises(KeyboardInterrupt):  # workers=1: the patched decode runs in this process
+        run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False, workers=1)
     lines = open(tmp_path / "b" / "niah_samples.jsonl").read().splitlines()
     assert len(lines) == 2
     monkeypatch.setattr(rowbatch, "decode_rows", real)
     calls["n"] = 0
-    resumed = run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False)
+    resumed = run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False, workers=1)
     lines2 = open(tmp_path / "b" / "niah_samples.jsonl").read().splitlines()
     assert lines2[:2] == lines and len(lines2) == 4  # only the missing sample was scored
     pd.testing.assert_frame_equal(full.reset_index(drop=True), resumed.reset_index(drop=True))

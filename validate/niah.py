@@ -285,6 +285,16 @@ def _batches(cells, methods, done, batch_tokens: int):
         yield batch
 
 
+class _Inline:
+    """`Workers`' stand-in when everything runs in this process."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 def eos_ids(model, tok) -> set[int]:
     e = model.generation_config.eos_token_id if model.generation_config is not None else None
     ids = set(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
@@ -293,8 +303,28 @@ def eos_ids(model, tok) -> set[int]:
     return ids
 
 
-def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
-    """Score every (task, length, sample, method) not yet in OUT; returns the results table."""
+def _niah_init(model, arg) -> dict:
+    """A worker's state (validate/workers.py): the model, the methods' artifacts, its own prefill pool."""
+    from oscar.validate.methods import PROTOCOLS
+
+    arts, protocol, eos = arg
+    return {"model": model, "arts": arts, "protocol": PROTOCOLS[protocol], "eos": eos, "pool": PrefillPool(model)}
+
+
+def _niah_unit(st: dict, arg) -> list[list[int]]:
+    """One batch in a worker: what `decode_batch` returns in this process."""
+    samples, missing = arg
+    with torch.no_grad():
+        return decode_batch(st["model"], samples, [[st["arts"][m] for m in ms] for ms in missing], st["protocol"],
+                            st["pool"], st["eos"])
+
+
+def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int | None = None):
+    """Score every (task, length, sample, method) not yet in OUT; returns the results table.
+
+    workers: processes decoding batches in parallel (validate/workers.py; default: one per CPU this process
+    may use, up to 4, or $OSCAR_WORKERS; 1: in this process). Batches go round-robin, each worker with its
+    own prefill pool; a worker runs one intra-op thread."""
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
@@ -331,17 +361,27 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True):
     cells = [(t, L, i) for t in cfg.tasks for L in cfg.lengths for i in range(cfg.samples)]
     todo = sum(1 for (t, L, i) in cells for m in methods if (t, L, i, m) not in done)
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
-    pool = PrefillPool(model)
-    with open(path, "a") as f:
-        for batch in _batches(cells, methods, done, cfg.batch_tokens):
+    from oscar.validate.workers import Workers, default_workers
+
+    batches = list(_batches(cells, methods, done, cfg.batch_tokens))
+    n = workers or default_workers(len(batches))
+    if next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
+        n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
+    with open(path, "a") as f, (Workers(n, model, _niah_init, (arts, cfg.protocol, eos)) if n > 1 else _Inline()) as W:
+        units = [[make_sample(t, L, i, tok, src, seed=cfg.seed) for t, L, i, _ in batch] for batch in batches]
+        if n > 1:
+            results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
+        elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (validate/engine.py)
+            results = ((k, engine.niah_answers(model, s, [[arts[m] for m in b[3]] for b in batch], [b[3] for b in batch],
+                                               protocol, eos)) for k, (s, batch) in enumerate(zip(units, batches)))
+        else:
+            pool = PrefillPool(model)
+            results = ((k, decode_batch(model, s, [[arts[m] for m in b[3]] for b in batch], protocol, pool, eos))
+                       for k, (s, batch) in enumerate(zip(units, batches)))
+        for k, gens in results:
+            batch, samples = batches[k], units[k]
             t, L = batch[0][0], batch[0][1]
             bar.set_postfix_str(f"{t} {L} #{batch[0][2]}" + (f"-{batch[-1][2]}" if len(batch) > 1 else ""))
-            samples = [make_sample(t, L, i, tok, src, seed=cfg.seed) for _, _, i, _ in batch]
-            groups = [[arts[m] for m in missing] for *_, missing in batch]
-            if cfg.engine == "cache":  # the product path, one (sample, method) at a time
-                gens = engine.niah_answers(model, samples, groups, [missing for *_, missing in batch], protocol, eos)
-            else:
-                gens = decode_batch(model, samples, groups, protocol, pool, eos)
             r = 0
             for s, (_, _, i, missing) in zip(samples, batch):
                 for m in missing:

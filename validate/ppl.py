@@ -325,13 +325,39 @@ def heldout_ids(tok, corpus: str, n: int) -> list[int]:
     return ids[:n]
 
 
-def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
+def _window(model, art, protocol: str, win: torch.Tensor, cuts: tuple):
+    """window_nll of one window under method `art` (None: the plain model) and `protocol`."""
+    from oscar.validate.methods import PROTOCOLS
+
+    if art is None:
+        return window_nll(model, win, prefixes=cuts)
+    with simulated(model, art, PROTOCOLS[protocol]):
+        return window_nll(model, win, prefixes=cuts)
+
+
+def _ppl_init(model, arg) -> dict:
+    arts, ids = arg
+    return {"model": model, "arts": arts, "ids": ids}
+
+
+def _ppl_unit(st: dict, arg):
+    """One window in a worker (validate/workers.py): what `_window` returns in this process."""
+    (m, p, c, w), cuts = arg
+    return _window(st["model"], st["arts"][m], p, st["ids"][:, w * c:(w + 1) * c], cuts)
+
+
+def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | None = None):
+    """Score every (method, protocol, context, window) not yet in OUT; returns the perplexity table.
+
+    workers: processes scoring windows in parallel (validate/workers.py; default: one per CPU this process
+    may use, up to 4, or $OSCAR_WORKERS; 1: in this process, threads by load). A worker runs one intra-op
+    thread; windows are independent, so a window's NLL does not depend on which worker scored it."""
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
     from oscar.validate import engine
-    from oscar.validate.niah import load_aware_threads, load_checked
+    from oscar.validate.niah import _Inline, load_aware_threads, load_checked
 
     engine.check_engine(cfg.engine)
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
@@ -380,24 +406,37 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True):
         done[(r["method"], r["protocol"], r["context"], r["window"])] = r
         bar.update(r["context"])
 
-    with open(path, "a") as f:
-        for m, p, c, w in todo:
-            if (m, p, c, w) in done:  # scored as the prefix of a longer window
-                continue
-            bar.set_postfix_str(f"{m} {p} {c}")
-            win = ids[:, w * c:(w + 1) * c]
-            # A shorter context's window that starts where this one starts is this window's prefix.
-            short = [(c2, w * c // c2) for c2 in cfg.contexts if c2 < c and (w * c) % c2 == 0
-                     and (m, p, c2, w * c // c2) in jobset and (m, p, c2, w * c // c2) not in done]
-            cuts = tuple(dict.fromkeys([c2 for c2, _ in short] + segment_cuts(c)))  # + segment ends (intervals)
-            with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
-                if arts[m] is None:
-                    res = window_nll(model, win, prefixes=cuts)
-                elif cfg.engine == "cache":
-                    res = engine.window_nll(model, m, arts[m], PROTOCOLS[p], win, prefixes=cuts)
-                else:
-                    with simulated(model, arts[m], PROTOCOLS[p]):
-                        res = window_nll(model, win, prefixes=cuts)
+    plan, covered = [], set(done)  # (job, its prefix windows, cut points); covered: scored or planned
+    for m, p, c, w in todo:
+        if (m, p, c, w) in covered:  # scored as the prefix of a longer window
+            continue
+        # A shorter context's window that starts where this one starts is this window's prefix.
+        short = [(c2, w * c // c2) for c2 in cfg.contexts if c2 < c and (w * c) % c2 == 0
+                 and (m, p, c2, w * c // c2) in jobset and (m, p, c2, w * c // c2) not in covered]
+        cuts = tuple(dict.fromkeys([c2 for c2, _ in short] + segment_cuts(c)))  # + segment ends (intervals)
+        plan.append(((m, p, c, w), short, cuts))
+        covered.update((m, p, c2, w2) for c2, w2 in short)
+    from oscar.validate.workers import Workers, default_workers
+
+    n = workers or default_workers(len(plan))
+    if next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
+        n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
+    with open(path, "a") as f, (Workers(n, model, _ppl_init, (arts, ids)) if n > 1 else _Inline()) as W:
+        if n > 1:
+            results = W.map(_ppl_unit, [(job, cuts) for job, _, cuts in plan])
+        else:
+            def inline():
+                for k, ((m, p, c, w), _, cuts) in enumerate(plan):
+                    bar.set_postfix_str(f"{m} {p} {c}")
+                    with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
+                        win = ids[:, w * c:(w + 1) * c]
+                        if cfg.engine == "cache" and arts[m] is not None:  # the product path (validate/engine.py)
+                            yield k, engine.window_nll(model, m, arts[m], PROTOCOLS[p], win, prefixes=cuts)
+                        else:
+                            yield k, _window(model, arts[m], p, win, cuts)
+            results = inline()
+        for k, res in results:
+            (m, p, c, w), short, cuts = plan[k]
             cum = dict(zip(cuts, res[2])) if cuts else {}
             record({"method": m, "protocol": p, "context": c, "window": w, "nll": res[0], "count": res[1],
                     "seg": _segments(cum, c, res[0], res[1])})

@@ -1,0 +1,158 @@
+"""Independent units of validation work (NIAH batches, perplexity windows) spread over worker processes.
+
+Why processes: a needle batch's decode is thousands of small, memory-bound ops (one-token attention
+over the float32 row cache, right-sized matmuls); torch's intra-op threads barely speed those up on
+this 2-core host (`oscar run`'s needle stage gained 1.35x from batching where the one-thread CPU
+ratio promised 1.9x: the old loop's bf16 SDPA kernel was compute-bound and used both threads, the
+new loop's ops do not), and with another job on the cores OpenMP barriers stall. Two processes of
+one intra-op thread each use both cores on every op (docs/decisions.md, "Needle and perplexity
+units on worker processes").
+
+Each worker is a spawned process (no fork of a process that ran OpenMP threads or Ray) holding a
+copy of the parent's model (saved once to a temporary file: the same weights bit for bit, whatever
+loaded them), runs one intra-op thread, and computes exactly what the in-process path computes with
+one thread. Units go round-robin (`static`: unit i to worker i % n, so a worker's own state, e.g.
+its prefill pool, sees the same units in every run) or to whichever worker is free.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from multiprocessing.connection import wait
+
+from oscar.common import OscarError
+
+MAX_WORKERS = 4  # each holds a model copy and its batch's cache (~1.5 GB for SmolLM2 at the NIAH defaults)
+
+
+def default_workers(units: int) -> int:
+    """Worker processes worth starting: the CPUs this process may use (affinity, cgroup quota), at most
+    MAX_WORKERS and `units`; 1 means run in this process."""
+    from oscar.common import cgroup_cpu_quota
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    n = int(min(float(cpus), quota)) if quota else cpus
+    env = os.environ.get("OSCAR_WORKERS")
+    if env:
+        n = int(env)
+    return max(1, min(n, MAX_WORKERS, units))
+
+
+_STATE: dict = {}  # inside a worker: what its init function returned
+
+
+def _main(conn, model_path: str, threads: int, init, init_arg) -> None:
+    import signal
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops feeding units and closes us
+
+    torch.set_num_threads(threads)
+    try:
+        model = torch.load(model_path, weights_only=False)
+        _STATE.clear()
+        _STATE.update(init(model, init_arg) if init else {"model": model})
+        conn.send(("ready", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        i, fn, arg = msg
+        try:
+            conn.send(("ok", (i, fn(_STATE, arg))))
+        except BaseException:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+
+
+class Workers:
+    """`n` worker processes holding `model`; `init(model, init_arg)` (a module-level function) builds
+    each worker's state dict, passed to every unit function. Use as a context manager."""
+
+    def __init__(self, n: int, model, init=None, init_arg=None, threads: int = 1):
+        import torch
+        import torch.multiprocessing as tmp
+
+        if n < 1:
+            raise OscarError(f"workers must be >= 1, got {n}")
+        ctx = tmp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="oscar-workers-")
+        path = os.path.join(self._dir.name, "model.pt")
+        torch.save(model, path)
+        self.conns, self.procs, self.ready = [], [], False
+        try:
+            for _ in range(n):
+                a, b = ctx.Pipe()
+                p = ctx.Process(target=_main, args=(b, path, threads, init, init_arg), daemon=True)
+                p.start()
+                b.close()
+                self.conns.append(a)
+                self.procs.append(p)
+        except BaseException:
+            self.close()
+            raise
+
+    def _recv(self, conn):
+        try:
+            kind, val = conn.recv()
+        except EOFError:
+            raise OscarError("a validation worker process died (killed, or out of memory)") from None
+        if kind == "error":
+            raise OscarError(f"validation worker failed:\n{val}")
+        return val
+
+    def map(self, fn, args: list, static: bool = False):
+        """Yield (i, fn(state, args[i])) as units finish; unit i goes to worker i % n when `static`."""
+        if not self.ready:  # workers load while the caller prepares the units
+            for c in self.conns:
+                self._recv(c)  # "ready", or the worker's error
+            self.ready = True
+        n = len(self.conns)
+        queues = [list(range(w, len(args), n)) for w in range(n)] if static else None
+        shared = list(range(len(args)))[::-1]
+        busy: dict = {}
+
+        def feed(w: int) -> None:
+            q = queues[w] if static else shared
+            if q:
+                i = q.pop(0) if static else q.pop()
+                self.conns[w].send((i, fn, args[i]))
+                busy[self.conns[w]] = w
+
+        for w in range(n):
+            feed(w)
+        while busy:
+            for c in wait(list(busy)):
+                w = busy.pop(c)
+                i, res = self._recv(c)
+                feed(w)
+                yield i, res
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        self.conns, self.procs = [], []
+        self._dir.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
