@@ -334,3 +334,27 @@ def test_attention_stream_through_the_paged_cache(tiny, quant):
     assert torch.allclose(Kc[:, full:], Ks[:, full:], atol=1e-5) and torch.allclose(Vc[:, full:], Vs[:, full:], atol=1e-5)
     assert torch.allclose(Kq[:, full:], Ks[:, full:], atol=1e-5)
     assert not torch.allclose(Kc[:, :full], Ks[:, :full], atol=1e-2)  # really quantized
+
+
+def test_cli_ppl_and_niah_through_the_cache_engine(tmp_path, capsys):
+    """`oscar validate ppl|niah --engine cache` end to end on tiny-llama: results written, the engine in their
+    identity (a simulate run into the same DIR is refused), strict-token refused by name."""
+    import json
+
+    from oscar.__main__ import main
+
+    p = str(tmp_path / "p")
+    base = ["validate", "ppl", "--model", "tiny-llama", "--methods", "bf16,naive-int2", "--lengths", "256",
+            "--tokens", "512", "--dtype", "float32", "--out", p, "--no-progress"]
+    assert main(base + ["--protocol", "serving,strict", "--engine", "cache"]) == 0
+    assert json.load(open(f"{p}/ppl_config.json"))["identity"]["engine"] == "cache"
+    assert main(base + ["--protocol", "serving"]) != 0  # simulate results never mixed into a cache run's DIR
+    assert "another model/artifact" in capsys.readouterr().err
+    assert main(base[:-3] + ["--out", str(tmp_path / "p2"), "--protocol", "strict-token", "--engine", "cache"]) != 0
+    assert "strict-token" in capsys.readouterr().err
+    n = str(tmp_path / "n")
+    assert main(["validate", "niah", "--model", "tiny-llama", "--methods", "bf16,naive-int2", "--lengths", "1k",
+                 "--samples", "1", "--tasks", "niah_single_1", "--engine", "cache", "--out", n, "--no-progress"]) == 0
+    rows = [json.loads(x) for x in open(f"{n}/niah_samples.jsonl")]
+    assert {r["method"] for r in rows} == {"bf16", "naive-int2"}
+    assert json.load(open(f"{n}/niah_config.json"))["identity"]["engine"] == "cache"
