@@ -40,6 +40,11 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                    help="model compute dtype for NIAH and perplexity (default bfloat16: serving precision, fast on "
                         "CPUs with bf16 units; float32: steadier digits, ~1.7x slower)")
+    from oscar.validate.engine import DEFAULT_DEVICE, DEFAULT_ENGINE, DEVICE_HELP, ENGINE_HELP, ENGINES
+
+    r.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
+    r.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES,
+                   help=ENGINE_HELP + "; for the tune, needle, perplexity and attention stages")
     r.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's); "
                    "stage lines are still printed")
     r.set_defaults(func=_run)
@@ -52,7 +57,7 @@ def _run(args) -> int:
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
                        methods=parse_methods(args.methods),
                        variant=args.variant, tune=not args.no_tune, niah_protocol=args.niah_protocol, dtype=args.dtype,
-                       progress=not args.no_progress))
+                       engine=args.engine, device=args.device, progress=not args.no_progress))
     return 0
 
 

@@ -67,6 +67,10 @@ class RunConfig:
     # means in serving, and the CPU's bf16 matrix units make the run fit 15 min) or float32
     # (digit-for-digit comparable with `oscar validate` defaults). Calibration is float32 either way.
     dtype: str = "bfloat16"
+    # validate/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions.md
+    # "Engines") or cache (OscarCache + the kernel dispatcher) for tune, NIAH, perplexity, attention; device: cpu, cuda[:N]
+    engine: str = "simulate"
+    device: str = "cpu"
     # The calibration on Ray: ClusterConfig options (cluster/pipeline.py, e.g. {"stages": 2, "gpus_per_stage": 1};
     # default one stage with every CPU of this machine) and further CalibConfig options (device, dtype,
     # block_tokens, batch_size, ...; model, corpus, store, seq_len and tokens are the run's own). Set by a
@@ -206,7 +210,7 @@ def _stage_tune(job: _Job) -> None:
     cfg = job.cfg
     tcfg = TuneConfig(corpus=cfg.corpus)
     fp_t = fingerprint({"fit": file_fingerprint(job.fit_path), "tune": asdict(tcfg) if cfg.tune else None,
-                        "protocols": PROTOCOL_VERSION})
+                        "protocols": PROTOCOL_VERSION, **({"engine": cfg.engine} if cfg.engine != "simulate" else {})})
 
     def do_tune() -> dict | None:
         from oscar.reports.calibration import calibration_section
@@ -215,7 +219,7 @@ def _stage_tune(job: _Job) -> None:
         art, rec = load_artifact(job.fit_path), None
         if cfg.tune:
             m, tok, _ = job.model()
-            art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress)
+            art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress, engine=cfg.engine, device=cfg.device)
             _say(f"tune: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> "
                  f"{rec['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
@@ -236,21 +240,23 @@ def _stage_validate(job: _Job) -> None:
     cfg, d, art_path = job.cfg, job.dir, job.art_path
     art_fp = file_fingerprint(art_path)
 
-    def fp(c) -> str:
-        return fingerprint({"art": art_fp, "cfg": asdict(c), "protocols": PROTOCOL_VERSION})
+    def fp(c) -> str:  # the device is execution only; the default engine is left out (older markers stay valid)
+        d = {k: v for k, v in asdict(c).items() if k != "device" and not (k == "engine" and v == "simulate")}
+        return fingerprint({"art": art_fp, "cfg": d, "protocols": PROTOCOL_VERSION})
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
-                      protocol=cfg.niah_protocol, dtype=cfg.dtype)
+                      protocol=cfg.niah_protocol, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
     job.st.run("niah", "validate niah", fp(ncfg), [os.path.join(d, "results.parquet")],
                lambda: run_niah(ncfg, loaded=job.model(), progress=cfg.progress))
 
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
-                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype)
+                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
     job.st.run("ppl", "validate ppl", fp(pcfg), [os.path.join(d, "ppl.parquet")],
                lambda: run_ppl(pcfg, loaded=job.model(), progress=cfg.progress))
 
-    acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype)
+    acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype,
+                      engine=cfg.engine, device=cfg.device)
     job.st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp(acfg),
                [os.path.join(d, "attention.parquet")],
                lambda: run_attention(acfg, progress=cfg.progress, loaded=job.model()))
@@ -262,7 +268,9 @@ def _stage_report(job: _Job, seconds: float) -> dict:
 
     cfg, d, st = job.cfg, job.dir, job.st
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
-                + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune"),
+                + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
+                + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
+                + ("" if cfg.device == "cpu" else f" --device {cfg.device}"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": seconds}
     with open(os.path.join(d, "run.json"), "w") as f:
@@ -274,6 +282,10 @@ def _stage_report(job: _Job, seconds: float) -> dict:
 
 def run_main(cfg: RunConfig) -> dict:
     """Run (or resume) the main job in cfg.out; returns what DIR/run.json records."""
+    from oscar.validate.engine import check_engine, resolve_device
+
+    check_engine(cfg.engine)
+    resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
     t_all = time.time()
     os.makedirs(cfg.out, exist_ok=True)
     job = _Job(cfg, Stages(cfg.out))

@@ -149,6 +149,7 @@ def test_shipped_validation_job(tmp_path):
     c = jobs.normalize_job_config(yaml.safe_load(open(os.path.join(HERE, "cluster", "job-validate.yaml"))))
     rc = check_run_section(c["run"])
     assert max(rc.lengths) == 131072 and rc.calibrate["device"] == "cuda" and c["cluster"]["gpus_per_stage"] >= 1
+    assert rc.device == "cuda" and rc.engine == "cache"  # validated on the GPU through the shipped cache
     kw = jobs.submission(c, "s", 1)
     assert kw["entrypoint_num_gpus"] >= 1 and kw["entrypoint"] == "python -m oscar.run"
     doc = open(os.path.join(HERE, "docs", "validation.md")).read()

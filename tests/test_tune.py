@@ -95,3 +95,28 @@ def test_bad_input_is_refused(smollm2):
                                           head_dim=16, hidden_size=64), QuantConfig(bits=2))
     with pytest.raises(OscarError, match="does not match the model"):
         tune_key_clip(model, tok, other, TuneConfig(tokens=256), progress=False)
+
+
+@pytest.mark.slow
+def test_tune_through_the_cache_engine(smollm2):
+    """`oscar validate tune --engine cache`: each factor's NLL is the window read through OscarCache (strict =
+    recent 0, one token stricter than the simulator's strict: close, not equal); bad engine/device refused."""
+    from oscar.validate import engine
+
+    model, tok, _ = smollm2
+    art = _artifact(model.config)
+    cfg = TuneConfig(factors=(1.0, 1.3), tokens=256)
+    _, rec = tune_key_clip(model, tok, art, cfg, progress=False, engine="cache")
+    _, sim = tune_key_clip(model, tok, art, cfg, progress=False)
+    assert rec["engine"] == "cache" and "engine" not in sim and rec["chosen_factor"] in (1.0, 1.3)
+    ids = torch.tensor([calibration_ids(tok, "pydoc", 256)])
+    s, n = engine.window_nll(model, "oscar-int2", scale_key_clips(art, 1.3), PROTOCOLS["strict"], ids)
+    assert abs(rec["nll_per_token"]["1.3"] - s / n) < 1e-5
+    for f in ("1.0", "1.3"):
+        assert rec["nll_per_token"][f] != sim["nll_per_token"][f]
+        assert abs(rec["nll_per_token"][f] - sim["nll_per_token"][f]) / sim["nll_per_token"][f] < 0.05
+    with pytest.raises(OscarError, match="unknown engine"):
+        tune_key_clip(model, tok, art, cfg, progress=False, engine="x")
+    if not torch.cuda.is_available():
+        with pytest.raises(OscarError, match="CUDA is not available"):
+            tune_key_clip(model, tok, art, cfg, progress=False, device="cuda")

@@ -69,6 +69,8 @@ class AttnConfig:
     corpus: str = "pydoc"  # whose held-out split comes first (then standard-library docstrings)
     dtype: str = "float32"  # model compute dtype of the capture
     seed: int = 0
+    engine: str = "simulate"  # INT2 reading: simulate (LayerQuant) or cache (the paged cache: validate/engine.py)
+    device: str = "cpu"  # where the capture runs (cpu, cuda, cuda:N)
 
 
 def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> dict:
@@ -215,7 +217,11 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     from oscar.validate.heldout import check_disjoint, heldout_sequences
     from oscar.validate.methods import LayerQuant, NEEDS_ARTIFACT, parse_methods, resolve_methods
 
+    from oscar.validate import engine
+
     t0 = time.perf_counter()
+    engine.check_engine(cfg.engine)
+    dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
     if cfg.artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
         raise OscarError("oscar-int2 needs --artifact")
@@ -251,6 +257,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     if ctx and cfg.seq_len > ctx:
         raise OscarError(f"seq_len {cfg.seq_len} exceeds the model's context ({ctx}): capture sequences at real positions")
     with_dtype(model, cfg.dtype)
+    engine.to_device(model, dev)
     Hq = int(model.config.num_attention_heads)
     Gq = Hq // Hkv
 
@@ -267,6 +274,10 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     methods = [m for m in methods if m not in skipped]
     if not methods:
         raise OscarError(f"no method can serve this model: {skipped}")
+    if cfg.engine == "cache":  # refuse what the cache format cannot hold before the capture
+        from oscar.validate.methods import Protocol
+
+        engine.check_methods({m: arts[m] for m in methods}, [Protocol("attention", sink=0, recent=0)])
     align = math.lcm(*[LayerQuant(arts[m], 0, pages=False).key_group for m in methods])
 
     # 1. held-out sequences, checked against every calibration token of the store
@@ -307,7 +318,10 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
         for m in methods:
             bar.set_postfix_str(f"layer {l} {m}")
             lq = LayerQuant(arts[m], l, pages=False)  # every non-sink key INT2 (whole groups for per-channel keys)
-            Kq, Vq = quantize_stream(lq, Ks, Vs)
+            if cfg.engine == "cache":  # the paged cache's own pages (dispatcher quantizer), read back
+                Kq, Vq = engine.cache_stream(m, arts[m], l, Ks, Vs, getattr(torch, cfg.dtype))
+            else:
+                Kq, Vq = quantize_stream(lq, Ks, Vs)
             for N, aa in wins.items():
                 n = N - cfg.sink
                 for w, a in enumerate(aa):

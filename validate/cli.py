@@ -27,6 +27,15 @@ _DTYPE_HELP = ("model compute dtype: bfloat16 (default, as `oscar run`: the serv
 _PROGRESS_HELP = "no progress bars (ours and transformers')"
 
 
+def _exec_args(parser, engine: bool = True) -> None:
+    """--device (and --engine): where and through what the model runs (validate/engine.py)."""
+    from oscar.validate.engine import DEFAULT_DEVICE, DEFAULT_ENGINE, DEVICE_HELP, ENGINE_HELP, ENGINES
+
+    parser.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
+    if engine:
+        parser.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("validate", help="RULER-style needle tests, perplexity, attention-level retrieval",
                        description="Model-level checks of an artifact against BF16 and the baseline INT2 schemes; "
@@ -52,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--corpus", default="pydoc", help="haystack corpus: pydoc, or a .parquet / .jsonl / .txt file")
     n.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help=_DTYPE_HELP)
     n.add_argument("--out", required=True, help="output directory (resumes what it already holds)")
+    _exec_args(n)
     n.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     n.set_defaults(func=_niah)
 
@@ -70,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus", default="pydoc", help="held-out corpus: pydoc, or a .parquet / .jsonl / .txt file")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help=_DTYPE_HELP)
     p.add_argument("--out", required=True, help="output directory (resumes what it already holds)")
+    _exec_args(p)
     p.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     p.set_defaults(func=_ppl)
 
@@ -85,6 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--protocol", default="strict", choices=["strict", "serving"], help="cache protocol the NLL is scored under")
     t.add_argument("--corpus", default="pydoc", help="corpus whose calibration split is scored")
     t.add_argument("--out", required=True, help="tuned artifact (.safetensors)")
+    _exec_args(t)
     t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     t.set_defaults(func=_tune)
 
@@ -110,6 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model compute dtype of the capture")
     a.add_argument("--seed", type=int, default=0, help="seed of the context offsets")
     a.add_argument("--out", required=True, help="output directory (attention.parquet, attention.json)")
+    _exec_args(a)
     a.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     a.set_defaults(func=_attention)
 
@@ -121,7 +134,7 @@ def _niah(args) -> int:
     tasks = list(TASKS) if args.tasks == "all" else _csv(args.tasks)
     cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods), tasks=tasks,
                      lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed, protocol=args.protocol,
-                     corpus=args.corpus, dtype=args.dtype)
+                     corpus=args.corpus, dtype=args.dtype, engine=args.engine, device=args.device)
     df = run_niah(cfg, progress=not args.no_progress)
     print(df.pivot_table(index=["task", "method"], columns="length", values="score").round(1).to_string())
     return 0
@@ -132,7 +145,7 @@ def _ppl(args) -> int:
 
     cfg = PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
                     contexts=_lengths(args.contexts), protocols=_csv(args.protocols), tokens=args.tokens, corpus=args.corpus,
-                    dtype=args.dtype)
+                    dtype=args.dtype, engine=args.engine, device=args.device)
     df = run_ppl(cfg, progress=not args.no_progress)
     print(df.round(3).to_string(index=False))
     return 0
@@ -140,14 +153,18 @@ def _ppl(args) -> int:
 
 def _tune(args) -> int:
     from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.validate.engine import check_engine, resolve_device
     from oscar.validate.env import load_model
     from oscar.validate.tune import TuneConfig, tune_key_clip
 
     cfg = TuneConfig(factors=tuple(float(x) for x in _csv(args.factors)), tokens=args.tokens, protocol=args.protocol,
                      corpus=args.corpus)
+    check_engine(args.engine)
+    resolve_device(args.device)  # before loading weights
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
-    tuned, rec = tune_key_clip(model, tok, art, cfg, progress=not args.no_progress)
+    tuned, rec = tune_key_clip(model, tok, art, cfg, progress=not args.no_progress, engine=args.engine,
+                               device=args.device)
     save_artifact(tuned, args.out)
     for f, v in rec["nll_per_token"].items():
         print(f"factor {f}: NLL/token {v:.5f}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
@@ -160,7 +177,8 @@ def _attention(args) -> int:
 
     cfg = AttnConfig(out=args.out, store=args.store, artifact=args.artifact, methods=_csv(args.methods),
                      lengths=_lengths(args.lengths), windows=args.windows, seed=args.seed, seq_len=args.seq_len,
-                     sink=args.sink, corpus=args.corpus, dtype=args.dtype, layers=[int(x) for x in _csv(args.layers)])
+                     sink=args.sink, corpus=args.corpus, dtype=args.dtype, layers=[int(x) for x in _csv(args.layers)],
+                     engine=args.engine, device=args.device)
     df = run_attention(cfg, progress=not args.no_progress)
     print(df.round(4).to_string(index=False))
     return 0

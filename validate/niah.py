@@ -52,6 +52,8 @@ class NiahConfig:
     # their methods as rows of one `RowBatchCache` (4 at 1k, 2 at 2k, 1 at 4k: ~1.4 GB of float32 K/V).
     # Results do not depend on it beyond float summation order, so it is not part of the identity.
     batch_tokens: int = 4096
+    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
 
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
@@ -62,6 +64,8 @@ class NiahConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
+        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+            ident["engine"] = self.engine
         return ident
 
 
@@ -242,7 +246,7 @@ class PrefillPool:
             for l, layer in enumerate(best.layers):
                 cache.update(layer.keys[..., :n, :], layer.values[..., :n, :], l)
         with load_aware_threads():  # two threads on a busy 2-core machine stall in OpenMP barriers
-            self.model(input_ids=torch.tensor([ids[n:]]), cache=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache, use_cache=True, logits_to_keep=1)
         self.reused += n
         self.computed += len(ids) - n
         self.entries = (self.entries + [(list(ids), cache)])[-self.keep:]
@@ -334,11 +338,13 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate import env
+    from oscar.validate import engine, env
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
     from oscar.validate.heldout import more_heldout_words
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
+    engine.check_engine(cfg.engine)
+    dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
     for t in cfg.tasks:
         if t not in TASKS:
@@ -350,11 +356,14 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     if cfg.batch_tokens < 1:
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
+    engine.to_device(model, dev)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     protocol = PROTOCOLS[cfg.protocol]
+    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
+        engine.check_methods({m: arts[m] for m in methods}, [protocol])
     src = Sources.from_text(env.heldout_text(cfg.corpus), more=more_heldout_words(cfg.corpus))
     eos = eos_ids(model, tok)
 
@@ -367,12 +376,15 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
 
     batches = list(_batches(cells, methods, done, cfg.batch_tokens))
     n = workers or default_workers(len(batches))
-    if next(model.parameters()).device.type != "cpu":
-        n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream
+    if next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
+        n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
     with open(path, "a") as f, (Workers(n, model, _niah_init, (arts, cfg.protocol, eos)) if n > 1 else _Inline()) as W:
         units = [[make_sample(t, L, i, tok, src, seed=cfg.seed) for t, L, i, _ in batch] for batch in batches]
         if n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
+        elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (validate/engine.py)
+            results = ((k, engine.niah_answers(model, s, [[arts[m] for m in b[3]] for b in batch], [b[3] for b in batch],
+                                               protocol, eos)) for k, (s, batch) in enumerate(zip(units, batches)))
         else:
             pool = PrefillPool(model)
             results = ((k, _decode_timed(model, s, [[arts[m] for m in b[3]] for b in batch], protocol, pool, eos))

@@ -57,6 +57,8 @@ class PplConfig:
     tokens: int = 8192  # held-out tokens scored per context
     corpus: str = "pydoc"
     dtype: str = "float32"  # model compute dtype (env.with_dtype)
+    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
 
     def identity(self) -> dict:
         art = file_fingerprint(self.artifact) if self.artifact else None
@@ -66,6 +68,8 @@ class PplConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
+        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+            ident["engine"] = self.engine
         return ident
 
 
@@ -352,8 +356,11 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
+    from oscar.validate import engine
     from oscar.validate.niah import _Inline, load_aware_threads, load_checked
 
+    engine.check_engine(cfg.engine)
+    dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
     bad = [p for p in cfg.protocols if p not in PROTOCOLS]
     if bad:
@@ -362,6 +369,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.contexts, cfg.dtype, loaded)
+    engine.to_device(model, dev)
     os.makedirs(cfg.out, exist_ok=True)
     cpath = os.path.join(cfg.out, "ppl_config.json")
     if os.path.exists(cpath) and json.load(open(cpath)).get("identity") != cfg.identity():
@@ -371,7 +379,9 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
-    ids = torch.tensor([heldout_ids(tok, cfg.corpus, cfg.tokens)])
+    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
+        engine.check_methods({m: arts[m] for m in methods}, [PROTOCOLS[p] for p in cfg.protocols])
+    ids = torch.tensor([heldout_ids(tok, cfg.corpus, cfg.tokens)], device=dev)
     path = os.path.join(cfg.out, "ppl_windows.jsonl")
     done: dict[tuple, dict] = {}
     if os.path.exists(path):
@@ -409,8 +419,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     from oscar.validate.workers import Workers, default_workers
 
     n = workers or default_workers(len(plan))
-    if next(model.parameters()).device.type != "cpu":
-        n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream
+    if next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
+        n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
     with open(path, "a") as f, (Workers(n, model, _ppl_init, (arts, ids)) if n > 1 else _Inline()) as W:
         if n > 1:
             results = W.map(_ppl_unit, [(job, cuts) for job, _, cuts in plan])
@@ -419,7 +429,11 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
                 for k, ((m, p, c, w), _, cuts) in enumerate(plan):
                     bar.set_postfix_str(f"{m} {p} {c}")
                     with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
-                        yield k, _window(model, arts[m], p, ids[:, w * c:(w + 1) * c], cuts)
+                        win = ids[:, w * c:(w + 1) * c]
+                        if cfg.engine == "cache" and arts[m] is not None:  # the product path (validate/engine.py)
+                            yield k, engine.window_nll(model, m, arts[m], PROTOCOLS[p], win, prefixes=cuts)
+                        else:
+                            yield k, _window(model, arts[m], p, win, cuts)
             results = inline()
         for k, res in results:
             (m, p, c, w), short, cuts = plan[k]

@@ -262,7 +262,9 @@ def _loop(model, cache: RowBatchCache, questions, budgets, eos) -> list[list[int
         cache.set_chunk([len(questions[cache.order[s]]) for s in range(len(src))])
     while cache.order:
         pos = torch.tensor(cache.lengths())[:, None] + torch.arange(ids.shape[1])  # (A, t): each row's positions
-        h = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).last_hidden_state  # (A, t, H)
+        dev = model.lm_head.weight.device
+        h = model.model(input_ids=ids.to(dev), position_ids=pos.to(dev), cache=cache,
+                        use_cache=True).last_hidden_state  # (A, t, H)
         cache.set_chunk(None)
         nxt = model.lm_head(h[torch.arange(h.shape[0]), last]).argmax(-1).tolist()  # (A,)
         stay = []

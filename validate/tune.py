@@ -59,19 +59,29 @@ def scale_key_clips(art, factor: float):
     return out
 
 
-def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool = True):
-    """Return (tuned artifact, record). The record lists the NLL per token of every factor."""
+def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool = True, engine: str = "simulate",
+                  device: str = "cpu"):
+    """Return (tuned artifact, record). The record lists the NLL per token of every factor.
+
+    engine: simulate (the masked fake-quant window) or cache (each factor's artifact served by OscarCache,
+    validate/engine.py); device: where the model runs (execution only)."""
+    from oscar.validate import engine as eng
     from oscar.validate.env import with_dtype
     from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
     from oscar.validate.ppl import simulated, window_nll
 
     cfg = cfg or TuneConfig()
+    eng.check_engine(engine)
+    dev = eng.resolve_device(device)
     if cfg.protocol not in PROTOCOLS:
         raise OscarError(f"tune: unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
     art.check_model(model.config)
+    if engine == "cache":
+        eng.check_methods({"oscar-int2": art}, [PROTOCOLS[cfg.protocol]])
     t0 = time.perf_counter()
     with_dtype(model, cfg.dtype)
-    ids = torch.tensor([calibration_ids(tok, cfg.corpus, cfg.tokens)])  # (1, T)
+    eng.to_device(model, dev)
+    ids = torch.tensor([calibration_ids(tok, cfg.corpus, cfg.tokens)], device=dev)  # (1, T)
     factors = sorted(set(cfg.factors))
     it = factors
     if progress:
@@ -80,12 +90,15 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
         it = tqdm(factors, desc="tune key clip", unit="factor")
     nll = {}
     for f in it:
-        with simulated(model, scale_key_clips(art, f), PROTOCOLS[cfg.protocol]):
-            s, n = window_nll(model, ids)
+        if engine == "cache":
+            s, n = eng.window_nll(model, "oscar-int2", scale_key_clips(art, f), PROTOCOLS[cfg.protocol], ids)
+        else:
+            with simulated(model, scale_key_clips(art, f), PROTOCOLS[cfg.protocol]):
+                s, n = window_nll(model, ids)
         nll[f] = s / n
     best = min(factors, key=lambda f: (nll[f], f))  # ties: the smaller change
     tuned = scale_key_clips(art, best)
-    record = {"config": asdict(cfg), "protocol_version": PROTOCOL_VERSION, "nll_per_token": {str(f): round(v, 6) for f, v in nll.items()},
+    record = {"config": asdict(cfg), **({"engine": engine} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": {str(f): round(v, 6) for f, v in nll.items()},
               "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
               "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
               "seconds": round(time.perf_counter() - t0, 2)}
