@@ -354,10 +354,12 @@ def _cost_section(done: dict | None) -> list[str]:
             for (t, L), (n, cpu, wall) in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
     tot = sum(c[1] for c in cells.values())
     return ["## Compute", "",
-            "CPU seconds of the needle runs (this process: prefill of each sample, shared by its methods, and the "
-            "decode of every method's row), as recorded per batch in niah_samples.jsonl; wall time depends on what "
-            f"else ran on the host. Total {tot / 60:.1f} CPU min.", "",
-            md_table(["task", "length", "samples", "CPU s / sample", "CPU min", "wall min"], rows), ""]
+            "CPU seconds of the needle runs (the process that decoded each batch: prefill of each sample, shared by "
+            "its methods, and the decode of every method's row), as recorded per batch in niah_samples.jsonl. "
+            "Batch wall minutes are summed over batches, so with several worker processes they add up to more than "
+            "the stage's wall time (run.json has that); they also depend on what else ran on the host. "
+            f"Total {tot / 60:.1f} CPU min.", "",
+            md_table(["task", "length", "samples", "CPU s / sample", "CPU min", "batch wall min (summed)"], rows), ""]
 
 
 def _steps_section(info: dict) -> list[str]:
@@ -720,6 +722,9 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         md += ["Every check: PASS when its 95 % interval clears the threshold in every cell, MISSED when one cell's "
                "interval (at 1 − 0.05/m over the m cells) lies beyond it, UNRESOLVED otherwise.", "",
                md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
+    if not goal and not checks:  # a needle-only run (no perplexity, no acceptance cells): say so, not an empty heading
+        md += ["No product-goal verdict: the goal is judged on perplexity, and this run has none "
+               "(`oscar validate ppl`); the needle tables below carry their own intervals.", ""]
     md += _skipped_section(d)
     md += _ruler_section(res, figdir, R.done)
     md += _cost_section(R.done)

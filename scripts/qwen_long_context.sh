@@ -74,5 +74,5 @@ info = {"command": "bash scripts/qwen_long_context.sh", "model": "qwen2.5-0.5b",
         "summary": f"{cpu / 60:.1f} CPU min in all (one thread); wall time is the host's load, not this job's cost."}
 json.dump(info, open(os.path.join(out, "run.json"), "w"), indent=1)
 EOF
-  $OSCAR report "$OUT" --title "Qwen2.5-0.5B: needles at 8k-32k on CPU" ;;
+  $OSCAR report "$OUT" --title "Qwen2.5-0.5B: long-context needles on CPU" ;;
 esac
