@@ -15,19 +15,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oscar.cluster.jobs import CONFIG_ENV, load_job_config, normalize_job_config
+    from oscar.cluster.jobs import driver_config
     from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray, format_report
     from oscar.common import OscarError
     from oscar.pipeline.calibrate import CalibConfig
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv:
-            cfg = load_job_config(argv[0])
-        elif os.environ.get(CONFIG_ENV):
-            cfg = normalize_job_config(json.loads(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
-        else:
-            raise OscarError(f"no job config: pass a file or set ${CONFIG_ENV}")
+        cfg = driver_config(argv)
         rep = calibrate_on_ray(CalibConfig(**cfg["calibrate"]), ClusterConfig(**cfg["cluster"]),
                                address=os.environ.get("RAY_ADDRESS") or "auto", progress=True)
     except OscarError as e:

@@ -60,6 +60,16 @@ def load_job_config(path: str) -> dict:
 JOB_KEYS = {"python", "runtime_env", "num_gpus", "num_cpus", "resources"}
 
 
+def driver_config(argv: list[str]) -> dict:
+    """The job config a Ray job's driver runs: the file named by its argument, else $OSCAR_JOB_CONFIG (which
+    `oscar submit` sets), normalized like a submission's."""
+    if argv:
+        return load_job_config(argv[0])
+    if os.environ.get(CONFIG_ENV):
+        return normalize_job_config(json.loads(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
+    raise OscarError(f"no job config: pass a file or set ${CONFIG_ENV}")
+
+
 def normalize_job_config(cfg, where: str = "job config") -> dict:
     """The config with paths made absolute and every section checked here, not on the cluster:
     {"calibrate": ..., "cluster": ..., "job": ...} or {"run": ..., "cluster": ..., "job": ...}."""

@@ -329,16 +329,11 @@ def job_main(argv: list[str] | None = None) -> int:
     by `oscar submit`, or a file). The whole run of one model in this driver (on the GPU the submission asked
     for): calibration on the job's Ray cluster with its `cluster:` section, then fit, tune, validation and report
     into run.out. Re-running skips finished stages and scores only the samples and windows `out` lacks."""
-    from oscar.cluster.jobs import CONFIG_ENV, load_job_config, normalize_job_config
+    from oscar.cluster.jobs import driver_config
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv:
-            cfg = load_job_config(argv[0])
-        elif os.environ.get(CONFIG_ENV):
-            cfg = normalize_job_config(json.loads(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}")
-        else:
-            raise OscarError(f"no job config: pass a file or set ${CONFIG_ENV}")
+        cfg = driver_config(argv)
         if "run" not in cfg:
             raise OscarError("not a run config (no `run:` section); a calibration runs python -m oscar.cluster.entrypoint")
         rc = check_run_section(cfg["run"])
