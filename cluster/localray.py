@@ -13,6 +13,7 @@ the rest of the cluster sees when a worker machine dies.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -92,6 +93,20 @@ class LocalHead:
     @property
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @contextlib.contextmanager
+    def session(self):
+        """This process pointed at this head (before `import ray`), the head started, and on exit stopped and
+        the environment restored: how a test or a one-off driver holds a private local cluster."""
+        saved = dict(os.environ)
+        self.use()
+        try:
+            self.start()
+            yield self
+        finally:
+            self.stop()
+            os.environ.clear()
+            os.environ.update(saved)
 
     def start(self, timeout: float = 180.0) -> "LocalHead":
         p, wmin = free_ports(7, 200, taken=[self.port, self.dashboard_port])

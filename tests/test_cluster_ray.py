@@ -29,20 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def head():
-    saved = dict(os.environ)
-    h = LocalHead(num_cpus=8, object_store_mb=256)
-    h.use()  # loopback-only, private token: before `import ray`
-    h.start()
-    import ray
+    with LocalHead(num_cpus=8, object_store_mb=256).session() as h:  # loopback-only, private token
+        import ray
 
-    ray.init(address=h.address, log_to_driver=False)
-    try:
-        yield h
-    finally:
-        ray.shutdown()
-        h.stop()
-        os.environ.clear()
-        os.environ.update(saved)
+        ray.init(address=h.address, log_to_driver=False)
+        try:
+            yield h
+        finally:
+            ray.shutdown()
 
 
 def run(o, **cc):

@@ -28,16 +28,8 @@ TOTAL = len(TASKS) * len(LENGTHS) * SAMPLES * len(METHODS)  # needle rows of the
 
 @pytest.fixture(scope="module")
 def head():
-    saved = dict(os.environ)
-    h = LocalHead(num_cpus=4, object_store_mb=256)
-    h.use()  # loopback-only, private token: before `import ray`
-    h.start()
-    try:
+    with LocalHead(num_cpus=4, object_store_mb=256).session() as h:  # loopback-only, private token
         yield h
-    finally:
-        h.stop()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def oscar(*args, timeout=600):
