@@ -312,13 +312,19 @@ def _niah_init(model, arg) -> dict:
     return {"model": model, "arts": arts, "protocol": PROTOCOLS[protocol], "eos": eos, "pool": PrefillPool(model)}
 
 
-def _decode_timed(model, samples, groups, protocol, pool, eos) -> tuple[list[list[int]], dict]:
-    """`decode_batch` and what it cost in the process that ran it (prefill + decode of all the batch's rows):
-    the per-sample figure long-context reports quote (reports/build.py, Compute). Not part of a sample's identity."""
+def _timed(decode, samples) -> tuple[list[list[int]], dict]:
+    """`decode()`'s generations and what they cost in the process that ran it (prefill + decode of all the
+    batch's rows): the per-sample figure long-context reports quote (reports/build.py, Compute). Not part of a
+    sample's identity."""
     c0, w0 = time.process_time(), time.perf_counter()
-    gens = decode_batch(model, samples, groups, protocol, pool, eos)
+    gens = decode()
     return gens, {"batch_samples": len(samples), "batch_cpu_s": round(time.process_time() - c0, 2),
                   "batch_wall_s": round(time.perf_counter() - w0, 2)}
+
+
+def _decode_timed(model, samples, groups, protocol, pool, eos) -> tuple[list[list[int]], dict]:
+    """`decode_batch` (the simulator), timed."""
+    return _timed(lambda: decode_batch(model, samples, groups, protocol, pool, eos), samples)
 
 
 def _niah_unit(st: dict, arg) -> tuple[list[list[int]], dict]:
@@ -383,8 +389,9 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         if n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
         elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (validate/engine.py)
-            results = ((k, engine.niah_answers(model, s, [[arts[m] for m in b[3]] for b in batch], [b[3] for b in batch],
-                                               protocol, eos)) for k, (s, batch) in enumerate(zip(units, batches)))
+            results = ((k, _timed(lambda s=s, batch=batch: engine.niah_answers(
+                               model, s, [[arts[m] for m in b[3]] for b in batch], [b[3] for b in batch], protocol, eos), s))
+                       for k, (s, batch) in enumerate(zip(units, batches)))
         else:
             pool = PrefillPool(model)
             results = ((k, _decode_timed(model, s, [[arts[m] for m in b[3]] for b in batch], protocol, pool, eos))
