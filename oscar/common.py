@@ -114,14 +114,19 @@ def default_threads(window_s: float = 0.3) -> int:
     return threads_decision(window_s)["threads"]
 
 
-def threads_decision(window_s: float = 0.3) -> dict:
-    """`default_threads` with its inputs (benches record them)."""
+def usable_cpus() -> tuple[int, float | None, float]:
+    """(CPUs this process may run on by affinity, the cgroup quota in CPUs or None, the smaller of the two)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     quota = cgroup_cpu_quota()
-    avail = min(float(cpus), quota) if quota else float(cpus)
+    return cpus, quota, (min(float(cpus), quota) if quota else float(cpus))
+
+
+def threads_decision(window_s: float = 0.3) -> dict:
+    """`default_threads` with its inputs (benches record them)."""
+    cpus, quota, avail = usable_cpus()
     busy = _cpu_busy(window_s)
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     other = busy if busy is not None else (load1 or 0.0)

@@ -5,8 +5,9 @@ over the float32 row cache, right-sized matmuls); torch's intra-op threads barel
 this 2-core host (`oscar run`'s needle stage gained 1.35x from batching where the one-thread CPU
 ratio promised 1.9x: the old loop's bf16 SDPA kernel was compute-bound and used both threads, the
 new loop's ops do not), and with another job on the cores OpenMP barriers stall. Two processes of
-one intra-op thread each use both cores on every op (docs/decisions.md, "Needle and perplexity
-units on worker processes").
+one intra-op thread each keep both cores busy on every op. Measured on the quiet host, that bought
+little (needles 579 s vs 613 s in one process, perplexity 277 s vs 255 s: docs/decisions.md, "Needle
+and perplexity units on worker processes"); results are unchanged either way.
 
 Each worker is a spawned process (no fork of a process that ran OpenMP threads or Ray) holding a
 copy of the parent's model (saved once to a temporary file: the same weights bit for bit, whatever
@@ -30,14 +31,9 @@ MAX_WORKERS = 4  # each holds a model copy and its batch's cache (~1.5 GB for Sm
 def default_workers(units: int) -> int:
     """Worker processes worth starting: the CPUs this process may use (affinity, cgroup quota), at most
     MAX_WORKERS and `units`; 1 means run in this process."""
-    from oscar.common import cgroup_cpu_quota
+    from oscar.common import usable_cpus
 
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    quota = cgroup_cpu_quota()
-    n = int(min(float(cpus), quota)) if quota else cpus
+    n = int(usable_cpus()[2])
     env = os.environ.get("OSCAR_WORKERS")
     if env:
         n = int(env)
