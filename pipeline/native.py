@@ -1,5 +1,5 @@
 """The capture's one-pass Gram + moments kernel (`_moments.c`), built with the system C compiler
-(`compile_library`, also used by kernels/cpu_attention.py).
+(`compile_library`, also used by pipeline/cpu_attention.py).
 
 Built on first use into a per-machine cache (`$OSCAR_CACHE`, default ~/.cache/oscar-kv) keyed by
 the source, the compiler and the CPU, then loaded with ctypes: no Python or torch headers, no

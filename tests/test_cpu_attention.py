@@ -1,4 +1,4 @@
-"""The native CPU attention (kernels/_flash_cpu.c) against a float64 softmax, and its use by the model.
+"""The native CPU attention (pipeline/_flash_cpu.c) against a float64 softmax, and its use by the model.
 
 Shapes sweep the kernel's paths: GQA ratios 1/3/7, head dims 32/64/128 and 48 (float32 only: the bf16
 kernel takes pairs of 16-lane channel blocks), query and key counts that are not multiples of the
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oscar.kernels import cpu_attention as CA
+from oscar.pipeline import cpu_attention as CA
 
 HAVE_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 needs_kernel = pytest.mark.skipif(not HAVE_CC or os.environ.get("OSCAR_NATIVE") == "0"
