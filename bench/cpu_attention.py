@@ -9,7 +9,7 @@ Sections (each path alternates with the other rep by rep, so the ratios see the 
            mean absolute difference).
 - niah:    the needle loop (`decode_batch` over a PrefillPool, serving protocol) on niah_single_2,
            1k x 4 + 4k x 2 samples, bf16 plus the data-free INT2 methods, with OSCAR_CPU_FLASH=0 vs 1:
-           CPU seconds, identical predictions and identical needle verdicts.
+           CPU seconds, identical predictions and identical needle verdicts; the same on 1k x 4 in float32.
 - ppl:     perplexity windows of 4096 tokens (bf16 plain, hadamard-int2 strict and serving): seconds and
            the NLL difference.
 
@@ -119,7 +119,7 @@ def prefill(model, reps: int) -> list[dict]:
     return rows
 
 
-def niah(model) -> dict:
+def niah(model, cells=((1024, 4), (4096, 2))) -> dict:
     from oscar.pipeline.models import load_tokenizer
     from oscar.validate import env
     from oscar.validate.methods import PROTOCOLS, method_artifact
@@ -131,7 +131,6 @@ def niah(model) -> dict:
     methods = ["bf16", "naive-int2", "kivi2", "hadamard-int2"]
     arts = [method_artifact(m, model.config, None) for m in methods]
     eos, proto = eos_ids(model, tok), PROTOCOLS["serving"]
-    cells = ((1024, 4), (4096, 2))
     res, answers = {}, []
     for p in ("sdpa", "native"):
         _flag(p == "native")
@@ -151,7 +150,7 @@ def niah(model) -> dict:
     same = sum(a == b for a, b in zip(res["sdpa"]["gens"], res["native"]["gens"]))
     score = {p: [all(x in tok.decode(g, skip_special_tokens=True) for x in a) for g, a in zip(res[p]["gens"], answers)]
              for p in res}
-    row = {"task": "niah_single_2", "cells": cells, "methods": methods, "rows": len(res["sdpa"]["gens"]),
+    row = {"task": "niah_single_2", "dtype": str(next(model.parameters()).dtype).split(".")[-1], "cells": cells, "methods": methods, "rows": len(res["sdpa"]["gens"]),
            "sdpa_cpu_s": res["sdpa"]["cpu_s"], "native_cpu_s": res["native"]["cpu_s"],
            "cpu_ratio": res["sdpa"]["cpu_s"] / res["native"]["cpu_s"], "identical_predictions": same,
            "same_score": sum(a == b for a, b in zip(score["sdpa"], score["native"])),
@@ -205,6 +204,10 @@ def main() -> None:
         res["prefill"] = prefill(model, a.reps)
     if "niah" in secs:
         res["niah"] = niah(model)
+        from oscar.pipeline.models import load_model
+
+        m32 = load_model("smollm2-135m", dtype=torch.float32)  # float32: the kernel equals SDPA to ~1e-6
+        res["niah_float32"] = niah(m32[0] if isinstance(m32, tuple) else m32, cells=((1024, 4),))
     if "ppl" in secs:
         res["ppl"] = ppl(model)
     res["loadavg_end"] = os.getloadavg()
