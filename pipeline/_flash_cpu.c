@@ -68,15 +68,56 @@ static inline float hmax(v16f v) { float m = v[0]; for (int i = 1; i < 16; i++) 
 static inline float hsum(v16f v) { float s = 0; for (int i = 0; i < 16; i++) s += v[i]; return s; }
 #endif
 
+/* One row's online-softmax step over a key block: scores sr (4 vectors = BK keys from k0) scaled and
+ * masked beyond key lim, the running max *m and sum *l updated, p = exp(s - max) returned in p; the
+ * factor that rescales the row's previous output is returned (0 for a padding row, live = 0). */
+static inline float softmax_step(v16f sr[4], float scale, int64_t k0, int64_t lim, float *m, float *l,
+                                 int live, v16f p[4]) {
+    for (int c = 0; c < 4; c++) {
+        v16f sc = sr[c] * bc(scale);
+        if (k0 + c * 16 + 15 > lim) {
+            v16i j = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
+            j += (int32_t)(k0 + c * 16);
+            v16i ok = j <= (int32_t)lim;
+            sc = (v16f)(((v16i)sc & ok) | ((v16i)bc(-INFINITY) & ~ok));
+        }
+        sr[c] = sc;
+    }
+    float mx = hmax(vmax(vmax(sr[0], sr[1]), vmax(sr[2], sr[3])));
+    float mo = *m, mn = mo > mx ? mo : mx;
+    float alpha = live ? expf(mo - mn) : 0.0f;  /* mo = -inf at the first block: 0 */
+    v16f sum = bc(0.0f);
+    for (int c = 0; c < 4; c++) { p[c] = vexp(sr[c] - bc(mn)); sum += p[c]; }
+    if (live) { *m = mn; *l = *l * alpha + hsum(sum); }
+    return alpha;
+}
+
+/* A query block's state: rows r0..r1 (returned in *r1) with max -inf, sum 0, output 0; returns the
+ * end of the keys its last row reads. */
+static inline int64_t rows_init(float *acc, float *m, float *l, int64_t r0, int64_t Tq, int64_t Tk, int D,
+                                int64_t off, int64_t *r1) {
+    *r1 = r0 + BQ < Tq ? r0 + BQ : Tq;
+    for (int64_t i = r0; i < *r1; i++) { m[i - r0] = -INFINITY; l[i - r0] = 0.0f; }
+    memset(acc, 0, sizeof(float) * BQ * D);
+    return *r1 + off < Tk ? *r1 + off : Tk;
+}
+
+/* Rows r0..r1 of a query block: out = acc / l, lse = max + log l. */
+static inline void rows_finish(const float *acc, const float *m, const float *l, float *out, float *lse,
+                               int64_t r0, int64_t r1, int D) {
+    for (int64_t i = r0; i < r1; i++) {
+        float inv = 1.0f / l[i - r0];
+        for (int d = 0; d < D; d++) out[i * D + d] = acc[(i - r0) * D + d] * inv;
+        lse[i] = m[i - r0] + logf(l[i - r0]);
+    }
+}
+
 /* q (H, Tq, D), kt (Hkv, D, Tkp) keys transposed and zero-padded to Tkp = ceil(Tk/BK)*BK, v (Hkv, Tkp, D),
  * out (H, Tq, D), lse (H, Tq). Query i reads keys j <= i + off (and j < Tk). */
 static inline __attribute__((always_inline)) void block(const float *q, const float *kt, const float *v, float *out, float *lse,
                   int64_t Tq, int64_t Tk, int64_t Tkp, int D, int64_t off, float scale, int64_t r0) {
     float acc[BQ * 256], m[BQ], l[BQ];
-    const int64_t r1 = r0 + BQ < Tq ? r0 + BQ : Tq;
-    for (int64_t i = r0; i < r1; i++) { m[i - r0] = -INFINITY; l[i - r0] = 0.0f; }
-    memset(acc, 0, sizeof(float) * BQ * D);
-    int64_t kend = r1 - 1 + off + 1; if (kend > Tk) kend = Tk;
+    int64_t r1, kend = rows_init(acc, m, l, r0, Tq, Tk, D, off, &r1);
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         for (int64_t i0 = r0; i0 < r1; i0 += RQ) {
             int nr = (int)(r1 - i0 < RQ ? r1 - i0 : RQ);
@@ -95,26 +136,9 @@ static inline __attribute__((always_inline)) void block(const float *q, const fl
             v16f p[RQ][4];
             float pb[RQ][BK];
             for (int r = 0; r < RQ; r++) {
-                int64_t lim = i0 + r + off;  /* last key this row reads */
-                if (lim > Tk - 1) lim = Tk - 1;
-                float mx = -INFINITY;
-                for (int c = 0; c < 4; c++) {
-                    v16f sc = s[r][c] * bc(scale);
-                    if (k0 + c * 16 + 15 > lim) {
-                        v16i j = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
-                        j += (int32_t)(k0 + c * 16);
-                        v16i ok = j <= (int32_t)lim;
-                        sc = (v16f)(((v16i)sc & ok) | ((v16i)bc(-INFINITY) & ~ok));
-                    }
-                    s[r][c] = sc;
-                }
-                mx = hmax(vmax(vmax(s[r][0], s[r][1]), vmax(s[r][2], s[r][3])));
-                float mo = m[i0 + r - r0];
-                float mn = mo > mx ? mo : mx;
-                alpha[r] = r < nr ? expf(mo - mn) : 0.0f;  /* mo = -inf at the first block: 0 */
-                v16f sum = bc(0.0f);
-                for (int c = 0; c < 4; c++) { p[r][c] = vexp(s[r][c] - bc(mn)); sum += p[r][c]; st(pb[r] + c * 16, p[r][c]); }
-                if (r < nr) { m[i0 + r - r0] = mn; l[i0 + r - r0] = l[i0 + r - r0] * alpha[r] + hsum(sum); }
+                int64_t lim = i0 + r + off < Tk - 1 ? i0 + r + off : Tk - 1;  /* last key this row reads */
+                alpha[r] = softmax_step(s[r], scale, k0, lim, &m[i0 + r - r0], &l[i0 + r - r0], r < nr, p[r]);
+                for (int c = 0; c < 4; c++) st(pb[r] + c * 16, p[r][c]);
             }
             for (int dc = 0; dc < D; dc += 64) {
                 int w = D - dc < 64 ? (D - dc) / 16 : 4;
@@ -134,11 +158,7 @@ static inline __attribute__((always_inline)) void block(const float *q, const fl
             }
         }
     }
-    for (int64_t i = r0; i < r1; i++) {
-        float inv = 1.0f / l[i - r0];
-        for (int d = 0; d < D; d++) out[i * D + d] = acc[(i - r0) * D + d] * inv;
-        lse[i] = m[i - r0] + logf(l[i - r0]);
-    }
+    rows_finish(acc, m, l, out, lse, r0, r1, D);
 }
 
 int oscar_flash_causal(const float *q, const float *kt, const float *v, float *out, float *lse,
@@ -166,10 +186,7 @@ static inline __attribute__((always_inline)) void block_bf16(
         const uint16_t *q, const uint16_t *kp, const uint16_t *vp, float *out, float *lse,
         int64_t Tq, int64_t Tk, int64_t Tkp, int D, int64_t off, float scale, int64_t r0) {
     float acc[BQ * 256], m[BQ], l[BQ];
-    const int64_t r1 = r0 + BQ < Tq ? r0 + BQ : Tq;
-    for (int64_t i = r0; i < r1; i++) { m[i - r0] = -INFINITY; l[i - r0] = 0.0f; }
-    memset(acc, 0, sizeof(float) * BQ * D);
-    int64_t kend = r1 - 1 + off + 1; if (kend > Tk) kend = Tk;
+    int64_t r1, kend = rows_init(acc, m, l, r0, Tq, Tk, D, off, &r1);
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
         for (int64_t i0 = r0; i0 < r1; i0 += RQ) {
             int nr = (int)(r1 - i0 < RQ ? r1 - i0 : RQ);
@@ -191,29 +208,11 @@ static inline __attribute__((always_inline)) void block_bf16(
             float alpha[RQ];
             uint16_t pb[RQ][BK] __attribute__((aligned(64)));
             for (int r = 0; r < RQ; r++) {
-                int64_t lim = i0 + r + off;
-                if (lim > Tk - 1) lim = Tk - 1;
-                v16f sr[4];
-                for (int c = 0; c < 4; c++) {
-                    v16f sc = (v16f)s[r][c] * bc(scale);
-                    if (k0 + c * 16 + 15 > lim) {
-                        v16i j = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
-                        j += (int32_t)(k0 + c * 16);
-                        v16i ok = j <= (int32_t)lim;
-                        sc = (v16f)(((v16i)sc & ok) | ((v16i)bc(-INFINITY) & ~ok));
-                    }
-                    sr[c] = sc;
-                }
-                float mx = hmax(vmax(vmax(sr[0], sr[1]), vmax(sr[2], sr[3])));
-                float mo = m[i0 + r - r0];
-                float mn = mo > mx ? mo : mx;
-                alpha[r] = r < nr ? expf(mo - mn) : 0.0f;
-                v16f sum = bc(0.0f);
-                for (int c = 0; c < 4; c++) {
-                    v16f p = vexp(sr[c] - bc(mn)); sum += p;
-                    _mm256_store_si256((__m256i *)(pb[r] + c * 16), (__m256i)_mm512_cvtneps_pbh((__m512)p));
-                }
-                if (r < nr) { m[i0 + r - r0] = mn; l[i0 + r - r0] = l[i0 + r - r0] * alpha[r] + hsum(sum); }
+                int64_t lim = i0 + r + off < Tk - 1 ? i0 + r + off : Tk - 1;
+                v16f sr[4] = {(v16f)s[r][0], (v16f)s[r][1], (v16f)s[r][2], (v16f)s[r][3]}, p[4];
+                alpha[r] = softmax_step(sr, scale, k0, lim, &m[i0 + r - r0], &l[i0 + r - r0], r < nr, p);
+                for (int c = 0; c < 4; c++)
+                    _mm256_store_si256((__m256i *)(pb[r] + c * 16), (__m256i)_mm512_cvtneps_pbh((__m512)p[c]));
             }
             for (int dc = 0; dc < D; dc += 64) {
                 int w = D - dc < 64 ? (D - dc) / 16 : 4;
@@ -233,11 +232,7 @@ static inline __attribute__((always_inline)) void block_bf16(
             }
         }
     }
-    for (int64_t i = r0; i < r1; i++) {
-        float inv = 1.0f / l[i - r0];
-        for (int d = 0; d < D; d++) out[i * D + d] = acc[(i - r0) * D + d] * inv;
-        lse[i] = m[i - r0] + logf(l[i - r0]);
-    }
+    rows_finish(acc, m, l, out, lse, r0, r1, D);
 }
 #endif
 
