@@ -22,8 +22,30 @@ sq-int2  SpectralQuant with uniform allocation: per KV head, the eigenbasis U of
          Lloyd–Max codes scaled by the calibrated std; no per-token metadata: exactly 2 bits/element.
          No clip search (same reason); centring both K and V is part of its format (means are constants).
 
+Issue 16's candidates keep oscar-int2's artifact (rotations, key mean, value clips) and change the key format:
+
+oscar-lm-int2     (hypothesis 1, "codebook") per-token fp16 norms of groups of LM_NORM_GROUP rotated
+         coordinates, and a 2-bit Lloyd–Max codebook per (layer, KV head, rotated channel) fitted by
+         empirical Lloyd iteration (`lloyd_fit`) on the store's calibration reservoir keys, centred,
+         rotated and normalised exactly as the cache would (never on validation text). Per-channel
+         codebooks because OSCAR's basis is not isotropic (the scaled variant stretches keys along the
+         query eigenvectors): one shared codebook would waste levels on the narrow channels; they are
+         layer constants, no per-token cost. Values: oscar-int2's format. Bits: 2 + 16/32 = 2.5 per
+         key element at groups of 32 (the budget filled, for an equal-bits A/B), values 2.5.
+oscar-sparse-int2 (hypothesis 3, "dense and sparse", KVQuant) oscar-int2's keys (per-token min/max,
+         fp16 scale+zero, searched clips) plus, per page of `page_size` tokens and KV head, the
+         SPARSE_OUT entries of largest |error| in the rotated space kept exact: an fp16 value and its
+         index in the page (log2(page_size * D) bits). Entries rather than tokens: the error sits in a
+         few clipped coordinates of a token, not in all D of them, and an entry costs 26 bits where a
+         token costs D*16. Fixed count per page (not a global threshold) so a page's size is static.
+         The trade that pays for it: values store scale+zero in 8-bit e4m3 (oscar.quant FP8_PARAM,
+         2.25 bits) instead of fp16 (2.5): the needle loss is in the keys. The count is the most
+         entries oscar-int2's own average (2.5 at head_dim 64, BUDGET_BITS) allows (`sparse_outliers`): 9 per 16 x 64 page (0.88 % of entries)
+         at SmolLM2/Qwen2.5's head_dim 64.
+
 Artifact layout: rot_k / rot_v / k_mean as usual; meta["codec"] names the format; SQ's per-head
-v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}).
+v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}); LM's levels to
+`extra` layers.{l}.levels_k (Hkv, D, 2**bits).
 """
 
 from __future__ import annotations
@@ -31,16 +53,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from oscar.common import OscarError
+from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, hadamard
+from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, f16, hadamard
 
-CODECS = ("tq", "sq")
+CODECS = ("tq", "sq", "lm", "sparse")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
+BUDGET_BITS = 2.5  # issue 16: bits per element of the INT2 history, K and V averaged, everything counted
+LM_BITS, LM_ITERS = 2, 200
+SPARSE_VALUE_BITS = 16  # an exact entry: its fp16 value ...
 
 
 # ----------------------------------------------------------------- the quantizers (torch references)
@@ -73,23 +102,125 @@ def sq_fake_quant(y: torch.Tensor, widths: torch.Tensor, std: torch.Tensor) -> t
     return out
 
 
+def lloyd_fit(x: torch.Tensor, bits: int, iters: int = LM_ITERS, tol: float = 1e-7) -> torch.Tensor:
+    """Empirical Lloyd–Max codebooks: x (C, N) samples of C independent scalars -> levels (C, 2**bits), ascending.
+
+    Starts from each row's (j + 1/2) / L quantiles (every level then holds samples: a Gaussian start,
+    `schemes.lloyd_max` scaled by the std, leaves skewed rows' outer levels empty and stuck), then
+    alternates nearest-level assignment (thresholds at midpoints) and centroid update until no level
+    moves by more than tol x the row's std (a level left without samples keeps its place)."""
+    x = x.double()
+    L = 1 << bits
+    sd = x.std(-1, keepdim=True).clamp_min(1e-12)
+    q = (torch.arange(L, dtype=x.dtype) + 0.5) / L
+    levels = torch.quantile(x, q, dim=-1).T.contiguous()  # (C, L)
+    for _ in range(iters):
+        codes = _nearest_codes(x, levels)  # (C, N)
+        cnt = torch.zeros_like(levels).scatter_add_(-1, codes, torch.ones_like(x))
+        tot = torch.zeros_like(levels).scatter_add_(-1, codes, x)
+        new = torch.where(cnt > 0, tot / cnt.clamp_min(1), levels)
+        done = bool(((new - levels).abs() <= tol * sd).all())
+        levels = new
+        if done:
+            break
+    return levels.sort(-1).values
+
+
+def _nearest_codes(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest of each row's ascending levels: u (C, N), levels (C, L) -> (C, N) int64
+    (a tie between two levels goes to the upper one)."""
+    thr = 0.5 * (levels[:, 1:] + levels[:, :-1])  # (C, L - 1)
+    return (u[:, :, None] >= thr[:, None, :]).sum(-1)
+
+
+def lm_normalise(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated rows y (..., D) -> (u, stored norms): each group of `group` coordinates divided by its
+    fp16-rounded norm / sqrt(group), so u has unit mean square per group; norms (..., D // group, 1)."""
+    yg = y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
+    n = f16(yg.norm(dim=-1, keepdim=True)).clamp_min(1e-12) / math.sqrt(group)  # the fp16 norm, as stored
+    return (yg / n).reshape(y.shape), n
+
+
+def lm_fake_quant(y: torch.Tensor, levels: torch.Tensor, group: int) -> torch.Tensor:
+    """oscar-lm-int2 keys: y (B, Hkv, T, D) rotated -> per-token fp16 norms of `group`-coordinate groups,
+    each normalised coordinate to the nearest level of its (head, channel) codebook levels (Hkv, D, L)."""
+    B, H, T, D = y.shape
+    u, n = lm_normalise(y.float(), group)
+    lv = levels.float().reshape(H * D, -1)
+    uc = u.permute(1, 3, 0, 2).reshape(H * D, B * T)  # one row per (head, channel)
+    codes = _nearest_codes(uc, lv)
+    uq = lv.gather(-1, codes).reshape(H, D, B, T).permute(2, 0, 3, 1)  # (B, H, T, D)
+    yq = uq.reshape(B, H, T, D // group, group) * n
+    return yq.reshape(B, H, T, D).to(y.dtype)
+
+
+def sparse_index_bits(page: int, D: int) -> int:
+    """Bits of an exact entry's index within its page of page x D entries."""
+    return max(1, math.ceil(math.log2(page * D)))
+
+
+def sparse_outliers(kspec: QuantSpec, vspec: QuantSpec, page: int, D: int, budget: float = BUDGET_BITS) -> int:
+    """The most exact key entries per page (and KV head) for which the K/V average stays <= budget."""
+    side = 2 * budget - kspec.bits_per_element(D) - vspec.bits_per_element(D)  # bits per key element left
+    n = int(math.floor(side * page * D / (SPARSE_VALUE_BITS + sparse_index_bits(page, D)) + 1e-9))
+    if n < 1:
+        raise OscarError(f"oscar-sparse-int2: no room for an exact entry at {budget} bits/element "
+                         f"(keys {kspec.bits_per_element(D)}, values {vspec.bits_per_element(D)})")
+    return n
+
+
+def sparse_fake_quant(y: torch.Tensor, spec: QuantSpec, clip, n_out: int, page: int) -> torch.Tensor:
+    """oscar-sparse-int2 keys: y (B, Hkv, T, D) rotated, T a multiple of `page` -> the dense INT2 reading
+    (`oscar.quant.fake_quant` under spec and clip) with, in each page of `page` tokens and each head, the
+    n_out entries of largest |y - ŷ| replaced by fp16(y) (ties: the lower index first)."""
+    B, H, T, D = y.shape
+    if T % page:
+        raise OscarError(f"oscar-sparse-int2 selects its exact entries per page of {page} tokens; got {T} tokens")
+    x = y.float()
+    xq = fake_quant(x, spec, clip)
+    P = T // page
+    err = (x - xq).abs().reshape(B, H, P, page * D)
+    idx = err.topk(n_out, dim=-1, sorted=False).indices  # (B, H, P, n_out)
+    out = xq.reshape(B, H, P, page * D).scatter(-1, idx, f16(x).reshape(B, H, P, page * D).gather(-1, idx))
+    return out.reshape(B, H, T, D).to(y.dtype)
+
+
 @dataclass
 class LayerCodec:
     """One layer's codebook format for keys or values, applied in the rotated space (B, Hkv, T, D)."""
 
-    kind: str
+    kind: str  # tq | sq | lm | sparse | uniform (oscar.quant's grid under `spec`)
     segments: list[tuple[int, int, int]] | None = None  # tq
     widths: torch.Tensor | None = None  # sq (Hkv, D) int64
     std: torch.Tensor | None = None  # sq (Hkv, D)
+    levels: torch.Tensor | None = None  # lm (Hkv, D, L)
+    group: int = 0  # lm: coordinates per fp16 norm
+    spec: QuantSpec | None = None  # sparse, uniform
+    clip: torch.Tensor | None = None  # sparse, uniform: (Hkv, 1, 1) ratio per head
+    n_out: int = 0  # sparse: exact entries per page and head
+    page: int = 0  # sparse: tokens per page (key chunks come in whole pages)
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         if self.kind == "tq":
             return tq_fake_quant(y, self.segments)
+        if self.kind == "lm":
+            return lm_fake_quant(y, self.levels, self.group)
+        if self.kind == "sparse":
+            return sparse_fake_quant(y, self.spec, self.clip, self.n_out, self.page)
+        if self.kind == "uniform":
+            return fake_quant(y, self.spec, self.clip)
         return sq_fake_quant(y, self.widths, self.std)
 
     def bits_per_element(self, D: int) -> float:
         if self.kind == "tq":
             return (sum((b - a) * bits for a, b, bits in self.segments) + 16 * len(self.segments)) / D
+        if self.kind == "lm":
+            return math.log2(self.levels.shape[-1]) + 16 / self.group
+        if self.kind == "sparse":
+            side = self.n_out * (SPARSE_VALUE_BITS + sparse_index_bits(self.page, D)) / (self.page * D)
+            return self.spec.bits_per_element(D) + side
+        if self.kind == "uniform":
+            return self.spec.bits_per_element(D)
         return float(self.widths.double().mean())
 
 
@@ -103,10 +234,37 @@ def layer_codecs(art: Artifact, layer: int) -> tuple[LayerCodec, LayerCodec, tor
     if c["kind"] == "tq":
         seg = [tuple(s) for s in c["segments"]]
         return LayerCodec("tq", segments=seg), LayerCodec("tq", segments=seg), None
+    if c["kind"] in ("lm", "sparse"):  # oscar-int2's artifact with another key format (issue 16)
+        D = art.head_dim
+        clip_k, clip_v = (_head_clip(t[layer], name) for t, name in ((art.clip_k, "clip_k"), (art.clip_v, "clip_v")))
+        vspec = _value_spec(art, c)
+        cv = LayerCodec("uniform", spec=vspec, clip=clip_v)
+        if c["kind"] == "lm":
+            return LayerCodec("lm", levels=art.extra[f"layers.{layer}.levels_k"].float(), group=int(c["norm_group"])), cv, None
+        return LayerCodec("sparse", spec=art.quant.key_spec(D), clip=clip_k, n_out=int(c["n_out"]),
+                          page=int(c["page"])), cv, None
     x = art.extra
     ck = LayerCodec("sq", widths=x[f"layers.{layer}.widths_k"].long(), std=x[f"layers.{layer}.std_k"].float())
     cv = LayerCodec("sq", widths=x[f"layers.{layer}.widths_v"].long(), std=x[f"layers.{layer}.std_v"].float())
     return ck, cv, x[f"layers.{layer}.v_mean"].float()[None, :, None, :]
+
+
+def _head_clip(c: torch.Tensor, name: str) -> torch.Tensor:
+    if c.dim() != 1:
+        raise OscarError(f"issue-16 key formats take per-head clip ratios; {name} has shape {tuple(c.shape)}")
+    return c.float().view(-1, 1, 1)
+
+
+def _value_spec(art: Artifact, codec: dict) -> QuantSpec:
+    vs = art.quant.value_spec(art.head_dim)
+    return replace(vs, param_dtype=FP8_PARAM) if codec.get("v_params") == "fp8" else vs
+
+
+def codec_key_group(art: Artifact, flush: int) -> int:
+    """Tokens a codebook format quantizes together: whole pages for oscar-sparse-int2 (its side list is
+    per page, whatever the protocol's flush), else `flush`."""
+    c = art.meta.get("codec") or {}
+    return int(c["page"]) if c.get("kind") == "sparse" else flush
 
 
 def codec_bits_per_element(art: Artifact) -> float | None:
@@ -116,7 +274,7 @@ def codec_bits_per_element(art: Artifact) -> float | None:
     D, tot = art.head_dim, 0.0
     for l in range(art.num_layers):
         ck, cv, _ = layer_codecs(art, l)
-        tot += 0.5 * (ck.bits_per_element(D) + cv.bits_per_element(D))
+        tot += 0.5 * (ck.bits_per_element(D) + cv.bits_per_element(D))  # every token's codes, norms, side lists
     return tot / art.num_layers
 
 
@@ -215,3 +373,69 @@ def sq_artifact(fitted: Artifact) -> Artifact:
                     meta={"variant": "sq-int2", "model": dict(view.model), "d_eff": d_effs,
                           "codec": {"kind": "sq", "alloc": "uniform", "bits": SQ_BITS, "tail_bits": SQ_TAIL_BITS, "gap": SQ_GAP},
                           "provenance": {"store": store, "store_fingerprint": view.fingerprint}})
+
+
+def _derived(fitted: Artifact, method: str, codec: dict, extra: dict) -> Artifact:
+    """`fitted` (oscar-int2: rotations, key mean, clips, pages) with another key format."""
+    prov = dict(fitted.meta.get("provenance") or {})
+    return replace(fitted, meta={**fitted.meta, "variant": method, "base_variant": fitted.meta.get("variant"),
+                                 "codec": codec, "provenance": prov}, extra={**fitted.extra, **extra})
+
+
+def calib_rotated_keys(fitted: Artifact, method: str) -> list[torch.Tensor]:
+    """Per layer, the store's calibration reservoir keys (H, N, D) as oscar-int2's cache sees them:
+    centred by the artifact's key mean, rotated by its rot_k (float32)."""
+    store = _store_of(fitted, method)
+    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    out = []
+    for l, ls in enumerate(layers):
+        k = ls.rows("k")
+        if k is None:
+            raise OscarError(f"method {method} fits its codebooks on the store's reservoir keys, but {store} has none")
+        k = torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32))
+        if fitted.k_mean is not None:
+            k = k - fitted.k_mean[l].float()[:, None, :]
+        out.append(k @ fitted.rot_k[l].float())
+    return out
+
+
+def oscar_bits(fitted: Artifact) -> float:
+    """oscar-int2's own bits per element (K and V averaged): the budget of the equal-bits A/B (2.5 at head_dim 64)."""
+    D = fitted.head_dim
+    return 0.5 * (fitted.quant.key_spec(D).bits_per_element(D) + fitted.quant.value_spec(D).bits_per_element(D))
+
+
+def lm_norm_group(fitted: Artifact, bits: int = LM_BITS) -> int:
+    """Coordinates per fp16 norm that spend oscar-int2's key bits: 16 / (key bits - code bits), rounded up to
+    a divisor of D (32 at head_dim 64: 2 + 16/32 = 2.5)."""
+    D = fitted.head_dim
+    room = fitted.quant.key_spec(D).bits_per_element(D) - bits
+    g = math.ceil(16 / room - 1e-9) if room > 0 else D
+    while D % g:
+        g += 1
+    return g
+
+
+def lm_artifact(fitted: Artifact, bits: int = LM_BITS, group: int | None = None) -> Artifact:
+    """oscar-lm-int2 from oscar-int2's artifact: codebooks fitted on the normalised rotated calibration keys."""
+    D = fitted.head_dim
+    group = group or lm_norm_group(fitted, bits)
+    extra = {}
+    for l, y in enumerate(calib_rotated_keys(fitted, "oscar-lm-int2")):
+        H = y.shape[0]
+        u, _ = lm_normalise(y, group)  # (H, N, D)
+        extra[f"layers.{l}.levels_k"] = lloyd_fit(u.permute(0, 2, 1).reshape(H * D, -1), bits).float().reshape(H, D, -1)
+    return _derived(fitted, "oscar-lm-int2", {"kind": "lm", "bits": bits, "norm_group": group, "fit": "lloyd, reservoir keys"}, extra)
+
+
+def sparse_artifact(fitted: Artifact) -> Artifact:
+    """oscar-sparse-int2 from oscar-int2's artifact: its keys + a per-page side list, values with fp8 scale/zero."""
+    D, page = fitted.head_dim, fitted.quant.page_size
+    kspec = fitted.quant.key_spec(D)
+    if kspec.axis != "token":
+        raise OscarError("oscar-sparse-int2 adds a side list to per-token key groups; the artifact groups keys per channel")
+    vspec = replace(fitted.quant.value_spec(D), param_dtype=FP8_PARAM)
+    budget = oscar_bits(fitted)  # equal bits: 2.5 = BUDGET_BITS at head_dim 64
+    n = sparse_outliers(kspec, vspec, page, D, budget)
+    return _derived(fitted, "oscar-sparse-int2", {"kind": "sparse", "n_out": n, "page": page, "v_params": "fp8", "budget": budget,
+                                                  "index_bits": sparse_index_bits(page, D), "value_bits": SPARSE_VALUE_BITS}, {})
