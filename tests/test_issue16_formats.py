@@ -190,3 +190,35 @@ def test_layerquant_runs_the_issue16_format(fitted, name):
     want_v = fake_quant(k @ art.rot_v[l], vspec, art.clip_v[l].view(-1, 1, 1)) @ art.rot_v[l].transpose(-1, -2)
     assert torch.allclose(lq.keys(k), want_k, atol=1e-5) and torch.allclose(lq.values(k), want_v, atol=1e-5)
     assert bits_per_element(art, D) <= cb.oscar_bits(fitted)  # equal bits to oscar-int2 (3.0 at this D = 32)
+
+
+# ----------------------------------------------------------------- the same quantizers in the synthetic ablation
+
+
+@pytest.mark.parametrize("path", ["oracle", "production"])
+def test_ablation_codecs_are_the_model_level_quantizers(path):
+    """LMCodec / SparseCodec (validate/ablation/schemes.py) = lm_fake_quant / sparse_fake_quant in their
+    rotated space, with bits counted from the stored fields at oscar_scaled's budget."""
+    from oscar.validate.ablation.schemes import Ctx, make_scheme
+
+    g = torch.Generator().manual_seed(6)
+    D = 32
+    x = {n: torch.randn(256, D, generator=g).double() * torch.linspace(0.3, 2, D).double() for n in "qkv"}
+    ctx = Ctx(path, 0)
+    x = {n: t.to(ctx.dtype) for n, t in x.items()}
+    te = torch.randn(64, D, generator=g).to(ctx.dtype) * 2
+    lm = make_scheme("oscar_lm", 2).fit(x, ctx)
+    base = make_scheme("oscar_scaled", 2).fit(x, Ctx(path, 0))
+    got, bits = lm.k.roundtrip(te)
+    y = (te - lm.k.mu) @ lm.k.R
+    want = cb.lm_fake_quant(y[None, None], lm.k.levels[None], lm.k.g)[0, 0] @ lm.k.Rinv + lm.k.mu
+    assert torch.allclose(got, want, atol=1e-5) and lm.k.g == D // 2
+    assert bits == base.k.roundtrip(te)[1] == 2 + 32 / D  # equal bits to oscar_scaled's keys
+    sp = make_scheme("oscar_sparse", 2).fit(x, ctx)
+    got, bk = sp.k.roundtrip(te)
+    y = (te - sp.k.mu) @ sp.k.R
+    want = cb.sparse_fake_quant(y[None, None], sp.k.spec, sp.k.c, sp.k.n_out, sp.k.page)[0, 0] @ sp.k.Rinv + sp.k.mu
+    assert torch.allclose(got, want, atol=1e-5)
+    bv = sp.v.roundtrip(te)[1]
+    assert bv == 2 + 16 / D and 0.5 * (bk + bv) <= 2 + 32 / D  # fp8 value params pay for the side list
+    assert bk == 2 + 32 / D + sp.k.n_out * (16 + cb.sparse_index_bits(16, D)) / (16 * D)

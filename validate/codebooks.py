@@ -2,7 +2,8 @@
 
 The synthetic ablation's TQ and SQ codecs (validate/ablation/schemes.py) as cache formats the model-level
 simulator (`validate.methods.LayerQuant`) runs like every other method. The quantizers are the
-same functions (`schemes.lloyd_max`, `codebook_quant`, `allocate`, `d_eff_gap`); what is added
+same functions (`schemes.lloyd_max`, `codebook_quant`, `allocate`, `d_eff_gap`; issue 16's `lloyd_fit`,
+`lm_fake_quant`, `sparse_fake_quant`, which the ablation's LMCodec / SparseCodec run too); what is added
 here is the per-layer, per-KV-head layout and the calibration statistics, read from the same
 calibration store as oscar-int2 (the artifact's provenance), so every method sees the same data.
 
@@ -62,14 +63,15 @@ import torch
 from oscar.common import OscarError
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, f16, hadamard
+from oscar.validate.ablation.schemes import (SPARSE_VALUE_BITS, allocate, codebook_quant, d_eff_gap, hadamard, lloyd_fit,
+                                             lm_fake_quant, lm_normalise, sparse_fake_quant, sparse_index_bits,
+                                             sparse_outliers)
 
 CODECS = ("tq", "sq", "lm", "sparse")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
 BUDGET_BITS = 2.5  # issue 16: bits per element of the INT2 history, K and V averaged, everything counted
-LM_BITS, LM_ITERS = 2, 200
-SPARSE_VALUE_BITS = 16  # an exact entry: its fp16 value ...
+LM_BITS = 2
 
 
 # ----------------------------------------------------------------- the quantizers (torch references)
@@ -100,89 +102,6 @@ def sq_fake_quant(y: torch.Tensor, widths: torch.Tensor, std: torch.Tensor) -> t
             _, v = codebook_quant(y[:, h][..., cols] / s, int(bits), "gaussian")
             out[:, h, :, cols] = v * s
     return out
-
-
-def lloyd_fit(x: torch.Tensor, bits: int, iters: int = LM_ITERS, tol: float = 1e-7) -> torch.Tensor:
-    """Empirical Lloyd–Max codebooks: x (C, N) samples of C independent scalars -> levels (C, 2**bits), ascending.
-
-    Starts from each row's (j + 1/2) / L quantiles (every level then holds samples: a Gaussian start,
-    `schemes.lloyd_max` scaled by the std, leaves skewed rows' outer levels empty and stuck), then
-    alternates nearest-level assignment (thresholds at midpoints) and centroid update until no level
-    moves by more than tol x the row's std (a level left without samples keeps its place)."""
-    x = x.double()
-    L = 1 << bits
-    sd = x.std(-1, keepdim=True).clamp_min(1e-12)
-    q = (torch.arange(L, dtype=x.dtype) + 0.5) / L
-    levels = torch.quantile(x, q, dim=-1).T.contiguous()  # (C, L)
-    for _ in range(iters):
-        codes = _nearest_codes(x, levels)  # (C, N)
-        cnt = torch.zeros_like(levels).scatter_add_(-1, codes, torch.ones_like(x))
-        tot = torch.zeros_like(levels).scatter_add_(-1, codes, x)
-        new = torch.where(cnt > 0, tot / cnt.clamp_min(1), levels)
-        done = bool(((new - levels).abs() <= tol * sd).all())
-        levels = new
-        if done:
-            break
-    return levels.sort(-1).values
-
-
-def _nearest_codes(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest of each row's ascending levels: u (C, N), levels (C, L) -> (C, N) int64
-    (a tie between two levels goes to the upper one)."""
-    thr = 0.5 * (levels[:, 1:] + levels[:, :-1])  # (C, L - 1)
-    return (u[:, :, None] >= thr[:, None, :]).sum(-1)
-
-
-def lm_normalise(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated rows y (..., D) -> (u, stored norms): each group of `group` coordinates divided by its
-    fp16-rounded norm / sqrt(group), so u has unit mean square per group; norms (..., D // group, 1)."""
-    yg = y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
-    n = f16(yg.norm(dim=-1, keepdim=True)).clamp_min(1e-12) / math.sqrt(group)  # the fp16 norm, as stored
-    return (yg / n).reshape(y.shape), n
-
-
-def lm_fake_quant(y: torch.Tensor, levels: torch.Tensor, group: int) -> torch.Tensor:
-    """oscar-lm-int2 keys: y (B, Hkv, T, D) rotated -> per-token fp16 norms of `group`-coordinate groups,
-    each normalised coordinate to the nearest level of its (head, channel) codebook levels (Hkv, D, L)."""
-    B, H, T, D = y.shape
-    u, n = lm_normalise(y.float(), group)
-    lv = levels.float().reshape(H * D, -1)
-    uc = u.permute(1, 3, 0, 2).reshape(H * D, B * T)  # one row per (head, channel)
-    codes = _nearest_codes(uc, lv)
-    uq = lv.gather(-1, codes).reshape(H, D, B, T).permute(2, 0, 3, 1)  # (B, H, T, D)
-    yq = uq.reshape(B, H, T, D // group, group) * n
-    return yq.reshape(B, H, T, D).to(y.dtype)
-
-
-def sparse_index_bits(page: int, D: int) -> int:
-    """Bits of an exact entry's index within its page of page x D entries."""
-    return max(1, math.ceil(math.log2(page * D)))
-
-
-def sparse_outliers(kspec: QuantSpec, vspec: QuantSpec, page: int, D: int, budget: float = BUDGET_BITS) -> int:
-    """The most exact key entries per page (and KV head) for which the K/V average stays <= budget."""
-    side = 2 * budget - kspec.bits_per_element(D) - vspec.bits_per_element(D)  # bits per key element left
-    n = int(math.floor(side * page * D / (SPARSE_VALUE_BITS + sparse_index_bits(page, D)) + 1e-9))
-    if n < 1:
-        raise OscarError(f"oscar-sparse-int2: no room for an exact entry at {budget} bits/element "
-                         f"(keys {kspec.bits_per_element(D)}, values {vspec.bits_per_element(D)})")
-    return n
-
-
-def sparse_fake_quant(y: torch.Tensor, spec: QuantSpec, clip, n_out: int, page: int) -> torch.Tensor:
-    """oscar-sparse-int2 keys: y (B, Hkv, T, D) rotated, T a multiple of `page` -> the dense INT2 reading
-    (`oscar.quant.fake_quant` under spec and clip) with, in each page of `page` tokens and each head, the
-    n_out entries of largest |y - ŷ| replaced by fp16(y) (ties: the lower index first)."""
-    B, H, T, D = y.shape
-    if T % page:
-        raise OscarError(f"oscar-sparse-int2 selects its exact entries per page of {page} tokens; got {T} tokens")
-    x = y.float()
-    xq = fake_quant(x, spec, clip)
-    P = T // page
-    err = (x - xq).abs().reshape(B, H, P, page * D)
-    idx = err.topk(n_out, dim=-1, sorted=False).indices  # (B, H, P, n_out)
-    out = xq.reshape(B, H, P, page * D).scatter(-1, idx, f16(x).reshape(B, H, P, page * D).gather(-1, idx))
-    return out.reshape(B, H, T, D).to(y.dtype)
 
 
 @dataclass
