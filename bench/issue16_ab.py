@@ -95,17 +95,27 @@ def memory(d: str) -> dict:
 
 
 def attention_table(d: str) -> list[dict]:
+    """Per (method, length): top-1 kept (%), mean output error, mean needle weight INT2 / exact; the top-1
+    difference to oscar-int2 paired by trial (layer, query head, window) with its interval (trials share
+    windows across heads and layers, so the interval is narrower than independent samples would give)."""
     p = os.path.join(d, "attention.parquet")
     if not os.path.exists(p):
         return []
     import pandas as pd
 
     df = pd.read_parquet(p)
-    keep = [c for c in df.columns if df[c].dtype.kind in "fiub" or c in ("method",)]
-    num = [c for c in keep if c not in ("method",) and df[c].dtype.kind == "f"]
+    df["needle_weight_ratio"] = df.needle_weight_int2 / df.needle_weight
+    key = ["layer", "q_head", "window"]
     out = []
-    for (m, L), g in df.groupby(["method", "length"] if "length" in df else ["method", "context"]):
-        out.append({"method": m, "length": int(L), **{c: float(g[c].mean()) for c in num}})
+    for (m, L), g in df.groupby(["method", "length"]):
+        r = {"method": m, "length": int(L), "trials": len(g), "top1": 100 * float(g.top1.mean()),
+             "out_rel_err": float(g.out_rel_err.mean()), "needle_weight_ratio": float(g.needle_weight_ratio.mean())}
+        b = df[(df.method == BASE) & (df.length == L)]
+        if m != BASE and len(b):
+            j = g.merge(b, on=key, suffixes=("", "_b"))
+            dd, lo, hi = ev.paired_diff(j.top1.to_numpy(), j.top1_b.to_numpy())
+            r[f"vs_{BASE}"] = {"diff": dd, "lo": lo, "hi": hi, "paired": len(j), "verdict": _verdict_diff(lo, hi)}
+        out.append(r)
     return out
 
 
@@ -147,6 +157,25 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['method']} | {r['protocol']} | {r['context']} | {a.get('ratio', float('nan')):.3f} "
                      f"[{a.get('lo', float('nan')):.3f}–{a.get('hi', float('nan')):.3f}] | "
                      + (f"{b['ratio']:.3f} [{b['lo']:.3f}–{b['hi']:.3f}] {b['verdict']}" if b else "–") + " |")
+    if res["attention"]:
+        lines += ["", "| attention level | length | trials | top-1 kept, % | vs oscar-int2 (paired) | needle weight INT2/exact | out rel err |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res["attention"]:
+            v = r.get(f"vs_{BASE}")
+            lines.append(f"| {r['method']} | {r['length']} | {r['trials']} | {r['top1']:.1f} | "
+                         + (f"{v['diff']:+.1f} [{v['lo']:+.1f}, {v['hi']:+.1f}] {v['verdict']}" if v else "–")
+                         + f" | {r['needle_weight_ratio']:.3f} | {r['out_rel_err']:.4f} |")
+    ks = [r for r in res["ablation_ks"] if r["kind"] == "scheme" and r["metric"] in ("relmse_o", "topk")]
+    if ks:
+        lines += ["", "| ablation (production path, mean over seeds) | regime | bits | metric | a | b | KS (Holm) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in ks:
+            lines.append(f"| {r['a']} vs {r['b']} | {r['regime']} | {r['bits']} | {r['metric']} | {r['mean_a']:.4f} | "
+                         f"{r['mean_b']:.4f} | {r['verdict']} (p_adj {r['p_adj']:.2g}) |")
+        path = [r for r in res["ablation_ks"] if r["kind"] == "path"]
+        sysm = [f"{r['a']} {r['regime']} {r['bits']} {r['metric']}" for r in path if r["verdict"] == "systematic"]
+        lines += ["", f"oracle vs production (KS, Holm over {len(path)} tests): {len(sysm)} systematic"
+                  + (": " + "; ".join(sysm) if sysm else "")]
     return "\n".join(lines)
 
 
