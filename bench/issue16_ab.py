@@ -23,6 +23,7 @@ import numpy as np
 from oscar import evidence as ev
 
 BASE, CANDIDATES = "oscar-int2", ("oscar-lm-int2", "oscar-sparse-int2")
+HIGHER_BETTER = {"topk", "cos_k", "cos_v", "cos_o"}  # ablation metrics where larger is better (the rest: errors)
 
 
 def _verdict_diff(lo: float, hi: float) -> str:
@@ -165,13 +166,17 @@ def markdown(res: dict) -> str:
             lines.append(f"| {r['method']} | {r['length']} | {r['trials']} | {r['top1']:.1f} | "
                          + (f"{v['diff']:+.1f} [{v['lo']:+.1f}, {v['hi']:+.1f}] {v['verdict']}" if v else "–")
                          + f" | {r['needle_weight_ratio']:.3f} | {r['out_rel_err']:.4f} |")
-    ks = [r for r in res["ablation_ks"] if r["kind"] == "scheme" and r["metric"] in ("relmse_o", "topk")]
+    ks = [r for r in res["ablation_ks"] if r["kind"] == "scheme"]
     if ks:
-        lines += ["", "| ablation (production path, mean over seeds) | regime | bits | metric | a | b | KS (Holm) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| ablation pair (production path, KS over seeds, Holm) | bits | metric | regimes: systematic better / "
+                  "systematic worse / seed variance |", "|---|---|---|---|"]
+        groups: dict = {}
         for r in ks:
-            lines.append(f"| {r['a']} vs {r['b']} | {r['regime']} | {r['bits']} | {r['metric']} | {r['mean_a']:.4f} | "
-                         f"{r['mean_b']:.4f} | {r['verdict']} (p_adj {r['p_adj']:.2g}) |")
+            better = r["mean_a"] > r["mean_b"] if r["metric"] in HIGHER_BETTER else r["mean_a"] < r["mean_b"]
+            c = groups.setdefault((f"{r['a']} vs {r['b']}", r["bits"], r["metric"]), [[], [], []])
+            c[2 if r["verdict"] != "systematic" else 0 if better else 1].append(r["regime"])
+        for (pair, bits, met), (b, w, n) in sorted(groups.items()):
+            lines.append(f"| {pair} | {bits} | {met} | {len(b)} ({', '.join(b) or '-'}) / {len(w)} ({', '.join(w) or '-'}) / {len(n)} |")
         path = [r for r in res["ablation_ks"] if r["kind"] == "path"]
         sysm = [f"{r['a']} {r['regime']} {r['bits']} {r['metric']}" for r in path if r["verdict"] == "systematic"]
         lines += ["", f"oracle vs production (KS, Holm over {len(path)} tests): {len(sysm)} systematic"
