@@ -53,7 +53,12 @@ def _make_capture_fn(impl: str) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def oscar_capture_attention(module, query, key, value, attention_mask, **kwargs):
-        inner = _eager_for(module) if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        if impl == "eager":
+            inner = _eager_for(module)
+        elif impl == "sdpa":  # the native CPU kernel where it applies (pipeline/cpu_attention.py), else SDPA itself
+            from oscar.pipeline.cpu_attention import attention_forward as inner
+        else:
+            inner = ALL_ATTENTION_FUNCTIONS[impl]
         out, weights = inner(module, query, key, value, attention_mask, **kwargs)  # out: (B, T, Hq, D)
         ctx = _ACTIVE.get()
         if ctx is not None:

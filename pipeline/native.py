@@ -1,4 +1,5 @@
-"""The capture's one-pass Gram + moments kernel (`_moments.c`), built with the system C compiler.
+"""The capture's one-pass Gram + moments kernel (`_moments.c`), built with the system C compiler
+(`compile_library`, also used by pipeline/cpu_attention.py).
 
 Built on first use into a per-machine cache (`$OSCAR_CACHE`, default ~/.cache/oscar-kv) keyed by
 the source, the compiler and the CPU, then loaded with ctypes: no Python or torch headers, no
@@ -48,56 +49,64 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("OSCAR_CACHE") or Path.home() / ".cache" / "oscar-kv") / "native"
 
 
-def _build() -> "ctypes.CDLL | None":
-    global WHY_NOT
+def compile_library(src_path: Path, stem: str) -> tuple["ctypes.CDLL | None", str]:
+    """Compile `src_path` (C11 + OpenMP) into the per-machine cache and load it: (library, "") or (None, why).
+
+    Tries native vectorisation first, then portable code; the cache key is the source, the compiler,
+    the flags and the CPU, and a finished file is published atomically (concurrent builders each
+    write a complete file). `OSCAR_NATIVE=0` disables every native kernel.
+    """
     if os.environ.get("OSCAR_NATIVE", "1") == "0":
-        WHY_NOT = "disabled by OSCAR_NATIVE=0"
-        return None
+        return None, "disabled by OSCAR_NATIVE=0"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        WHY_NOT = "no C compiler (cc) on PATH"
-        return None
-    src = SRC.read_bytes()
+        return None, "no C compiler (cc) on PATH"
+    src = src_path.read_bytes()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        WHY_NOT = f"{cc} --version failed: {e}"
-        return None
+        return None, f"{cc} --version failed: {e}"
     errors = []
     for march in MARCH:
         flags = FLAGS + march
         key = hashlib.sha256(src + version.encode() + " ".join(flags).encode() + _cpu_tag().encode()).hexdigest()[:20]
-        so = _cache_dir() / f"moments-{key}.so"
+        so = _cache_dir() / f"{stem}-{key}.so"
         if not so.exists():
             try:
                 so.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
                 os.close(fd)
-                r = subprocess.run([cc, *flags, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+                r = subprocess.run([cc, *flags, str(src_path), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                   timeout=120)
                 if r.returncode != 0:
                     os.unlink(tmp)
                     errors.append(f"{cc} {' '.join(flags)}: {r.stderr.strip()[-300:]}")
                     continue
-                os.replace(tmp, so)  # atomic: concurrent builders (Ray stages) each publish a complete file
+                os.replace(tmp, so)
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(str(e))
                 continue
         try:
-            lib = ctypes.CDLL(str(so))
+            return ctypes.CDLL(str(so)), ""
         except OSError as e:
             errors.append(f"loading {so}: {e}")
-            continue
-        f = lib.oscar_gram_moments
-        f.argtypes = [ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        f.restype = ctypes.c_int
-        f = lib.oscar_value_target
-        f.argtypes = [ctypes.POINTER(_Src), ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        f.restype = ctypes.c_int
-        return lib
-    WHY_NOT = "; ".join(errors)
-    return None
+    return None, "; ".join(errors)
+
+
+def _build() -> "ctypes.CDLL | None":
+    global WHY_NOT
+    lib, WHY_NOT = compile_library(SRC, "moments")
+    if lib is None:
+        return None
+    f = lib.oscar_gram_moments
+    f.argtypes = [ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    f.restype = ctypes.c_int
+    f = lib.oscar_value_target
+    f.argtypes = [ctypes.POINTER(_Src), ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return lib
 
 
 def available() -> bool:

@@ -70,3 +70,45 @@ def test_default_workers(monkeypatch):
     assert 1 <= default_workers(100) <= 4
     monkeypatch.setenv("OSCAR_WORKERS", "1")
     assert default_workers(100) == 1
+
+
+def test_workers_die_with_a_killed_parent(tmp_path):
+    """A parent killed by SIGKILL inside a long unit leaves no worker behind (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signal is Linux-only")
+    pids = tmp_path / "pids"
+    (tmp_path / "slow_unit.py").write_text(  # a module: spawned workers unpickle the unit by name
+        f"import os, time\ndef unit(st, arg):\n    open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "    time.sleep(120)\n")
+    script = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from slow_unit import unit\n"
+              "from oscar.validate.workers import Workers\n"
+              "with Workers(2, torch.nn.Linear(2, 2)) as W:\n    list(W.map(unit, [0, 1]))\n")
+    p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
+    deadline = time.time() + 120
+    while time.time() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
+        time.sleep(0.5)
+    workers = [int(x) for x in pids.read_text().split()]
+    assert len(workers) == 2
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        try:  # a zombie (already dead, not yet reaped by init) counts as gone
+            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + 30
+    while time.time() < deadline and any(alive(w) for w in workers):
+        time.sleep(0.5)
+    assert not any(alive(w) for w in workers), "workers outlived their killed parent"

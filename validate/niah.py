@@ -32,6 +32,7 @@ import torch
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.defaults import EMBEDDED_MODEL
+from oscar.pipeline import cpu_attention
 from oscar.evidence import read_samples
 
 
@@ -245,7 +246,7 @@ class PrefillPool:
         if n > 0:
             for l, layer in enumerate(best.layers):
                 cache.update(layer.keys[..., :n, :], layer.values[..., :n, :], l)
-        with load_aware_threads():  # two threads on a busy 2-core machine stall in OpenMP barriers
+        with load_aware_threads(), cpu_attention.native_prefill(self.model):  # two threads on a busy 2-core machine stall in OpenMP barriers
             self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache, use_cache=True, logits_to_keep=1)
         self.reused += n
         self.computed += len(ids) - n

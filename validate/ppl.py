@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from oscar.validate import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
+from oscar.pipeline import cpu_attention
 from oscar.defaults import EMBEDDED_MODEL
 
 from oscar.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
@@ -133,9 +134,12 @@ def sim_attention(module, query, key, value, attention_mask=None, scaling=None, 
     scale = scaling if scaling is not None else D ** -0.5
     W = p.recent + lq.key_group  # j <= i - W: read from the stored cache by every query i
     far = None
-    if T > W:
-        Kf, Vf = kh[..., :T - W, :].repeat_interleave(rep, 1), vh[..., :T - W, :].repeat_interleave(rep, 1)
-        far = _flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
+    if T > W:  # rows: queries W..T-1 over keys 0..T-W-1, plain causal
+        qf, Ks, Vs = query[:, :, W:], kh[..., :T - W, :], vh[..., :T - W, :]
+        if cpu_attention.supports(qf, Ks):  # the native kernel reads the KV heads in place (GQA)
+            far = cpu_attention.causal_attention(qf, Ks, Vs, scale)
+        else:
+            far = _flash_lse(qf, Ks.repeat_interleave(rep, 1), Vs.repeat_interleave(rep, 1), scale, causal=True)
     band = _band if W <= 64 else _band_loop  # measured: batched blocks win for narrow bands only
     o, ln = band(query, key, value, kh, vh, sink, p.recent, lq.key_group, W, scale)  # (B, Hq, T, D), (B, Hq, T)
     if far is not None:  # queries W..T-1 also read the stored cache beyond the band: merge by log-sum-exp
@@ -330,7 +334,8 @@ def _window(model, art, protocol: str, win: torch.Tensor, cuts: tuple):
     from oscar.validate.methods import PROTOCOLS
 
     if art is None:
-        return window_nll(model, win, prefixes=cuts)
+        with cpu_attention.native_prefill(model):
+            return window_nll(model, win, prefixes=cuts)
     with simulated(model, art, PROTOCOLS[protocol]):
         return window_nll(model, win, prefixes=cuts)
 

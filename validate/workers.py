@@ -43,12 +43,29 @@ def default_workers(units: int) -> int:
 _STATE: dict = {}  # inside a worker: what its init function returned
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker when its parent dies. A parent killed by a signal never closes the pipe
+    politely, and a worker inside a long unit (a 32k prefill) would run on for minutes as an orphan."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
 def _main(conn, model_path: str, threads: int, init, init_arg) -> None:
     import signal
 
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops feeding units and closes us
+    _die_with_parent()
 
     torch.set_num_threads(threads)
     try:
