@@ -33,6 +33,11 @@ def expected_bpe(name: str, b: int, D: int, codec) -> tuple[float, float]:
     tq = lambda qjl: (b - 1) + 1 + 32 / D if qjl else b + 16 / D  # noqa: E731  norm (+ sketch m=D, residual norm)
     if name == "oscar-ref":  # the published format stores float32 scale + zero per token
         return b + 64 / D, b + 64 / D
+    if name == "oscar_sparse":  # issue 16: keys + a per-page side list (fp16 value + 10-bit index at page 16, D 32
+        # -> 9 bits), values with fp8 scale + zero; n_out the most the K/V average uni allows
+        n = codec.k.n_out
+        assert n == int((uni - (b + 16 / D)) * 16 * D // (16 + 9))
+        return uni + n * (16 + 9) / (16 * D), b + 16 / D
     if name in ("plain", "hadamard") or name.startswith("oscar"):
         return uni, uni
     if name == "kivi":

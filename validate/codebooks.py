@@ -2,7 +2,8 @@
 
 The synthetic ablation's TQ and SQ codecs (validate/ablation/schemes.py) as cache formats the model-level
 simulator (`validate.methods.LayerQuant`) runs like every other method. The quantizers are the
-same functions (`schemes.lloyd_max`, `codebook_quant`, `allocate`, `d_eff_gap`); what is added
+same functions (`schemes.lloyd_max`, `codebook_quant`, `allocate`, `d_eff_gap`; issue 16's `lloyd_fit`,
+`lm_fake_quant`, `sparse_fake_quant`, which the ablation's LMCodec / SparseCodec run too); what is added
 here is the per-layer, per-KV-head layout and the calibration statistics, read from the same
 calibration store as oscar-int2 (the artifact's provenance), so every method sees the same data.
 
@@ -22,8 +23,30 @@ sq-int2  SpectralQuant with uniform allocation: per KV head, the eigenbasis U of
          Lloyd–Max codes scaled by the calibrated std; no per-token metadata: exactly 2 bits/element.
          No clip search (same reason); centring both K and V is part of its format (means are constants).
 
+Issue 16's candidates keep oscar-int2's artifact (rotations, key mean, value clips) and change the key format:
+
+oscar-lm-int2     (hypothesis 1, "codebook") per-token fp16 norms of groups of LM_NORM_GROUP rotated
+         coordinates, and a 2-bit Lloyd–Max codebook per (layer, KV head, rotated channel) fitted by
+         empirical Lloyd iteration (`lloyd_fit`) on the store's calibration reservoir keys, centred,
+         rotated and normalised exactly as the cache would (never on validation text). Per-channel
+         codebooks because OSCAR's basis is not isotropic (the scaled variant stretches keys along the
+         query eigenvectors): one shared codebook would waste levels on the narrow channels; they are
+         layer constants, no per-token cost. Values: oscar-int2's format. Bits: 2 + 16/32 = 2.5 per
+         key element at groups of 32 (the budget filled, for an equal-bits A/B), values 2.5.
+oscar-sparse-int2 (hypothesis 3, "dense and sparse", KVQuant) oscar-int2's keys (per-token min/max,
+         fp16 scale+zero, searched clips) plus, per page of `page_size` tokens and KV head, the
+         SPARSE_OUT entries of largest |error| in the rotated space kept exact: an fp16 value and its
+         index in the page (log2(page_size * D) bits). Entries rather than tokens: the error sits in a
+         few clipped coordinates of a token, not in all D of them, and an entry costs 26 bits where a
+         token costs D*16. Fixed count per page (not a global threshold) so a page's size is static.
+         The trade that pays for it: values store scale+zero in 8-bit e4m3 (oscar.quant FP8_PARAM,
+         2.25 bits) instead of fp16 (2.5): the needle loss is in the keys. The count is the most
+         entries oscar-int2's own average (2.5 at head_dim 64, BUDGET_BITS) allows (`sparse_outliers`): 9 per 16 x 64 page (0.88 % of entries)
+         at SmolLM2/Qwen2.5's head_dim 64.
+
 Artifact layout: rot_k / rot_v / k_mean as usual; meta["codec"] names the format; SQ's per-head
-v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}).
+v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}); LM's levels to
+`extra` layers.{l}.levels_k (Hkv, D, 2**bits).
 """
 
 from __future__ import annotations
@@ -31,16 +54,24 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from oscar.common import OscarError
+from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, hadamard
+from oscar.validate.ablation.schemes import (SPARSE_VALUE_BITS, allocate, codebook_quant, d_eff_gap, hadamard, lloyd_fit,
+                                             lm_fake_quant, lm_normalise, sparse_fake_quant, sparse_index_bits,
+                                             sparse_outliers)
 
-CODECS = ("tq", "sq")
+CODECS = ("tq", "sq", "lm", "sparse")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
+BUDGET_BITS = 2.5  # issue 16: bits per element of the INT2 history, K and V averaged, everything counted
+LM_BITS = 2
 
 
 # ----------------------------------------------------------------- the quantizers (torch references)
@@ -77,19 +108,38 @@ def sq_fake_quant(y: torch.Tensor, widths: torch.Tensor, std: torch.Tensor) -> t
 class LayerCodec:
     """One layer's codebook format for keys or values, applied in the rotated space (B, Hkv, T, D)."""
 
-    kind: str
+    kind: str  # tq | sq | lm | sparse | uniform (oscar.quant's grid under `spec`)
     segments: list[tuple[int, int, int]] | None = None  # tq
     widths: torch.Tensor | None = None  # sq (Hkv, D) int64
     std: torch.Tensor | None = None  # sq (Hkv, D)
+    levels: torch.Tensor | None = None  # lm (Hkv, D, L)
+    group: int = 0  # lm: coordinates per fp16 norm
+    spec: QuantSpec | None = None  # sparse, uniform
+    clip: torch.Tensor | None = None  # sparse, uniform: (Hkv, 1, 1) ratio per head
+    n_out: int = 0  # sparse: exact entries per page and head
+    page: int = 0  # sparse: tokens per page (key chunks come in whole pages)
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         if self.kind == "tq":
             return tq_fake_quant(y, self.segments)
+        if self.kind == "lm":
+            return lm_fake_quant(y, self.levels, self.group)
+        if self.kind == "sparse":
+            return sparse_fake_quant(y, self.spec, self.clip, self.n_out, self.page)
+        if self.kind == "uniform":
+            return fake_quant(y, self.spec, self.clip)
         return sq_fake_quant(y, self.widths, self.std)
 
     def bits_per_element(self, D: int) -> float:
         if self.kind == "tq":
             return (sum((b - a) * bits for a, b, bits in self.segments) + 16 * len(self.segments)) / D
+        if self.kind == "lm":
+            return math.log2(self.levels.shape[-1]) + 16 / self.group
+        if self.kind == "sparse":
+            side = self.n_out * (SPARSE_VALUE_BITS + sparse_index_bits(self.page, D)) / (self.page * D)
+            return self.spec.bits_per_element(D) + side
+        if self.kind == "uniform":
+            return self.spec.bits_per_element(D)
         return float(self.widths.double().mean())
 
 
@@ -103,10 +153,37 @@ def layer_codecs(art: Artifact, layer: int) -> tuple[LayerCodec, LayerCodec, tor
     if c["kind"] == "tq":
         seg = [tuple(s) for s in c["segments"]]
         return LayerCodec("tq", segments=seg), LayerCodec("tq", segments=seg), None
+    if c["kind"] in ("lm", "sparse"):  # oscar-int2's artifact with another key format (issue 16)
+        D = art.head_dim
+        clip_k, clip_v = (_head_clip(t[layer], name) for t, name in ((art.clip_k, "clip_k"), (art.clip_v, "clip_v")))
+        vspec = _value_spec(art, c)
+        cv = LayerCodec("uniform", spec=vspec, clip=clip_v)
+        if c["kind"] == "lm":
+            return LayerCodec("lm", levels=art.extra[f"layers.{layer}.levels_k"].float(), group=int(c["norm_group"])), cv, None
+        return LayerCodec("sparse", spec=art.quant.key_spec(D), clip=clip_k, n_out=int(c["n_out"]),
+                          page=int(c["page"])), cv, None
     x = art.extra
     ck = LayerCodec("sq", widths=x[f"layers.{layer}.widths_k"].long(), std=x[f"layers.{layer}.std_k"].float())
     cv = LayerCodec("sq", widths=x[f"layers.{layer}.widths_v"].long(), std=x[f"layers.{layer}.std_v"].float())
     return ck, cv, x[f"layers.{layer}.v_mean"].float()[None, :, None, :]
+
+
+def _head_clip(c: torch.Tensor, name: str) -> torch.Tensor:
+    if c.dim() != 1:
+        raise OscarError(f"issue-16 key formats take per-head clip ratios; {name} has shape {tuple(c.shape)}")
+    return c.float().view(-1, 1, 1)
+
+
+def _value_spec(art: Artifact, codec: dict) -> QuantSpec:
+    vs = art.quant.value_spec(art.head_dim)
+    return replace(vs, param_dtype=FP8_PARAM) if codec.get("v_params") == "fp8" else vs
+
+
+def codec_key_group(art: Artifact, flush: int) -> int:
+    """Tokens a codebook format quantizes together: whole pages for oscar-sparse-int2 (its side list is
+    per page, whatever the protocol's flush), else `flush`."""
+    c = art.meta.get("codec") or {}
+    return int(c["page"]) if c.get("kind") == "sparse" else flush
 
 
 def codec_bits_per_element(art: Artifact) -> float | None:
@@ -116,7 +193,7 @@ def codec_bits_per_element(art: Artifact) -> float | None:
     D, tot = art.head_dim, 0.0
     for l in range(art.num_layers):
         ck, cv, _ = layer_codecs(art, l)
-        tot += 0.5 * (ck.bits_per_element(D) + cv.bits_per_element(D))
+        tot += 0.5 * (ck.bits_per_element(D) + cv.bits_per_element(D))  # every token's codes, norms, side lists
     return tot / art.num_layers
 
 
@@ -215,3 +292,69 @@ def sq_artifact(fitted: Artifact) -> Artifact:
                     meta={"variant": "sq-int2", "model": dict(view.model), "d_eff": d_effs,
                           "codec": {"kind": "sq", "alloc": "uniform", "bits": SQ_BITS, "tail_bits": SQ_TAIL_BITS, "gap": SQ_GAP},
                           "provenance": {"store": store, "store_fingerprint": view.fingerprint}})
+
+
+def _derived(fitted: Artifact, method: str, codec: dict, extra: dict) -> Artifact:
+    """`fitted` (oscar-int2: rotations, key mean, clips, pages) with another key format."""
+    prov = dict(fitted.meta.get("provenance") or {})
+    return replace(fitted, meta={**fitted.meta, "variant": method, "base_variant": fitted.meta.get("variant"),
+                                 "codec": codec, "provenance": prov}, extra={**fitted.extra, **extra})
+
+
+def calib_rotated_keys(fitted: Artifact, method: str) -> list[torch.Tensor]:
+    """Per layer, the store's calibration reservoir keys (H, N, D) as oscar-int2's cache sees them:
+    centred by the artifact's key mean, rotated by its rot_k (float32)."""
+    store = _store_of(fitted, method)
+    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    out = []
+    for l, ls in enumerate(layers):
+        k = ls.rows("k")
+        if k is None:
+            raise OscarError(f"method {method} fits its codebooks on the store's reservoir keys, but {store} has none")
+        k = torch.from_numpy(np.ascontiguousarray(k, dtype=np.float32))
+        if fitted.k_mean is not None:
+            k = k - fitted.k_mean[l].float()[:, None, :]
+        out.append(k @ fitted.rot_k[l].float())
+    return out
+
+
+def oscar_bits(fitted: Artifact) -> float:
+    """oscar-int2's own bits per element (K and V averaged): the budget of the equal-bits A/B (2.5 at head_dim 64)."""
+    D = fitted.head_dim
+    return 0.5 * (fitted.quant.key_spec(D).bits_per_element(D) + fitted.quant.value_spec(D).bits_per_element(D))
+
+
+def lm_norm_group(fitted: Artifact, bits: int = LM_BITS) -> int:
+    """Coordinates per fp16 norm that spend oscar-int2's key bits: 16 / (key bits - code bits), rounded up to
+    a divisor of D (32 at head_dim 64: 2 + 16/32 = 2.5)."""
+    D = fitted.head_dim
+    room = fitted.quant.key_spec(D).bits_per_element(D) - bits
+    g = math.ceil(16 / room - 1e-9) if room > 0 else D
+    while D % g:
+        g += 1
+    return g
+
+
+def lm_artifact(fitted: Artifact, bits: int = LM_BITS, group: int | None = None) -> Artifact:
+    """oscar-lm-int2 from oscar-int2's artifact: codebooks fitted on the normalised rotated calibration keys."""
+    D = fitted.head_dim
+    group = group or lm_norm_group(fitted, bits)
+    extra = {}
+    for l, y in enumerate(calib_rotated_keys(fitted, "oscar-lm-int2")):
+        H = y.shape[0]
+        u, _ = lm_normalise(y, group)  # (H, N, D)
+        extra[f"layers.{l}.levels_k"] = lloyd_fit(u.permute(0, 2, 1).reshape(H * D, -1), bits).float().reshape(H, D, -1)
+    return _derived(fitted, "oscar-lm-int2", {"kind": "lm", "bits": bits, "norm_group": group, "fit": "lloyd, reservoir keys"}, extra)
+
+
+def sparse_artifact(fitted: Artifact) -> Artifact:
+    """oscar-sparse-int2 from oscar-int2's artifact: its keys + a per-page side list, values with fp8 scale/zero."""
+    D, page = fitted.head_dim, fitted.quant.page_size
+    kspec = fitted.quant.key_spec(D)
+    if kspec.axis != "token":
+        raise OscarError("oscar-sparse-int2 adds a side list to per-token key groups; the artifact groups keys per channel")
+    vspec = replace(fitted.quant.value_spec(D), param_dtype=FP8_PARAM)
+    budget = oscar_bits(fitted)  # equal bits: 2.5 = BUDGET_BITS at head_dim 64
+    n = sparse_outliers(kspec, vspec, page, D, budget)
+    return _derived(fitted, "oscar-sparse-int2", {"kind": "sparse", "n_out": n, "page": page, "v_params": "fp8", "budget": budget,
+                                                  "index_bits": sparse_index_bits(page, D), "value_bits": SPARSE_VALUE_BITS}, {})

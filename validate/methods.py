@@ -19,6 +19,10 @@
     sq-int2        SpectralQuant with uniform allocation (re-implemented): calibrated eigenbasis, per-dim
                    Gaussian Lloyd–Max codes scaled by the calibrated std, K and V centred, no per-token
                    metadata: 2.0 bits/element (validate/codebooks.py)
+    oscar-lm-int2  issue 16 hypothesis 1: oscar-int2's artifact, keys as per-token fp16 norms (groups of 32) and
+                   2-bit Lloyd-Max codebooks per rotated channel fitted on calibration keys: 2.5 bits/element
+    oscar-sparse-int2  issue 16 hypothesis 3: oscar-int2's keys plus the per-page entries of largest error exact
+                   (fp16 + index), values with fp8 scale/zero to pay for it: <= 2.5 bits/element (validate/codebooks.py)
     oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
                    rotated space over head_dim tokens (KIVI style; `oscar fit --key-axis channel --group-size D`)
 
@@ -216,15 +220,25 @@ _CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 
 
 
 def codebook_artifact(name: str, art: Artifact) -> Artifact:
-    """tq-int2 / sq-int2 built from the calibration store `art` was fitted from (validate/codebooks.py); cached per store."""
+    """tq-int2 / sq-int2 built from the calibration store `art` was fitted from, oscar-lm-int2 /
+    oscar-sparse-int2 from `art` itself and that store (validate/codebooks.py); cached per store (and,
+    for the two built on `art`, per artifact content)."""
+    import hashlib
     import os
 
     from oscar.validate import codebooks
 
     prov = art.meta.get("provenance") or {}
     key = (name, os.path.abspath(prov.get("store") or ""), prov.get("store_fingerprint"))
+    if name in ("oscar-lm-int2", "oscar-sparse-int2"):  # derived from art's rotations and clips: key on them too
+        h = hashlib.sha1()
+        for t in (*art.rot_k, *art.clip_k, *art.clip_v, *(art.k_mean or [])):
+            h.update(t.detach().float().contiguous().numpy().tobytes())
+        key += (h.hexdigest(), repr(art.quant))
     if key not in _CODEBOOK_ARTS:
-        _CODEBOOK_ARTS[key] = codebooks.tq_artifact(art) if name == "tq-int2" else codebooks.sq_artifact(art)
+        build = {"tq-int2": codebooks.tq_artifact, "sq-int2": codebooks.sq_artifact,
+                 "oscar-lm-int2": codebooks.lm_artifact, "oscar-sparse-int2": codebooks.sparse_artifact}[name]
+        _CODEBOOK_ARTS[key] = build(art)
     return _CODEBOOK_ARTS[key]
 
 
@@ -242,11 +256,25 @@ def _sq(config, art):
     return a
 
 
+def _codebook_method(name: str):
+    def factory(config, art):
+        _needs(name, art)
+        if art.meta.get("codec"):
+            raise OscarError(f"method {name} is built on oscar-int2's artifact; --artifact already has codec "
+                             f"{art.meta['codec'].get('kind')!r}")
+        a = codebook_artifact(name, art)
+        a.check_model(config)
+        return a
+    return factory
+
+
 def fitted_for(name: str, fitted: Artifact) -> Artifact:
     """A NEEDS_ARTIFACT method's artifact from the fitted one, without a model check (callers check shapes)."""
     return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact,
             "tq-int2": lambda a: codebook_artifact("tq-int2", a),
             "sq-int2": lambda a: codebook_artifact("sq-int2", a),
+            "oscar-lm-int2": lambda a: codebook_artifact("oscar-lm-int2", a),
+            "oscar-sparse-int2": lambda a: codebook_artifact("oscar-sparse-int2", a),
             "kivi2-clip": lambda a: searched_baseline("kivi2-clip", a),
             "hadamard-clip-int2": lambda a: searched_baseline("hadamard-clip-int2", a)}.get(name, lambda a: a)(fitted)
 
@@ -260,6 +288,9 @@ register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the publis
 register_method("oscar-kc-int2", _oscar_kc, needs_artifact=True)   # oscar-int2's rotations, KIVI-style key groups
 register_method("tq-int2", _tq, needs_artifact=True)  # TurboQuant, the paper's 2.5-bit 3/2-bit split (validate/codebooks.py)
 register_method("sq-int2", _sq, needs_artifact=True)  # SpectralQuant, uniform allocation (validate/codebooks.py)
+# issue 16's candidates: oscar-int2's artifact with another key format (validate/codebooks.py)
+register_method("oscar-lm-int2", _codebook_method("oscar-lm-int2"), needs_artifact=True)  # norms + Lloyd-Max keys
+register_method("oscar-sparse-int2", _codebook_method("oscar-sparse-int2"), needs_artifact=True)  # + exact side list
 register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
 register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
@@ -367,6 +398,11 @@ METHOD_NOTES: dict[str, str] = {
     "oscar-int2": "OSCAR rotation, key-mean centering, scaled keys, searched and tuned clips",
     "tq-int2": "TurboQuant re-implemented from its paper: random-sign Walsh-Hadamard, fp16 norms, Beta Lloyd-Max codes, "
                "D/4 outlier channels at 3 bits; keys centred; no clip search (a Lloyd-Max codebook has none)",
+    "oscar-lm-int2": "issue 16, hypothesis 1: oscar-int2's rotations and key mean, keys as fp16 norms of 32-coordinate "
+                     "groups + 2-bit Lloyd-Max codebooks per rotated channel fitted on calibration reservoir keys; "
+                     "values as oscar-int2; no key clip (a Lloyd-Max codebook has none)",
+    "oscar-sparse-int2": "issue 16, hypothesis 3: oscar-int2's keys + per page the entries of largest error exact "
+                         "(fp16 value + index, counted); paid for by values' scale/zero in fp8 e4m3",
     "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "
                "scaled by the calibrated std, K and V centred, no per-token metadata; no clip search",
 }
@@ -415,12 +451,12 @@ class LayerQuant:
         flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
         # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token
-        from oscar.validate.codebooks import layer_codecs
+        from oscar.validate.codebooks import codec_key_group, layer_codecs
 
         cb = layer_codecs(art, layer)
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
         if cb:
-            self.key_group = flush
+            self.key_group = codec_key_group(art, flush)
         # Identity rotations (naive-int2, kivi2) skip their matmuls: x @ I == x exactly in float32.
         eye = torch.eye(D)
         self.k_eye = bool((self.rot_k == eye).all() and (self.unrot_k == eye).all())

@@ -1,0 +1,214 @@
+"""Issue 16 A/B table: oscar-lm-int2 and oscar-sparse-int2 against oscar-int2 and bf16, from the outputs of
+`oscar validate niah` / `oscar validate ppl` (and optionally `oscar validate attention`, `oscar ablate`).
+
+Every comparison is paired (the same needle samples, the same perplexity windows / segments) with its 95 %
+interval from oscar/evidence.py; a difference whose interval straddles 0 (needles) or 1 (perplexity
+ratios) is UNRESOLVED.
+
+    python bench/issue16_ab.py --niah runs/i16/niah --ppl runs/i16/ppl [--attention runs/i16/attn]
+        [--ablation runs/i16/ablate] --out bench/results/issue16/ab_smollm2.json
+
+The commands that produce the inputs are in docs/decisions.md ("Issue 16 A/B").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from oscar import evidence as ev
+
+BASE, CANDIDATES = "oscar-int2", ("oscar-lm-int2", "oscar-sparse-int2")
+HIGHER_BETTER = {"topk", "cos_k", "cos_v", "cos_o"}  # ablation metrics where larger is better (the rest: errors)
+
+
+def _verdict_diff(lo: float, hi: float) -> str:
+    return "better" if lo > 0 else "worse" if hi < 0 else "UNRESOLVED"
+
+
+def _verdict_ratio(lo: float, hi: float) -> str:  # ppl(a) / ppl(b): below 1 is better
+    return "better" if hi < 1 else "worse" if lo > 1 else "UNRESOLVED"
+
+
+def niah_table(d: str) -> list[dict]:
+    done = ev.read_samples(os.path.join(d, "niah_samples.jsonl"))
+    cells = ev.cell_scores(done)
+    tasks = sorted({t for t, _, _ in cells})
+    lengths = sorted({L for _, L, _ in cells})
+    methods = sorted({m for _, _, m in cells})
+    rows = []
+    for L in lengths:
+        for t in [*tasks, "pooled"]:
+            for m in methods:
+                tt = tasks if t == "pooled" else [t]
+                x = np.concatenate([np.array(list(cells.get((u, L, m), {}).values())) for u in tt])
+                if not len(x):
+                    continue
+                lo, hi, how = ev.score_interval(x)
+                r = {"task": t, "length": L, "method": m, "samples": len(x), "score": 100 * float(x.mean()),
+                     "ci_low": lo, "ci_high": hi}
+                for base in ("bf16", BASE):
+                    if m == base or m == "bf16":
+                        continue
+                    pa = [ev.paired_arrays(cells, u, L, m, base) for u in tt]
+                    xa = np.concatenate([a for a, _ in pa])
+                    xb = np.concatenate([b for _, b in pa])
+                    if len(xa):
+                        dd, dlo, dhi = ev.paired_diff(xa, xb)
+                        r[f"vs_{base}"] = {"diff": dd, "lo": dlo, "hi": dhi, "paired": len(xa),
+                                           "verdict": _verdict_diff(dlo, dhi)}
+                rows.append(r)
+    return rows
+
+
+def ppl_table(d: str) -> list[dict]:
+    cfg = json.load(open(os.path.join(d, "ppl_config.json"))) if os.path.exists(os.path.join(d, "ppl_config.json")) else {}
+    windows = ev.read_windows(os.path.join(d, "ppl_windows.jsonl"))
+    idx = ev._index(windows)
+    methods = sorted({w["method"] for w in windows})
+    protocols = sorted({w["protocol"] for w in windows if w["method"] != "bf16"})
+    contexts = sorted({w["context"] for w in windows})
+    tokens = (cfg.get("config") or {}).get("tokens") or max(
+        (w["window"] + 1) * w["context"] for w in windows)
+    rows = []
+    for st in ev.ppl_stats(windows, methods, protocols, contexts, tokens):
+        m, p, c = st["method"], st["protocol"], st["context"]
+        r = {k: st[k] for k in ("method", "protocol", "context", "ppl", "ppl_ci_low", "ppl_ci_high", "windows", "blocks",
+                                "block")}
+        if m != "bf16":
+            r["vs_bf16"] = {"ratio": st["ratio"], "lo": st["ratio_ci_low"], "hi": st["ratio_ci_high"],
+                            "verdict": _verdict_ratio(st["ratio_ci_low"], st["ratio_ci_high"])}
+        if m in CANDIDATES and BASE in methods:
+            (ba, bb), unit, _ = ev.blocks(idx, [(m, ev.proto_key(m, p)), (BASE, ev.proto_key(BASE, p))], c, tokens // c)
+            q, lo, hi, n = ev.ratio_of(ba, bb)
+            r[f"vs_{BASE}"] = {"ratio": q, "lo": lo, "hi": hi, "blocks": n, "block": unit, "verdict": _verdict_ratio(lo, hi)}
+        rows.append(r)
+    return rows
+
+
+def memory(d: str) -> dict:
+    p = os.path.join(d, "memory.json")
+    return {r["method"]: r["bits_per_element"] for r in json.load(open(p))} if os.path.exists(p) else {}
+
+
+def attention_table(d: str) -> list[dict]:
+    """Per (method, length): top-1 kept (%), mean output error, mean needle weight INT2 / exact; the top-1
+    difference to oscar-int2 paired by trial (layer, query head, window) with its interval (trials share
+    windows across heads and layers, so the interval is narrower than independent samples would give)."""
+    p = os.path.join(d, "attention.parquet")
+    if not os.path.exists(p):
+        return []
+    import pandas as pd
+
+    df = pd.read_parquet(p)
+    df["needle_weight_ratio"] = df.needle_weight_int2 / df.needle_weight
+    key = ["layer", "q_head", "window"]
+    out = []
+    for (m, L), g in df.groupby(["method", "length"]):
+        r = {"method": m, "length": int(L), "trials": len(g), "top1": 100 * float(g.top1.mean()),
+             "out_rel_err": float(g.out_rel_err.mean()), "needle_weight_ratio": float(g.needle_weight_ratio.mean())}
+        b = df[(df.method == BASE) & (df.length == L)]
+        if m != BASE and len(b):
+            j = g.merge(b, on=key, suffixes=("", "_b"))
+            dd, lo, hi = ev.paired_diff(j.top1.to_numpy(), j.top1_b.to_numpy())
+            r[f"vs_{BASE}"] = {"diff": dd, "lo": lo, "hi": hi, "paired": len(j), "verdict": _verdict_diff(lo, hi)}
+        out.append(r)
+    return out
+
+
+def ablation_table(d: str) -> list[dict]:
+    p = os.path.join(d, "ks.parquet")
+    if not os.path.exists(p):
+        return []
+    import pandas as pd
+
+    ks = pd.read_parquet(p)
+    return json.loads(ks.to_json(orient="records"))
+
+
+def markdown(res: dict) -> str:
+    lines = ["| needles (pooled niah_single_1/2), % | bits | " + " | ".join(f"{L // 1024}k" for L in res["lengths"]) + " |",
+             "|---|---|" + "---|" * len(res["lengths"])]
+    pooled = [r for r in res["niah"] if r["task"] == "pooled"]
+    for m in res["methods"]:
+        cells = []
+        for L in res["lengths"]:
+            r = next((r for r in pooled if r["method"] == m and r["length"] == L), None)
+            if r is None:
+                cells.append("–")
+                continue
+            s = f"{r['score']:.1f} [{r['ci_low']:.0f}–{r['ci_high']:.0f}]"
+            for base in ("bf16", BASE):
+                v = r.get(f"vs_{base}")
+                if v:
+                    s += f"; vs {base} {v['diff']:+.1f} [{v['lo']:+.0f}, {v['hi']:+.0f}]" + (
+                        f" {v['verdict']}" if base == BASE else "")
+            cells.append(s)
+        lines.append(f"| {m} | {res['bits'].get(m, float('nan')):.3g} | " + " | ".join(cells) + " |")
+    lines += ["", "| perplexity | protocol | context | × bf16 [95 %] | × oscar-int2 [95 %] |", "|---|---|---|---|---|"]
+    for r in res["ppl"]:
+        if r["method"] == "bf16":
+            continue
+        a = r.get("vs_bf16", {})
+        b = r.get(f"vs_{BASE}")
+        lines.append(f"| {r['method']} | {r['protocol']} | {r['context']} | {a.get('ratio', float('nan')):.3f} "
+                     f"[{a.get('lo', float('nan')):.3f}–{a.get('hi', float('nan')):.3f}] | "
+                     + (f"{b['ratio']:.3f} [{b['lo']:.3f}–{b['hi']:.3f}] {b['verdict']}" if b else "–") + " |")
+    if res["attention"]:
+        lines += ["", "| attention level | length | trials | top-1 kept, % | vs oscar-int2 (paired) | needle weight INT2/exact | out rel err |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res["attention"]:
+            v = r.get(f"vs_{BASE}")
+            lines.append(f"| {r['method']} | {r['length']} | {r['trials']} | {r['top1']:.1f} | "
+                         + (f"{v['diff']:+.1f} [{v['lo']:+.1f}, {v['hi']:+.1f}] {v['verdict']}" if v else "–")
+                         + f" | {r['needle_weight_ratio']:.3f} | {r['out_rel_err']:.4f} |")
+    ks = [r for r in res["ablation_ks"] if r["kind"] == "scheme"]
+    if ks:
+        lines += ["", "| ablation pair (production path, KS over seeds, Holm) | bits | metric | regimes: systematic better / "
+                  "systematic worse / seed variance |", "|---|---|---|---|"]
+        groups: dict = {}
+        for r in ks:
+            better = r["mean_a"] > r["mean_b"] if r["metric"] in HIGHER_BETTER else r["mean_a"] < r["mean_b"]
+            c = groups.setdefault((f"{r['a']} vs {r['b']}", r["bits"], r["metric"]), [[], [], []])
+            c[2 if r["verdict"] != "systematic" else 0 if better else 1].append(r["regime"])
+        for (pair, bits, met), (b, w, n) in sorted(groups.items()):
+            lines.append(f"| {pair} | {bits} | {met} | {len(b)} ({', '.join(b) or '-'}) / {len(w)} ({', '.join(w) or '-'}) / {len(n)} |")
+        path = [r for r in res["ablation_ks"] if r["kind"] == "path"]
+        sysm = [f"{r['a']} {r['regime']} {r['bits']} {r['metric']}" for r in path if r["verdict"] == "systematic"]
+        lines += ["", f"oracle vs production (KS, Holm over {len(path)} tests): {len(sysm)} systematic"
+                  + (": " + "; ".join(sysm) if sysm else "")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--niah", required=True, help="output directory of `oscar validate niah`")
+    ap.add_argument("--ppl", help="output directory of `oscar validate ppl`")
+    ap.add_argument("--attention", help="output directory of `oscar validate attention`")
+    ap.add_argument("--ablation", help="output directory of `oscar ablate`")
+    ap.add_argument("--out", required=True, help="JSON written here (and the markdown table next to it, .md)")
+    a = ap.parse_args(argv)
+    niah = niah_table(a.niah)
+    res = {"niah": niah, "ppl": ppl_table(a.ppl) if a.ppl else [],
+           "attention": attention_table(a.attention) if a.attention else [],
+           "ablation_ks": ablation_table(a.ablation) if a.ablation else [],
+           "bits": {**memory(a.niah), **(memory(a.ppl) if a.ppl else {})},
+           "lengths": sorted({r["length"] for r in niah}),
+           "methods": [m for m in ("bf16", BASE, *CANDIDATES) if any(r["method"] == m for r in niah)],
+           "inputs": {"niah": a.niah, "ppl": a.ppl, "attention": a.attention, "ablation": a.ablation}}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1, default=float)
+    md = markdown(res)
+    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
