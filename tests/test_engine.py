@@ -238,10 +238,12 @@ def smol(tmp_path_factory):
 def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
     """1k held-out window, every INT2 cache format, serving (R = 256) and a strict-side window (R = 64):
     NLL through OscarCache within 2e-4 (relative) of the simulator at the matched protocol under serving
-    (measured <= 4.1e-5: bench/engine_speed.py) and within 1 % at R = 64 (measured <= 0.42 %, naive-int2).
-    Not an offset: with most keys read from INT2, float-order differences (the cache attends in the rotated
-    space) flip 2-bit codes and every later token sees them, the 0.5-1 % noise docs/validation.md states for
-    strict perplexity. tq-int2 / sq-int2 (codebooks) are refused by name."""
+    (measured <= 4.1e-5: bench/engine_speed.py). At R = 64 most keys are read from INT2 and float-order
+    differences flip 2-bit codes that every later token sees (the 0.5-1 % noise docs/validation.md states for
+    strict perplexity), so the bound there is the simulator's own float-order spread, measured here: the same
+    window through torch's SDPA instead of the native CPU attention (1e-6 apart in float32). The cache must
+    agree within max(1 %, 2x that spread): for the collapsed naive-int2 the spread was 2.1 % (cache vs the SDPA
+    simulator 0.41 %), for the others <= 0.18 %. tq-int2 / sq-int2 (codebooks) are refused by name."""
     from oscar.validate.methods import codebook_artifact
     from oscar.validate.ppl import heldout_ids
 
@@ -253,9 +255,16 @@ def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
         for m, art in arts.items():
             with simulated(model, art, engine.simulator_protocol(p)):
                 s = window_nll(model, ids)[0]
+            tol = 2e-4
+            if R == 64:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setenv("OSCAR_CPU_FLASH", "0")  # the same simulator, another float order
+                    with simulated(model, art, engine.simulator_protocol(p)):
+                        s2 = window_nll(model, ids)[0]
+                tol = max(1e-2, 2 * abs(s2 - s) / s)
             c = engine.window_nll(model, m, art, p, ids)[0]
-            if not abs(c - s) / s < (2e-4 if R == 256 else 1e-2):
-                bad.append(f"{m} R={R}: simulate {s:.4f} cache {c:.4f}")
+            if not abs(c - s) / s < tol:
+                bad.append(f"{m} R={R}: simulate {s:.4f} cache {c:.4f} (tolerance {tol:.2%})")
     assert not bad, bad
     for m in ("tq-int2", "sq-int2"):
         with pytest.raises(engine.EngineUnsupported, match=f"{m} stores Lloyd-Max codebook"):
