@@ -1,11 +1,11 @@
-"""Issue 16 A/B table: oscar-lm-int2 and oscar-sparse-int2 against oscar-int2 and bf16, from the outputs of
-`oscar validate niah` / `oscar validate ppl` (and optionally `oscar validate attention`, `oscar ablate`).
+"""Issue 16 A/B table: the candidate key formats (CANDIDATES) against oscar-int2 and bf16, from the outputs of
+`oscar validate niah` (one or more needle seeds, pooled) / `oscar validate ppl` (and optionally `oscar validate attention`, `oscar ablate`).
 
 Every comparison is paired (the same needle samples, the same perplexity windows / segments) with its 95 %
 interval from oscar/evidence.py; a difference whose interval straddles 0 (needles) or 1 (perplexity
 ratios) is UNRESOLVED.
 
-    python bench/issue16_ab.py --niah runs/i16/niah --ppl runs/i16/ppl [--attention runs/i16/attn]
+    python bench/issue16_ab.py --niah runs/i16/niah [runs/i16/niah_seed1 ...] --ppl runs/i16/ppl [--attention runs/i16/attn]
         [--ablation runs/i16/ablate] --out bench/results/issue16/ab_smollm2.json
 
 The commands that produce the inputs are in docs/decisions.md ("Issue 16 A/B").
@@ -22,7 +22,8 @@ import numpy as np
 
 from oscar import evidence as ev
 
-BASE, CANDIDATES = "oscar-int2", ("oscar-lm-int2", "oscar-sparse-int2")
+BASE = "oscar-int2"
+CANDIDATES = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2")
 HIGHER_BETTER = {"topk", "cos_k", "cos_v", "cos_o"}  # ablation metrics where larger is better (the rest: errors)
 
 
@@ -34,8 +35,13 @@ def _verdict_ratio(lo: float, hi: float) -> str:  # ppl(a) / ppl(b): below 1 is 
     return "better" if hi < 1 else "worse" if lo > 1 else "UNRESOLVED"
 
 
-def niah_table(d: str) -> list[dict]:
-    done = ev.read_samples(os.path.join(d, "niah_samples.jsonl"))
+def niah_table(dirs: list[str]) -> list[dict]:
+    """Pooled over the output directories (e.g. needle seeds): a sample is (directory, index), paired across
+    methods within its directory."""
+    done = {}
+    for j, d in enumerate(dirs):
+        for (t, L, i, m), r in ev.read_samples(os.path.join(d, "niah_samples.jsonl")).items():
+            done[(t, L, (j, i), m)] = r
     cells = ev.cell_scores(done)
     tasks = sorted({t for t, _, _ in cells})
     lengths = sorted({L for _, L, _ in cells})
@@ -186,7 +192,7 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--niah", required=True, help="output directory of `oscar validate niah`")
+    ap.add_argument("--niah", required=True, nargs="+", help="output directories of `oscar validate niah` (pooled)")
     ap.add_argument("--ppl", help="output directory of `oscar validate ppl`")
     ap.add_argument("--attention", help="output directory of `oscar validate attention`")
     ap.add_argument("--ablation", help="output directory of `oscar ablate`")
@@ -196,7 +202,7 @@ def main(argv=None) -> int:
     res = {"niah": niah, "ppl": ppl_table(a.ppl) if a.ppl else [],
            "attention": attention_table(a.attention) if a.attention else [],
            "ablation_ks": ablation_table(a.ablation) if a.ablation else [],
-           "bits": {**memory(a.niah), **(memory(a.ppl) if a.ppl else {})},
+           "bits": {**{k: v for d in a.niah for k, v in memory(d).items()}, **(memory(a.ppl) if a.ppl else {})},
            "lengths": sorted({r["length"] for r in niah}),
            "methods": [m for m in ("bf16", BASE, *CANDIDATES) if any(r["method"] == m for r in niah)],
            "inputs": {"niah": a.niah, "ppl": a.ppl, "attention": a.attention, "ablation": a.ablation}}

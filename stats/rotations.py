@@ -142,6 +142,31 @@ def _scaled(ls, rng) -> Rotations:
     return r
 
 
+def split_scaled_rotation(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The scaled variant per part, for a cache that stores two parts of a key at different widths.
+
+    U (D, D) query eigenvectors (columns), lam / sig2 (D,) as `importance_scales`; hi: indices of the
+    directions of the first (wider) part. Each part p (hi, then the rest, each in U's order) gets
+    U_p diag(d_p) H_p P_br with d_p from `importance_scales` over the part alone, so each part's
+    quantization noise is white and weighted as in `scaled`; H_p mixes only inside its part, so a
+    rotated coordinate belongs to one part. Returns (R_K, R_Q) (D, D), R_Q = R_K^{-T}: the blocks'
+    U_p are orthogonal to each other and H_p is orthogonal, so (q R_Q)·(k R_K) = q·k.
+    """
+    D = U.shape[-1]
+    hi = np.asarray(hi, dtype=np.int64)
+    rest = np.setdiff1d(np.arange(D), hi)  # ascending = U's descending-eigenvalue order
+    rk, rq = np.zeros((D, D)), np.zeros((D, D))
+    col = 0
+    for idx in (np.sort(hi), rest):
+        n = len(idx)
+        d = importance_scales(lam[idx][None], sig2[idx][None])[0]  # (n,)
+        M = mixer(n)  # raises HadamardUnsupported for a part size without a Hadamard
+        rk[:, col:col + n] = (U[:, idx] * d) @ M
+        rq[:, col:col + n] = (U[:, idx] / d) @ M
+        col += n
+    return rk, rq
+
+
 @register_variant("hadamard", "R_K = R_V = H P_br (no eigenbasis)")
 def _had(ls, rng) -> Rotations:
     return Rotations(hadamard_rot(ls.H, ls.D), hadamard_rot(ls.H, ls.D))

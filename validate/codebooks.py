@@ -64,14 +64,18 @@ from oscar.common import OscarError
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
 from oscar.validate.ablation.schemes import (SPARSE_VALUE_BITS, allocate, codebook_quant, d_eff_gap, hadamard, lloyd_fit,
-                                             lm_fake_quant, lm_normalise, sparse_fake_quant, sparse_index_bits,
-                                             sparse_outliers)
+                                             lm_fake_quant, lm_normalise, mix_bits_per_element, mix_fake_quant, mix_fit,
+                                             sparse_fake_quant, sparse_index_bits, sparse_outliers)
+from oscar.validate.ablation.schemes import spec as any_bits_spec
 
-CODECS = ("tq", "sq", "lm", "sparse")
+CODECS = ("tq", "sq", "lm", "sparse", "mix", "layers")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
 BUDGET_BITS = 2.5  # issue 16: bits per element of the INT2 history, K and V averaged, everything counted
 LM_BITS = 2
+MIX_HI_BITS, MIX_LO_BITS = 3, 2  # oscar-mix-int2: TurboQuant's widths, placed by C_Q instead of at random
+LAYER_OPTIONS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 4))  # oscar-layer-int2: (key bits, value bits) per layer
+MIX_LAYER_OPTIONS = ((2, 2), ("mix", 2), (3, 2), ("mix", 3), (4, 2), (3, 3), (4, 4))  # + oscar-mix-int2's keys
 
 
 # ----------------------------------------------------------------- the quantizers (torch references)
@@ -118,6 +122,8 @@ class LayerCodec:
     clip: torch.Tensor | None = None  # sparse, uniform: (Hkv, 1, 1) ratio per head
     n_out: int = 0  # sparse: exact entries per page and head
     page: int = 0  # sparse: tokens per page (key chunks come in whole pages)
+    param_dtype: torch.dtype = torch.float16  # mix: every part's scale/zero
+
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         if self.kind == "tq":
@@ -128,6 +134,8 @@ class LayerCodec:
             return sparse_fake_quant(y, self.spec, self.clip, self.n_out, self.page)
         if self.kind == "uniform":
             return fake_quant(y, self.spec, self.clip)
+        if self.kind == "mix":
+            return mix_fake_quant(y, self.segments, self.clip, self.param_dtype)
         return sq_fake_quant(y, self.widths, self.std)
 
     def bits_per_element(self, D: int) -> float:
@@ -140,6 +148,8 @@ class LayerCodec:
             return self.spec.bits_per_element(D) + side
         if self.kind == "uniform":
             return self.spec.bits_per_element(D)
+        if self.kind == "mix":
+            return mix_bits_per_element(self.segments, self.param_dtype, D)
         return float(self.widths.double().mean())
 
 
@@ -153,6 +163,17 @@ def layer_codecs(art: Artifact, layer: int) -> tuple[LayerCodec, LayerCodec, tor
     if c["kind"] == "tq":
         seg = [tuple(s) for s in c["segments"]]
         return LayerCodec("tq", segments=seg), LayerCodec("tq", segments=seg), None
+    if c["kind"] == "mix":  # oscar-mix-int2: split keys (own rotation), values as oscar-int2 with fp8 params
+        cv = LayerCodec("uniform", spec=_value_spec(art, c), clip=_head_clip(art.clip_v[layer], "clip_v"))
+        ck = LayerCodec("mix", segments=[tuple(x) for x in c["segments"]], clip=art.clip_k[layer].float(),
+                        param_dtype=_param_dtype(c["k_params"]))
+        return ck, cv, None
+    if c["kind"] == "layers":  # oscar-layer-int2: oscar-int2's format at each layer's own widths
+        kb, vb = c["widths"][layer]
+        side = lambda bits, clip, name: LayerCodec("uniform", spec=_layer_spec(art, bits), clip=_head_clip(clip, name))  # noqa: E731
+        ck = (LayerCodec("mix", segments=[tuple(x) for x in c["segments"]], clip=art.clip_k[layer].float(), param_dtype=FP8_PARAM)
+              if kb == "mix" else side(kb, art.clip_k[layer], "clip_k"))
+        return ck, side(vb, art.clip_v[layer], "clip_v"), None
     if c["kind"] in ("lm", "sparse"):  # oscar-int2's artifact with another key format (issue 16)
         D = art.head_dim
         clip_k, clip_v = (_head_clip(t[layer], name) for t, name in ((art.clip_k, "clip_k"), (art.clip_v, "clip_v")))
@@ -172,6 +193,18 @@ def _head_clip(c: torch.Tensor, name: str) -> torch.Tensor:
     if c.dim() != 1:
         raise OscarError(f"issue-16 key formats take per-head clip ratios; {name} has shape {tuple(c.shape)}")
     return c.float().view(-1, 1, 1)
+
+
+def _param_dtype(name: str) -> torch.dtype:
+    return FP8_PARAM if name == "fp8" else torch.float16
+
+
+def _layer_spec(art: Artifact, bits: int) -> QuantSpec:
+    """oscar-layer-int2's per-token grid at `bits`: fp8 scale/zero at the base width (what pays for the
+    wider layers), fp16 above it."""
+    vs = art.quant.value_spec(art.head_dim)
+    return replace(vs, bits=bits, param_dtype=FP8_PARAM) if bits == art.quant.bits else any_bits_spec(
+        bits, group_size=vs.group_size, param_dtype=torch.float16, clip_rule=vs.clip_rule)
 
 
 def _value_spec(art: Artifact, codec: dict) -> QuantSpec:
@@ -358,3 +391,183 @@ def sparse_artifact(fitted: Artifact) -> Artifact:
     n = sparse_outliers(kspec, vspec, page, D, budget)
     return _derived(fitted, "oscar-sparse-int2", {"kind": "sparse", "n_out": n, "page": page, "v_params": "fp8", "budget": budget,
                                                   "index_bits": sparse_index_bits(page, D), "value_bits": SPARSE_VALUE_BITS}, {})
+
+
+# ----------------------------------------------------------------- issue 16: bits across channels and across layers
+
+
+def mix_segments(D: int) -> list[tuple[int, int, int]]:
+    """oscar-mix-int2's split: the first D/4 rotated coordinates at 3 bits, the other 3D/4 at 2 (TurboQuant's widths)."""
+    n = D // 4
+    return [(0, n, MIX_HI_BITS), (n, D, MIX_LO_BITS)]
+
+
+def _rows(ls, max_kv: int = 1024, max_q: int = 128, seed: int = 0):
+    """A layer's reservoir rows (H, N, D) float64 tensors, subsampled as the fit's clip search does."""
+    q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
+    if q is None or k is None or v is None:
+        raise OscarError("issue-16 formats place bits by calibration error on the store's reservoir rows; this store has none")
+    rng = np.random.default_rng(seed)
+    pick = lambda n, m: slice(None) if n <= m else np.sort(rng.choice(n, m, replace=False))  # noqa: E731
+    kv = pick(k.shape[1], max_kv)
+    T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))  # noqa: E731
+    return T(q[:, pick(q.shape[1], max_q)]), T(k[:, kv]), T(v[:, kv])
+
+
+def mix_artifact(fitted: Artifact) -> Artifact:
+    """oscar-mix-int2 (hypothesis 2) from oscar-int2's artifact and its store.
+
+    Keys: per KV head the query eigenbasis U of the store, split into a 3-bit part of D/4 directions and a
+    2-bit part, each scaled and mixed within itself (`stats.rotations.split_scaled_rotation`), each its own
+    per-token min/max group with fp8 scale/zero. Which directions are wide is chosen per layer, on the
+    store's reservoir rows, between the issue's rule (the D/4 largest C_Q eigenvalues λ_i) and λ_i σ_i²
+    (a direction's share of the logit error at equal noise), by the fit's key objective. Clips: searched
+    per part by that objective, then scaled by the factor `oscar validate tune` chose for `fitted`.
+    Values: oscar-int2's rotation and clips with fp8 scale/zero. 2.75 + 2.25 -> 2.5 bits at head_dim 64.
+    """
+    from oscar.stats.fit import FitConfig
+
+    D, H = fitted.head_dim, fitted.num_kv_heads
+    if fitted.quant.key_axis != "token" or fitted.k_mean is None or fitted.rot_q is None:
+        raise OscarError("oscar-mix-int2 splits the scaled variant's per-token keys; --artifact must be an "
+                         "`oscar fit --variant scaled` artifact with per-token key groups")
+    segs = mix_segments(D)
+    vspec = replace(fitted.quant.value_spec(D), param_dtype=FP8_PARAM)
+    bits = 0.5 * (mix_bits_per_element(segs, FP8_PARAM, D) + vspec.bits_per_element(D))
+    if bits > oscar_bits(fitted) + 1e-9:
+        raise OscarError(f"oscar-mix-int2 needs {bits:.3f} bits/element at head_dim {D}, over oscar-int2's {oscar_bits(fitted):.3f}")
+    store = _store_of(fitted, "oscar-mix-int2")
+    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
+    ratios = np.array(FitConfig().clip_ratios)
+    rot_k, rot_q, clip_k, record = [], [], [], []
+    for l, ls in enumerate(layers):
+        U = ls.eig("q")[1]  # (H, D, D) columns, descending
+        mu = fitted.k_mean[l].double().numpy()  # (H, D)
+        Ck = ls.cov("k") - mu[:, :, None] * mu[:, None, :]
+        lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
+        sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
+        _, k, _ = _rows(ls, seed=l)
+        kc = k - torch.from_numpy(mu)[:, None, :]
+        rule, rk, rq, clip, err = mix_fit(U, lam, sig2, kc, ls.cov("q"), segs, FP8_PARAM, ratios)
+        rot_k.append(rk.float()), rot_q.append(rq.float())
+        clip_k.append((clip * factor).clamp(max=1.0))
+        record.append({"placement": rule, "err_k": [round(float(e), 6) for e in err],
+                       "clip_k": [[round(float(c), 4) for c in row] for row in clip_k[-1]]})
+    out = _derived(fitted, "oscar-mix-int2", {"kind": "mix", "segments": segs, "k_params": "fp8", "v_params": "fp8",
+                                              "tune_factor": factor, "layers": record}, {})
+    return replace(out, rot_k=rot_k, rot_q=rot_q, clip_k=clip_k)
+
+
+def layer_widths(errs: np.ndarray, costs: np.ndarray, budget: float) -> list[int]:
+    """The option per layer minimising the summed error with the mean cost <= budget (exact, by dynamic
+    programming over costs in units of 1/64 bit). errs, costs (L, options) -> option index per layer."""
+    L, O = errs.shape
+    units = np.round(costs * 64).astype(int)  # (L, O)
+    cap = int(math.floor(budget * L * 64 + 1e-6))
+    INF = float("inf")
+    best = np.full(cap + 1, INF)
+    best[0] = 0.0
+    choice = np.zeros((L, cap + 1), dtype=int)
+    for l in range(L):
+        new = np.full(cap + 1, INF)
+        for o in range(O):
+            u = units[l, o]
+            if u > cap:
+                continue
+            cand = np.full(cap + 1, INF)
+            cand[u:] = best[:cap + 1 - u] + errs[l, o]
+            better = cand < new
+            new[better], choice[l, better] = cand[better], o
+        best = new
+    if not np.isfinite(best).any():
+        raise OscarError(f"oscar-layer-int2: no width per layer fits {budget} bits/element")
+    c, out = int(np.argmin(best)), []
+    for l in range(L - 1, -1, -1):  # walk back
+        o = int(choice[l, c])
+        out.append(o)
+        c -= units[l, o]
+    return out[::-1]
+
+
+def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS, method: str = "oscar-layer-int2") -> Artifact:
+    """oscar-layer-int2 (hypothesis 4) from oscar-int2's artifact and its store; with "mix" among the key
+    widths of `options`, oscar-mix-layer-int2 (hypotheses 2 and 4 together).
+
+    oscar-int2's rotations and grid per layer at one of `options` (key width, value width): the base width
+    with fp8 scale/zero (2.25 bits), wider ones with fp16 (3.5 / 4.5) and no clip; key width "mix" is
+    oscar-mix-int2's split keys for that layer (its own rotation, `mix_fit`, clips x the tune factor).
+    Each layer's error for each option is its relative attention-output error ||Ŝ V̂ − S V||² / ||S V||²
+    on the store's reservoir rows (S = softmax of the rows' q·k / sqrt(D)), averaged over KV heads; the
+    widths minimise the summed error at oscar-int2's mean bits per element (`layer_widths`).
+    """
+    from oscar.stats.fit import FitConfig
+
+    D, H = fitted.head_dim, fitted.num_kv_heads
+    if fitted.quant.key_axis != "token" or fitted.quant.mode != "minmax":
+        raise OscarError(f"{method} re-widths oscar-int2's per-token min/max groups; --artifact groups keys otherwise")
+    store = _store_of(fitted, method)
+    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    base, segs = fitted.quant.bits, mix_segments(D)
+    factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
+    use_mix = any(kb == "mix" for kb, _ in options)
+    errs, costs, mixes = [], [], []
+    for l, ls in enumerate(layers):
+        q, k, v = _rows(ls, seed=l)
+        mu = fitted.k_mean[l].double()[:, None, :] if fitted.k_mean is not None else 0.0
+        qr = q @ (fitted.rot_q or fitted.rot_k)[l].double()
+        kr = (k - mu) @ fitted.rot_k[l].double()
+        vr = v @ fitted.rot_v[l].double()
+        S = torch.softmax(qr @ kr.transpose(-1, -2) / math.sqrt(D), -1)  # (H, Nq, N)
+        o = S @ vr
+        den = (o ** 2).sum((-1, -2))
+        if use_mix:  # this layer's split keys, as mix_artifact builds them
+            U = ls.eig("q")[1]
+            m = mu[:, 0, :].numpy() if fitted.k_mean is not None else ls.mean("k")
+            Ck = ls.cov("k") - m[:, :, None] * m[:, None, :]
+            lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
+            sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
+            _, rk_m, rq_m, clip_m, _ = mix_fit(U, lam, sig2, k - torch.from_numpy(m)[:, None, :], ls.cov("q"), segs,
+                                                FP8_PARAM, np.array(FitConfig().clip_ratios))
+            clip_m = (clip_m * factor).clamp(max=1.0)
+            mixes.append((rk_m.float(), rq_m.float(), clip_m))
+            kh_mix = mix_fake_quant(((k - torch.from_numpy(m)[:, None, :]) @ rk_m)[None].float(), segs, clip_m, FP8_PARAM)[0].double()
+            qr_mix = q @ rq_m  # logits q_r·k̂_r = q·k̂ - q·mu: softmax-invariant per query
+        row_e, row_c = [], []
+        for kb, vb in options:
+            vs = _layer_spec(fitted, vb)
+            vh = fake_quant(vr.float(), vs, fitted.clip_v[l].float().view(-1, 1, 1) if vb == base else 1.0).double()
+            if kb == "mix":
+                Sh = torch.softmax(qr_mix @ kh_mix.transpose(-1, -2) / math.sqrt(D), -1)
+                kbits = mix_bits_per_element(segs, FP8_PARAM, D)
+            else:
+                ks = _layer_spec(fitted, kb)
+                kh = fake_quant(kr.float(), ks, fitted.clip_k[l].float().view(-1, 1, 1) if kb == base else 1.0).double()
+                Sh = torch.softmax(qr @ kh.transpose(-1, -2) / math.sqrt(D), -1)
+                kbits = ks.bits_per_element(D)
+            row_e.append(float(((((Sh @ vh) - o) ** 2).sum((-1, -2)) / den).mean()))
+            row_c.append(0.5 * (kbits + vs.bits_per_element(D)))
+        errs.append(row_e), costs.append(row_c)
+    errs, costs = np.array(errs), np.array(costs)
+    pick = layer_widths(errs, costs, oscar_bits(fitted))
+    widths = [list(options[o]) for o in pick]
+    L = len(widths)
+    rot_k, rot_q = list(fitted.rot_k), list(fitted.rot_q or fitted.rot_k)
+    clip_k = [fitted.clip_k[l] if widths[l][0] == base else torch.ones(H) for l in range(L)]
+    clip_v = [fitted.clip_v[l] if widths[l][1] == base else torch.ones(H) for l in range(L)]
+    for l in range(L):
+        if widths[l][0] == "mix":
+            rot_k[l], rot_q[l], clip_k[l] = mixes[l]
+    rec = {"kind": "layers", "widths": widths, "options": [list(o) for o in options], "base_params": "fp8",
+           "wide_params": "fp16", "objective": "relative attention-output error on reservoir rows",
+           "err": [[round(float(e), 6) for e in row] for row in errs],
+           "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
+           "err_total_base": round(float(errs[:, 0].sum()), 6),
+           **({"segments": segs, "tune_factor": factor} if use_mix else {})}
+    out = _derived(fitted, method, rec, {})
+    return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None or use_mix else None, clip_k=clip_k, clip_v=clip_v)
+
+
+def mix_layer_artifact(fitted: Artifact) -> Artifact:
+    """oscar-mix-layer-int2: `layer_artifact` with oscar-mix-int2's split keys among each layer's options."""
+    return layer_artifact(fitted, MIX_LAYER_OPTIONS, "oscar-mix-layer-int2")

@@ -23,6 +23,14 @@
                    2-bit Lloyd-Max codebooks per rotated channel fitted on calibration keys: 2.5 bits/element
     oscar-sparse-int2  issue 16 hypothesis 3: oscar-int2's keys plus the per-page entries of largest error exact
                    (fp16 + index), values with fp8 scale/zero to pay for it: <= 2.5 bits/element (validate/codebooks.py)
+    oscar-mix-int2 issue 16 hypothesis 2: keys split into a 3-bit part (D/4 directions, placed by C_Q on
+                   calibration rows) and a 2-bit part, each scaled and Hadamard-mixed within itself, fp8
+                   scale/zero per part; values with fp8 scale/zero: 2.5 bits/element (validate/codebooks.py)
+    oscar-layer-int2 issue 16 hypothesis 4: oscar-int2's format with (key, value) widths per layer chosen
+                   by calibrated attention-output error at 2.5 bits/element on average (fp8 params at
+                   2 bits, fp16 above)
+    oscar-mix-layer-int2 hypotheses 2 and 4 together: oscar-layer-int2 with oscar-mix-int2's split keys
+                   among each layer's options
     oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
                    rotated space over head_dim tokens (KIVI style; `oscar fit --key-axis channel --group-size D`)
 
@@ -216,6 +224,7 @@ def _searched(name: str):
     return factory
 
 
+DERIVED = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2")  # issue 16: built on oscar-int2's artifact
 _CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
 
 
@@ -230,14 +239,16 @@ def codebook_artifact(name: str, art: Artifact) -> Artifact:
 
     prov = art.meta.get("provenance") or {}
     key = (name, os.path.abspath(prov.get("store") or ""), prov.get("store_fingerprint"))
-    if name in ("oscar-lm-int2", "oscar-sparse-int2"):  # derived from art's rotations and clips: key on them too
+    if name in DERIVED:  # derived from art's rotations and clips: key on them too
         h = hashlib.sha1()
         for t in (*art.rot_k, *art.clip_k, *art.clip_v, *(art.k_mean or [])):
             h.update(t.detach().float().contiguous().numpy().tobytes())
         key += (h.hexdigest(), repr(art.quant))
     if key not in _CODEBOOK_ARTS:
         build = {"tq-int2": codebooks.tq_artifact, "sq-int2": codebooks.sq_artifact,
-                 "oscar-lm-int2": codebooks.lm_artifact, "oscar-sparse-int2": codebooks.sparse_artifact}[name]
+                 "oscar-lm-int2": codebooks.lm_artifact, "oscar-sparse-int2": codebooks.sparse_artifact,
+                 "oscar-mix-int2": codebooks.mix_artifact, "oscar-layer-int2": codebooks.layer_artifact,
+                 "oscar-mix-layer-int2": codebooks.mix_layer_artifact}[name]
         _CODEBOOK_ARTS[key] = build(art)
     return _CODEBOOK_ARTS[key]
 
@@ -273,8 +284,7 @@ def fitted_for(name: str, fitted: Artifact) -> Artifact:
     return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact,
             "tq-int2": lambda a: codebook_artifact("tq-int2", a),
             "sq-int2": lambda a: codebook_artifact("sq-int2", a),
-            "oscar-lm-int2": lambda a: codebook_artifact("oscar-lm-int2", a),
-            "oscar-sparse-int2": lambda a: codebook_artifact("oscar-sparse-int2", a),
+            **{m: (lambda a, m=m: codebook_artifact(m, a)) for m in DERIVED},
             "kivi2-clip": lambda a: searched_baseline("kivi2-clip", a),
             "hadamard-clip-int2": lambda a: searched_baseline("hadamard-clip-int2", a)}.get(name, lambda a: a)(fitted)
 
@@ -291,6 +301,9 @@ register_method("sq-int2", _sq, needs_artifact=True)  # SpectralQuant, uniform a
 # issue 16's candidates: oscar-int2's artifact with another key format (validate/codebooks.py)
 register_method("oscar-lm-int2", _codebook_method("oscar-lm-int2"), needs_artifact=True)  # norms + Lloyd-Max keys
 register_method("oscar-sparse-int2", _codebook_method("oscar-sparse-int2"), needs_artifact=True)  # + exact side list
+register_method("oscar-mix-int2", _codebook_method("oscar-mix-int2"), needs_artifact=True)  # 3/2-bit key split by C_Q
+register_method("oscar-layer-int2", _codebook_method("oscar-layer-int2"), needs_artifact=True)  # widths per layer
+register_method("oscar-mix-layer-int2", _codebook_method("oscar-mix-layer-int2"), needs_artifact=True)  # both
 register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
 register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
@@ -403,6 +416,13 @@ METHOD_NOTES: dict[str, str] = {
                      "values as oscar-int2; no key clip (a Lloyd-Max codebook has none)",
     "oscar-sparse-int2": "issue 16, hypothesis 3: oscar-int2's keys + per page the entries of largest error exact "
                          "(fp16 value + index, counted); paid for by values' scale/zero in fp8 e4m3",
+    "oscar-mix-int2": "issue 16, hypothesis 2: keys in two parts of the query eigenbasis, D/4 directions at 3 bits "
+                      "(placed per layer on calibration rows by lambda or lambda*sigma^2) and the rest at 2, each scaled "
+                      "and Hadamard-mixed within itself, fp8 scale/zero per part; values with fp8 scale/zero",
+    "oscar-layer-int2": "issue 16, hypothesis 4: oscar-int2's format with (key, value) bits per layer chosen by calibrated "
+                        "attention-output error at oscar-int2's mean bits; 2-bit layers store fp8 scale/zero",
+    "oscar-mix-layer-int2": "issue 16, hypotheses 2 + 4: oscar-layer-int2 whose per-layer options include oscar-mix-int2's "
+                            "split keys",
     "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "
                "scaled by the calibrated std, K and V centred, no per-token metadata; no clip search",
 }
@@ -446,17 +466,19 @@ class LayerQuant:
         self.unrot_k = (art.rot_q[layer] if art.rot_q is not None else art.rot_k[layer]).float().transpose(-1, -2)
         self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
         self.kspec, self.vspec = art.quant.key_spec(D), art.quant.value_spec(D)
-        self.clip_k = _clip_view(art.clip_k[layer].float(), self.kspec, D)
-        self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
         flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
-        # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token
+        # codebook formats (tq-int2, sq-int2, issue 16's: validate/codebooks.py) replace the uniform grid, per token
         from oscar.validate.codebooks import codec_key_group, layer_codecs
 
         cb = layer_codecs(art, layer)
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
-        if cb:
+        if cb:  # the codec reads its own clips (oscar-mix-int2's are per key part)
             self.key_group = codec_key_group(art, flush)
+            self.clip_k = self.clip_v = None
+        else:
+            self.clip_k = _clip_view(art.clip_k[layer].float(), self.kspec, D)
+            self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
         # Identity rotations (naive-int2, kivi2) skip their matmuls: x @ I == x exactly in float32.
         eye = torch.eye(D)
         self.k_eye = bool((self.rot_k == eye).all() and (self.unrot_k == eye).all())

@@ -22,7 +22,8 @@ KS_METRICS = ["relmse_k", "relmse_v", "relmse_o", "d2", "logit_var", "topk"]
 SCHEME_PAIRS = [("tq_kv", "plain"), ("tq_qkv", "tq_kv"), ("tq_vqjl", "tq_kv"), ("sq_kv", "squ_kv"),
                 ("sq", "squ"), ("squ_kv", "tq_kv"), ("oscar", "tq_kv"), ("oscar", "plain"), ("kivi", "plain"),
                 ("oscar", "oscar_nc"), ("oscar", "oscar_kcov"), ("oscar", "oscar_nobr"), ("oscar", "oscar-ref"),
-                ("oscar_scaled", "oscar"), ("oscar_lm", "oscar_scaled"), ("oscar_sparse", "oscar_scaled")]  # issue 16
+                ("oscar_scaled", "oscar"), ("oscar_lm", "oscar_scaled"), ("oscar_sparse", "oscar_scaled"),
+                ("oscar_mix", "oscar_scaled")]  # issue 16
 
 
 @dataclass

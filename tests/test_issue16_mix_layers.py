@@ -1,0 +1,218 @@
+"""Issue 16's hypotheses 2 and 4 (validate/codebooks.py): oscar-mix-int2 (keys split 3/2 bits along the query
+eigenbasis) and oscar-layer-int2 (widths per layer by calibrated error), each against a brute-force reference,
+and their bits against the 2.5 budget through the memory accounting."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from oscar.quant import FP8_PARAM, fp8_round
+from oscar.validate import codebooks as cb
+from oscar.validate.ablation import schemes
+
+
+def _orthogonal(D: int, seed: int) -> np.ndarray:
+    q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((D, D)))
+    return q
+
+
+@pytest.mark.parametrize("D,n_hi", [(64, 16), (32, 8)])
+def test_split_rotation_is_the_scaled_variant_per_part(D, n_hi):
+    from oscar.stats.hadamard import bitrev_perm, hadamard, perm_matrix
+    from oscar.stats.rotations import importance_scales, split_scaled_rotation
+
+    rng = np.random.default_rng(1)
+    U = _orthogonal(D, 2)
+    lam, sig2 = np.sort(rng.exponential(1.0, D))[::-1], rng.exponential(1.0, D)
+    hi = rng.choice(D, n_hi, replace=False)
+    rk, rq = split_scaled_rotation(U, lam, sig2, hi)
+    assert np.allclose(rq.T @ rk, np.eye(D), atol=1e-10)  # (q R_Q)·(k R_K) = q·k
+    # by hand: part 1 = the hi directions in U's order, part 2 = the rest, each U_p diag(d_p) H_p P_br
+    for idx, cols in ((np.sort(hi), slice(0, n_hi)), (np.setdiff1d(np.arange(D), hi), slice(n_hi, D))):
+        n = len(idx)
+        d = importance_scales(lam[idx][None], sig2[idx][None])[0]
+        M = hadamard(n) @ perm_matrix(bitrev_perm(n))
+        assert np.allclose(rk[:, cols], (U[:, idx] * d) @ M, atol=1e-12)
+        assert np.allclose(rq[:, cols], (U[:, idx] / d) @ M, atol=1e-12)
+    # a key along a hi direction lands in the first part only
+    k = U[:, hi[0]]
+    assert np.abs((k @ rk)[n_hi:]).max() < 1e-12
+
+
+def _brute_minmax(x: np.ndarray, bits: int, clip: float) -> np.ndarray:
+    """One token's part by hand: range x clip, fp8 params rounded outward, round half up, clamp."""
+    lo, hi = x.min() * clip, x.max() * clip
+    zero = float(fp8_round(torch.tensor([lo], dtype=torch.float32), up=False).float())
+    scale = float(fp8_round(torch.tensor([max((hi - zero) / (2**bits - 1), 1e-8)], dtype=torch.float32), up=True).float())
+    codes = np.clip(np.floor((x - zero) / scale + 0.5), 0, 2**bits - 1)
+    return codes * scale + zero
+
+
+def test_mix_fake_quant_matches_brute_force():
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D = 2, 3, 5, 16
+    segs = [(0, 4, 3), (4, 16, 2)]
+    y = torch.randn(B, H, T, D, generator=g) * torch.linspace(3, 0.3, D)
+    clip = torch.tensor([[0.9, 0.8], [1.0, 0.7], [0.85, 1.0]])
+    got = cb.mix_fake_quant(y, segs, clip, FP8_PARAM).double().numpy()
+    yn = y.float().numpy()
+    want = np.empty_like(got)
+    for b, h, t in np.ndindex(B, H, T):
+        for j, (a, e, bits) in enumerate(segs):
+            want[b, h, t, a:e] = _brute_minmax(yn[b, h, t, a:e].astype(np.float64), bits, float(clip[h, j]))
+    assert np.allclose(got, want, atol=1e-6)
+    # 3 bits use 8 levels per part 1 token, 2 bits 4
+    assert len(np.unique(got[0, 0, 0, :4])) <= 8 and len(np.unique(got[0, 0, 0, 4:])) <= 4
+
+
+def test_mix_bits_through_the_memory_accounting():
+    """2.75 (keys: 16 x 3 + 48 x 2 codes + two fp8 scale/zero pairs) + 2.25 (values, fp8) = 2.5 at head_dim 64."""
+    from oscar.pipeline.models import load_config
+    from oscar.stats.artifact import QuantConfig, identity_artifact
+    from oscar.validate.methods import SERVING, bits_per_element, memory_row
+
+    config = load_config("smollm2-135m")
+    base = identity_artifact(config, QuantConfig(bits=2), clip=1.0)
+    D = base.head_dim
+    segs = cb.mix_segments(D)
+    assert segs == [(0, 16, 3), (16, 64, 2)]
+    assert cb.mix_bits_per_element(segs, FP8_PARAM, D) == (48 + 96 + 32) / 64 == 2.75
+    art = cb._derived(base, "oscar-mix-int2", {"kind": "mix", "segments": segs, "k_params": "fp8", "v_params": "fp8"}, {})
+    art.clip_k = [torch.ones(base.num_kv_heads, 2) for _ in range(base.num_layers)]
+    assert bits_per_element(art, D) == 2.5
+    assert memory_row("oscar-mix-int2", art, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
+    # the layer format: every layer's (key, value) widths counted, the budget filled by the DP
+    widths = [[3, 2]] * 12 + [[2, 2]] * 18
+    lay = cb._derived(base, "oscar-layer-int2", {"kind": "layers", "widths": widths}, {})
+    assert bits_per_element(lay, D) == pytest.approx((12 * 0.5 * (3.5 + 2.25) + 18 * 2.25) / 30) == 2.5
+    assert memory_row("oscar-layer-int2", lay, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
+
+
+def test_layer_widths_is_the_brute_force_optimum():
+    rng = np.random.default_rng(4)
+    L, O = 5, 4
+    costs = np.tile([2.25, 2.875, 3.375, 4.5], (L, 1))
+    for trial in range(6):
+        errs = np.sort(rng.exponential(1.0, (L, O)), axis=1)[:, ::-1].copy()  # wider = lower error
+        budget = [2.25, 2.5, 2.7, 3.0, 3.6, 4.5][trial]
+        got = cb.layer_widths(errs, costs, budget)
+        best = min((c for c in itertools.product(range(O), repeat=L) if costs[0][list(c)].mean() <= budget + 1e-12),
+                   key=lambda c: errs[np.arange(L), list(c)].sum())
+        assert math.isclose(errs[np.arange(L), got].sum(), errs[np.arange(L), list(best)].sum(), rel_tol=1e-12)
+        assert costs[0][got].mean() <= budget + 1e-12
+    with pytest.raises(Exception, match="no width"):
+        cb.layer_widths(errs, costs, 2.0)
+
+
+# ----------------------------------------------------------------- on a real (tiny) calibration store
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+    from oscar.stats.fit import FitConfig, fit
+
+    store = str(tmp_path_factory.mktemp("i16m") / "s.zarr")
+    calibrate(CalibConfig(model="tiny-llama", corpus="pydoc", store=store, seq_len=96, sink=4, seqs_per_block=2,
+                          tokens=4 * 96, reservoir=32, seed=1, threads=1), progress=False)
+    art = fit(store, FitConfig(variant="scaled", progress=False, threads=1))
+    art.meta["clip_tuning"] = {"chosen_factor": 1.2}
+    return art
+
+
+def test_mix_artifact_from_the_store(fitted):
+    """Per layer: the placement is the better rule on the calibration rows, the rotation is split_scaled_rotation
+    of the store's query eigenbasis, clips are the searched ones times the tune factor; LayerQuant runs it."""
+    from oscar.pipeline.models import load_config
+    from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
+    from oscar.validate.methods import LayerQuant, bits_per_element, method_artifact
+
+    config = load_config("tiny-llama")
+    art = method_artifact("oscar-mix-int2", config, fitted)
+    D, H, l = art.head_dim, art.num_kv_heads, 1
+    rec = art.meta["codec"]["layers"][l]
+    assert rec["placement"] in schemes.MIX_RULES and art.meta["codec"]["tune_factor"] == 1.2
+    ls = LayerStats(open_store(fitted.meta["provenance"]["store"]), l, ReduceConfig())
+    U = ls.eig("q")[1]
+    mu = fitted.k_mean[l].double().numpy()
+    Ck = ls.cov("k") - mu[:, :, None] * mu[:, None, :]
+    lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
+    sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
+    _, k, _ = cb._rows(ls, seed=l)
+    fit = schemes.mix_fit(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), cb.mix_segments(D), FP8_PARAM,
+                          np.round(np.arange(0.5, 1.0001, 0.05), 4))
+    assert fit[0] == rec["placement"]
+    assert torch.allclose(art.rot_k[l], fit[1].float()) and torch.allclose(art.rot_q[l], fit[2].float())
+    assert torch.allclose(art.clip_k[l], (fit[3] * 1.2).clamp(max=1.0))
+    assert (art.rot_q[l].double().transpose(-1, -2) @ art.rot_k[l].double() - torch.eye(D, dtype=torch.float64)).abs().max() < 1e-4
+    # LayerQuant = centre, rot_k, mix_fake_quant, back by rot_qᵀ; values at fp8 params
+    lq = LayerQuant(art, l)
+    x = torch.randn(1, H, 32, D, generator=torch.Generator().manual_seed(5))
+    m = art.k_mean[l][None, :, None, :]
+    want = cb.mix_fake_quant((x - m) @ art.rot_k[l], cb.mix_segments(D), art.clip_k[l], FP8_PARAM) @ art.rot_q[l].transpose(-1, -2) + m
+    assert torch.allclose(lq.keys(x), want, atol=1e-5)
+    assert bits_per_element(art, D) <= cb.oscar_bits(fitted)
+    assert np.allclose(rec["err_k"], fit[4], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["oscar-layer-int2", "oscar-mix-layer-int2"])
+def test_layer_artifact_from_the_store(fitted, name):
+    """The widths are layer_widths of the recorded error table at oscar-int2's bits; LayerQuant uses each layer's
+    format (oscar-mix-layer-int2: a "mix" layer is oscar-mix-int2's layer: rotation, clips, split keys)."""
+    from oscar.pipeline.models import load_config
+    from oscar.quant import fake_quant
+    from oscar.validate.methods import LayerQuant, bits_per_element, method_artifact
+
+    config = load_config("tiny-llama")
+    art = method_artifact(name, config, fitted)
+    c, D = art.meta["codec"], art.head_dim
+    opts = [tuple(o) for o in c["options"]]
+    assert (("mix", 2) in opts) == (name == "oscar-mix-layer-int2")
+    errs = np.array(c["err"])
+    kbits = lambda kb: (cb.mix_bits_per_element(cb.mix_segments(D), FP8_PARAM, D) if kb == "mix"  # noqa: E731
+                        else cb._layer_spec(fitted, kb).bits_per_element(D))
+    costs = np.array([[0.5 * (kbits(kb) + cb._layer_spec(fitted, vb).bits_per_element(D))
+                       for kb, vb in opts]] * art.num_layers)
+    assert [list(opts[o]) for o in cb.layer_widths(errs, costs, cb.oscar_bits(fitted))] == c["widths"]
+    assert bits_per_element(art, D) <= cb.oscar_bits(fitted) + 1e-12
+    assert c["err_total"] <= c["err_total_base"]  # never worse than every layer at the base width
+    # wider options have lower calibrated error than the base, on every layer (the table is not noise)
+    assert (errs[:, -1] < errs[:, 0]).all()
+    x = torch.randn(1, art.num_kv_heads, 16, D, generator=torch.Generator().manual_seed(6))
+    mix = method_artifact("oscar-mix-int2", config, fitted) if name == "oscar-mix-layer-int2" else None
+    for l, (kb, vb) in enumerate(c["widths"]):
+        lq = LayerQuant(art, l)
+        m = art.k_mean[l][None, :, None, :]
+        if kb == "mix":
+            assert torch.equal(art.rot_k[l], mix.rot_k[l]) and torch.equal(art.clip_k[l], mix.clip_k[l])
+            yq = cb.mix_fake_quant((x - m) @ art.rot_k[l], cb.mix_segments(D), art.clip_k[l], FP8_PARAM)
+        else:
+            assert torch.equal(art.rot_k[l], fitted.rot_k[l])
+            yq = fake_quant((x - m) @ art.rot_k[l], cb._layer_spec(fitted, kb), art.clip_k[l].view(-1, 1, 1))
+            if kb != fitted.quant.bits:
+                assert (art.clip_k[l] == 1).all()
+        assert torch.allclose(lq.keys(x), yq @ art.rot_q[l].transpose(-1, -2) + m, atol=1e-5)
+        vq = fake_quant(x @ art.rot_v[l], cb._layer_spec(fitted, vb), art.clip_v[l].view(-1, 1, 1)) @ art.rot_v[l].transpose(-1, -2)
+        assert torch.allclose(lq.values(x), vq, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["oracle", "production"])
+def test_ablation_mix_codec_is_the_model_level_quantizer(path):
+    """MixCodec (the synthetic ablation's oscar_mix) = mix_fake_quant in its rotated space, bits from the stored fields."""
+    from oscar.validate.ablation.schemes import Ctx, make_scheme
+
+    g = torch.Generator().manual_seed(7)
+    D = 32
+    ctx = Ctx(path, 0)
+    x = {n: (torch.randn(256, D, generator=g) * torch.linspace(2, 0.3, D)).to(ctx.dtype) for n in "qkv"}
+    te = torch.randn(64, D, generator=g).to(ctx.dtype) * 2
+    s = make_scheme("oscar_mix", 2).fit(x, ctx)
+    got, bk = s.k.roundtrip(te)
+    y = (te - s.k.mu) @ s.k.R
+    want = cb.mix_fake_quant(y[None, None], s.k.segments, s.k.clip, FP8_PARAM)[0, 0] @ s.k.Rinv + s.k.mu
+    assert torch.allclose(got, want, atol=1e-4)
+    assert bk == cb.mix_bits_per_element(s.k.segments, FP8_PARAM, D) and s.v.roundtrip(te)[1] == 2 + 16 / D
+    assert s.k.rule in schemes.MIX_RULES
