@@ -24,11 +24,10 @@ import torch
 
 
 def main(argv=None) -> int:
-    from oscar.quant import FP8_PARAM
     from oscar.stats.artifact import load_artifact
     from oscar.stats.fit import FitConfig
+    from oscar.stats.split import fit_split_keys, layer_inputs
     from oscar.validate import codebooks as cb
-    from oscar.validate.ablation.schemes import mix_fit
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", required=True, help="oscar-int2 artifact (scaled variant) whose store still exists")
@@ -40,16 +39,13 @@ def main(argv=None) -> int:
     store = cb._store_of(art, "placement bench")
     _, layers = cb._layer_stats(store, bool((art.meta.get("provenance") or {}).get("partial")))
     D, H = art.head_dim, art.num_kv_heads
-    segs = cb.mix_segments(D)
+    parts = cb.split_quant(art).key_parts(D)
     ratios = np.array(FitConfig().clip_ratios)
     per_rule: dict[str, list[float]] = {}
     base = []
     for l, ls in enumerate(layers):
-        U = ls.eig("q")[1]
         mu = art.k_mean[l].double().numpy()
-        Ck = ls.cov("k") - mu[:, :, None] * mu[:, None, :]
-        lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
-        sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
+        U, lam, sig2 = layer_inputs(ls, mu)
         _, k, _ = cb._rows(ls, seed=l)
         kc = k - torch.from_numpy(mu)[:, None, :]
         rules = {"lambda": lam, "lambda*sigma2": lam * sig2, "smallest lambda": -lam}
@@ -57,7 +53,7 @@ def main(argv=None) -> int:
         for s in range(a.random_seeds):
             rules[f"random {s}"] = rng.random(lam.shape)
         for name, score in rules.items():
-            err = mix_fit(U, lam, sig2, kc, ls.cov("q"), segs, FP8_PARAM, ratios, rules={name: score})[4]
+            err = fit_split_keys(U, lam, sig2, kc, ls.cov("q"), parts, ratios, rules={name: score}).err
             per_rule.setdefault(name, []).append(float(np.mean(err)))
         base.append(float(np.mean(art.meta["layers"][l]["clip"]["k"]["err"])))
     chosen = [min(e) for e in zip(per_rule["lambda"], per_rule["lambda*sigma2"])]
@@ -67,7 +63,7 @@ def main(argv=None) -> int:
     summary["oscar-mix-int2 (better of lambda, lambda*sigma2)"] = {
         "mean_err": float(np.mean(chosen)), "vs_oscar_int2": float(np.mean(np.array(chosen) / np.array(base)))}
     summary["oscar-int2 (one 2-bit part, fp16 params)"] = {"mean_err": float(np.mean(base)), "vs_oscar_int2": 1.0}
-    res = {"artifact": a.artifact, "store": store, "segments": segs, "objective": "relative q-weighted logit MSE "
+    res = {"artifact": a.artifact, "store": store, "parts": [(a_, b_, sp.bits) for a_, b_, sp in parts], "objective": "relative q-weighted logit MSE "
            "(stats/clip.py key objective), reservoir rows, per-part clips searched per placement, before the tune",
            "summary": summary, "per_layer": {**per_rule, "oscar-int2": base},
            "layers_where_chosen_beats_random_mean": int(sum(c < r for c, r in zip(chosen, rand))), "layers": len(base),

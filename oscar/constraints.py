@@ -27,9 +27,16 @@ def hadamard_supported(n: int) -> bool:
 
 
 def format_problems(head_dim: int, *, bits: int = 2, group_size: int | None = None, key_axis: str = "token",
-                    page_size: int = PAGE_SIZE, recent: int = RECENT, hadamard: bool = False) -> list[str]:
+                    page_size: int = PAGE_SIZE, recent: int = RECENT, hadamard: bool = False,
+                    key_split: int = 0) -> list[str]:
     """Why the cache format (QuantConfig fields) cannot store K/V of `head_dim` (empty: it can)."""
     D, out = int(head_dim), []
+    if key_split and (key_split % 8 or not 0 < key_split < D):
+        out.append(f"key_split {key_split} must be a multiple of 8 below head_dim {D} (the wide channels' top bits "
+                   f"are packed 8 per byte)")
+    if key_split and not (hadamard_supported(key_split) and hadamard_supported(D - key_split)):
+        out.append(f"split keys of {key_split} + {D - key_split} channels need a Hadamard of each order "
+                   f"(2^k, 12*2^k, 20*2^k)")
     if bits not in (1, 2, 4, 8):
         out.append(f"bits {bits} cannot be packed into bytes (1, 2, 4 or 8)")
     elif (D * bits) % 8:
@@ -48,7 +55,8 @@ def format_problems(head_dim: int, *, bits: int = 2, group_size: int | None = No
 def quant_problems(head_dim: int, quant: Any, *, hadamard: bool = False) -> list[str]:
     """format_problems of a QuantConfig-like object."""
     return format_problems(head_dim, bits=quant.bits, group_size=quant.group_size, key_axis=quant.key_axis,
-                           page_size=quant.page_size, recent=quant.recent, hadamard=hadamard)
+                           page_size=quant.page_size, recent=quant.recent, hadamard=hadamard,
+                           key_split=getattr(quant, "key_split", 0))
 
 
 def sliding_layers(config: Any) -> list[int]:

@@ -67,8 +67,8 @@ class QuantSpec:
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"  # how minmax mode applies `clip`
 
     def __post_init__(self):
-        if self.bits not in (1, 2, 4, 8):
-            raise ValueError(f"bits must be 1, 2, 4 or 8 (packable into bytes), got {self.bits}")
+        if not (isinstance(self.bits, int) and 1 <= self.bits <= 8):
+            raise ValueError(f"bits must be an integer in 1..8, got {self.bits!r}")
         if self.axis not in ("token", "channel"):
             raise ValueError(f"axis must be 'token' or 'channel', got {self.axis!r}")
         if self.mode not in ("minmax", "static"):
@@ -244,7 +244,10 @@ def fake_quant(x: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | No
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes (..., D) into (..., D * bits // 8) bytes."""
+    """Pack uint8 codes (..., D) into (..., D * bits // 8) bytes (bits 1, 2, 4 or 8: whole codes per byte;
+    a 3-bit code is stored as a 2-bit and a 1-bit plane, `pack_planes`)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"pack: {bits}-bit codes do not fit whole in a byte (1, 2, 4 or 8); see pack_planes")
     per = 8 // bits
     D = codes.shape[-1]
     if D % per:
@@ -256,7 +259,41 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack: (..., B) bytes -> (..., B * 8 // bits) uint8 codes."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"unpack: {bits}-bit codes do not fit whole in a byte (1, 2, 4 or 8)")
     per = 8 // bits
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
     c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+
+
+def pack_planes(codes: torch.Tensor, bits: int, wide: int) -> torch.Tensor:
+    """Codes (..., D) whose first `wide` channels have bits + 1 bits and the rest `bits` (a split key row)
+    -> bytes (..., D * bits // 8 + wide // 8): the low `bits` of every channel packed as `pack`, then the
+    top bit of the wide channels packed 8 per byte (channel c at byte c // 8, bit c % 8)."""
+    if wide % 8 or wide > codes.shape[-1]:
+        raise ValueError(f"pack_planes: {wide} wide channels must be a multiple of 8 and at most {codes.shape[-1]}")
+    c = codes.to(torch.int32)
+    low = pack((c & ((1 << bits) - 1)).to(torch.uint8), bits)
+    top = pack(((c[..., :wide] >> bits) & 1).to(torch.uint8), 1)
+    return torch.cat([low, top], -1)
+
+
+def unpack_planes(packed: torch.Tensor, bits: int, wide: int, D: int) -> torch.Tensor:
+    """Inverse of pack_planes: (..., D * bits // 8 + wide // 8) bytes -> (..., D) uint8 codes."""
+    nb = D * bits // 8
+    codes = unpack(packed[..., :nb], bits).to(torch.int32)
+    top = unpack(packed[..., nb:nb + wide // 8], 1).to(torch.int32)
+    codes[..., :wide] |= top << bits
+    return codes.to(torch.uint8)
+
+
+def fake_quant_parts(x: torch.Tensor, parts: list[tuple[int, int, QuantSpec]], clips: list) -> torch.Tensor:
+    """Channels [a, b) of x (..., T, D) as their own per-token group under `spec` and clip (a split key):
+    `fake_quant` of each part, in x's dtype."""
+    out = torch.empty_like(x, dtype=torch.float32)
+    xf = x.float()
+    for (a, b, spec), c in zip(parts, clips):
+        out[..., a:b] = fake_quant(xf[..., a:b].contiguous(), spec, c)
+    return out.to(x.dtype)
+

@@ -60,6 +60,9 @@ class QuantConfig:
     page_size: int = PAGE_SIZE
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
     param_dtype: Literal["float16", "float32", "float8_e4m3fn"] = "float16"  # float8_e4m3fn: 8-bit scale/zero
+    # split keys (issue 16): the first key_split rotated key channels at bits + 1 and the other D - key_split at
+    # bits, each part its own per-token (scale, zero); 0: one group (the original format)
+    key_split: int = 0
 
     def __post_init__(self):
         if self.clip_rule not in ("ratio", "row-quantile"):
@@ -69,6 +72,10 @@ class QuantConfig:
                              f"got {self.param_dtype!r}")
         if self.clip_rule == "row-quantile" and (self.mode != "minmax" or self.key_axis != "token"):
             raise OscarError("quant.clip_rule='row-quantile' clamps token rows: needs mode='minmax' and key_axis='token'")
+        if self.key_split < 0 or (self.key_split and (self.mode != "minmax" or self.key_axis != "token"
+                                                       or self.group_size or self.clip_rule != "ratio")):
+            raise OscarError(f"quant.key_split={self.key_split}: split keys are per-token min/max groups with ratio clips "
+                             "(mode='minmax', key_axis='token', group_size=None, clip_rule='ratio')")
 
     @property
     def torch_param_dtype(self) -> torch.dtype:
@@ -80,6 +87,28 @@ class QuantConfig:
             return QuantSpec(bits=self.bits, axis="channel", group_size=self.group_size or self.page_size,
                              param_dtype=self.torch_param_dtype)
         return self.value_spec(head_dim)
+
+    def key_parts(self, head_dim: int) -> list[tuple[int, int, QuantSpec]] | None:
+        """Split keys: [(0, key_split, wide spec), (key_split, D, spec)], channels [a, b) of the rotated key each
+        a per-token group; None for one group (key_spec)."""
+        if not self.key_split:
+            return None
+        sp = lambda b: QuantSpec(bits=b, param_dtype=self.torch_param_dtype)  # noqa: E731
+        return [(0, self.key_split, sp(self.bits + 1)), (self.key_split, head_dim, sp(self.bits))]
+
+    def key_bits(self, head_dim: int) -> float:
+        """Stored bits per key element of the history (codes and every scale/zero)."""
+        parts = self.key_parts(head_dim)
+        if parts is None:
+            return self.key_spec(head_dim).bits_per_element(head_dim)
+        return sum((b - a) * sp.bits_per_element(b - a) for a, b, sp in parts) / head_dim
+
+    def value_bits(self, head_dim: int) -> float:
+        return self.value_spec(head_dim).bits_per_element(head_dim)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """K and V averaged: what the history costs per element (the issue-16 budget reads this)."""
+        return 0.5 * (self.key_bits(head_dim) + self.value_bits(head_dim))
 
     def value_spec(self, head_dim: int) -> QuantSpec:
         if self.mode == "static":
@@ -124,6 +153,8 @@ class Artifact:
                 raise OscarError(f"artifact: {name} has {len(ts)} layers, rot_k has {L}")
             for l, t in enumerate(ts):
                 want = {"rot_k": (H, D, D), "rot_v": (H, D, D), "rot_q": (H, D, D), "k_mean": (H, D)}.get(name)
+                if name == "clip_k" and self.quant.key_split:
+                    want = (H, 2)  # one ratio per head and key part
                 ok = tuple(t.shape) == want if want else tuple(t.shape) in ((H,), (H, D))
                 if not ok:
                     raise OscarError(f"artifact: layers.{l}.{name} has shape {tuple(t.shape)}, expected {want or f'({H},) or ({H}, {D})'}")

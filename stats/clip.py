@@ -119,25 +119,30 @@ class ClipSearch:
 
 
 def search_layer(q: np.ndarray, k: np.ndarray, v: np.ndarray, Cq: np.ndarray, search: ClipSearch,
-                 seed: int = 0) -> tuple[ClipChoice, ClipChoice]:
+                 seed: int = 0, keys: bool = True) -> tuple[ClipChoice | None, ClipChoice]:
     """K and V clips for one layer. q, k, v: rotated reservoir rows (H, N, D); keys already centred
-    if the artifact centres them. Cq: rotated query second moment (H, D, D)."""
+    if the artifact centres them. Cq: rotated query second moment (H, D, D). keys=False: values only
+    (split keys search their parts themselves, stats/split.py), the key choice is None."""
     rng = np.random.default_rng(seed)
-
-    def pick(n_have, n):  # the same rows for k and v: reservoirs share positions
-        return slice(None) if n_have <= n else np.sort(rng.choice(n_have, n, replace=False))
-
+    pick = lambda n_have, n: reservoir_rows(n_have, n, rng)  # noqa: E731  the same rows for k and v
     kv_rows = pick(k.shape[1], search.max_rows)
     kt = torch.from_numpy(np.ascontiguousarray(k[:, kv_rows])).float()
     vt = torch.from_numpy(np.ascontiguousarray(v[:, kv_rows])).float()
     qt = torch.from_numpy(np.ascontiguousarray(q[:, pick(q.shape[1], search.max_queries)])).float()
     Cqt = torch.from_numpy(Cq).float()
     ks, vs = search.key_spec, search.value_spec
-    kc = candidates(ks, kt, search.ratios, search.fracs)
-    kc, ek = refine(lambda c: key_errors(kt, Cqt, ks, c), kc, kc.min(), kc.max())
+    gain = search.per_head_gain
+    ck = None
+    if keys:
+        kc = candidates(ks, kt, search.ratios, search.fracs)
+        kc, ek = refine(lambda c: key_errors(kt, Cqt, ks, c), kc, kc.min(), kc.max())
+        ck = choose(ek, kc, gain, ek[-1])  # the no-clip reference is the largest candidate (ratio 1 / max|x|)
     S = attention_probs(qt, kt, search.scale)
     vc = candidates(vs, vt, search.ratios, search.fracs)
     vc, ev = refine(lambda c: value_errors(vt, S, vs, c), vc, vc.min(), vc.max())
-    # the no-clip reference is the largest candidate (ratio 1 / max|x|), evaluated in the coarse grid
-    gain = search.per_head_gain
-    return choose(ek, kc, gain, ek[-1]), choose(ev, vc, gain, ev[-1])
+    return ck, choose(ev, vc, gain, ev[-1])
+
+
+def reservoir_rows(n_have: int, n: int, rng: np.random.Generator):
+    """The rows of a reservoir of n_have the search uses: all, or n sorted at random (K and V share them)."""
+    return slice(None) if n_have <= n else np.sort(rng.choice(n_have, n, replace=False))

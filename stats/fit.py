@@ -113,6 +113,11 @@ def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
         hadamard(D)  # raises the OscarError naming the alternatives
     fixed = variant.fixed  # a variant with its own format and fixed clip ratios (oscar-ref)
     quant = fixed.quant(cfg.quant) if fixed else cfg.quant
+    if variant.fmt:  # a variant that only makes sense for its own format (split)
+        quant = variant.fmt(quant, D)
+    if quant.key_split and variant.name != "split":
+        raise OscarError(f"quant.key_split={quant.key_split} needs the split variant's rotation (each key part mixed "
+                         f"within itself); variant {variant.name!r} mixes all channels: use --variant split")
     probs = quant_problems(D, quant)  # what the cache will require of this artifact, before any fitting
     if probs:
         raise OscarError(f"{store_path}: the cache format asked for (bits {quant.bits}, group_size {quant.group_size}, "
@@ -139,9 +144,23 @@ def _clips(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int)
         kc = T(k) - (T(rot.k_mean)[:, None, :] if rot.k_mean is not None else 0.0)
         q_r, k_r, v_r = ((x @ T(R)).numpy() for x, R in ((T(q), Rq), (kc, Rk), (T(v), Rv)))  # (H, N, D)
         Cq_r = (T(Rq).transpose(-1, -2) @ T(ls.cov("q")) @ T(Rq)).numpy()  # (H, D, D)
-        ck, cv = search_layer(q_r, k_r, v_r, Cq_r, fmt.search, seed=cfg.seed + l)
-        ck_t, cv_t = ck.clip, cv.clip
+        split = bool(quant.key_split)
+        ck, cv = search_layer(q_r, k_r, v_r, Cq_r, fmt.search, seed=cfg.seed + l, keys=not split)
+        cv_t = cv.clip
+        if split:  # each key part its own clip (H, 2), on the same rows as the search
+            from oscar.stats.clip import reservoir_rows
+            from oscar.stats.split import part_clips
+
+            rows = reservoir_rows(k_r.shape[1], cfg.clip_rows, np.random.default_rng(cfg.seed + l))
+            clip2, err = part_clips(T(k_r[:, rows]), T(Cq_r), quant.key_parts(ls.D), np.array(cfg.clip_ratios),
+                                    cfg.per_head_gain)
+            ck_t = clip2.numpy().astype(np.float64)
+            meta_clip["k"] = {"per_part": True, "err": [round(float(e), 6) for e in err]}
+        else:
+            ck_t = ck.clip
         for side, c in (("k", ck), ("v", cv)):
+            if c is None:
+                continue
             meta_clip[side] = {"per_head": c.per_head, "gain_per_head": round(c.gain_per_head, 5),
                                "err": [round(float(e), 6) for e in c.err],
                                "err_noclip": [round(float(e), 6) for e in c.err_noclip]}
@@ -149,7 +168,8 @@ def _clips(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int)
         if cfg.clip and cfg.quant.mode == "static":
             raise OscarError("static mode needs clip thresholds, but the store has no reservoir rows "
                              "(layers/{l}/{q,k,v}_res)")
-        ck_t = cv_t = np.ones(H)
+        ck_t = np.ones((H, 2)) if quant.key_split else np.ones(H)
+        cv_t = np.ones(H)
         meta_clip = {"searched": False}
     return ck_t, cv_t, meta_clip
 
@@ -171,8 +191,27 @@ class _LayerFit:
     eig_order: str
 
 
+def _place_split(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int) -> dict:
+    """The split variant's key rotation: the wide part placed by the rule of lower calibrated key error
+    (stats/split.py), on the rows the clip search uses. Returns the record."""
+    from oscar.stats.clip import reservoir_rows
+    from oscar.stats.split import fit_split_keys, layer_inputs
+
+    k = ls.rows("k")
+    if k is None:
+        raise OscarError(f"variant split places its wide key channels on the store's reservoir keys; layer {l} has none")
+    rows = reservoir_rows(k.shape[1], cfg.clip_rows, np.random.default_rng(cfg.seed + l))
+    kc = torch.from_numpy(np.ascontiguousarray(k[:, rows], dtype=np.float64)) - torch.from_numpy(rot.k_mean)[:, None, :]
+    U, lam, sig2 = layer_inputs(ls, rot.k_mean)
+    sf = fit_split_keys(U, lam, sig2, kc, ls.cov("q"), fmt.quant.key_parts(ls.D), np.array(cfg.clip_ratios),
+                        per_head_gain=cfg.per_head_gain)
+    rot.rot_k, rot.rot_q = sf.rot_k.numpy(), sf.rot_q.numpy()
+    return {"rule": sf.rule, "err_by_rule": {r: round(e, 6) for r, e in sf.errs.items()}}
+
+
 def _fit_layer(ls: LayerStats, l: int, cfg: FitConfig, variant, fmt: _Format, rng) -> _LayerFit:
     rot = variant.build(ls, rng)
+    split = _place_split(ls, rot, cfg, fmt, l) if rot.notes.get("split") else None
     fb = _fallbacks(rot, ls, cfg, l)
     # diagnostics always on C_Q and C_S (whatever the variant uses)
     wq, _, dq = ls.eig("q")
@@ -195,7 +234,8 @@ def _fit_layer(ls: LayerStats, l: int, cfg: FitConfig, variant, fmt: _Format, rn
         "estimator": ls.record["estimator"],
         "shrinkage": ls.record["shrinkage"],
         "clip": meta_clip,
-        "clip_k": [round(float(c), 6) for c in ck_t],
+        **({"split": split} if split else {}),
+        "clip_k": np.round(np.asarray(ck_t, dtype=np.float64), 6).tolist(),  # (H,), or (H, 2) split keys
         "clip_v": [round(float(c), 6) for c in cv_t],
     }
     return _LayerFit(

@@ -46,14 +46,17 @@ class Variant:
     build: Callable[..., Rotations]
     doc: str
     fixed: FixedFormat | None = None
+    # a variant whose rotation only makes sense for one cache format: (the user's QuantConfig, head_dim) ->
+    # the QuantConfig it stores with (split: key_split set, 8-bit scale/zero)
+    fmt: Callable[[Any, int], Any] | None = None
 
 
 VARIANTS: dict[str, Variant] = {}
 
 
-def register_variant(name: str, doc: str, fixed: FixedFormat | None = None):
+def register_variant(name: str, doc: str, fixed: FixedFormat | None = None, fmt: Callable | None = None):
     def deco(fn):
-        VARIANTS[name] = Variant(name, fn, doc, fixed)
+        VARIANTS[name] = Variant(name, fn, doc, fixed, fmt)
         return fn
     return deco
 
@@ -142,29 +145,27 @@ def _scaled(ls, rng) -> Rotations:
     return r
 
 
-def split_scaled_rotation(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The scaled variant per part, for a cache that stores two parts of a key at different widths.
+def split_width(head_dim: int) -> int:
+    """Wide key channels of the split format (stats/split.py): D/4 (TurboQuant's 32 of 128) rounded down to whole
+    bytes of top bits, at least one byte's worth (8: head_dim 16 splits 8 + 8)."""
+    return max(8, head_dim // 4 // 8 * 8)
 
-    U (D, D) query eigenvectors (columns), lam / sig2 (D,) as `importance_scales`; hi: indices of the
-    directions of the first (wider) part. Each part p (hi, then the rest, each in U's order) gets
-    U_p diag(d_p) H_p P_br with d_p from `importance_scales` over the part alone, so each part's
-    quantization noise is white and weighted as in `scaled`; H_p mixes only inside its part, so a
-    rotated coordinate belongs to one part. Returns (R_K, R_Q) (D, D), R_Q = R_K^{-T}: the blocks'
-    U_p are orthogonal to each other and H_p is orthogonal, so (q R_Q)·(k R_K) = q·k.
-    """
-    D = U.shape[-1]
-    hi = np.asarray(hi, dtype=np.int64)
-    rest = np.setdiff1d(np.arange(D), hi)  # ascending = U's descending-eigenvalue order
-    rk, rq = np.zeros((D, D)), np.zeros((D, D))
-    col = 0
-    for idx in (np.sort(hi), rest):
-        n = len(idx)
-        d = importance_scales(lam[idx][None], sig2[idx][None])[0]  # (n,)
-        M = mixer(n)  # raises HadamardUnsupported for a part size without a Hadamard
-        rk[:, col:col + n] = (U[:, idx] * d) @ M
-        rq[:, col:col + n] = (U[:, idx] / d) @ M
-        col += n
-    return rk, rq
+
+def _split_format(q, D: int):
+    """The split format of `split`: D/4 wide key channels (stats/split.py), 8-bit scale/zero for every part and
+    the values, so that the history stays at the INT2 budget (2.5 bits per element at D = 64)."""
+    from dataclasses import replace
+
+    return replace(q, key_split=split_width(D), param_dtype="float8_e4m3fn")
+
+
+@register_variant("split", "as scaled, but keys in two parts of the query eigenbasis: the D/4 directions of largest "
+                  "lambda or lambda*sigma^2 (per layer, by calibration error) one bit wider, each part scaled and "
+                  "Hadamard-mixed within itself; 8-bit scale/zero (issue 16, stats/split.py)", fmt=_split_format)
+def _split(ls, rng) -> Rotations:
+    r = _scaled(ls, rng)  # key mean, and a full-width rotation until the fit places the parts (fit._place_split)
+    r.notes["split"] = True
+    return r
 
 
 @register_variant("hadamard", "R_K = R_V = H P_br (no eigenbasis)")

@@ -11,7 +11,6 @@ import torch
 
 from oscar.quant import FP8_PARAM, fp8_round
 from oscar.validate import codebooks as cb
-from oscar.validate.ablation import schemes
 
 
 def _orthogonal(D: int, seed: int) -> np.ndarray:
@@ -22,7 +21,8 @@ def _orthogonal(D: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("D,n_hi", [(64, 16), (32, 8)])
 def test_split_rotation_is_the_scaled_variant_per_part(D, n_hi):
     from oscar.stats.hadamard import bitrev_perm, hadamard, perm_matrix
-    from oscar.stats.rotations import importance_scales, split_scaled_rotation
+    from oscar.stats.rotations import importance_scales
+    from oscar.stats.split import split_scaled_rotation
 
     rng = np.random.default_rng(1)
     U = _orthogonal(D, 2)
@@ -51,13 +51,17 @@ def _brute_minmax(x: np.ndarray, bits: int, clip: float) -> np.ndarray:
     return codes * scale + zero
 
 
-def test_mix_fake_quant_matches_brute_force():
+def test_split_fake_quant_matches_brute_force():
+    from oscar.quant import QuantSpec
+    from oscar.stats.split import split_fake_quant
+
     g = torch.Generator().manual_seed(3)
     B, H, T, D = 2, 3, 5, 16
     segs = [(0, 4, 3), (4, 16, 2)]
+    parts = [(a, b, QuantSpec(bits=bits, param_dtype=FP8_PARAM)) for a, b, bits in segs]
     y = torch.randn(B, H, T, D, generator=g) * torch.linspace(3, 0.3, D)
     clip = torch.tensor([[0.9, 0.8], [1.0, 0.7], [0.85, 1.0]])
-    got = cb.mix_fake_quant(y, segs, clip, FP8_PARAM).double().numpy()
+    got = split_fake_quant(y, parts, clip).double().numpy()
     yn = y.float().numpy()
     want = np.empty_like(got)
     for b, h, t in np.ndindex(B, H, T):
@@ -68,7 +72,7 @@ def test_mix_fake_quant_matches_brute_force():
     assert len(np.unique(got[0, 0, 0, :4])) <= 8 and len(np.unique(got[0, 0, 0, 4:])) <= 4
 
 
-def test_mix_bits_through_the_memory_accounting():
+def test_split_bits_through_the_memory_accounting():
     """2.75 (keys: 16 x 3 + 48 x 2 codes + two fp8 scale/zero pairs) + 2.25 (values, fp8) = 2.5 at head_dim 64."""
     from oscar.pipeline.models import load_config
     from oscar.stats.artifact import QuantConfig, identity_artifact
@@ -77,18 +81,36 @@ def test_mix_bits_through_the_memory_accounting():
     config = load_config("smollm2-135m")
     base = identity_artifact(config, QuantConfig(bits=2), clip=1.0)
     D = base.head_dim
-    segs = cb.mix_segments(D)
-    assert segs == [(0, 16, 3), (16, 64, 2)]
-    assert cb.mix_bits_per_element(segs, FP8_PARAM, D) == (48 + 96 + 32) / 64 == 2.75
-    art = cb._derived(base, "oscar-mix-int2", {"kind": "mix", "segments": segs, "k_params": "fp8", "v_params": "fp8"}, {})
+    q = cb.split_quant(base)
+    assert (q.key_split, q.param_dtype) == (16, "float8_e4m3fn")
+    assert [(a, b, sp.bits) for a, b, sp in q.key_parts(D)] == [(0, 16, 3), (16, 64, 2)]
+    assert q.key_bits(D) == (48 + 96 + 32) / 64 == 2.75 and q.value_bits(D) == 2.25 and q.bits_per_element(D) == 2.5
+    art = identity_artifact(config, q, clip=1.0)
     art.clip_k = [torch.ones(base.num_kv_heads, 2) for _ in range(base.num_layers)]
+    art.validate()
     assert bits_per_element(art, D) == 2.5
-    assert memory_row("oscar-mix-int2", art, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
+    assert memory_row("oscar-int2", art, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
     # the layer format: every layer's (key, value) widths counted, the budget filled by the DP
     widths = [[3, 2]] * 12 + [[2, 2]] * 18
     lay = cb._derived(base, "oscar-layer-int2", {"kind": "layers", "widths": widths}, {})
     assert bits_per_element(lay, D) == pytest.approx((12 * 0.5 * (3.5 + 2.25) + 18 * 2.25) / 30) == 2.5
     assert memory_row("oscar-layer-int2", lay, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
+    mixl = cb._derived(base, "oscar-mix-layer-int2", {"kind": "layers", "widths": [["mix", 2]] * 30}, {})
+    assert bits_per_element(mixl, D) == 2.5
+
+
+def test_split_format_is_refused_where_it_cannot_be_stored():
+    from oscar.common import OscarError
+    from oscar.constraints import format_problems
+    from oscar.stats.artifact import QuantConfig
+
+    assert format_problems(64, key_split=16) == []
+    assert any("multiple of 8" in p for p in format_problems(64, key_split=12))
+    assert any("Hadamard" in p for p in format_problems(64, key_split=8))  # 56 channels: no Hadamard of order 56
+    with pytest.raises(OscarError, match="key_split"):
+        QuantConfig(key_split=16, key_axis="channel", group_size=16)
+    with pytest.raises(OscarError, match="key_split"):
+        QuantConfig(key_split=16, clip_rule="row-quantile")
 
 
 def test_layer_widths_is_the_brute_force_optimum():
@@ -125,37 +147,59 @@ def fitted(tmp_path_factory):
 
 def test_mix_artifact_from_the_store(fitted):
     """Per layer: the placement is the better rule on the calibration rows, the rotation is split_scaled_rotation
-    of the store's query eigenbasis, clips are the searched ones times the tune factor; LayerQuant runs it."""
+    of the store's query eigenbasis, clips are the searched ones times the tune factor; the native split format
+    (QuantConfig.key_split), which LayerQuant runs."""
     from oscar.pipeline.models import load_config
     from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
+    from oscar.stats.split import SPLIT_RULES, fit_split_keys, layer_inputs, split_fake_quant
     from oscar.validate.methods import LayerQuant, bits_per_element, method_artifact
 
     config = load_config("tiny-llama")
     art = method_artifact("oscar-mix-int2", config, fitted)
     D, H, l = art.head_dim, art.num_kv_heads, 1
-    rec = art.meta["codec"]["layers"][l]
-    assert rec["placement"] in schemes.MIX_RULES and art.meta["codec"]["tune_factor"] == 1.2
+    assert art.quant.key_split == D // 4 and not art.meta.get("codec")
+    rec = art.meta["split"]["layers"][l]
+    assert rec["placement"] in SPLIT_RULES and art.meta["split"]["tune_factor"] == 1.2
     ls = LayerStats(open_store(fitted.meta["provenance"]["store"]), l, ReduceConfig())
-    U = ls.eig("q")[1]
     mu = fitted.k_mean[l].double().numpy()
-    Ck = ls.cov("k") - mu[:, :, None] * mu[:, None, :]
-    lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
-    sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
+    U, lam, sig2 = layer_inputs(ls, mu)
     _, k, _ = cb._rows(ls, seed=l)
-    fit = schemes.mix_fit(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), cb.mix_segments(D), FP8_PARAM,
-                          np.round(np.arange(0.5, 1.0001, 0.05), 4))
-    assert fit[0] == rec["placement"]
-    assert torch.allclose(art.rot_k[l], fit[1].float()) and torch.allclose(art.rot_q[l], fit[2].float())
-    assert torch.allclose(art.clip_k[l], (fit[3] * 1.2).clamp(max=1.0))
-    assert (art.rot_q[l].double().transpose(-1, -2) @ art.rot_k[l].double() - torch.eye(D, dtype=torch.float64)).abs().max() < 1e-4
-    # LayerQuant = centre, rot_k, mix_fake_quant, back by rot_qᵀ; values at fp8 params
+    sf = fit_split_keys(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), art.quant.key_parts(D),
+                        np.round(np.arange(0.5, 1.0001, 0.05), 4))
+    assert sf.rule == rec["placement"] and sf.errs[sf.rule] == min(sf.errs.values())
+    assert torch.allclose(art.rot_k[l], sf.rot_k.float()) and torch.allclose(art.rot_q[l], sf.rot_q.float())
+    assert torch.allclose(art.clip_k[l], (sf.clip * 1.2).clamp(max=1.0))
+    art.validate()  # rot_q = rot_k^{-T}, clip_k (H, 2)
+    # LayerQuant = centre, rot_k, split_fake_quant, back by rot_qᵀ; values at fp8 params
     lq = LayerQuant(art, l)
     x = torch.randn(1, H, 32, D, generator=torch.Generator().manual_seed(5))
     m = art.k_mean[l][None, :, None, :]
-    want = cb.mix_fake_quant((x - m) @ art.rot_k[l], cb.mix_segments(D), art.clip_k[l], FP8_PARAM) @ art.rot_q[l].transpose(-1, -2) + m
+    want = split_fake_quant((x - m) @ art.rot_k[l], art.quant.key_parts(D), art.clip_k[l]) @ art.rot_q[l].transpose(-1, -2) + m
     assert torch.allclose(lq.keys(x), want, atol=1e-5)
     assert bits_per_element(art, D) <= cb.oscar_bits(fitted)
-    assert np.allclose(rec["err_k"], fit[4], atol=1e-6)
+    assert np.allclose(rec["err_k"], sf.err, atol=1e-6)
+
+
+def test_fit_variant_split_is_the_native_format(fitted):
+    """`oscar fit --variant split`: the split format, the placement record, per-part clips on the rows of the
+    clip search, a valid artifact that survives save/load."""
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.stats.fit import FitConfig, fit
+    from oscar.stats.split import SPLIT_RULES
+
+    store = fitted.meta["provenance"]["store"]
+    art = fit(store, FitConfig(variant="split", progress=False, threads=1))
+    D, H = art.head_dim, art.num_kv_heads
+    assert art.quant.key_split == D // 4 and art.quant.param_dtype == "float8_e4m3fn"
+    assert all(tuple(c.shape) == (H, 2) for c in art.clip_k) and all(tuple(c.shape) == (H,) for c in art.clip_v)
+    assert all(m["split"]["rule"] in SPLIT_RULES for m in art.meta["layers"])
+    assert all(((c > 0) & (c <= 1)).all() for c in art.clip_k)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        save_artifact(art, f"{d}/a.safetensors")
+        back = load_artifact(f"{d}/a.safetensors")
+    assert back.quant == art.quant and all(torch.equal(a, b) for a, b in zip(back.clip_k, art.clip_k))
 
 
 @pytest.mark.parametrize("name", ["oscar-layer-int2", "oscar-mix-layer-int2"])
@@ -164,6 +208,7 @@ def test_layer_artifact_from_the_store(fitted, name):
     format (oscar-mix-layer-int2: a "mix" layer is oscar-mix-int2's layer: rotation, clips, split keys)."""
     from oscar.pipeline.models import load_config
     from oscar.quant import fake_quant
+    from oscar.stats.split import split_fake_quant
     from oscar.validate.methods import LayerQuant, bits_per_element, method_artifact
 
     config = load_config("tiny-llama")
@@ -172,7 +217,7 @@ def test_layer_artifact_from_the_store(fitted, name):
     opts = [tuple(o) for o in c["options"]]
     assert (("mix", 2) in opts) == (name == "oscar-mix-layer-int2")
     errs = np.array(c["err"])
-    kbits = lambda kb: (cb.mix_bits_per_element(cb.mix_segments(D), FP8_PARAM, D) if kb == "mix"  # noqa: E731
+    kbits = lambda kb: (cb.split_quant(fitted).key_bits(D) if kb == "mix"  # noqa: E731
                         else cb._layer_spec(fitted, kb).bits_per_element(D))
     costs = np.array([[0.5 * (kbits(kb) + cb._layer_spec(fitted, vb).bits_per_element(D))
                        for kb, vb in opts]] * art.num_layers)
@@ -188,7 +233,7 @@ def test_layer_artifact_from_the_store(fitted, name):
         m = art.k_mean[l][None, :, None, :]
         if kb == "mix":
             assert torch.equal(art.rot_k[l], mix.rot_k[l]) and torch.equal(art.clip_k[l], mix.clip_k[l])
-            yq = cb.mix_fake_quant((x - m) @ art.rot_k[l], cb.mix_segments(D), art.clip_k[l], FP8_PARAM)
+            yq = split_fake_quant((x - m) @ art.rot_k[l], cb.split_parts(art), art.clip_k[l])
         else:
             assert torch.equal(art.rot_k[l], fitted.rot_k[l])
             yq = fake_quant((x - m) @ art.rot_k[l], cb._layer_spec(fitted, kb), art.clip_k[l].view(-1, 1, 1))
@@ -201,7 +246,7 @@ def test_layer_artifact_from_the_store(fitted, name):
 
 @pytest.mark.parametrize("path", ["oracle", "production"])
 def test_ablation_mix_codec_is_the_model_level_quantizer(path):
-    """MixCodec (the synthetic ablation's oscar_mix) = mix_fake_quant in its rotated space, bits from the stored fields."""
+    """MixCodec (the synthetic ablation's oscar_mix) = split_fake_quant in its rotated space, bits from the stored fields."""
     from oscar.validate.ablation.schemes import Ctx, make_scheme
 
     g = torch.Generator().manual_seed(7)
@@ -212,7 +257,9 @@ def test_ablation_mix_codec_is_the_model_level_quantizer(path):
     s = make_scheme("oscar_mix", 2).fit(x, ctx)
     got, bk = s.k.roundtrip(te)
     y = (te - s.k.mu) @ s.k.R
-    want = cb.mix_fake_quant(y[None, None], s.k.segments, s.k.clip, FP8_PARAM)[0, 0] @ s.k.Rinv + s.k.mu
+    from oscar.stats.split import SPLIT_RULES, split_fake_quant
+
+    want = split_fake_quant(y[None, None], s.k.parts, s.k.clip)[0, 0] @ s.k.Rinv + s.k.mu
     assert torch.allclose(got, want, atol=1e-4)
-    assert bk == cb.mix_bits_per_element(s.k.segments, FP8_PARAM, D) and s.v.roundtrip(te)[1] == 2 + 16 / D
-    assert s.k.rule in schemes.MIX_RULES
+    assert bk == (8 * 3 + 24 * 2 + 32) / D and s.v.roundtrip(te)[1] == 2 + 16 / D
+    assert s.k.rule in SPLIT_RULES

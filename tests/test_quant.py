@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from oscar.quant import QuantSpec, choose_qparams, dequantize, fake_quant, pack, quantize, unpack
+from oscar.quant import FP8_PARAM, QuantSpec, choose_qparams, dequantize, fake_quant, pack, quantize, unpack
 
 
 def _brute(x, bits, G, ratio=None):
@@ -75,7 +75,9 @@ def test_bits_per_element_counts_metadata():
 
 def test_bad_specs_raise():
     with pytest.raises(ValueError, match="bits"):
-        QuantSpec(bits=3)
+        QuantSpec(bits=9)
+    with pytest.raises(ValueError, match="whole in a byte"):  # 3-bit codes are fake-quantized, packed as planes
+        pack(torch.zeros(2, 8, dtype=torch.uint8), 3)
     with pytest.raises(ValueError, match="group_size"):
         QuantSpec(axis="channel")
     with pytest.raises(ValueError, match="divide"):
@@ -197,3 +199,38 @@ def test_constant_group_dequantizes_to_its_value(axis, group):
         assert torch.equal(got[0, 1, :64, 5], x[0, 1, :64, 5])
     else:
         assert torch.equal(got[0, 0, 7], x[0, 0, 7])
+
+
+def test_pack_planes_round_trip_is_bit_exact():
+    """A split key row: 16 channels of 3-bit codes then 48 of 2-bit, packed as a 2-bit plane + a 1-bit plane."""
+    from oscar.quant import pack_planes, unpack_planes
+
+    g = torch.Generator().manual_seed(0)
+    D, wide = 64, 16
+    codes = torch.cat([torch.randint(0, 8, (5, 3, wide), generator=g), torch.randint(0, 4, (5, 3, D - wide), generator=g)], -1)
+    packed = pack_planes(codes.to(torch.uint8), 2, wide)
+    assert packed.shape == (5, 3, D // 4 + wide // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_planes(packed, 2, wide, D), codes.to(torch.uint8))
+    # the layout by hand: byte c // 4 holds the low 2 bits of channel c at bits 2 (c % 4); the top bit of wide
+    # channel c is bit c % 8 of byte D/4 + c // 8
+    c = codes[0, 0].tolist()
+    row = packed[0, 0].tolist()
+    for ch in range(D):
+        assert (row[ch // 4] >> (2 * (ch % 4))) & 3 == c[ch] & 3
+    for ch in range(wide):
+        assert (row[D // 4 + ch // 8] >> (ch % 8)) & 1 == c[ch] >> 2
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_planes(codes.to(torch.uint8), 2, 12)
+
+
+def test_fake_quant_parts_is_fake_quant_per_part():
+    from oscar.quant import fake_quant_parts
+
+    x = torch.randn(2, 3, 7, 64, generator=torch.Generator().manual_seed(1))
+    parts = [(0, 16, QuantSpec(bits=3, param_dtype=FP8_PARAM)), (16, 64, QuantSpec(bits=2, param_dtype=FP8_PARAM))]
+    clips = [torch.tensor([0.9, 1.0, 0.8]).view(-1, 1, 1), 0.7]
+    got = fake_quant_parts(x, parts, clips)
+    assert torch.equal(got[..., :16], fake_quant(x[..., :16].contiguous(), parts[0][2], clips[0]))
+    assert torch.equal(got[..., 16:], fake_quant(x[..., 16:].contiguous(), parts[1][2], clips[1]))
+    assert len(got[0, 0, 0, :16].unique()) <= 8 and len(got[0, 0, 0, 16:].unique()) <= 4
+

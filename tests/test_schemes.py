@@ -38,6 +38,12 @@ def expected_bpe(name: str, b: int, D: int, codec) -> tuple[float, float]:
         n = codec.k.n_out
         assert n == int((uni - (b + 16 / D)) * 16 * D // (16 + 9))
         return uni + n * (16 + 9) / (16 * D), b + 16 / D
+    if name == "oscar_mix":  # issue 16: split keys, D/4 channels one bit wider, an fp8 scale + zero per part;
+        # values with fp8 scale + zero: at equal bits to oscar_scaled (the K/V average of uni)
+        w = max(8, D // 4 // 8 * 8)
+        k, v = b + (w + 32) / D, b + 16 / D
+        assert 0.5 * (k + v) <= uni
+        return k, v
     if name in ("plain", "hadamard") or name.startswith("oscar"):
         return uni, uni
     if name == "kivi":

@@ -64,16 +64,15 @@ from oscar.common import OscarError
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
 from oscar.validate.ablation.schemes import (SPARSE_VALUE_BITS, allocate, codebook_quant, d_eff_gap, hadamard, lloyd_fit,
-                                             lm_fake_quant, lm_normalise, mix_bits_per_element, mix_fake_quant, mix_fit,
-                                             sparse_fake_quant, sparse_index_bits, sparse_outliers)
+                                             lm_fake_quant, lm_normalise, sparse_fake_quant, sparse_index_bits,
+                                             sparse_outliers)
 from oscar.validate.ablation.schemes import spec as any_bits_spec
 
-CODECS = ("tq", "sq", "lm", "sparse", "mix", "layers")
+CODECS = ("tq", "sq", "lm", "sparse", "layers")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
 BUDGET_BITS = 2.5  # issue 16: bits per element of the INT2 history, K and V averaged, everything counted
 LM_BITS = 2
-MIX_HI_BITS, MIX_LO_BITS = 3, 2  # oscar-mix-int2: TurboQuant's widths, placed by C_Q instead of at random
 LAYER_OPTIONS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 4))  # oscar-layer-int2: (key bits, value bits) per layer
 MIX_LAYER_OPTIONS = ((2, 2), ("mix", 2), (3, 2), ("mix", 3), (4, 2), (3, 3), (4, 4))  # + oscar-mix-int2's keys
 
@@ -122,7 +121,7 @@ class LayerCodec:
     clip: torch.Tensor | None = None  # sparse, uniform: (Hkv, 1, 1) ratio per head
     n_out: int = 0  # sparse: exact entries per page and head
     page: int = 0  # sparse: tokens per page (key chunks come in whole pages)
-    param_dtype: torch.dtype = torch.float16  # mix: every part's scale/zero
+    parts: list | None = None  # mix: split keys (QuantConfig.key_parts), clip (Hkv, parts)
 
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
@@ -135,7 +134,9 @@ class LayerCodec:
         if self.kind == "uniform":
             return fake_quant(y, self.spec, self.clip)
         if self.kind == "mix":
-            return mix_fake_quant(y, self.segments, self.clip, self.param_dtype)
+            from oscar.stats.split import split_fake_quant
+
+            return split_fake_quant(y, self.parts, self.clip)
         return sq_fake_quant(y, self.widths, self.std)
 
     def bits_per_element(self, D: int) -> float:
@@ -149,7 +150,7 @@ class LayerCodec:
         if self.kind == "uniform":
             return self.spec.bits_per_element(D)
         if self.kind == "mix":
-            return mix_bits_per_element(self.segments, self.param_dtype, D)
+            return sum((b - a) * sp.bits_per_element(b - a) for a, b, sp in self.parts) / D
         return float(self.widths.double().mean())
 
 
@@ -163,15 +164,10 @@ def layer_codecs(art: Artifact, layer: int) -> tuple[LayerCodec, LayerCodec, tor
     if c["kind"] == "tq":
         seg = [tuple(s) for s in c["segments"]]
         return LayerCodec("tq", segments=seg), LayerCodec("tq", segments=seg), None
-    if c["kind"] == "mix":  # oscar-mix-int2: split keys (own rotation), values as oscar-int2 with fp8 params
-        cv = LayerCodec("uniform", spec=_value_spec(art, c), clip=_head_clip(art.clip_v[layer], "clip_v"))
-        ck = LayerCodec("mix", segments=[tuple(x) for x in c["segments"]], clip=art.clip_k[layer].float(),
-                        param_dtype=_param_dtype(c["k_params"]))
-        return ck, cv, None
     if c["kind"] == "layers":  # oscar-layer-int2: oscar-int2's format at each layer's own widths
         kb, vb = c["widths"][layer]
         side = lambda bits, clip, name: LayerCodec("uniform", spec=_layer_spec(art, bits), clip=_head_clip(clip, name))  # noqa: E731
-        ck = (LayerCodec("mix", segments=[tuple(x) for x in c["segments"]], clip=art.clip_k[layer].float(), param_dtype=FP8_PARAM)
+        ck = (LayerCodec("mix", parts=split_parts(art), clip=art.clip_k[layer].float())
               if kb == "mix" else side(kb, art.clip_k[layer], "clip_k"))
         return ck, side(vb, art.clip_v[layer], "clip_v"), None
     if c["kind"] in ("lm", "sparse"):  # oscar-int2's artifact with another key format (issue 16)
@@ -354,14 +350,14 @@ def calib_rotated_keys(fitted: Artifact, method: str) -> list[torch.Tensor]:
 def oscar_bits(fitted: Artifact) -> float:
     """oscar-int2's own bits per element (K and V averaged): the budget of the equal-bits A/B (2.5 at head_dim 64)."""
     D = fitted.head_dim
-    return 0.5 * (fitted.quant.key_spec(D).bits_per_element(D) + fitted.quant.value_spec(D).bits_per_element(D))
+    return fitted.quant.bits_per_element(D)
 
 
 def lm_norm_group(fitted: Artifact, bits: int = LM_BITS) -> int:
     """Coordinates per fp16 norm that spend oscar-int2's key bits: 16 / (key bits - code bits), rounded up to
     a divisor of D (32 at head_dim 64: 2 + 16/32 = 2.5)."""
     D = fitted.head_dim
-    room = fitted.quant.key_spec(D).bits_per_element(D) - bits
+    room = fitted.quant.key_bits(D) - bits
     g = math.ceil(16 / room - 1e-9) if room > 0 else D
     while D % g:
         g += 1
@@ -396,10 +392,16 @@ def sparse_artifact(fitted: Artifact) -> Artifact:
 # ----------------------------------------------------------------- issue 16: bits across channels and across layers
 
 
-def mix_segments(D: int) -> list[tuple[int, int, int]]:
-    """oscar-mix-int2's split: the first D/4 rotated coordinates at 3 bits, the other 3D/4 at 2 (TurboQuant's widths)."""
-    n = D // 4
-    return [(0, n, MIX_HI_BITS), (n, D, MIX_LO_BITS)]
+def split_quant(fitted: Artifact) -> QuantConfig:
+    """oscar-int2's format with split keys (the `split` variant's: D/4 wide channels, 8-bit scale/zero everywhere)."""
+    from oscar.stats.rotations import get_variant
+
+    return get_variant("split").fmt(fitted.quant, fitted.head_dim)
+
+
+def split_parts(art: Artifact):
+    """The split key parts of oscar-mix-layer-int2's "mix" layers (QuantConfig.key_parts of `split_quant`)."""
+    return split_quant(art).key_parts(art.head_dim)
 
 
 def _rows(ls, max_kv: int = 1024, max_q: int = 128, seed: int = 0):
@@ -414,49 +416,52 @@ def _rows(ls, max_kv: int = 1024, max_q: int = 128, seed: int = 0):
     return T(q[:, pick(q.shape[1], max_q)]), T(k[:, kv]), T(v[:, kv])
 
 
+def _split_layer(fitted: Artifact, ls, l: int, quant: QuantConfig, ratios: np.ndarray):
+    """One layer's split keys from oscar-int2's key mean and the store (stats/split.py): SplitFit."""
+    from oscar.stats.split import fit_split_keys, layer_inputs
+
+    mu = fitted.k_mean[l].double().numpy()  # (H, D)
+    U, lam, sig2 = layer_inputs(ls, mu)
+    _, k, _ = _rows(ls, seed=l)
+    return fit_split_keys(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), quant.key_parts(fitted.head_dim), ratios)
+
+
 def mix_artifact(fitted: Artifact) -> Artifact:
-    """oscar-mix-int2 (hypothesis 2) from oscar-int2's artifact and its store.
+    """oscar-mix-int2 (hypothesis 2) from oscar-int2's artifact and its store: `oscar fit --variant split`'s format
+    (QuantConfig.key_split, stats/split.py) built on oscar-int2's key mean and value side, for an A/B on one store.
 
     Keys: per KV head the query eigenbasis U of the store, split into a 3-bit part of D/4 directions and a
-    2-bit part, each scaled and mixed within itself (`stats.rotations.split_scaled_rotation`), each its own
-    per-token min/max group with fp8 scale/zero. Which directions are wide is chosen per layer, on the
-    store's reservoir rows, between the issue's rule (the D/4 largest C_Q eigenvalues λ_i) and λ_i σ_i²
-    (a direction's share of the logit error at equal noise), by the fit's key objective. Clips: searched
-    per part by that objective, then scaled by the factor `oscar validate tune` chose for `fitted`.
+    2-bit part, each scaled and mixed within itself, each its own per-token min/max group with fp8 scale/zero;
+    the wide directions per layer by the better of λ_i and λ_i σ_i² on the reservoir rows; clips searched per
+    part by the fit's key objective, then scaled by the factor `oscar validate tune` chose for `fitted`.
     Values: oscar-int2's rotation and clips with fp8 scale/zero. 2.75 + 2.25 -> 2.5 bits at head_dim 64.
     """
     from oscar.stats.fit import FitConfig
 
-    D, H = fitted.head_dim, fitted.num_kv_heads
-    if fitted.quant.key_axis != "token" or fitted.k_mean is None or fitted.rot_q is None:
+    D = fitted.head_dim
+    if fitted.quant.key_axis != "token" or fitted.k_mean is None or fitted.rot_q is None or fitted.quant.key_split:
         raise OscarError("oscar-mix-int2 splits the scaled variant's per-token keys; --artifact must be an "
                          "`oscar fit --variant scaled` artifact with per-token key groups")
-    segs = mix_segments(D)
-    vspec = replace(fitted.quant.value_spec(D), param_dtype=FP8_PARAM)
-    bits = 0.5 * (mix_bits_per_element(segs, FP8_PARAM, D) + vspec.bits_per_element(D))
-    if bits > oscar_bits(fitted) + 1e-9:
-        raise OscarError(f"oscar-mix-int2 needs {bits:.3f} bits/element at head_dim {D}, over oscar-int2's {oscar_bits(fitted):.3f}")
+    quant = split_quant(fitted)
+    if quant.bits_per_element(D) > oscar_bits(fitted) + 1e-9:
+        raise OscarError(f"oscar-mix-int2 needs {quant.bits_per_element(D):.3f} bits/element at head_dim {D}, "
+                         f"over oscar-int2's {oscar_bits(fitted):.3f}")
     store = _store_of(fitted, "oscar-mix-int2")
     _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
     factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
     ratios = np.array(FitConfig().clip_ratios)
     rot_k, rot_q, clip_k, record = [], [], [], []
     for l, ls in enumerate(layers):
-        U = ls.eig("q")[1]  # (H, D, D) columns, descending
-        mu = fitted.k_mean[l].double().numpy()  # (H, D)
-        Ck = ls.cov("k") - mu[:, :, None] * mu[:, None, :]
-        lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
-        sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
-        _, k, _ = _rows(ls, seed=l)
-        kc = k - torch.from_numpy(mu)[:, None, :]
-        rule, rk, rq, clip, err = mix_fit(U, lam, sig2, kc, ls.cov("q"), segs, FP8_PARAM, ratios)
-        rot_k.append(rk.float()), rot_q.append(rq.float())
-        clip_k.append((clip * factor).clamp(max=1.0))
-        record.append({"placement": rule, "err_k": [round(float(e), 6) for e in err],
+        sf = _split_layer(fitted, ls, l, quant, ratios)
+        rot_k.append(sf.rot_k.float()), rot_q.append(sf.rot_q.float())
+        clip_k.append((sf.clip * factor).clamp(max=1.0))
+        record.append({"placement": sf.rule, "err_k": [round(float(e), 6) for e in sf.err],
                        "clip_k": [[round(float(c), 4) for c in row] for row in clip_k[-1]]})
-    out = _derived(fitted, "oscar-mix-int2", {"kind": "mix", "segments": segs, "k_params": "fp8", "v_params": "fp8",
-                                              "tune_factor": factor, "layers": record}, {})
-    return replace(out, rot_k=rot_k, rot_q=rot_q, clip_k=clip_k)
+    prov = dict(fitted.meta.get("provenance") or {})
+    meta = {**fitted.meta, "variant": "oscar-mix-int2", "base_variant": fitted.meta.get("variant"), "provenance": prov,
+            "split": {"built_from": "oscar-int2's artifact and store (validate/codebooks.py mix_artifact)",
+                      "tune_factor": factor, "layers": record}}
+    return replace(fitted, rot_k=rot_k, rot_q=rot_q, clip_k=clip_k, quant=quant, meta=meta)
 
 
 def layer_widths(errs: np.ndarray, costs: np.ndarray, budget: float) -> list[int]:
@@ -496,7 +501,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
 
     oscar-int2's rotations and grid per layer at one of `options` (key width, value width): the base width
     with fp8 scale/zero (2.25 bits), wider ones with fp16 (3.5 / 4.5) and no clip; key width "mix" is
-    oscar-mix-int2's split keys for that layer (its own rotation, `mix_fit`, clips x the tune factor).
+    oscar-mix-int2's split keys for that layer (its own rotation, `stats.split.fit_split_keys`, clips x the tune factor).
     Each layer's error for each option is its relative attention-output error ||Ŝ V̂ − S V||² / ||S V||²
     on the store's reservoir rows (S = softmax of the rows' q·k / sqrt(D)), averaged over KV heads; the
     widths minimise the summed error at oscar-int2's mean bits per element (`layer_widths`).
@@ -508,7 +513,10 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
         raise OscarError(f"{method} re-widths oscar-int2's per-token min/max groups; --artifact groups keys otherwise")
     store = _store_of(fitted, method)
     _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
-    base, segs = fitted.quant.bits, mix_segments(D)
+    from oscar.stats.split import split_fake_quant
+
+    base, squant = fitted.quant.bits, split_quant(fitted)
+    sparts = squant.key_parts(D)
     factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
     use_mix = any(kb == "mix" for kb, _ in options)
     errs, costs, mixes = [], [], []
@@ -522,24 +530,18 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
         o = S @ vr
         den = (o ** 2).sum((-1, -2))
         if use_mix:  # this layer's split keys, as mix_artifact builds them
-            U = ls.eig("q")[1]
-            m = mu[:, 0, :].numpy() if fitted.k_mean is not None else ls.mean("k")
-            Ck = ls.cov("k") - m[:, :, None] * m[:, None, :]
-            lam = np.einsum("hdi,hde,hei->hi", U, ls.cov("q"), U)
-            sig2 = np.einsum("hdi,hde,hei->hi", U, Ck, U)
-            _, rk_m, rq_m, clip_m, _ = mix_fit(U, lam, sig2, k - torch.from_numpy(m)[:, None, :], ls.cov("q"), segs,
-                                                FP8_PARAM, np.array(FitConfig().clip_ratios))
-            clip_m = (clip_m * factor).clamp(max=1.0)
-            mixes.append((rk_m.float(), rq_m.float(), clip_m))
-            kh_mix = mix_fake_quant(((k - torch.from_numpy(m)[:, None, :]) @ rk_m)[None].float(), segs, clip_m, FP8_PARAM)[0].double()
-            qr_mix = q @ rq_m  # logits q_r·k̂_r = q·k̂ - q·mu: softmax-invariant per query
+            sf = _split_layer(fitted, ls, l, squant, np.array(FitConfig().clip_ratios))
+            clip_m = (sf.clip * factor).clamp(max=1.0)
+            mixes.append((sf.rot_k.float(), sf.rot_q.float(), clip_m))
+            kh_mix = split_fake_quant(((k - mu) @ sf.rot_k).float(), sparts, clip_m).double()
+            qr_mix = q @ sf.rot_q  # logits q_r·k̂_r = q·k̂ - q·mu: softmax-invariant per query
         row_e, row_c = [], []
         for kb, vb in options:
             vs = _layer_spec(fitted, vb)
             vh = fake_quant(vr.float(), vs, fitted.clip_v[l].float().view(-1, 1, 1) if vb == base else 1.0).double()
             if kb == "mix":
                 Sh = torch.softmax(qr_mix @ kh_mix.transpose(-1, -2) / math.sqrt(D), -1)
-                kbits = mix_bits_per_element(segs, FP8_PARAM, D)
+                kbits = squant.key_bits(D)
             else:
                 ks = _layer_spec(fitted, kb)
                 kh = fake_quant(kr.float(), ks, fitted.clip_k[l].float().view(-1, 1, 1) if kb == base else 1.0).double()
@@ -563,7 +565,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
            "err": [[round(float(e), 6) for e in row] for row in errs],
            "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
            "err_total_base": round(float(errs[:, 0].sum()), 6),
-           **({"segments": segs, "tune_factor": factor} if use_mix else {})}
+           **({"split": squant.key_split, "tune_factor": factor} if use_mix else {})}
     out = _derived(fitted, method, rec, {})
     return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None or use_mix else None, clip_k=clip_k, clip_v=clip_v)
 

@@ -388,8 +388,7 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
     cb = codec_bits_per_element(art)
     if cb is not None:
         return cb
-    q = art.quant
-    return 0.5 * (q.key_spec(head_dim).bits_per_element(head_dim) + q.value_spec(head_dim).bits_per_element(head_dim))
+    return art.quant.bits_per_element(head_dim)
 
 
 # What each method is, and which knobs of the INT2 comparison it lacks and why (written into memory.json,
@@ -473,9 +472,13 @@ class LayerQuant:
 
         cb = layer_codecs(art, layer)
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
-        if cb:  # the codec reads its own clips (oscar-mix-int2's are per key part)
+        self.kparts = art.quant.key_parts(D)  # split keys (QuantConfig.key_split): two per-token groups
+        if cb:  # the codec reads its own clips
             self.key_group = codec_key_group(art, flush)
             self.clip_k = self.clip_v = None
+        elif self.kparts:
+            self.clip_k = art.clip_k[layer].float()  # (Hkv, 2): one ratio per head and part
+            self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
         else:
             self.clip_k = _clip_view(art.clip_k[layer].float(), self.kspec, D)
             self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
@@ -490,7 +493,14 @@ class LayerQuant:
         if self.k_mean is not None:
             x = x - self.k_mean
         xr = x if self.k_eye else x @ self.rot_k  # (B, Hkv, T, D)
-        xq = self.codec_k(xr) if self.codec_k else fake_quant(xr, self.kspec, self.clip_k)
+        if self.codec_k:
+            xq = self.codec_k(xr)
+        elif self.kparts:
+            from oscar.stats.split import split_fake_quant
+
+            xq = split_fake_quant(xr, self.kparts, self.clip_k)
+        else:
+            xq = fake_quant(xr, self.kspec, self.clip_k)
         if not self.k_eye:
             xq = xq @ self.unrot_k
         if self.k_mean is not None:

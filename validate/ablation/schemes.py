@@ -94,19 +94,9 @@ class Code:
 
 # ----------------------------------------------------------------------------- building blocks
 
-class AnyBitsSpec(QuantSpec):
-    """QuantSpec without the packability check: fake-quant at 3 bits (never packed)."""
-
-    def __post_init__(self):
-        if not 1 <= self.bits <= 8:
-            raise ValueError(f"bits must be in 1..8, got {self.bits}")
-        object.__setattr__(self, "bits", int(self.bits))
-        if self.axis == "channel" and not self.group_size:
-            raise ValueError("axis='channel' needs group_size (tokens per group)")
-
-
 def spec(bits: int, **kw) -> QuantSpec:
-    return QuantSpec(bits=bits, **kw) if bits in (1, 2, 4, 8) else AnyBitsSpec(bits=bits, **kw)
+    """The uniform grid at any width 1..8 (3-bit codes are fake-quantized here, never packed whole)."""
+    return QuantSpec(bits=int(bits), **kw)
 
 
 def hadamard(D: int) -> torch.Tensor:
@@ -263,81 +253,6 @@ def sparse_fake_quant(y: torch.Tensor, spec: QuantSpec, clip, n_out: int, page: 
     idx = err.topk(n_out, dim=-1, sorted=False).indices  # (B, H, P, n_out)
     out = xq.reshape(B, H, P, page * D).scatter(-1, idx, f16(x).reshape(B, H, P, page * D).gather(-1, idx))
     return out.reshape(B, H, T, D).to(y.dtype)
-
-
-def mix_bits_per_element(segments: list[tuple[int, int, int]], param_dtype: torch.dtype, D: int) -> float:
-    """Stored bits per element of a split key: each part's codes plus its own (scale, zero) per token."""
-    pbits = 2 * torch.finfo(param_dtype).bits
-    return sum((b - a) * bits + pbits for a, b, bits in segments) / D
-
-
-def mix_fake_quant(y: torch.Tensor, segments: list[tuple[int, int, int]], clip: torch.Tensor,
-                   param_dtype: torch.dtype) -> torch.Tensor:
-    """Issue 16's oscar-mix-int2 keys: y (B, Hkv, T, D) rotated; part j = coordinates [a, b) is its own per-token
-    min/max group at `bits` (`oscar.quant.fake_quant`, params in param_dtype) under clip[:, j] (Hkv, parts)."""
-    out = torch.empty_like(y, dtype=torch.float32)
-    x = y.float()
-    for j, (a, b, bits) in enumerate(segments):
-        c = clip[:, j].float().view(-1, 1, 1)  # (Hkv, 1, 1) onto (B, Hkv, T, 1 group)
-        out[..., a:b] = fake_quant(x[..., a:b].contiguous(), spec(bits, param_dtype=param_dtype), c)
-    return out.to(y.dtype)
-
-
-MIX_RULES = ("lambda", "lambda*sigma2")  # which query-eigenbasis directions get the wide part
-
-
-def _mix_clips(kr: torch.Tensor, Cq: torch.Tensor, segments, param_dtype, ratios: np.ndarray):
-    """Per part, the clip ratio per head minimising the q-weighted logit MSE of that part alone (the fit's key
-    objective, stats/clip.py), then the joint error of both parts at those clips: (clip (H, parts), err (H,))."""
-    from oscar.stats.clip import choose, refine
-
-    den = ((kr @ Cq) * kr).sum((-1, -2)).clamp_min(1e-30)  # (H,)
-
-    def err_of(e):  # e (H, N, D) error in the rotated space -> (H,) relative logit MSE
-        return (((e @ Cq) * e).sum((-1, -2)) / den).numpy()
-
-    clips = []
-    for a, b, bits in segments:
-        sp = spec(bits, param_dtype=param_dtype)
-
-        def part_err(cands, a=a, b=b, sp=sp):
-            out = []
-            for c in cands:
-                e = torch.zeros_like(kr)
-                e[..., a:b] = fake_quant(kr[..., a:b].contiguous(), sp, float(c)).to(kr.dtype) - kr[..., a:b]
-                out.append(err_of(e))
-            return np.stack(out)
-
-        cands, errs = refine(part_err, ratios, float(ratios.min()), float(ratios.max()))
-        clips.append(choose(errs, cands, 0.02, errs[-1]).clip)
-    clip = torch.from_numpy(np.stack(clips, -1)).float()  # (H, parts)
-    err = err_of(mix_fake_quant(kr[None].float(), segments, clip, param_dtype)[0].to(kr.dtype) - kr)
-    return clip, err
-
-
-def mix_fit(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, kc: torch.Tensor, Cq: np.ndarray, segments,
-            param_dtype: torch.dtype, ratios: np.ndarray, rules: dict[str, np.ndarray] | None = None):
-    """oscar-mix-int2's calibration for H heads: U (H, D, D) query eigenvectors, lam / sig2 (H, D) query energy
-    and centred key variance along them, kc (H, N, D) centred calibration keys (float64), Cq (H, D, D).
-
-    For each rule of MIX_RULES the wide part is the segments[0]-sized set of directions of largest λ_i
-    (the issue's rule) or λ_i σ_i² (a direction's logit-error share at equal noise); per rule the
-    rotation (`stats.rotations.split_scaled_rotation`) and per-part clips (`_mix_clips`); the rule of
-    lower summed calibration error wins; `rules` {name: score (H, D)} replaces MIX_RULES (bench/issue16_placement.py's
-    controls). Returns (rule, rot_k (H, D, D), rot_q, clip (H, parts), err (H,))."""
-    from oscar.stats.rotations import split_scaled_rotation
-
-    H, n_hi = U.shape[0], segments[0][1] - segments[0][0]
-    best = None
-    for rule, score in (rules or dict(zip(MIX_RULES, (lam, lam * sig2)))).items():
-        rs = [split_scaled_rotation(U[h], lam[h], sig2[h], np.argsort(-score[h], kind="stable")[:n_hi]) for h in range(H)]
-        rk = torch.from_numpy(np.stack([r[0] for r in rs]))  # (H, D, D)
-        rq = torch.from_numpy(np.stack([r[1] for r in rs]))
-        Cq_r = rq.transpose(-1, -2) @ torch.from_numpy(np.asarray(Cq, dtype=np.float64)) @ rq  # (H, D, D)
-        clip, err = _mix_clips(kc.double() @ rk, Cq_r, segments, param_dtype, ratios)
-        if best is None or err.sum() < best[4].sum():
-            best = (rule, rk, rq, clip, err)
-    return best
 
 
 # ----------------------------------------------------------------------------- codecs
@@ -559,32 +474,33 @@ class SparseCodec(UniformCodec):
 
 
 class MixCodec(Codec):
-    """Issue 16's oscar-mix-int2 keys (validate/codebooks.py, `mix_fit`): centred keys in the query eigenbasis,
-    D/4 directions at `hi_bits` and the rest at `bits`, each part scaled and Hadamard-mixed within itself and
-    stored as its own per-token min/max group with `param_dtype` scale/zero; placement and clips from the
-    calibration rows by the q-weighted logit objective."""
+    """Issue 16's split keys (`oscar fit --variant split`, stats/split.py) on one head: centred keys in the query
+    eigenbasis, D/4 directions at `hi_bits` and the rest at `bits`, each part scaled and Hadamard-mixed within
+    itself and stored as its own per-token min/max group with `param_dtype` scale/zero; placement and clips
+    from the calibration rows by the q-weighted logit objective (`fit_split_keys`)."""
 
     def __init__(self, bits: int, hi_bits: int = 3, param_dtype: torch.dtype = FP8_PARAM):
         self.bits, self.hi_bits, self.param_dtype = bits, hi_bits, param_dtype
 
     def fit(self, calib, role, ctx):
         from oscar.stats.fit import FitConfig
+        from oscar.stats.split import fit_split_keys, split_width
 
         super().fit(calib, role, ctx)
         q, k = calib["q"].double(), calib[role].double()
         D = k.shape[-1]
-        n = D // 4
-        self.segments = [(0, n, self.hi_bits), (n, D, self.bits)]
+        n = split_width(D)
+        self.parts = [(0, n, spec(self.hi_bits, param_dtype=self.param_dtype)), (n, D, spec(self.bits, param_dtype=self.param_dtype))]
         mu = k.mean(0)
         Cq = q.T @ q / q.shape[0]
         U = eigbasis(Cq)[1]  # (D, D) descending
         lam = ((q @ U) ** 2).mean(0)
         sig2 = (((k - mu) @ U) ** 2).mean(0)
-        self.rule, rk, rq, clip, _ = mix_fit(U.numpy()[None], lam.numpy()[None], sig2.numpy()[None], (k - mu)[None],
-                                             Cq.numpy()[None], self.segments, self.param_dtype,
-                                             np.array(FitConfig().clip_ratios))
-        self.R, self.Rinv = rk[0].to(ctx.dtype), rq[0].T.to(ctx.dtype)  # rot_k^{-1} = rot_qᵀ
-        self.mu, self.clip = mu.to(ctx.dtype), clip  # clip (1, parts)
+        sf = fit_split_keys(U.numpy()[None], lam.numpy()[None], sig2.numpy()[None], (k - mu)[None], Cq.numpy()[None],
+                            self.parts, np.array(FitConfig().clip_ratios))
+        self.rule = sf.rule
+        self.R, self.Rinv = sf.rot_k[0].to(ctx.dtype), sf.rot_q[0].T.to(ctx.dtype)  # rot_k^{-1} = rot_qᵀ
+        self.mu, self.clip = mu.to(ctx.dtype), sf.clip  # clip (1, parts)
         return self
 
     def encode(self, x):
@@ -592,18 +508,17 @@ class MixCodec(Codec):
 
         y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
         pb, fields = torch.finfo(self.param_dtype).bits, {}
-        for j, (a, b, bits) in enumerate(self.segments):
-            sp = spec(bits, param_dtype=self.param_dtype)
+        for j, (a, b, sp) in enumerate(self.parts):
             part = y[:, a:b].contiguous()
             s_, z = choose_qparams(part, sp, clip=float(self.clip[0, j]))
-            fields[f"codes{j}"], fields[f"scale{j}"], fields[f"zero{j}"] = (quantize(part, s_, z, sp), bits), (s_, pb), (z, pb)
+            fields[f"codes{j}"], fields[f"scale{j}"], fields[f"zero{j}"] = (quantize(part, s_, z, sp), sp.bits), (s_, pb), (z, pb)
         return Code(fields, tuple(x.shape))
 
     def decode(self, code):
         from oscar.quant import dequantize
 
-        parts = [dequantize(code[f"codes{j}"], code[f"scale{j}"], code[f"zero{j}"], spec(bits, param_dtype=self.param_dtype),
-                            dtype=self.ctx.dtype) for j, (a, b, bits) in enumerate(self.segments)]
+        parts = [dequantize(code[f"codes{j}"], code[f"scale{j}"], code[f"zero{j}"], sp, dtype=self.ctx.dtype)
+                 for j, (a, b, sp) in enumerate(self.parts)]
         return torch.cat(parts, -1) @ self.Rinv + self.mu
 
 
