@@ -1,7 +1,8 @@
 """Memory accounting for the KV cache: bytes per token by component, analytic and live.
 
 Components (all layers, K and V together):
-    codes        packed INT2 history codes                       bits/8 bytes per element
+    codes        packed INT2 history codes                       bits/8 bytes per element (+ 1/8 per wide
+                                                                 key channel of split keys)
     scales       scale + zero of the history (fp16, or 8-bit e4m3 in the *-fp8 formats)
                                                                  per token group / per channel-page
     sinks        the first `sink` tokens, 16-bit
@@ -43,6 +44,7 @@ class Format:
     recent: int = RECENT
     param_bytes: int = 2  # bytes of each stored scale and zero: 2 fp16, 1 e4m3 (QuantConfig.param_dtype)
     dtype_bytes: int = 2  # sink / recent / BF16 storage
+    key_split: int = 0  # split keys (QuantConfig.key_split): wide key channels, one more bit and a second param pair
 
     @property
     def param_dtype(self) -> str:
@@ -59,6 +61,9 @@ def default_formats(sink: int = SINK, recent: int = RECENT, page_size: int = PAG
         Format("int2-static", mode="static", **kw),  # artifact clips: no per-token metadata
         Format("int2-kivi", key_axis="channel", **kw),  # keys per channel over a page, values per token
         Format("int2-kivi-fp8", key_axis="channel", param_bytes=1, **kw),
+        # issue 16's split keys (oscar fit --variant split): D/4 key channels at 3 bits, every part and the values
+        # with 8-bit scale/zero; key_split -1 = the model's own D/4 (2.5 bits per element at D = 64)
+        Format("int2-split-fp8", param_bytes=1, key_split=-1, **kw),
     ]
 
 
@@ -68,7 +73,8 @@ def per_history_token(shapes: dict, f: Format) -> dict[str, float]:
     elems = 2 * L * H * D  # K and V
     if f.bits >= 16:
         return {"codes": elems * f.dtype_bytes, "scales": 0.0, "page_table": 0.0}
-    codes = elems * f.bits / 8
+    W = _split(f, D)
+    codes = elems * f.bits / 8 + L * H * W / 8  # + the top bits of the wide key channels
     pair = 2 * f.param_bytes  # scale + zero
     if f.mode == "static":
         scales = 0.0
@@ -76,8 +82,17 @@ def per_history_token(shapes: dict, f: Format) -> dict[str, float]:
         G = f.group_size or D
         v = L * H * (D // G) * pair  # per token and channel group
         k = L * H * D * pair / f.page_size if f.key_axis == "channel" else v  # KIVI: per channel per page
-        scales = k + v
+        scales = k + v + (L * H * pair if W else 0)  # split keys: a pair per key part
     return {"codes": codes, "scales": scales, "page_table": L * PAGE_TABLE_BYTES / f.page_size}
+
+
+def _split(f: Format, D: int) -> int:
+    """Wide key channels of a split format at head_dim D (key_split -1: the split variant's own D/4)."""
+    if f.key_split >= 0:
+        return f.key_split
+    from oscar.stats.rotations import split_width
+
+    return split_width(D)
 
 
 def total(shapes: dict, f: Format, context: int, batch: int = 1) -> dict[str, float]:
@@ -114,7 +129,7 @@ def report(config: Any, context: int = 32768, formats: list[Format] | None = Non
         hb = sum(h.values())
         tb = sum(t.values())
         rows.append({
-            "format": f.name, **{k: v for k, v in asdict(f).items() if k != "name"},
+            "format": f.name, **{k: v for k, v in asdict(f).items() if k != "name"}, "key_split": _split(f, shapes["head_dim"]),
             "bits_per_element": 16.0 * (h["codes"] + h["scales"]) / base if f.bits < 16 else 16.0,
             "history_bytes_per_token": h, "history_bytes_per_token_total": hb,
             "history_ratio_vs_bf16": hb / base, "history_ratio_codes_scales_vs_bf16": (h["codes"] + h["scales"]) / base,
@@ -201,10 +216,14 @@ def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: in
 
     s = attention_shapes(config)
     H, D, P = s["num_kv_heads"], s["head_dim"], f.page_size
+    W = _split(f, D)
     quant = QuantConfig(bits=f.bits, group_size=f.group_size, key_axis=f.key_axis, mode=f.mode, sink=f.sink,
-                        recent=f.recent, page_size=P, param_dtype=f.param_dtype)
+                        recent=f.recent, page_size=P, param_dtype=f.param_dtype, key_split=W)
     cfg = PagedConfig(quant, H, D, num_pages=-(-context // P), max_seqs=1, dtype=torch.bfloat16)
-    pool = PagedKVCache(cfg, [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])], quantizer=quantize_pages)
+    rots = [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])]
+    for r in rots if W else ():
+        r.clip_k = torch.ones(H, 2)  # a ratio per key part
+    pool = PagedKVCache(cfg, rots, quantizer=quantize_pages)
     seq = pool.new_sequence()
     g = torch.Generator().manual_seed(seed)
     for pc in pool.layers:

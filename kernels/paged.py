@@ -5,9 +5,12 @@ Per layer (one `PagedLayerCache` per attention layer; `PagedKVCache` groups them
     sink      (max_seqs, Hkv, S, D)        cfg.dtype  first S tokens, never quantized
     ring      (max_seqs, Hkv, R + P, D)    cfg.dtype  recent window (ring buffer)
     k_codes   (num_pages, Hkv, P, D*bits/8) uint8     packed INT2 history, 4 codes per byte
+              (num_pages, Hkv, P, D*bits/8 + W/8)     split keys (quant.key_split = W): the low 2 bits of every
+                                                      channel, then the top bit of the W wide ones (pack_planes)
     v_codes   (num_pages, Hkv, P, D*bits/8) uint8
     k_scale, k_zero   fp16 (cfg.quant.torch_param_dtype: float8_e4m3fn for 8-bit params, float32 for the published format), by mode:
         minmax / token axis : (num_pages, Hkv, P, D // G)   one pair per token and channel group
+        split keys          : (num_pages, Hkv, P, 2)        one pair per token and key part (wide, narrow)
         minmax / channel    : (num_pages, Hkv, D)           KIVI: one pair per channel per page
         static              : (Hkv, D)                      layer constants from the artifact clips
     v_scale, v_zero   as keys with the token axis (never channel)
@@ -78,7 +81,8 @@ class PagedConfig:
     max_pages_per_seq: int | None = None  # block table width; None = num_pages
     # derived
     ring_size: int = field(init=False)  # R + P slots per sequence
-    packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row
+    packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row (values; keys unless split)
+    k_packed_dim: int = field(init=False)  # key bytes per token row: + key_split // 8 top bits for split keys
 
     def __post_init__(self):
         q, D = self.quant, self.head_dim
@@ -101,8 +105,15 @@ class PagedConfig:
             raise OscarError(f"key_axis='channel' groups keys over group_size={q.group_size} tokens but pages hold "
                              f"{P}: the cache groups per page, set page_size = group_size")
         self.value_spec.group(D)  # raises if group_size does not divide head_dim
+        if q.key_split:
+            from oscar.constraints import quant_problems
+
+            probs = [p for p in quant_problems(D, q) if "key_split" in p]
+            if probs:
+                raise OscarError("; ".join(probs))
         self.ring_size = q.recent + P
         self.packed_dim = D * q.bits // 8
+        self.k_packed_dim = self.packed_dim + q.key_split // 8
         self.max_pages_per_seq = self.max_pages_per_seq or self.num_pages
 
     @classmethod
@@ -122,6 +133,11 @@ class PagedConfig:
     @property
     def value_spec(self) -> QuantSpec:
         return self.quant.value_spec(self.head_dim)
+
+    @property
+    def key_parts(self) -> list[tuple[int, int, QuantSpec]] | None:
+        """Split keys: [(0, W, wide spec), (W, D, spec)] (QuantConfig.key_parts); None otherwise."""
+        return self.quant.key_parts(self.head_dim)
 
     @property
     def groups(self) -> int:
@@ -228,10 +244,15 @@ def _clip_layout(clip: torch.Tensor, cfg: PagedConfig, axis: str) -> torch.Tenso
         if not bool((c > 0).all()):
             raise OscarError("static mode needs positive clip thresholds (got a value <= 0)")
         return c.expand(H, D).reshape(H, 1, D)
-    if clip.dim() != 1 or clip.shape[0] != H:
+    split = axis == "k" and cfg.quant.key_split
+    if split and tuple(clip.shape) != (H, 2):
+        raise OscarError(f"split keys need one clip ratio per KV head and key part ({H}, 2), got shape {tuple(clip.shape)}")
+    if not split and (clip.dim() != 1 or clip.shape[0] != H):
         raise OscarError(f"minmax mode needs one clip ratio per KV head, got shape {tuple(clip.shape)}")
     if not bool(((clip > 0) & (clip <= 1)).all()):
         raise OscarError("minmax clip ratios must lie in (0, 1]")
+    if split:
+        return clip.float().reshape(1, H, 1, 2)  # part j: [..., j:j + 1] over (N, Hkv, P, 1)
     return clip.float().reshape(1, H, 1, 1)  # over (N, Hkv, P, groups) or (N, Hkv, D, 1)
 
 
@@ -284,12 +305,12 @@ class PagedLayerCache:
         self.qp = QuantParams.build(cfg, rot)
         z8 = lambda *s: torch.zeros(*s, dtype=torch.uint8, device=dev)  # noqa: E731
         z16 = lambda *s: torch.zeros(*s, dtype=cfg.quant.torch_param_dtype, device=dev)  # noqa: E731  scale/zero storage
-        self.k_codes, self.v_codes = z8(N, H, P, cfg.packed_dim), z8(N, H, P, cfg.packed_dim)
+        self.k_codes, self.v_codes = z8(N, H, P, cfg.k_packed_dim), z8(N, H, P, cfg.packed_dim)
         if cfg.quant.mode == "static":
             self.k_scale, self.k_zero = self.qp.k_static
             self.v_scale, self.v_zero = self.qp.v_static
         else:
-            kshape = (N, H, D) if cfg.quant.key_axis == "channel" else (N, H, P, cfg.groups)
+            kshape = (N, H, D) if cfg.quant.key_axis == "channel" else (N, H, P, 2 if cfg.quant.key_split else cfg.groups)
             self.k_scale, self.k_zero = z16(*kshape), z16(*kshape)
             self.v_scale, self.v_zero = z16(N, H, P, cfg.groups), z16(N, H, P, cfg.groups)
         fz = lambda *s: torch.zeros(*s, dtype=cfg.dtype, device=dev)  # noqa: E731

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oscar.kernels.paged import layout
-from oscar.quant import choose_qparams, dequantize, pack, quantize, unpack
+from oscar.quant import choose_qparams, dequantize, pack, pack_planes, quantize, unpack, unpack_planes
 
 if TYPE_CHECKING:
     from oscar.kernels.paged import PagedLayerCache
@@ -29,6 +29,15 @@ def quantize_page_tensors(cache: PagedLayerCache, x: torch.Tensor, which: str):
     shaped like the pool's (None in static mode, where they are layer constants).
     """
     cfg, qp = cache.cfg, cache.qp
+    if which == "k" and cfg.key_parts:  # split keys: each part its own per-token group, codes as two planes
+        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        ss, zs = [], []
+        for j, (a, b, sp) in enumerate(cfg.key_parts):
+            part = x[..., a:b].float().contiguous()
+            s, z = choose_qparams(part, sp, qp.clip_k[..., j:j + 1])  # (N, Hkv, P, 1)
+            codes[..., a:b] = quantize(part, s, z, sp)
+            ss.append(s), zs.append(z)
+        return pack_planes(codes, cfg.quant.bits, cfg.quant.key_split), torch.cat(ss, -1), torch.cat(zs, -1)
     spec = qp.k_spec if which == "k" else qp.v_spec
     clip = qp.clip_k if which == "k" else qp.clip_v
     static = qp.k_static if which == "k" else qp.v_static
@@ -56,6 +65,11 @@ def quantize_pages(cache: PagedLayerCache, ids: torch.Tensor, k: torch.Tensor, v
 def dequantize_pages(cache: PagedLayerCache, ids: torch.Tensor, which: str) -> torch.Tensor:
     """Pages (N,) of the pool back to float32 (N, Hkv, P, D), rotated space."""
     cfg, qp = cache.cfg, cache.qp
+    if which == "k" and cfg.key_parts:
+        codes = unpack_planes(cache.k_codes[ids], cfg.quant.bits, cfg.quant.key_split, cfg.head_dim)  # (N, Hkv, P, D)
+        s, z = cache.k_scale[ids], cache.k_zero[ids]  # (N, Hkv, P, 2)
+        return torch.cat([dequantize(codes[..., a:b], s[..., j:j + 1], z[..., j:j + 1], sp)
+                          for j, (a, b, sp) in enumerate(cfg.key_parts)], -1)
     spec = qp.k_spec if which == "k" else qp.v_spec
     codes = unpack(getattr(cache, f"{which}_codes")[ids], cfg.quant.bits)  # (N, Hkv, P, D)
     if cfg.quant.mode == "static":
@@ -172,8 +186,20 @@ def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
     ids = torch.tensor(cache.pages[seq], dtype=torch.int64, device=q_rot.device)
     npg = len(ids)
     n = npg * P
-    kc = _codes_f32(torch.index_select(cache.k_codes, 0, ids).transpose(0, 1), cfg.quant.bits, "k")  # (Hkv, np, P, D)
+    kpk = torch.index_select(cache.k_codes, 0, ids).transpose(0, 1)  # (Hkv, np, P, packed)
+    W = cfg.quant.key_split
+    kc = _codes_f32(kpk[..., :cfg.packed_dim], cfg.quant.bits, "k")  # (Hkv, np, P, D): the low bits of every channel
     vc = _codes_f32(torch.index_select(cache.v_codes, 0, ids).transpose(0, 1), cfg.quant.bits, "v")
+    if W:  # split keys: + 2^bits x the top bit of the W wide channels; q.k = sum over parts of s_j (q_j . c_j) + z_j sum q_j
+        kc[..., :W] += _codes_f32(kpk[..., cfg.packed_dim:], 1, "k_top") * (1 << cfg.quant.bits)
+        s = cache.k_scale[ids].float().transpose(0, 1).reshape(H, 1, n, 2)
+        z = cache.k_zero[ids].float().transpose(0, 1).reshape(H, 1, n, 2)
+        kf = kc.reshape(H, n, D)
+        logits = 0
+        for j, (a, b, _) in enumerate(cfg.key_parts):
+            dots = q_rot[..., a:b] @ kf[..., a:b].transpose(-1, -2)  # (Hkv, G, n)
+            logits = logits + dots * s[..., j] + q_rot[..., a:b].sum(-1, keepdim=True) * z[..., j]
+        return logits, _values(cache, ids, vc, n)
     if cfg.quant.mode == "static":  # s, z (Hkv, D): fold the scale into q, the zero is a constant
         s, z = cache.k_scale.float().unsqueeze(1), cache.k_zero.float().unsqueeze(1)  # (Hkv, 1, D)
         logits = (q_rot * s) @ kc.reshape(H, n, D).transpose(-1, -2) + (q_rot * z).sum(-1, keepdim=True)
@@ -197,7 +223,13 @@ def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
         else:
             dots = torch.einsum("hgxe,hnxe->hgnx", qg, kc.reshape(H, n, NG, D // NG))
             logits = (dots * s).sum(-1) + (qg.sum(-1).unsqueeze(2) * z).sum(-1)
-    NG = cfg.groups
+    return logits, _values(cache, ids, vc, n)
+
+
+def _values(cache: PagedLayerCache, ids: torch.Tensor, vc: torch.Tensor, n: int):
+    """p (Hkv, G, n) -> sum_t p_t v_t (Hkv, G, D) over the per-token INT2 value pages `ids` (codes vc as float)."""
+    cfg = cache.cfg
+    H, D, NG = cfg.num_kv_heads, cfg.head_dim, cfg.groups
     vs = cache.v_scale[ids].float().transpose(0, 1).reshape(H, 1, n, NG)
     vz = cache.v_zero[ids].float().transpose(0, 1).reshape(H, 1, n, NG)
     vcg = vc.reshape(H, n, NG, D // NG)
@@ -210,7 +242,7 @@ def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
             o = torch.einsum("hgnx,hnxe->hgxe", w, vcg).reshape(H, -1, D)
         return o + (p.unsqueeze(-1) * vz).sum(2).repeat_interleave(D // NG, -1)
 
-    return logits, values
+    return values
 
 
 def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], scale: float | None = None,

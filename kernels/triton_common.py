@@ -10,8 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# how a side's scale/zero are laid out (the kernels' MODE constexprs)
-MODE_TOKEN, MODE_CHANNEL, MODE_STATIC = 0, 1, 2
+# how a side's scale/zero are laid out (the kernels' MODE constexprs); MODE_SPLIT: split keys (QuantConfig.key_split),
+# a per-token pair for the wide part and one for the rest, codes as a 2-bit plane + the wide part's top bits
+MODE_TOKEN, MODE_CHANNEL, MODE_STATIC, MODE_SPLIT = 0, 1, 2, 3
 
 
 def pow2_at_least(n: int, lo: int = 16) -> int:

@@ -17,6 +17,9 @@ One query token per sequence, B sequences of different lengths. Three launches:
 Context layout per sequence is recomputed from its length (paged.layout), so the
 kernel only needs lengths, block tables and sequence slots.
 
+Split keys (QuantConfig.key_split = W, K_MODE 3): codes = the INT2 plane + 4 x the top bit of the W wide channels,
+two per-token (scale, zero) pairs, the logit factored per part (see the kernel).
+
 8-bit scale/zero (cfg.quant.torch_param_dtype = float8_e4m3fn, PARAM_FP8=True) are read as bytes
 through a uint8 view and decoded to fp32 in registers (a few integer ops per parameter,
 i.e. per token and group, or per channel and page for KIVI keys): no native fp8 type is
@@ -33,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar.kernels.triton_common import MODE_CHANNEL, MODE_STATIC, MODE_TOKEN, e4m3_value, pow2_at_least
+from oscar.kernels.triton_common import MODE_CHANNEL, MODE_SPLIT, MODE_STATIC, MODE_TOKEN, e4m3_value, pow2_at_least
 from oscar.quant import FP8_PARAM
 
 if TYPE_CHECKING:
@@ -134,13 +137,15 @@ def _decode_split_kernel(
     stride_bt,  # block table row (indexed by sequence slot)
     stride_sb, stride_sh, stride_st,  # sink (max_seqs, Hkv, S, D); ring has the same strides but its own token count
     stride_rb, stride_rh, stride_rt,
-    stride_cn, stride_ch, stride_ct,  # codes (pool, Hkv, P, D/4): INT2 only
+    stride_cn, stride_ch, stride_ct,  # key codes (pool, Hkv, P, D/4 [+ W/8 top-bit bytes for split keys]): INT2 only
+    stride_vcn, stride_vch, stride_vct,  # value codes (pool, Hkv, P, D/4)
     stride_ksn, stride_ksh, stride_kst,  # key params: token (pool, Hkv, P, NG) | channel (pool, Hkv, D) | static (Hkv, D)
     stride_vsn, stride_vsh, stride_vst,  # value params: token | static
     D: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     G_SIZE: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
     MIN_PAGES: tl.constexpr, DOT_FP16: tl.constexpr, PARAM_FP8: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+    W: tl.constexpr = 0,  # split keys (K_MODE 3): the first W channels are 3-bit, their top bits after the D/4 bytes
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -220,6 +225,14 @@ def _decode_split_kernel(
         q2 = tl.load(qrow + c2[None, :], mask=qm, other=0.0) * qk_scale
         q3 = tl.load(qrow + c3[None, :], mask=qm, other=0.0) * qk_scale
         qsum = tl.sum(q0 + q1 + q2 + q3, axis=1)  # (BLOCK_G,) multiplies per-token zeros
+        if K_MODE == 3:
+            # split keys, two per-token pairs: q.k_t = s_w (q_w . c_t) + s_n (q_n . c_t) + z_w sum(q_w) + z_n sum(q_n),
+            # q_w = q on the wide channels (c < W, codes lo2 + 4 top), q_n = q on the rest; still no per-element scaling
+            w0, w1, w2, w3 = (c0 < W)[None, :], (c1 < W)[None, :], (c2 < W)[None, :], (c3 < W)[None, :]
+            q0w, q1w, q2w, q3w = tl.where(w0, q0, 0.0), tl.where(w1, q1, 0.0), tl.where(w2, q2, 0.0), tl.where(w3, q3, 0.0)
+            q0n, q1n, q2n, q3n = q0 - q0w, q1 - q1w, q2 - q2w, q3 - q3w
+            qsum_w = tl.sum(q0w + q1w + q2w + q3w, axis=1)
+            qsum_n = qsum - qsum_w
         if K_MODE == 2:  # static: fold the per-channel scale into q, the zero into a constant
             ks0, kz0 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c0, b_mask)
             ks1, kz1 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c1, b_mask)
@@ -238,10 +251,22 @@ def _decode_split_kernel(
             page = tl.load(BLOCK_TABLES + slot * stride_bt + t // P, mask=valid, other=0).to(tl.int64)
             row = t % P
             m2 = valid[:, None] & b_mask[None, :]
-            cptr = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct + offs_b[None, :]
-            kb = tl.load(K_CODES + cptr, mask=m2, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_B) packed
-            vb = tl.load(V_CODES + cptr, mask=m2, other=0).to(tl.int32)
-            if K_FACT:
+            krow = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct
+            kb = tl.load(K_CODES + krow + offs_b[None, :], mask=m2, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_B) packed
+            vptr = page[:, None] * stride_vcn + h * stride_vch + row[:, None] * stride_vct + offs_b[None, :]
+            vb = tl.load(V_CODES + vptr, mask=m2, other=0).to(tl.int32)
+            if K_MODE == 3:
+                sp = page * stride_ksn + h * stride_ksh + row * stride_kst
+                k0 = _split_code(kb, 0, K_CODES, krow, c0, m2, D, W)
+                k1 = _split_code(kb, 1, K_CODES, krow, c1, m2, D, W)
+                k2 = _split_code(kb, 2, K_CODES, krow, c2, m2, D, W)
+                k3 = _split_code(kb, 3, K_CODES, krow, c3, m2, D, W)
+                dw = _dot_t(q0w, k0, DOT_FP16) + _dot_t(q1w, k1, DOT_FP16) + _dot_t(q2w, k2, DOT_FP16) + _dot_t(q3w, k3, DOT_FP16)
+                dn = _dot_t(q0n, k0, DOT_FP16) + _dot_t(q1n, k1, DOT_FP16) + _dot_t(q2n, k2, DOT_FP16) + _dot_t(q3n, k3, DOT_FP16)
+                s_w, z_w = _param(K_SCALE, sp, valid, PARAM_FP8), _param(K_ZERO, sp, valid, PARAM_FP8)
+                s_n, z_n = _param(K_SCALE, sp + 1, valid, PARAM_FP8), _param(K_ZERO, sp + 1, valid, PARAM_FP8)
+                sc = dw * s_w[None, :] + dn * s_n[None, :] + qsum_w[:, None] * z_w[None, :] + qsum_n[:, None] * z_n[None, :]
+            elif K_FACT:
                 sc = _dot_t(q0, _code(kb, 0), DOT_FP16) + _dot_t(q1, _code(kb, 1), DOT_FP16)
                 sc += _dot_t(q2, _code(kb, 2), DOT_FP16) + _dot_t(q3, _code(kb, 3), DOT_FP16)
                 if K_MODE == 0:
@@ -316,6 +341,16 @@ def _decode_split_kernel(
 def _code(packed, I: tl.constexpr):
     """Sub-tile I of packed INT2 rows: the codes of channels 4j + I, as float (exact)."""
     return ((packed >> (2 * I)) & 3).to(tl.float32)
+
+
+@triton.jit
+def _split_code(packed, I: tl.constexpr, K_CODES, krow, chan, m2, D: tl.constexpr, W: tl.constexpr):
+    """Sub-tile I of split keys: the low 2 bits of channels chan = 4j + I from the packed row, plus 4x the top
+    bit of the wide ones (chan < W: bit chan % 8 of byte D/4 + chan // 8 of the same row), as float (exact)."""
+    wide = chan < W
+    tb = tl.load(K_CODES + krow + D // 4 + (chan // 8)[None, :], mask=m2 & wide[None, :], other=0).to(tl.int32)
+    top = (tb >> (chan % 8)[None, :]) & 1
+    return (((packed >> (2 * I)) & 3) + 4 * top).to(tl.float32)
 
 
 @triton.jit
@@ -439,6 +474,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     assert D == cfg.head_dim and Hq % H == 0, f"q {tuple(q.shape)} vs cache Hkv={H}, D={cfg.head_dim}"
     assert q.device == cache.k_codes.device, f"q on {q.device}, cache on {cache.k_codes.device}"
     assert cfg.quant.bits == 2 and D % 4 == 0, "the fused decode kernel reads INT2 codes (4 per byte); other widths: reference"
+    assert cfg.quant.key_split % 8 == 0, f"split keys need whole top-bit bytes, got key_split={cfg.quant.key_split}"
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dev = q.device
@@ -458,6 +494,8 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     o_part = torch.empty(B, Hq, splits + 1, D, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, Hq, splits + 1, dtype=torch.float32, device=dev)
     k_mode = MODE_STATIC if cfg.quant.mode == "static" else (MODE_CHANNEL if cfg.quant.key_axis == "channel" else MODE_TOKEN)
+    if cfg.quant.key_split:
+        k_mode = MODE_SPLIT
     v_mode = MODE_STATIC if cfg.quant.mode == "static" else MODE_TOKEN
     kst, vst = _param_strides(cache.k_scale), _param_strides(cache.v_scale)
     fp8 = cfg.quant.torch_param_dtype == FP8_PARAM and cfg.quant.mode != "static"  # static constants stay fp16
@@ -475,10 +513,11 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         cache.sink_k.stride(0), cache.sink_k.stride(1), cache.sink_k.stride(2),
         cache.ring_k.stride(0), cache.ring_k.stride(1), cache.ring_k.stride(2),
         cache.k_codes.stride(0), cache.k_codes.stride(1), cache.k_codes.stride(2),
+        cache.v_codes.stride(0), cache.v_codes.stride(1), cache.v_codes.stride(2),
         kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
         D=D, GROUP=G, P=cfg.quant.page_size, SINK=cfg.quant.sink, RECENT=cfg.quant.recent, G_SIZE=cfg.quant.group_size or D,
         K_MODE=k_mode, V_MODE=v_mode, MIN_PAGES=max(1, config.min_pages_per_split), DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
-        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=pow2_at_least(D // 4),
+        BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=pow2_at_least(D // 4), W=cfg.quant.key_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -1,6 +1,7 @@
 """Triton kernel (a): rotate + quantize + pack whole pages into the pool.
 
-One program per (page, KV head) quantizes P tokens x D channels. The work is laid
+One program per (page, KV head) quantizes P tokens x D channels (split keys, MODE_SPLIT: two per-token
+groups of unequal width, the wide one's top bits in W/8 extra bytes per row). The work is laid
 out as PER = 8 // BITS strided column tiles: tile i holds channels j*PER + i for
 j < D*BITS/8, so the byte j of a token is sum_i code_i(j) << (BITS*i) and packing
 needs no reshape (works for any D that is a multiple of PER, power of two or not).
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from oscar.common import OscarError
-from oscar.kernels.triton_common import MODE_CHANNEL, MODE_STATIC, MODE_TOKEN, e4m3_bits, e4m3_value, pow2_at_least
+from oscar.kernels.triton_common import MODE_CHANNEL, MODE_SPLIT, MODE_STATIC, MODE_TOKEN, e4m3_bits, e4m3_value, pow2_at_least
 from oscar.quant import FP8_PARAM
 
 if TYPE_CHECKING:
@@ -107,6 +108,29 @@ def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, 
 
 
 @triton.jit
+def _split_part_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, PART: tl.constexpr, offs_t, offs_j, offs_e, t_mask,
+                       j_mask, e_mask, D: tl.constexpr, W: tl.constexpr, PER: tl.constexpr, LEVELS: tl.constexpr,
+                       ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr,
+                       FP8: tl.constexpr):
+    """Split keys: (scale, zero) of part PART (0: channels [0, W), 1: [W, D)) for every token, stored and fp32."""
+    lo = tl.full((BLOCK_P,), float("inf"), tl.float32)
+    hi = tl.full((BLOCK_P,), float("-inf"), tl.float32)
+    for i in tl.static_range(PER):
+        offs_c = offs_j * PER + i
+        x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
+                       D, ROTATE, CENTER, ROUND)
+        if PART == 0:
+            in_p = offs_c < W
+        else:
+            in_p = offs_c >= W
+        in_g = t_mask[:, None] & (j_mask & in_p)[None, :]
+        lo = tl.minimum(lo, tl.min(tl.where(in_g, x, float("inf")), axis=1))
+        hi = tl.maximum(hi, tl.max(tl.where(in_g, x, float("-inf")), axis=1))
+    r = tl.load(CLIP + h * 2 + PART)  # clip_k (Hkv, 2): a ratio per head and part
+    return _params(lo * r, hi * r, LEVELS, FP8)
+
+
+@triton.jit
 def _quantize_pages_kernel(
     X, R, MEAN, CLIP, SSTAT, ZSTAT, PAGE_IDS, CODES, SCALE, ZERO,
     stride_xn, stride_xh,  # X: (N, Hkv, P, D) contiguous in (P, D)
@@ -115,6 +139,7 @@ def _quantize_pages_kernel(
     P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
     MODE: tl.constexpr, ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, FP8: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+    W: tl.constexpr = 0, BLOCK_W: tl.constexpr = 16,  # split keys: wide channels, a block over their W/8 top-bit bytes
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -134,7 +159,38 @@ def _quantize_pages_kernel(
     valid = t_mask[:, None] & j_mask[None, :]
 
     byte = tl.zeros((BLOCK_P, BLOCK_B), tl.int32)
-    if MODE == 0:
+    if MODE == 3:
+        # split keys: part 0 (channels < W) at BITS + 1, part 1 at BITS, each its own per-token pair (stored at
+        # group 0 / 1). The low BITS of every code go to the byte tiles as usual; the top bit of the wide
+        # channels to W/8 more bytes, channel c at bit c % 8 of byte D*BITS/8 + c // 8 (quant.pack_planes)
+        LEV_W: tl.constexpr = (1 << (BITS + 1)) - 1
+        s0, z0, sf0, zf0 = _split_part_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 0, offs_t, offs_j, offs_e,
+                                              t_mask, j_mask, e_mask, D, W, PER, LEV_W, ROTATE, CENTER, ROUND, BLOCK_P, FP8)
+        s1, z1, sf1, zf1 = _split_part_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 1, offs_t, offs_j, offs_e,
+                                              t_mask, j_mask, e_mask, D, W, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P, FP8)
+        so = page * stride_sn + h * stride_sh + offs_t * stride_st
+        tl.store(SCALE + so, s0, mask=t_mask)
+        tl.store(ZERO + so, z0, mask=t_mask)
+        tl.store(SCALE + so + 1, s1, mask=t_mask)
+        tl.store(ZERO + so + 1, z1, mask=t_mask)
+        for i in tl.static_range(PER):
+            offs_c = offs_j * PER + i
+            x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
+                           D, ROTATE, CENTER, ROUND)
+            code = tl.where((offs_c < W)[None, :], _code(x, sf0[:, None], zf0[:, None], LEV_W),
+                            _code(x, sf1[:, None], zf1[:, None], LEVELS))
+            byte += (code & LEVELS) << (BITS * i)
+        offs_m = tl.arange(0, BLOCK_W)  # top-bit byte column
+        m_mask = offs_m < W // 8
+        top = tl.zeros((BLOCK_P, BLOCK_W), tl.int32)
+        for i in tl.static_range(8):
+            offs_c = offs_m * 8 + i
+            x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, m_mask, e_mask,
+                           D, ROTATE, CENTER, ROUND)
+            top += ((_code(x, sf0[:, None], zf0[:, None], LEV_W) >> BITS) & 1) << i
+        to = page * stride_cn + h * stride_ch + offs_t[:, None] * stride_ct + NB + offs_m[None, :]
+        tl.store(CODES + to, top.to(tl.uint8), mask=t_mask[:, None] & m_mask[None, :])
+    elif MODE == 0:
         # token groups: per group g, its fp16 params from the group's range (one pass over the
         # PER column tiles), then the codes of its channels (a second pass)
         for g in tl.static_range(NG):
@@ -202,6 +258,10 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
     x = x.contiguous()
     rot = cache.rot
     mode = MODE_STATIC if cfg.quant.mode == "static" else (MODE_CHANNEL if which == "k" and cfg.quant.key_axis == "channel" else MODE_TOKEN)
+    W = cfg.quant.key_split if which == "k" else 0
+    if W:
+        assert cfg.quant.bits == 2 and W % 8 == 0, f"split keys: INT2 with whole top-bit bytes, got {cfg.quant}"
+        mode = MODE_SPLIT
     codes = getattr(cache, f"{which}_codes")
     scale, zero = getattr(cache, f"{which}_scale"), getattr(cache, f"{which}_zero")
     clip = (rot.clip_k if which == "k" else rot.clip_v).float().contiguous()
@@ -218,9 +278,10 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
         x, R.contiguous(), rot.k_mean if center else clip, clip, scale, zero, ids.to(torch.int32), codes, scale, zero,
         x.stride(0), x.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
-        ss[0], ss[1], ss[2] if mode == MODE_TOKEN else 0,
+        ss[0], ss[1], ss[2] if mode in (MODE_TOKEN, MODE_SPLIT) else 0,
         P=P, D=D, G=G, NG=D // G, BITS=cfg.quant.bits, MODE=mode, ROTATE=do_rotate, CENTER=center and do_rotate,
         ROUND=round_code, FP8=fp8, BLOCK_P=pow2_at_least(P), BLOCK_D=pow2_at_least(D), BLOCK_B=pow2_at_least(cfg.packed_dim),
+        W=W, BLOCK_W=pow2_at_least(max(W // 8, 1)),
     )
 
 

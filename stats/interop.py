@@ -70,6 +70,8 @@ def unsupported_parts(art: Artifact) -> list[str]:
         out.append("static scales (mode=static)")
     if art.quant.key_axis != "token":
         out.append(f"key grouping axis {art.quant.key_axis!r}")
+    if art.quant.key_split:
+        out.append(f"split keys (key_split={art.quant.key_split}: the first channels one bit wider, clip_k per part)")
     return out
 
 

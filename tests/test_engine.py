@@ -43,7 +43,7 @@ def _rot_artifact(config, quant, seed=1):
         d = torch.rand(a.num_kv_heads, 1, a.head_dim, generator=g) * 2 + 0.3
         a.rot_k[l], a.rot_v[l] = q * d, q.flip(-1)
         a.rot_q.append(q / d)
-        a.clip_k[l] = torch.full((a.num_kv_heads,), 0.9)
+        a.clip_k[l] = torch.full((a.num_kv_heads, 2) if quant.key_split else (a.num_kv_heads,), 0.9)
     a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
     return a
 
@@ -52,6 +52,7 @@ QUANTS = {
     "token": QuantConfig(bits=2, page_size=16),
     "channel": QuantConfig(bits=2, key_axis="channel", group_size=16, page_size=16),
     "published": QuantConfig(bits=2, page_size=8, clip_rule="row-quantile", param_dtype="float32"),
+    "split": QuantConfig(bits=2, page_size=16, key_split=8, param_dtype="float8_e4m3fn"),  # issue 16's split keys
 }
 
 
@@ -180,7 +181,8 @@ def test_tiny_niah_answers_are_the_decode_semantics_reading(tiny, quant):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch):
+@pytest.mark.parametrize("quant", ["token", "split"])
+def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch, quant):
     """With the dispatcher forced to Triton (interpreted on CPU): decode attention and page quantization
     are the Triton kernels; the window NLL and the needle answer still match the simulator."""
     pytest.importorskip("triton")
@@ -188,7 +190,7 @@ def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch):
 
     monkeypatch.setenv("OSCAR_KERNELS", "triton")
     assert dispatch.backend("cpu") == "triton"
-    art = _rot_artifact(tiny.config, QUANTS["token"])
+    art = _rot_artifact(tiny.config, QUANTS[quant])
     ids = torch.randint(0, 97, (1, 96), generator=torch.Generator().manual_seed(4))
     p = Protocol("t", sink=8, recent=16)
     with simulated(tiny, art, engine.simulator_protocol(p)):

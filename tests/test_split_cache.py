@@ -1,0 +1,198 @@
+"""Split keys in the paged cache (QuantConfig.key_split, issue 16): the stored format against brute force, the
+reference decode on the codes against the dequantize-everything oracle, the Triton kernels against the reference
+(under TRITON_INTERPRET=1), and the memory accounting."""
+
+import os
+
+import pytest
+import torch
+
+from oscar.kernels import reference as ref
+from oscar.kernels.dispatch import quantize_pages
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
+from oscar.quant import FP8_PARAM, pack_planes, unpack_planes
+from oscar.stats.artifact import QuantConfig
+from oscar.stats.split import split_fake_quant
+
+
+def split_rotation(H, D, seed, W):
+    """Block rotations (a W-part and a D-W part, each with its own scaled-orthogonal transform), a key mean,
+    per-part clips: the shape `oscar fit --variant split` produces."""
+    g = torch.Generator().manual_seed(seed)
+    qr = lambda n: torch.linalg.qr(torch.randn(H, n, n, generator=g))[0]  # noqa: E731
+    U = qr(D)
+    d = torch.rand(H, 1, D, generator=g) * 2 + 0.5
+    M = torch.zeros(H, D, D)
+    M[:, :W, :W], M[:, W:, W:] = qr(W), qr(D - W)
+    rk, rq = (U * d) @ M, (U / d) @ M
+    clip = torch.stack([torch.rand(H, generator=g) * 0.3 + 0.7, torch.rand(H, generator=g) * 0.3 + 0.7], -1)  # (H, 2)
+    return LayerRotation(rot_k=rk, rot_v=qr(D), clip_k=clip, clip_v=torch.full((H,), 0.9), k_mean=torch.randn(H, D, generator=g),
+                         rot_q=rq)
+
+
+def make(H=2, D=32, W=8, P=4, S=3, R=8, pages=48, seqs=4, seed=0, dtype=torch.bfloat16, param_dtype="float8_e4m3fn",
+         device="cpu"):
+    quant = QuantConfig(page_size=P, sink=S, recent=R, key_split=W, param_dtype=param_dtype)
+    cfg = PagedConfig(quant, H, D, num_pages=pages, max_seqs=seqs, dtype=dtype, device=device)
+    rot = split_rotation(H, D, seed, W)
+    if device != "cpu":
+        rot = LayerRotation(**{k: getattr(rot, k).to(device) for k in ("rot_k", "rot_v", "clip_k", "clip_v", "k_mean", "rot_q")})
+    return PagedLayerCache(cfg, rot, quantizer=quantize_pages)
+
+
+def tokens(H, T, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H, T, D, generator=g) * 2, torch.randn(H, T, D, generator=g)
+
+
+@pytest.mark.parametrize("pd", ["float8_e4m3fn", "float16"])
+def test_split_pages_are_split_fake_quant_bit_exact(pd):
+    """Each page's keys read back as split_fake_quant of the rotated keys (per part: its own per-token group
+    under its clip); the row layout is pack_planes'; values are the usual per-token groups."""
+    from oscar.quant import QuantSpec, fake_quant
+
+    H, D, W, P, S = 2, 32, 8, 4, 3
+    c = make(param_dtype=pd)
+    assert c.cfg.k_packed_dim == D // 4 + W // 8 and c.cfg.packed_dim == D // 4
+    assert tuple(c.k_scale.shape[-1:]) == (2,) and tuple(c.v_scale.shape[-1:]) == (1,)
+    k, v = tokens(H, 30, D, 1)
+    s = c.new_sequence()
+    c.append(s, k, v)
+    got_k, got_v = ref.dequantize_sequence(c, s, dtype=torch.float32, rotated=True)
+    kr = c.rot.rotate_k(k).to(torch.bfloat16).float()
+    vr = c.rot.rotate_v(v).to(torch.bfloat16).float()
+    lay = layout(30, c.cfg)
+    want_k, want_v = kr.clone(), vr.clone()
+    parts = c.cfg.key_parts
+    assert [(a, b, sp.bits) for a, b, sp in parts] == [(0, W, 3), (W, D, 2)]
+    for p0 in range(S, S + lay.num_pages * P, P):
+        want_k[:, p0:p0 + P] = split_fake_quant(kr[:, p0:p0 + P], parts, c.rot.clip_k)
+        want_v[:, p0:p0 + P] = fake_quant(vr[:, p0:p0 + P], QuantSpec(param_dtype=getattr(torch, pd)), 0.9)
+    assert lay.num_pages == 4
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+    # the codes of page 0 by hand: the planes hold the 3-bit codes of the wide part and the 2-bit of the rest
+    ids = torch.tensor(c.pages[s][:1])
+    codes = unpack_planes(c.k_codes[ids], 2, W, D)
+    assert int(codes[..., :W].max()) <= 7 and int(codes[..., W:].max()) <= 3 and int(codes[..., :W].max()) >= 4
+    assert torch.equal(pack_planes(codes, 2, W), c.k_codes[ids])
+
+
+def test_split_chunked_appends_are_bit_identical():
+    H, D = 2, 32
+    k, v = tokens(H, 41, D, 2)
+    a, b = make(), make()
+    sa, sb = a.new_sequence(), b.new_sequence()
+    a.append(sa, k, v)
+    for i in range(0, 41, 5):
+        b.append(sb, k[:, i:i + 5], v[:, i:i + 5])
+    for x, y in zip((a.k_codes, a.k_scale, a.k_zero, a.v_codes), (b.k_codes, b.k_scale, b.k_zero, b.v_codes)):
+        assert torch.equal(x.view(torch.uint8) if x.dtype == FP8_PARAM else x, y.view(torch.uint8) if y.dtype == FP8_PARAM else y)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_split_reference_decode_equals_the_oracle(G):
+    """The CPU path on the codes (q.k = sum over parts of s_j (q_j . c_j) + z_j sum q_j) equals attention over the
+    dequantized cache, with the key mean and the dual query rotation."""
+    c = make()
+    lens = [2, 11, 30, 45]
+    seqs = []
+    for i, n in enumerate(lens):
+        s = c.new_sequence()
+        c.append(s, *tokens(2, n, 32, 10 + i))
+        seqs.append(s)
+    q = torch.randn(len(lens), 2 * G, 32, generator=torch.Generator().manual_seed(5))
+    o, lse = ref.decode_attention_oracle(q, c, seqs, scale=0.3, return_lse=True)
+    fo, flse = ref.decode_attention(q, c, seqs, scale=0.3, return_lse=True)
+    torch.testing.assert_close(fo, o, rtol=0, atol=2e-5)
+    torch.testing.assert_close(flse, lse, rtol=0, atol=2e-5)
+    for b, s in enumerate(seqs):
+        k, v = ref.dequantize_sequence(c, s, dtype=torch.float32)
+        logits = (q[b].double().reshape(2, G, 32) @ k.double().transpose(-1, -2)) * 0.3  # (Hkv, G, n)
+        want_o = (torch.softmax(logits, -1) @ v.double()).reshape(2 * G, 32)
+        torch.testing.assert_close(o[b].double(), want_o, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse[b].double(), torch.logsumexp(logits, -1).reshape(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_split_cache_refuses_what_it_cannot_store():
+    from oscar.common import OscarError
+
+    with pytest.raises(OscarError, match="key_split"):
+        PagedConfig(QuantConfig(key_split=12), 2, 32, num_pages=4)
+    cfg = PagedConfig(QuantConfig(page_size=4, sink=3, recent=8, key_split=8), 2, 32, num_pages=4)
+    rot = split_rotation(2, 32, 0, 8)
+    bad = LayerRotation(rot_k=rot.rot_k, rot_v=rot.rot_v, clip_k=torch.full((2,), 0.9), clip_v=rot.clip_v,
+                        k_mean=rot.k_mean, rot_q=rot.rot_q)
+    with pytest.raises(OscarError, match="key part"):
+        PagedLayerCache(cfg, bad, quantizer=quantize_pages)
+
+
+def test_split_memory_accounting_is_the_stored_bytes():
+    """Analytic bytes per history token = what the pool allocates per token (codes + both key parts' params)."""
+    from oscar.kernels import memory
+
+    H, D, W, P = 2, 64, 16, 16
+    f = memory.Format("int2-split-fp8", param_bytes=1, key_split=W, page_size=P)
+    per = memory.per_history_token({"num_layers": 1, "num_kv_heads": H, "head_dim": D}, f)
+    c = make(H=H, D=D, W=W, P=P, S=0, R=16, pages=8)
+    pool = c.bytes_used()
+    assert per["codes"] == pool["codes"] / (8 * P)  # K: D/4 + W/8 bytes, V: D/4 bytes per token and head
+    assert per["scales"] == pool["scales"] / (8 * P)
+    assert 8 * (per["codes"] + per["scales"]) / (2 * H * D) == 2.5  # bits per element, K and V averaged
+
+
+# ----------------------------------------------------------------- Triton, against the reference
+
+
+def _triton():
+    from oscar.kernels.dispatch import triton_usable
+
+    return triton_usable("cpu") or torch.cuda.is_available()
+
+
+needs_triton = pytest.mark.skipif(not _triton(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
+
+
+@needs_triton
+@pytest.mark.parametrize("D,W,pd", [(32, 8, "float8_e4m3fn"), (64, 16, "float8_e4m3fn"), (48, 8, "float16")])
+def test_triton_quantizer_writes_the_reference_bytes(D, W, pd):
+    from oscar.kernels import triton_quant
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    c = make(D=D, W=W, param_dtype=pd, device=dev)
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(5, 2, 4, D, generator=g) * 3).to(torch.bfloat16).to(dev)
+    ids = torch.tensor([4, 0, 7, 2, 9], device=dev)
+    codes, s, z = ref.quantize_page_tensors(c, x, "k")
+    triton_quant.quantize_pages_into(c, ids, x, "k")
+    assert torch.equal(c.k_codes[ids].cpu(), codes.cpu())
+    u8 = lambda t: t.view(torch.uint8) if t.dtype == FP8_PARAM else t  # noqa: E731
+    assert torch.equal(u8(c.k_scale[ids]).cpu(), u8(s).cpu()) and torch.equal(u8(c.k_zero[ids]).cpu(), u8(z).cpu())
+
+
+@needs_triton
+@pytest.mark.parametrize("D,W,G", [(32, 8, 1), (64, 16, 3), (48, 8, 8)])
+def test_triton_decode_equals_the_reference(D, W, G):
+    """The fused decode kernel on split keys against the reference (lengths off the page and the block, sink and
+    recent boundaries, a shared prefix)."""
+    from oscar.kernels.triton_decode import DecodeConfig, decode_attention
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    H = 2
+    c = make(D=D, W=W, device=dev, pages=64, seqs=8)
+    seqs = []
+    for i, n in enumerate([1, 3, 12, 37, 70]):
+        s = c.new_sequence()
+        k, v = tokens(H, n, D, 20 + i)
+        c.append(s, k.to(dev), v.to(dev))
+        seqs.append(s)
+    seqs.append(c.fork(seqs[-1]))  # shares its pages
+    k, v = tokens(H, 5, D, 40)
+    c.append(seqs[-1], k.to(dev), v.to(dev))
+    q = torch.randn(len(seqs), H * G, D, generator=torch.Generator().manual_seed(6)).to(dev)
+    want_o, want_lse = ref.decode_attention(q, c, seqs, scale=0.25, return_lse=True)
+    for cfg in (DecodeConfig(block_n=16, num_splits=3, min_pages_per_split=1, dot_fp16=False), DecodeConfig(block_n=32)):
+        o, lse = decode_attention(q, c, seqs, scale=0.25, return_lse=True, config=cfg)
+        tol = 2e-5 if not cfg.dot_fp16 else 2e-2
+        torch.testing.assert_close(o.float().cpu(), want_o.float().cpu(), rtol=0, atol=tol)
+        torch.testing.assert_close(lse.cpu(), want_lse.cpu(), rtol=0, atol=tol)
