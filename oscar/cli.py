@@ -32,7 +32,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (12288 held-out tokens per context, all the pydoc held-out split holds "
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
-    r.add_argument("--variant", default="scaled", help="fit variant behind oscar-int2 (see `oscar variants`)")
+    r.add_argument("--variant", default="split", help="fit variant behind oscar-int2 (see `oscar variants`)")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
                    help="cache protocol of the needle stage (`oscar validate niah --protocol`; named for its stage "

@@ -55,7 +55,10 @@ def _clip_plot(ck: np.ndarray, cv: np.ndarray, mode: str, path: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     L = ck.shape[0]
-    for c, name in ((ck, "K"), (cv, "V")):
+    series = [(ck, "K"), (cv, "V")]
+    if ck.ndim == 3:  # split keys: a ratio per head and part (L, H, 2)
+        series = [(ck[..., 0], "K wide part (3-bit)"), (ck[..., 1], "K rest (2-bit)"), (cv, "V")]
+    for c, name in series:
         ax.plot(np.arange(L), c.mean(1), marker="o", ms=3, label=f"{name} (mean over heads)")
         ax.fill_between(np.arange(L), c.min(1), c.max(1), alpha=0.2)
     ax.set(xlabel="layer", ylabel="clip ratio" if mode == "minmax" else "clip threshold (abs)", title="chosen clips")

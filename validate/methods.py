@@ -178,8 +178,11 @@ def channel_keys_artifact(art: Artifact) -> Artifact:
     grouping; values stay per token. Same bits per element as per-token groups of head_dim."""
     if art.quant.key_axis == "channel":
         return art
-    quant = replace(art.quant, key_axis="channel", group_size=art.head_dim)
-    return _refit(art, "oscar-kc-int2", "per-channel keys", {"variant": art.meta.get("variant", "oscar"), "quant": quant})
+    variant, q = art.meta.get("variant", "oscar"), art.quant
+    if q.key_split:  # split keys are per-token groups: the channel-key analogue is `scaled` in the default format
+        variant, q = "scaled", replace(q, key_split=0, param_dtype="float16")
+    quant = replace(q, key_axis="channel", group_size=art.head_dim)
+    return _refit(art, "oscar-kc-int2", "per-channel keys", {"variant": variant, "quant": quant})
 
 
 def _needs(name: str, art):
@@ -206,7 +209,7 @@ def searched_baseline(name: str, art: Artifact) -> Artifact:
     search (same rows, grid and objective), same page size, sink and recent window:
     kivi2-clip = kivi2's format (identity rotation, keys per channel over 64 tokens) with searched clips;
     hadamard-clip-int2 = hadamard-int2's format with key-mean centering and searched clips."""
-    q = art.quant
+    q = replace(art.quant, key_split=0, param_dtype="float16")  # the baselines' own format: one group, fp16 params
     if name == "kivi2-clip":
         g = 64 if art.head_dim % 64 == 0 else art.head_dim  # kivi2's 64-token groups (values: per token, same G)
         quant = replace(q, key_axis="channel", group_size=g, clip_rule="ratio", param_dtype="float16", mode="minmax")
@@ -273,6 +276,9 @@ def _codebook_method(name: str):
         if art.meta.get("codec"):
             raise OscarError(f"method {name} is built on oscar-int2's artifact; --artifact already has codec "
                              f"{art.meta['codec'].get('kind')!r}")
+        if art.quant.key_split:
+            raise OscarError(f"method {name} (an issue-16 A/B) is built on a one-group oscar-int2 artifact (`oscar fit "
+                             f"--variant scaled`); --artifact already stores split keys (key_split={art.quant.key_split})")
         a = codebook_artifact(name, art)
         a.check_model(config)
         return a
@@ -406,8 +412,10 @@ METHOD_NOTES: dict[str, str] = {
                           "on the same store with oscar-int2's search",
     "oscar-ref-int2": "a re-implementation of the published OSCAR recipe from its public description and code: "
                       "fixed row-quantile clips (no search), float32 scale+zero, pages of 8",
-    "oscar-kc-int2": "oscar-int2's rotations with keys per channel (64-token groups), clips searched",
-    "oscar-int2": "OSCAR rotation, key-mean centering, scaled keys, searched and tuned clips",
+    "oscar-kc-int2": "oscar-int2's rotations with keys per channel (64-token groups), clips searched (for a split-key "
+                     "artifact: the scaled variant's rotations from the same store, fp16 params)",
+    "oscar-int2": "OSCAR rotation, key-mean centering, scaled keys, searched and tuned clips (the artifact's format: "
+                  "`oscar run` fits --variant split, keys in a 3-bit and a 2-bit part placed by C_Q, 8-bit scale/zero)",
     "tq-int2": "TurboQuant re-implemented from its paper: random-sign Walsh-Hadamard, fp16 norms, Beta Lloyd-Max codes, "
                "D/4 outlier channels at 3 bits; keys centred; no clip search (a Lloyd-Max codebook has none)",
     "oscar-lm-int2": "issue 16, hypothesis 1: oscar-int2's rotations and key mean, keys as fp16 norms of 32-coordinate "
