@@ -88,46 +88,33 @@ def _code(x, s, z, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g, offs_t, offs_j, offs_e, t_mask, j_mask, e_mask,
-                        D: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, LEVELS: tl.constexpr,
+def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g: tl.constexpr, offs_t, offs_j, offs_e, t_mask,
+                        j_mask, e_mask, D: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, LEVELS: tl.constexpr,
                         ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr,
-                        FP8: tl.constexpr):
-    """(scale, zero) of channel group g for every token of the page, stored and fp32: (BLOCK_P,) each."""
+                        FP8: tl.constexpr, W: tl.constexpr = 0):
+    """(scale, zero) of channel group g for every token of the page, stored and fp32: (BLOCK_P,) each.
+    W > 0 (split keys): group 0 is channels [0, W), group 1 [W, D), each with its own clip ratio (clip_k (Hkv, 2))."""
     lo = tl.full((BLOCK_P,), float("inf"), tl.float32)
     hi = tl.full((BLOCK_P,), float("-inf"), tl.float32)
     for i in tl.static_range(PER):
         offs_c = offs_j * PER + i
         x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
                        D, ROTATE, CENTER, ROUND)
-        in_g = t_mask[:, None] & (j_mask & ((offs_c // G) == g))[None, :]
+        if W == 0:
+            in_c = (offs_c // G) == g
+        elif g == 0:
+            in_c = offs_c < W
+        else:
+            in_c = offs_c >= W
+        in_g = t_mask[:, None] & (j_mask & in_c)[None, :]
         lo = tl.minimum(lo, tl.min(tl.where(in_g, x, float("inf")), axis=1))
         hi = tl.maximum(hi, tl.max(tl.where(in_g, x, float("-inf")), axis=1))
-    r = tl.load(CLIP + h)
+    if W == 0:
+        r = tl.load(CLIP + h)
+    else:
+        r = tl.load(CLIP + h * 2 + g)
     lo, hi = lo * r, hi * r  # minmax clip: a ratio applied to both ends (quant.choose_qparams)
     return _params(lo, hi, LEVELS, FP8)
-
-
-@triton.jit
-def _split_part_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, PART: tl.constexpr, offs_t, offs_j, offs_e, t_mask,
-                       j_mask, e_mask, D: tl.constexpr, W: tl.constexpr, PER: tl.constexpr, LEVELS: tl.constexpr,
-                       ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr,
-                       FP8: tl.constexpr):
-    """Split keys: (scale, zero) of part PART (0: channels [0, W), 1: [W, D)) for every token, stored and fp32."""
-    lo = tl.full((BLOCK_P,), float("inf"), tl.float32)
-    hi = tl.full((BLOCK_P,), float("-inf"), tl.float32)
-    for i in tl.static_range(PER):
-        offs_c = offs_j * PER + i
-        x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
-                       D, ROTATE, CENTER, ROUND)
-        if PART == 0:
-            in_p = offs_c < W
-        else:
-            in_p = offs_c >= W
-        in_g = t_mask[:, None] & (j_mask & in_p)[None, :]
-        lo = tl.minimum(lo, tl.min(tl.where(in_g, x, float("inf")), axis=1))
-        hi = tl.maximum(hi, tl.max(tl.where(in_g, x, float("-inf")), axis=1))
-    r = tl.load(CLIP + h * 2 + PART)  # clip_k (Hkv, 2): a ratio per head and part
-    return _params(lo * r, hi * r, LEVELS, FP8)
 
 
 @triton.jit
@@ -164,10 +151,10 @@ def _quantize_pages_kernel(
         # group 0 / 1). The low BITS of every code go to the byte tiles as usual; the top bit of the wide
         # channels to W/8 more bytes, channel c at bit c % 8 of byte D*BITS/8 + c // 8 (quant.pack_planes)
         LEV_W: tl.constexpr = (1 << (BITS + 1)) - 1
-        s0, z0, sf0, zf0 = _split_part_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 0, offs_t, offs_j, offs_e,
-                                              t_mask, j_mask, e_mask, D, W, PER, LEV_W, ROTATE, CENTER, ROUND, BLOCK_P, FP8)
-        s1, z1, sf1, zf1 = _split_part_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 1, offs_t, offs_j, offs_e,
-                                              t_mask, j_mask, e_mask, D, W, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P, FP8)
+        s0, z0, sf0, zf0 = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 0, offs_t, offs_j, offs_e, t_mask,
+                                               j_mask, e_mask, D, G, PER, LEV_W, ROTATE, CENTER, ROUND, BLOCK_P, FP8, W)
+        s1, z1, sf1, zf1 = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 1, offs_t, offs_j, offs_e, t_mask,
+                                               j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P, FP8, W)
         so = page * stride_sn + h * stride_sh + offs_t * stride_st
         tl.store(SCALE + so, s0, mask=t_mask)
         tl.store(ZERO + so, z0, mask=t_mask)

@@ -32,11 +32,15 @@ def random_rotation(H, D, seed, mean=True, clip=None, static=False, scaled=False
 
 
 def make(mode="minmax", key_axis="token", H=2, D=16, P=4, S=3, R=8, pages=32, seqs=4, seed=0, dtype=torch.bfloat16,
-         scaled=False, param_dtype=torch.float16, group_size=None, **kw):
+         scaled=False, param_dtype=torch.float16, group_size=None, key_split=0, **kw):
+    if key_axis == "split":  # split keys (QuantConfig.key_split): half the channels one bit wider
+        key_axis, key_split = "token", D // 2
     quant = QuantConfig(page_size=P, sink=S, recent=R, mode=mode, key_axis=key_axis, group_size=group_size,
-                        param_dtype=str(param_dtype).removeprefix("torch."))
+                        param_dtype=str(param_dtype).removeprefix("torch."), key_split=key_split)
     cfg = PagedConfig(quant, H, D, num_pages=pages, max_seqs=seqs, dtype=dtype, **kw)
     rot = random_rotation(H, D, seed, clip=0.9 if mode == "minmax" else None, static=mode == "static", scaled=scaled)
+    if key_split:  # split keys (tests/test_split_cache.py): a clip ratio per head and key part
+        rot.clip_k = torch.tensor([0.95, 0.85]).expand(H, 2).contiguous()
     return PagedLayerCache(cfg, rot, quantizer=quantize_pages)
 
 
@@ -82,7 +86,8 @@ def test_config_rejects_bad_formats():
 
 
 FP8 = torch.float8_e4m3fn
-MODES_PD = [(m, a, torch.float16) for m, a in MODES] + [("minmax", "token", FP8), ("minmax", "channel", FP8)]
+MODES_PD = [(m, a, torch.float16) for m, a in MODES] + [("minmax", "token", FP8), ("minmax", "channel", FP8),
+                                                        ("minmax", "split", FP8)]  # split keys: 8 of 16 channels at 3 bits
 
 
 @pytest.mark.parametrize("mode,axis,pd", MODES_PD)
@@ -104,6 +109,11 @@ def test_stored_sequence_matches_brute_force(mode, axis, pd):
         if mode == "static":
             want_k[:, p0:p0 + P] = fake_quant(blk_k, QuantSpec(group_size=1, mode="static"), c.rot.clip_k.reshape(H, 1, D))
             want_v[:, p0:p0 + P] = fake_quant(blk_v, QuantSpec(group_size=1, mode="static"), c.rot.clip_v.reshape(H, 1, 1))
+        elif axis == "split":  # each part its own per-token group under its own clip: [0, 8) at 3 bits, [8, 16) at 2
+            ck = c.rot.clip_k
+            want_k[:, p0:p0 + P, :8] = fake_quant(blk_k[..., :8].contiguous(), QuantSpec(bits=3, param_dtype=pd), ck[:, :1, None])
+            want_k[:, p0:p0 + P, 8:] = fake_quant(blk_k[..., 8:].contiguous(), QuantSpec(param_dtype=pd), ck[:, 1:, None])
+            want_v[:, p0:p0 + P] = fake_quant(blk_v, QuantSpec(param_dtype=pd), 0.9)
         else:
             kspec = QuantSpec(axis="channel", group_size=P, param_dtype=pd) if axis == "channel" else QuantSpec(param_dtype=pd)
             want_k[:, p0:p0 + P] = fake_quant(blk_k, kspec, 0.9)
@@ -184,13 +194,16 @@ def _sdpa(q, k, v, scale):
     return torch.einsum("hn,hnd->hd", torch.softmax(logits, -1), vv), torch.logsumexp(logits, -1)
 
 
-@pytest.mark.parametrize("mode,axis,group,scaled", [m + (False,) for m in MODES_G] + [("minmax", "token", None, True)])
+@pytest.mark.parametrize("mode,axis,group,scaled,split", [m + (False, 0) for m in MODES_G]
+                         + [("minmax", "token", None, True, 0), ("minmax", "token", None, True, 8)])
 @pytest.mark.parametrize("G", [1, 3])
-def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, group, scaled, G):
+def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, group, scaled, split, G):
     """Rotating q, adding q.mu and un-rotating o is exact: same result as attention on the model-space K/V;
     the CPU path that works on the codes equals the dequantize-everything oracle. scaled: a non-orthogonal
-    rot_k read with its dual rot_q (keys un-rotated with rot_qᵀ) is exact too."""
-    c = make(mode, axis, group_size=group, scaled=scaled)
+    rot_k read with its dual rot_q (keys un-rotated with rot_qᵀ) is exact too; split: split keys (8 of 16
+    channels at 3 bits, 8-bit params), whose CPU path sums the logit over the two parts."""
+    c = make(mode, axis, group_size=group, scaled=scaled, key_split=split,
+             param_dtype=torch.float8_e4m3fn if split else torch.float16)
     lens = [2, 11, 30, 45]
     seqs = []
     for i, n in enumerate(lens):

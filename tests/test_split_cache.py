@@ -1,6 +1,6 @@
 """Split keys in the paged cache (QuantConfig.key_split, issue 16): the stored format against brute force, the
-reference decode on the codes against the dequantize-everything oracle, the Triton kernels against the reference
-(under TRITON_INTERPRET=1), and the memory accounting."""
+Triton kernels against the reference (under TRITON_INTERPRET=1), and the memory accounting (the reference decode
+on the codes against the oracle: tests/test_paged.py, split=8)."""
 
 import os
 
@@ -9,10 +9,9 @@ import torch
 
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
 from oscar.quant import FP8_PARAM, pack_planes, unpack_planes
 from oscar.stats.artifact import QuantConfig
-from oscar.stats.split import split_fake_quant
 
 
 def split_rotation(H, D, seed, W):
@@ -45,73 +44,25 @@ def tokens(H, T, D, seed):
     return torch.randn(H, T, D, generator=g) * 2, torch.randn(H, T, D, generator=g)
 
 
-@pytest.mark.parametrize("pd", ["float8_e4m3fn", "float16"])
-def test_split_pages_are_split_fake_quant_bit_exact(pd):
-    """Each page's keys read back as split_fake_quant of the rotated keys (per part: its own per-token group
-    under its clip); the row layout is pack_planes'; values are the usual per-token groups."""
-    from oscar.quant import QuantSpec, fake_quant
-
-    H, D, W, P, S = 2, 32, 8, 4, 3
-    c = make(param_dtype=pd)
+def test_split_page_rows_are_the_two_planes():
+    """A stored key row is pack_planes' layout: the wide part's 3-bit codes (some >= 4: the top plane is used) and the
+    rest's 2-bit, one (scale, zero) pair per part; values are the usual per-token INT2 rows (the page contents against
+    fake_quant, and chunked appends: tests/test_paged.py, axis "split")."""
+    H, D, W = 2, 32, 8
+    c = make()
     assert c.cfg.k_packed_dim == D // 4 + W // 8 and c.cfg.packed_dim == D // 4
     assert tuple(c.k_scale.shape[-1:]) == (2,) and tuple(c.v_scale.shape[-1:]) == (1,)
-    k, v = tokens(H, 30, D, 1)
     s = c.new_sequence()
-    c.append(s, k, v)
-    got_k, got_v = ref.dequantize_sequence(c, s, dtype=torch.float32, rotated=True)
-    kr = c.rot.rotate_k(k).to(torch.bfloat16).float()
-    vr = c.rot.rotate_v(v).to(torch.bfloat16).float()
-    lay = layout(30, c.cfg)
-    want_k, want_v = kr.clone(), vr.clone()
-    parts = c.cfg.key_parts
-    assert [(a, b, sp.bits) for a, b, sp in parts] == [(0, W, 3), (W, D, 2)]
-    for p0 in range(S, S + lay.num_pages * P, P):
-        want_k[:, p0:p0 + P] = split_fake_quant(kr[:, p0:p0 + P], parts, c.rot.clip_k)
-        want_v[:, p0:p0 + P] = fake_quant(vr[:, p0:p0 + P], QuantSpec(param_dtype=getattr(torch, pd)), 0.9)
-    assert lay.num_pages == 4
-    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
-    torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
-    # the codes of page 0 by hand: the planes hold the 3-bit codes of the wide part and the 2-bit of the rest
-    ids = torch.tensor(c.pages[s][:1])
+    c.append(s, *tokens(H, 30, D, 1))
+    ids = torch.tensor(c.pages[s])
     codes = unpack_planes(c.k_codes[ids], 2, W, D)
-    assert int(codes[..., :W].max()) <= 7 and int(codes[..., W:].max()) <= 3 and int(codes[..., :W].max()) >= 4
+    assert int(codes[..., :W].max()) == 7 and int(codes[..., W:].max()) == 3
     assert torch.equal(pack_planes(codes, 2, W), c.k_codes[ids])
+    assert [(a, b, sp.bits) for a, b, sp in c.cfg.key_parts] == [(0, W, 3), (W, D, 2)]
 
 
-def test_split_chunked_appends_are_bit_identical():
-    H, D = 2, 32
-    k, v = tokens(H, 41, D, 2)
-    a, b = make(), make()
-    sa, sb = a.new_sequence(), b.new_sequence()
-    a.append(sa, k, v)
-    for i in range(0, 41, 5):
-        b.append(sb, k[:, i:i + 5], v[:, i:i + 5])
-    for x, y in zip((a.k_codes, a.k_scale, a.k_zero, a.v_codes), (b.k_codes, b.k_scale, b.k_zero, b.v_codes)):
-        assert torch.equal(x.view(torch.uint8) if x.dtype == FP8_PARAM else x, y.view(torch.uint8) if y.dtype == FP8_PARAM else y)
-
-
-@pytest.mark.parametrize("G", [1, 3])
-def test_split_reference_decode_equals_the_oracle(G):
-    """The CPU path on the codes (q.k = sum over parts of s_j (q_j . c_j) + z_j sum q_j) equals attention over the
-    dequantized cache, with the key mean and the dual query rotation."""
-    c = make()
-    lens = [2, 11, 30, 45]
-    seqs = []
-    for i, n in enumerate(lens):
-        s = c.new_sequence()
-        c.append(s, *tokens(2, n, 32, 10 + i))
-        seqs.append(s)
-    q = torch.randn(len(lens), 2 * G, 32, generator=torch.Generator().manual_seed(5))
-    o, lse = ref.decode_attention_oracle(q, c, seqs, scale=0.3, return_lse=True)
-    fo, flse = ref.decode_attention(q, c, seqs, scale=0.3, return_lse=True)
-    torch.testing.assert_close(fo, o, rtol=0, atol=2e-5)
-    torch.testing.assert_close(flse, lse, rtol=0, atol=2e-5)
-    for b, s in enumerate(seqs):
-        k, v = ref.dequantize_sequence(c, s, dtype=torch.float32)
-        logits = (q[b].double().reshape(2, G, 32) @ k.double().transpose(-1, -2)) * 0.3  # (Hkv, G, n)
-        want_o = (torch.softmax(logits, -1) @ v.double()).reshape(2 * G, 32)
-        torch.testing.assert_close(o[b].double(), want_o, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(lse[b].double(), torch.logsumexp(logits, -1).reshape(-1), rtol=1e-4, atol=1e-4)
+# the reference decode on split-key codes against the oracle, the pages against fake_quant and chunked appends
+# bit-identical to one shot: tests/test_paged.py (split=8, axis "split")
 
 
 def test_split_cache_refuses_what_it_cannot_store():
