@@ -137,7 +137,8 @@ def ablation_table(d: str) -> list[dict]:
 
 
 def markdown(res: dict) -> str:
-    lines = ["| needles (pooled niah_single_1/2), % | bits | " + " | ".join(f"{L // 1024}k" for L in res["lengths"]) + " |",
+    tasks = "/".join(sorted({r["task"] for r in res["niah"] if r["task"] != "pooled"}))
+    lines = [f"| needles (pooled {tasks}), % | bits | " + " | ".join(f"{L // 1024}k" for L in res["lengths"]) + " |",
              "|---|---|" + "---|" * len(res["lengths"])]
     pooled = [r for r in res["niah"] if r["task"] == "pooled"]
     for m in res["methods"]:

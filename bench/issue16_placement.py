@@ -7,7 +7,7 @@ the rules against controls in the same format and bits: random directions (seede
 and the D/4 *smallest* λ_i (the wrong end). oscar-int2's own error (its fit record, same objective and
 rows, before the tune) is the baseline.
 
-    python bench/issue16_placement.py --artifact reports/examples/smollm2/artifact.safetensors \
+    python bench/issue16_placement.py --artifact runs/i16b/scaled.safetensors \
         --out bench/results/issue16/placement_smollm2.json
 """
 

@@ -56,7 +56,7 @@ class RunConfig:
     # subtracted, keys scaled along the query eigenvectors (queries by the inverse) and searched
     # clips (docs/decisions.md, "Main job recipe" and "Scaled keys"), the keys split into a 3-bit part
     # (the D/4 directions C_Q weighs most) and a 2-bit part at the same 2.5 bits per element
-    # (issue 16, docs/decisions.md "Split keys become oscar-int2").
+    # (issue 16, docs/decisions.md "Issue 16 A/B: split keys").
     variant: str = "split"
     # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
     # (validate/tune.py; docs/decisions.md, "Key clip tuned end to end").
