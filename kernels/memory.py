@@ -90,7 +90,7 @@ def _split(f: Format, D: int) -> int:
     """Wide key channels of a split format at head_dim D (key_split -1: the split variant's own D/4)."""
     if f.key_split >= 0:
         return f.key_split
-    from oscar.stats.rotations import split_width
+    from oscar.stats.artifact import split_width
 
     return split_width(D)
 

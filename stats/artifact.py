@@ -35,6 +35,12 @@ _RETIRED_QUANT_FIELDS = ("flush_pages",)
 STATIC_GROUP_SIZE = 1
 
 
+def split_width(head_dim: int) -> int:
+    """Wide key channels of the split format (QuantConfig.key_split, `oscar fit --variant split`): D/4 (TurboQuant's
+    32 of 128) rounded down to whole bytes of top bits, at least one byte's worth (8: head_dim 16 splits 8 + 8)."""
+    return max(8, head_dim // 4 // 8 * 8)
+
+
 @dataclass
 class QuantConfig:
     """How the serving cache stores K and V (recorded in the artifact).

@@ -145,16 +145,12 @@ def _scaled(ls, rng) -> Rotations:
     return r
 
 
-def split_width(head_dim: int) -> int:
-    """Wide key channels of the split format (stats/split.py): D/4 (TurboQuant's 32 of 128) rounded down to whole
-    bytes of top bits, at least one byte's worth (8: head_dim 16 splits 8 + 8)."""
-    return max(8, head_dim // 4 // 8 * 8)
-
-
 def _split_format(q, D: int):
     """The split format of `split`: D/4 wide key channels (stats/split.py), 8-bit scale/zero for every part and
     the values, so that the history stays at the INT2 budget (2.5 bits per element at D = 64)."""
     from dataclasses import replace
+
+    from oscar.stats.artifact import split_width
 
     return replace(q, key_split=split_width(D), param_dtype="float8_e4m3fn")
 
