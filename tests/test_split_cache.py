@@ -122,17 +122,18 @@ def test_triton_quantizer_writes_the_reference_bytes(D, W, pd):
 
 
 @needs_triton
-@pytest.mark.parametrize("D,W,G", [(32, 8, 1), (64, 16, 3), (48, 8, 8)])
+@pytest.mark.parametrize("D,W,G", [(32, 8, 1), (64, 16, 3), (48, 8, 8), (80, 16, 3)])
 def test_triton_decode_equals_the_reference(D, W, G):
-    """The fused decode kernel on split keys against the reference (lengths off the page and the block, sink and
-    recent boundaries, a shared prefix)."""
+    """The fused decode kernel on split keys against the reference: head dims 32 / 64 and non-powers of two 48 / 80
+    (masked), GQA 1 / 3 / 8; lengths (S = 3, R = 8, P = 4) inside the sink, at its edge, the window not yet full,
+    the last length before the first page, the first page, several pages; a shared prefix (fork) and its own tail."""
     from oscar.kernels.triton_decode import DecodeConfig, decode_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     H = 2
-    c = make(D=D, W=W, device=dev, pages=64, seqs=8)
+    c = make(D=D, W=W, device=dev, pages=64, seqs=10)
     seqs = []
-    for i, n in enumerate([1, 3, 12, 37, 70]):
+    for i, n in enumerate([1, 3, 4, 3 + 8 + 3, 3 + 8 + 4, 37, 70]):
         s = c.new_sequence()
         k, v = tokens(H, n, D, 20 + i)
         c.append(s, k.to(dev), v.to(dev))
