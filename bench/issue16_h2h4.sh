@@ -50,5 +50,5 @@ if has tables; then
   python bench/issue16_ab.py --niah $W/niah $W/niah_seed1 --ppl $W/ppl --ablation $W/ablate --out bench/results/issue16/ab_smollm2_h2h4.json
   python bench/issue16_ab.py --niah $W/qwen_niah --ppl $W/qwen_ppl --out bench/results/issue16/ab_qwen_easy.json
   python bench/issue16_ab.py --niah $W/qwen_niah_hard --out bench/results/issue16/ab_qwen_hard.json
-  python bench/issue16_ab.py --niah $W/qwen_niah_hard --ppl $W/qwen_split_ppl --out bench/results/issue16/ab_qwen_shipped_ppl.json
+  python bench/issue16_ab.py --niah $W/qwen_split_ppl --ppl $W/qwen_split_ppl --out bench/results/issue16/ab_qwen_shipped_ppl.json  # no needles: ppl only
 fi
