@@ -38,6 +38,12 @@ def split_scaled_rotation(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, hi: 
     """
     D = U.shape[-1]
     hi = np.asarray(hi, dtype=np.int64)
+    # a non-positive variance is an estimation artefact (C_K - mu mu^T cancels under Qwen2.5's large key biases:
+    # -97 along one u_i on a small store): it takes the whole head's floor before the cut, since a part's own mean
+    # could then be <= 0 and `importance_scales` would floor nothing and give NaN scales; positive values keep the
+    # per-part floors
+    lam = np.where(lam > 0, lam, 1e-3 * max(lam.mean(), 1e-30))
+    sig2 = np.where(sig2 > 0, sig2, 1e-3 * max(sig2.mean(), 1e-30))
     rest = np.setdiff1d(np.arange(D), hi)  # ascending = U's descending-eigenvalue order
     rk, rq = np.zeros((D, D)), np.zeros((D, D))
     col = 0

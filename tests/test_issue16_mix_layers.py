@@ -263,3 +263,22 @@ def test_ablation_mix_codec_is_the_model_level_quantizer(path):
     assert torch.allclose(got, want, atol=1e-4)
     assert bk == (8 * 3 + 24 * 2 + 32) / D and s.v.roundtrip(te)[1] == 2 + 16 / D
     assert s.k.rule in SPLIT_RULES
+
+
+def test_split_rotation_survives_a_negative_key_variance():
+    """C_K - mu mu^T can come out negative along a direction (Qwen2.5's large key biases on a small store: -97);
+    the part holding it must still get finite scales (it takes the head's floor), and positive values are untouched."""
+    from oscar.stats.split import split_scaled_rotation
+
+    rng = np.random.default_rng(3)
+    D, n = 32, 8
+    U = _orthogonal(D, 4)
+    lam, sig2 = np.sort(rng.exponential(1.0, D))[::-1].copy(), rng.exponential(0.01, D)
+    sig2[0] = -97.0  # in the wide part, whose own mean is then negative
+    rk, rq = split_scaled_rotation(U, lam, sig2, np.arange(n))
+    assert np.isfinite(rk).all() and np.isfinite(rq).all()
+    assert np.allclose(rq.T @ rk, np.eye(D), atol=1e-10)
+    # the same as handing it the head's floor by hand (the mean is negative here: the floor's own floor, 1e-33)
+    fixed = sig2.copy()
+    fixed[0] = 1e-33
+    assert np.allclose(rk, split_scaled_rotation(U, lam, fixed, np.arange(n))[0])
