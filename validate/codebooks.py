@@ -44,6 +44,13 @@ oscar-sparse-int2 (hypothesis 3, "dense and sparse", KVQuant) oscar-int2's keys 
          entries oscar-int2's own average (2.5 at head_dim 64, BUDGET_BITS) allows (`sparse_outliers`): 9 per 16 x 64 page (0.88 % of entries)
          at SmolLM2/Qwen2.5's head_dim 64.
 
+oscar-mix-int2    (hypothesis 2, "bits across rotated channels") not a codec: the native split-key format
+         (QuantConfig.key_split, `oscar fit --variant split`, stats/split.py) built on oscar-int2's key mean,
+         value side and store, with the tune factor of `fitted` (`mix_artifact`): the A/B against one group.
+oscar-layer-int2  (hypothesis 4, "budget across layers") codec "layers": oscar-int2's grid at (key, value) widths
+         per layer chosen by calibrated attention-output error at oscar-int2's mean bits (`layer_artifact`,
+         `layer_widths`); oscar-mix-layer-int2 adds the split keys of a layer as one more option.
+
 Artifact layout: rot_k / rot_v / k_mean as usual; meta["codec"] names the format; SQ's per-head
 v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}); LM's levels to
 `extra` layers.{l}.levels_k (Hkv, D, 2**bits).
