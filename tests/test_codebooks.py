@@ -87,14 +87,10 @@ def test_codec_bits_per_element():
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
-    from oscar.pipeline.calibrate import CalibConfig, calibrate
+def fitted(tiny_store):
     from oscar.stats.fit import FitConfig, fit
 
-    store = str(tmp_path_factory.mktemp("cb") / "s.zarr")
-    calibrate(CalibConfig(model="tiny-llama", corpus="pydoc", store=store, seq_len=96, sink=4, seqs_per_block=2,
-                          tokens=4 * 96, reservoir=32, seed=1, threads=1), progress=False)
-    return fit(store, FitConfig(variant="centered", progress=False, threads=1))
+    return fit(tiny_store, FitConfig(variant="centered", progress=False, threads=1))
 
 
 @pytest.mark.parametrize("name", ["tq-int2", "sq-int2"])

@@ -134,14 +134,10 @@ def test_budget_at_head_dim_64_through_the_memory_accounting():
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
-    from oscar.pipeline.calibrate import CalibConfig, calibrate
+def fitted(tiny_store):
     from oscar.stats.fit import FitConfig, fit
 
-    store = str(tmp_path_factory.mktemp("i16") / "s.zarr")
-    calibrate(CalibConfig(model="tiny-llama", corpus="pydoc", store=store, seq_len=96, sink=4, seqs_per_block=2,
-                          tokens=4 * 96, reservoir=32, seed=1, threads=1), progress=False)
-    return fit(store, FitConfig(variant="scaled", progress=False, threads=1))
+    return fit(tiny_store, FitConfig(variant="scaled", progress=False, threads=1))
 
 
 def test_lm_codebooks_come_from_the_calibration_keys(fitted):

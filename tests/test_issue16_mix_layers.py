@@ -133,14 +133,10 @@ def test_layer_widths_is_the_brute_force_optimum():
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
-    from oscar.pipeline.calibrate import CalibConfig, calibrate
+def fitted(tiny_store):
     from oscar.stats.fit import FitConfig, fit
 
-    store = str(tmp_path_factory.mktemp("i16m") / "s.zarr")
-    calibrate(CalibConfig(model="tiny-llama", corpus="pydoc", store=store, seq_len=96, sink=4, seqs_per_block=2,
-                          tokens=4 * 96, reservoir=32, seed=1, threads=1), progress=False)
-    art = fit(store, FitConfig(variant="scaled", progress=False, threads=1))
+    art = fit(tiny_store, FitConfig(variant="scaled", progress=False, threads=1))
     art.meta["clip_tuning"] = {"chosen_factor": 1.2}
     return art
 
