@@ -288,6 +288,11 @@ def unpack_planes(packed: torch.Tensor, bits: int, wide: int, D: int) -> torch.T
     return codes.to(torch.uint8)
 
 
+def parts_bits_per_element(parts: list[tuple[int, int, QuantSpec]], head_dim: int) -> float:
+    """Stored bits per element of a row split into per-token groups [a, b) under their specs (metadata included)."""
+    return sum((b - a) * spec.bits_per_element(b - a) for a, b, spec in parts) / head_dim
+
+
 def fake_quant_parts(x: torch.Tensor, parts: list[tuple[int, int, QuantSpec]], clips: list) -> torch.Tensor:
     """Channels [a, b) of x (..., T, D) as their own per-token group under `spec` and clip (a split key):
     `fake_quant` of each part, in x's dtype."""

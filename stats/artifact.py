@@ -26,7 +26,7 @@ from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, read_metad
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
 from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
-from oscar.quant import QuantSpec
+from oscar.quant import QuantSpec, parts_bits_per_element
 
 # fields older artifacts may carry that no longer mean anything: `flush_pages` chose whether validation's
 # simulator released tokens to INT2 in whole pages; the validation protocol decides that now
@@ -107,7 +107,7 @@ class QuantConfig:
         parts = self.key_parts(head_dim)
         if parts is None:
             return self.key_spec(head_dim).bits_per_element(head_dim)
-        return sum((b - a) * sp.bits_per_element(b - a) for a, b, sp in parts) / head_dim
+        return parts_bits_per_element(parts, head_dim)
 
     def value_bits(self, head_dim: int) -> float:
         return self.value_spec(head_dim).bits_per_element(head_dim)

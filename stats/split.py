@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from oscar.quant import QuantSpec, fake_quant, fake_quant_parts
-from oscar.stats.artifact import split_width  # noqa: F401  (re-exported: the format's width)
 from oscar.stats.rotations import importance_scales, mixer
 
 SPLIT_RULES = ("lambda", "lambda*sigma2")

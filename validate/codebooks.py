@@ -157,7 +157,9 @@ class LayerCodec:
         if self.kind == "uniform":
             return self.spec.bits_per_element(D)
         if self.kind == "mix":
-            return sum((b - a) * sp.bits_per_element(b - a) for a, b, sp in self.parts) / D
+            from oscar.quant import parts_bits_per_element
+
+            return parts_bits_per_element(self.parts, D)
         return float(self.widths.double().mean())
 
 

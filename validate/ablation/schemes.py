@@ -484,7 +484,8 @@ class MixCodec(Codec):
 
     def fit(self, calib, role, ctx):
         from oscar.stats.fit import FitConfig
-        from oscar.stats.split import fit_split_keys, split_width
+        from oscar.stats.artifact import split_width
+        from oscar.stats.split import fit_split_keys
 
         super().fit(calib, role, ctx)
         q, k = calib["q"].double(), calib[role].double()
