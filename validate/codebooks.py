@@ -200,10 +200,6 @@ def _head_clip(c: torch.Tensor, name: str) -> torch.Tensor:
     return c.float().view(-1, 1, 1)
 
 
-def _param_dtype(name: str) -> torch.dtype:
-    return FP8_PARAM if name == "fp8" else torch.float16
-
-
 def _layer_spec(art: Artifact, bits: int) -> QuantSpec:
     """oscar-layer-int2's per-token grid at `bits`: fp8 scale/zero at the base width (what pays for the
     wider layers), fp16 above it."""
