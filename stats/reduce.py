@@ -227,11 +227,14 @@ class LayerStats:
         return self.arr(f"{x}_gram")[:, h], self.counts(x)
 
     def rows(self, x: str) -> np.ndarray | None:
-        """Reservoir rows per head (H, N, D) float32 over the used blocks, or None if not stored."""
+        """Reservoir rows per head (H, N, D) float32 over the used blocks, or None if not stored or empty (a search
+        on no rows would pick its most aggressive candidate: clip 0.5 for every head)."""
         if not self.has(f"{x}_res"):
             return None
         r = self.arr(f"{x}_res")  # (B, H, R, D)
         n = self.arr("res_count").astype(int)
+        if int(n.sum()) == 0:
+            return None
         return np.concatenate([r[b, :, : n[b]] for b in range(len(n))], axis=1)
 
     def tails(self, x: str) -> list:

@@ -278,3 +278,18 @@ def test_split_rotation_survives_a_negative_key_variance():
     fixed = sig2.copy()
     fixed[0] = 1e-33
     assert np.allclose(rk, split_scaled_rotation(U, lam, fixed, np.arange(n))[0])
+
+
+def test_empty_reservoir_is_no_reservoir(tmp_path, synthetic_store):
+    """A store whose reservoirs hold no rows: the one-group fit searches no clips (1.0, recorded as not searched)
+    instead of picking its most aggressive candidate on nothing, and the split variant, which places its wide
+    part on those rows, refuses with a clear error."""
+    from oscar.common import OscarError
+    from oscar.stats.fit import FitConfig, fit
+
+    store = str(tmp_path / "s")
+    synthetic_store.write_synthetic_store(store, synthetic_store.SynthSpec(num_layers=1, reservoir=0, k_mean=2.0))
+    art = fit(store, FitConfig(variant="scaled", progress=False, threads=1))
+    assert (art.clip_k[0] == 1).all() and art.meta["layers"][0]["clip"] == {"searched": False}
+    with pytest.raises(OscarError, match="reservoir keys"):
+        fit(store, FitConfig(variant="split", progress=False, threads=1))
