@@ -23,7 +23,8 @@ import numpy as np
 from oscar import evidence as ev
 
 BASE = "oscar-int2"
-CANDIDATES = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2")
+CANDIDATES = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2",
+              "oscar-tier-int2")
 HIGHER_BETTER = {"topk", "cos_k", "cos_v", "cos_o"}  # ablation metrics where larger is better (the rest: errors)
 
 
@@ -88,7 +89,7 @@ def ppl_table(d: str) -> list[dict]:
         if m != "bf16":
             r["vs_bf16"] = {"ratio": st["ratio"], "lo": st["ratio_ci_low"], "hi": st["ratio_ci_high"],
                             "verdict": _verdict_ratio(st["ratio_ci_low"], st["ratio_ci_high"])}
-        if m in CANDIDATES and BASE in methods:
+        if m in CANDIDATES and m != BASE and BASE in methods:
             (ba, bb), unit, _ = ev.blocks(idx, [(m, ev.proto_key(m, p)), (BASE, ev.proto_key(BASE, p))], c, tokens // c)
             q, lo, hi, n = ev.ratio_of(ba, bb)
             r[f"vs_{BASE}"] = {"ratio": q, "lo": lo, "hi": hi, "blocks": n, "block": unit, "verdict": _verdict_ratio(lo, hi)}
@@ -156,7 +157,7 @@ def markdown(res: dict) -> str:
                         f" {v['verdict']}" if base == BASE else "")
             cells.append(s)
         lines.append(f"| {m} | {res['bits'].get(m, float('nan')):.3g} | " + " | ".join(cells) + " |")
-    lines += ["", "| perplexity | protocol | context | × bf16 [95 %] | × oscar-int2 [95 %] |", "|---|---|---|---|---|"]
+    lines += ["", f"| perplexity | protocol | context | × bf16 [95 %] | × {BASE} [95 %] |", "|---|---|---|---|---|"]
     for r in res["ppl"]:
         if r["method"] == "bf16":
             continue
@@ -166,7 +167,7 @@ def markdown(res: dict) -> str:
                      f"[{a.get('lo', float('nan')):.3f}–{a.get('hi', float('nan')):.3f}] | "
                      + (f"{b['ratio']:.3f} [{b['lo']:.3f}–{b['hi']:.3f}] {b['verdict']}" if b else "–") + " |")
     if res["attention"]:
-        lines += ["", "| attention level | length | trials | top-1 kept, % | vs oscar-int2 (paired) | needle weight INT2/exact | out rel err |",
+        lines += ["", f"| attention level | length | trials | top-1 kept, % | vs {BASE} (paired) | needle weight INT2/exact | out rel err |",
                   "|---|---|---|---|---|---|---|"]
         for r in res["attention"]:
             v = r.get(f"vs_{BASE}")
@@ -192,20 +193,24 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global BASE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--niah", required=True, nargs="+", help="output directories of `oscar validate niah` (pooled)")
     ap.add_argument("--ppl", help="output directory of `oscar validate ppl`")
     ap.add_argument("--attention", help="output directory of `oscar validate attention`")
     ap.add_argument("--ablation", help="output directory of `oscar ablate`")
+    ap.add_argument("--base", default=BASE, help="the method every candidate is paired against (default: %(default)s)")
     ap.add_argument("--out", required=True, help="JSON written here (and the markdown table next to it, .md)")
     a = ap.parse_args(argv)
+    BASE = a.base
     niah = niah_table(a.niah)
     res = {"niah": niah, "ppl": ppl_table(a.ppl) if a.ppl else [],
            "attention": attention_table(a.attention) if a.attention else [],
            "ablation_ks": ablation_table(a.ablation) if a.ablation else [],
            "bits": {**{k: v for d in a.niah for k, v in memory(d).items()}, **(memory(a.ppl) if a.ppl else {})},
            "lengths": sorted({r["length"] for r in niah}),
-           "methods": [m for m in ("bf16", BASE, *CANDIDATES) if any(r["method"] == m for r in niah)],
+           "methods": [m for m in dict.fromkeys(("bf16", BASE, *CANDIDATES)) if any(r["method"] == m for r in niah)],
+           "base": BASE,
            "inputs": {"niah": a.niah, "ppl": a.ppl, "attention": a.attention, "ablation": a.ablation}}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

@@ -295,8 +295,8 @@ def parts_bits_per_element(parts: list[tuple[int, int, QuantSpec]], head_dim: in
 
 def fake_quant_parts(x: torch.Tensor, parts: list[tuple[int, int, QuantSpec]], clips: list) -> torch.Tensor:
     """Channels [a, b) of x (..., T, D) as their own per-token group under `spec` and clip (a split key):
-    `fake_quant` of each part, in x's dtype."""
-    out = torch.empty_like(x, dtype=torch.float32)
+    `fake_quant` of each part, in x's dtype. Channels no part covers are not stored: they read as 0."""
+    out = torch.zeros_like(x, dtype=torch.float32)
     xf = x.float()
     for (a, b, spec), c in zip(parts, clips):
         out[..., a:b] = fake_quant(xf[..., a:b].contiguous(), spec, c)

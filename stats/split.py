@@ -29,30 +29,43 @@ def split_scaled_rotation(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, hi: 
     """The scaled variant per part, for a cache that stores two parts of a key at different widths.
 
     U (D, D) query eigenvectors (columns), lam / sig2 (D,) as `rotations.importance_scales`; hi: indices of the
-    directions of the first (wider) part. Each part p (hi, then the rest, each in U's order) gets
+    directions of the first (wider) part, the rest the second (`parts_rotation`)."""
+    D = U.shape[-1]
+    hi = np.asarray(hi, dtype=np.int64)
+    return parts_rotation(U, lam, sig2, [np.sort(hi), np.setdiff1d(np.arange(D), hi)], stored=2)
+
+
+def parts_rotation(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, groups: list[np.ndarray],
+                   stored: int) -> tuple[np.ndarray, np.ndarray]:
+    """The scaled variant per part: groups (a partition of range(D), each ascending = U's order) fill the
+    rotated channels in turn; the first `stored` are parts of the cache, the others are not stored (their
+    directions read as the key mean: unscaled, unmixed). Each stored part p gets
     U_p diag(d_p) H_p P_br with d_p from `rotations.importance_scales` over the part alone, so each part's
     quantization noise is white and weighted as in `scaled`; H_p mixes only inside its part, so a
     rotated coordinate belongs to one part. Returns (R_K, R_Q) (D, D), R_Q = R_K^{-T}: the blocks'
     U_p are orthogonal to each other and H_p is orthogonal, so (q R_Q)·(k R_K) = q·k.
     """
     D = U.shape[-1]
-    hi = np.asarray(hi, dtype=np.int64)
     # a non-positive variance is an estimation artefact (C_K - mu mu^T cancels under Qwen2.5's large key biases:
     # -97 along one u_i on a small store): it takes the whole head's floor before the cut, since a part's own mean
     # could then be <= 0 and `importance_scales` would floor nothing and give NaN scales; positive values keep the
     # per-part floors
     lam = np.where(lam > 0, lam, 1e-3 * max(lam.mean(), 1e-30))
     sig2 = np.where(sig2 > 0, sig2, 1e-3 * max(sig2.mean(), 1e-30))
-    rest = np.setdiff1d(np.arange(D), hi)  # ascending = U's descending-eigenvalue order
     rk, rq = np.zeros((D, D)), np.zeros((D, D))
     col = 0
-    for idx in (np.sort(hi), rest):
+    for j, idx in enumerate(groups):
         n = len(idx)
+        if j >= stored:  # not stored: any orthonormal basis of these directions reads the same (as 0)
+            rk[:, col:col + n] = rq[:, col:col + n] = U[:, idx]
+            col += n
+            continue
         d = importance_scales(lam[idx][None], sig2[idx][None])[0]  # (n,)
         M = mixer(n)  # raises HadamardUnsupported for a part size without a Hadamard
         rk[:, col:col + n] = (U[:, idx] * d) @ M
         rq[:, col:col + n] = (U[:, idx] / d) @ M
         col += n
+    assert col == D, "groups must partition the D directions"
     return rk, rq
 
 
@@ -114,12 +127,18 @@ def fit_split_keys(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, kc: torch.T
 
     U (H, D, D) query eigenvectors (columns, descending), lam / sig2 (H, D) the query energy and the centred key
     variance along them, kc (H, N, D) centred calibration keys, Cq (H, D, D) the query second moment (model space).
-    For each rule (default SPLIT_RULES; {name: score (H, D)} for controls) the wide part is the parts[0]-sized
-    set of directions of largest score; the rule of lower summed error on these rows wins."""
-    H, n = U.shape[0], parts[0][1] - parts[0][0]
+    For each rule (default SPLIT_RULES; {name: score (H, D)} for controls) the parts (consecutive, from channel 0)
+    take the directions in descending score, part by part; channels after the last part are not stored (the
+    lowest scores: issue 16's tiers, `oscar-tier-int2`). The rule of lower summed error on these rows wins."""
+    H, D = U.shape[0], U.shape[-1]
     best, errs = None, {}
     for rule, score in (rules or dict(zip(SPLIT_RULES, (lam, lam * sig2)))).items():
-        rs = [split_scaled_rotation(U[h], lam[h], sig2[h], np.argsort(-score[h], kind="stable")[:n]) for h in range(H)]
+        rs = []
+        for h in range(H):
+            order = np.argsort(-score[h], kind="stable")
+            cuts = [b for _, b, _ in parts] + ([D] if parts[-1][1] < D else [])
+            groups = [np.sort(order[a:b]) for a, b in zip([0] + cuts[:-1], cuts)]
+            rs.append(parts_rotation(U[h], lam[h], sig2[h], groups, stored=len(parts)))
         rk = torch.from_numpy(np.stack([r[0] for r in rs]))  # (H, D, D)
         rq = torch.from_numpy(np.stack([r[1] for r in rs]))
         Cq_r = rq.transpose(-1, -2) @ torch.from_numpy(np.asarray(Cq, dtype=np.float64)) @ rq  # (H, D, D)

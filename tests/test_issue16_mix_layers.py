@@ -1,6 +1,6 @@
-"""Issue 16's hypotheses 2 and 4 (validate/codebooks.py): oscar-mix-int2 (keys split 3/2 bits along the query
-eigenbasis) and oscar-layer-int2 (widths per layer by calibrated error), each against a brute-force reference,
-and their bits against the 2.5 budget through the memory accounting."""
+"""Issue 16's hypotheses 2, 4 and 5 (validate/codebooks.py): oscar-mix-int2 (keys split 3/2 bits along the query
+eigenbasis), oscar-layer-int2 (widths per layer by calibrated error) and oscar-tier-int2 (4/2/0-bit tiers), each
+against a brute-force reference, and their bits against the 2.5 budget through the memory accounting."""
 
 import itertools
 import math
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from oscar.quant import FP8_PARAM, fp8_round
+from oscar.quant import FP8_PARAM, QuantSpec, fp8_round
 from oscar.validate import codebooks as cb
 
 
@@ -241,8 +241,10 @@ def test_layer_artifact_from_the_store(fitted, name):
 
 
 @pytest.mark.parametrize("path", ["oracle", "production"])
-def test_ablation_mix_codec_is_the_model_level_quantizer(path):
-    """MixCodec (the synthetic ablation's oscar_mix) = split_fake_quant in its rotated space, bits from the stored fields."""
+@pytest.mark.parametrize("scheme", ["oscar_mix", "oscar_tier"])
+def test_ablation_mix_codec_is_the_model_level_quantizer(path, scheme):
+    """MixCodec (the synthetic ablation's oscar_mix / oscar_tier) = split_fake_quant in its rotated space, bits from
+    the stored fields."""
     from oscar.validate.ablation.schemes import Ctx, make_scheme
 
     g = torch.Generator().manual_seed(7)
@@ -250,14 +252,18 @@ def test_ablation_mix_codec_is_the_model_level_quantizer(path):
     ctx = Ctx(path, 0)
     x = {n: (torch.randn(256, D, generator=g) * torch.linspace(2, 0.3, D)).to(ctx.dtype) for n in "qkv"}
     te = torch.randn(64, D, generator=g).to(ctx.dtype) * 2
-    s = make_scheme("oscar_mix", 2).fit(x, ctx)
+    s = make_scheme(scheme, 2).fit(x, ctx)
     got, bk = s.k.roundtrip(te)
     y = (te - s.k.mu) @ s.k.R
     from oscar.stats.split import SPLIT_RULES, split_fake_quant
 
     want = split_fake_quant(y[None, None], s.k.parts, s.k.clip)[0, 0] @ s.k.Rinv + s.k.mu
     assert torch.allclose(got, want, atol=1e-4)
-    assert bk == (8 * 3 + 24 * 2 + 32) / D and s.v.roundtrip(te)[1] == 2 + 16 / D
+    if scheme == "oscar_mix":
+        assert bk == (8 * 3 + 24 * 2 + 32) / D
+    else:  # 8 x 4 + 20 x 2, the last 4 channels not stored
+        assert [(a, b, sp.bits) for a, b, sp in s.k.parts] == [(0, 8, 4), (8, 28, 2)] and bk == (8 * 4 + 20 * 2 + 32) / D
+    assert s.v.roundtrip(te)[1] == 2 + 16 / D
     assert s.k.rule in SPLIT_RULES
 
 
@@ -293,3 +299,111 @@ def test_empty_reservoir_is_no_reservoir(tmp_path, synthetic_store):
     assert (art.clip_k[0] == 1).all() and art.meta["layers"][0]["clip"] == {"searched": False}
     with pytest.raises(OscarError, match="reservoir keys"):
         fit(store, FitConfig(variant="split", progress=False, threads=1))
+
+
+# ----------------------------------------------------------------- hypothesis 5: tiers (oscar-tier-int2)
+
+
+def test_parts_rotation_leaves_the_not_stored_directions_unscaled():
+    from oscar.stats.rotations import importance_scales, mixer
+    from oscar.stats.split import parts_rotation
+
+    D = 64
+    rng = np.random.default_rng(0)
+    U, _ = np.linalg.qr(rng.standard_normal((D, D)))
+    lam, sig2 = np.sort(rng.exponential(1.0, D))[::-1], rng.exponential(1.0, D)
+    order = rng.permutation(D)
+    groups = [np.sort(order[:16]), np.sort(order[16:56]), np.sort(order[56:])]
+    rk, rq = parts_rotation(U, lam, sig2, groups, stored=2)
+    assert np.allclose(rq.T @ rk, np.eye(D), atol=1e-10)  # (q R_Q)·(k R_K) = q·k
+    for idx, cols in zip(groups[:2], (slice(0, 16), slice(16, 56))):
+        d = importance_scales(lam[idx][None], sig2[idx][None])[0]
+        assert np.allclose(rk[:, cols], (U[:, idx] * d) @ mixer(len(idx)), atol=1e-12)
+    assert np.allclose(rk[:, 56:], U[:, groups[2]]) and np.allclose(rq[:, 56:], U[:, groups[2]])
+    with pytest.raises(AssertionError, match="partition"):
+        parts_rotation(U, lam, sig2, groups[:2], stored=2)
+
+
+def test_tier_fake_quant_matches_brute_force():
+    """Parts quantized per token on their own (the split quantizer); the channels after the last part read as 0."""
+    from oscar.stats.split import split_fake_quant
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D = 2, 3, 5, 32
+    segs = cb.tier_layout(D)
+    assert segs == [(0, 8, 4), (8, 28, 2)]
+    parts = [(a, b, QuantSpec(bits=bits, param_dtype=FP8_PARAM)) for a, b, bits in segs]
+    y = torch.randn(B, H, T, D, generator=g) * torch.linspace(3, 0.3, D)
+    clip = torch.tensor([[0.9, 0.8], [1.0, 0.7], [0.85, 1.0]])
+    got = split_fake_quant(y, parts, clip).double().numpy()
+    yn = y.numpy().astype(np.float64)
+    want = np.zeros_like(got)
+    for b, h, t in np.ndindex(B, H, T):
+        for j, (a, e, bits) in enumerate(segs):
+            want[b, h, t, a:e] = _brute_minmax(yn[b, h, t, a:e], bits, float(clip[h, j]))
+    assert np.allclose(got, want, atol=1e-6)
+    assert (got[..., 28:] == 0).all() and len(np.unique(got[0, 0, 0, :8])) <= 16
+
+
+def test_tier_bits_through_the_memory_accounting():
+    """Keys 16 x 4 + 40 x 2 codes + two fp8 pairs = 2.75 (the 8 not-stored channels cost nothing), values 2.25: 2.5."""
+    from oscar.pipeline.models import load_config
+    from oscar.stats.artifact import QuantConfig, identity_artifact
+    from oscar.validate.methods import SERVING, bits_per_element, memory_row
+
+    config = load_config("smollm2-135m")
+    base = identity_artifact(config, QuantConfig(bits=2), clip=1.0)
+    D = base.head_dim
+    art = cb._derived(base, "oscar-tier-int2", {"kind": "tiers", "parts": [list(p) for p in cb.tier_layout(D)],
+                                                "v_params": "fp8"}, {})
+    art.clip_k = [torch.ones(base.num_kv_heads, 2) for _ in range(base.num_layers)]
+    ck, cv, _ = cb.layer_codecs(art, 0)
+    assert ck.bits_per_element(D) == (64 + 80 + 32) / 64 == 2.75 and cv.bits_per_element(D) == 2.25
+    assert bits_per_element(art, D) == 2.5
+    assert memory_row("oscar-tier-int2", art, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
+
+
+def test_tier_layout_refuses_a_head_dim_it_cannot_cut():
+    from oscar.common import OscarError
+
+    assert cb.tier_layout(128) == [(0, 32, 4), (32, 112, 2)]
+    with pytest.raises(OscarError, match="head_dim 36"):
+        cb.tier_layout(36)
+
+
+def test_tier_artifact_from_the_store(fitted):
+    """Per layer the rotation and clips are fit_split_keys' with the tier parts (the better rule on the calibration
+    rows), clips x the tune factor; LayerQuant reads the not-stored directions as the key mean, so a key moved
+    along them alone dequantizes to the same k̂ and leaves every logit of a query shifted alike."""
+    from oscar.common import OscarError
+    from oscar.pipeline.models import load_config
+    from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
+    from oscar.stats.split import fit_split_keys, layer_inputs
+    from oscar.validate.methods import LayerQuant, bits_per_element, method_artifact
+
+    config = load_config("tiny-llama")
+    art = method_artifact("oscar-tier-int2", config, fitted)
+    D, H, l = art.head_dim, art.num_kv_heads, 1
+    c = art.meta["codec"]
+    assert c["kind"] == "tiers" and c["not_stored"] == [D - D // 8, D] and c["tune_factor"] == 1.2
+    ls = LayerStats(open_store(fitted.meta["provenance"]["store"]), l, ReduceConfig())
+    mu = fitted.k_mean[l].double().numpy()
+    U, lam, sig2 = layer_inputs(ls, mu)
+    _, k, _ = cb._rows(ls, seed=l)
+    parts = [(a, b, QuantSpec(bits=bits, param_dtype=FP8_PARAM)) for a, b, bits in cb.tier_layout(D)]
+    sf = fit_split_keys(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), parts,
+                        np.round(np.arange(0.5, 1.0001, 0.05), 4))
+    assert sf.rule == c["layers"][l]["placement"]
+    assert torch.allclose(art.rot_k[l], sf.rot_k.float()) and torch.allclose(art.clip_k[l], (sf.clip * 1.2).clamp(max=1.0))
+    lq = LayerQuant(art, l)
+    x = torch.randn(1, H, 16, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64).float()
+    kh = lq.keys(x)
+    m = art.k_mean[l][None, :, None, :]
+    assert torch.allclose(((kh - m) @ art.rot_k[l])[..., D - D // 8:], torch.zeros(()), atol=1e-5)
+    nd = art.rot_q[l][:, :, D - D // 8:]  # (H, D, D/8): R_Q's columns = the not-stored directions (unscaled U)
+    x2 = x + (torch.randn(1, H, 16, D // 8, generator=torch.Generator().manual_seed(6)) @ nd.transpose(-1, -2))
+    assert torch.allclose(lq.keys(x2), kh, atol=1e-4)
+    assert bits_per_element(art, D) <= cb.oscar_bits(fitted)
+    split = method_artifact("oscar-mix-int2", config, fitted)
+    with pytest.raises(OscarError, match="oscar-tier-int2"):
+        cb.tier_artifact(split)

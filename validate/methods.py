@@ -31,6 +31,8 @@
                    2 bits, fp16 above)
     oscar-mix-layer-int2 hypotheses 2 and 4 together: oscar-layer-int2 with oscar-mix-int2's split keys
                    among each layer's options
+    oscar-tier-int2 issue 16 hypothesis 5: oscar-mix-int2's key bits as D/4 directions at 4 bits, 5D/8 at 2 and
+                   the D/8 of lowest score not stored (read as the key mean): 2.5 bits/element
     oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
                    rotated space over head_dim tokens (KIVI style; `oscar fit --key-axis channel --group-size D`)
 
@@ -227,7 +229,8 @@ def _searched(name: str):
     return factory
 
 
-DERIVED = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2")  # issue 16: built on oscar-int2's artifact
+DERIVED = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2",
+           "oscar-tier-int2")  # issue 16: built on oscar-int2's artifact
 _CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
 
 
@@ -251,6 +254,7 @@ def codebook_artifact(name: str, art: Artifact) -> Artifact:
         build = {"tq-int2": codebooks.tq_artifact, "sq-int2": codebooks.sq_artifact,
                  "oscar-lm-int2": codebooks.lm_artifact, "oscar-sparse-int2": codebooks.sparse_artifact,
                  "oscar-mix-int2": codebooks.mix_artifact, "oscar-layer-int2": codebooks.layer_artifact,
+                 "oscar-tier-int2": codebooks.tier_artifact,
                  "oscar-mix-layer-int2": codebooks.mix_layer_artifact}[name]
         _CODEBOOK_ARTS[key] = build(art)
     return _CODEBOOK_ARTS[key]
@@ -310,6 +314,7 @@ register_method("oscar-sparse-int2", _codebook_method("oscar-sparse-int2"), need
 register_method("oscar-mix-int2", _codebook_method("oscar-mix-int2"), needs_artifact=True)  # 3/2-bit key split by C_Q
 register_method("oscar-layer-int2", _codebook_method("oscar-layer-int2"), needs_artifact=True)  # widths per layer
 register_method("oscar-mix-layer-int2", _codebook_method("oscar-mix-layer-int2"), needs_artifact=True)  # both
+register_method("oscar-tier-int2", _codebook_method("oscar-tier-int2"), needs_artifact=True)  # 4/2/0-bit key tiers
 register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
 register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
@@ -428,6 +433,8 @@ METHOD_NOTES: dict[str, str] = {
                       "and Hadamard-mixed within itself, fp8 scale/zero per part; values with fp8 scale/zero",
     "oscar-layer-int2": "issue 16, hypothesis 4: oscar-int2's format with (key, value) bits per layer chosen by calibrated "
                         "attention-output error at oscar-int2's mean bits; 2-bit layers store fp8 scale/zero",
+    "oscar-tier-int2": "issue 16, hypothesis 5: oscar-mix-int2's placement with D/4 directions at 4 bits, 5D/8 at 2 and "
+                       "the D/8 of lowest score not stored (read as the key mean); values with fp8 scale/zero",
     "oscar-mix-layer-int2": "issue 16, hypotheses 2 + 4: oscar-layer-int2 whose per-layer options include oscar-mix-int2's "
                             "split keys",
     "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "

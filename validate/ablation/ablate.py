@@ -23,7 +23,7 @@ SCHEME_PAIRS = [("tq_kv", "plain"), ("tq_qkv", "tq_kv"), ("tq_vqjl", "tq_kv"), (
                 ("sq", "squ"), ("squ_kv", "tq_kv"), ("oscar", "tq_kv"), ("oscar", "plain"), ("kivi", "plain"),
                 ("oscar", "oscar_nc"), ("oscar", "oscar_kcov"), ("oscar", "oscar_nobr"), ("oscar", "oscar-ref"),
                 ("oscar_scaled", "oscar"), ("oscar_lm", "oscar_scaled"), ("oscar_sparse", "oscar_scaled"),
-                ("oscar_mix", "oscar_scaled")]  # issue 16
+                ("oscar_mix", "oscar_scaled"), ("oscar_tier", "oscar_mix")]  # issue 16
 
 
 @dataclass

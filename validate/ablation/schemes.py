@@ -477,10 +477,12 @@ class MixCodec(Codec):
     """Issue 16's split keys (`oscar fit --variant split`, stats/split.py) on one head: centred keys in the query
     eigenbasis, D/4 directions at `hi_bits` and the rest at `bits`, each part scaled and Hadamard-mixed within
     itself and stored as its own per-token min/max group with `param_dtype` scale/zero; placement and clips
-    from the calibration rows by the q-weighted logit objective (`fit_split_keys`)."""
+    from the calibration rows by the q-weighted logit objective (`fit_split_keys`). tiers=True: hypothesis 5's
+    oscar-tier-int2 instead, D/4 directions at `hi_bits`, 5D/8 at `bits` and the D/8 of lowest score not stored
+    (decoded as the mean)."""
 
-    def __init__(self, bits: int, hi_bits: int = 3, param_dtype: torch.dtype = FP8_PARAM):
-        self.bits, self.hi_bits, self.param_dtype = bits, hi_bits, param_dtype
+    def __init__(self, bits: int, hi_bits: int = 3, param_dtype: torch.dtype = FP8_PARAM, tiers: bool = False):
+        self.bits, self.hi_bits, self.param_dtype, self.tiers = bits, hi_bits, param_dtype, tiers
 
     def fit(self, calib, role, ctx):
         from oscar.stats.fit import FitConfig
@@ -491,7 +493,8 @@ class MixCodec(Codec):
         q, k = calib["q"].double(), calib[role].double()
         D = k.shape[-1]
         n = split_width(D)
-        self.parts = [(0, n, spec(self.hi_bits, param_dtype=self.param_dtype)), (n, D, spec(self.bits, param_dtype=self.param_dtype))]
+        end = D - D // 8 if self.tiers else D
+        self.parts = [(0, n, spec(self.hi_bits, param_dtype=self.param_dtype)), (n, end, spec(self.bits, param_dtype=self.param_dtype))]
         mu = k.mean(0)
         Cq = q.T @ q / q.shape[0]
         U = eigbasis(Cq)[1]  # (D, D) descending
@@ -518,9 +521,10 @@ class MixCodec(Codec):
     def decode(self, code):
         from oscar.quant import dequantize
 
-        parts = [dequantize(code[f"codes{j}"], code[f"scale{j}"], code[f"zero{j}"], sp, dtype=self.ctx.dtype)
-                 for j, (a, b, sp) in enumerate(self.parts)]
-        return torch.cat(parts, -1) @ self.Rinv + self.mu
+        y = torch.zeros(code.shape, dtype=self.ctx.dtype)  # (T, D); channels after the last part: not stored
+        for j, (a, b, sp) in enumerate(self.parts):
+            y[:, a:b] = dequantize(code[f"codes{j}"], code[f"scale{j}"], code[f"zero{j}"], sp, dtype=self.ctx.dtype)
+        return y @ self.Rinv + self.mu
 
 
 def replace_spec(s: QuantSpec, param_dtype: torch.dtype) -> QuantSpec:
@@ -778,6 +782,9 @@ register_scheme("oscar_lm", "oscar")(lambda b: (LMCodec(b, oscar_rotation(scaled
 # hypothesis 2: keys split 3/2 bits along the query eigenbasis (fp8 params per part), values with fp8 params
 register_scheme("oscar_mix", "oscar")(lambda b: (MixCodec(b, hi_bits=b + 1),
                                                  UniformCodec(b, oscar_rotation(), clip="search", param_dtype=FP8_PARAM)))
+# hypothesis 5: the same key bits as tiers, D/4 directions at b + 2 bits, 5D/8 at b, D/8 not stored
+register_scheme("oscar_tier", "oscar")(lambda b: (MixCodec(b, hi_bits=b + 2, tiers=True),
+                                                  UniformCodec(b, oscar_rotation(), clip="search", param_dtype=FP8_PARAM)))
 register_scheme("oscar_sparse", "oscar")(lambda b: (
     SparseCodec(b, oscar_rotation(scaled=True), center=True, v_param_dtype=FP8_PARAM),
     UniformCodec(b, oscar_rotation(), clip="search", param_dtype=FP8_PARAM)))
