@@ -36,13 +36,31 @@ def _verdict_ratio(lo: float, hi: float) -> str:  # ppl(a) / ppl(b): below 1 is 
     return "better" if hi < 1 else "worse" if lo > 1 else "UNRESOLVED"
 
 
+RENAME: dict[tuple[str, str], str] = {}  # (directory, method) -> the name it is compared under (--rename)
+
+
+def _name(d: str, m: str) -> str:
+    return RENAME.get((os.path.normpath(d), m), m)
+
+
+def _seed_dirs(dirs: list[str]) -> dict[str, int]:
+    """Directories of one needle seed pool together: a sample is (seed, index), so the runs of two artifacts on the
+    same samples (`oscar validate niah` is deterministic in its config and seed) pair with each other."""
+    out = {}
+    for d in dirs:
+        p = os.path.join(d, "niah_config.json")
+        out[d] = int(json.load(open(p))["config"].get("seed", 0)) if os.path.exists(p) else len(out) + 1000
+    return out
+
+
 def niah_table(dirs: list[str]) -> list[dict]:
-    """Pooled over the output directories (e.g. needle seeds): a sample is (directory, index), paired across
-    methods within its directory."""
+    """Pooled over the output directories (e.g. needle seeds): a sample is (seed, index), paired across methods and
+    across directories of the same seed (the same samples; a method present in two of them: the later wins)."""
     done = {}
-    for j, d in enumerate(dirs):
+    seeds = _seed_dirs(dirs)
+    for d in dirs:
         for (t, L, i, m), r in ev.read_samples(os.path.join(d, "niah_samples.jsonl")).items():
-            done[(t, L, (j, i), m)] = r
+            done[(t, L, (seeds[d], i), _name(d, m))] = r
     cells = ev.cell_scores(done)
     tasks = sorted({t for t, _, _ in cells})
     lengths = sorted({L for _, L, _ in cells})
@@ -72,9 +90,16 @@ def niah_table(dirs: list[str]) -> list[dict]:
     return rows
 
 
-def ppl_table(d: str) -> list[dict]:
+def ppl_table(dirs: list[str]) -> list[dict]:
+    """Windows of one or more `oscar validate ppl` runs with the same config (the same windows): a method present in
+    two of them is taken from the first."""
+    d = dirs[0]
     cfg = json.load(open(os.path.join(d, "ppl_config.json"))) if os.path.exists(os.path.join(d, "ppl_config.json")) else {}
-    windows = ev.read_windows(os.path.join(d, "ppl_windows.jsonl"))
+    windows, seen = [], set()
+    for dd in dirs:
+        got = [{**w, "method": _name(dd, w["method"])} for w in ev.read_windows(os.path.join(dd, "ppl_windows.jsonl"))]
+        windows += [w for w in got if w["method"] not in seen]
+        seen |= {w["method"] for w in got}
     idx = ev._index(windows)
     methods = sorted({w["method"] for w in windows})
     protocols = sorted({w["protocol"] for w in windows if w["method"] != "bf16"})
@@ -196,18 +221,26 @@ def main(argv=None) -> int:
     global BASE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--niah", required=True, nargs="+", help="output directories of `oscar validate niah` (pooled)")
-    ap.add_argument("--ppl", help="output directory of `oscar validate ppl`")
+    ap.add_argument("--ppl", nargs="+", help="output directories of `oscar validate ppl` (the same windows)")
+    ap.add_argument("--rename", nargs="*", default=[], metavar="DIR:METHOD=NAME",
+                    help="compare METHOD of the run in DIR as NAME (two artifacts run as oscar-int2)")
     ap.add_argument("--attention", help="output directory of `oscar validate attention`")
     ap.add_argument("--ablation", help="output directory of `oscar ablate`")
     ap.add_argument("--base", default=BASE, help="the method every candidate is paired against (default: %(default)s)")
     ap.add_argument("--out", required=True, help="JSON written here (and the markdown table next to it, .md)")
     a = ap.parse_args(argv)
     BASE = a.base
+    for r in a.rename:
+        d, rest = r.rsplit(":", 1)
+        m, new = rest.split("=", 1)
+        RENAME[(os.path.normpath(d), m)] = new
     niah = niah_table(a.niah)
     res = {"niah": niah, "ppl": ppl_table(a.ppl) if a.ppl else [],
            "attention": attention_table(a.attention) if a.attention else [],
            "ablation_ks": ablation_table(a.ablation) if a.ablation else [],
-           "bits": {**{k: v for d in a.niah for k, v in memory(d).items()}, **(memory(a.ppl) if a.ppl else {})},
+           "bits": {**{_name(d, k): v for d in a.niah for k, v in memory(d).items()},
+                    **({_name(d, k): v for d in a.ppl for k, v in memory(d).items()} if a.ppl else {})},
+           "rename": a.rename,
            "lengths": sorted({r["length"] for r in niah}),
            "methods": [m for m in dict.fromkeys(("bf16", BASE, *CANDIDATES)) if any(r["method"] == m for r in niah)],
            "base": BASE,

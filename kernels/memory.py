@@ -44,7 +44,9 @@ class Format:
     recent: int = RECENT
     param_bytes: int = 2  # bytes of each stored scale and zero: 2 fp16, 1 e4m3 (QuantConfig.param_dtype)
     dtype_bytes: int = 2  # sink / recent / BF16 storage
-    key_split: int = 0  # split keys (QuantConfig.key_split): wide key channels, one more bit and a second param pair
+    key_split: int = 0  # split keys (QuantConfig.key_split): wide key channels, key_top more bits and a second param pair
+    key_top: int = 1  # split keys: the wide channels' bits above `bits` (QuantConfig.key_top)
+    key_drop: int = 0  # split keys: key channels not stored (QuantConfig.key_drop; -1: the tiers variant's D/8)
 
     @property
     def param_dtype(self) -> str:
@@ -64,6 +66,8 @@ def default_formats(sink: int = SINK, recent: int = RECENT, page_size: int = PAG
         # issue 16's split keys (oscar fit --variant split): D/4 key channels at 3 bits, every part and the values
         # with 8-bit scale/zero; key_split -1 = the model's own D/4 (2.5 bits per element at D = 64)
         Format("int2-split-fp8", param_bytes=1, key_split=-1, **kw),
+        # hypothesis 5's tiers (oscar fit --variant tiers): D/4 key channels at 4 bits, 5D/8 at 2, D/8 not stored
+        Format("int2-tiers-fp8", param_bytes=1, key_split=-1, key_top=2, key_drop=-1, **kw),
     ]
 
 
@@ -74,7 +78,7 @@ def per_history_token(shapes: dict, f: Format) -> dict[str, float]:
     if f.bits >= 16:
         return {"codes": elems * f.dtype_bytes, "scales": 0.0, "page_table": 0.0}
     W = _split(f, D)
-    codes = elems * f.bits / 8 + L * H * W / 8  # + the top bits of the wide key channels
+    codes = elems * f.bits / 8 + L * H * (f.key_top * W - f.bits * _drop(f, D)) / 8  # + top bits, - not-stored keys
     pair = 2 * f.param_bytes  # scale + zero
     if f.mode == "static":
         scales = 0.0
@@ -93,6 +97,11 @@ def _split(f: Format, D: int) -> int:
     from oscar.stats.artifact import split_width
 
     return split_width(D)
+
+
+def _drop(f: Format, D: int) -> int:
+    """Key channels a split format does not store at head_dim D (key_drop -1: the tiers variant's D/8)."""
+    return (D // 8 if f.key_drop < 0 else f.key_drop) if f.key_split else 0
 
 
 def total(shapes: dict, f: Format, context: int, batch: int = 1) -> dict[str, float]:
@@ -130,6 +139,7 @@ def report(config: Any, context: int = 32768, formats: list[Format] | None = Non
         tb = sum(t.values())
         rows.append({
             "format": f.name, **{k: v for k, v in asdict(f).items() if k != "name"}, "key_split": _split(f, shapes["head_dim"]),
+            "key_drop": _drop(f, shapes["head_dim"]),
             "bits_per_element": 16.0 * (h["codes"] + h["scales"]) / base if f.bits < 16 else 16.0,
             "history_bytes_per_token": h, "history_bytes_per_token_total": hb,
             "history_ratio_vs_bf16": hb / base, "history_ratio_codes_scales_vs_bf16": (h["codes"] + h["scales"]) / base,
@@ -218,7 +228,8 @@ def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: in
     H, D, P = s["num_kv_heads"], s["head_dim"], f.page_size
     W = _split(f, D)
     quant = QuantConfig(bits=f.bits, group_size=f.group_size, key_axis=f.key_axis, mode=f.mode, sink=f.sink,
-                        recent=f.recent, page_size=P, param_dtype=f.param_dtype, key_split=W)
+                        recent=f.recent, page_size=P, param_dtype=f.param_dtype, key_split=W,
+                        **({"key_top": f.key_top, "key_drop": _drop(f, D)} if W else {}))
     cfg = PagedConfig(quant, H, D, num_pages=-(-context // P), max_seqs=1, dtype=torch.bfloat16)
     rots = [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])]
     for r in rots if W else ():

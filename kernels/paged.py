@@ -82,7 +82,8 @@ class PagedConfig:
     # derived
     ring_size: int = field(init=False)  # R + P slots per sequence
     packed_dim: int = field(init=False)  # D * bits // 8 bytes per token row (values; keys unless split)
-    k_packed_dim: int = field(init=False)  # key bytes per token row: + key_split // 8 top bits for split keys
+    k_low_dim: int = field(init=False)  # bytes of the keys' low `bits` plane: (D - key_drop) * bits // 8
+    k_packed_dim: int = field(init=False)  # key bytes per token row: + key_top * key_split // 8 top bits for split keys
 
     def __post_init__(self):
         q, D = self.quant, self.head_dim
@@ -108,12 +109,13 @@ class PagedConfig:
         if q.key_split:
             from oscar.constraints import quant_problems
 
-            probs = [p for p in quant_problems(D, q) if "key_split" in p]
+            probs = [p for p in quant_problems(D, q) if "key_split" in p or "key_drop" in p]
             if probs:
                 raise OscarError("; ".join(probs))
         self.ring_size = q.recent + P
         self.packed_dim = D * q.bits // 8
-        self.k_packed_dim = self.packed_dim + q.key_split // 8
+        self.k_low_dim = (D - q.key_drop) * q.bits // 8  # the low plane: every stored key channel
+        self.k_packed_dim = self.k_low_dim + q.key_top * q.key_split // 8 if q.key_split else self.packed_dim
         self.max_pages_per_seq = self.max_pages_per_seq or self.num_pages
 
     @classmethod
@@ -136,7 +138,7 @@ class PagedConfig:
 
     @property
     def key_parts(self) -> list[tuple[int, int, QuantSpec]] | None:
-        """Split keys: [(0, W, wide spec), (W, D, spec)] (QuantConfig.key_parts); None otherwise."""
+        """Split keys: [(0, W, wide spec), (W, D - key_drop, spec)] (QuantConfig.key_parts); None otherwise."""
         return self.quant.key_parts(self.head_dim)
 
     @property

@@ -29,15 +29,17 @@ def quantize_page_tensors(cache: PagedLayerCache, x: torch.Tensor, which: str):
     shaped like the pool's (None in static mode, where they are layer constants).
     """
     cfg, qp = cache.cfg, cache.qp
-    if which == "k" and cfg.key_parts:  # split keys: each part its own per-token group, codes as two planes
-        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if which == "k" and cfg.key_parts:  # split keys: each part its own per-token group, codes as bit planes
+        codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)  # channels after the parts: not stored
         ss, zs = [], []
         for j, (a, b, sp) in enumerate(cfg.key_parts):
             part = x[..., a:b].float().contiguous()
             s, z = choose_qparams(part, sp, qp.clip_k[..., j:j + 1])  # (N, Hkv, P, 1)
             codes[..., a:b] = quantize(part, s, z, sp)
             ss.append(s), zs.append(z)
-        return pack_planes(codes, cfg.quant.bits, cfg.quant.key_split), torch.cat(ss, -1), torch.cat(zs, -1)
+        q = cfg.quant
+        return (pack_planes(codes, q.bits, q.key_split, q.key_top, cfg.head_dim - q.key_drop), torch.cat(ss, -1),
+                torch.cat(zs, -1))
     spec = qp.k_spec if which == "k" else qp.v_spec
     clip = qp.clip_k if which == "k" else qp.clip_v
     static = qp.k_static if which == "k" else qp.v_static
@@ -66,10 +68,13 @@ def dequantize_pages(cache: PagedLayerCache, ids: torch.Tensor, which: str) -> t
     """Pages (N,) of the pool back to float32 (N, Hkv, P, D), rotated space."""
     cfg, qp = cache.cfg, cache.qp
     if which == "k" and cfg.key_parts:
-        codes = unpack_planes(cache.k_codes[ids], cfg.quant.bits, cfg.quant.key_split, cfg.head_dim)  # (N, Hkv, P, D)
+        q, D = cfg.quant, cfg.head_dim
+        codes = unpack_planes(cache.k_codes[ids], q.bits, q.key_split, D, q.key_top, D - q.key_drop)  # (N, Hkv, P, D)
         s, z = cache.k_scale[ids], cache.k_zero[ids]  # (N, Hkv, P, 2)
-        return torch.cat([dequantize(codes[..., a:b], s[..., j:j + 1], z[..., j:j + 1], sp)
-                          for j, (a, b, sp) in enumerate(cfg.key_parts)], -1)
+        out = torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)  # not-stored channels read as 0
+        for j, (a, b, sp) in enumerate(cfg.key_parts):
+            out[..., a:b] = dequantize(codes[..., a:b], s[..., j:j + 1], z[..., j:j + 1], sp)
+        return out
     spec = qp.k_spec if which == "k" else qp.v_spec
     codes = unpack(getattr(cache, f"{which}_codes")[ids], cfg.quant.bits)  # (N, Hkv, P, D)
     if cfg.quant.mode == "static":
@@ -187,14 +192,15 @@ def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
     npg = len(ids)
     n = npg * P
     kpk = torch.index_select(cache.k_codes, 0, ids).transpose(0, 1)  # (Hkv, np, P, packed)
-    W = cfg.quant.key_split
-    kc = _codes_f32(kpk[..., :cfg.packed_dim], cfg.quant.bits, "k")  # (Hkv, np, P, D): the low bits of every channel
-    vc = _codes_f32(torch.index_select(cache.v_codes, 0, ids).transpose(0, 1), cfg.quant.bits, "v")
-    if W:  # split keys: + 2^bits x the top bit of the W wide channels; q.k = sum over parts of s_j (q_j . c_j) + z_j sum q_j
-        kc[..., :W] += _codes_f32(kpk[..., cfg.packed_dim:], 1, "k_top") * (1 << cfg.quant.bits)
+    W, bits, nb = cfg.quant.key_split, cfg.quant.bits, cfg.k_low_dim
+    kc = _codes_f32(kpk[..., :nb], bits, "k")  # (Hkv, np, P, D - key_drop): the low bits of every stored channel
+    vc = _codes_f32(torch.index_select(cache.v_codes, 0, ids).transpose(0, 1), bits, "v")
+    if W:  # split keys: + 2^(bits+p) x bit plane p of the W wide channels; q.k = sum over parts of s_j (q_j . c_j) + z_j sum q_j
+        for p in range(cfg.quant.key_top):
+            kc[..., :W] += _codes_f32(kpk[..., nb + p * W // 8:nb + (p + 1) * W // 8], 1, "k_top") * (1 << (bits + p))
         s = cache.k_scale[ids].float().transpose(0, 1).reshape(H, 1, n, 2)
         z = cache.k_zero[ids].float().transpose(0, 1).reshape(H, 1, n, 2)
-        kf = kc.reshape(H, n, D)
+        kf = kc.reshape(H, n, kc.shape[-1])  # the channels after the parts are not stored: they add nothing
         logits = 0
         for j, (a, b, _) in enumerate(cfg.key_parts):
             dots = q_rot[..., a:b] @ kf[..., a:b].transpose(-1, -2)  # (Hkv, G, n)

@@ -17,8 +17,9 @@ One query token per sequence, B sequences of different lengths. Three launches:
 Context layout per sequence is recomputed from its length (paged.layout), so the
 kernel only needs lengths, block tables and sequence slots.
 
-Split keys (QuantConfig.key_split = W, K_MODE 3): codes = the INT2 plane + 4 x the top bit of the W wide channels,
-two per-token (scale, zero) pairs, the logit factored per part (see the kernel).
+Split keys (QuantConfig.key_split = W, K_MODE 3): codes = the INT2 plane of the stored channels + 2^(2+p) x bit
+plane p < key_top of the W wide channels, two per-token (scale, zero) pairs, the logit factored per part (see the
+kernel); the key_drop channels after the parts are not stored and add nothing (they read as the key mean).
 
 8-bit scale/zero (cfg.quant.torch_param_dtype = float8_e4m3fn, PARAM_FP8=True) are read as bytes
 through a uint8 view and decoded to fp32 in registers (a few integer ops per parameter,
@@ -145,7 +146,9 @@ def _decode_split_kernel(
     G_SIZE: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
     MIN_PAGES: tl.constexpr, DOT_FP16: tl.constexpr, PARAM_FP8: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-    W: tl.constexpr = 0,  # split keys (K_MODE 3): the first W channels are 3-bit, their top bits after the D/4 bytes
+    W: tl.constexpr = 0,  # split keys (K_MODE 3): the first W channels have 2 + TOP bits, their top bit planes after the low plane
+    TOP: tl.constexpr = 1,
+    STORED: tl.constexpr = 0,  # key channels [0, STORED) are stored (D; split keys: D - key_drop, a low plane of STORED/4 bytes)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -228,11 +231,15 @@ def _decode_split_kernel(
         if K_MODE == 3:
             # split keys, two per-token pairs: q.k_t = s_w (q_w . c_t) + s_n (q_n . c_t) + z_w sum(q_w) + z_n sum(q_n),
             # q_w = q on the wide channels (c < W, codes lo2 + 4 top), q_n = q on the rest; still no per-element scaling
+            # (channels from STORED on are not stored: they read as the key mean, already in q . mu)
             w0, w1, w2, w3 = (c0 < W)[None, :], (c1 < W)[None, :], (c2 < W)[None, :], (c3 < W)[None, :]
             q0w, q1w, q2w, q3w = tl.where(w0, q0, 0.0), tl.where(w1, q1, 0.0), tl.where(w2, q2, 0.0), tl.where(w3, q3, 0.0)
-            q0n, q1n, q2n, q3n = q0 - q0w, q1 - q1w, q2 - q2w, q3 - q3w
+            q0n = tl.where((c0 < STORED)[None, :], q0 - q0w, 0.0)
+            q1n = tl.where((c1 < STORED)[None, :], q1 - q1w, 0.0)
+            q2n = tl.where((c2 < STORED)[None, :], q2 - q2w, 0.0)
+            q3n = tl.where((c3 < STORED)[None, :], q3 - q3w, 0.0)
             qsum_w = tl.sum(q0w + q1w + q2w + q3w, axis=1)
-            qsum_n = qsum - qsum_w
+            qsum_n = tl.sum(q0n + q1n + q2n + q3n, axis=1)
         if K_MODE == 2:  # static: fold the per-channel scale into q, the zero into a constant
             ks0, kz0 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c0, b_mask)
             ks1, kz1 = _static_params(K_SCALE, K_ZERO, h, stride_ksh, c1, b_mask)
@@ -252,15 +259,16 @@ def _decode_split_kernel(
             row = t % P
             m2 = valid[:, None] & b_mask[None, :]
             krow = page[:, None] * stride_cn + h * stride_ch + row[:, None] * stride_ct
-            kb = tl.load(K_CODES + krow + offs_b[None, :], mask=m2, other=0).to(tl.int32)  # (BLOCK_N, BLOCK_B) packed
+            kb = tl.load(K_CODES + krow + offs_b[None, :], mask=m2 & (offs_b < STORED // 4)[None, :],
+                         other=0).to(tl.int32)  # (BLOCK_N, BLOCK_B) packed
             vptr = page[:, None] * stride_vcn + h * stride_vch + row[:, None] * stride_vct + offs_b[None, :]
             vb = tl.load(V_CODES + vptr, mask=m2, other=0).to(tl.int32)
             if K_MODE == 3:
                 sp = page * stride_ksn + h * stride_ksh + row * stride_kst
-                k0 = _split_code(kb, 0, K_CODES, krow, c0, m2, D, W)
-                k1 = _split_code(kb, 1, K_CODES, krow, c1, m2, D, W)
-                k2 = _split_code(kb, 2, K_CODES, krow, c2, m2, D, W)
-                k3 = _split_code(kb, 3, K_CODES, krow, c3, m2, D, W)
+                k0 = _split_code(kb, 0, K_CODES, krow, c0, m2, STORED // 4, W, TOP)
+                k1 = _split_code(kb, 1, K_CODES, krow, c1, m2, STORED // 4, W, TOP)
+                k2 = _split_code(kb, 2, K_CODES, krow, c2, m2, STORED // 4, W, TOP)
+                k3 = _split_code(kb, 3, K_CODES, krow, c3, m2, STORED // 4, W, TOP)
                 dw = _dot_t(q0w, k0, DOT_FP16) + _dot_t(q1w, k1, DOT_FP16) + _dot_t(q2w, k2, DOT_FP16) + _dot_t(q3w, k3, DOT_FP16)
                 dn = _dot_t(q0n, k0, DOT_FP16) + _dot_t(q1n, k1, DOT_FP16) + _dot_t(q2n, k2, DOT_FP16) + _dot_t(q3n, k3, DOT_FP16)
                 s_w, z_w = _param(K_SCALE, sp, valid, PARAM_FP8), _param(K_ZERO, sp, valid, PARAM_FP8)
@@ -344,13 +352,16 @@ def _code(packed, I: tl.constexpr):
 
 
 @triton.jit
-def _split_code(packed, I: tl.constexpr, K_CODES, krow, chan, m2, D: tl.constexpr, W: tl.constexpr):
-    """Sub-tile I of split keys: the low 2 bits of channels chan = 4j + I from the packed row, plus 4x the top
-    bit of the wide ones (chan < W: bit chan % 8 of byte D/4 + chan // 8 of the same row), as float (exact)."""
+def _split_code(packed, I: tl.constexpr, K_CODES, krow, chan, m2, NB: tl.constexpr, W: tl.constexpr, TOP: tl.constexpr):
+    """Sub-tile I of split keys: the low 2 bits of channels chan = 4j + I from the packed row, plus 2^(2+p) x bit
+    plane p of the wide ones (chan < W: bit chan % 8 of byte NB + p W/8 + chan // 8 of the same row, NB the low
+    plane's bytes), as float (exact)."""
     wide = chan < W
-    tb = tl.load(K_CODES + krow + D // 4 + (chan // 8)[None, :], mask=m2 & wide[None, :], other=0).to(tl.int32)
-    top = (tb >> (chan % 8)[None, :]) & 1
-    return (((packed >> (2 * I)) & 3) + 4 * top).to(tl.float32)
+    code = (packed >> (2 * I)) & 3
+    for p in tl.static_range(TOP):
+        tb = tl.load(K_CODES + krow + NB + p * (W // 8) + (chan // 8)[None, :], mask=m2 & wide[None, :], other=0).to(tl.int32)
+        code += ((tb >> (chan % 8)[None, :]) & 1) << (2 + p)
+    return code.to(tl.float32)
 
 
 @triton.jit
@@ -474,7 +485,8 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     assert D == cfg.head_dim and Hq % H == 0, f"q {tuple(q.shape)} vs cache Hkv={H}, D={cfg.head_dim}"
     assert q.device == cache.k_codes.device, f"q on {q.device}, cache on {cache.k_codes.device}"
     assert cfg.quant.bits == 2 and D % 4 == 0, "the fused decode kernel reads INT2 codes (4 per byte); other widths: reference"
-    assert cfg.quant.key_split % 8 == 0, f"split keys need whole top-bit bytes, got key_split={cfg.quant.key_split}"
+    assert cfg.quant.key_split % 8 == 0 and (D - cfg.quant.key_drop) % 4 == 0, (
+        f"split keys need whole top-bit bytes and a whole low plane, got key_split={cfg.quant.key_split}, key_drop={cfg.quant.key_drop}")
     G = Hq // H
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dev = q.device
@@ -518,6 +530,7 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         D=D, GROUP=G, P=cfg.quant.page_size, SINK=cfg.quant.sink, RECENT=cfg.quant.recent, G_SIZE=cfg.quant.group_size or D,
         K_MODE=k_mode, V_MODE=v_mode, MIN_PAGES=max(1, config.min_pages_per_split), DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
         BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=pow2_at_least(D // 4), W=cfg.quant.key_split,
+        TOP=cfg.quant.key_top, STORED=D - cfg.quant.key_drop,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

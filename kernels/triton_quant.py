@@ -1,7 +1,8 @@
 """Triton kernel (a): rotate + quantize + pack whole pages into the pool.
 
 One program per (page, KV head) quantizes P tokens x D channels (split keys, MODE_SPLIT: two per-token
-groups of unequal width, the wide one's top bits in W/8 extra bytes per row). The work is laid
+groups of unequal width, the wide one's top bits in TOP planes of W/8 extra bytes per row, the channels after
+the second group not stored). The work is laid
 out as PER = 8 // BITS strided column tiles: tile i holds channels j*PER + i for
 j < D*BITS/8, so the byte j of a token is sum_i code_i(j) << (BITS*i) and packing
 needs no reshape (works for any D that is a multiple of PER, power of two or not).
@@ -127,12 +128,14 @@ def _quantize_pages_kernel(
     MODE: tl.constexpr, ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, FP8: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
     W: tl.constexpr = 0, BLOCK_W: tl.constexpr = 16,  # split keys: wide channels, a block over their W/8 top-bit bytes
+    TOP: tl.constexpr = 1,  # split keys: the wide channels' bits above BITS (one plane of W/8 bytes each)
+    STORED: tl.constexpr = 0,  # channels [0, STORED) are stored (D; split keys: D - key_drop)
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    NB: tl.constexpr = D // PER  # bytes per token row
+    NB: tl.constexpr = STORED // PER  # bytes per token row (of the low plane)
     page = tl.load(PAGE_IDS + n).to(tl.int64)
     offs_t = tl.arange(0, BLOCK_P)
     offs_j = tl.arange(0, BLOCK_B)  # byte column
@@ -147,10 +150,11 @@ def _quantize_pages_kernel(
 
     byte = tl.zeros((BLOCK_P, BLOCK_B), tl.int32)
     if MODE == 3:
-        # split keys: part 0 (channels < W) at BITS + 1, part 1 at BITS, each its own per-token pair (stored at
-        # group 0 / 1). The low BITS of every code go to the byte tiles as usual; the top bit of the wide
-        # channels to W/8 more bytes, channel c at bit c % 8 of byte D*BITS/8 + c // 8 (quant.pack_planes)
-        LEV_W: tl.constexpr = (1 << (BITS + 1)) - 1
+        # split keys: part 0 (channels < W) at BITS + TOP, part 1 (W <= c < STORED) at BITS, each its own
+        # per-token pair (stored at group 0 / 1); channels from STORED on are not stored at all. The low BITS of
+        # every stored code go to the byte tiles as usual; bit BITS + p of the wide channels to plane p of W/8
+        # bytes, channel c at bit c % 8 of byte NB + p*W/8 + c // 8 (quant.pack_planes)
+        LEV_W: tl.constexpr = (1 << (BITS + TOP)) - 1
         s0, z0, sf0, zf0 = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 0, offs_t, offs_j, offs_e, t_mask,
                                                j_mask, e_mask, D, G, PER, LEV_W, ROTATE, CENTER, ROUND, BLOCK_P, FP8, W)
         s1, z1, sf1, zf1 = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 1, offs_t, offs_j, offs_e, t_mask,
@@ -169,14 +173,15 @@ def _quantize_pages_kernel(
             byte += (code & LEVELS) << (BITS * i)
         offs_m = tl.arange(0, BLOCK_W)  # top-bit byte column
         m_mask = offs_m < W // 8
-        top = tl.zeros((BLOCK_P, BLOCK_W), tl.int32)
-        for i in tl.static_range(8):
-            offs_c = offs_m * 8 + i
-            x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, m_mask, e_mask,
-                           D, ROTATE, CENTER, ROUND)
-            top += ((_code(x, sf0[:, None], zf0[:, None], LEV_W) >> BITS) & 1) << i
-        to = page * stride_cn + h * stride_ch + offs_t[:, None] * stride_ct + NB + offs_m[None, :]
-        tl.store(CODES + to, top.to(tl.uint8), mask=t_mask[:, None] & m_mask[None, :])
+        for p in tl.static_range(TOP):
+            top = tl.zeros((BLOCK_P, BLOCK_W), tl.int32)
+            for i in tl.static_range(8):
+                offs_c = offs_m * 8 + i
+                x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, m_mask, e_mask,
+                               D, ROTATE, CENTER, ROUND)
+                top += ((_code(x, sf0[:, None], zf0[:, None], LEV_W) >> (BITS + p)) & 1) << i
+            to = page * stride_cn + h * stride_ch + offs_t[:, None] * stride_ct + NB + p * (W // 8) + offs_m[None, :]
+            tl.store(CODES + to, top.to(tl.uint8), mask=t_mask[:, None] & m_mask[None, :])
     elif MODE == 0:
         # token groups: per group g, its fp16 params from the group's range (one pass over the
         # PER column tiles), then the codes of its channels (a second pass)
@@ -268,7 +273,7 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
         ss[0], ss[1], ss[2] if mode in (MODE_TOKEN, MODE_SPLIT) else 0,
         P=P, D=D, G=G, NG=D // G, BITS=cfg.quant.bits, MODE=mode, ROTATE=do_rotate, CENTER=center and do_rotate,
         ROUND=round_code, FP8=fp8, BLOCK_P=pow2_at_least(P), BLOCK_D=pow2_at_least(D), BLOCK_B=pow2_at_least(cfg.packed_dim),
-        W=W, BLOCK_W=pow2_at_least(max(W // 8, 1)),
+        W=W, BLOCK_W=pow2_at_least(max(W // 8, 1)), TOP=cfg.quant.key_top, STORED=D - cfg.quant.key_drop if W else D,
     )
 
 

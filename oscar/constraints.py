@@ -28,15 +28,19 @@ def hadamard_supported(n: int) -> bool:
 
 def format_problems(head_dim: int, *, bits: int = 2, group_size: int | None = None, key_axis: str = "token",
                     page_size: int = PAGE_SIZE, recent: int = RECENT, hadamard: bool = False,
-                    key_split: int = 0) -> list[str]:
+                    key_split: int = 0, key_drop: int = 0) -> list[str]:
     """Why the cache format (QuantConfig fields) cannot store K/V of `head_dim` (empty: it can)."""
     D, out = int(head_dim), []
-    if key_split and (key_split % 8 or not 0 < key_split < D):
-        out.append(f"key_split {key_split} must be a multiple of 8 below head_dim {D} (the wide channels' top bits "
-                   f"are packed 8 per byte)")
-    if key_split and not (hadamard_supported(key_split) and hadamard_supported(D - key_split)):
-        out.append(f"split keys of {key_split} + {D - key_split} channels need a Hadamard of each order "
+    stored = D - key_drop
+    if key_split and (key_split % 8 or not 0 < key_split < stored):
+        out.append(f"key_split {key_split} must be a multiple of 8 below the {stored} stored key channels of head_dim "
+                   f"{D} (the wide channels' top bits are packed 8 per byte)")
+    elif key_split and not (hadamard_supported(key_split) and hadamard_supported(stored - key_split)):
+        out.append(f"split keys of {key_split} + {stored - key_split} channels need a Hadamard of each order "
                    f"(2^k, 12*2^k, 20*2^k)")
+    if key_drop and (key_drop < 0 or (stored * bits) % 8):
+        out.append(f"key_drop {key_drop}: the {stored} stored key channels at {bits} bits must fill whole bytes "
+                   f"(key_split: the split format's)")
     if bits not in (1, 2, 4, 8):
         out.append(f"bits {bits} cannot be packed into bytes (1, 2, 4 or 8)")
     elif (D * bits) % 8:
@@ -56,7 +60,7 @@ def quant_problems(head_dim: int, quant: Any, *, hadamard: bool = False) -> list
     """format_problems of a QuantConfig-like object."""
     return format_problems(head_dim, bits=quant.bits, group_size=quant.group_size, key_axis=quant.key_axis,
                            page_size=quant.page_size, recent=quant.recent, hadamard=hadamard,
-                           key_split=getattr(quant, "key_split", 0))
+                           key_split=getattr(quant, "key_split", 0), key_drop=getattr(quant, "key_drop", 0))
 
 
 def sliding_layers(config: Any) -> list[int]:

@@ -267,24 +267,31 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
-def pack_planes(codes: torch.Tensor, bits: int, wide: int) -> torch.Tensor:
-    """Codes (..., D) whose first `wide` channels have bits + 1 bits and the rest `bits` (a split key row)
-    -> bytes (..., D * bits // 8 + wide // 8): the low `bits` of every channel packed as `pack`, then the
-    top bit of the wide channels packed 8 per byte (channel c at byte c // 8, bit c % 8)."""
-    if wide % 8 or wide > codes.shape[-1]:
-        raise ValueError(f"pack_planes: {wide} wide channels must be a multiple of 8 and at most {codes.shape[-1]}")
+def pack_planes(codes: torch.Tensor, bits: int, wide: int, top: int = 1, stored: int | None = None) -> torch.Tensor:
+    """Codes (..., D) whose first `wide` channels have bits + top bits and the rest `bits` (a split key row), the
+    channels from `stored` on (default D) not kept -> bytes (..., stored * bits // 8 + top * wide // 8): the low
+    `bits` of channels [0, stored) packed as `pack`, then plane p = 0..top-1 of the wide channels' bit bits + p,
+    8 per byte (channel c at byte c // 8 of the plane, bit c % 8)."""
+    stored = codes.shape[-1] if stored is None else stored
+    if wide % 8 or wide > stored or stored > codes.shape[-1] or (stored * bits) % 8 or top < 1:
+        raise ValueError(f"pack_planes: {wide} wide channels must be a multiple of 8 and at most the {stored} stored "
+                         f"of {codes.shape[-1]}, stored * bits whole bytes, top >= 1 (got top={top})")
     c = codes.to(torch.int32)
-    low = pack((c & ((1 << bits) - 1)).to(torch.uint8), bits)
-    top = pack(((c[..., :wide] >> bits) & 1).to(torch.uint8), 1)
-    return torch.cat([low, top], -1)
+    low = pack((c[..., :stored] & ((1 << bits) - 1)).to(torch.uint8), bits)
+    tops = [pack(((c[..., :wide] >> (bits + p)) & 1).to(torch.uint8), 1) for p in range(top)]
+    return torch.cat([low, *tops], -1)
 
 
-def unpack_planes(packed: torch.Tensor, bits: int, wide: int, D: int) -> torch.Tensor:
-    """Inverse of pack_planes: (..., D * bits // 8 + wide // 8) bytes -> (..., D) uint8 codes."""
-    nb = D * bits // 8
-    codes = unpack(packed[..., :nb], bits).to(torch.int32)
-    top = unpack(packed[..., nb:nb + wide // 8], 1).to(torch.int32)
-    codes[..., :wide] |= top << bits
+def unpack_planes(packed: torch.Tensor, bits: int, wide: int, D: int, top: int = 1, stored: int | None = None) -> torch.Tensor:
+    """Inverse of pack_planes: (..., stored * bits // 8 + top * wide // 8) bytes -> (..., D) uint8 codes, 0 from
+    channel `stored` on."""
+    stored = D if stored is None else stored
+    nb = stored * bits // 8
+    codes = torch.zeros(*packed.shape[:-1], D, dtype=torch.int32, device=packed.device)
+    codes[..., :stored] = unpack(packed[..., :nb], bits).to(torch.int32)
+    for p in range(top):
+        t = unpack(packed[..., nb + p * wide // 8:nb + (p + 1) * wide // 8], 1).to(torch.int32)
+        codes[..., :wide] |= t << (bits + p)
     return codes.to(torch.uint8)
 
 

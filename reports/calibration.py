@@ -134,7 +134,7 @@ def calibration_section(artifact_path: str, store_path: str | None, out_dir: str
         "stability_o_min": float(np.nanmin(stab_o)) if np.isfinite(stab_o).any() else None,
         "heavy_heads": heavy,
         "pruned_eigenvalues": int(sum(len(p) for lm in layers for side in lm["pruned"].values() for p in side)),
-        "fallbacks": len(meta.get("fallbacks", [])),
+        "fallbacks": sum(f.get("to", "hadamard") == "hadamard" for f in meta.get("fallbacks", [])),
         "clip_k": {"min": float(ck.min()), "mean": float(ck.mean()), "max": float(ck.max())},
         "clip_v": {"min": float(cv.min()), "mean": float(cv.mean()), "max": float(cv.max())},
         "clip_mode": mode,

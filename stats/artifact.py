@@ -41,6 +41,20 @@ def split_width(head_dim: int) -> int:
     return max(8, head_dim // 4 // 8 * 8)
 
 
+def tier_drop(head_dim: int) -> int:
+    """Key channels the tiers format does not store (QuantConfig.key_drop, `oscar fit --variant tiers`): the fewest,
+    a multiple of 4 (whole bytes of 2-bit codes) and at least half the wide part (so the wide part's second extra bit
+    is paid for: split keys' budget or less), that leave the middle part a Hadamard order. D/8 at D = 32, 64, 128."""
+    from oscar.constraints import hadamard_supported
+
+    W = split_width(head_dim)
+    for drop in range(-(-W // 2 // 4) * 4 or 4, head_dim - W, 4):
+        if hadamard_supported(head_dim - W - drop):
+            return drop
+    raise OscarError(f"the tiers format cannot cut head_dim {head_dim}: no multiple of 4 >= {W // 2} channels to drop "
+                     f"leaves a Hadamard order for the 2-bit part (wide part {W})")
+
+
 @dataclass
 class QuantConfig:
     """How the serving cache stores K and V (recorded in the artifact).
@@ -66,9 +80,12 @@ class QuantConfig:
     page_size: int = PAGE_SIZE
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
     param_dtype: Literal["float16", "float32", "float8_e4m3fn"] = "float16"  # float8_e4m3fn: 8-bit scale/zero
-    # split keys (issue 16): the first key_split rotated key channels at bits + 1 and the other D - key_split at
-    # bits, each part its own per-token (scale, zero); 0: one group (the original format)
+    # split keys (issue 16): the first key_split rotated key channels at bits + key_top and the next
+    # D - key_split - key_drop at bits, each part its own per-token (scale, zero); the last key_drop channels are
+    # not stored (they read as the key mean: `oscar fit --variant tiers`); key_split 0: one group (the original format)
     key_split: int = 0
+    key_top: int = 1
+    key_drop: int = 0
 
     def __post_init__(self):
         if self.clip_rule not in ("ratio", "row-quantile"):
@@ -82,6 +99,9 @@ class QuantConfig:
                                                        or self.group_size or self.clip_rule != "ratio")):
             raise OscarError(f"quant.key_split={self.key_split}: split keys are per-token min/max groups with ratio clips "
                              "(mode='minmax', key_axis='token', group_size=None, clip_rule='ratio')")
+        if self.key_top < 1 or self.key_drop < 0 or (not self.key_split and (self.key_top != 1 or self.key_drop)):
+            raise OscarError(f"quant.key_top={self.key_top} / key_drop={self.key_drop} shape split keys: key_top >= 1, "
+                             f"key_drop >= 0, and both need key_split > 0 (got key_split={self.key_split})")
 
     @property
     def torch_param_dtype(self) -> torch.dtype:
@@ -95,12 +115,12 @@ class QuantConfig:
         return self.value_spec(head_dim)
 
     def key_parts(self, head_dim: int) -> list[tuple[int, int, QuantSpec]] | None:
-        """Split keys: [(0, key_split, wide spec), (key_split, D, spec)], channels [a, b) of the rotated key each
-        a per-token group; None for one group (key_spec)."""
+        """Split keys: [(0, key_split, wide spec), (key_split, D - key_drop, spec)], channels [a, b) of the rotated
+        key each a per-token group (the channels after the last part are not stored); None for one group (key_spec)."""
         if not self.key_split:
             return None
         sp = lambda b: QuantSpec(bits=b, param_dtype=self.torch_param_dtype)  # noqa: E731
-        return [(0, self.key_split, sp(self.bits + 1)), (self.key_split, head_dim, sp(self.bits))]
+        return [(0, self.key_split, sp(self.bits + self.key_top)), (self.key_split, head_dim - self.key_drop, sp(self.bits))]
 
     def key_bits(self, head_dim: int) -> float:
         """Stored bits per key element of the history (codes and every scale/zero)."""

@@ -66,14 +66,23 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _fallbacks(rot: Rotations, ls: LayerStats, cfg: FitConfig, l: int) -> list[dict]:
-    """Replace the rotation of heads whose source eigenbasis is unstable; return the records."""
+def _fallbacks(rot: Rotations, ls: LayerStats, cfg: FitConfig, l: int, drops_keys: bool = False) -> list[dict]:
+    """Replace the rotation of heads whose source eigenbasis is unstable; return the records. drops_keys (a
+    format that does not store some key directions: `tiers`): unstable key heads keep their eigenbasis, recorded,
+    since a Hadamard would spread every direction over the not-stored channels and drop 1/8 of each."""
     out = []
     if cfg.fallback == "none" or not hadamard_supported(ls.D):
         return out
     had = hadamard_rot(1, ls.D)[0]
     for side, src in (("k", rot.source_k), ("v", rot.source_v)):
         if src is None:
+            continue
+        if side == "k" and drops_keys:
+            diags = ls.eig(*src)[2]
+            out += [{"layer": l, "head": h, "side": "k", "to": "kept", "source": src[0],
+                     "reason": f"C_{src[0]} subspace unstable (median mean cos² {diags[h].stability:.3f} < "
+                               f"{cfg.stability_min}), kept: the format does not store key_drop directions"}
+                    for h in range(ls.H) if diags[h].stability < cfg.stability_min]
             continue
         diags = ls.eig(*src)[2]
         R = rot.rot_k if side == "k" else rot.rot_v
@@ -115,9 +124,9 @@ def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
     quant = fixed.quant(cfg.quant) if fixed else cfg.quant
     if variant.fmt:  # a variant that only makes sense for its own format (split)
         quant = variant.fmt(quant, D)
-    if quant.key_split and variant.name != "split":
+    if quant.key_split and variant.name not in ("split", "tiers"):
         raise OscarError(f"quant.key_split={quant.key_split} needs the split variant's rotation (each key part mixed "
-                         f"within itself); variant {variant.name!r} mixes all channels: use --variant split")
+                         f"within itself); variant {variant.name!r} mixes all channels: use --variant split or tiers")
     probs = quant_problems(D, quant)  # what the cache will require of this artifact, before any fitting
     if probs:
         raise OscarError(f"{store_path}: the cache format asked for (bits {quant.bits}, group_size {quant.group_size}, "
@@ -212,7 +221,7 @@ def _place_split(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l
 def _fit_layer(ls: LayerStats, l: int, cfg: FitConfig, variant, fmt: _Format, rng) -> _LayerFit:
     rot = variant.build(ls, rng)
     split = _place_split(ls, rot, cfg, fmt, l) if rot.notes.get("split") else None
-    fb = _fallbacks(rot, ls, cfg, l)
+    fb = _fallbacks(rot, ls, cfg, l, drops_keys=bool(fmt.quant.key_drop))
     # diagnostics always on C_Q and C_S (whatever the variant uses)
     wq, _, dq = ls.eig("q")
     wo, _, do = ls.eig("o")
@@ -302,8 +311,12 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
         _release_memory()
     pool.shutdown()
     meta = _metadata(store_path, view, cfg, variant, fmt.fixed, layers, t0)
-    if meta["fallbacks"]:
-        _log(f"fit: {len(meta['fallbacks'])} head rotation(s) fell back to Hadamard (see metadata 'fallbacks')")
+    n_had = sum(r["to"] == "hadamard" for r in meta["fallbacks"])
+    if n_had:
+        _log(f"fit: {n_had} head rotation(s) fell back to Hadamard (see metadata 'fallbacks')")
+    if len(meta["fallbacks"]) > n_had:
+        _log(f"fit: {len(meta['fallbacks']) - n_had} unstable key head(s) kept their eigenbasis (the format drops key "
+             "directions; see metadata 'fallbacks')")
 
     extra = {}
     for l, f in enumerate(layers):

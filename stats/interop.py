@@ -71,7 +71,9 @@ def unsupported_parts(art: Artifact) -> list[str]:
     if art.quant.key_axis != "token":
         out.append(f"key grouping axis {art.quant.key_axis!r}")
     if art.quant.key_split:
-        out.append(f"split keys (key_split={art.quant.key_split}: the first channels one bit wider, clip_k per part)")
+        q = art.quant
+        out.append(f"split keys (key_split={q.key_split}: the first channels {q.key_top} bit(s) wider, clip_k per part"
+                   + (f"; the last {q.key_drop} rotated key channels not stored" if q.key_drop else "") + ")")
     return out
 
 

@@ -53,6 +53,7 @@ QUANTS = {
     "channel": QuantConfig(bits=2, key_axis="channel", group_size=16, page_size=16),
     "published": QuantConfig(bits=2, page_size=8, clip_rule="row-quantile", param_dtype="float32"),
     "split": QuantConfig(bits=2, page_size=16, key_split=8, param_dtype="float8_e4m3fn"),  # issue 16's split keys
+    "tiers": QuantConfig(bits=2, page_size=16, key_split=8, key_top=2, key_drop=4, param_dtype="float8_e4m3fn"),
 }
 
 
@@ -181,7 +182,7 @@ def test_tiny_niah_answers_are_the_decode_semantics_reading(tiny, quant):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("quant", ["token", "split"])
+@pytest.mark.parametrize("quant", ["token", "split", "tiers"])
 def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch, quant):
     """With the dispatcher forced to Triton (interpreted on CPU): decode attention and page quantization
     are the Triton kernels; the window NLL and the needle answer still match the simulator."""

@@ -198,6 +198,39 @@ def test_fit_variant_split_is_the_native_format(fitted):
     assert back.quant == art.quant and all(torch.equal(a, b) for a, b in zip(back.clip_k, art.clip_k))
 
 
+def test_fit_variant_tiers_is_the_native_format(fitted):
+    """`oscar fit --variant tiers`: split keys with key_top 2 and key_drop D/8 (2.5 bits at D = 64 by the memory
+    accounting), per-part clips, the rotation of `fit_split_keys` with the tier parts; the not-stored directions
+    are unscaled query eigenvectors; survives save/load; the simulator reads them as the key mean."""
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.stats.fit import FitConfig, fit
+    from oscar.validate.methods import LayerQuant, bits_per_element
+
+    store = fitted.meta["provenance"]["store"]
+    art = fit(store, FitConfig(variant="tiers", progress=False, threads=1))
+    D, H = art.head_dim, art.num_kv_heads
+    q = art.quant
+    assert (q.key_split, q.key_top, q.key_drop, q.param_dtype) == (D // 4, 2, D // 8, "float8_e4m3fn")
+    assert [(a, b, sp.bits) for a, b, sp in q.key_parts(D)] == [(0, D // 4, 4), (D // 4, D - D // 8, 2)]
+    assert bits_per_element(art, D) == q.bits_per_element(D) == 0.5 * ((4 * D // 4 + 2 * (D - D // 4 - D // 8) + 32) / D
+                                                                        + 2 + 16 / D)
+    assert all(tuple(c.shape) == (H, 2) for c in art.clip_k)
+    assert art.meta["layers"][0]["split"]["rule"] in ("lambda", "lambda*sigma2")
+    nd = art.rot_k[0][:, :, D - D // 8:]  # (H, D, D/8): orthonormal columns, the same in rot_q
+    assert torch.allclose(nd.transpose(-1, -2) @ nd, torch.eye(D // 8).expand(H, -1, -1), atol=1e-5)
+    assert torch.allclose(art.rot_q[0][:, :, D - D // 8:], nd, atol=1e-6)
+    x = torch.randn(1, H, 16, D, generator=torch.Generator().manual_seed(3))
+    lq = LayerQuant(art, 0)
+    x2 = x + torch.randn(1, H, 16, D // 8, generator=torch.Generator().manual_seed(4)) @ nd.transpose(-1, -2)
+    assert torch.allclose(lq.keys(x2), lq.keys(x), atol=1e-4)  # a move along the dropped directions is not stored
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        save_artifact(art, f"{d}/a.safetensors")
+        back = load_artifact(f"{d}/a.safetensors")
+    assert back.quant == art.quant
+
+
 @pytest.mark.parametrize("name", ["oscar-layer-int2", "oscar-mix-layer-int2"])
 def test_layer_artifact_from_the_store(fitted, name):
     """The widths are layer_widths of the recorded error table at oscar-int2's bits; LayerQuant uses each layer's
@@ -324,15 +357,22 @@ def test_parts_rotation_leaves_the_not_stored_directions_unscaled():
         parts_rotation(U, lam, sig2, groups[:2], stored=2)
 
 
+def _tiers(D: int, variant: str = "tiers"):
+    from oscar.stats.artifact import QuantConfig
+    from oscar.stats.rotations import get_variant
+
+    return get_variant(variant).fmt(QuantConfig(), D)
+
+
 def test_tier_fake_quant_matches_brute_force():
     """Parts quantized per token on their own (the split quantizer); the channels after the last part read as 0."""
     from oscar.stats.split import split_fake_quant
 
     g = torch.Generator().manual_seed(3)
     B, H, T, D = 2, 3, 5, 32
-    segs = cb.tier_layout(D)
-    assert segs == [(0, 8, 4), (8, 28, 2)]
-    parts = [(a, b, QuantSpec(bits=bits, param_dtype=FP8_PARAM)) for a, b, bits in segs]
+    parts = _tiers(D).key_parts(D)
+    segs = [(a, b, sp.bits) for a, b, sp in parts]
+    assert segs == [(0, 8, 4), (8, 28, 2)] and all(sp.param_dtype == FP8_PARAM for _, _, sp in parts)
     y = torch.randn(B, H, T, D, generator=g) * torch.linspace(3, 0.3, D)
     clip = torch.tensor([[0.9, 0.8], [1.0, 0.7], [0.85, 1.0]])
     got = split_fake_quant(y, parts, clip).double().numpy()
@@ -347,28 +387,36 @@ def test_tier_fake_quant_matches_brute_force():
 
 def test_tier_bits_through_the_memory_accounting():
     """Keys 16 x 4 + 40 x 2 codes + two fp8 pairs = 2.75 (the 8 not-stored channels cost nothing), values 2.25: 2.5."""
+    from oscar.kernels.memory import report
     from oscar.pipeline.models import load_config
-    from oscar.stats.artifact import QuantConfig, identity_artifact
+    from oscar.stats.artifact import identity_artifact
     from oscar.validate.methods import SERVING, bits_per_element, memory_row
 
     config = load_config("smollm2-135m")
-    base = identity_artifact(config, QuantConfig(bits=2), clip=1.0)
-    D = base.head_dim
-    art = cb._derived(base, "oscar-tier-int2", {"kind": "tiers", "parts": [list(p) for p in cb.tier_layout(D)],
-                                                "v_params": "fp8"}, {})
-    art.clip_k = [torch.ones(base.num_kv_heads, 2) for _ in range(base.num_layers)]
-    ck, cv, _ = cb.layer_codecs(art, 0)
-    assert ck.bits_per_element(D) == (64 + 80 + 32) / 64 == 2.75 and cv.bits_per_element(D) == 2.25
-    assert bits_per_element(art, D) == 2.5
-    assert memory_row("oscar-tier-int2", art, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
+    q = _tiers(64)
+    art = identity_artifact(config, q, clip=1.0)
+    art.clip_k = [torch.ones(art.num_kv_heads, 2) for _ in range(art.num_layers)]
+    art.validate()
+    assert (q.key_split, q.key_top, q.key_drop) == (16, 2, 8)
+    assert q.key_bits(64) == (64 + 80 + 32) / 64 == 2.75 and q.value_bits(64) == 2.25
+    assert bits_per_element(art, 64) == 2.5
+    assert memory_row("oscar-int2", art, config, 4096, SERVING)["bits_per_element"] <= cb.BUDGET_BITS
+    row = next(r for r in report(config, 4096)["rows"] if r["format"] == "int2-tiers-fp8")
+    assert (row["key_split"], row["key_drop"]) == (16, 8) and row["bits_per_element"] == 2.5
 
 
-def test_tier_layout_refuses_a_head_dim_it_cannot_cut():
+def test_tier_drop_refuses_a_head_dim_it_cannot_cut():
     from oscar.common import OscarError
+    from oscar.stats.artifact import tier_drop
 
-    assert cb.tier_layout(128) == [(0, 32, 4), (32, 112, 2)]
-    with pytest.raises(OscarError, match="head_dim 36"):
-        cb.tier_layout(36)
+    assert [(a, b, sp.bits) for a, b, sp in _tiers(128).key_parts(128)] == [(0, 32, 4), (32, 112, 2)]
+    assert [(a, b, sp.bits) for a, b, sp in _tiers(16).key_parts(16)] == [(0, 8, 4), (8, 12, 2)]
+    # the fewest dropped channels (a multiple of 4, >= half the wide part) that leave a Hadamard order in the middle
+    assert [tier_drop(D) for D in (16, 32, 48, 64, 80, 128)] == [4, 4, 8, 8, 16, 16]
+    for D in (16, 32, 48, 64, 80, 128):  # never over split keys' budget
+        assert _tiers(D).key_bits(D) <= _tiers(D, "split").key_bits(D)
+    with pytest.raises(OscarError, match="head_dim 12"):
+        tier_drop(12)
 
 
 def test_tier_artifact_from_the_store(fitted):
@@ -384,13 +432,14 @@ def test_tier_artifact_from_the_store(fitted):
     config = load_config("tiny-llama")
     art = method_artifact("oscar-tier-int2", config, fitted)
     D, H, l = art.head_dim, art.num_kv_heads, 1
-    c = art.meta["codec"]
-    assert c["kind"] == "tiers" and c["not_stored"] == [D - D // 8, D] and c["tune_factor"] == 1.2
+    q, c = art.quant, art.meta["split"]
+    assert (q.key_top, q.key_drop, c["tune_factor"]) == (2, D // 8, 1.2) and not art.meta.get("codec")
     ls = LayerStats(open_store(fitted.meta["provenance"]["store"]), l, ReduceConfig())
     mu = fitted.k_mean[l].double().numpy()
     U, lam, sig2 = layer_inputs(ls, mu)
     _, k, _ = cb._rows(ls, seed=l)
-    parts = [(a, b, QuantSpec(bits=bits, param_dtype=FP8_PARAM)) for a, b, bits in cb.tier_layout(D)]
+    parts = q.key_parts(D)
+    assert [(a, b, sp.bits) for a, b, sp in parts] == [(0, D // 4, 4), (D // 4, D - D // 8, 2)]
     sf = fit_split_keys(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), parts,
                         np.round(np.arange(0.5, 1.0001, 0.05), 4))
     assert sf.rule == c["layers"][l]["placement"]

@@ -33,10 +33,13 @@ def random_rotation(H, D, seed, mean=True, clip=None, static=False, scaled=False
 
 def make(mode="minmax", key_axis="token", H=2, D=16, P=4, S=3, R=8, pages=32, seqs=4, seed=0, dtype=torch.bfloat16,
          scaled=False, param_dtype=torch.float16, group_size=None, key_split=0, **kw):
+    tiers = {}
     if key_axis == "split":  # split keys (QuantConfig.key_split): half the channels one bit wider
         key_axis, key_split = "token", D // 2
+    if key_axis == "tiers":  # split keys as tiers: half the channels two bits wider, the last quarter not stored
+        key_axis, key_split, tiers = "token", D // 2, {"key_top": 2, "key_drop": D // 4}
     quant = QuantConfig(page_size=P, sink=S, recent=R, mode=mode, key_axis=key_axis, group_size=group_size,
-                        param_dtype=str(param_dtype).removeprefix("torch."), key_split=key_split)
+                        param_dtype=str(param_dtype).removeprefix("torch."), key_split=key_split, **tiers)
     cfg = PagedConfig(quant, H, D, num_pages=pages, max_seqs=seqs, dtype=dtype, **kw)
     rot = random_rotation(H, D, seed, clip=0.9 if mode == "minmax" else None, static=mode == "static", scaled=scaled)
     if key_split:  # split keys (tests/test_split_cache.py): a clip ratio per head and key part
@@ -87,7 +90,8 @@ def test_config_rejects_bad_formats():
 
 FP8 = torch.float8_e4m3fn
 MODES_PD = [(m, a, torch.float16) for m, a in MODES] + [("minmax", "token", FP8), ("minmax", "channel", FP8),
-                                                        ("minmax", "split", FP8)]  # split keys: 8 of 16 channels at 3 bits
+                                                        ("minmax", "split", FP8),  # split keys: 8 of 16 channels at 3 bits
+                                                        ("minmax", "tiers", FP8)]  # 8 at 4 bits, 4 at 2, 4 not stored
 
 
 @pytest.mark.parametrize("mode,axis,pd", MODES_PD)
@@ -113,6 +117,12 @@ def test_stored_sequence_matches_brute_force(mode, axis, pd):
             ck = c.rot.clip_k
             want_k[:, p0:p0 + P, :8] = fake_quant(blk_k[..., :8].contiguous(), QuantSpec(bits=3, param_dtype=pd), ck[:, :1, None])
             want_k[:, p0:p0 + P, 8:] = fake_quant(blk_k[..., 8:].contiguous(), QuantSpec(param_dtype=pd), ck[:, 1:, None])
+            want_v[:, p0:p0 + P] = fake_quant(blk_v, QuantSpec(param_dtype=pd), 0.9)
+        elif axis == "tiers":  # [0, 8) at 4 bits, [8, 12) at 2, [12, 16) not stored: read as 0 (the key mean)
+            ck = c.rot.clip_k
+            want_k[:, p0:p0 + P, :8] = fake_quant(blk_k[..., :8].contiguous(), QuantSpec(bits=4, param_dtype=pd), ck[:, :1, None])
+            want_k[:, p0:p0 + P, 8:12] = fake_quant(blk_k[..., 8:12].contiguous(), QuantSpec(param_dtype=pd), ck[:, 1:, None])
+            want_k[:, p0:p0 + P, 12:] = 0
             want_v[:, p0:p0 + P] = fake_quant(blk_v, QuantSpec(param_dtype=pd), 0.9)
         else:
             kspec = QuantSpec(axis="channel", group_size=P, param_dtype=pd) if axis == "channel" else QuantSpec(param_dtype=pd)
@@ -195,15 +205,17 @@ def _sdpa(q, k, v, scale):
 
 
 @pytest.mark.parametrize("mode,axis,group,scaled,split", [m + (False, 0) for m in MODES_G]
-                         + [("minmax", "token", None, True, 0), ("minmax", "token", None, True, 8)])
+                         + [("minmax", "token", None, True, 0), ("minmax", "token", None, True, 8),
+                            ("minmax", "tiers", None, True, 0)])
 @pytest.mark.parametrize("G", [1, 3])
 def test_reference_decode_equals_attention_over_dequantized_cache(mode, axis, group, scaled, split, G):
     """Rotating q, adding q.mu and un-rotating o is exact: same result as attention on the model-space K/V;
     the CPU path that works on the codes equals the dequantize-everything oracle. scaled: a non-orthogonal
     rot_k read with its dual rot_q (keys un-rotated with rot_qᵀ) is exact too; split: split keys (8 of 16
-    channels at 3 bits, 8-bit params), whose CPU path sums the logit over the two parts."""
+    channels at 3 bits, 8-bit params), whose CPU path sums the logit over the two parts; tiers: 8 channels at 4 bits,
+    4 at 2 and 4 not stored."""
     c = make(mode, axis, group_size=group, scaled=scaled, key_split=split,
-             param_dtype=torch.float8_e4m3fn if split else torch.float16)
+             param_dtype=torch.float8_e4m3fn if split or axis == "tiers" else torch.float16)
     lens = [2, 11, 30, 45]
     seqs = []
     for i, n in enumerate(lens):

@@ -223,6 +223,27 @@ def test_pack_planes_round_trip_is_bit_exact():
         pack_planes(codes.to(torch.uint8), 2, 12)
 
 
+def test_pack_planes_tiers_round_trip_is_bit_exact():
+    """Tiers: 16 channels of 4-bit codes, 40 of 2-bit, the last 8 not stored: a 2-bit plane of 56 channels + two
+    1-bit planes of the 16 wide ones (18 bytes); the not-stored channels come back as 0."""
+    from oscar.quant import pack_planes, unpack_planes
+
+    g = torch.Generator().manual_seed(1)
+    D, wide, stored = 64, 16, 56
+    codes = torch.cat([torch.randint(0, 16, (4, wide), generator=g), torch.randint(0, 4, (4, D - wide), generator=g)], -1)
+    packed = pack_planes(codes.to(torch.uint8), 2, wide, top=2, stored=stored)
+    assert packed.shape == (4, stored // 4 + 2 * wide // 8) == (4, 18)
+    want = codes.clone()
+    want[:, stored:] = 0
+    assert torch.equal(unpack_planes(packed, 2, wide, D, top=2, stored=stored), want.to(torch.uint8))
+    row, c = packed[0].tolist(), codes[0].tolist()
+    for ch in range(wide):  # plane p (p = 0, 1) of wide channel c: bit c % 8 of byte stored/4 + p*wide/8 + c // 8
+        for p in range(2):
+            assert (row[stored // 4 + p * wide // 8 + ch // 8] >> (ch % 8)) & 1 == (c[ch] >> (2 + p)) & 1
+    with pytest.raises(ValueError, match="whole bytes"):
+        pack_planes(codes.to(torch.uint8), 2, wide, top=2, stored=54)
+
+
 def test_fake_quant_parts_is_fake_quant_per_part():
     from oscar.quant import fake_quant_parts
 

@@ -14,15 +14,18 @@ from oscar.quant import FP8_PARAM, pack_planes, unpack_planes
 from oscar.stats.artifact import QuantConfig
 
 
-def split_rotation(H, D, seed, W):
-    """Block rotations (a W-part and a D-W part, each with its own scaled-orthogonal transform), a key mean,
-    per-part clips: the shape `oscar fit --variant split` produces."""
+def split_rotation(H, D, seed, W, drop=0):
+    """Block rotations (a W-part, a D-W-drop part and the not-stored rest, each with its own scaled-orthogonal
+    transform), a key mean, per-part clips: the shape `oscar fit --variant split` (tiers) produces."""
     g = torch.Generator().manual_seed(seed)
     qr = lambda n: torch.linalg.qr(torch.randn(H, n, n, generator=g))[0]  # noqa: E731
     U = qr(D)
     d = torch.rand(H, 1, D, generator=g) * 2 + 0.5
     M = torch.zeros(H, D, D)
-    M[:, :W, :W], M[:, W:, W:] = qr(W), qr(D - W)
+    e = D - drop
+    M[:, :W, :W], M[:, W:e, W:e] = qr(W), qr(e - W)
+    if drop:
+        M[:, e:, e:] = qr(drop)
     rk, rq = (U * d) @ M, (U / d) @ M
     clip = torch.stack([torch.rand(H, generator=g) * 0.3 + 0.7, torch.rand(H, generator=g) * 0.3 + 0.7], -1)  # (H, 2)
     return LayerRotation(rot_k=rk, rot_v=qr(D), clip_k=clip, clip_v=torch.full((H,), 0.9), k_mean=torch.randn(H, D, generator=g),
@@ -30,10 +33,10 @@ def split_rotation(H, D, seed, W):
 
 
 def make(H=2, D=32, W=8, P=4, S=3, R=8, pages=48, seqs=4, seed=0, dtype=torch.bfloat16, param_dtype="float8_e4m3fn",
-         device="cpu"):
-    quant = QuantConfig(page_size=P, sink=S, recent=R, key_split=W, param_dtype=param_dtype)
+         device="cpu", top=1, drop=0):
+    quant = QuantConfig(page_size=P, sink=S, recent=R, key_split=W, param_dtype=param_dtype, key_top=top, key_drop=drop)
     cfg = PagedConfig(quant, H, D, num_pages=pages, max_seqs=seqs, dtype=dtype, device=device)
-    rot = split_rotation(H, D, seed, W)
+    rot = split_rotation(H, D, seed, W, drop)
     if device != "cpu":
         rot = LayerRotation(**{k: getattr(rot, k).to(device) for k in ("rot_k", "rot_v", "clip_k", "clip_v", "k_mean", "rot_q")})
     return PagedLayerCache(cfg, rot, quantizer=quantize_pages)
@@ -61,6 +64,23 @@ def test_split_page_rows_are_the_two_planes():
     assert [(a, b, sp.bits) for a, b, sp in c.cfg.key_parts] == [(0, W, 3), (W, D, 2)]
 
 
+def test_tier_page_rows_are_the_planes():
+    """Tiers (key_top 2, key_drop D/8): a key row is the low plane of the D - D/8 stored channels, then two top-bit
+    planes of the wide part (its 4-bit codes reach 15); the not-stored channels hold nothing and read as 0."""
+    H, D, W, drop = 2, 64, 16, 8
+    c = make(D=D, W=W, top=2, drop=drop)
+    assert c.cfg.k_packed_dim == (D - drop) // 4 + 2 * W // 8 == 18 and c.cfg.k_low_dim == 14
+    s = c.new_sequence()
+    c.append(s, *tokens(H, 30, D, 1))
+    ids = torch.tensor(c.pages[s])
+    codes = unpack_planes(c.k_codes[ids], 2, W, D, top=2, stored=D - drop)
+    assert int(codes[..., :W].max()) == 15 and int(codes[..., W:].max()) == 3 and int(codes[..., D - drop:].max()) == 0
+    assert torch.equal(pack_planes(codes, 2, W, top=2, stored=D - drop), c.k_codes[ids])
+    assert [(a, b, sp.bits) for a, b, sp in c.cfg.key_parts] == [(0, W, 4), (W, D - drop, 2)]
+    kr, _ = ref.dequantize_sequence(c, s, dtype=torch.float32, rotated=True)
+    assert (kr[:, 3:3 + 4 * len(c.pages[s]), D - drop:] == 0).all()
+
+
 # the reference decode on split-key codes against the oracle, the pages against fake_quant and chunked appends
 # bit-identical to one shot: tests/test_paged.py (split=8, axis "split")
 
@@ -78,14 +98,16 @@ def test_split_cache_refuses_what_it_cannot_store():
         PagedLayerCache(cfg, bad, quantizer=quantize_pages)
 
 
-def test_split_memory_accounting_is_the_stored_bytes():
-    """Analytic bytes per history token = what the pool allocates per token (codes + both key parts' params)."""
+@pytest.mark.parametrize("top,drop", [(1, 0), (2, 8)])
+def test_split_memory_accounting_is_the_stored_bytes(top, drop):
+    """Analytic bytes per history token = what the pool allocates per token (codes + both key parts' params),
+    for split keys and their tiers (the not-stored channels cost nothing)."""
     from oscar.kernels import memory
 
     H, D, W, P = 2, 64, 16, 16
-    f = memory.Format("int2-split-fp8", param_bytes=1, key_split=W, page_size=P)
+    f = memory.Format("int2-split-fp8", param_bytes=1, key_split=W, page_size=P, key_top=top, key_drop=drop)
     per = memory.per_history_token({"num_layers": 1, "num_kv_heads": H, "head_dim": D}, f)
-    c = make(H=H, D=D, W=W, P=P, S=0, R=16, pages=8)
+    c = make(H=H, D=D, W=W, P=P, S=0, R=16, pages=8, top=top, drop=drop)
     pool = c.bytes_used()
     assert per["codes"] == pool["codes"] / (8 * P)  # K: D/4 + W/8 bytes, V: D/4 bytes per token and head
     assert per["scales"] == pool["scales"] / (8 * P)
@@ -105,12 +127,14 @@ needs_triton = pytest.mark.skipif(not _triton(), reason="needs Triton (CUDA, or 
 
 
 @needs_triton
-@pytest.mark.parametrize("D,W,pd", [(32, 8, "float8_e4m3fn"), (64, 16, "float8_e4m3fn"), (48, 8, "float16")])
-def test_triton_quantizer_writes_the_reference_bytes(D, W, pd):
+@pytest.mark.parametrize("D,W,pd,top,drop", [(32, 8, "float8_e4m3fn", 1, 0), (64, 16, "float8_e4m3fn", 1, 0),
+                                             (48, 8, "float16", 1, 0), (64, 16, "float8_e4m3fn", 2, 8),
+                                             (32, 8, "float16", 2, 4), (48, 8, "float8_e4m3fn", 2, 8)])
+def test_triton_quantizer_writes_the_reference_bytes(D, W, pd, top, drop):
     from oscar.kernels import triton_quant
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    c = make(D=D, W=W, param_dtype=pd, device=dev)
+    c = make(D=D, W=W, param_dtype=pd, device=dev, top=top, drop=drop)
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(5, 2, 4, D, generator=g) * 3).to(torch.bfloat16).to(dev)
     ids = torch.tensor([4, 0, 7, 2, 9], device=dev)
@@ -122,16 +146,18 @@ def test_triton_quantizer_writes_the_reference_bytes(D, W, pd):
 
 
 @needs_triton
-@pytest.mark.parametrize("D,W,G", [(32, 8, 1), (64, 16, 3), (48, 8, 8), (80, 16, 3)])
-def test_triton_decode_equals_the_reference(D, W, G):
-    """The fused decode kernel on split keys against the reference: head dims 32 / 64 and non-powers of two 48 / 80
-    (masked), GQA 1 / 3 / 8; lengths (S = 3, R = 8, P = 4) inside the sink, at its edge, the window not yet full,
-    the last length before the first page, the first page, several pages; a shared prefix (fork) and its own tail."""
+@pytest.mark.parametrize("D,W,G,top,drop", [(32, 8, 1, 1, 0), (64, 16, 3, 1, 0), (48, 8, 8, 1, 0), (80, 16, 3, 1, 0),
+                                            (64, 16, 3, 2, 8), (48, 8, 8, 2, 4), (32, 8, 1, 2, 4)])
+def test_triton_decode_equals_the_reference(D, W, G, top, drop):
+    """The fused decode kernel on split keys (and their tiers: top 2, drop) against the reference: head dims 32 / 64
+    and non-powers of two 48 / 80 (masked), GQA 1 / 3 / 8; lengths (S = 3, R = 8, P = 4) inside the sink, at its
+    edge, the window not yet full, the last length before the first page, the first page, several pages; a shared
+    prefix (fork) and its own tail."""
     from oscar.kernels.triton_decode import DecodeConfig, decode_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     H = 2
-    c = make(D=D, W=W, device=dev, pages=64, seqs=10)
+    c = make(D=D, W=W, device=dev, pages=64, seqs=10, top=top, drop=drop)
     seqs = []
     for i, n in enumerate([1, 3, 4, 3 + 8 + 3, 3 + 8 + 4, 37, 70]):
         s = c.new_sequence()

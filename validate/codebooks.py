@@ -50,10 +50,11 @@ oscar-mix-int2    (hypothesis 2, "bits across rotated channels") not a codec: th
 oscar-layer-int2  (hypothesis 4, "budget across layers") codec "layers": oscar-int2's grid at (key, value) widths
          per layer chosen by calibrated attention-output error at oscar-int2's mean bits (`layer_artifact`,
          `layer_widths`); oscar-mix-layer-int2 adds the split keys of a layer as one more option.
-oscar-tier-int2   (hypothesis 5, reverse water-filling) codec "tiers": split keys' 2.75 key bits spent as D/4 directions
-         at 4 bits, 5D/8 at 2 and the D/8 of lowest score not stored at all (a key component no query reads
-         shifts all of a query's logits alike; it reads as the key mean), placed and clipped as oscar-mix-int2
-         (`tier_artifact`; the screen of layouts: bench/issue16_tiers.py).
+oscar-tier-int2   (hypothesis 5, reverse water-filling) not a codec: the native tiers format (QuantConfig.key_top 2,
+         key_drop, `oscar fit --variant tiers`): split keys' 2.75 key bits spent as D/4 directions at 4 bits,
+         5D/8 at 2 and the D/8 of lowest score not stored at all (a key component no query reads shifts all
+         of a query's logits alike; it reads as the key mean), built as oscar-mix-int2 (`tier_artifact`; the
+         screen of layouts: bench/issue16_tiers.py).
 
 Artifact layout: rot_k / rot_v / k_mean as usual; meta["codec"] names the format; SQ's per-head
 v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}); LM's levels to
@@ -79,7 +80,7 @@ from oscar.validate.ablation.schemes import (SPARSE_VALUE_BITS, allocate, codebo
                                              sparse_outliers)
 from oscar.validate.ablation.schemes import spec as any_bits_spec
 
-CODECS = ("tq", "sq", "lm", "sparse", "layers", "tiers")
+CODECS = ("tq", "sq", "lm", "sparse", "layers")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
 BUDGET_BITS = 2.5  # issue 16: bits per element of the INT2 history, K and V averaged, everything counted
@@ -183,10 +184,6 @@ def layer_codecs(art: Artifact, layer: int) -> tuple[LayerCodec, LayerCodec, tor
         ck = (LayerCodec("mix", parts=split_parts(art), clip=art.clip_k[layer].float())
               if kb == "mix" else side(kb, art.clip_k[layer], "clip_k"))
         return ck, side(vb, art.clip_v[layer], "clip_v"), None
-    if c["kind"] == "tiers":  # oscar-tier-int2: stored key parts, the channels after them not stored
-        parts = [(a, b, replace(split_quant(art).key_spec(art.head_dim), bits=bits)) for a, b, bits in c["parts"]]
-        cv = LayerCodec("uniform", spec=_value_spec(art, c), clip=_head_clip(art.clip_v[layer], "clip_v"))
-        return LayerCodec("mix", parts=parts, clip=art.clip_k[layer].float()), cv, None
     if c["kind"] in ("lm", "sparse"):  # oscar-int2's artifact with another key format (issue 16)
         D = art.head_dim
         clip_k, clip_v = (_head_clip(t[layer], name) for t, name in ((art.clip_k, "clip_k"), (art.clip_v, "clip_v")))
@@ -405,11 +402,12 @@ def sparse_artifact(fitted: Artifact) -> Artifact:
 # ----------------------------------------------------------------- issue 16: bits across channels and across layers
 
 
-def split_quant(fitted: Artifact) -> QuantConfig:
-    """oscar-int2's format with split keys (the `split` variant's: D/4 wide channels, 8-bit scale/zero everywhere)."""
+def split_quant(fitted: Artifact, variant: str = "split") -> QuantConfig:
+    """oscar-int2's format with split keys (the `split` variant's: D/4 wide channels, 8-bit scale/zero everywhere;
+    or the `tiers` variant's)."""
     from oscar.stats.rotations import get_variant
 
-    return get_variant("split").fmt(fitted.quant, fitted.head_dim)
+    return get_variant(variant).fmt(fitted.quant, fitted.head_dim)
 
 
 def split_parts(art: Artifact):
@@ -439,7 +437,7 @@ def _split_layer(fitted: Artifact, ls, l: int, quant: QuantConfig, ratios: np.nd
     return fit_split_keys(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), quant.key_parts(fitted.head_dim), ratios)
 
 
-def mix_artifact(fitted: Artifact) -> Artifact:
+def mix_artifact(fitted: Artifact, variant: str = "split", method: str = "oscar-mix-int2") -> Artifact:
     """oscar-mix-int2 (hypothesis 2) from oscar-int2's artifact and its store: `oscar fit --variant split`'s format
     (QuantConfig.key_split, stats/split.py) built on oscar-int2's key mean and value side, for an A/B on one store.
 
@@ -448,18 +446,19 @@ def mix_artifact(fitted: Artifact) -> Artifact:
     the wide directions per layer by the better of λ_i and λ_i σ_i² on the reservoir rows; clips searched per
     part by the fit's key objective, then scaled by the factor `oscar validate tune` chose for `fitted`.
     Values: oscar-int2's rotation and clips with fp8 scale/zero. 2.75 + 2.25 -> 2.5 bits at head_dim 64.
+    variant "tiers": that variant's format instead (`tier_artifact`).
     """
     from oscar.stats.fit import FitConfig
 
     D = fitted.head_dim
     if fitted.quant.key_axis != "token" or fitted.k_mean is None or fitted.rot_q is None or fitted.quant.key_split:
-        raise OscarError("oscar-mix-int2 splits the scaled variant's per-token keys; --artifact must be an "
+        raise OscarError(f"{method} splits the scaled variant's per-token keys; --artifact must be an "
                          "`oscar fit --variant scaled` artifact with per-token key groups")
-    quant = split_quant(fitted)
+    quant = split_quant(fitted, variant)
     if quant.bits_per_element(D) > oscar_bits(fitted) + 1e-9:
-        raise OscarError(f"oscar-mix-int2 needs {quant.bits_per_element(D):.3f} bits/element at head_dim {D}, "
+        raise OscarError(f"{method} needs {quant.bits_per_element(D):.3f} bits/element at head_dim {D}, "
                          f"over oscar-int2's {oscar_bits(fitted):.3f}")
-    store = _store_of(fitted, "oscar-mix-int2")
+    store = _store_of(fitted, method)
     _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
     factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
     ratios = np.array(FitConfig().clip_ratios)
@@ -471,58 +470,17 @@ def mix_artifact(fitted: Artifact) -> Artifact:
         record.append({"placement": sf.rule, "err_k": [round(float(e), 6) for e in sf.err],
                        "clip_k": [[round(float(c), 4) for c in row] for row in clip_k[-1]]})
     prov = dict(fitted.meta.get("provenance") or {})
-    meta = {**fitted.meta, "variant": "oscar-mix-int2", "base_variant": fitted.meta.get("variant"), "provenance": prov,
+    meta = {**fitted.meta, "variant": method, "base_variant": fitted.meta.get("variant"), "provenance": prov,
             "split": {"built_from": "oscar-int2's artifact and store (validate/codebooks.py mix_artifact)",
                       "tune_factor": factor, "layers": record}}
     return replace(fitted, rot_k=rot_k, rot_q=rot_q, clip_k=clip_k, quant=quant, meta=meta)
 
 
-def tier_layout(D: int) -> list[tuple[int, int, int]]:
-    """oscar-tier-int2's stored key parts [(a, b, bits)]: D/4 channels at 4 bits, 5D/8 at 2; the last D/8 not stored.
-    Codes 2.25 D bits + two 16-bit param pairs: split keys' 2.75 bits per element at D = 64 (the screen's best of
-    the layouts at that budget on both models: bench/results/issue16/tiers_*.json)."""
-    if D % 8 or D < 32:
-        raise OscarError(f"oscar-tier-int2 cuts head_dim into quarters and eighths; head_dim {D} is not a multiple of 8 >= 32")
-    return [(0, D // 4, 4), (D // 4, D - D // 8, 2)]
-
-
 def tier_artifact(fitted: Artifact) -> Artifact:
-    """oscar-tier-int2 (hypothesis 5) from oscar-int2's artifact and its store: `mix_artifact` with the parts of
-    `tier_layout` (stats/split.py `fit_split_keys`: the parts take the directions of largest score in turn, the
-    rest is not stored), clips x the tune factor of `fitted`; values as oscar-mix-int2 (fp8 scale/zero)."""
-    from oscar.quant import parts_bits_per_element
-    from oscar.stats.fit import FitConfig
-
-    D = fitted.head_dim
-    if fitted.quant.key_axis != "token" or fitted.k_mean is None or fitted.rot_q is None or fitted.quant.key_split:
-        raise OscarError("oscar-tier-int2 re-spends the scaled variant's per-token keys; --artifact must be an "
-                         "`oscar fit --variant scaled` artifact with per-token key groups")
-    squant = split_quant(fitted)
-    layout = tier_layout(D)
-    parts = [(a, b, replace(squant.key_spec(D), bits=bits)) for a, b, bits in layout]
-    kbits = parts_bits_per_element(parts, D)
-    if kbits > squant.key_bits(D) + 1e-9:
-        raise OscarError(f"oscar-tier-int2's keys need {kbits:.3f} bits/element at head_dim {D}, over split keys' "
-                         f"{squant.key_bits(D):.3f}")
-    store = _store_of(fitted, "oscar-tier-int2")
-    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
-    factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
-    ratios = np.array(FitConfig().clip_ratios)
-    rot_k, rot_q, clip_k, record = [], [], [], []
-    for l, ls in enumerate(layers):
-        from oscar.stats.split import fit_split_keys, layer_inputs
-
-        mu = fitted.k_mean[l].double().numpy()  # (H, D)
-        U, lam, sig2 = layer_inputs(ls, mu)
-        _, k, _ = _rows(ls, seed=l)
-        sf = fit_split_keys(U, lam, sig2, k - torch.from_numpy(mu)[:, None, :], ls.cov("q"), parts, ratios)
-        rot_k.append(sf.rot_k.float()), rot_q.append(sf.rot_q.float())
-        clip_k.append((sf.clip * factor).clamp(max=1.0))
-        record.append({"placement": sf.rule, "err_k": [round(float(e), 6) for e in sf.err]})
-    codec = {"kind": "tiers", "parts": [list(p) for p in layout], "not_stored": [layout[-1][1], D], "v_params": "fp8",
-             "tune_factor": factor, "layers": record}
-    out = _derived(fitted, "oscar-tier-int2", codec, {})
-    return replace(out, rot_k=rot_k, rot_q=rot_q, clip_k=clip_k)
+    """oscar-tier-int2 (hypothesis 5): `mix_artifact` in the `tiers` variant's format (QuantConfig.key_top 2,
+    key_drop: D/4 key directions at 4 bits, 5D/8 at 2, the D/8 of lowest score not stored; docs/cache-format.md
+    "Tiers"), built on oscar-int2's key mean, value side, store and tune factor, for the A/B against split keys."""
+    return mix_artifact(fitted, "tiers", "oscar-tier-int2")
 
 
 def layer_widths(errs: np.ndarray, costs: np.ndarray, budget: float) -> list[int]:

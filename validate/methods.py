@@ -182,7 +182,7 @@ def channel_keys_artifact(art: Artifact) -> Artifact:
         return art
     variant, q = art.meta.get("variant", "oscar"), art.quant
     if q.key_split:  # split keys are per-token groups: the channel-key analogue is `scaled` in the default format
-        variant, q = "scaled", replace(q, key_split=0, param_dtype="float16")
+        variant, q = "scaled", replace(q, key_split=0, key_top=1, key_drop=0, param_dtype="float16")
     quant = replace(q, key_axis="channel", group_size=art.head_dim)
     return _refit(art, "oscar-kc-int2", "per-channel keys", {"variant": variant, "quant": quant})
 
@@ -211,7 +211,7 @@ def searched_baseline(name: str, art: Artifact) -> Artifact:
     search (same rows, grid and objective), same page size, sink and recent window:
     kivi2-clip = kivi2's format (identity rotation, keys per channel over 64 tokens) with searched clips;
     hadamard-clip-int2 = hadamard-int2's format with key-mean centering and searched clips."""
-    q = replace(art.quant, key_split=0, param_dtype="float16")  # the baselines' own format: one group, fp16 params
+    q = replace(art.quant, key_split=0, key_top=1, key_drop=0, param_dtype="float16")  # the baselines' own format: one group, fp16 params
     if name == "kivi2-clip":
         g = 64 if art.head_dim % 64 == 0 else art.head_dim  # kivi2's 64-token groups (values: per token, same G)
         quant = replace(q, key_axis="channel", group_size=g, clip_rule="ratio", param_dtype="float16", mode="minmax")
