@@ -90,6 +90,10 @@ def test_split_cache_refuses_what_it_cannot_store():
 
     with pytest.raises(OscarError, match="key_split"):
         PagedConfig(QuantConfig(key_split=12), 2, 32, num_pages=4)
+    with pytest.raises(OscarError, match="key_top"):  # tiers' fields shape split keys only
+        QuantConfig(key_top=2)
+    with pytest.raises(OscarError, match="key_drop 2"):  # 30 stored channels at 2 bits: not whole bytes
+        PagedConfig(QuantConfig(key_split=8, key_top=2, key_drop=2), 2, 32, num_pages=4)
     cfg = PagedConfig(QuantConfig(page_size=4, sink=3, recent=8, key_split=8), 2, 32, num_pages=4)
     rot = split_rotation(2, 32, 0, 8)
     bad = LayerRotation(rot_k=rot.rot_k, rot_v=rot.rot_v, clip_k=torch.full((2,), 0.9), clip_v=rot.clip_v,
