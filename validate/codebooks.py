@@ -268,17 +268,19 @@ def _store_of(art: Artifact, method: str) -> str:
     return store
 
 
-def _layer_stats(store: str, partial: bool):
+def store_layers(art: Artifact, method: str):
+    """(store path, its view, LayerStats per layer) of the calibration store `art` was fitted from (as partial
+    as the fit read it); a clear error naming `method` when the store is gone."""
     from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
 
-    view = open_store(store, partial=partial)
-    return view, [LayerStats(view, l, ReduceConfig()) for l in range(view.num_layers)]
+    store = _store_of(art, method)
+    view = open_store(store, partial=bool((art.meta.get("provenance") or {}).get("partial")))
+    return store, view, [LayerStats(view, l, ReduceConfig()) for l in range(view.num_layers)]
 
 
 def tq_artifact(fitted: Artifact, seed: int = 0) -> Artifact:
     """tq-int2 from the calibration store `fitted` came from (outlier sets and key means)."""
-    store = _store_of(fitted, "tq-int2")
-    view, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    store, view, layers = store_layers(fitted, "tq-int2")
     D, H = view.head_dim, view.num_kv_heads
     g = torch.Generator().manual_seed(seed)
     rot_k, rot_v, k_mean = [], [], []
@@ -300,8 +302,7 @@ def sq_artifact(fitted: Artifact) -> Artifact:
     """sq-int2 from the calibration store `fitted` came from (eigenbases, stds, means, d_eff)."""
     from oscar.validate.ablation.schemes import eigbasis
 
-    store = _store_of(fitted, "sq-int2")
-    view, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    store, view, layers = store_layers(fitted, "sq-int2")
     D, H = view.head_dim, view.num_kv_heads
     rot = {"k": [], "v": []}
     extra, k_mean, d_effs = {}, [], {"k": [], "v": []}
@@ -343,8 +344,7 @@ def _derived(fitted: Artifact, method: str, codec: dict, extra: dict) -> Artifac
 def calib_rotated_keys(fitted: Artifact, method: str) -> list[torch.Tensor]:
     """Per layer, the store's calibration reservoir keys (H, N, D) as oscar-int2's cache sees them:
     centred by the artifact's key mean, rotated by its rot_k (float32)."""
-    store = _store_of(fitted, method)
-    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    store, _, layers = store_layers(fitted, method)
     out = []
     for l, ls in enumerate(layers):
         k = ls.rows("k")
@@ -458,8 +458,7 @@ def mix_artifact(fitted: Artifact, variant: str = "split", method: str = "oscar-
     if quant.bits_per_element(D) > oscar_bits(fitted) + 1e-9:
         raise OscarError(f"{method} needs {quant.bits_per_element(D):.3f} bits/element at head_dim {D}, "
                          f"over oscar-int2's {oscar_bits(fitted):.3f}")
-    store = _store_of(fitted, method)
-    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    _, _, layers = store_layers(fitted, method)
     factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
     ratios = np.array(FitConfig().clip_ratios)
     rot_k, rot_q, clip_k, record = [], [], [], []
@@ -530,8 +529,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     D, H = fitted.head_dim, fitted.num_kv_heads
     if fitted.quant.key_axis != "token" or fitted.quant.mode != "minmax":
         raise OscarError(f"{method} re-widths oscar-int2's per-token min/max groups; --artifact groups keys otherwise")
-    store = _store_of(fitted, method)
-    _, layers = _layer_stats(store, bool((fitted.meta.get("provenance") or {}).get("partial")))
+    _, _, layers = store_layers(fitted, method)
     from oscar.stats.split import split_fake_quant
 
     base, squant = fitted.quant.bits, split_quant(fitted)
