@@ -4,13 +4,7 @@
 # (`oscar models install qwen2.5-0.5b`). Takes ~2 h on 2 CPUs; each step resumes. STEPS selects steps.
 #   bash bench/issue16_h2h4.sh                 everything
 #   STEPS="smollm2 tables" bash bench/issue16_h2h4.sh
-set -euo pipefail
-cd "$(dirname "$0")/.."
-source .venv/bin/activate
-W=${W:-runs/i16b}
-STEPS=${STEPS:-"artifacts smollm2 ablate placement qwen tables"}
-mkdir -p "$W"
-has() { [[ " $STEPS " == *" $1 "* ]]; }
+source "$(dirname "$0")/steps.sh" runs/i16b "artifacts smollm2 ablate placement qwen tables"
 A=$W/scaled.safetensors                      # SmolLM2, one-group format (the A/B's oscar-int2)
 Q=reports/examples/qwen2.5-0.5b/artifact.safetensors  # Qwen, one-group format (its provenance: runs/qwen/calib.zarr)
 C=(bf16 oscar-int2 oscar-mix-int2 oscar-layer-int2)

@@ -5,13 +5,7 @@
 # store runs/qwen/calib.zarr) and Qwen2.5-0.5B installed. ~1.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_tiers.sh
 #   STEPS="tables" bash bench/issue16_tiers.sh
-set -euo pipefail
-cd "$(dirname "$0")/.."
-source .venv/bin/activate
-W=${W:-runs/i16c}
-STEPS=${STEPS:-"screen ab ablate qwen shipped tables"}
-mkdir -p "$W"
-has() { [[ " $STEPS " == *" $1 "* ]]; }
+source "$(dirname "$0")/steps.sh" runs/i16c "screen ab ablate qwen shipped tables"
 A=runs/i16b/scaled.safetensors                        # SmolLM2, one-group format: both A/B formats are built on it
 Q=reports/examples/qwen2.5-0.5b/artifact.safetensors  # Qwen, one-group format
 S=reports/examples/smollm2/artifact.safetensors       # the shipped oscar-int2 (split keys, its own tune)
