@@ -44,6 +44,12 @@ def expected_bpe(name: str, b: int, D: int, codec) -> tuple[float, float]:
         k, v = b + (w + 32) / D, b + 16 / D
         assert 0.5 * (k + v) <= uni
         return k, v
+    if name == "oscar_tier":  # hypothesis 5: D/4 channels two bits wider, the last D/8 not stored (artifact.tier_drop),
+        # an fp8 scale + zero per stored part; at most oscar_mix's key bits
+        w, drop = max(8, D // 4 // 8 * 8), D // 8
+        k, v = (w * (b + 2) + (D - w - drop) * b + 32) / D, b + 16 / D
+        assert k <= b + (w + 32) / D
+        return k, v
     if name in ("plain", "hadamard") or name.startswith("oscar"):
         return uni, uni
     if name == "kivi":

@@ -479,21 +479,21 @@ class MixCodec(Codec):
     itself and stored as its own per-token min/max group with `param_dtype` scale/zero; placement and clips
     from the calibration rows by the q-weighted logit objective (`fit_split_keys`). tiers=True: hypothesis 5's
     oscar-tier-int2 instead, D/4 directions at `hi_bits`, 5D/8 at `bits` and the D/8 of lowest score not stored
-    (decoded as the mean)."""
+    (`artifact.tier_drop`; decoded as the mean)."""
 
     def __init__(self, bits: int, hi_bits: int = 3, param_dtype: torch.dtype = FP8_PARAM, tiers: bool = False):
         self.bits, self.hi_bits, self.param_dtype, self.tiers = bits, hi_bits, param_dtype, tiers
 
     def fit(self, calib, role, ctx):
         from oscar.stats.fit import FitConfig
-        from oscar.stats.artifact import split_width
+        from oscar.stats.artifact import split_width, tier_drop
         from oscar.stats.split import fit_split_keys
 
         super().fit(calib, role, ctx)
         q, k = calib["q"].double(), calib[role].double()
         D = k.shape[-1]
         n = split_width(D)
-        end = D - D // 8 if self.tiers else D
+        end = D - tier_drop(D) if self.tiers else D  # the native tiers format's cut (`oscar fit --variant tiers`)
         self.parts = [(0, n, spec(self.hi_bits, param_dtype=self.param_dtype)), (n, end, spec(self.bits, param_dtype=self.param_dtype))]
         mu = k.mean(0)
         Cq = q.T @ q / q.shape[0]
