@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 # (tests/test_methods_finite.py, both models) took 17 min on this 2-core host at load average ~11.
 OSCAR_MODELS=${OSCAR_MODELS-qwen2.5-0.5b} bash scripts/setup.sh
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 "$@"  # the slowest tests: where CI time goes
