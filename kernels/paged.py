@@ -7,6 +7,8 @@ Per layer (one `PagedLayerCache` per attention layer; `PagedKVCache` groups them
     k_codes   (num_pages, Hkv, P, D*bits/8) uint8     packed INT2 history, 4 codes per byte
               (num_pages, Hkv, P, D*bits/8 + W/8)     split keys (quant.key_split = W): the low 2 bits of every
                                                       channel, then the top bit of the W wide ones (pack_planes)
+              (num_pages, Hkv, P, S*bits/8 + T*W/8)   tiers (quant.key_top = T, key_drop): the low plane of the
+                                                      S = D - key_drop stored channels, then T top-bit planes
     v_codes   (num_pages, Hkv, P, D*bits/8) uint8
     k_scale, k_zero   fp16 (cfg.quant.torch_param_dtype: float8_e4m3fn for 8-bit params, float32 for the published format), by mode:
         minmax / token axis : (num_pages, Hkv, P, D // G)   one pair per token and channel group
