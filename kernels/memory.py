@@ -46,7 +46,7 @@ class Format:
     dtype_bytes: int = 2  # sink / recent / BF16 storage
     key_split: int = 0  # split keys (QuantConfig.key_split): wide key channels, key_top more bits and a second param pair
     key_top: int = 1  # split keys: the wide channels' bits above `bits` (QuantConfig.key_top)
-    key_drop: int = 0  # split keys: key channels not stored (QuantConfig.key_drop; -1: the tiers variant's D/8)
+    key_drop: int = 0  # split keys: key channels not stored (QuantConfig.key_drop; -1: the tiers variant's own)
 
     @property
     def param_dtype(self) -> str:
@@ -100,8 +100,12 @@ def _split(f: Format, D: int) -> int:
 
 
 def _drop(f: Format, D: int) -> int:
-    """Key channels a split format does not store at head_dim D (key_drop -1: the tiers variant's D/8)."""
-    return (D // 8 if f.key_drop < 0 else f.key_drop) if f.key_split else 0
+    """Key channels a split format does not store at head_dim D (key_drop -1: the tiers variant's own, D/8 at D = 64)."""
+    if not f.key_split or f.key_drop >= 0:
+        return f.key_drop if f.key_split else 0
+    from oscar.stats.artifact import tier_drop
+
+    return tier_drop(D)
 
 
 def total(shapes: dict, f: Format, context: int, batch: int = 1) -> dict[str, float]:
