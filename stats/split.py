@@ -131,12 +131,12 @@ def fit_split_keys(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, kc: torch.T
     take the directions in descending score, part by part; channels after the last part are not stored (the
     lowest scores: issue 16's tiers, `oscar-tier-int2`). The rule of lower summed error on these rows wins."""
     H, D = U.shape[0], U.shape[-1]
+    cuts = [b for _, b, _ in parts] + ([D] if parts[-1][1] < D else [])  # the last group: not stored
     best, errs = None, {}
     for rule, score in (rules or dict(zip(SPLIT_RULES, (lam, lam * sig2)))).items():
         rs = []
         for h in range(H):
             order = np.argsort(-score[h], kind="stable")
-            cuts = [b for _, b, _ in parts] + ([D] if parts[-1][1] < D else [])
             groups = [np.sort(order[a:b]) for a, b in zip([0] + cuts[:-1], cuts)]
             rs.append(parts_rotation(U[h], lam[h], sig2[h], groups, stored=len(parts)))
         rk = torch.from_numpy(np.stack([r[0] for r in rs]))  # (H, D, D)
