@@ -5,8 +5,8 @@ at 2, each part a per-token group with 8-bit scale/zero. Reverse water-filling s
 grow with log(λ_i σ_i²) and a direction no query reads should get none: a key component along it only shifts
 every logit of a query by the same amount, which the softmax ignores. This screens tier layouts of the same key
 budget (codes + 16 bits of params per stored part <= 176 bits per 64-dim row, the 2.75 of split keys; checked by
-`oscar.quant.parts_bits_per_element`), directions ranked by λ_i σ_i² (or λ_i, whichever fits better, as the
-split fit does), each part scaled and Hadamard-mixed within itself, each part's clip searched, on the store's
+`oscar.quant.parts_bits_per_element`), placed, scaled, Hadamard-mixed and clipped per part by
+`stats.split.fit_split_keys` (what the split and tiers fits run), on the store's
 reservoir rows with the fit's key objective (relative q-weighted logit MSE, in-sample for all, before the tune).
 A "0" part is not stored: its keys read as the calibrated mean.
 
@@ -32,67 +32,30 @@ def parse(layout: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in p.split("x")) for p in layout.split("+")]
 
 
-def key_bits(tiers: list[tuple[int, int]], D: int) -> float:
-    from oscar.quant import QuantSpec, parts_bits_per_element
+def tier_parts(tiers: list[tuple[int, int]]) -> list:
+    """The stored parts [(a, b, spec)] of a layout; its "0" tiers must come last (channels after the parts are
+    not stored: `stats.split.fit_split_keys`)."""
+    from oscar.quant import QuantSpec
 
     parts, a = [], 0
     for n, b in tiers:
         if b:
+            assert a == (parts[-1][1] if parts else 0), "not-stored tiers must come last"
             parts.append((a, a + n, QuantSpec(bits=b, param_dtype=torch.float8_e4m3fn)))
         a += n
-    return parts_bits_per_element(parts, D)
+    return parts
 
 
-def layout_error(U, lam, sig2, kc, Cq, tiers, score, ratios) -> np.ndarray:
-    """(H,) relative logit MSE of one layer's keys under a tier layout: tier j holds the next n_j directions by score."""
-    from oscar.quant import QuantSpec, fake_quant
-    from oscar.stats.clip import choose, refine
-    from oscar.stats.rotations import importance_scales, mixer
+def key_bits(tiers: list[tuple[int, int]], D: int) -> float:
+    from oscar.quant import parts_bits_per_element
 
-    H, D = lam.shape
-    errs = []
-    for h in range(H):
-        order = np.argsort(-score[h], kind="stable")
-        lam_h = np.where(lam[h] > 0, lam[h], 1e-3 * max(lam[h].mean(), 1e-30))  # as split_scaled_rotation
-        sig_h = np.where(sig2[h] > 0, sig2[h], 1e-3 * max(sig2[h].mean(), 1e-30))
-        k = kc[h].numpy()  # (N, D) centred keys, model space
-        e = np.zeros_like(k)  # error, model space
-        a = 0
-        for n, b in tiers:
-            idx = np.sort(order[a:a + n])
-            a += n
-            Up = U[h][:, idx]  # (D, n)
-            if b == 0:  # not stored: the key reads as its mean along these directions
-                e += -(k @ Up) @ Up.T
-                continue
-            d = importance_scales(lam_h[idx][None], sig_h[idx][None])[0]
-            M = mixer(n)
-            rk, rq = (Up * d) @ M, (Up / d) @ M  # (D, n): y = k rk, k_part = y rq^T
-            y = torch.from_numpy(k @ rk)  # (N, n)
-            Cp = torch.from_numpy(rq.T @ Cq[h] @ rq)  # (n, n) the query moment read through this part
-            den = float(np.einsum("nd,de,ne->", k, Cq[h], k))
-            sp = QuantSpec(bits=b, param_dtype=torch.float8_e4m3fn)
-
-            def part_err(cands, y=y, Cp=Cp, sp=sp, den=den):
-                out = []
-                for c in cands:
-                    ey = fake_quant(y.float(), sp, float(c)).double() - y
-                    out.append(np.array([float(((ey @ Cp) * ey).sum()) / den]))
-                return np.stack(out)
-
-            cands, pe = refine(part_err, ratios, float(ratios.min()), float(ratios.max()))
-            c = choose(pe, cands, 0.02, pe[-1]).clip
-            ey = fake_quant(y.float(), sp, float(np.asarray(c).reshape(-1)[0])).double() - y
-            e += ey.numpy() @ rq.T
-        den = float(np.einsum("nd,de,ne->", k, Cq[h], k))
-        errs.append(float(np.einsum("nd,de,ne->", e, Cq[h], e)) / den)
-    return np.array(errs)
+    return parts_bits_per_element(tier_parts(tiers), D)
 
 
 def main(argv=None) -> int:
     from oscar.stats.artifact import load_artifact
     from oscar.stats.fit import FitConfig
-    from oscar.stats.split import layer_inputs
+    from oscar.stats.split import fit_split_keys, layer_inputs
     from oscar.validate import codebooks as cb
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -116,8 +79,7 @@ def main(argv=None) -> int:
         for lay in a.layouts:
             tiers = parse(lay)
             assert sum(n for n, _ in tiers) == D, lay
-            e = np.minimum(layout_error(U, lam, sig2, kc, Cq, tiers, lam * sig2, ratios),
-                           layout_error(U, lam, sig2, kc, Cq, tiers, lam, ratios))
+            e = fit_split_keys(U, lam, sig2, kc, Cq, tier_parts(tiers), ratios).err  # the fit's placement and clips
             per.setdefault(lay, []).append(float(e.mean()))
         print(f"layer {l}: " + "  ".join(f"{lay} {per[lay][-1]:.4f}" for lay in a.layouts), flush=True)
     ref = np.array(per["16x3+48x2"])
@@ -127,7 +89,8 @@ def main(argv=None) -> int:
                for lay, v in per.items()}
     res = {"artifact": a.artifact, "store": store, "budget_key_bits": budget,
            "objective": "relative q-weighted logit MSE (stats/clip.py key objective), reservoir rows, per-part clips "
-                        "searched, directions ranked by the better of lambda*sigma2 and lambda per head, before the tune",
+                        "searched, directions ranked by the better of lambda*sigma2 and lambda per layer (stats.split.fit_split_keys, as "
+                        "the split and tiers fits), before the tune",
            "summary": summary, "per_layer": per, "layers": len(ref), "seconds": round(time.perf_counter() - t0, 1),
            "command": "python " + " ".join(sys.argv)}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
