@@ -17,45 +17,12 @@ import argparse
 import json
 import time
 
-import torch
-import torch.nn.functional as F
-
-COPY_SKIP = 2
-
-
-def copy_windows(ids: list[int], n: int, T: int, S: int, sink: int, recent: int, seed: int = 0):
-    """n (window, scored positions) pairs: T - S haystack tokens of calibration text, then a copy of S of them.
-
-    Windows are consecutive slices of the calibration split; the copied span's start is drawn uniformly
-    between the sinks and the last token that is INT2 when the copy is read (serving: T - recent)."""
-    g = torch.Generator().manual_seed(seed)
-    H = T - S
-    out = []
-    for w in range(n):
-        hay = ids[w * H:(w + 1) * H]
-        hi = T - recent - S  # the whole span is older than the recent window while the copy is read
-        p = int(torch.randint(sink, hi, (1,), generator=g))
-        win = torch.tensor([hay + hay[p:p + S]])  # (1, T)
-        pos = torch.arange(H + COPY_SKIP - 1, T - 1)  # logits at these positions predict copy tokens COPY_SKIP..S-1
-        out.append((win, pos, p))
-    return out
-
-
-@torch.no_grad()
-def copy_nll(model, win: torch.Tensor, pos: torch.Tensor) -> tuple[float, float]:
-    """(sum NLL, top-1 hits) of the copy's scored tokens."""
-    h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
-    logits = model.lm_head(h[0, pos]).float()  # (n, V)
-    tgt = win[0, pos + 1]  # (n,)
-    return F.cross_entropy(logits, tgt, reduction="sum").item(), (logits.argmax(-1) == tgt).sum().item()
-
-
 def main() -> int:
     from oscar.stats.artifact import load_artifact
     from oscar.validate.env import load_model, with_dtype
     from oscar.validate.methods import PROTOCOLS
     from oscar.validate.ppl import simulated
-    from oscar.validate.tune import TuneConfig, calibration_ids, scale_key_clips, tune_key_clip
+    from oscar.validate.tune import COPY_SKIP, TuneConfig, calibration_ids, copy_nll, copy_windows, scale_key_clips, tune_key_clip
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifact", required=True)

@@ -34,6 +34,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
     r.add_argument("--variant", default="split", help="fit variant behind oscar-int2 (see `oscar variants`)")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
+    r.add_argument("--tune-objective", default="nll", choices=("nll", "copy", "guarded"),
+                   help="what the key-clip tune minimises (`oscar validate tune --objective`; default %(default)s)")
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
                    help="cache protocol of the needle stage (`oscar validate niah --protocol`; named for its stage "
                         "because perplexity always reports both)")
@@ -56,7 +58,7 @@ def _run(args) -> int:
 
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
                        methods=parse_methods(args.methods),
-                       variant=args.variant, tune=not args.no_tune, niah_protocol=args.niah_protocol, dtype=args.dtype,
+                       variant=args.variant, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
                        engine=args.engine, device=args.device, progress=not args.no_progress))
     return 0
 

@@ -61,6 +61,9 @@ class RunConfig:
     # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
     # (validate/tune.py; docs/decisions.md, "Key clip tuned end to end").
     tune: bool = True
+    # What the tune minimises: nll (strict NLL), copy (a copied span read from the INT2 history) or guarded
+    # (copy among the factors within 0.5 % of the best NLL); validate/tune.py.
+    tune_objective: str = "nll"
     # NIAH runs on the method's deployed cache (sink 64 + recent 256 in BF16, the rest INT2);
     # "strict" (recent 0: the tokens being generated leave the window with their page) is
     # available with --niah-protocol strict. Perplexity always reports both protocols.
@@ -86,6 +89,9 @@ class RunConfig:
             self.samples = 20  # >= 20 per cell is what issue 7's must-hold is judged on (docs/decisions.md)
         if self.full:
             self.ppl_tokens = max(self.ppl_tokens, 12288)
+        from oscar.validate.tune import TuneConfig
+
+        TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
 
 
 def _say(msg: str) -> None:
@@ -210,7 +216,7 @@ def _stage_tune(job: _Job) -> None:
     from oscar.validate.tune import TuneConfig, tune_key_clip
 
     cfg = job.cfg
-    tcfg = TuneConfig(corpus=cfg.corpus)
+    tcfg = TuneConfig(corpus=cfg.corpus, objective=cfg.tune_objective)
     fp_t = fingerprint({"fit": file_fingerprint(job.fit_path), "tune": asdict(tcfg) if cfg.tune else None,
                         "protocols": PROTOCOL_VERSION, **({"engine": cfg.engine} if cfg.engine != "simulate" else {})})
 
@@ -224,7 +230,9 @@ def _stage_tune(job: _Job) -> None:
             art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress, engine=cfg.engine, device=cfg.device)
             _say(f"tune: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> "
                  f"{rec['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
-                 ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")")
+                 ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")" +
+                 ("" if cfg.tune_objective == "nll" else f"; objective {cfg.tune_objective}, copy NLL/token " +
+                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["copy_nll_per_token"].items())))
         _save(art, job.art_path)
         calibration_section(job.art_path, job.store, os.path.join(job.dir, "calibration"))
         return {"clip_tuning": rec} if rec else None
@@ -271,6 +279,7 @@ def _stage_report(job: _Job, seconds: float) -> dict:
     cfg, d, st = job.cfg, job.dir, job.st
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
+                + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
                 + ("" if cfg.device == "cpu" else f" --device {cfg.device}"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),

@@ -12,7 +12,7 @@ from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
 from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
 from oscar.validate.ppl import simulated
-from oscar.validate.tune import TuneConfig, calibration_ids, scale_key_clips, tune_key_clip
+from oscar.validate.tune import COPY_SKIP, TuneConfig, calibration_ids, choose_factor, copy_windows, scale_key_clips, tune_key_clip
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +120,59 @@ def test_tune_through_the_cache_engine(smollm2):
     if not torch.cuda.is_available():
         with pytest.raises(OscarError, match="CUDA is not available"):
             tune_key_clip(model, tok, art, cfg, progress=False, device="cuda")
+
+
+def test_copy_windows_place_an_int2_span_and_score_only_the_copy():
+    ids = list(range(1000, 1000 + 3 * 496))
+    wins = copy_windows(ids, 3, T=512, S=16, sink=64, recent=256, seed=1)
+    for w, (win, pos, p) in enumerate(wins):
+        hay = ids[w * 496:(w + 1) * 496]
+        assert win.shape == (1, 512) and win[0, :496].tolist() == hay  # consecutive slices of the text
+        assert 64 <= p and p + 16 <= 512 - 256  # the whole span is INT2 under sink 64 + recent 256
+        assert win[0, 496:].tolist() == hay[p:p + 16]
+        assert pos.tolist() == list(range(496 + COPY_SKIP - 1, 511))  # predicts copy tokens COPY_SKIP..S-1
+    with pytest.raises(OscarError, match="no INT2 history"):
+        copy_windows(ids, 1, T=320, S=16, sink=64, recent=256)
+    with pytest.raises(OscarError, match="need 1488 tokens"):
+        copy_windows(ids[:1000], 3, T=512, S=16, sink=64, recent=256)
+
+
+def test_choose_factor_rules():
+    nll = {1.0: 2.76, 1.1: 2.742, 1.3: 2.747, 2.0: 2.786}
+    copy = {1.0: 2.05, 1.1: 1.65, 1.3: 1.51, 2.0: 1.46}
+    assert choose_factor(nll, None, "nll", 0.005) == 1.1
+    assert choose_factor(nll, copy, "copy", 0.005) == 2.0
+    assert choose_factor(nll, copy, "guarded", 0.005) == 1.3  # 2.0 is 1.6 % worse on NLL: inadmissible
+    assert choose_factor(nll, copy, "guarded", 0.0) == 1.1  # no slack: the NLL argmin
+    assert choose_factor(nll, copy, "guarded", 0.02) == 2.0
+    assert choose_factor({1.0: 1.0, 1.2: 1.0}, {1.0: 3.0, 1.2: 3.0}, "copy", 0.0) == 1.0  # ties: the smaller change
+    for bad in (dict(objective="x"), dict(nll_slack=-0.1), dict(copy_span=2), dict(copy_windows=0)):
+        with pytest.raises(OscarError):
+            TuneConfig(**bad)
+
+
+@pytest.mark.slow
+def test_guarded_tune_recomputes_copy_nll_independently(smollm2):
+    """The copy NLL per factor equals full-logit cross-entropy at the copy positions under the serving simulator,
+    and the chosen factor follows the guarded rule on the recorded figures."""
+    model, tok, _ = smollm2
+    art = _artifact(model.config)
+    cfg = TuneConfig(factors=(1.0, 1.6), tokens=256, objective="guarded", nll_slack=0.05, copy_windows=2,
+                     copy_length=512, copy_span=16)
+    _, rec = tune_key_clip(model, tok, art, cfg, progress=False)
+    text = calibration_ids(tok, "pydoc", 2 * 496)
+    wins = copy_windows(text, 2, 512, 16, PROTOCOLS["serving"].sink, PROTOCOLS["serving"].recent)
+    copy = {}
+    for f in cfg.factors:
+        s = n = 0
+        for win, pos, _ in wins:
+            with simulated(model, scale_key_clips(art, f), PROTOCOLS["serving"]), torch.no_grad():
+                logits = model(input_ids=win, use_cache=False).logits.float()[0]  # (T, V)
+            s += float(torch.nn.functional.cross_entropy(logits[pos], win[0, pos + 1], reduction="sum"))
+            n += len(pos)
+        copy[f] = s / n
+        assert abs(rec["copy_nll_per_token"][str(f)] - copy[f]) < 1e-4, (f, rec["copy_nll_per_token"], copy[f])
+    nll = {float(k): v for k, v in rec["nll_per_token"].items()}
+    assert rec["chosen_factor"] == choose_factor(nll, copy, "guarded", 0.05)
+    assert "copy_nll_per_token" not in tune_key_clip(model, tok, art, TuneConfig(factors=(1.0,), tokens=256),
+                                                     progress=False)[1]  # nll objective: no copy pass

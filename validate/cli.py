@@ -95,6 +95,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tokens", type=int, default=2048, help="calibration-split tokens scored per factor")
     t.add_argument("--protocol", default="strict", choices=["strict", "serving"], help="cache protocol the NLL is scored under")
     t.add_argument("--corpus", default="pydoc", help="corpus whose calibration split is scored")
+    t.add_argument("--objective", default="nll", choices=("nll", "copy", "guarded"),
+                   help="nll: lowest NLL per token; copy: lowest NLL of a span copied from the INT2 history (serving "
+                        "protocol; a retrieval proxy on calibration text); guarded: lowest copy NLL among factors whose "
+                        "NLL is within --nll-slack of the lowest (validate/tune.py)")
+    t.add_argument("--nll-slack", type=float, default=0.005, help="guarded: allowed relative NLL excess (default 0.005)")
+    t.add_argument("--copy-windows", type=int, default=8, help="copy objective: calibration windows of 2048 tokens")
     t.add_argument("--out", required=True, help="tuned artifact (.safetensors)")
     _exec_args(t)
     t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
@@ -158,7 +164,8 @@ def _tune(args) -> int:
     from oscar.validate.tune import TuneConfig, tune_key_clip
 
     cfg = TuneConfig(factors=tuple(float(x) for x in _csv(args.factors)), tokens=args.tokens, protocol=args.protocol,
-                     corpus=args.corpus)
+                     corpus=args.corpus, objective=args.objective, nll_slack=args.nll_slack,
+                     copy_windows=args.copy_windows)
     check_engine(args.engine)
     resolve_device(args.device)  # before loading weights
     art = load_artifact(args.artifact)
@@ -166,8 +173,10 @@ def _tune(args) -> int:
     tuned, rec = tune_key_clip(model, tok, art, cfg, progress=not args.no_progress, engine=args.engine,
                                device=args.device)
     save_artifact(tuned, args.out)
+    copy = rec.get("copy_nll_per_token", {})
     for f, v in rec["nll_per_token"].items():
-        print(f"factor {f}: NLL/token {v:.5f}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
+        c = f"  copy NLL/token {copy[f]:.5f}" if f in copy else ""
+        print(f"factor {f}: NLL/token {v:.5f}{c}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
     print(f"{args.out}: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> {rec['mean_clip_k_after']:.3f})")
     return 0
 

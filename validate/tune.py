@@ -10,6 +10,13 @@ This stage keeps the fit's per-layer *shape* and scales every key clip by one fa
 clip = min(1, f · clip_fit), choosing f by the model's next-token NLL on a window of the
 **calibration** split read through the INT2 cache under the strict protocol (every token
 after the sinks from INT2 once its page is complete). Only calibration text is used; validation never sees it.
+
+That NLL is dominated by local prediction, where the recent tokens carry the answer; needles are retrieval
+from far back in the INT2 history. `objective` adds a retrieval proxy from the same calibration text: the NLL
+of a **copied span** (a window whose last S tokens repeat S of its INT2 tokens, read under the serving
+protocol), which the model can only predict by attending back to the span (docs/decisions.md, "the clip
+tune's objective trades retrieval for next-token NLL"). `guarded` takes the best copy NLL among the factors
+whose strict NLL is within `nll_slack` of the best, so retrieval is bought only with a bounded NLL cost.
 """
 
 from __future__ import annotations
@@ -20,8 +27,12 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from oscar.common import OscarError
+
+OBJECTIVES = ("nll", "copy", "guarded")
+COPY_SKIP = 2  # the copy's first tokens are not scored: nothing points at the span yet
 
 
 @dataclass
@@ -31,12 +42,25 @@ class TuneConfig:
     protocol: str = "strict"
     corpus: str = "pydoc"
     dtype: str = "float32"  # deterministic scoring; the choice should not depend on thread counts
+    objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
+    nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)
+    copy_windows: int = 8  # copy objective: calibration windows of copy_length tokens, the last copy_span copied
+    copy_length: int = 2048
+    copy_span: int = 48
+    copy_protocol: str = "serving"  # how needles are served
 
     def __post_init__(self):
         if not self.factors or any(not (f > 0 and math.isfinite(f)) for f in self.factors):
             raise OscarError(f"tune: factors must be positive finite numbers, got {self.factors!r}")
         if self.tokens < 128:
             raise OscarError(f"tune: --tokens {self.tokens} is too short to read anything from INT2 (sink 64)")
+        if self.objective not in OBJECTIVES:
+            raise OscarError(f"tune: unknown objective {self.objective!r}; known: {', '.join(OBJECTIVES)}")
+        if not (self.nll_slack >= 0 and math.isfinite(self.nll_slack)):
+            raise OscarError(f"tune: nll_slack must be a finite number >= 0, got {self.nll_slack!r}")
+        if self.copy_windows < 1 or not (COPY_SKIP < self.copy_span < self.copy_length):
+            raise OscarError(f"tune: copy objective needs >= 1 window and {COPY_SKIP} < span < length, got "
+                             f"{self.copy_windows} windows, span {self.copy_span}, length {self.copy_length}")
 
 
 def calibration_ids(tok, corpus: str, n: int) -> list[int]:
@@ -48,6 +72,46 @@ def calibration_ids(tok, corpus: str, n: int) -> list[int]:
     if len(ids) < n:
         raise OscarError(f"tune: calibration split has {len(ids)} tokens, fewer than --tokens {n}")
     return ids[:n]
+
+
+def copy_windows(ids: list[int], n: int, T: int, S: int, sink: int, recent: int, seed: int = 0):
+    """n (window (1, T), scored positions, span start): T - S tokens of text, then a copy of S of them.
+
+    Windows are consecutive slices of `ids`; the span's start is drawn uniformly between the sinks and the
+    last start whose whole span is older than the recent window while the copy is read (so it is INT2).
+    Position i of `pos` holds the logits that predict copy token COPY_SKIP + i."""
+    H, hi = T - S, T - recent - S
+    if hi <= sink:
+        raise OscarError(f"tune: a copy window of {T} tokens with a {S}-token span has no INT2 history "
+                         f"between {sink} sinks and {recent} recent tokens; raise copy_length")
+    if len(ids) < n * H:
+        raise OscarError(f"tune: {n} copy windows need {n * H} tokens, the text has {len(ids)}")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for w in range(n):
+        hay = ids[w * H:(w + 1) * H]
+        p = int(torch.randint(sink, hi, (1,), generator=g))
+        win = torch.tensor([hay + hay[p:p + S]])  # (1, T)
+        pos = torch.arange(H + COPY_SKIP - 1, T - 1)  # (S - COPY_SKIP,)
+        out.append((win, pos, p))
+    return out
+
+
+@torch.no_grad()
+def copy_nll(model, win: torch.Tensor, pos: torch.Tensor) -> tuple[float, int]:
+    """(sum NLL, top-1 hits) of the copy tokens predicted at `pos`, through whatever simulator is active."""
+    h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
+    logits = model.lm_head(h[0, pos]).float()  # (n, V)
+    tgt = win[0, pos + 1]  # (n,)
+    return F.cross_entropy(logits, tgt, reduction="sum").item(), int((logits.argmax(-1) == tgt).sum())
+
+
+def choose_factor(nll: dict[float, float], copy: dict[float, float] | None, objective: str, nll_slack: float) -> float:
+    """The tune's rule; ties go to the smaller factor (the smaller change)."""
+    if objective == "nll":
+        return min(nll, key=lambda f: (nll[f], f))
+    ok = list(nll) if objective == "copy" else [f for f in nll if nll[f] <= min(nll.values()) * (1 + nll_slack)]
+    return min(ok, key=lambda f: (copy[f], f))
 
 
 def scale_key_clips(art, factor: float):
@@ -76,30 +140,49 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     if cfg.protocol not in PROTOCOLS:
         raise OscarError(f"tune: unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
     art.check_model(model.config)
+    if cfg.copy_protocol not in PROTOCOLS:
+        raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
     if engine == "cache":
-        eng.check_methods({"oscar-int2": art}, [PROTOCOLS[cfg.protocol]])
+        eng.check_methods({"oscar-int2": art}, [PROTOCOLS[cfg.protocol], PROTOCOLS[cfg.copy_protocol]])
     t0 = time.perf_counter()
     with_dtype(model, cfg.dtype)
     eng.to_device(model, dev)
     ids = torch.tensor([calibration_ids(tok, cfg.corpus, cfg.tokens)], device=dev)  # (1, T)
+    wins = []
+    if cfg.objective != "nll":
+        cp = PROTOCOLS[cfg.copy_protocol]
+        text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
+        wins = [(w.to(dev), pos.to(dev)) for w, pos, _ in
+                copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)]
     factors = sorted(set(cfg.factors))
     it = factors
     if progress:
         from tqdm import tqdm
 
         it = tqdm(factors, desc="tune key clip", unit="factor")
-    nll = {}
+    nll, copy = {}, {}
     for f in it:
+        a = scale_key_clips(art, f)
         if engine == "cache":
-            s, n = eng.window_nll(model, "oscar-int2", scale_key_clips(art, f), PROTOCOLS[cfg.protocol], ids)
+            s, n = eng.window_nll(model, "oscar-int2", a, PROTOCOLS[cfg.protocol], ids)
         else:
-            with simulated(model, scale_key_clips(art, f), PROTOCOLS[cfg.protocol]):
+            with simulated(model, a, PROTOCOLS[cfg.protocol]):
                 s, n = window_nll(model, ids)
         nll[f] = s / n
-    best = min(factors, key=lambda f: (nll[f], f))  # ties: the smaller change
+        if wins:
+            cs = 0.0
+            for win, pos in wins:
+                if engine == "cache":
+                    cs += float(eng.token_nll(model, "oscar-int2", a, cp, win)[pos.cpu()].sum())
+                else:
+                    with simulated(model, a, cp):
+                        cs += copy_nll(model, win, pos)[0]
+            copy[f] = cs / sum(len(pos) for _, pos in wins)
+    best = choose_factor(nll, copy or None, cfg.objective, cfg.nll_slack)
     tuned = scale_key_clips(art, best)
-    record = {"config": asdict(cfg), **({"engine": engine} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": {str(f): round(v, 6) for f, v in nll.items()},
-              "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
+    rnd = lambda d: {str(f): round(v, 6) for f, v in d.items()}  # noqa: E731
+    record = {"config": asdict(cfg), **({"engine": engine} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": rnd(nll),
+              **({"copy_nll_per_token": rnd(copy)} if copy else {}), "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
               "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
               "seconds": round(time.perf_counter() - t0, 2)}
     tuned.meta["clip_tuning"] = record
