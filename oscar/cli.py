@@ -34,7 +34,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
     r.add_argument("--variant", default="split", help="fit variant behind oscar-int2 (see `oscar variants`)")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
-    r.add_argument("--tune-objective", default="nll", choices=("nll", "copy", "guarded"),
+    from oscar.validate.tune import OBJECTIVES
+
+    r.add_argument("--tune-objective", default="nll", choices=OBJECTIVES,
                    help="what the key-clip tune minimises (`oscar validate tune --objective`; default %(default)s)")
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
                    help="cache protocol of the needle stage (`oscar validate niah --protocol`; named for its stage "

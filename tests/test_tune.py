@@ -115,6 +115,11 @@ def test_tune_through_the_cache_engine(smollm2):
     for f in ("1.0", "1.3"):
         assert rec["nll_per_token"][f] != sim["nll_per_token"][f]
         assert abs(rec["nll_per_token"][f] - sim["nll_per_token"][f]) / sim["nll_per_token"][f] < 0.05
+    # the copy objective through the cache: its own per-token path (decode steps over the copy), close to the simulator
+    ccfg = TuneConfig(factors=(1.6,), tokens=256, objective="copy", copy_windows=1, copy_length=512, copy_span=16)
+    c_cache = tune_key_clip(model, tok, art, ccfg, progress=False, engine="cache")[1]["copy_nll_per_token"]["1.6"]
+    c_sim = tune_key_clip(model, tok, art, ccfg, progress=False)[1]["copy_nll_per_token"]["1.6"]
+    assert c_cache != c_sim and abs(c_cache - c_sim) / c_sim < 0.02, (c_cache, c_sim)
     with pytest.raises(OscarError, match="unknown engine"):
         tune_key_clip(model, tok, art, cfg, progress=False, engine="x")
     if not torch.cuda.is_available():

@@ -84,6 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     p.set_defaults(func=_ppl)
 
+    from oscar.validate.tune import OBJECTIVES
+
     t = vs.add_parser("tune", help="scale the artifact's key clips by the factor with the lowest strict NLL on calibration text",
                       description="Score each factor x the fitted key clips by NLL per token on calibration-split text "
                                   "(float32, so the choice does not depend on thread counts) and write the artifact "
@@ -95,7 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tokens", type=int, default=2048, help="calibration-split tokens scored per factor")
     t.add_argument("--protocol", default="strict", choices=["strict", "serving"], help="cache protocol the NLL is scored under")
     t.add_argument("--corpus", default="pydoc", help="corpus whose calibration split is scored")
-    t.add_argument("--objective", default="nll", choices=("nll", "copy", "guarded"),
+    t.add_argument("--objective", default="nll", choices=OBJECTIVES,
                    help="nll: lowest NLL per token; copy: lowest NLL of a span copied from the INT2 history (serving "
                         "protocol; a retrieval proxy on calibration text); guarded: lowest copy NLL among factors whose "
                         "NLL is within --nll-slack of the lowest (validate/tune.py)")

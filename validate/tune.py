@@ -106,12 +106,12 @@ def copy_nll(model, win: torch.Tensor, pos: torch.Tensor) -> tuple[float, int]:
     return F.cross_entropy(logits, tgt, reduction="sum").item(), int((logits.argmax(-1) == tgt).sum())
 
 
-def choose_factor(nll: dict[float, float], copy: dict[float, float] | None, objective: str, nll_slack: float) -> float:
+def choose_factor(nll: dict[float, float], cnll: dict[float, float] | None, objective: str, nll_slack: float) -> float:
     """The tune's rule; ties go to the smaller factor (the smaller change)."""
     if objective == "nll":
         return min(nll, key=lambda f: (nll[f], f))
     ok = list(nll) if objective == "copy" else [f for f in nll if nll[f] <= min(nll.values()) * (1 + nll_slack)]
-    return min(ok, key=lambda f: (copy[f], f))
+    return min(ok, key=lambda f: (cnll[f], f))
 
 
 def scale_key_clips(art, factor: float):
@@ -160,7 +160,7 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
         from tqdm import tqdm
 
         it = tqdm(factors, desc="tune key clip", unit="factor")
-    nll, copy = {}, {}
+    nll, cnll = {}, {}
     for f in it:
         a = scale_key_clips(art, f)
         if engine == "cache":
@@ -177,12 +177,12 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
                 else:
                     with simulated(model, a, cp):
                         cs += copy_nll(model, win, pos)[0]
-            copy[f] = cs / sum(len(pos) for _, pos in wins)
-    best = choose_factor(nll, copy or None, cfg.objective, cfg.nll_slack)
+            cnll[f] = cs / sum(len(pos) for _, pos in wins)
+    best = choose_factor(nll, cnll or None, cfg.objective, cfg.nll_slack)
     tuned = scale_key_clips(art, best)
     rnd = lambda d: {str(f): round(v, 6) for f, v in d.items()}  # noqa: E731
     record = {"config": asdict(cfg), **({"engine": engine} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": rnd(nll),
-              **({"copy_nll_per_token": rnd(copy)} if copy else {}), "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
+              **({"copy_nll_per_token": rnd(cnll)} if cnll else {}), "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
               "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
               "seconds": round(time.perf_counter() - t0, 2)}
     tuned.meta["clip_tuning"] = record
