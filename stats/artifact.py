@@ -55,6 +55,14 @@ def tier_drop(head_dim: int) -> int:
                      f"leaves a Hadamard order for the 2-bit part (wide part {W})")
 
 
+def calibrated_length(art: "Artifact") -> int | None:
+    """The calibration sequence length: the fit saw queries and keys at positions [0, seq_len) only (None: an
+    artifact fitted before it was recorded, or imported). Past it RoPE's slow pairs have turned further than
+    any calibrated row, and the key error grows (docs/decisions.md, "Calibrate at the serving length")."""
+    n = art.meta.get("provenance", {}).get("seq_len")
+    return int(n) if n else None
+
+
 @dataclass
 class QuantConfig:
     """How the serving cache stores K and V (recorded in the artifact).

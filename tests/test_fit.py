@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oscar.common import OscarError, config_fingerprint
-from oscar.stats.artifact import describe, load_artifact, save_artifact
+from oscar.stats.artifact import calibrated_length, describe, load_artifact, save_artifact
 from oscar.stats.fit import FitConfig, fit
 from oscar.stats.hadamard import bitrev_perm, hadamard, perm_matrix
 from oscar.stats.reduce import LayerStats, ReduceConfig, block_means, open_store, reduce
@@ -373,6 +373,7 @@ def test_artifact_roundtrip_check_model_and_describe(store, tmp_path):
     m = back.meta
     assert m["variant"] == "centered" and m["provenance"]["blocks"] == [0, 1, 2, 3]
     assert m["provenance"]["tokens"] == 4 * 260 and len(m["provenance"]["store_fingerprint"]) == 16
+    assert calibrated_length(back) == m["provenance"]["seq_len"] == 260  # the positions the statistics cover
     assert set(m["layers"][0]) >= {"d_eff", "stability", "kurtosis", "tail_index", "heavy", "estimator", "clip_k"}
     back.check_model(_llama())
     with pytest.raises(OscarError, match="num_kv_heads"):

@@ -13,7 +13,7 @@ from oscar.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.validate.methods import (
     LayerQuant, MethodBatchCache, PROTOCOLS, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact,
-    parse_methods,
+    parse_methods, uncalibrated_warning,
 )
 from oscar.validate.ppl import fresh_mask, simulated, window_nll
 from oscar.common import OscarError
@@ -312,3 +312,16 @@ def test_wide_band_ppl_equals_dense(tiny):
         exact = tiny(input_ids=ids, use_cache=False).logits
     assert torch.allclose(fast, dense, atol=2e-5), (fast - dense).abs().max()
     assert (fast - exact).abs().max() > 1e-3
+
+
+def test_uncalibrated_warning_names_the_lengths(tiny):
+    """Contexts past the calibration length warn (the fit never saw those RoPE phases); within it, or for an
+    artifact that does not record it, they do not."""
+    from dataclasses import replace
+
+    art = identity_artifact(tiny.config)
+    assert uncalibrated_warning(art, 8192) is None  # not recorded: nothing to say
+    art = replace(art, meta={"provenance": {"seq_len": 2048}})
+    assert uncalibrated_warning(art, 2048) is None and uncalibrated_warning(None, 8192) is None
+    w = uncalibrated_warning(art, 4096)
+    assert "4096" in w and "(2048 tokens)" in w and "--seq-len 4096" in w

@@ -347,6 +347,18 @@ def method_problems(name: str, config, art: Artifact | None) -> list[str]:
     return quant_problems(D, art.quant)
 
 
+def uncalibrated_warning(art: Artifact | None, length: int) -> str | None:
+    """A warning when contexts of `length` tokens reach past the positions the artifact was calibrated on."""
+    from oscar.stats.artifact import calibrated_length
+
+    n = calibrated_length(art) if art is not None else None
+    if n is None or length <= n:
+        return None
+    return (f"contexts of {length} tokens reach past the artifact's calibration length ({n} tokens): queries and keys "
+            f"beyond position {n} were never calibrated, and the INT2 key error grows there; calibrate with "
+            f"--seq-len {length} (docs/decisions.md, \"Calibrate at the serving length\")")
+
+
 def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, checked: bool = True,
                     out: str | None = None) -> tuple[dict[str, Artifact | None], dict[str, str]]:
     """({method: artifact} of the methods that can serve `config`, {method: reason} of those skipped).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -346,7 +347,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
 
     from oscar.stats.artifact import load_artifact
     from oscar.validate import engine, env
-    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
+    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods, uncalibrated_warning
     from oscar.validate.heldout import more_heldout_words
     from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
 
@@ -366,6 +367,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     engine.to_device(model, dev)
     _prepare_out(cfg)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
+    if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):
+        print(f"oscar: WARNING: {warn}", file=sys.stderr)
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     protocol = PROTOCOLS[cfg.protocol]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -360,7 +361,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     from tqdm import tqdm
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods
+    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods, uncalibrated_warning
     from oscar.validate import engine
     from oscar.validate.niah import _Inline, load_aware_threads, load_checked
 
@@ -382,6 +383,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     json.dump({"identity": cfg.identity(), "config": asdict(cfg)}, open(cpath, "w"), indent=1)
 
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
+    if (warn := uncalibrated_warning(fitted, max(cfg.contexts))):
+        print(f"oscar: WARNING: {warn}", file=sys.stderr)
     arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
