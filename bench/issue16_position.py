@@ -18,6 +18,7 @@ step at the calibration length says it is.
 
     python bench/issue16_position.py --artifact A=runs/t/fit2k.safetensors --artifact B=runs/t/fit4k.safetensors \
         --out bench/results/issue16/position_smollm2.json
+    python bench/issue16_position.py --plot R2K.json R4K.json R8K.json --out position.png
 """
 
 from __future__ import annotations
@@ -30,6 +31,29 @@ import time
 import torch
 
 
+def plot(paths: list[str], out: str) -> None:
+    """One panel per result file (queries at the end of its --length): relative logit error by key position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.load(open(p)) for p in paths]
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False)
+    for ax, r in zip(axes[0], runs):
+        mid = [(lo + hi) / 2 for lo, hi in r["bins"]]
+        for name, a in r["artifacts"].items():
+            ax.plot(mid, a["rel_logit_err"], marker="o", ms=3, label=f"calibrated at {name}")
+        ax.set_title(f"queries at {r['config']['length']} tokens")
+        ax.set_xlabel("key position")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("RMS logit error / RMS logit spread")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("INT2 key error by position, held-out text (bench/issue16_position.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv=None) -> int:
     from oscar.defaults import SINK
     from oscar.stats.artifact import load_artifact
@@ -39,14 +63,20 @@ def main(argv=None) -> int:
     from oscar.validate.methods import LayerQuant
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--artifact", action="append", required=True, help="NAME=PATH (repeatable)")
+    ap.add_argument("--artifact", action="append", help="NAME=PATH (repeatable)")
     ap.add_argument("--model", default=None, help="default: the artifacts' model")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--sequences", type=int, default=3)
     ap.add_argument("--queries", type=int, default=32, help="query positions at the end of each sequence")
     ap.add_argument("--bin", type=int, default=512)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="result JSON (with --plot: the PNG)")
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="plot these result files into --out instead of measuring")
     a = ap.parse_args(argv)
+    if a.plot:
+        plot(a.plot, a.out)
+        return 0
+    if not a.artifact:
+        ap.error("--artifact NAME=PATH is required (or --plot)")
     t0 = time.perf_counter()
     arts = {}
     for s in a.artifact:

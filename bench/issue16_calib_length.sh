@@ -1,0 +1,59 @@
+#!/bin/bash
+# Issue 16 (docs/decisions.md "Calibrate at the serving length"): every command behind its tables. The same
+# calibration tokens at sequence lengths 2k / 4k / 8k (SmolLM2) and 2k / 8k (Qwen2.5-0.5B), each fitted (split keys)
+# and tuned as `oscar run` does; the INT2 key error by key position on held-out text, then paired needles and
+# perplexity. Also the tune objective `guarded` against `nll` on the 2k store. ~1.5 h on 2 CPUs. STEPS selects steps.
+#   bash bench/issue16_calib_length.sh
+#   STEPS="tables" bash bench/issue16_calib_length.sh
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen tables"
+N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+P="--protocol strict,serving --dtype bfloat16 --no-progress"
+if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
+  for L in 2048 4096 8192; do
+    oscar calibrate --model smollm2-135m --store $W/s$L/calib.zarr --tokens 65536 --seq-len $L --no-progress
+    oscar fit $W/s$L/calib.zarr --variant split --out $W/s$L/fit.safetensors --no-progress
+    oscar validate tune --artifact $W/s$L/fit.safetensors --out $W/s$L/nll.safetensors --no-progress
+  done
+fi
+if has position; then  # key logit error by key position, queries at the end of 4k / 8k held-out sequences
+  A="--artifact c2k=$W/s2048/fit.safetensors --artifact c4k=$W/s4096/fit.safetensors --artifact c8k=$W/s8192/fit.safetensors"
+  python bench/issue16_position.py $A --out bench/results/issue16/position_smollm2_4k.json
+  python bench/issue16_position.py $A --length 8192 --bin 1024 --out bench/results/issue16/position_smollm2_8k.json
+  python bench/issue16_position.py $A --length 2048 --sequences 6 --bin 256 --out bench/results/issue16/position_smollm2_2k.json
+fi
+if has niah; then  # the same needle samples for every arm; bf16 once per seed
+  for s in 0 1; do
+    oscar validate niah --artifact $W/s2048/nll.safetensors --methods bf16,oscar-int2 $N --seed $s --out $W/c2k_s$s
+    oscar validate niah --artifact $W/s4096/nll.safetensors --methods oscar-int2 $N --seed $s --out $W/c4k_s$s
+  done
+  oscar validate niah --artifact $W/s8192/nll.safetensors --methods oscar-int2 $N --seed 0 --out $W/c8k_s0
+fi
+if has ppl; then
+  oscar validate ppl --artifact $W/s2048/nll.safetensors --methods bf16,oscar-int2 $P --out $W/ppl_c2k
+  oscar validate ppl --artifact $W/s4096/nll.safetensors --methods oscar-int2 $P --out $W/ppl_c4k
+fi
+if has guarded; then  # the tune objective of docs/decisions.md "Tune objective copy / guarded", on the 2k store
+  oscar validate tune --artifact $W/s2048/fit.safetensors --objective guarded --out $W/s2048/guarded.safetensors --no-progress
+  oscar validate niah --artifact $W/s2048/guarded.safetensors --methods oscar-int2 $N --seed 0 --out $W/g2k_s0
+fi
+if has qwen; then  # 16384 calibration tokens at 2k and 8k; the hard needle tasks at 8k
+  Q="--model qwen2.5-0.5b"
+  for L in 2048 8192; do
+    oscar calibrate $Q --store $W/q$L/calib.zarr --seq-len $L --tokens 16384 --block-tokens 8192 --no-progress
+    oscar fit $W/q$L/calib.zarr --variant split --out $W/q$L/fit.safetensors --no-progress
+    oscar validate tune $Q --artifact $W/q$L/fit.safetensors --out $W/q$L/nll.safetensors --no-progress
+  done
+  python bench/issue16_position.py --length 8192 --sequences 2 --bin 1024 --artifact c2k=$W/q2048/fit.safetensors \
+    --artifact c8k=$W/q8192/fit.safetensors --out bench/results/issue16/position_qwen_8k.json
+  NQ="--tasks niah_single_3,niah_multikey_1 --lengths 8k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $W/q2048/nll.safetensors --methods bf16,oscar-int2 $NQ --out $W/q2k_8k
+  oscar validate niah $Q --artifact $W/q8192/nll.safetensors --methods oscar-int2 $NQ --out $W/q8k_8k
+fi
+if has tables; then
+  python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
+    --rename $W/c4k_s0:oscar-int2=oscar-c4k-int2 $W/c4k_s1:oscar-int2=oscar-c4k-int2 $W/c8k_s0:oscar-int2=oscar-c8k-int2 \
+    $W/g2k_s0:oscar-int2=oscar-guarded-int2 $W/ppl_c4k:oscar-int2=oscar-c4k-int2 \
+    --out bench/results/issue16/ab_smollm2_calib_length.json
+  python bench/issue16_ab.py --niah $W/q2k_8k $W/q8k_8k --rename $W/q8k_8k:oscar-int2=oscar-c8k-int2 \
+    --out bench/results/issue16/ab_qwen_calib_length.json
+fi
