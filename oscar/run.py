@@ -39,7 +39,11 @@ class RunConfig:
     samples: int | None = None  # NIAH samples per cell (20: the issue's acceptance size)
     full: bool = False  # the acceptance sizes
     calib_tokens: int = 65536  # calibration tokens (of ~90k in the pydoc calibration split)
-    seq_len: int = 2048
+    # Calibration sequence length; None: the longest context the job validates (needles, perplexity). The fit
+    # then sees queries and keys at every position it is judged on: past the calibration length RoPE's slow
+    # pairs turn beyond any calibrated row and the INT2 key error grows (docs/decisions.md, "Calibrate at
+    # the serving length"; bench/issue16_position.py).
+    seq_len: int | None = None
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
@@ -89,6 +93,12 @@ class RunConfig:
             self.samples = 20  # >= 20 per cell is what issue 7's must-hold is judged on (docs/decisions.md)
         if self.full:
             self.ppl_tokens = max(self.ppl_tokens, 12288)
+        if self.seq_len is None:
+            self.seq_len = max([*self.lengths, *self.ppl_contexts])
+        if self.seq_len > self.calib_tokens:
+            raise OscarError(f"oscar run: {self.calib_tokens} calibration tokens do not fill one {self.seq_len}-token "
+                             "sequence (the calibration length defaults to the longest context validated); raise "
+                             "calib_tokens or set seq_len")
         from oscar.validate.tune import TuneConfig
 
         TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
@@ -278,6 +288,7 @@ def _stage_report(job: _Job, seconds: float) -> dict:
 
     cfg, d, st = job.cfg, job.dir, job.st
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
+                + ("" if cfg.seq_len == max([*cfg.lengths, *cfg.ppl_contexts]) else f" --calib-seq-len {cfg.seq_len}")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")

@@ -39,3 +39,15 @@ def test_run_main_small_then_resume(tmp_path, capsys):
     err = capsys.readouterr().err
     for stage in ("calibrate", "fit", "tune key clip", "validate niah", "validate ppl"):
         assert f"{stage}: done (skipped)" in err, err
+
+
+def test_run_calibrates_at_the_longest_validated_context(tmp_path):
+    """The calibration length defaults to the longest needle or perplexity context (the fit sees every position it is
+    judged on); a budget that cannot fill one such sequence is refused before anything runs."""
+    from oscar.common import OscarError
+
+    assert RunConfig(out=str(tmp_path)).seq_len == 4096  # the embedded defaults: needles and perplexity to 4k
+    assert RunConfig(out=str(tmp_path), lengths=[1024], ppl_contexts=[1024]).seq_len == 1024
+    assert RunConfig(out=str(tmp_path), seq_len=2048).seq_len == 2048  # an explicit length is kept
+    with pytest.raises(OscarError, match="do not fill one 8192-token sequence"):
+        RunConfig(out=str(tmp_path), lengths=[8192], calib_tokens=4096)
