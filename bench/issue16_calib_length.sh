@@ -20,6 +20,8 @@ if has position; then  # key logit error by key position, queries at the end of 
   python bench/issue16_position.py $A --out bench/results/issue16/position_smollm2_4k.json
   python bench/issue16_position.py $A --length 8192 --bin 1024 --out bench/results/issue16/position_smollm2_8k.json
   python bench/issue16_position.py $A --length 2048 --sequences 6 --bin 256 --out bench/results/issue16/position_smollm2_2k.json
+  python bench/issue16_position.py --plot bench/results/issue16/position_smollm2_{2k,4k,8k}.json \
+    --out bench/results/issue16/position_smollm2.png
 fi
 if has niah; then  # the same needle samples for every arm; bf16 once per seed
   for s in 0 1; do
@@ -45,6 +47,7 @@ if has qwen; then  # 16384 calibration tokens at 2k and 8k; the hard needle task
   done
   python bench/issue16_position.py --length 8192 --sequences 2 --bin 1024 --artifact c2k=$W/q2048/fit.safetensors \
     --artifact c8k=$W/q8192/fit.safetensors --out bench/results/issue16/position_qwen_8k.json
+  python bench/issue16_position.py --plot bench/results/issue16/position_qwen_8k.json --out bench/results/issue16/position_qwen.png
   NQ="--tasks niah_single_3,niah_multikey_1 --lengths 8k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
   oscar validate niah $Q --artifact $W/q2048/nll.safetensors --methods bf16,oscar-int2 $NQ --out $W/q2k_8k
   oscar validate niah $Q --artifact $W/q8192/nll.safetensors --methods oscar-int2 $NQ --out $W/q8k_8k

@@ -39,7 +39,7 @@ def plot(paths: list[str], out: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = [json.load(open(p)) for p in paths]
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(max(6.0, 4.2 * len(runs)), 3.6), sharey=True, squeeze=False)
     for ax, r in zip(axes[0], runs):
         mid = [(lo + hi) / 2 for lo, hi in r["bins"]]
         for name, a in r["artifacts"].items():
