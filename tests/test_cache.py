@@ -409,3 +409,28 @@ def test_fp8_params_triton_path_equals_reference_path(monkeypatch):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
     diff = (logits["triton"] - logits["reference"]).abs().max().item()
     assert diff < 2e-3, diff  # measured 6e-5 on logits of O(0.5): fp16 dots in the kernel
+
+
+def test_a_sequence_past_the_calibration_length_warns_once():
+    """The serving path says when a sequence leaves the positions the artifact was calibrated on (its key error grows
+    there: docs/decisions.md, "Calibrate at the serving length"), once per cache; within them it says nothing."""
+    import warnings
+
+    m = tiny_model("llama")
+    art = random_artifact(m.config)
+    art.meta = {**art.meta, "provenance": {"seq_len": 16}}
+    ids = torch.randint(1, 96, (1, 24), generator=torch.Generator().manual_seed(0))
+    cache = OscarCache.from_artifact(m, art, sink=4, recent=8, page_size=4, max_len=64)
+    with warnings.catch_warnings(record=True) as got, torch.no_grad():
+        warnings.simplefilter("always")
+        m(input_ids=ids[:, :16], cache=cache, use_cache=True)
+        assert not [w for w in got if "calibration length" in str(w.message)]
+        m(input_ids=ids[:, 16:20], cache=cache, use_cache=True)
+        m(input_ids=ids[:, 20:], cache=cache, use_cache=True)
+    msgs = [str(w.message) for w in got if "calibration length" in str(w.message)]
+    assert len(msgs) == 1 and "reaches 20 tokens" in msgs[0] and "(16 tokens)" in msgs[0], msgs
+    plain = OscarCache.from_artifact(m, random_artifact(m.config), sink=4, recent=8, page_size=4, max_len=64)
+    with warnings.catch_warnings(record=True) as got, torch.no_grad():
+        warnings.simplefilter("always")
+        m(input_ids=ids, cache=plain, use_cache=True)  # no recorded length: nothing to say
+    assert not [w for w in got if "calibration length" in str(w.message)]
