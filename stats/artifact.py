@@ -375,7 +375,8 @@ def describe(path: str) -> str:
     if prov:
         lines.append(f"  provenance: store {prov.get('store_fingerprint')} ({prov.get('store')}), "
                      f"{len(prov.get('blocks', []))}/{prov.get('num_blocks')} blocks"
-                     f"{' PARTIAL' if prov.get('partial') else ''}, {prov.get('tokens')} tokens")
+                     f"{' PARTIAL' if prov.get('partial') else ''}, {prov.get('tokens')} tokens"
+                     + (f" in sequences of {prov['seq_len']} (serve contexts up to that length)" if prov.get("seq_len") else ""))
     d = meta.get("d_eff")
     if d:
         for side in ("k", "v"):
@@ -384,8 +385,11 @@ def describe(path: str) -> str:
                 lines.append(f"  d_eff {side}: min {min(flat)} median {sorted(flat)[len(flat) // 2]} max {max(flat)}")
     layers = meta.get("layers") or []
     if layers:
-        ck = [c for lm in layers for c in lm.get("clip_k", [])]
-        cv = [c for lm in layers for c in lm.get("clip_v", [])]
+        def flat(xs):  # split keys record a (wide, narrow) pair per head
+            return [y for x in xs for y in (flat(x) if isinstance(x, list) else [x])]
+
+        ck = flat([lm.get("clip_k", []) for lm in layers])
+        cv = flat([lm.get("clip_v", []) for lm in layers])
         if ck and cv:
             lines.append(f"  clip k: {min(ck):.4g}..{max(ck):.4g}  clip v: {min(cv):.4g}..{max(cv):.4g}")
         heavy = sum(any(h) for lm in layers for h in lm.get("heavy", {}).values())

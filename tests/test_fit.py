@@ -382,6 +382,11 @@ def test_artifact_roundtrip_check_model_and_describe(store, tmp_path):
         back.check_model(_llama(nq=2))  # same attention shapes (H=2, D=16), different model
     text = describe(out)
     assert "variant centered" in text and "fallbacks: 0" in text and "rot_k (2, 16, 16)" in text
+    assert "in sequences of 260" in text
+    split = str(tmp_path / "s.safetensors")
+    save_artifact(fit(p, _cfg(variant="split")), split)  # a (wide, narrow) key clip pair per head
+    text = describe(split)
+    assert "variant split" in text and "clip k: " in text and "clip_k (2, 2)" in text
 
 
 def test_cli_fit_and_variants(store, tmp_path, capsys):
