@@ -41,7 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from oscar.common import OscarError, attention_shapes
 from oscar.kernels import dispatch
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layout
-from oscar.stats.artifact import Artifact, QuantConfig, calibrated_length, load_artifact
+from oscar.stats.artifact import Artifact, QuantConfig, beyond_calibration, load_artifact
 
 ATTN_NAME = "oscar"
 Format = Literal["int2", "passthrough"]
@@ -126,11 +126,9 @@ class OscarLayer(CacheLayerMixin):
         B, H, T, D = key_states.shape
         cfg, pc = o.pool.cfg, self.pc
         n0, n1 = self.n, self.n + T
-        if o.calibrated_len and n1 > o.calibrated_len and not o._warned_len:
-            o._warned_len = True
-            warnings.warn(f"OscarCache: a sequence reaches {n1} tokens, past the artifact's calibration length "
-                          f"({o.calibrated_len} tokens): the INT2 key error grows with position there; calibrate with "
-                          "--seq-len at the served length (docs/calibrate.md, \"Choosing --seq-len\")", stacklevel=3)
+        if not o._warned_len and (why := beyond_calibration(o.artifact if o.format == "int2" else None, n1)):
+            o._warned_len = True  # once per cache
+            warnings.warn(f"OscarCache: a sequence reaches {n1} tokens, {why}", stacklevel=3)
         if n1 > o.max_len:  # layer 0 refuses first: no layer holds the chunk
             kind = "pass-through " if o.format == "passthrough" else ""
             raise OscarError(f"{kind}OscarCache holds at most max_len={o.max_len} tokens per sequence, "
@@ -315,9 +313,7 @@ class OscarCache(Cache):
         self.max_len = int(max_len or min(getattr(c, "max_position_embeddings", 32768) or 32768, 32768))
         self.max_pages, self.max_seqs, self.backend, self.store_dtype = max_pages, max_seqs, backend, dtype
         self.broken: str | None = None  # why the layers disagree after a refused 8-bit-param update
-        # positions the artifact's statistics cover: a sequence past them gets one warning (its INT2 key error grows)
-        self.calibrated_len = calibrated_length(artifact) if format == "int2" else None
-        self._warned_len = False
+        self._warned_len = False  # a sequence past the artifact's calibration length warns once
         self.pool: PagedKVCache | None = pool
         self.seqs: list[int] = []
         self._ids: list[torch.Tensor] | None = []  # token ids fed so far (None: unknown, e.g. embeddings fed)

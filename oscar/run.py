@@ -88,13 +88,18 @@ class RunConfig:
     calibrate: dict | None = None
     progress: bool = True
 
+    @property
+    def longest_context(self) -> int:
+        """The longest context the job validates (needles, perplexity): the default calibration length."""
+        return max([*self.lengths, *self.ppl_contexts])
+
     def __post_init__(self):
         if self.samples is None:
             self.samples = 20  # >= 20 per cell is what issue 7's must-hold is judged on (docs/decisions.md)
         if self.full:
             self.ppl_tokens = max(self.ppl_tokens, 12288)
         if self.seq_len is None:
-            self.seq_len = max([*self.lengths, *self.ppl_contexts])
+            self.seq_len = self.longest_context
         if self.seq_len > self.calib_tokens:
             raise OscarError(f"oscar run: {self.calib_tokens} calibration tokens do not fill one {self.seq_len}-token "
                              "sequence (the calibration length defaults to the longest context validated); raise "
@@ -288,7 +293,7 @@ def _stage_report(job: _Job, seconds: float) -> dict:
 
     cfg, d, st = job.cfg, job.dir, job.st
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
-                + ("" if cfg.seq_len == max([*cfg.lengths, *cfg.ppl_contexts]) else f" --calib-seq-len {cfg.seq_len}")
+                + ("" if cfg.seq_len == cfg.longest_context else f" --calib-seq-len {cfg.seq_len}")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")

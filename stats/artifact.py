@@ -63,6 +63,17 @@ def calibrated_length(art: "Artifact") -> int | None:
     return int(n) if n else None
 
 
+def beyond_calibration(art: "Artifact | None", length: int) -> str | None:
+    """Why a context of `length` tokens is read outside the calibrated positions (None: it is not, or unknown);
+    the end of a sentence the validation commands and `OscarCache` begin with what reaches that length."""
+    n = calibrated_length(art) if art is not None else None
+    if n is None or length <= n:
+        return None
+    return (f"past the artifact's calibration length ({n} tokens): queries and keys beyond position {n} were never "
+            f"calibrated, and the INT2 key error grows there; calibrate with --seq-len {length} (docs/calibrate.md, "
+            "\"Choosing --seq-len\")")
+
+
 @dataclass
 class QuantConfig:
     """How the serving cache stores K and V (recorded in the artifact).

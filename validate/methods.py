@@ -349,14 +349,10 @@ def method_problems(name: str, config, art: Artifact | None) -> list[str]:
 
 def uncalibrated_warning(art: Artifact | None, length: int) -> str | None:
     """A warning when contexts of `length` tokens reach past the positions the artifact was calibrated on."""
-    from oscar.stats.artifact import calibrated_length
+    from oscar.stats.artifact import beyond_calibration
 
-    n = calibrated_length(art) if art is not None else None
-    if n is None or length <= n:
-        return None
-    return (f"contexts of {length} tokens reach past the artifact's calibration length ({n} tokens): queries and keys "
-            f"beyond position {n} were never calibrated, and the INT2 key error grows there; calibrate with "
-            f"--seq-len {length} (docs/decisions.md, \"Calibrate at the serving length\")")
+    why = beyond_calibration(art, length)
+    return f"contexts of {length} tokens reach {why}" if why else None
 
 
 def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, checked: bool = True,
