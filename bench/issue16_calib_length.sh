@@ -50,8 +50,7 @@ if has qwen; then  # 16384 calibration tokens at 2k and 8k; the hard needle task
   python bench/issue16_position.py --plot bench/results/issue16/position_qwen_8k.json --out bench/results/issue16/position_qwen.png
   NQ="--tasks niah_single_3,niah_multikey_1 --lengths 8k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
   oscar validate niah $Q --artifact $W/q2048/nll.safetensors --methods bf16,oscar-int2 $NQ --out $W/q2k_8k
-  # the 8k arm ran the first 10 samples of each task (time); `--samples 20` resumes it to all 20
-  oscar validate niah $Q --artifact $W/q8192/nll.safetensors --methods oscar-int2 ${NQ/--samples 20/--samples 10} --out $W/q8k_8k
+  oscar validate niah $Q --artifact $W/q8192/nll.safetensors --methods oscar-int2 $NQ --out $W/q8k_8k
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
