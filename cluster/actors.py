@@ -120,6 +120,11 @@ class StageWorker:
             layers=self.layers, sink=args.sink, reservoir=args.reservoir, seed=args.seed,
             seqs_per_block=args.seqs_per_block))
         self.store = CalibStore(args.store, mode="r+")
+        from oscar.pipeline.calibrate import window_offsets
+
+        m = self.store.meta  # RoPE start of every window (`oscar calibrate --positions`; zeros by default)
+        self.offsets = window_offsets(m.config.get("positions"), m.seq_len,
+                                      m.num_blocks * m.seqs_per_block).reshape(m.num_blocks, m.seqs_per_block)
         self.lock = WriterLock(args.store, self.layers, job=args.job).acquire()
         # MoE: count tokens routed to each expert (hook on the router: grouped expert kernels can't bypass it).
         self.routers = router_modules(self.stage)
@@ -170,8 +175,11 @@ class StageWorker:
                 hidden = self.stage.embed(payload["input_ids"].long())  # (mb, T, H)
             else:
                 hidden = payload["hidden"]
+            T = mask.shape[1]
+            pos = torch.from_numpy(self.offsets[block, seq_offset:seq_offset + mask.shape[0], None]
+                                   + np.arange(T))                          # (mb, T)
             try:
-                hidden = self.stage(hidden, attention_mask=mask)
+                hidden = self.stage(hidden, attention_mask=mask, position_ids=pos)
             except StopForward:  # last stage: nothing after its last attention is needed
                 hidden = None
         self._valid = None

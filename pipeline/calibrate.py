@@ -26,6 +26,7 @@ class CalibConfig:
     corpus: str = "pydoc"
     store: str = "runs/calib.zarr"
     seq_len: int = 2048
+    positions: int | None = None        # absolute positions the windows cover (None: seq_len); see window_offsets
     sink: int = SINK                    # first positions of every sequence excluded (kept BF16 at serve time)
     blocks: int | None = None           # number of blocks, or
     block_tokens: int | None = None     # tokens per block, or
@@ -46,6 +47,9 @@ class CalibConfig:
             raise OscarError(f"--seq-len must be positive (got {self.seq_len})")
         if self.sink < 0:
             raise OscarError(f"--sink must be >= 0 (got {self.sink})")
+        if self.positions is not None and self.positions < self.seq_len:
+            raise OscarError(f"--positions {self.positions} must be at least --seq-len {self.seq_len}: the windows "
+                             f"are placed inside [0, positions)")
         if self.seq_len <= self.sink:
             raise OscarError(f"--seq-len {self.seq_len} must be larger than --sink {self.sink}: "
                              f"every position would be excluded from the statistics")
@@ -75,6 +79,8 @@ class CalibConfig:
         d = asdict(self)
         for k in ("store", "device", "threads", "overwrite", "blocking"):
             d.pop(k)
+        if d["positions"] in (None, self.seq_len):  # the same statistics as before the option existed: resumable
+            d.pop("positions")
         return d
 
 
@@ -100,6 +106,23 @@ class CalibResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+def window_offsets(positions: int | None, seq_len: int, n: int) -> np.ndarray:
+    """The absolute start position of each of `n` calibration windows (global sequence order).
+
+    RoPE attention depends only on relative positions, so a window read at position_ids s..s+seq_len-1
+    computes exactly what it computes at 0..seq_len-1, but its post-RoPE q/k are the ones a serving
+    sequence holds at s..s+seq_len-1: the rotation, scales and clips then see the angles of long contexts
+    for the attention cost of short windows. Windows cycle over the slots 0, L, 2L, ... of a
+    `positions`-long sequence (the last slot ends at `positions`), so every position in [0, positions)
+    is covered as evenly as one sequence of that length covers it.
+    """
+    if positions is None or positions <= seq_len:
+        return np.zeros(n, dtype=np.int64)
+    slots = -(-positions // seq_len)
+    starts = np.minimum(np.arange(slots, dtype=np.int64) * seq_len, positions - seq_len)  # (slots,)
+    return starts[np.arange(n) % slots]                                                      # (n,)
 
 
 def _sync(device) -> None:
@@ -145,6 +168,8 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     per_block = mask_arr[:].reshape(meta.num_blocks, -1).sum(1)
     done_tokens = int(per_block.sum() - per_block[todo].sum())
 
+    S, T = meta.seqs_per_block, meta.seq_len
+    offsets = window_offsets(meta.config.get("positions"), T, meta.num_blocks * S).reshape(meta.num_blocks, S)
     cap = C.Capture(spec, stop_after=max(layers))
     t_start = time.perf_counter()
     fwd_s = write_s = 0.0
@@ -180,9 +205,10 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
                 for s0 in range(0, n_seq, batch_size):
                     s1 = min(s0 + batch_size, n_seq)
                     ids, mb = toks[s0:s1].to(device), mask[s0:s1].to(device)
+                    pos = torch.from_numpy(offsets[b, s0:s1, None] + np.arange(T)).to(device)  # (s, T)
                     try:
                         with cap.batch(mb, seq_offset=s0):
-                            base(input_ids=ids, attention_mask=mb, use_cache=False)
+                            base(input_ids=ids, attention_mask=mb, position_ids=pos, use_cache=False)
                     except C.StopForward:  # the last captured layer is done: its MLP and later layers are not needed
                         pass
                 arrays = cap.finish_block()
@@ -270,6 +296,10 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
     info = info or load_info(cfg.model)
     check_servable(info)
+    reach = max(cfg.positions or 0, cfg.seq_len)
+    if cfg.positions and info.max_position_embeddings and reach > info.max_position_embeddings:
+        raise OscarError(f"--positions {cfg.positions} is past model {info.name!r}'s max_position_embeddings "
+                         f"({info.max_position_embeddings}): it was never trained, and is not served, there")
     tokenizer = tokenizer or load_tokenizer(info.source)
     plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
     tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)

@@ -20,6 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence")
+    p.add_argument("--positions", type=int, default=None,
+                   help="absolute positions the statistics cover: the --seq-len windows are read at position "
+                        "offsets 0, L, 2L, ... below this (RoPE is relative: the model computes the same; the "
+                        "rotation sees a long context's angles at a short window's attention cost). "
+                        "Default: --seq-len")
     p.add_argument("--sink", type=int, default=SINK, help=f"first positions of every sequence left out (default {SINK})")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--blocks", type=int, help="number of blocks (default: as many as --block-tokens gives)")
@@ -74,7 +79,7 @@ def _calibrate(args) -> int:
     from oscar.pipeline.calibrate import CalibConfig, calibrate
 
     cfg = CalibConfig(model=args.model, corpus=args.corpus, store=args.store, seq_len=args.seq_len, sink=args.sink,
-                      blocks=args.blocks, block_tokens=args.block_tokens, seqs_per_block=args.seqs_per_block,
+                      positions=args.positions, blocks=args.blocks, block_tokens=args.block_tokens, seqs_per_block=args.seqs_per_block,
                       tokens=args.tokens, batch_size=args.batch_size, reservoir=args.reservoir, seed=args.seed,
                       attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device,
                       threads=args.threads, overwrite=args.overwrite)

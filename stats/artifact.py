@@ -56,10 +56,12 @@ def tier_drop(head_dim: int) -> int:
 
 
 def calibrated_length(art: "Artifact") -> int | None:
-    """The calibration sequence length: the fit saw queries and keys at positions [0, seq_len) only (None: an
-    artifact fitted before it was recorded, or imported). Past it RoPE's slow pairs have turned further than
-    any calibrated row, and the key error grows (docs/decisions.md, "Calibrate at the serving length")."""
-    n = art.meta.get("provenance", {}).get("seq_len")
+    """The calibrated length: the fit saw queries and keys at positions [0, n) only — the windows' length, or
+    the positions they were read at (`oscar calibrate --positions`) — None: an artifact fitted before it was
+    recorded, or imported. Past it RoPE's slow pairs have turned further than any calibrated row, and the key
+    error grows (docs/decisions.md, "Calibrate at the serving length")."""
+    prov = art.meta.get("provenance", {})
+    n = prov.get("positions") or prov.get("seq_len")
     return int(n) if n else None
 
 
@@ -70,8 +72,8 @@ def beyond_calibration(art: "Artifact | None", length: int) -> str | None:
     if n is None or length <= n:
         return None
     return (f"past the artifact's calibration length ({n} tokens): queries and keys beyond position {n} were never "
-            f"calibrated, and the INT2 key error grows there; calibrate with --seq-len {length} (docs/calibrate.md, "
-            "\"Choosing --seq-len\")")
+            f"calibrated, and the INT2 key error grows there; calibrate with --positions {length} (docs/calibrate.md, "
+            "\"Choosing --seq-len and --positions\")")
 
 
 @dataclass
@@ -387,7 +389,9 @@ def describe(path: str) -> str:
         lines.append(f"  provenance: store {prov.get('store_fingerprint')} ({prov.get('store')}), "
                      f"{len(prov.get('blocks', []))}/{prov.get('num_blocks')} blocks"
                      f"{' PARTIAL' if prov.get('partial') else ''}, {prov.get('tokens')} tokens"
-                     + (f" in sequences of {prov['seq_len']} (serve contexts up to that length)" if prov.get("seq_len") else ""))
+                     + (f" in sequences of {prov['seq_len']}" if prov.get("seq_len") else "")
+                     + (f" read at positions up to {prov['positions']}" if (prov.get("positions") or 0) > (prov.get("seq_len") or 0) else "")
+                     + (f" (serve contexts up to {prov.get('positions') or prov['seq_len']})" if prov.get("seq_len") else ""))
     d = meta.get("d_eff")
     if d:
         for side in ("k", "v"):

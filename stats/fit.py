@@ -275,7 +275,9 @@ def _metadata(store_path: str, view, cfg: FitConfig, variant, fixed, layers: lis
         "provenance": {"store": store_path, "store_fingerprint": view.fingerprint,
                        "corpus": view.attrs.get("corpus"), "blocks": view.blocks,
                        "num_blocks": int(view.attrs.get("num_blocks", len(view.blocks))), "partial": view.partial,
-                       "tokens": tokens, "seq_len": int(view.attrs["seq_len"]),  # positions the statistics cover
+                       "tokens": tokens, "seq_len": int(view.attrs["seq_len"]),  # tokens per calibration window
+                       # absolute positions the statistics cover (windows read at offsets: pipeline.calibrate)
+                       "positions": int((view.attrs.get("config") or {}).get("positions") or view.attrs["seq_len"]),
                        "counted_q_rows_layer0": int(np.sum(q_count)),
                        "counted_kv_rows_layer0": int(np.sum(kv_count))},
         "d_eff": {"k": [m["d_eff"]["k"] for m in layers_meta], "v": [m["d_eff"]["v"] for m in layers_meta]},

@@ -29,8 +29,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return y
 
 
-def layer_qkvo(model, layer: int, hidden: torch.Tensor, mask: torch.Tensor, *, softmax_dtype=torch.float64):
-    """Recompute q (B,Hq,T,D), k, v (B,Hkv,T,D), S (B,Hq,T,T) and o = S V (B,Hq,T,D) for one layer."""
+def layer_qkvo(model, layer: int, hidden: torch.Tensor, mask: torch.Tensor, *, softmax_dtype=torch.float64,
+               offsets=None):
+    """Recompute q (B,Hq,T,D), k, v (B,Hkv,T,D), S (B,Hq,T,T) and o = S V (B,Hq,T,D) for one layer;
+    sequence b's RoPE positions start at offsets[b] (default 0)."""
     base = model.model
     lay = base.layers[layer]
     at = lay.self_attn
@@ -44,14 +46,15 @@ def layer_qkvo(model, layer: int, hidden: torch.Tensor, mask: torch.Tensor, *, s
     if getattr(at, "q_norm", None) is not None and getattr(at, "use_qk_norm", True):
         q, k = at.q_norm(q), at.k_norm(k)
     q, k, v = q.transpose(1, 2).clone(), k.transpose(1, 2).clone(), v.transpose(1, 2).clone()
-    pos = torch.arange(T)[None]
-    cos, sin = base.rotary_emb(hidden, pos)                           # (1, T, rd)
+    off = torch.zeros(B, dtype=torch.long) if offsets is None else torch.as_tensor(offsets, dtype=torch.long)
+    pos = off[:, None] + torch.arange(T)[None]                        # (B, T)
+    cos, sin = base.rotary_emb(hidden, pos)                           # (B, T, rd)
     Hq, Hkv = q.shape[1], k.shape[1]
     for b in range(B):
         for h in range(Hq):
-            q[b, h] = _rope(q[b, h], cos[0], sin[0])
+            q[b, h] = _rope(q[b, h], cos[b], sin[b])
         for h in range(Hkv):
-            k[b, h] = _rope(k[b, h], cos[0], sin[0])
+            k[b, h] = _rope(k[b, h], cos[b], sin[b])
     G = Hq // Hkv
     S = torch.zeros(B, Hq, T, T, dtype=torch.float64)
     o = torch.zeros(B, Hq, T, D, dtype=torch.float64)
@@ -77,16 +80,19 @@ def reservoir_keys(seed: int, block: int, layer: int, S: int, G: int, T: int):
 
 def block_reference(model, tokens: torch.Tensor, mask: torch.Tensor, *, layers, sink: int, reservoir: int,
                     seed: int, block: int, softmax_dtype=torch.float64, check_identity: bool = True,
-                    seqs_per_block: int | None = None) -> dict:
-    """Expected store arrays of one block: {layer: {name: ndarray}} (tokens, mask: (S, T))."""
-    with torch.no_grad():
-        out = model.model(input_ids=tokens, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states
+                    seqs_per_block: int | None = None, offsets=None) -> dict:
+    """Expected store arrays of one block: {layer: {name: ndarray}} (tokens, mask: (S, T)); sequence b read at
+    RoPE positions offsets[b] + t (default 0)."""
     S_, T = tokens.shape
+    off = torch.zeros(S_, dtype=torch.long) if offsets is None else torch.as_tensor(offsets, dtype=torch.long)
+    with torch.no_grad():
+        out = model.model(input_ids=tokens, attention_mask=mask, position_ids=off[:, None] + torch.arange(T)[None],
+                          output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states
     res = {}
     for l in layers:
         with torch.no_grad():
-            q, k, v, S, o = layer_qkvo(model, l, hs[l].double(), mask, softmax_dtype=softmax_dtype)
+            q, k, v, S, o = layer_qkvo(model, l, hs[l].double(), mask, softmax_dtype=softmax_dtype, offsets=off)
         Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
         G = Hq // Hkv
         # counted rows: real, position >= sink, everything finite

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from oscar.common import OscarError
-from oscar.pipeline.calibrate import CalibConfig, calibrate
+from oscar.pipeline.calibrate import CalibConfig, calibrate, window_offsets
 from oscar.pipeline.store import XS, CalibStore, reduce
 
 _spec = importlib.util.spec_from_file_location("capture_reference", Path(__file__).with_name("capture_reference.py"))
@@ -31,6 +31,8 @@ def check_store_against_reference(path, model_spec, *, softmax_dtype=torch.float
     m = st.meta
     model, _, _ = load_model(model_spec, attn_implementation="sdpa", dtype=torch.float64)
     tokens, mask = st.array("tokens")[:], st.array("mask")[:]
+    S = m.seqs_per_block
+    offsets = window_offsets(m.config.get("positions"), m.seq_len, m.num_blocks * S).reshape(m.num_blocks, S)
     assert st.done().all()
     for b in (range(m.num_blocks) if blocks is None else blocks):
         keep = mask[b].any(1)                      # trailing all-padding sequences are never run
@@ -38,7 +40,7 @@ def check_store_against_reference(path, model_spec, *, softmax_dtype=torch.float
                                    torch.from_numpy(mask[b][keep]).long(), layers=range(st.num_layers), sink=m.sink,
                                    reservoir=m.reservoir, seed=m.config["seed"], block=b,
                                    softmax_dtype=softmax_dtype, check_identity=(b == 0),
-                                   seqs_per_block=m.seqs_per_block)
+                                   seqs_per_block=m.seqs_per_block, offsets=offsets[b][keep])
         for l, w in want.items():
             got = {n: st.array(f"layers/{l}/{n}")[b] for n in st.spec}
             bad = ref.compare(got, w)
@@ -59,6 +61,51 @@ def test_presets_match_bruteforce(tmp_path, preset):
     total = sum(int(v) for v in reduce(st, "kv_count", [0]).values())
     assert total == 5 * (20 - 3)
     assert int(reduce(st, "q_count", [0])[0]) == total * st.meta.model["num_q_heads"] // st.H
+
+
+def test_window_offsets():
+    assert window_offsets(None, 2048, 3).tolist() == [0, 0, 0]
+    assert window_offsets(2048, 2048, 2).tolist() == [0, 0]
+    assert window_offsets(8192, 2048, 6).tolist() == [0, 2048, 4096, 6144, 0, 2048]
+    assert window_offsets(5000, 2048, 4).tolist() == [0, 2048, 2952, 0]  # the last slot ends at `positions`
+    with pytest.raises(OscarError, match="--positions 100 must be at least --seq-len 128"):
+        CalibConfig(seq_len=128, positions=100)
+
+
+def test_positions_past_the_model_are_refused(tmp_path):
+    cfg = CalibConfig(model="smollm2-135m", store=str(tmp_path / "s.zarr"), seq_len=128, positions=8193, tokens=128)
+    with pytest.raises(OscarError, match=r"--positions 8193 is past model 'smollm2-135m'.s max_position_embeddings \(8192\)"):
+        calibrate(cfg, progress=False)
+    assert not (tmp_path / "s.zarr").exists()  # refused before anything is written
+
+
+@pytest.mark.slow
+def test_positions_store_matches_bruteforce(tmp_path):
+    """Windows read at offsets (`--positions`): every array equals the brute force with explicit RoPE at those
+    positions; the attention outputs equal those of the unshifted store (RoPE is relative, the model computes
+    the same) while the post-RoPE keys do not; the artifact records the positions covered."""
+    from oscar.stats.artifact import beyond_calibration, calibrated_length, describe, save_artifact
+    from oscar.stats.fit import FitConfig, fit
+
+    kw = dict(model="tiny-llama", corpus="pydoc", seq_len=20, sink=3, seqs_per_block=3, tokens=120, batch_size=2,
+              reservoir=4, seed=5, dtype="float64", threads=1)
+    shifted = CalibConfig(store=str(tmp_path / "p.zarr"), positions=50, **kw)
+    plain = CalibConfig(store=str(tmp_path / "s.zarr"), **kw)
+    assert calibrate(shifted, progress=False).tokens_run == 120
+    calibrate(plain, progress=False)
+    st = check_store_against_reference(shifted.store, "tiny-llama")
+    assert st.meta.config["positions"] == 50 and "positions" not in CalibStore(plain.store).meta.config
+    a, b = CalibStore(shifted.store), CalibStore(plain.store)
+    for l in range(st.num_layers):
+        o1, o0 = a.array(f"layers/{l}/o_gram")[:], b.array(f"layers/{l}/o_gram")[:]
+        k1, k0 = a.array(f"layers/{l}/k_gram")[:], b.array(f"layers/{l}/k_gram")[:]
+        assert ref.rel_err(o1, o0) < 1e-6, l  # the model's RoPE angles are float32: ~3e-8 measured
+        assert ref.rel_err(k1, k0) > 1e-3, l
+    art = fit(shifted.store, FitConfig(variant="oscar", progress=False))
+    assert art.meta["provenance"]["seq_len"] == 20 and calibrated_length(art) == 50
+    assert beyond_calibration(art, 50) is None and "--positions 51" in beyond_calibration(art, 51)
+    save_artifact(art, str(tmp_path / "a.safetensors"))
+    assert "in sequences of 20 read at positions up to 50 (serve contexts up to 50)" in describe(str(tmp_path / "a.safetensors"))
 
 
 @pytest.mark.slow

@@ -324,4 +324,7 @@ def test_uncalibrated_warning_names_the_lengths(tiny):
     art = replace(art, meta={"provenance": {"seq_len": 2048}})
     assert uncalibrated_warning(art, 2048) is None and uncalibrated_warning(None, 8192) is None
     w = uncalibrated_warning(art, 4096)
-    assert "4096" in w and "(2048 tokens)" in w and "--seq-len 4096" in w
+    assert "4096" in w and "(2048 tokens)" in w and "--positions 4096" in w
+    # windows read at offsets (`oscar calibrate --positions`): the positions covered count, not the window
+    art = replace(art, meta={"provenance": {"seq_len": 2048, "positions": 8192}})
+    assert uncalibrated_warning(art, 8192) is None and "(8192 tokens)" in uncalibrated_warning(art, 8193)
