@@ -30,6 +30,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--calib-seq-len", type=int, default=None,
                    help="calibration sequence length (default: the longest context validated, 4096: the fit sees "
                         "every position it is judged on)")
+    r.add_argument("--calib-positions", type=int, default=None,
+                   help="absolute positions the calibration covers (default: the longest context validated); a "
+                        "shorter --calib-seq-len is read at RoPE offsets up to it (`oscar calibrate --positions`)")
     r.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list of KV-cache methods to compare (default: %(default)s; also tq-int2, sq-int2, "
                         "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
@@ -62,7 +65,7 @@ def _run(args) -> int:
     from oscar.validate.methods import parse_methods
 
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       seq_len=args.calib_seq_len,
+                       seq_len=args.calib_seq_len, positions=args.calib_positions,
                        methods=parse_methods(args.methods),
                        variant=args.variant, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
                        engine=args.engine, device=args.device, progress=not args.no_progress))

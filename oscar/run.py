@@ -44,6 +44,10 @@ class RunConfig:
     # pairs turn beyond any calibrated row and the INT2 key error grows (docs/decisions.md, "Calibrate at
     # the serving length"; bench/issue16_position.py).
     seq_len: int | None = None
+    # Absolute positions the calibration covers; None: the longest context validated (and at least seq_len). Windows
+    # shorter than that are read at RoPE offsets (`oscar calibrate --positions`): the same statistics as sequences of
+    # that length for a window's attention cost (docs/decisions.md, "Calibrate at positions, not lengths").
+    positions: int | None = None
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
@@ -82,7 +86,7 @@ class RunConfig:
     device: str = "cpu"
     # The calibration on Ray: ClusterConfig options (cluster/pipeline.py, e.g. {"stages": 2, "gpus_per_stage": 1};
     # default one stage with every CPU of this machine) and further CalibConfig options (device, dtype,
-    # block_tokens, batch_size, ...; model, corpus, store, seq_len and tokens are the run's own). Set by a
+    # block_tokens, batch_size, ...; model, corpus, store, seq_len, positions and tokens are the run's own). Set by a
     # `run:` job of `oscar submit` (cluster/jobs.py); the stage actors calibrate the model this run validates.
     cluster: dict | None = None
     calibrate: dict | None = None
@@ -100,10 +104,16 @@ class RunConfig:
             self.ppl_tokens = max(self.ppl_tokens, 12288)
         if self.seq_len is None:
             self.seq_len = self.longest_context
+        if self.positions is None:
+            self.positions = max(self.seq_len, self.longest_context)
+        if self.positions < self.seq_len:
+            raise OscarError(f"oscar run: calibration positions {self.positions} must be at least the calibration "
+                             f"length {self.seq_len}")
         if self.seq_len > self.calib_tokens:
             raise OscarError(f"oscar run: {self.calib_tokens} calibration tokens do not fill one {self.seq_len}-token "
                              "sequence (the calibration length defaults to the longest context validated); raise "
-                             "calib_tokens or set seq_len")
+                             "calib_tokens, or set a shorter seq_len: its windows are still read at positions up to "
+                             f"{self.positions}")
         from oscar.validate.tune import TuneConfig
 
         TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
@@ -152,7 +162,7 @@ def _calibrate(cfg: RunConfig, store: str) -> dict:
     from oscar.pipeline.calibrate import CalibConfig, calibrate
 
     cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
-                     **(cfg.calibrate or {}))
+                     positions=cfg.positions if cfg.positions > cfg.seq_len else None, **(cfg.calibrate or {}))
     if cfg.ray:
         from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
 
@@ -210,6 +220,7 @@ def _stage_calibrate(job: _Job) -> str:
     """1. calibrate -> DIR/calib.zarr; returns the stage's fingerprint (the fit's input)."""
     cfg = job.cfg
     fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len,
+                          **({"positions": cfg.positions} if cfg.positions > cfg.seq_len else {}),
                           **({"calibrate": cfg.calibrate} if cfg.calibrate else {})})
     job.st.run("calibrate", "calibrate", fp_cal, [job.store], lambda: _calibrate(cfg, job.store))
     return fp_cal
@@ -294,6 +305,7 @@ def _stage_report(job: _Job, seconds: float) -> dict:
     cfg, d, st = job.cfg, job.dir, job.st
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
                 + ("" if cfg.seq_len == cfg.longest_context else f" --calib-seq-len {cfg.seq_len}")
+                + ("" if cfg.positions == max(cfg.seq_len, cfg.longest_context) else f" --calib-positions {cfg.positions}")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
@@ -327,7 +339,7 @@ def run_main(cfg: RunConfig) -> dict:
 # --------------------------------------------------------------------------- as a Ray job (`oscar submit`)
 
 # CalibConfig options a run sets itself: one model, one corpus, its own store.
-RUN_OWNS_CALIBRATE = ("model", "corpus", "store", "seq_len", "tokens")
+RUN_OWNS_CALIBRATE = ("model", "corpus", "store", "seq_len", "positions", "tokens")
 
 
 def check_run_section(run: dict, where: str = "job config") -> RunConfig:
@@ -345,8 +357,8 @@ def check_run_section(run: dict, where: str = "job config") -> RunConfig:
     unknown = set(cal) - {f.name for f in fields(CalibConfig) if f.init}
     if owned or unknown:
         raise OscarError(f"{where}: run.calibrate holds further options of oscar calibrate (device, dtype, block_tokens, "
-                         f"...); {sorted(owned)} are the run's own (model, corpus, store, seq_len, tokens are set by "
-                         f"the run: calib_tokens, seq_len)" if owned else
+                         f"...); {sorted(owned)} are the run's own (model, corpus, store, seq_len, positions, tokens are "
+                         f"set by the run: calib_tokens, seq_len, positions)" if owned else
                          f"{where}: unknown run.calibrate options {sorted(unknown)}")
     return RunConfig(**run)
 

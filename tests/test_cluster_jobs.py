@@ -150,6 +150,8 @@ def test_shipped_validation_job(tmp_path):
     rc = check_run_section(c["run"])
     assert max(rc.lengths) == 131072 and rc.calibrate["device"] == "cuda" and c["cluster"]["gpus_per_stage"] >= 1
     assert rc.device == "cuda" and rc.engine == "cache"  # validated on the GPU through the shipped cache
+    # short windows, but the calibration covers every position the needles reach (read at RoPE offsets)
+    assert rc.seq_len < max(rc.lengths) == rc.positions and rc.seq_len <= rc.calib_tokens
     kw = jobs.submission(c, "s", 1)
     assert kw["entrypoint_num_gpus"] >= 1 and kw["entrypoint"] == "python -m oscar.run"
     doc = open(os.path.join(HERE, "docs", "validation.md")).read()

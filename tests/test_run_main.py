@@ -12,7 +12,8 @@ from oscar.run import RunConfig, run_main
 
 @pytest.mark.slow
 def test_run_main_small_then_resume(tmp_path, capsys):
-    cfg = RunConfig(out=str(tmp_path / "run"), ray=False, calib_tokens=4096, seq_len=1024, samples=1,
+    # 512-token windows read at positions up to the 1024-token contexts validated (RunConfig.positions' default)
+    cfg = RunConfig(out=str(tmp_path / "run"), ray=False, calib_tokens=4096, seq_len=512, samples=1,
                     tasks=["niah_single_1"], lengths=[1024], methods=["bf16", "naive-int2", "oscar-int2"],
                     ppl_tokens=1024, ppl_contexts=[1024], attn_lengths=[2048], progress=False)
     run_main(cfg)
@@ -30,6 +31,9 @@ def test_run_main_small_then_resume(tmp_path, capsys):
 
     tuned = load_artifact(os.path.join(d, "artifact.safetensors"))
     rec = tuned.meta["clip_tuning"]  # the served artifact carries its end-to-end clip choice
+    from oscar.stats.artifact import calibrated_length
+
+    assert tuned.meta["provenance"]["seq_len"] == 512 and calibrated_length(tuned) == 1024
     assert float(min(rec["nll_per_token"], key=rec["nll_per_token"].get)) == rec["chosen_factor"]
     report = open(os.path.join(d, "report.md")).read()
     assert "Product goal" in report and "niah_single_1" in report
@@ -51,3 +55,10 @@ def test_run_calibrates_at_the_longest_validated_context(tmp_path):
     assert RunConfig(out=str(tmp_path), seq_len=2048).seq_len == 2048  # an explicit length is kept
     with pytest.raises(OscarError, match="do not fill one 8192-token sequence"):
         RunConfig(out=str(tmp_path), lengths=[8192], calib_tokens=4096)
+    # the positions covered follow the longest context even when the windows are shorter (read at RoPE offsets)
+    assert RunConfig(out=str(tmp_path)).positions == 4096
+    assert RunConfig(out=str(tmp_path), seq_len=2048).positions == 4096
+    assert RunConfig(out=str(tmp_path), seq_len=8192, calib_tokens=8192).positions == 8192
+    assert RunConfig(out=str(tmp_path), lengths=[8192], calib_tokens=4096, seq_len=2048).positions == 8192
+    with pytest.raises(OscarError, match="positions 1024 must be at least the calibration length 2048"):
+        RunConfig(out=str(tmp_path), seq_len=2048, positions=1024)
