@@ -44,7 +44,7 @@ def plot(paths: list[str], out: str) -> None:
         mid = [(lo + hi) / 2 for lo, hi in r["bins"]]
         for name, a in r["artifacts"].items():
             ax.plot(mid, a["rel_logit_err"], marker="o", ms=3, label=f"calibrated at {name}")
-        ax.set_title(f"queries at {r['config']['length']} tokens")
+        ax.set_title(f"{r.get('model', '')} queries at {r['config']['length']} tokens".strip())
         ax.set_xlabel("key position")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("RMS logit error / RMS logit spread")
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     K, _, Q = capture_rows(model, seqs, layers, {i: qpos for i in range(len(seqs))}, progress=True)
     edges = list(range(SINK, T - a.queries, a.bin)) + [T - a.queries]
     bins = list(zip(edges[:-1], edges[1:]))
-    out = {"config": vars(a), "heldout": held.info, "bins": bins, "artifacts": {}}
+    out = {"config": vars(a), "model": first.meta["model"]["name"], "heldout": held.info, "bins": bins, "artifacts": {}}
     for name, art in arts.items():
         num = torch.zeros(len(bins), dtype=torch.float64)
         den = torch.zeros(len(bins), dtype=torch.float64)
