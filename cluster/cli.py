@@ -99,6 +99,8 @@ def _register_render(sub) -> None:
     r.add_argument("--stages", type=int, help="pipeline stages per replica (default: the smallest count `oscar plan` fits)")
     r.add_argument("--gpus-per-stage", type=int, help="GPUs per stage, dividing --gpus-per-node (default: --gpus-per-node)")
     r.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
+    r.add_argument("--positions", type=int, default=None,
+                   help="RoPE positions the windows cover, as `oscar calibrate --positions` (default: --seq-len)")
     r.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
     r.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
                    help="sequences per forward pass (--micro-batch: the same)")

@@ -63,6 +63,7 @@ class RenderConfig:
     stages: int | None = None         # default: the smallest count `oscar plan` fits
     gpus_per_stage: int | None = None  # default: gpus_per_node (one stage per node)
     seq_len: int = 4096
+    positions: int | None = None      # RoPE positions the windows cover (`oscar calibrate --positions`)
     seqs_per_block: int = 8
     batch_size: int = 1
     tokens: int | None = None
@@ -94,6 +95,8 @@ def _check_params(cfg: RenderConfig) -> None:
     for k in ("nodes", "gpus_per_node", "cpus_per_node", "seq_len", "seqs_per_block", "batch_size", "disk_gib"):
         if int(getattr(cfg, k)) < 1:
             raise OscarError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(cfg, k)}")
+    if cfg.positions is not None and cfg.positions < cfg.seq_len:
+        raise OscarError(f"--positions {cfg.positions} must be at least --seq-len {cfg.seq_len}; nothing written")
     if cfg.gpu_mem <= 0 or (cfg.memory_per_node is not None and cfg.memory_per_node <= 0):
         raise OscarError("--gpu-mem and --memory-per-node must be positive (GiB)")
     shared = [cfg.shared_dir] + ([cfg.models_dir] if cfg.models_pvc else [])
@@ -166,6 +169,8 @@ def calibrate_command(cfg: RenderConfig, stages: int, replicas: int, g: int) -> 
            "--gpus-per-stage", str(g), "--cpus-per-stage", str(cpus)]
     if cfg.tokens:
         cmd += ["--tokens", str(cfg.tokens)]
+    if cfg.positions:
+        cmd += ["--positions", str(cfg.positions)]
     return cmd
 
 
@@ -236,7 +241,8 @@ def render(cfg: RenderConfig) -> Rendered:
     else:
         job = {"calibrate": {"model": cfg.model, "corpus": cfg.corpus, "store": cfg.store, "seq_len": cfg.seq_len,
                              "seqs_per_block": cfg.seqs_per_block, "batch_size": cfg.batch_size, "dtype": cfg.dtype,
-                             "device": "cuda", **({"tokens": cfg.tokens} if cfg.tokens else {})},
+                             "device": "cuda", **({"tokens": cfg.tokens} if cfg.tokens else {}),
+                             **({"positions": cfg.positions} if cfg.positions else {})},
                "cluster": {"stages": stages, "replicas": replicas, "gpus_per_stage": g,
                            "cpus_per_stage": float(cmd[cmd.index("--cpus-per-stage") + 1])},
                "job": {"python": "python"}}

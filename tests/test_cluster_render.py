@@ -18,7 +18,7 @@ from oscar.common import OscarError
 IMAGE = "registry.internal/ml/oscar-kv:0.1.0-cu128"
 KUBE = dict(target="kuberay", image=IMAGE, nodes=2, gpus_per_node=8, gpu_mem=80, cpus_per_node=32, memory_per_node=256,
             model="/data/models/GLM-4.7", model_config="glm-4.7", store="/data/calib/glm47.zarr", pvc="oscar-data",
-            tokens=2097152)
+            tokens=2097152, positions=131072)
 AWS = dict(target="aws", image=IMAGE, nodes=1, gpus_per_node=8, gpu_mem=141, cpus_per_node=192,
            model="/data/models/GLM-4.7", model_config="glm-4.7", store="/data/calib/glm47.zarr", region="us-west-2",
            instance_type="p5en.48xlarge", mount_command="sudo mount -t nfs fs.internal:/export /data")
@@ -61,6 +61,7 @@ def test_kuberay_manifest_is_complete_and_runs_a_real_oscar_command(tmp_path):
     args = build_parser().parse_args(argv[1:])
     assert args.command == "calibrate" and args.ray == "auto" and args.device == "cuda" and args.dtype == "bfloat16"
     assert (args.model, args.store, args.tokens) == (KUBE["model"], KUBE["store"], KUBE["tokens"])
+    assert args.positions == 131072 and args.seq_len == 4096  # 4k windows covering 128k positions
     assert (args.stages, args.replicas, args.gpus_per_stage) == (2, 1, 8.0)  # oscar plan: 2 stages x 8 x 80 GiB
     c = ClusterConfig(stages=args.stages, replicas=args.replicas, gpus_per_stage=args.gpus_per_stage)
     assert workers["replicas"] * lim["nvidia.com/gpu"] == c.stages * c.replicas * c.gpus_per_stage  # the arithmetic adds up
@@ -78,6 +79,7 @@ def test_aws_launcher_and_job_config(tmp_path, capsys):
     assert AWS["mount_command"] in cl["initialization_commands"]
     assert not any("pip install" in c for c in cl.get("setup_commands", []))  # the image carries oscar-kv
     job = jobs.normalize_job_config(yaml.safe_load(open(tmp_path / "job.yaml")))
+    assert "positions" not in job["calibrate"]  # not given: the windows' own positions
     assert job["calibrate"]["store"] == AWS["store"] and job["calibrate"]["device"] == "cuda"
     assert job["cluster"]["stages"] * job["cluster"]["replicas"] * job["cluster"]["gpus_per_stage"] == 8  # 1 x 8 x H200
     run = printed.split("runs: ")[1].strip()
@@ -122,6 +124,8 @@ def test_bad_paths_and_configs_are_refused():
         render(RenderConfig(**{**KUBE, "gpus_per_stage": 3}))
     with pytest.raises(OscarError, match="one line"):
         render(RenderConfig(**{**KUBE, "image": "a\nkind: Pod"}))
+    with pytest.raises(OscarError, match="--positions 2048 must be at least --seq-len 4096"):
+        render(RenderConfig(**{**KUBE, "positions": 2048}))
     ok = render(RenderConfig(**{**KUBE, "models_pvc": "glm47-weights", "model": "/models/GLM-4.7"}))
     vols = yaml.safe_load(ok.files["rayjob.yaml"])["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "glm47-weights", "readOnly": True}} in vols
