@@ -2,10 +2,12 @@
 # Issue 16 (docs/decisions.md "Calibrate at the serving length"): every command behind its tables. The same
 # calibration tokens at sequence lengths 2k / 4k / 8k (SmolLM2) and 2k / 8k (Qwen2.5-0.5B), each fitted (split keys)
 # and tuned as `oscar run` does; the INT2 key error by key position on held-out text, then paired needles and
-# perplexity. Also the tune objective `guarded` against `nll` on the 2k store. ~1.5 h on 2 CPUs. STEPS selects steps.
+# perplexity. Also the tune objective `guarded` against `nll` on the 2k store; 2k windows read at positions to 8k
+# (`--positions`, "Calibrate at positions, not lengths") against both; Qwen's hard needles at 4k with windows read to
+# 4096. ~2 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -52,6 +54,31 @@ if has qwen; then  # 16384 calibration tokens at 2k and 8k; the hard needle task
   oscar validate niah $Q --artifact $W/q2048/nll.safetensors --methods bf16,oscar-int2 $NQ --out $W/q2k_8k
   oscar validate niah $Q --artifact $W/q8192/nll.safetensors --methods oscar-int2 $NQ --out $W/q8k_8k
 fi
+if has windows; then  # docs/decisions.md "Calibrate at positions, not lengths": 2k windows read at positions to 8k
+  oscar calibrate --model smollm2-135m --store $W/p8192/calib.zarr --tokens 65536 --seq-len 2048 --positions 8192 --no-progress
+  oscar fit $W/p8192/calib.zarr --variant split --out $W/p8192/fit.safetensors --no-progress
+  python bench/issue16_position.py --artifact c2k=$W/s2048/fit.safetensors --artifact c8k=$W/s8192/fit.safetensors \
+    --artifact p8k=$W/p8192/fit.safetensors --length 8192 --bin 1024 --out bench/results/issue16/position_smollm2_8k_positions.json
+  oscar calibrate --model qwen2.5-0.5b --store $W/qp8192/calib.zarr --seq-len 2048 --positions 8192 --tokens 16384 \
+    --block-tokens 8192 --no-progress
+  oscar fit $W/qp8192/calib.zarr --variant split --out $W/qp8192/fit.safetensors --no-progress
+  python bench/issue16_position.py --length 8192 --sequences 2 --bin 1024 --artifact c2k=$W/q2048/fit.safetensors \
+    --artifact c8k=$W/q8192/fit.safetensors --artifact p8k=$W/qp8192/fit.safetensors \
+    --out bench/results/issue16/position_qwen_8k_positions.json
+  python bench/issue16_position.py --plot bench/results/issue16/position_{smollm2,qwen}_8k_positions.json \
+    --out bench/results/issue16/position_windows.png
+  python bench/calib_positions.py --model smollm2-135m --tokens 32768 --long 8192 --short 2048 --repeats 2 \
+    --out bench/results/calib_positions_smollm2.json
+fi
+if has qwen4k; then  # Qwen hard needles at 4k: 2k windows at positions to 4096 (matched) against the 2k fit
+  Q="--model qwen2.5-0.5b"
+  oscar calibrate $Q --store $W/qp4096/calib.zarr --seq-len 2048 --positions 4096 --tokens 16384 --block-tokens 8192 --no-progress
+  oscar fit $W/qp4096/calib.zarr --variant split --out $W/qp4096/fit.safetensors --no-progress
+  oscar validate tune $Q --artifact $W/qp4096/fit.safetensors --out $W/qp4096/nll.safetensors --no-progress
+  NQ="--tasks niah_single_3,niah_multikey_1 --lengths 4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $W/qp4096/nll.safetensors --methods bf16,oscar-int2 $NQ --out $W/qp4k_4k
+  oscar validate niah $Q --artifact $W/q2048/nll.safetensors --methods oscar-int2 $NQ --out $W/q2k_4k
+fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
     --rename $W/c4k_s0:oscar-int2=oscar-c4k-int2 $W/c4k_s1:oscar-int2=oscar-c4k-int2 $W/c8k_s0:oscar-int2=oscar-c8k-int2 \
@@ -59,4 +86,6 @@ if has tables; then
     --out bench/results/issue16/ab_smollm2_calib_length.json
   python bench/issue16_ab.py --niah $W/q2k_8k $W/q8k_8k --rename $W/q8k_8k:oscar-int2=oscar-c8k-int2 \
     --out bench/results/issue16/ab_qwen_calib_length.json
+  python bench/issue16_ab.py --niah $W/qp4k_4k $W/q2k_4k --rename $W/qp4k_4k:oscar-int2=oscar-p4k-int2 \
+    --out bench/results/issue16/ab_qwen_4k_positions.json
 fi
