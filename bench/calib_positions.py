@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ratios = [r["forward_ratio_long_over_windows"] for r in runs]
-    out = {"config": vars(a), "arms": {k: {kk: v for kk, v in d.items()} for k, d in arms.items()}, "runs": runs,
+    out = {"config": vars(a), "arms": arms, "runs": runs,
            "forward_ratio_median": round(statistics.median(ratios), 3), "forward_ratio_range": [min(ratios), max(ratios)],
            "cpu_count": os.cpu_count()}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

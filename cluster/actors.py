@@ -120,11 +120,9 @@ class StageWorker:
             layers=self.layers, sink=args.sink, reservoir=args.reservoir, seed=args.seed,
             seqs_per_block=args.seqs_per_block))
         self.store = CalibStore(args.store, mode="r+")
-        from oscar.pipeline.calibrate import window_offsets
+        from oscar.pipeline.calibrate import store_offsets
 
-        m = self.store.meta  # RoPE start of every window (`oscar calibrate --positions`; zeros by default)
-        self.offsets = window_offsets(m.config.get("positions"), m.seq_len,
-                                      m.num_blocks * m.seqs_per_block).reshape(m.num_blocks, m.seqs_per_block)
+        self.offsets = store_offsets(self.store.meta)  # (B, S) RoPE start of every window (`--positions`; zeros)
         self.lock = WriterLock(args.store, self.layers, job=args.job).acquire()
         # MoE: count tokens routed to each expert (hook on the router: grouped expert kernels can't bypass it).
         self.routers = router_modules(self.stage)

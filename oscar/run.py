@@ -93,6 +93,11 @@ class RunConfig:
     progress: bool = True
 
     @property
+    def calib_positions(self) -> int | None:
+        """`positions` as the calibration takes it: None when the windows already span it (no offsets)."""
+        return self.positions if self.positions > self.seq_len else None
+
+    @property
     def longest_context(self) -> int:
         """The longest context the job validates (needles, perplexity): the default calibration length."""
         return max([*self.lengths, *self.ppl_contexts])
@@ -162,7 +167,7 @@ def _calibrate(cfg: RunConfig, store: str) -> dict:
     from oscar.pipeline.calibrate import CalibConfig, calibrate
 
     cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
-                     positions=cfg.positions if cfg.positions > cfg.seq_len else None, **(cfg.calibrate or {}))
+                     positions=cfg.calib_positions, **(cfg.calibrate or {}))
     if cfg.ray:
         from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
 
@@ -220,7 +225,7 @@ def _stage_calibrate(job: _Job) -> str:
     """1. calibrate -> DIR/calib.zarr; returns the stage's fingerprint (the fit's input)."""
     cfg = job.cfg
     fp_cal = fingerprint({"model": cfg.model, "corpus": cfg.corpus, "tokens": cfg.calib_tokens, "seq_len": cfg.seq_len,
-                          **({"positions": cfg.positions} if cfg.positions > cfg.seq_len else {}),
+                          **({"positions": cfg.calib_positions} if cfg.calib_positions else {}),
                           **({"calibrate": cfg.calibrate} if cfg.calibrate else {})})
     job.st.run("calibrate", "calibrate", fp_cal, [job.store], lambda: _calibrate(cfg, job.store))
     return fp_cal

@@ -125,6 +125,12 @@ def window_offsets(positions: int | None, seq_len: int, n: int) -> np.ndarray:
     return starts[np.arange(n) % slots]                                                      # (n,)
 
 
+def store_offsets(meta) -> np.ndarray:
+    """`window_offsets` of every window of a store (its StoreMeta), as (num_blocks, seqs_per_block)."""
+    B, S = meta.num_blocks, meta.seqs_per_block
+    return window_offsets(meta.config.get("positions"), meta.seq_len, B * S).reshape(B, S)
+
+
 def _sync(device) -> None:
     import torch
 
@@ -168,8 +174,7 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     per_block = mask_arr[:].reshape(meta.num_blocks, -1).sum(1)
     done_tokens = int(per_block.sum() - per_block[todo].sum())
 
-    S, T = meta.seqs_per_block, meta.seq_len
-    offsets = window_offsets(meta.config.get("positions"), T, meta.num_blocks * S).reshape(meta.num_blocks, S)
+    T, offsets = meta.seq_len, store_offsets(meta)
     cap = C.Capture(spec, stop_after=max(layers))
     t_start = time.perf_counter()
     fwd_s = write_s = 0.0
@@ -296,8 +301,7 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
     info = info or load_info(cfg.model)
     check_servable(info)
-    reach = max(cfg.positions or 0, cfg.seq_len)
-    if cfg.positions and info.max_position_embeddings and reach > info.max_position_embeddings:
+    if cfg.positions and info.max_position_embeddings and cfg.positions > info.max_position_embeddings:
         raise OscarError(f"--positions {cfg.positions} is past model {info.name!r}'s max_position_embeddings "
                          f"({info.max_position_embeddings}): it was never trained, and is not served, there")
     tokenizer = tokenizer or load_tokenizer(info.source)

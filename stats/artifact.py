@@ -60,9 +60,13 @@ def calibrated_length(art: "Artifact") -> int | None:
     the positions they were read at (`oscar calibrate --positions`) — None: an artifact fitted before it was
     recorded, or imported. Past it RoPE's slow pairs have turned further than any calibrated row, and the key
     error grows (docs/decisions.md, "Calibrate at the serving length")."""
-    prov = art.meta.get("provenance", {})
-    n = prov.get("positions") or prov.get("seq_len")
+    n = _covered(art.meta.get("provenance", {}))
     return int(n) if n else None
+
+
+def _covered(prov: dict) -> int | None:
+    """The positions a provenance record's statistics cover (`calibrated_length`, `describe`)."""
+    return prov.get("positions") or prov.get("seq_len")
 
 
 def beyond_calibration(art: "Artifact | None", length: int) -> str | None:
@@ -391,7 +395,7 @@ def describe(path: str) -> str:
                      f"{' PARTIAL' if prov.get('partial') else ''}, {prov.get('tokens')} tokens"
                      + (f" in sequences of {prov['seq_len']}" if prov.get("seq_len") else "")
                      + (f" read at positions up to {prov['positions']}" if (prov.get("positions") or 0) > (prov.get("seq_len") or 0) else "")
-                     + (f" (serve contexts up to {prov.get('positions') or prov['seq_len']})" if prov.get("seq_len") else ""))
+                     + (f" (serve contexts up to {_covered(prov)})" if _covered(prov) else ""))
     d = meta.get("d_eff")
     if d:
         for side in ("k", "v"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from oscar.common import OscarError
-from oscar.pipeline.calibrate import CalibConfig, calibrate, window_offsets
+from oscar.pipeline.calibrate import CalibConfig, calibrate, store_offsets, window_offsets
 from oscar.pipeline.store import XS, CalibStore, reduce
 
 _spec = importlib.util.spec_from_file_location("capture_reference", Path(__file__).with_name("capture_reference.py"))
@@ -31,8 +31,7 @@ def check_store_against_reference(path, model_spec, *, softmax_dtype=torch.float
     m = st.meta
     model, _, _ = load_model(model_spec, attn_implementation="sdpa", dtype=torch.float64)
     tokens, mask = st.array("tokens")[:], st.array("mask")[:]
-    S = m.seqs_per_block
-    offsets = window_offsets(m.config.get("positions"), m.seq_len, m.num_blocks * S).reshape(m.num_blocks, S)
+    offsets = store_offsets(m)
     assert st.done().all()
     for b in (range(m.num_blocks) if blocks is None else blocks):
         keep = mask[b].any(1)                      # trailing all-padding sequences are never run
