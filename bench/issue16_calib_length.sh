@@ -4,10 +4,10 @@
 # and tuned as `oscar run` does; the INT2 key error by key position on held-out text, then paired needles and
 # perplexity. Also the tune objective `guarded` against `nll` on the 2k store; 2k windows read at positions to 8k
 # (`--positions`, "Calibrate at positions, not lengths") against both; Qwen's hard needles at 4k with windows read to
-# 4096. ~2 h on 2 CPUs. STEPS selects steps.
+# 4096; the Qwen goal grid 1k-8k with windows read to 8192 (qwengrid). ~4 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -78,6 +78,18 @@ if has qwen4k; then  # Qwen hard needles at 4k: 2k windows at positions to 4096 
   NQ="--tasks niah_single_3,niah_multikey_1 --lengths 4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
   oscar validate niah $Q --artifact $W/qp4096/nll.safetensors --methods bf16,oscar-int2 $NQ --out $W/qp4k_4k
   oscar validate niah $Q --artifact $W/q2048/nll.safetensors --methods oscar-int2 $NQ --out $W/q2k_4k
+fi
+if has qwengrid; then  # the issue's Qwen goal grid, 1k-8k x four tasks, with one artifact: windows read to 8192
+  Q="--model qwen2.5-0.5b"; G="--samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  E="niah_single_1,niah_single_2"; H="niah_single_3,niah_multikey_1"; A=$W/qp8192/nll.safetensors
+  oscar validate tune $Q --artifact $W/qp8192/fit.safetensors --out $A --no-progress
+  oscar validate niah $Q --artifact $A --methods bf16,oscar-int2 --tasks $E,$H --lengths 1k,2k $G --out $W/gp8k_short
+  oscar validate niah $Q --artifact $A --methods bf16,oscar-int2 --tasks $E --lengths 4k $G --out $W/gp8k_4k_easy
+  oscar validate niah $Q --artifact $A --methods oscar-int2 --tasks $H --lengths 4k $G --out $W/gp8k_4k_hard  # bf16: qp4k_4k
+  oscar validate niah $Q --artifact $A --methods oscar-int2 --tasks $H --lengths 8k $G --out $W/gp8k_8k_hard  # bf16: q2k_8k
+  oscar validate niah $Q --artifact $A --methods bf16,oscar-int2 --tasks $E --lengths 8k $G --out $W/gp8k_8k_easy
+  oscar validate ppl $Q --artifact $A --methods bf16,oscar-int2 --protocol strict,serving --dtype bfloat16 --no-progress \
+    --out $W/gp8k_ppl
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \

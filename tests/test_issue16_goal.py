@@ -1,0 +1,103 @@
+"""bench/issue16_goal.py: the goal's verdicts on planted needle and perplexity records, against hand counts."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "_issue16_goal", Path(__file__).resolve().parents[1] / "bench" / "issue16_goal.py")
+goal = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(goal)
+
+TASKS = ["niah_single_1", "niah_single_2"]
+
+
+def _needles(d, model="smollm2-135m", seed=0, cells=None):
+    """cells: {(task, length, method): list of 0/1 scores}, sample i of every arm is the same sample."""
+    os.makedirs(d, exist_ok=True)
+    json.dump({"identity": {"model": model, "seed": seed}, "config": {"seed": seed}}, open(os.path.join(d, "niah_config.json"), "w"))
+    with open(os.path.join(d, "niah_samples.jsonl"), "w") as f:
+        for (t, L, m), xs in cells.items():
+            for i, x in enumerate(xs):
+                f.write(json.dumps({"task": t, "length": L, "index": i, "method": m, "score": float(x)}) + "\n")
+        f.write('{"task": "niah_single_1", "len')  # a line cut by a kill is skipped
+    return str(d)
+
+
+def _grid(n, oscar_miss=0, lengths=(1024, 2048, 4096), methods=("bf16", "oscar-int2")):
+    cells = {}
+    for t in TASKS:
+        for L in lengths:
+            for m in methods:
+                xs = np.ones(n)
+                if m == "oscar-int2" and L == 4096:
+                    xs[:oscar_miss] = 0
+                cells[(t, L, m)] = xs
+    return cells
+
+
+def test_identical_arms_pass_and_missing_cell_blocks_pass(tmp_path):
+    d = _needles(tmp_path / "a", cells=_grid(300))
+    r = goal.needle_goal(goal.read_needles([d], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
+    assert r["verdict"] == "PASS" and [x["pairs"] for x in r["rows"]] == [600, 600, 600]
+    assert all(x["diff"] == 0 and x["lo"] > -5 for x in r["rows"])
+    d = _needles(tmp_path / "b", cells=_grid(300, lengths=(1024, 2048)))
+    r = goal.needle_goal(goal.read_needles([d], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
+    assert r["verdict"] == "UNRESOLVED" and r["not_measured"] == ["niah_single_1@4096", "niah_single_2@4096"]
+
+
+def test_a_large_loss_is_missed_and_a_small_sample_unresolved(tmp_path):
+    d = _needles(tmp_path / "a", cells=_grid(40, oscar_miss=16))  # -40 points at 4k on 80 pairs
+    r = goal.needle_goal(goal.read_needles([d], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
+    row = r["rows"][2]
+    assert r["verdict"] == "MISSED" and row["diff"] == pytest.approx(-40.0) and row["hi"] < -5
+    d = _needles(tmp_path / "b", cells=_grid(10))  # 20 pairs per length at the ceiling: too few to show "within 5"
+    r = goal.needle_goal(goal.read_needles([d], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
+    assert r["verdict"] == "UNRESOLVED" and all(x["resolve_pairs"] > 20 for x in r["rows"])
+
+
+def test_bf16_pairs_across_runs_of_the_same_seed_only(tmp_path):
+    a = _needles(tmp_path / "a", cells=_grid(30, methods=("bf16",)))
+    b = _needles(tmp_path / "b", cells=_grid(30, methods=("oscar-int2",)))
+    c = _needles(tmp_path / "c", seed=1, cells=_grid(30, methods=("oscar-int2",)))
+    r = goal.needle_goal(goal.read_needles([a, b], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
+    assert [x["pairs"] for x in r["rows"]] == [60, 60, 60]
+    r = goal.needle_goal(goal.read_needles([a, c], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
+    assert r["rows"] == [] and r["verdict"] == "not measured"
+
+
+def test_refuses_needles_of_another_model(tmp_path):
+    d = _needles(tmp_path / "a", model="qwen2.5-0.5b", cells=_grid(5))
+    with pytest.raises(SystemExit, match="qwen2.5-0.5b, not smollm2-135m"):
+        goal.main(["--goal", "smollm2", "--niah", d, "--out", str(tmp_path / "g.json")])
+
+
+def _ppl(d, ratio_by_protocol, windows=8, context=1024):
+    """Windows whose oscar NLL is the bf16 NLL + log(ratio) per token, each with its 512-token segments."""
+    os.makedirs(d, exist_ok=True)
+    json.dump({"config": {"tokens": windows * context}}, open(os.path.join(d, "ppl_config.json"), "w"))
+    rng = np.random.default_rng(0)
+    with open(os.path.join(d, "ppl_windows.jsonl"), "w") as f:
+        for w in range(windows):
+            base = 2.5 + 0.2 * rng.standard_normal()
+            cuts = [512, context - 1 - 512]
+            rows = [("bf16", "-", 0.0)] + [("oscar-int2", p, np.log(r)) for p, r in ratio_by_protocol.items()]
+            for m, p, add in rows:
+                jitter = 0.002 * rng.standard_normal()
+                seg = [[(base + add + jitter) * n, n] for n in cuts]
+                f.write(json.dumps({"method": m, "protocol": p, "context": context, "window": w,
+                                    "nll": sum(s for s, _ in seg), "count": context - 1, "seg": seg}) + "\n")
+    return str(d)
+
+
+def test_perplexity_limits_per_protocol(tmp_path):
+    d = _ppl(tmp_path / "p", {"strict": 1.05, "serving": 1.03})
+    r = goal.ppl_goal([d], goal.GOALS["qwen"], "oscar-int2")
+    by = {x["protocol"]: x for x in r["rows"]}
+    assert by["strict"]["ratio"] == pytest.approx(1.05, rel=2e-3) and r["strict"] == "PASS"
+    assert by["serving"]["ratio"] == pytest.approx(1.03, rel=2e-3) and r["serving"] == "MISSED"
+    assert goal.ppl_goal([], goal.GOALS["qwen"], "oscar-int2")["verdict"] == "not measured"
