@@ -100,4 +100,12 @@ if has tables; then
     --out bench/results/issue16/ab_qwen_calib_length.json
   python bench/issue16_ab.py --niah $W/qp4k_4k $W/q2k_4k --rename $W/qp4k_4k:oscar-int2=oscar-p4k-int2 \
     --out bench/results/issue16/ab_qwen_4k_positions.json
+  # the issue's goal cell by cell: SmolLM2 as `oscar run` ships it (calibrated at 4096), both seeds, and the committed
+  # example; Qwen with windows read to 8192 (bf16 arms of the 4k / 8k hard tasks from the runs of the same samples)
+  python bench/issue16_goal.py --goal smollm2 --niah $W/c4k_s0 $W/c4k_s1 --bf16 $W/c2k_s0 $W/c2k_s1 \
+    --ppl $W/ppl_c4k $W/ppl_c2k --out bench/results/issue16/goal_smollm2.json
+  python bench/issue16_goal.py --goal smollm2 --niah reports/examples/smollm2 --ppl reports/examples/smollm2 \
+    --out bench/results/issue16/goal_smollm2_example.json
+  python bench/issue16_goal.py --goal qwen --niah $W/gp8k_short $W/gp8k_4k_easy $W/gp8k_4k_hard $W/gp8k_8k_hard \
+    $W/gp8k_8k_easy --bf16 $W/qp4k_4k $W/q2k_8k --ppl $W/gp8k_ppl --out bench/results/issue16/goal_qwen.json
 fi

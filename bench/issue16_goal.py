@@ -10,7 +10,8 @@ A needle cell is one length, the goal's tasks pooled (every task alone is listed
 is "not measured", and the goal cannot pass with one. The bf16 arm may come from another run of the same samples
 (`oscar validate niah` is deterministic in its config and seed): a sample is (seed, task, length, index).
 
-    python bench/issue16_goal.py --goal qwen --niah runs/i16e/gp8k_short ... --ppl runs/i16e/gp8k_ppl \\
+    python bench/issue16_goal.py --goal qwen --niah runs/i16e/gp8k_short ... [--bf16 runs/i16e/q2k_8k ...] \\
+        --ppl runs/i16e/gp8k_ppl \\
         --out bench/results/issue16/goal_qwen.json
 """
 
@@ -38,13 +39,15 @@ def _seed(d: str) -> int:
     return int(json.load(open(os.path.join(d, "niah_config.json")))["config"].get("seed", 0))
 
 
-def read_needles(dirs: list[str], method: str) -> dict:
-    """{(task, length, (seed, index), arm)} -> record, arm in {bf16, method}; a later directory wins a duplicate."""
+def read_needles(dirs: list[str], method: str, bf16_only: tuple[str, ...] = ()) -> dict:
+    """{(task, length, (seed, index), arm)} -> record, arm in {bf16, method} (only bf16 from the `bf16_only`
+    directories: runs of the same samples with another artifact); a later directory wins a duplicate."""
     done = {}
     for d in dirs:
         s = _seed(d)
+        arms = ("bf16",) if d in bf16_only else ("bf16", method)
         for (t, L, i, m), r in ev.read_samples(os.path.join(d, "niah_samples.jsonl")).items():
-            if m in ("bf16", method):
+            if m in arms:
                 done[(t, L, (s, i), m)] = r
     return done
 
@@ -142,17 +145,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--goal", choices=sorted(GOALS), required=True)
     ap.add_argument("--niah", nargs="+", default=[], help="`oscar validate niah` output directories")
+    ap.add_argument("--bf16", nargs="*", default=[], help="directories whose bf16 arm only is read (the same samples, "
+                    "another artifact)")
     ap.add_argument("--ppl", nargs="*", default=[], help="`oscar validate ppl` output directories")
     ap.add_argument("--method", default="oscar-int2")
     ap.add_argument("--out", required=True, help="JSON path; the Markdown table is written next to it (.md)")
     a = ap.parse_args(argv)
     goal = GOALS[a.goal]
-    for d in a.niah:
+    for d in [*a.niah, *a.bf16]:
         ident = json.load(open(os.path.join(d, "niah_config.json")))["identity"]
         if ident["model"] != goal["model"]:
             raise SystemExit(f"{d} holds needles of {ident['model']}, not {goal['model']} (--goal {a.goal})")
-    res = {"goal": goal, "method": a.method, "inputs": {"niah": a.niah, "ppl": a.ppl},
-           "needles": needle_goal(read_needles(a.niah, a.method), goal, a.method),
+    res = {"goal": goal, "method": a.method, "inputs": {"niah": a.niah, "bf16": a.bf16, "ppl": a.ppl},
+           "needles": needle_goal(read_needles([*a.bf16, *a.niah], a.method, tuple(a.bf16)), goal, a.method),
            "ppl": ppl_goal(a.ppl, goal, a.method)}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:

@@ -68,6 +68,13 @@ def test_bf16_pairs_across_runs_of_the_same_seed_only(tmp_path):
     assert [x["pairs"] for x in r["rows"]] == [60, 60, 60]
     r = goal.needle_goal(goal.read_needles([a, c], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
     assert r["rows"] == [] and r["verdict"] == "not measured"
+    # a run of another artifact lends its bf16 arm only: its oscar-int2 (all wrong) never fills a gap in b's
+    cells = _grid(30)
+    cells.update({k: np.zeros(30) for k in cells if k[2] == "oscar-int2"})
+    other = _needles(tmp_path / "other", cells=cells)
+    short = _needles(tmp_path / "short", cells=_grid(30, lengths=(1024, 2048), methods=("oscar-int2",)))
+    r = goal.needle_goal(goal.read_needles([other, short], "oscar-int2", (other,)), goal.GOALS["smollm2"], "oscar-int2")
+    assert [x["diff"] for x in r["rows"]] == [0.0, 0.0] and len(r["not_measured"]) == 2
 
 
 def test_refuses_needles_of_another_model(tmp_path):
