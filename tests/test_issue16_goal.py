@@ -60,6 +60,15 @@ def test_a_large_loss_is_missed_and_a_small_sample_unresolved(tmp_path):
     assert r["verdict"] == "UNRESOLVED" and all(x["resolve_pairs"] > 20 for x in r["rows"])
 
 
+def test_missed_needs_the_adjusted_interval(tmp_path):
+    """-12.5 points on 80 pairs: beyond -5 at 95 % (hi -5.3) but not at 1 - 0.05/3 (hi -3.2): UNRESOLVED."""
+    d = _needles(tmp_path / "a", cells=_grid(40, oscar_miss=5))
+    r = goal.needle_goal(goal.read_needles([d], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
+    row = r["rows"][2]
+    assert row["verdict"] == "MISSED" and row["hi"] < -5 and row["verdict_adjusted"] == "UNRESOLVED"
+    assert r["verdict"] == "UNRESOLVED"
+
+
 def test_bf16_pairs_across_runs_of_the_same_seed_only(tmp_path):
     a = _needles(tmp_path / "a", cells=_grid(30, methods=("bf16",)))
     b = _needles(tmp_path / "b", cells=_grid(30, methods=("oscar-int2",)))
