@@ -4,10 +4,12 @@
 # and tuned as `oscar run` does; the INT2 key error by key position on held-out text, then paired needles and
 # perplexity. Also the tune objective `guarded` against `nll` on the 2k store; 2k windows read at positions to 8k
 # (`--positions`, "Calibrate at positions, not lengths") against both; Qwen's hard needles at 4k with windows read to
-# 4096; the Qwen goal grid 1k-8k with windows read to 8192 (qwengrid). ~4 h on 2 CPUs. STEPS selects steps.
+# 4096; the Qwen goal grid 1k-8k with windows read to 8192 (qwengrid), its 16k cell with windows read to 16384
+# (qwen16k); the SmolLM2 clip tuned at the serving length and protocol (servetune); the tune objective `guarded` on
+# the grid's artifact (qwenguard). ~7 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -91,6 +93,27 @@ if has qwengrid; then  # the issue's Qwen goal grid, 1k-8k x four tasks, with on
   oscar validate ppl $Q --artifact $A --methods bf16,oscar-int2 --protocol strict,serving --dtype bfloat16 --no-progress \
     --out $W/gp8k_ppl
 fi
+if has qwen16k; then  # the grid's 16k cell: its own artifact, 2k windows read to 16384 (calibrate to the served positions)
+  Q="--model qwen2.5-0.5b"; A=$W/qp16384/nll.safetensors
+  oscar calibrate $Q --store $W/qp16384/calib.zarr --seq-len 2048 --positions 16384 --tokens 16384 --block-tokens 8192 --no-progress
+  oscar fit $W/qp16384/calib.zarr --variant split --out $W/qp16384/fit.safetensors --no-progress
+  oscar validate tune $Q --artifact $W/qp16384/fit.safetensors --out $A --no-progress
+  oscar validate niah $Q --artifact $A --methods bf16,oscar-int2 --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 \
+    --lengths 16k --samples ${SAMPLES16K:-20} --protocol serving --dtype bfloat16 --no-progress --out $W/gp16k
+fi
+if has servetune; then  # SmolLM2's 4k fit tuned as it is served (serving protocol, 4096 tokens) and strict at 4096
+  oscar validate tune --artifact $W/s4096/fit.safetensors --protocol serving --tokens 4096 --out $W/s4096/serving.safetensors --no-progress
+  oscar validate tune --artifact $W/s4096/fit.safetensors --protocol strict --tokens 4096 --out $W/s4096/strict4k.safetensors --no-progress
+  oscar validate ppl --artifact $W/s4096/serving.safetensors --methods oscar-int2 $P --out $W/ppl_c4k_serve
+  for s in 0 1; do
+    oscar validate niah --artifact $W/s4096/serving.safetensors --methods oscar-int2 $N --seed $s --out $W/c4ks_s$s
+  done
+fi
+if has qwenguard; then  # the grid's artifact tuned by `guarded` (retrieval proxy within 0.5 % of the best NLL)
+  Q="--model qwen2.5-0.5b"; A=$W/qp8192/guarded.safetensors
+  oscar validate tune $Q --artifact $W/qp8192/fit.safetensors --objective guarded --out $A --no-progress
+  # it chose x1.1, the grid's factor: the needles would repeat the grid's (deterministic), so none are run
+fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
     --rename $W/c4k_s0:oscar-int2=oscar-c4k-int2 $W/c4k_s1:oscar-int2=oscar-c4k-int2 $W/c8k_s0:oscar-int2=oscar-c8k-int2 \
@@ -100,12 +123,21 @@ if has tables; then
     --out bench/results/issue16/ab_qwen_calib_length.json
   python bench/issue16_ab.py --niah $W/qp4k_4k $W/q2k_4k --rename $W/qp4k_4k:oscar-int2=oscar-p4k-int2 \
     --out bench/results/issue16/ab_qwen_4k_positions.json
+  python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c4ks_s0 $W/c4ks_s1 \
+    --ppl $W/ppl_c2k $W/ppl_c4k $W/ppl_c4k_serve \
+    --rename $W/c2k_s0:oscar-int2=oscar-c2k $W/c2k_s1:oscar-int2=oscar-c2k $W/ppl_c2k:oscar-int2=oscar-c2k \
+    $W/c4ks_s0:oscar-int2=oscar-c4ks-int2 $W/c4ks_s1:oscar-int2=oscar-c4ks-int2 $W/ppl_c4k_serve:oscar-int2=oscar-c4ks-int2 \
+    --out bench/results/issue16/ab_smollm2_servetune.json
   # the issue's goal cell by cell: SmolLM2 as `oscar run` ships it (calibrated at 4096), both seeds, and the committed
-  # example; Qwen with windows read to 8192 (bf16 arms of the 4k / 8k hard tasks from the runs of the same samples)
+  # example; Qwen with windows read to 8192, 16k read to 16384 (bf16 of the 4k / 8k hard tasks from runs of the same samples)
   python bench/issue16_goal.py --goal smollm2 --niah $W/c4k_s0 $W/c4k_s1 --bf16 $W/c2k_s0 $W/c2k_s1 \
     --ppl $W/ppl_c4k $W/ppl_c2k --out bench/results/issue16/goal_smollm2.json
   python bench/issue16_goal.py --goal smollm2 --niah reports/examples/smollm2 --ppl reports/examples/smollm2 \
     --out bench/results/issue16/goal_smollm2_example.json
   python bench/issue16_goal.py --goal qwen --niah $W/gp8k_short $W/gp8k_4k_easy $W/gp8k_4k_hard $W/gp8k_8k_hard \
-    $W/gp8k_8k_easy --bf16 $W/qp4k_4k $W/q2k_8k --ppl $W/gp8k_ppl --out bench/results/issue16/goal_qwen.json
+    $W/gp8k_8k_easy $W/gp16k --bf16 $W/qp4k_4k $W/q2k_8k --ppl $W/gp8k_ppl --out bench/results/issue16/goal_qwen.json
+  python bench/niah_misses.py --model qwen2.5-0.5b --niah $W/gp8k_short $W/gp8k_4k_easy $W/gp8k_4k_hard $W/gp8k_8k_hard \
+    $W/gp8k_8k_easy $W/gp16k --bf16 $W/qp4k_4k $W/q2k_8k --out bench/results/issue16/misses_qwen.json
+  python bench/niah_misses.py --model smollm2-135m --niah $W/c4k_s0 $W/c4k_s1 --bf16 $W/c2k_s0 $W/c2k_s1 \
+    --out bench/results/issue16/misses_smollm2.json
 fi

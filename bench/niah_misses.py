@@ -1,7 +1,7 @@
 """What a method answers where bf16 finds the needle: another needle's value, a near copy, or something else.
 
 Rebuilds each missed sample from its (task, length, index, seed) and classifies the prediction:
-  distractor  the value of another needle planted in the same context (the wrong key was read)
+  distractor  a value of the answer's length found in the same context: another needle's (the wrong key was read)
   near        the right value miscopied (difflib ratio >= 0.75: a digit or two changed, dropped or added)
   other       anything else
 A directory may hold only some methods; --bf16 DIRS lend their bf16 arm for the same samples.
@@ -25,24 +25,23 @@ def classify(pred: str, answer: str, context: str) -> str:
     if not words:
         return "other"
     g = words[0]
-    if g != answer and re.search(rf"(?<![0-9A-Za-z-]){re.escape(g)}(?![0-9A-Za-z-])", context):
+    if g != answer and len(g) == len(answer) and re.search(rf"(?<![0-9A-Za-z-]){re.escape(g)}(?![0-9A-Za-z-])", context):
         return "distractor"
     if SequenceMatcher(None, g, answer).ratio() >= 0.75:
         return "near"
     return "other"
 
 
-def _rows(dirs: list[str], method: str | None = None) -> tuple[dict, dict]:
-    rows, seeds = {}, {}
+def _rows(dirs: list[str], method: str | None = None) -> dict:
+    """(seed, task, length, index, method) -> record; a later directory wins a duplicate."""
+    rows = {}
     for d in dirs:
         seed = json.load(open(os.path.join(d, "niah_config.json")))["identity"]["seed"]
         for line in open(os.path.join(d, "niah_samples.jsonl")):
             r = json.loads(line)
-            if method and r["method"] != method:
-                continue
-            k = (r["task"], r["length"], r["index"], r["method"])
-            rows[k], seeds[k[:3]] = r, seed
-    return rows, seeds
+            if not method or r["method"] == method:
+                rows[(seed, r["task"], r["length"], r["index"], r["method"])] = r
+    return rows
 
 
 def main() -> None:
@@ -59,31 +58,29 @@ def main() -> None:
     from oscar.validate.heldout import more_heldout_words
     from oscar.validate.ruler import Sources, make_sample
 
-    ref, _ = _rows(a.bf16, "bf16")
-    rows, seeds = _rows(a.niah)
-    rows = {**ref, **rows}
+    rows = {**_rows(a.bf16, "bf16"), **_rows(a.niah)}
     tasks = set(a.tasks.split(",")) if a.tasks else None
     _, tok, _ = env.load_model(a.model)
     src = Sources.from_text(env.heldout_text("pydoc"), more=more_heldout_words("pydoc"))
     misses, counts = [], Counter()
-    for (t, L, i, m), r in sorted(rows.items()):
-        b = rows.get((t, L, i, "bf16"))
+    for (seed, t, L, i, m), r in sorted(rows.items()):
+        b = rows.get((seed, t, L, i, "bf16"))
         if m != a.method or (tasks and t not in tasks) or b is None:
             continue
         counts["pairs"] += 1
         if r["score"] >= 1 or b["score"] < 1:
             continue
-        s = make_sample(t, L, i, tok, src, seed=seeds[(t, L, i)])
+        s = make_sample(t, L, i, tok, src, seed=seed)
         kind = classify(r["pred"], r["answers"][0], s.context_text)
         counts[kind] += 1
-        misses.append({"task": t, "length": L, "index": i, "pred": r["pred"].strip(), "answer": r["answers"][0],
+        misses.append({"seed": seed, "task": t, "length": L, "index": i, "pred": r["pred"].strip(), "answer": r["answers"][0],
                        "kind": kind})
     out = {"model": a.model, "method": a.method, "inputs": a.niah, "bf16": a.bf16, "counts": dict(counts),
            "misses": misses}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     json.dump(out, open(a.out, "w"), indent=1)
     for m in misses:
-        print(f"{m['task']} {m['length']} #{m['index']}: {m['pred']!r} for {m['answer']} -> {m['kind']}")
+        print(f"seed {m['seed']} {m['task']} {m['length']} #{m['index']}: {m['pred']!r} for {m['answer']} -> {m['kind']}")
     print(dict(counts))
 
 

@@ -33,3 +33,9 @@ def test_classify_uuid_values():
     assert misses.classify(" 47ea59fe-cc5c-4e64-8136-bbe2644ae34.", a, ctx) == "near"  # one character dropped
     assert misses.classify(" 00ac63a2-552d-49fd-8fb4-83dbb1f0f4a8.", a, ctx) == "distractor"
     assert misses.classify(" 47.", a, ctx) == "other"  # a fragment of the answer is not a distractor
+
+
+def test_a_number_of_another_length_in_the_context_is_not_a_distractor():
+    ctx = "r[0] = 3.140000; the special magic number for x is: 7615914."
+    assert misses.classify(' "r[0]".', "5555555", ctx) == "other"
+    assert misses.classify(" 7615914.", "5555555", ctx) == "distractor"
