@@ -19,6 +19,8 @@ import re
 from collections import Counter
 from difflib import SequenceMatcher
 
+from oscar import evidence as ev
+
 
 def classify(pred: str, answer: str, context: str) -> str:
     words = re.findall(r"\d+" if answer.isdigit() else r"[0-9A-Za-z][0-9A-Za-z-]*", pred)
@@ -33,14 +35,13 @@ def classify(pred: str, answer: str, context: str) -> str:
 
 
 def _rows(dirs: list[str], method: str | None = None) -> dict:
-    """(seed, task, length, index, method) -> record; a later directory wins a duplicate."""
+    """(seed, task, length, index, method) -> record; a later directory wins a duplicate, a line cut by a kill is skipped."""
     rows = {}
     for d in dirs:
         seed = json.load(open(os.path.join(d, "niah_config.json")))["identity"]["seed"]
-        for line in open(os.path.join(d, "niah_samples.jsonl")):
-            r = json.loads(line)
-            if not method or r["method"] == method:
-                rows[(seed, r["task"], r["length"], r["index"], r["method"])] = r
+        for (t, L, i, m), r in ev.read_samples(os.path.join(d, "niah_samples.jsonl")).items():
+            if not method or m == method:
+                rows[(seed, t, L, i, m)] = r
     return rows
 
 
