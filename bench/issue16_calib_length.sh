@@ -6,10 +6,11 @@
 # (`--positions`, "Calibrate at positions, not lengths") against both; Qwen's hard needles at 4k with windows read to
 # 4096; the Qwen goal grid 1k-8k with windows read to 8192 (qwengrid), its 16k cell with windows read to 16384
 # (qwen16k); the SmolLM2 clip tuned at the serving length and protocol (servetune); the tune objective `guarded` on
-# the grid's artifact (qwenguard). ~7 h on 2 CPUs. STEPS selects steps.
+# the grid's artifact (qwenguard); 40 samples per task at 2k and 4k, the grid's cells nearest a verdict (qwenmore).
+# ~7.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -114,6 +115,11 @@ if has qwenguard; then  # the grid's artifact tuned by `guarded` (retrieval prox
   oscar validate tune $Q --artifact $W/qp8192/fit.safetensors --objective guarded --out $A --no-progress
   # it chose x1.1, the grid's factor: the needles would repeat the grid's (deterministic), so none are run
 fi
+if has qwenmore; then  # the grid's 2k and 4k cells at 40 samples per task (indices 0-19 again: a rerun check)
+  oscar validate niah --model qwen2.5-0.5b --artifact $W/qp8192/nll.safetensors --methods bf16,oscar-int2 \
+    --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --lengths 2k,4k --samples 40 --protocol serving \
+    --dtype bfloat16 --no-progress --out $W/gp8k_more
+fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
     --rename $W/c4k_s0:oscar-int2=oscar-c4k-int2 $W/c4k_s1:oscar-int2=oscar-c4k-int2 $W/c8k_s0:oscar-int2=oscar-c8k-int2 \
@@ -135,7 +141,7 @@ if has tables; then
   python bench/issue16_goal.py --goal smollm2 --niah reports/examples/smollm2 --ppl reports/examples/smollm2 \
     --out bench/results/issue16/goal_smollm2_example.json
   python bench/issue16_goal.py --goal qwen --niah $W/gp8k_short $W/gp8k_4k_easy $W/gp8k_4k_hard $W/gp8k_8k_hard \
-    $W/gp8k_8k_easy $W/gp16k --bf16 $W/qp4k_4k $W/q2k_8k --ppl $W/gp8k_ppl --out bench/results/issue16/goal_qwen.json
+    $W/gp8k_8k_easy $W/gp16k $W/gp8k_more --bf16 $W/qp4k_4k $W/q2k_8k --ppl $W/gp8k_ppl --out bench/results/issue16/goal_qwen.json
   python bench/niah_misses.py --model qwen2.5-0.5b --niah $W/gp8k_short $W/gp8k_4k_easy $W/gp8k_4k_hard $W/gp8k_8k_hard \
     $W/gp8k_8k_easy $W/gp16k --bf16 $W/qp4k_4k $W/q2k_8k --out bench/results/issue16/misses_qwen.json
   python bench/niah_misses.py --model smollm2-135m --niah $W/c4k_s0 $W/c4k_s1 --bf16 $W/c2k_s0 $W/c2k_s1 \

@@ -87,8 +87,18 @@ def needle_goal(done: dict, goal: dict, method: str) -> dict:
     v = iv.combine([r["verdict"] for r in rows], [r["verdict_adjusted"] for r in rows]) if rows else "not measured"
     if v == iv.PASS and missing:
         v = iv.UNRESOLVED
+    by_task = {}  # each task over every length measured: where a loss sits when no single cell resolves it
+    for t in goal["tasks"]:
+        pa = [ev.paired_arrays(cells, t, r["length"], method) for r in rows]
+        if not pa:
+            continue
+        x, y = np.concatenate([a for a, _ in pa]), np.concatenate([b for _, b in pa])
+        if len(x):
+            d, lo, hi = ev.paired_diff(x, y)
+            by_task[t] = {"pairs": int(len(x)), "score": 100 * float(x.mean()), "bf16": 100 * float(y.mean()),
+                          "diff": d, "lo": lo, "hi": hi}
     return {"rule": f"paired difference to bf16 (pooled over the tasks) above {goal['margin']:+.0f} points",
-            "verdict": v, "rows": rows, "not_measured": [f"{t}@{L}" for t, L in missing]}
+            "verdict": v, "rows": rows, "by_task": by_task, "not_measured": [f"{t}@{L}" for t, L in missing]}
 
 
 def ppl_goal(dirs: list[str], goal: dict, method: str) -> dict:
@@ -130,6 +140,9 @@ def markdown(res: dict) -> str:
         res_n = f" (~{r['resolve_pairs']} pairs)" if r.get("resolve_pairs") else ""
         lines.append(f"| {r['length'] // 1024}k | {r['pairs']} | {r['bf16']:.1f} | {r['score']:.1f} | "
                      f"{r['diff']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}] | {r['verdict']}{res_n} | {per} |")
+    if n.get("by_task"):
+        lines += ["", "Each task over all lengths measured: " + "; ".join(
+            f"{t} {c['diff']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}] ({c['pairs']} pairs)" for t, c in n["by_task"].items()) + "."]
     if n["not_measured"]:
         lines += ["", "Not measured: " + ", ".join(n["not_measured"]) + "."]
     p = res["ppl"]

@@ -55,6 +55,8 @@ def test_a_large_loss_is_missed_and_a_small_sample_unresolved(tmp_path):
     r = goal.needle_goal(goal.read_needles([d], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
     row = r["rows"][2]
     assert r["verdict"] == "MISSED" and row["diff"] == pytest.approx(-40.0) and row["hi"] < -5
+    # per task over the lengths: 16 misses in 120 pairs (all at 4k), the same for both tasks
+    assert r["by_task"]["niah_single_1"]["pairs"] == 120 and r["by_task"]["niah_single_1"]["diff"] == pytest.approx(-40 / 3)
     d = _needles(tmp_path / "b", cells=_grid(10))  # 20 pairs per length at the ceiling: too few to show "within 5"
     r = goal.needle_goal(goal.read_needles([d], "oscar-int2"), goal.GOALS["smollm2"], "oscar-int2")
     assert r["verdict"] == "UNRESOLVED" and all(x["resolve_pairs"] > 20 for x in r["rows"])
