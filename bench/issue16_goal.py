@@ -6,8 +6,9 @@ interval at level 1 - 0.05/m lies beyond it, else UNRESOLVED, with the samples t
                   difference's interval above -2), strict ppl <= 1.10x bf16, serving ppl <= 1.01x
     smollm2-135m: within 5 points at 1k-4k on niah_single_1/2, strict <= 1.15x, serving <= 1.01x
 
-A needle cell is one length, the goal's tasks pooled (every task alone is listed too); a cell the runs do not hold
-is "not measured", and the goal cannot pass with one. The bf16 arm may come from another run of the same samples
+A needle cell is one length, the goal's tasks pooled (every task alone is listed too, and each task over all the
+lengths measured: a loss no single cell resolves can resolve there; reported, not a goal cell); a cell the runs do
+not hold is "not measured", and the goal cannot pass with one. The bf16 arm may come from another run of the same samples
 (`oscar validate niah` is deterministic in its config and seed): a sample is (seed, task, length, index).
 
     python bench/issue16_goal.py --goal qwen --niah runs/i16e/gp8k_short ... [--bf16 runs/i16e/q2k_8k ...] \\
