@@ -7,11 +7,12 @@
 # 4096; the Qwen goal grid 1k-8k with windows read to 8192 (qwengrid), its 16k cell with windows read to 16384
 # (qwen16k); the SmolLM2 clip tuned at the serving length and protocol (servetune); the tune objective `guarded` on
 # the grid's artifact (qwenguard); 40 samples per task at 2k and 4k, the grid's cells nearest a verdict (qwenmore);
-# per-layer widths (hypothesis 4, alone and with split keys) on the grid's store, Qwen's hard tasks (qwenlayers).
+# per-layer widths (hypothesis 4, alone and with split keys) on the grid's store, Qwen's hard tasks (qwenlayers), and on
+# SmolLM2's shipped store (smollm2layers).
 # ~7.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -129,7 +130,21 @@ if has qwenlayers; then  # hypothesis 4 on the grid's store: widths per layer (a
     --lengths 1k,2k,4k,8k --samples 20 --protocol serving --dtype bfloat16 --no-progress --out $W/gl8k_hard
   oscar validate ppl $Q --artifact $A --methods oscar-layer-int2,oscar-mix-layer-int2 --protocol strict,serving \
     --dtype bfloat16 --no-progress --out $W/gl8k_ppl
+  # the same two with the widths chosen by the share of calibration query rows whose top key moves
+  oscar validate niah $Q --artifact $A --methods oscar-layer-top1-int2,oscar-mix-layer-top1-int2 \
+    --tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k,8k --samples 20 --protocol serving --dtype bfloat16 \
+    --no-progress --out $W/gt8k_hard
   python bench/issue16_widths.py --artifact $A --out bench/results/issue16/widths_qwen.json  # the DP's widths per layer
+fi
+if has smollm2layers; then  # hypothesis 4 on SmolLM2's shipped store (4096-token sequences), one-group base
+  A=$W/s4096/scaled.safetensors
+  oscar fit $W/s4096/calib.zarr --variant scaled --out $W/s4096/scaled.fit.safetensors --no-progress
+  oscar validate tune --artifact $W/s4096/scaled.fit.safetensors --out $A --no-progress
+  for s in 0 1; do
+    oscar validate niah --artifact $A --methods oscar-layer-int2,oscar-mix-layer-int2 $N --seed $s --out $W/cl4k_s$s
+  done
+  oscar validate ppl --artifact $A --methods oscar-layer-int2,oscar-mix-layer-int2 $P --out $W/ppl_cl4k
+  python bench/issue16_widths.py --artifact $A --out bench/results/issue16/widths_smollm2.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
@@ -148,7 +163,10 @@ if has tables; then
   # per-layer widths on the grid's store against the grid's oscar-int2 (the same samples and windows). bf16 of the 4k / 8k
   # hard tasks comes from runs of the same samples, listed first: the grid's oscar-int2 records replace theirs
   python bench/issue16_ab.py --niah $W/qp4k_4k $W/q2k_8k $W/gp8k_short $W/gp8k_4k_hard $W/gp8k_8k_hard $W/gl8k_hard \
-    --ppl $W/gp8k_ppl $W/gl8k_ppl --out bench/results/issue16/ab_qwen_layers.json
+    $W/gt8k_hard --ppl $W/gp8k_ppl $W/gl8k_ppl --out bench/results/issue16/ab_qwen_layers.json
+  python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/cl4k_s0 $W/cl4k_s1 \
+    --ppl $W/ppl_c2k $W/ppl_c4k $W/ppl_cl4k --rename $W/c2k_s0:oscar-int2=oscar-c2k $W/c2k_s1:oscar-int2=oscar-c2k \
+    $W/ppl_c2k:oscar-int2=oscar-c2k --out bench/results/issue16/ab_smollm2_layers.json
   # the issue's goal cell by cell: SmolLM2 as `oscar run` ships it (calibrated at 4096), both seeds, and the committed
   # example; Qwen with windows read to 8192, 16k read to 16384 (bf16 of the 4k / 8k hard tasks from runs of the same samples)
   python bench/issue16_goal.py --goal smollm2 --niah $W/c4k_s0 $W/c4k_s1 --bf16 $W/c2k_s0 $W/c2k_s1 \

@@ -1,6 +1,7 @@
 """Issue 16, hypothesis 4: which (key, value) widths the per-layer DP of `validate.codebooks.layer_artifact` gives
-each layer, for oscar-layer-int2 and oscar-mix-layer-int2 built on one artifact and its store, with the calibrated
-attention-output error the DP minimised (summed over layers) against the all-2-bit base.
+each layer, for oscar-layer-int2 and oscar-mix-layer-int2 built on one artifact and its store (and their `-top1`
+variants, chosen by the share of query rows whose top key moves), with both calibrated objectives summed over layers
+against the all-2-bit base.
 
     python bench/issue16_widths.py --artifact runs/i16e/qp8192/scaled.safetensors \
         --out bench/results/issue16/widths_qwen.json
@@ -26,16 +27,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     art = load_artifact(args.artifact)
     res = {"artifact": args.artifact}
-    for name, build in (("oscar-layer-int2", cb.layer_artifact), ("oscar-mix-layer-int2", cb.mix_layer_artifact)):
+    for name, build in (("oscar-layer-int2", cb.layer_artifact), ("oscar-mix-layer-int2", cb.mix_layer_artifact),
+                        ("oscar-layer-top1-int2", cb.layer_top1_artifact),
+                        ("oscar-mix-layer-top1-int2", cb.mix_layer_top1_artifact)):
         d = build(art)
         rec = d.meta["codec"]
         widths = [tuple(w) for w in rec["widths"]]
         res[name] = {"widths": [list(w) for w in widths], "counts": {str(k): v for k, v in Counter(widths).items()},
-                     "err_total": rec["err_total"], "err_total_base": rec["err_total_base"],
-                     "bits_per_element": bits_per_element(d, d.head_dim)}
+                     "chosen_by": rec["chosen_by"], "err_total": rec["err_total"], "err_total_base": rec["err_total_base"],
+                     "top1_total": rec["top1_total"], "top1_total_base": rec["top1_total_base"],
+                     "top1_rows": rec["top1_rows"], "bits_per_element": bits_per_element(d, d.head_dim)}
         wide = ", ".join(f"{l}: {w}" for l, w in enumerate(widths) if w != (2, 2))
-        print(f"{name}: {dict(Counter(widths))}; calibrated error {rec['err_total']:.3f} (all 2-bit "
-              f"{rec['err_total_base']:.3f}); {res[name]['bits_per_element']:.3f} bits; not (2, 2): {wide}")
+        print(f"{name}: {dict(Counter(widths))}; output error {rec['err_total']:.3f} (all 2-bit "
+              f"{rec['err_total_base']:.3f}), top-1 moved {rec['top1_total']:.3f} ({rec['top1_total_base']:.3f}; "
+              f"summed shares over layers); {res[name]['bits_per_element']:.3f} bits; not (2, 2): {wide}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     json.dump(res, open(args.out, "w"), indent=1)
     return 0

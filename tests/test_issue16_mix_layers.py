@@ -231,7 +231,8 @@ def test_fit_variant_tiers_is_the_native_format(fitted):
     assert back.quant == art.quant
 
 
-@pytest.mark.parametrize("name", ["oscar-layer-int2", "oscar-mix-layer-int2"])
+@pytest.mark.parametrize("name", ["oscar-layer-int2", "oscar-mix-layer-int2", "oscar-layer-top1-int2",
+                                  "oscar-mix-layer-top1-int2"])
 def test_layer_artifact_from_the_store(fitted, name):
     """The widths are layer_widths of the recorded error table at oscar-int2's bits; LayerQuant uses each layer's
     format (oscar-mix-layer-int2: a "mix" layer is oscar-mix-int2's layer: rotation, clips, split keys)."""
@@ -244,19 +245,23 @@ def test_layer_artifact_from_the_store(fitted, name):
     art = method_artifact(name, config, fitted)
     c, D = art.meta["codec"], art.head_dim
     opts = [tuple(o) for o in c["options"]]
-    assert (("mix", 2) in opts) == (name == "oscar-mix-layer-int2")
+    assert (("mix", 2) in opts) == ("mix" in name)
     errs = np.array(c["err"])
     kbits = lambda kb: (cb.split_quant(fitted).key_bits(D) if kb == "mix"  # noqa: E731
                         else cb._layer_spec(fitted, kb).bits_per_element(D))
     costs = np.array([[0.5 * (kbits(kb) + cb._layer_spec(fitted, vb).bits_per_element(D))
                        for kb, vb in opts]] * art.num_layers)
-    assert [list(opts[o]) for o in cb.layer_widths(errs, costs, cb.oscar_bits(fitted))] == c["widths"]
+    tops = np.array(c["top1_changed"])
+    obj = errs if "top1" not in name else tops + errs / (errs.max() + 1) / c["top1_rows"]
+    assert c["chosen_by"] == ("top1" if "top1" in name else "output")
+    assert [list(opts[o]) for o in cb.layer_widths(obj, costs, cb.oscar_bits(fitted))] == c["widths"]
     assert bits_per_element(art, D) <= cb.oscar_bits(fitted) + 1e-12
-    assert c["err_total"] <= c["err_total_base"]  # never worse than every layer at the base width
+    total, base = ("top1_total", "top1_total_base") if "top1" in name else ("err_total", "err_total_base")
+    assert c[total] <= c[base]  # never worse than every layer at the base width, by the objective chosen
     # wider options have lower calibrated error than the base, on every layer (the table is not noise)
     assert (errs[:, -1] < errs[:, 0]).all()
     x = torch.randn(1, art.num_kv_heads, 16, D, generator=torch.Generator().manual_seed(6))
-    mix = method_artifact("oscar-mix-int2", config, fitted) if name == "oscar-mix-layer-int2" else None
+    mix = method_artifact("oscar-mix-int2", config, fitted) if "mix" in name else None
     for l, (kb, vb) in enumerate(c["widths"]):
         lq = LayerQuant(art, l)
         m = art.k_mean[l][None, :, None, :]
@@ -271,6 +276,32 @@ def test_layer_artifact_from_the_store(fitted, name):
         assert torch.allclose(lq.keys(x), yq @ art.rot_q[l].transpose(-1, -2) + m, atol=1e-5)
         vq = fake_quant(x @ art.rot_v[l], cb._layer_spec(fitted, vb), art.clip_v[l].view(-1, 1, 1)) @ art.rot_v[l].transpose(-1, -2)
         assert torch.allclose(lq.values(x), vq, atol=1e-5)
+
+
+def test_top1_changed_is_the_brute_force_count(fitted):
+    """The top-1 table of layer_artifact: per option, the share of (head, query row) whose argmax key over the
+    reservoir rows moves when the keys are quantized, counted by a plain loop in the model's own basis."""
+    from oscar.quant import fake_quant
+
+    c = cb.layer_artifact(fitted, objective="top1").meta["codec"]
+    _, _, layers = cb.store_layers(fitted, "test")
+    D = fitted.head_dim
+    for l in (0, fitted.num_layers - 1):
+        q, k, _ = cb._rows(layers[l], seed=l)  # (H, Nq, D), (H, N, D): the table's rows
+        mu = fitted.k_mean[l].double()[:, None, :]
+        for o, (kb, _) in enumerate(cb.LAYER_OPTIONS):
+            R = fitted.rot_k[l].double()
+            clip = fitted.clip_k[l].float().view(-1, 1, 1) if kb == fitted.quant.bits else 1.0
+            kr = fake_quant(((k - mu) @ R).float(), cb._layer_spec(fitted, kb), clip).double()
+            k_hat = kr @ torch.linalg.inv(R) + mu  # back in the model's basis
+            moved = n = 0
+            for h in range(q.shape[0]):
+                for i in range(q.shape[1]):
+                    moved += int(torch.argmax(k[h] @ q[h, i]) != torch.argmax(k_hat[h] @ q[h, i]))
+                    n += 1
+            assert c["top1_rows"] == n
+            assert math.isclose(c["top1_changed"][l][o], moved / n, abs_tol=1e-6), (l, o)
+    assert max(max(r) for r in c["top1_changed"]) > 0  # the table is not all zeros on this store
 
 
 @pytest.mark.parametrize("path", ["oracle", "production"])

@@ -513,7 +513,8 @@ def layer_widths(errs: np.ndarray, costs: np.ndarray, budget: float) -> list[int
     return out[::-1]
 
 
-def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS, method: str = "oscar-layer-int2") -> Artifact:
+def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS, method: str = "oscar-layer-int2",
+                   objective: str = "output") -> Artifact:
     """oscar-layer-int2 (hypothesis 4) from oscar-int2's artifact and its store; with "mix" among the key
     widths of `options`, oscar-mix-layer-int2 (hypotheses 2 and 4 together).
 
@@ -523,6 +524,8 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     Each layer's error for each option is its relative attention-output error ||Ŝ V̂ − S V||² / ||S V||²
     on the store's reservoir rows (S = softmax of the rows' q·k / sqrt(D)), averaged over KV heads; the
     widths minimise the summed error at oscar-int2's mean bits per element (`layer_widths`).
+    objective="top1": the error is instead the share of reservoir query rows whose highest-scoring key changes
+    (retrieval: one key must win), the output error only breaking ties.
     """
     from oscar.stats.fit import FitConfig
 
@@ -536,7 +539,9 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     sparts = squant.key_parts(D)
     factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
     use_mix = any(kb == "mix" for kb, _ in options)
-    errs, costs, mixes = [], [], []
+    if objective not in ("output", "top1"):
+        raise OscarError(f"{method}: objective must be 'output' or 'top1', got {objective!r}")
+    errs, tops, costs, mixes = [], [], [], []
     for l, ls in enumerate(layers):
         q, k, v = _rows(ls, seed=l)
         mu = fitted.k_mean[l].double()[:, None, :] if fitted.k_mean is not None else 0.0
@@ -552,7 +557,8 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
             mixes.append((sf.rot_k.float(), sf.rot_q.float(), clip_m))
             kh_mix = split_fake_quant(((k - mu) @ sf.rot_k).float(), sparts, clip_m).double()
             qr_mix = q @ sf.rot_q  # logits q_r·k̂_r = q·k̂ - q·mu: softmax-invariant per query
-        row_e, row_c = [], []
+        top = S.argmax(-1)  # (H, Nq) the key each query row reads most
+        row_e, row_t, row_c = [], [], []
         for kb, vb in options:
             vs = _layer_spec(fitted, vb)
             vh = fake_quant(vr.float(), vs, fitted.clip_v[l].float().view(-1, 1, 1) if vb == base else 1.0).double()
@@ -565,10 +571,13 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
                 Sh = torch.softmax(qr @ kh.transpose(-1, -2) / math.sqrt(D), -1)
                 kbits = ks.bits_per_element(D)
             row_e.append(float(((((Sh @ vh) - o) ** 2).sum((-1, -2)) / den).mean()))
+            row_t.append(float((Sh.argmax(-1) != top).double().mean()))
             row_c.append(0.5 * (kbits + vs.bits_per_element(D)))
-        errs.append(row_e), costs.append(row_c)
-    errs, costs = np.array(errs), np.array(costs)
-    pick = layer_widths(errs, costs, oscar_bits(fitted))
+        errs.append(row_e), tops.append(row_t), costs.append(row_c)
+    errs, tops, costs = np.array(errs), np.array(tops), np.array(costs)
+    # top1: the output error scaled below one row's share, so it only breaks ties between equal counts
+    obj = errs if objective == "output" else tops + errs / (errs.max() + 1) / top.numel()
+    pick = layer_widths(obj, costs, oscar_bits(fitted))
     widths = [list(options[o]) for o in pick]
     L = len(widths)
     rot_k, rot_q = list(fitted.rot_k), list(fitted.rot_q or fitted.rot_k)
@@ -581,7 +590,10 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
            "wide_params": "fp16", "objective": "relative attention-output error on reservoir rows",
            "err": [[round(float(e), 6) for e in row] for row in errs],
            "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
-           "err_total_base": round(float(errs[:, 0].sum()), 6),
+           "err_total_base": round(float(errs[:, 0].sum()), 6), "chosen_by": objective,
+           "top1_changed": [[round(float(e), 6) for e in row] for row in tops],
+           "top1_total": round(float(tops[np.arange(len(pick)), pick].sum()), 6),
+           "top1_total_base": round(float(tops[:, 0].sum()), 6), "top1_rows": int(top.numel()),
            **({"split": squant.key_split, "tune_factor": factor} if use_mix else {})}
     out = _derived(fitted, method, rec, {})
     return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None or use_mix else None, clip_k=clip_k, clip_v=clip_v)
@@ -590,3 +602,13 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
 def mix_layer_artifact(fitted: Artifact) -> Artifact:
     """oscar-mix-layer-int2: `layer_artifact` with oscar-mix-int2's split keys among each layer's options."""
     return layer_artifact(fitted, MIX_LAYER_OPTIONS, "oscar-mix-layer-int2")
+
+
+def layer_top1_artifact(fitted: Artifact) -> Artifact:
+    """oscar-layer-top1-int2: oscar-layer-int2 with the widths chosen by the share of query rows whose top key changes."""
+    return layer_artifact(fitted, LAYER_OPTIONS, "oscar-layer-top1-int2", objective="top1")
+
+
+def mix_layer_top1_artifact(fitted: Artifact) -> Artifact:
+    """oscar-mix-layer-top1-int2: oscar-mix-layer-int2 with the widths chosen by the same top-1 objective."""
+    return layer_artifact(fitted, MIX_LAYER_OPTIONS, "oscar-mix-layer-top1-int2", objective="top1")

@@ -31,6 +31,8 @@
                    2 bits, fp16 above)
     oscar-mix-layer-int2 hypotheses 2 and 4 together: oscar-layer-int2 with oscar-mix-int2's split keys
                    among each layer's options
+    oscar-layer-top1-int2, oscar-mix-layer-top1-int2  the two above with the widths chosen by the share of
+                   calibration query rows whose highest-scoring key changes (retrieval) instead of the output error
     oscar-tier-int2 issue 16 hypothesis 5: oscar-mix-int2's key bits as D/4 directions at 4 bits, 5D/8 at 2 and
                    the D/8 of lowest score not stored (read as the key mean): 2.5 bits/element
     oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
@@ -230,7 +232,8 @@ def _searched(name: str):
 
 
 DERIVED = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2",
-           "oscar-tier-int2")  # issue 16: built on oscar-int2's artifact
+           "oscar-tier-int2", "oscar-layer-top1-int2",
+           "oscar-mix-layer-top1-int2")  # issue 16: built on oscar-int2's artifact
 _CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
 
 
@@ -255,7 +258,9 @@ def codebook_artifact(name: str, art: Artifact) -> Artifact:
                  "oscar-lm-int2": codebooks.lm_artifact, "oscar-sparse-int2": codebooks.sparse_artifact,
                  "oscar-mix-int2": codebooks.mix_artifact, "oscar-layer-int2": codebooks.layer_artifact,
                  "oscar-tier-int2": codebooks.tier_artifact,
-                 "oscar-mix-layer-int2": codebooks.mix_layer_artifact}[name]
+                 "oscar-mix-layer-int2": codebooks.mix_layer_artifact,
+                 "oscar-layer-top1-int2": codebooks.layer_top1_artifact,
+                 "oscar-mix-layer-top1-int2": codebooks.mix_layer_top1_artifact}[name]
         _CODEBOOK_ARTS[key] = build(art)
     return _CODEBOOK_ARTS[key]
 
@@ -315,6 +320,8 @@ register_method("oscar-mix-int2", _codebook_method("oscar-mix-int2"), needs_arti
 register_method("oscar-layer-int2", _codebook_method("oscar-layer-int2"), needs_artifact=True)  # widths per layer
 register_method("oscar-mix-layer-int2", _codebook_method("oscar-mix-layer-int2"), needs_artifact=True)  # both
 register_method("oscar-tier-int2", _codebook_method("oscar-tier-int2"), needs_artifact=True)  # 4/2/0-bit key tiers
+register_method("oscar-layer-top1-int2", _codebook_method("oscar-layer-top1-int2"), needs_artifact=True)  # widths by top-1
+register_method("oscar-mix-layer-top1-int2", _codebook_method("oscar-mix-layer-top1-int2"), needs_artifact=True)
 register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
 register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
@@ -445,6 +452,10 @@ METHOD_NOTES: dict[str, str] = {
                        "the D/8 of lowest score not stored (read as the key mean); values with fp8 scale/zero",
     "oscar-mix-layer-int2": "issue 16, hypotheses 2 + 4: oscar-layer-int2 whose per-layer options include oscar-mix-int2's "
                             "split keys",
+    "oscar-layer-top1-int2": "issue 16, hypothesis 4: oscar-layer-int2 with the widths chosen by the share of calibration "
+                             "query rows whose highest-scoring key changes (a retrieval objective)",
+    "oscar-mix-layer-top1-int2": "issue 16, hypotheses 2 + 4: oscar-mix-layer-int2 with the widths chosen as "
+                                 "oscar-layer-top1-int2's",
     "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "
                "scaled by the calibrated std, K and V centred, no per-token metadata; no clip search",
 }
