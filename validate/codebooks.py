@@ -541,7 +541,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     use_mix = any(kb == "mix" for kb, _ in options)
     if objective not in ("output", "top1"):
         raise OscarError(f"{method}: objective must be 'output' or 'top1', got {objective!r}")
-    errs, tops, costs, mixes = [], [], [], []
+    errs, tops, costs, mixes, n_rows = [], [], [], [], 0
     for l, ls in enumerate(layers):
         q, k, v = _rows(ls, seed=l)
         mu = fitted.k_mean[l].double()[:, None, :] if fitted.k_mean is not None else 0.0
@@ -558,6 +558,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
             kh_mix = split_fake_quant(((k - mu) @ sf.rot_k).float(), sparts, clip_m).double()
             qr_mix = q @ sf.rot_q  # logits q_r·k̂_r = q·k̂ - q·mu: softmax-invariant per query
         top = S.argmax(-1)  # (H, Nq) the key each query row reads most
+        n_rows = max(n_rows, top.numel())
         row_e, row_t, row_c = [], [], []
         for kb, vb in options:
             vs = _layer_spec(fitted, vb)
@@ -575,8 +576,8 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
             row_c.append(0.5 * (kbits + vs.bits_per_element(D)))
         errs.append(row_e), tops.append(row_t), costs.append(row_c)
     errs, tops, costs = np.array(errs), np.array(tops), np.array(costs)
-    # top1: the output error scaled below one row's share, so it only breaks ties between equal counts
-    obj = errs if objective == "output" else tops + errs / (errs.max() + 1) / top.numel()
+    # top1: the output error scaled below one row's share of the layer with most rows, so it only breaks ties
+    obj = errs if objective == "output" else tops + errs / (errs.max() + 1) / n_rows
     pick = layer_widths(obj, costs, oscar_bits(fitted))
     widths = [list(options[o]) for o in pick]
     L = len(widths)
@@ -587,13 +588,14 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
         if widths[l][0] == "mix":
             rot_k[l], rot_q[l], clip_k[l] = mixes[l]
     rec = {"kind": "layers", "widths": widths, "options": [list(o) for o in options], "base_params": "fp8",
-           "wide_params": "fp16", "objective": "relative attention-output error on reservoir rows",
+           "wide_params": "fp16", "objective": {"output": "relative attention-output error on reservoir rows",
+                                                "top1": "share of reservoir query rows whose top key moves"}[objective],
            "err": [[round(float(e), 6) for e in row] for row in errs],
            "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
            "err_total_base": round(float(errs[:, 0].sum()), 6), "chosen_by": objective,
            "top1_changed": [[round(float(e), 6) for e in row] for row in tops],
            "top1_total": round(float(tops[np.arange(len(pick)), pick].sum()), 6),
-           "top1_total_base": round(float(tops[:, 0].sum()), 6), "top1_rows": int(top.numel()),
+           "top1_total_base": round(float(tops[:, 0].sum()), 6), "top1_rows": int(n_rows),
            **({"split": squant.key_split, "tune_factor": factor} if use_mix else {})}
     out = _derived(fitted, method, rec, {})
     return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None or use_mix else None, clip_k=clip_k, clip_v=clip_v)
