@@ -8,11 +8,12 @@
 # (qwen16k); the SmolLM2 clip tuned at the serving length and protocol (servetune); the tune objective `guarded` on
 # the grid's artifact (qwenguard); 40 samples per task at 2k and 4k, the grid's cells nearest a verdict (qwenmore);
 # per-layer widths (hypothesis 4, alone and with split keys) on the grid's store, Qwen's hard tasks (qwenlayers), and on
-# SmolLM2's shipped store (smollm2layers).
+# SmolLM2's shipped store (smollm2layers); the clip confound of per-layer widths: their wide layers unclipped at 2 bits
+# (qwenunclip, after qwenlayers).
 # ~7.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -146,6 +147,13 @@ if has smollm2layers; then  # hypothesis 4 on SmolLM2's shipped store (4096-toke
   oscar validate ppl --artifact $A --methods oscar-layer-int2,oscar-mix-layer-int2 $P --out $W/ppl_cl4k
   python bench/issue16_widths.py --artifact $A --out bench/results/issue16/widths_smollm2.json
 fi
+if has qwenunclip; then  # per-layer widths store wide layers with no clip: is the gain the bit or the unclipped extremes?
+  Q="--model qwen2.5-0.5b"; A=$W/qp8192/scaled.safetensors; U=$W/qp8192/unclip.safetensors
+  python bench/issue16_unclip.py --artifact $A --widths bench/results/issue16/widths_qwen.json --out $U
+  G="--tasks niah_multikey_1 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $A --methods oscar-int2,oscar-layer-int2 $G --out $W/gs4k_mk  # clipped 2-bit, widths
+  oscar validate niah $Q --artifact $U --methods oscar-int2 $G --out $W/gu4k_mk  # unclipped 2-bit in the wide layers
+fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
     --rename $W/c4k_s0:oscar-int2=oscar-c4k-int2 $W/c4k_s1:oscar-int2=oscar-c4k-int2 $W/c8k_s0:oscar-int2=oscar-c8k-int2 \
@@ -164,6 +172,11 @@ if has tables; then
   # hard tasks comes from runs of the same samples, listed first: the grid's oscar-int2 records replace theirs
   python bench/issue16_ab.py --niah $W/qp4k_4k $W/q2k_8k $W/gp8k_short $W/gp8k_4k_hard $W/gp8k_8k_hard $W/gl8k_hard \
     $W/gt8k_hard --ppl $W/gp8k_ppl $W/gl8k_ppl --out bench/results/issue16/ab_qwen_layers.json
+  # the clip confound: paired against the unclipped 2-bit artifact, scaled − unclip is the clip's share and
+  # layer widths − unclip the bit's (the same base artifact, fit and tune)
+  python bench/issue16_ab.py --niah $W/gs4k_mk $W/gu4k_mk --base oscar-unclip-int2 \
+    --rename $W/gs4k_mk:oscar-int2=oscar-scaled-int2 $W/gu4k_mk:oscar-int2=oscar-unclip-int2 \
+    --out bench/results/issue16/ab_qwen_unclip.json
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/cl4k_s0 $W/cl4k_s1 \
     --ppl $W/ppl_c2k $W/ppl_c4k $W/ppl_cl4k --rename $W/c2k_s0:oscar-int2=oscar-c2k $W/c2k_s1:oscar-int2=oscar-c2k \
     $W/ppl_c2k:oscar-int2=oscar-c2k --out bench/results/issue16/ab_smollm2_layers.json
