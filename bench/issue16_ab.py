@@ -69,11 +69,14 @@ def niah_table(dirs: list[str]) -> list[dict]:
     lengths = sorted({L for _, L, _ in cells})
     methods = sorted({m for _, _, m in cells})
     rows = []
-    for L in lengths:
+    # one row per length and task (and the tasks pooled), then each over every length measured ("all"): a pair is
+    # one sample of one cell, so pooling over cells keeps the pairing
+    for L in [*lengths, "all"]:
+        ll = lengths if L == "all" else [L]
         for t in [*tasks, "pooled"]:
+            tt = tasks if t == "pooled" else [t]
             for m in methods:
-                tt = tasks if t == "pooled" else [t]
-                x = np.concatenate([np.array(list(cells.get((u, L, m), {}).values())) for u in tt])
+                x = np.concatenate([np.array(list(cells.get((u, l, m), {}).values())) for u in tt for l in ll])
                 if not len(x):
                     continue
                 lo, hi, how = ev.score_interval(x)
@@ -82,7 +85,7 @@ def niah_table(dirs: list[str]) -> list[dict]:
                 for base in ("bf16", BASE):
                     if m == base or m == "bf16":
                         continue
-                    pa = [ev.paired_arrays(cells, u, L, m, base) for u in tt]
+                    pa = [ev.paired_arrays(cells, u, l, m, base) for u in tt for l in ll]
                     xa = np.concatenate([a for a, _ in pa])
                     xb = np.concatenate([b for _, b in pa])
                     if len(xa):
@@ -167,12 +170,13 @@ def ablation_table(d: str) -> list[dict]:
 
 def markdown(res: dict) -> str:
     tasks = "/".join(sorted({r["task"] for r in res["niah"] if r["task"] != "pooled"}))
-    lines = [f"| needles (pooled {tasks}), % | bits | " + " | ".join(f"{L // 1024}k" for L in res["lengths"]) + " |",
-             "|---|---|" + "---|" * len(res["lengths"])]
+    cols = res["lengths"] + (["all"] if len(res["lengths"]) > 1 else [])
+    lines = [f"| needles (pooled {tasks}), % | bits | " + " | ".join(
+        "all lengths" if L == "all" else f"{L // 1024}k" for L in cols) + " |", "|---|---|" + "---|" * len(cols)]
     pooled = [r for r in res["niah"] if r["task"] == "pooled"]
     for m in res["methods"]:
         cells = []
-        for L in res["lengths"]:
+        for L in cols:
             r = next((r for r in pooled if r["method"] == m and r["length"] == L), None)
             if r is None:
                 cells.append("–")
@@ -244,8 +248,9 @@ def main(argv=None) -> int:
            "bits": {**{_name(d, k): v for d in a.niah for k, v in memory(d).items()},
                     **({_name(d, k): v for d in a.ppl for k, v in memory(d).items()} if a.ppl else {})},
            "rename": a.rename,
-           "lengths": sorted({r["length"] for r in niah}),
-           "methods": [m for m in dict.fromkeys(("bf16", BASE, *CANDIDATES)) if any(r["method"] == m for r in niah)],
+           "lengths": sorted({r["length"] for r in niah if r["length"] != "all"}),
+           "methods": [m for m in dict.fromkeys(("bf16", BASE, "oscar-int2", *CANDIDATES))
+                       if any(r["method"] == m for r in niah)],
            "base": BASE,
            "inputs": {"niah": a.niah, "ppl": a.ppl, "attention": a.attention, "ablation": a.ablation}}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
