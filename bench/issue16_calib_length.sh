@@ -150,10 +150,10 @@ fi
 if has qwenunclip; then  # per-layer widths store wide layers with no clip: is the gain the bit or the unclipped extremes?
   Q="--model qwen2.5-0.5b"; A=$W/qp8192/scaled.safetensors; U=$W/qp8192/unclip.safetensors
   python bench/issue16_unclip.py --artifact $A --widths bench/results/issue16/widths_qwen.json --out $U
-  G="--tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k,8k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
-  oscar validate niah $Q --artifact $A --methods oscar-int2,oscar-layer-int2 $G --out $W/gs8k_hard  # clipped 2-bit, widths
-  oscar validate niah $Q --artifact $U --methods oscar-int2 $G --out $W/gu8k_hard  # unclipped 2-bit in the wide layers
-  oscar validate niah $Q --artifact $W/qp8192/nll.safetensors --methods oscar-int2 $G --out $W/gn8k_hard  # shipped split
+  G="--tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $A --methods oscar-int2,oscar-layer-int2 $G --out $W/gs4k_hard  # clipped 2-bit, widths
+  oscar validate niah $Q --artifact $U --methods oscar-int2 $G --out $W/gu4k_hard  # unclipped 2-bit in the wide layers
+  oscar validate niah $Q --artifact $W/qp8192/nll.safetensors --methods oscar-int2 $G --out $W/gn4k_hard  # shipped split (the grid's records again)
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
@@ -176,12 +176,15 @@ if has tables; then
   # the clip confound: paired against the unclipped 2-bit artifact, scaled − unclip is the clip's share and
   # layer widths − unclip the bit's (the same scaled fit and tune); against the clipped 2-bit scaled fit, layer
   # widths − scaled is their whole effect and oscar-int2 (split keys, the grid's artifact) − scaled the fit's
-  python bench/issue16_ab.py --niah $W/gn8k_hard $W/gs8k_hard $W/gu8k_hard --base oscar-unclip-int2 \
-    --rename $W/gs8k_hard:oscar-int2=oscar-scaled-int2 $W/gu8k_hard:oscar-int2=oscar-unclip-int2 \
+  python bench/issue16_ab.py --niah $W/gn4k_hard $W/gs4k_hard $W/gu4k_hard --base oscar-unclip-int2 \
+    --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gu4k_hard:oscar-int2=oscar-unclip-int2 \
     --out bench/results/issue16/ab_qwen_unclip.json
-  python bench/issue16_ab.py --niah $W/gn8k_hard $W/gs8k_hard $W/gu8k_hard --base oscar-scaled-int2 \
-    --rename $W/gs8k_hard:oscar-int2=oscar-scaled-int2 $W/gu8k_hard:oscar-int2=oscar-unclip-int2 \
+  python bench/issue16_ab.py --niah $W/gn4k_hard $W/gs4k_hard $W/gu4k_hard --base oscar-scaled-int2 \
+    --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gu4k_hard:oscar-int2=oscar-unclip-int2 \
     --out bench/results/issue16/ab_qwen_unclip_vs_scaled.json
+  python bench/issue16_ab.py --niah $W/gn4k_hard $W/gs4k_hard $W/gu4k_hard \
+    --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gu4k_hard:oscar-int2=oscar-unclip-int2 \
+    --out bench/results/issue16/ab_qwen_unclip_vs_shipped.json
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/cl4k_s0 $W/cl4k_s1 \
     --ppl $W/ppl_c2k $W/ppl_c4k $W/ppl_cl4k --rename $W/c2k_s0:oscar-int2=oscar-c2k $W/c2k_s1:oscar-int2=oscar-c2k \
     $W/ppl_c2k:oscar-int2=oscar-c2k --out bench/results/issue16/ab_smollm2_layers.json
