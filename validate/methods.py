@@ -231,9 +231,15 @@ def _searched(name: str):
     return factory
 
 
-DERIVED = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2",
-           "oscar-tier-int2", "oscar-layer-top1-int2",
-           "oscar-mix-layer-top1-int2")  # issue 16: built on oscar-int2's artifact
+# issue 16's candidates, built on oscar-int2's artifact: method -> its builder in validate/codebooks.py
+DERIVED = {"oscar-lm-int2": "lm_artifact",  # norms + Lloyd-Max keys
+           "oscar-sparse-int2": "sparse_artifact",  # + exact side list
+           "oscar-mix-int2": "mix_artifact",  # 3/2-bit key split by C_Q
+           "oscar-layer-int2": "layer_artifact",  # widths per layer
+           "oscar-mix-layer-int2": "mix_layer_artifact",  # both
+           "oscar-tier-int2": "tier_artifact",  # 4/2/0-bit key tiers
+           "oscar-layer-top1-int2": "layer_top1_artifact",  # widths per layer by top-1 moves
+           "oscar-mix-layer-top1-int2": "mix_layer_top1_artifact"}
 _CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
 
 
@@ -254,13 +260,7 @@ def codebook_artifact(name: str, art: Artifact) -> Artifact:
             h.update(t.detach().float().contiguous().numpy().tobytes())
         key += (h.hexdigest(), repr(art.quant))
     if key not in _CODEBOOK_ARTS:
-        build = {"tq-int2": codebooks.tq_artifact, "sq-int2": codebooks.sq_artifact,
-                 "oscar-lm-int2": codebooks.lm_artifact, "oscar-sparse-int2": codebooks.sparse_artifact,
-                 "oscar-mix-int2": codebooks.mix_artifact, "oscar-layer-int2": codebooks.layer_artifact,
-                 "oscar-tier-int2": codebooks.tier_artifact,
-                 "oscar-mix-layer-int2": codebooks.mix_layer_artifact,
-                 "oscar-layer-top1-int2": codebooks.layer_top1_artifact,
-                 "oscar-mix-layer-top1-int2": codebooks.mix_layer_top1_artifact}[name]
+        build = getattr(codebooks, {"tq-int2": "tq_artifact", "sq-int2": "sq_artifact", **DERIVED}[name])
         _CODEBOOK_ARTS[key] = build(art)
     return _CODEBOOK_ARTS[key]
 
@@ -313,15 +313,8 @@ register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the publis
 register_method("oscar-kc-int2", _oscar_kc, needs_artifact=True)   # oscar-int2's rotations, KIVI-style key groups
 register_method("tq-int2", _tq, needs_artifact=True)  # TurboQuant, the paper's 2.5-bit 3/2-bit split (validate/codebooks.py)
 register_method("sq-int2", _sq, needs_artifact=True)  # SpectralQuant, uniform allocation (validate/codebooks.py)
-# issue 16's candidates: oscar-int2's artifact with another key format (validate/codebooks.py)
-register_method("oscar-lm-int2", _codebook_method("oscar-lm-int2"), needs_artifact=True)  # norms + Lloyd-Max keys
-register_method("oscar-sparse-int2", _codebook_method("oscar-sparse-int2"), needs_artifact=True)  # + exact side list
-register_method("oscar-mix-int2", _codebook_method("oscar-mix-int2"), needs_artifact=True)  # 3/2-bit key split by C_Q
-register_method("oscar-layer-int2", _codebook_method("oscar-layer-int2"), needs_artifact=True)  # widths per layer
-register_method("oscar-mix-layer-int2", _codebook_method("oscar-mix-layer-int2"), needs_artifact=True)  # both
-register_method("oscar-tier-int2", _codebook_method("oscar-tier-int2"), needs_artifact=True)  # 4/2/0-bit key tiers
-register_method("oscar-layer-top1-int2", _codebook_method("oscar-layer-top1-int2"), needs_artifact=True)  # widths by top-1
-register_method("oscar-mix-layer-top1-int2", _codebook_method("oscar-mix-layer-top1-int2"), needs_artifact=True)
+for _m in DERIVED:  # issue 16's candidates: oscar-int2's artifact with another key format
+    register_method(_m, _codebook_method(_m), needs_artifact=True)
 register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
 register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
