@@ -9,11 +9,13 @@
 # the grid's artifact (qwenguard); 40 samples per task at 2k and 4k, the grid's cells nearest a verdict (qwenmore);
 # per-layer widths (hypothesis 4, alone and with split keys) on the grid's store, Qwen's hard tasks (qwenlayers), and on
 # SmolLM2's shipped store (smollm2layers); the clip confound of per-layer widths: their wide layers unclipped at 2 bits
-# (qwenunclip, after qwenlayers).
+# (qwenunclip, after qwenlayers); per-layer widths chosen by each layer's copied-span NLL on calibration text, a
+# retrieval signal measured through the model (qwencopy, after qwenunclip: against its arms; smollm2copy: builds the
+# 4096-token store and scaled fit if absent).
 # ~7.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy smollm2copy tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -154,6 +156,32 @@ if has qwenunclip; then  # per-layer widths store wide layers with no clip: is t
   oscar validate niah $Q --artifact $A --methods oscar-int2,oscar-layer-int2 $G --out $W/gs4k_hard  # clipped 2-bit, widths
   oscar validate niah $Q --artifact $U --methods oscar-int2 $G --out $W/gu4k_hard  # unclipped 2-bit in the wide layers
   oscar validate niah $Q --artifact $W/qp8192/nll.safetensors --methods oscar-int2 $G --out $W/gn4k_hard  # shipped split (the grid's records again)
+fi
+if has qwencopy; then  # widths per layer by each layer's copied-span NLL, paired with qwenunclip's arms (same store and fit)
+  Q="--model qwen2.5-0.5b"; A=$W/qp8192/scaled.safetensors; C=$W/qp8192/copy.safetensors
+  python bench/issue16_layer_copy.py $Q --artifact $A --windows 4 --length 1024 --out-artifact $C --no-progress \
+    --out bench/results/issue16/layer_copy_qwen.json
+  G="--tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $C --methods oscar-int2 $G --out $W/gc4k_hard
+  python bench/issue16_ab.py --niah $W/gn4k_hard $W/gs4k_hard $W/gc4k_hard --base oscar-layer-int2 \
+    --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gc4k_hard:oscar-int2=oscar-layer-copy-int2 \
+    --out bench/results/issue16/ab_qwen_copy.json
+fi
+if has smollm2copy; then  # widths per layer by a retrieval signal through the model, against the output-error DP's
+  A=$W/s4096/scaled.safetensors; C=$W/s4096/copy.safetensors
+  oscar calibrate --model smollm2-135m --store $W/s4096/calib.zarr --tokens 65536 --seq-len 4096 --no-progress  # resumes / done
+  [ -e $W/s4096/scaled.fit.safetensors ] || oscar fit $W/s4096/calib.zarr --variant scaled --out $W/s4096/scaled.fit.safetensors --no-progress
+  [ -e $A ] || oscar validate tune --artifact $W/s4096/scaled.fit.safetensors --out $A --no-progress
+  python bench/issue16_layer_copy.py --artifact $A --windows 4 --out-artifact $C --no-progress \
+    --out bench/results/issue16/layer_copy_smollm2.json
+  for s in 0 1; do
+    oscar validate niah --artifact $A --methods bf16,oscar-int2,oscar-layer-int2 $N --seed $s --out $W/cw4k_s$s
+    oscar validate niah --artifact $C --methods oscar-int2 $N --seed $s --out $W/cc4k_s$s
+  done
+  python bench/issue16_ab.py --niah $W/cw4k_s0 $W/cw4k_s1 $W/cc4k_s0 $W/cc4k_s1 --base oscar-layer-int2 \
+    --rename $W/cw4k_s0:oscar-int2=oscar-scaled-int2 $W/cw4k_s1:oscar-int2=oscar-scaled-int2 \
+    $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
+    --out bench/results/issue16/ab_smollm2_copy.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \

@@ -520,3 +520,93 @@ def test_unclip_artifact_switches_off_the_key_clip_in_the_wide_layers_only(fitte
     w.write_text(json.dumps({"oscar-layer-int2": {"widths": widths[:-1]}}))
     with pytest.raises(SystemExit, match="layers"):
         mod.main(["--artifact", str(src), "--widths", str(w), "--out", str(out)])
+
+
+def test_widths_artifact_is_layer_artifacts_format(fitted):
+    """widths_artifact (the per-layer probes of a measured objective) builds exactly the format layer_artifact
+    chose for the same widths: the codec, clips and rotations; bad widths are refused by name."""
+    from oscar.common import OscarError
+
+    la = cb.layer_artifact(fitted)
+    w = cb.widths_artifact(fitted, la.meta["codec"]["widths"])
+    assert w.meta["codec"]["widths"] == la.meta["codec"]["widths"] and w.meta["codec"]["kind"] == "layers"
+    for l in range(fitted.num_layers):
+        assert torch.equal(w.clip_k[l], la.clip_k[l]) and torch.equal(w.clip_v[l], la.clip_v[l])
+        assert torch.equal(w.rot_k[l], la.rot_k[l])
+    with pytest.raises(OscarError, match="widths must give"):
+        cb.widths_artifact(fitted, [[2, 2]] * (fitted.num_layers - 1))
+    with pytest.raises(OscarError, match="widths must give"):
+        cb.widths_artifact(fitted, [[1, 2]] + [[2, 2]] * (fitted.num_layers - 1))
+
+
+def test_copy_objective_widths_are_the_dp_of_the_given_table(fitted):
+    """objective="copy": the widths are layer_widths of the measured table (not of the reservoir rows'); with
+    one layer's probe far better than the rest, that layer is widened; the table must match the options."""
+    from oscar.common import OscarError
+
+    opts = ((2, 2), (3, 2), (4, 2))
+    L, D = fitted.num_layers, fitted.head_dim
+    err = np.zeros((L, 3))
+    err[:, 1:] = 0.01  # widening hurts everywhere ...
+    err[L - 1] = [0.0, -0.5, -0.9]  # ... except in the last layer
+    c = cb.layer_artifact(fitted, opts, "oscar-layer-copy-int2", objective="copy", copy_err=err).meta["codec"]
+    costs = np.array([[0.5 * (cb._layer_spec(fitted, kb).bits_per_element(D) + cb._layer_spec(fitted, vb).bits_per_element(D))
+                       for kb, vb in opts]] * L)
+    assert c["widths"] == [list(opts[o]) for o in cb.layer_widths(err, costs, cb.oscar_bits(fitted))]
+    assert c["widths"][L - 1] == [4, 2] and all(w == [2, 2] for w in c["widths"][:-1]) and c["chosen_by"] == "copy"
+    assert c["copy_err"] == err.round(6).tolist()
+    with pytest.raises(OscarError, match="copy_err must be"):
+        cb.layer_artifact(fitted, opts, objective="copy", copy_err=err[:, :2])
+    with pytest.raises(OscarError, match="given with objective='copy' only"):
+        cb.layer_artifact(fitted, opts, copy_err=err)
+
+
+@pytest.mark.slow
+def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
+    """Each entry is (copied-span NLL with that layer alone widened) - (all at the base), recomputed here with the
+    layer's format set by hand and full-logit cross-entropy; the probe log resumes and refuses another config."""
+    import json
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from oscar.common import OscarError
+    from oscar.validate.env import load_model
+    from oscar.validate.methods import PROTOCOLS
+    from oscar.validate.ppl import simulated
+    from oscar.validate.tune import TuneConfig, calibration_ids, copy_windows, layer_copy_errors
+
+    model, tok, _ = load_model("tiny-llama")
+    opts = ((2, 2), (3, 2), (4, 2))
+    cfg = TuneConfig(copy_windows=2, copy_length=512, copy_span=16)
+    log = str(tmp_path / "probes.jsonl")
+    err = layer_copy_errors(model, tok, fitted, opts, cfg, log=log, progress=False)
+    L = fitted.num_layers
+    assert err.shape == (L, 3) and (err[:, 0] == 0).all() and np.abs(err[:, 1:]).max() > 0
+    sv = PROTOCOLS["serving"]
+    wins = copy_windows(calibration_ids(tok, "pydoc", 2 * 496), 2, 512, 16, sv.sink, sv.recent)
+
+    def nll(widths):  # the codec and clips written out, not through widths_artifact
+        a = replace(fitted, meta={**fitted.meta, "codec": {"kind": "layers", "widths": widths}},
+                    clip_k=[fitted.clip_k[l] if widths[l][0] == 2 else torch.ones_like(fitted.clip_k[l]) for l in range(L)])
+        s = n = 0
+        for win, pos, _ in wins:
+            with simulated(model, a, sv), torch.no_grad():
+                logits = model(input_ids=win, use_cache=False).logits.float()[0]  # (T, V)
+            s += F.cross_entropy(logits[pos], win[0, pos + 1], reduction="sum").item()
+            n += len(pos)
+        return s / n
+
+    base = nll([[2, 2]] * L)
+    for l, o in ((0, 2), (L - 1, 1)):
+        w = [[2, 2]] * L
+        w[l] = list(opts[o])
+        assert math.isclose(err[l, o], nll(w) - base, rel_tol=1e-4, abs_tol=1e-6), (l, o)
+    lines = open(log).read().splitlines()
+    assert len(lines) == 1 + 2 * L
+    open(log, "w").write("\n".join(lines[:-1]) + "\n")  # interrupted before the last probe
+    assert np.array_equal(layer_copy_errors(model, tok, fitted, opts, cfg, log=log, progress=False), err)
+    assert len(open(log).read().splitlines()) == 1 + 2 * L
+    with pytest.raises(OscarError, match="another artifact, options or copy config"):
+        layer_copy_errors(model, tok, fitted, opts, replace(cfg, copy_span=24), log=log, progress=False)
+    assert json.loads(lines[0])["layer"] == -1

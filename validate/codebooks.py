@@ -514,7 +514,7 @@ def layer_widths(errs: np.ndarray, costs: np.ndarray, budget: float) -> list[int
 
 
 def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS, method: str = "oscar-layer-int2",
-                   objective: str = "output") -> Artifact:
+                   objective: str = "output", copy_err: np.ndarray | None = None) -> Artifact:
     """oscar-layer-int2 (hypothesis 4) from oscar-int2's artifact and its store; with "mix" among the key
     widths of `options`, oscar-mix-layer-int2 (hypotheses 2 and 4 together).
 
@@ -526,6 +526,9 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     widths minimise the summed error at oscar-int2's mean bits per element (`layer_widths`).
     objective="top1": the error is instead the share of reservoir query rows whose highest-scoring key changes
     (retrieval: one key must win), the output error only breaking ties.
+    objective="copy": `copy_err` (L, options) is the objective, measured through the model outside this module
+    (`oscar.validate.tune.layer_copy_errors`: each layer alone at each option, the copied-span NLL change on
+    calibration text); the reservoir-row tables are still recorded beside it.
     """
     from oscar.stats.fit import FitConfig
 
@@ -539,8 +542,15 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     sparts = squant.key_parts(D)
     factor = float((fitted.meta.get("clip_tuning") or {}).get("chosen_factor", 1.0))
     use_mix = any(kb == "mix" for kb, _ in options)
-    if objective not in ("output", "top1"):
-        raise OscarError(f"{method}: objective must be 'output' or 'top1', got {objective!r}")
+    if objective not in ("output", "top1", "copy"):
+        raise OscarError(f"{method}: objective must be 'output', 'top1' or 'copy', got {objective!r}")
+    if (objective == "copy") != (copy_err is not None):
+        raise OscarError(f"{method}: copy_err is the copy objective's table, given with objective='copy' only")
+    if copy_err is not None:
+        copy_err = np.asarray(copy_err, dtype=float)
+        if copy_err.shape != (len(layers), len(options)) or not np.isfinite(copy_err).all() or use_mix:
+            raise OscarError(f"{method}: copy_err must be a finite (layers {len(layers)}, options {len(options)}) "
+                             f"table over uniform widths, got shape {copy_err.shape}")
     errs, tops, costs, mixes, n_rows = [], [], [], [], 0
     for l, ls in enumerate(layers):
         q, k, v = _rows(ls, seed=l)
@@ -577,7 +587,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
         errs.append(row_e), tops.append(row_t), costs.append(row_c)
     errs, tops, costs = np.array(errs), np.array(tops), np.array(costs)
     # top1: the output error scaled below one row's share of the layer with most rows, so it only breaks ties
-    obj = errs if objective == "output" else tops + errs / (errs.max() + 1) / n_rows
+    obj = {"output": errs, "top1": tops + errs / (errs.max() + 1) / n_rows, "copy": copy_err}[objective]
     pick = layer_widths(obj, costs, oscar_bits(fitted))
     widths = [list(options[o]) for o in pick]
     L = len(widths)
@@ -589,16 +599,34 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
             rot_k[l], rot_q[l], clip_k[l] = mixes[l]
     rec = {"kind": "layers", "widths": widths, "options": [list(o) for o in options], "base_params": "fp8",
            "wide_params": "fp16", "objective": {"output": "relative attention-output error on reservoir rows",
-                                                "top1": "share of reservoir query rows whose top key moves"}[objective],
+                                                "top1": "share of reservoir query rows whose top key moves",
+                                                "copy": "copied-span NLL change with the layer alone at the width "
+                                                        "(calibration text, validate/tune.py)"}[objective],
            "err": [[round(float(e), 6) for e in row] for row in errs],
            "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
            "err_total_base": round(float(errs[:, 0].sum()), 6), "chosen_by": objective,
            "top1_changed": [[round(float(e), 6) for e in row] for row in tops],
            "top1_total": round(float(tops[np.arange(len(pick)), pick].sum()), 6),
            "top1_total_base": round(float(tops[:, 0].sum()), 6), "top1_rows": int(n_rows),
+           **({"copy_err": [[round(float(e), 6) for e in row] for row in copy_err]} if copy_err is not None else {}),
            **({"split": squant.key_split, "tune_factor": factor} if use_mix else {})}
     out = _derived(fitted, method, rec, {})
     return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None or use_mix else None, clip_k=clip_k, clip_v=clip_v)
+
+
+def widths_artifact(fitted: Artifact, widths, method: str = "oscar-layer-int2", rec: dict | None = None) -> Artifact:
+    """`fitted` with layer l's keys and values at widths[l] = (key bits, value bits): layer_artifact's format
+    (the base width keeps its clips and fp8 scale/zero, a wider one fp16 and no clip) without its search; what
+    a measured objective probes one layer at a time. Split keys ("mix") need layer_artifact."""
+    base, L, H = fitted.quant.bits, fitted.num_layers, fitted.num_kv_heads
+    widths = [[int(kb), int(vb)] for kb, vb in widths]
+    if len(widths) != L or any(not (base <= b <= 8) for w in widths for b in w):
+        raise OscarError(f"{method}: widths must give (key, value) bits in {base}..8 for each of {L} layers, got {widths}")
+    clip_k = [fitted.clip_k[l] if widths[l][0] == base else torch.ones(H) for l in range(L)]
+    clip_v = [fitted.clip_v[l] if widths[l][1] == base else torch.ones(H) for l in range(L)]
+    out = _derived(fitted, method, {"kind": "layers", "widths": widths, "base_params": "fp8", "wide_params": "fp16",
+                                    **(rec or {})}, {})
+    return replace(out, clip_k=clip_k, clip_v=clip_v)
 
 
 def mix_layer_artifact(fitted: Artifact) -> Artifact:

@@ -187,3 +187,71 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
               "seconds": round(time.perf_counter() - t0, 2)}
     tuned.meta["clip_tuning"] = record
     return tuned, record
+
+
+def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, log: str | None = None,
+                      progress: bool = True):
+    """Each layer's retrieval sensitivity to its width on calibration text (issue 16, hypothesis 4): (L, O) array,
+    entry (l, o) the copied-span NLL per token (the copy objective's windows and protocol) with layer l alone at
+    options[o] = (key bits, value bits) and every other layer at options[0], minus the all-options[0] NLL.
+
+    One probe per (layer, wider option), each a forward of every copy window: L (O - 1) + 1 probes. Each probe's
+    result is appended to `log` (JSONL) as it finishes; a rerun with the same log skips the probes found there
+    and refuses a log written for another artifact, options or config."""
+    import json
+    import os
+
+    import numpy as np
+
+    from oscar.validate.codebooks import widths_artifact
+    from oscar.validate.env import with_dtype
+    from oscar.validate.methods import PROTOCOLS
+    from oscar.validate.ppl import simulated
+
+    cfg = cfg or TuneConfig()
+    art.check_model(model.config)
+    if cfg.copy_protocol not in PROTOCOLS:
+        raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
+    base = tuple(options[0])
+    if base != (art.quant.bits, art.quant.bits):
+        raise OscarError(f"layer copy errors: options[0] must be the artifact's own width {art.quant.bits}, got {base}")
+    L = art.num_layers
+    ident = {"store_fingerprint": (art.meta.get("provenance") or {}).get("store_fingerprint"),
+             "clip_k": [round(float(c.float().mean()), 6) for c in art.clip_k], "options": [list(o) for o in options],
+             "copy": [cfg.copy_windows, cfg.copy_length, cfg.copy_span, cfg.copy_protocol, cfg.corpus, cfg.dtype]}
+    done = {}
+    if log and os.path.exists(log):
+        for line in open(log):
+            r = json.loads(line)
+            if r["ident"] != ident:
+                raise OscarError(f"{log} was written for another artifact, options or copy config; use a new log")
+            done[(r["layer"], r["option"])] = r["nll"]
+    with_dtype(model, cfg.dtype)
+    cp = PROTOCOLS[cfg.copy_protocol]
+    text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
+    wins = [(w, pos) for w, pos, _ in copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)]
+    n_tok = sum(len(pos) for _, pos in wins)
+    probes = [(-1, 0)] + [(l, o) for l in range(L) for o in range(1, len(options))]  # (-1, 0): every layer at the base
+    todo = [p for p in probes if p not in done]
+    if progress:
+        from tqdm import tqdm
+
+        todo = tqdm(todo, desc="layer copy probes", unit="probe", initial=len(probes) - len(todo), total=len(probes))
+    for l, o in todo:
+        widths = [list(base)] * L
+        if l >= 0:
+            widths = widths[:l] + [list(options[o])] + widths[l + 1:]
+        a = widths_artifact(art, widths)
+        s = 0.0
+        with simulated(model, a, cp):
+            for win, pos in wins:
+                s += copy_nll(model, win, pos)[0]
+        done[(l, o)] = s / n_tok
+        if log:
+            with open(log, "a") as f:
+                f.write(json.dumps({"layer": l, "option": o, "nll": done[(l, o)], "ident": ident}) + "\n")
+    err = np.zeros((L, len(options)))
+    for l in range(L):
+        for o in range(1, len(options)):
+            err[l, o] = done[(l, o)] - done[(-1, 0)]  # (L, O)
+    return err
