@@ -8,4 +8,9 @@ cd "$(dirname "$0")/.."
 # (tests/test_methods_finite.py, both models) took 17 min on this 2-core host at load average ~11.
 OSCAR_MODELS=${OSCAR_MODELS-qwen2.5-0.5b} bash scripts/setup.sh
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 "$@"  # the slowest tests: where CI time goes
+# Two workers, one file at a time each (module fixtures built once), one torch thread each: the suite used ~1.1 of
+# 2 cores serially (the Triton interpreter, Ray and subprocess start-up are single-threaded). OSCAR_TEST_WORKERS=0
+# runs it in one process; tests/conftest.py starts the longest files first.
+W=${OSCAR_TEST_WORKERS-2}
+[ "$W" = 0 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 -n "$W" --dist loadfile "$@"  # durations: where CI time goes

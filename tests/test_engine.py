@@ -262,13 +262,15 @@ def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
             with simulated(model, art, engine.simulator_protocol(p)):
                 s = window_nll(model, ids)[0]
             tol, orders = 2e-4, [s]
-            if R == 64:
+            c = engine.window_nll(model, m, art, p, ids)[0]
+            if R == 64 and not abs(c - s) / s < 1e-2:  # the spread is only needed past its 1 % floor
                 with pytest.MonkeyPatch.context() as mp:
                     mp.setenv("OSCAR_CPU_FLASH", "0")  # the same simulator, another float order
                     with simulated(model, art, engine.simulator_protocol(p)):
                         s2 = window_nll(model, ids)[0]
                 tol, orders = max(1e-2, 2 * abs(s2 - s) / s), [s, s2]
-            c = engine.window_nll(model, m, art, p, ids)[0]
+            elif R == 64:
+                tol = 1e-2
             if not min(abs(c - o) / o for o in orders) < tol:
                 bad.append(f"{m} R={R}: simulate {s:.4f} cache {c:.4f} (tolerance {tol:.2%})")
     assert not bad, bad
