@@ -15,7 +15,7 @@
 # ~7.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy smollm2copy tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -166,6 +166,20 @@ if has qwencopy; then  # widths per layer by each layer's copied-span NLL, paire
   python bench/issue16_ab.py --niah $W/gn4k_hard $W/gs4k_hard $W/gc4k_hard --base oscar-layer-int2 \
     --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gc4k_hard:oscar-int2=oscar-layer-copy-int2 \
     --out bench/results/issue16/ab_qwen_copy.json
+  python bench/issue16_ab.py --niah $W/gn4k_hard $W/gs4k_hard $W/gc4k_hard \
+    --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gc4k_hard:oscar-int2=oscar-layer-copy-int2 \
+    --out bench/results/issue16/ab_qwen_copy_vs_shipped.json
+  python bench/issue16_ab.py --niah $W/gn4k_hard $W/gs4k_hard $W/gc4k_hard --base oscar-scaled-int2 \
+    --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gc4k_hard:oscar-int2=oscar-layer-copy-int2 \
+    --out bench/results/issue16/ab_qwen_copy_vs_scaled.json
+fi
+if has qwencopyppl; then  # perplexity of qwencopy's arms on the same windows
+  Q="--model qwen2.5-0.5b"; A=$W/qp8192/scaled.safetensors; C=$W/qp8192/copy.safetensors
+  oscar validate ppl $Q --artifact $C --methods oscar-int2 $P --out $W/gc_ppl
+  oscar validate ppl $Q --artifact $A --methods bf16,oscar-layer-int2 $P --out $W/gs_ppl
+  python bench/issue16_ab.py --niah $W/gs4k_hard $W/gc4k_hard --ppl $W/gs_ppl $W/gc_ppl --base oscar-layer-int2 \
+    --rename $W/gs4k_hard:oscar-int2=oscar-scaled-int2 $W/gc4k_hard:oscar-int2=oscar-layer-copy-int2 \
+    $W/gc_ppl:oscar-int2=oscar-layer-copy-int2 --out bench/results/issue16/ab_qwen_copy_ppl.json
 fi
 if has smollm2copy; then  # widths per layer by a retrieval signal through the model, against the output-error DP's
   A=$W/s4096/scaled.safetensors; C=$W/s4096/copy.safetensors
