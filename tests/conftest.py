@@ -1,17 +1,6 @@
-"""Fixtures shared by several test modules, and the order files are handed to pytest-xdist workers."""
+"""Fixtures shared by several test modules."""
 
 import pytest
-
-# scripts/test.sh runs two workers, one file each at a time (--dist loadfile), in collection order: the files that
-# take over a minute start first so neither worker is left with one at the end (measured: 22 min with them in
-# alphabetical order, one worker idle for the last ~4 min; docs/decisions.md, "Tests on two workers").
-HEAVY_FIRST = ("test_engine.py", "test_ablate.py", "test_run_main.py", "test_methods_finite.py",
-               "test_cluster_validate_job.py", "test_workers.py", "test_cluster_ray.py", "test_triton_kernels.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
