@@ -592,8 +592,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     widths = [list(options[o]) for o in pick]
     L = len(widths)
     rot_k, rot_q = list(fitted.rot_k), list(fitted.rot_q or fitted.rot_k)
-    clip_k = [fitted.clip_k[l] if widths[l][0] == base else torch.ones(H) for l in range(L)]
-    clip_v = [fitted.clip_v[l] if widths[l][1] == base else torch.ones(H) for l in range(L)]
+    clip_k, clip_v = _width_clips(fitted, widths)
     for l in range(L):
         if widths[l][0] == "mix":
             rot_k[l], rot_q[l], clip_k[l] = mixes[l]
@@ -614,16 +613,22 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None or use_mix else None, clip_k=clip_k, clip_v=clip_v)
 
 
+def _width_clips(fitted: Artifact, widths) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer (clip_k, clip_v): the fitted clips at the base width, none (ratio 1) at a wider one."""
+    base, H = fitted.quant.bits, fitted.num_kv_heads
+    return ([fitted.clip_k[l] if kb == base else torch.ones(H) for l, (kb, _) in enumerate(widths)],
+            [fitted.clip_v[l] if vb == base else torch.ones(H) for l, (_, vb) in enumerate(widths)])
+
+
 def widths_artifact(fitted: Artifact, widths, method: str = "oscar-layer-int2", rec: dict | None = None) -> Artifact:
     """`fitted` with layer l's keys and values at widths[l] = (key bits, value bits): layer_artifact's format
     (the base width keeps its clips and fp8 scale/zero, a wider one fp16 and no clip) without its search; what
     a measured objective probes one layer at a time. Split keys ("mix") need layer_artifact."""
-    base, L, H = fitted.quant.bits, fitted.num_layers, fitted.num_kv_heads
+    base, L = fitted.quant.bits, fitted.num_layers
     widths = [[int(kb), int(vb)] for kb, vb in widths]
     if len(widths) != L or any(not (base <= b <= 8) for w in widths for b in w):
         raise OscarError(f"{method}: widths must give (key, value) bits in {base}..8 for each of {L} layers, got {widths}")
-    clip_k = [fitted.clip_k[l] if widths[l][0] == base else torch.ones(H) for l in range(L)]
-    clip_v = [fitted.clip_v[l] if widths[l][1] == base else torch.ones(H) for l in range(L)]
+    clip_k, clip_v = _width_clips(fitted, widths)
     out = _derived(fitted, method, {"kind": "layers", "widths": widths, "base_params": "fp8", "wide_params": "fp16",
                                     **(rec or {})}, {})
     return replace(out, clip_k=clip_k, clip_v=clip_v)
