@@ -188,6 +188,8 @@ if has smollm2copy; then  # widths per layer by a retrieval signal through the m
   [ -e $A ] || oscar validate tune --artifact $W/s4096/scaled.fit.safetensors --out $A --no-progress
   python bench/issue16_layer_copy.py --artifact $A --windows 4 --out-artifact $C --no-progress \
     --out bench/results/issue16/layer_copy_smollm2.json
+  oscar validate ppl --artifact $C --methods oscar-int2 $P --out $W/cc_ppl
+  oscar validate ppl --artifact $A --methods bf16,oscar-int2,oscar-layer-int2 $P --out $W/cw_ppl
   for s in 0 1; do
     oscar validate niah --artifact $A --methods bf16,oscar-int2,oscar-layer-int2 $N --seed $s --out $W/cw4k_s$s
     oscar validate niah --artifact $C --methods oscar-int2 $N --seed $s --out $W/cc4k_s$s
@@ -196,6 +198,11 @@ if has smollm2copy; then  # widths per layer by a retrieval signal through the m
     --rename $W/cw4k_s0:oscar-int2=oscar-scaled-int2 $W/cw4k_s1:oscar-int2=oscar-scaled-int2 \
     $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
     --out bench/results/issue16/ab_smollm2_copy.json
+  python bench/issue16_ab.py --niah $W/cw4k_s0 $W/cw4k_s1 $W/cc4k_s0 $W/cc4k_s1 --ppl $W/cw_ppl $W/cc_ppl \
+    --base oscar-layer-int2 --rename $W/cw4k_s0:oscar-int2=oscar-scaled-int2 $W/cw4k_s1:oscar-int2=oscar-scaled-int2 \
+    $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
+    $W/cw_ppl:oscar-int2=oscar-scaled-int2 $W/cc_ppl:oscar-int2=oscar-layer-copy-int2 \
+    --out bench/results/issue16/ab_smollm2_copy_ppl.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \

@@ -610,3 +610,6 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     with pytest.raises(OscarError, match="another artifact, options or copy config"):
         layer_copy_errors(model, tok, fitted, opts, replace(cfg, copy_span=24), log=log, progress=False)
     assert json.loads(lines[0])["layer"] == -1
+    with pytest.raises(OscarError, match=r"options\[0\] must be the artifact's own width 2"):
+        layer_copy_errors(model, tok, fitted, ((3, 3), (4, 4)), cfg, log=str(tmp_path / "other.jsonl"), progress=False)
+    assert not (tmp_path / "other.jsonl").exists()
