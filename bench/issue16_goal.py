@@ -133,8 +133,9 @@ def ppl_goal(dirs: list[str], goal: dict, method: str) -> dict:
 
 def markdown(res: dict) -> str:
     g, n = res["goal"], res["needles"]
-    lines = [f"**{g['model']}**, {res['method']} vs bf16 ({n['rule']}): **{n['verdict']}**", "",
-             "| length | pairs | bf16 % | oscar-int2 % | difference [95 %] | verdict | per task (difference) |",
+    arm = res.get("label", res["method"])
+    lines = [f"**{g['model']}**, {arm} vs bf16 ({n['rule']}): **{n['verdict']}**", "",
+             f"| length | pairs | bf16 % | {arm} % | difference [95 %] | verdict | per task (difference) |",
              "|---|---|---|---|---|---|---|"]
     for r in n["rows"]:
         per = "; ".join(f"{t} {c['diff']:+.1f} [{c['lo']:+.0f}, {c['hi']:+.0f}]" for t, c in r["per_task"].items())
@@ -163,6 +164,8 @@ def main(argv=None) -> int:
                     "another artifact)")
     ap.add_argument("--ppl", nargs="*", default=[], help="`oscar validate ppl` output directories")
     ap.add_argument("--method", default="oscar-int2")
+    ap.add_argument("--label", help="the arm's name in the report when --method runs another artifact "
+                    "(e.g. oscar-layer-copy-int2 run as oscar-int2); default: --method")
     ap.add_argument("--out", required=True, help="JSON path; the Markdown table is written next to it (.md)")
     a = ap.parse_args(argv)
     goal = GOALS[a.goal]
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
         ident = json.load(open(os.path.join(d, "niah_config.json")))["identity"]
         if ident["model"] != goal["model"]:
             raise SystemExit(f"{d} holds needles of {ident['model']}, not {goal['model']} (--goal {a.goal})")
-    res = {"goal": goal, "method": a.method, "inputs": {"niah": a.niah, "bf16": a.bf16, "ppl": a.ppl},
+    res = {"goal": goal, "method": a.method, "label": a.label or a.method, "inputs": {"niah": a.niah, "bf16": a.bf16, "ppl": a.ppl},
            "needles": needle_goal(read_needles([*a.bf16, *a.niah], a.method, tuple(a.bf16)), goal, a.method),
            "ppl": ppl_goal(a.ppl, goal, a.method)}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

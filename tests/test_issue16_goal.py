@@ -94,6 +94,14 @@ def test_refuses_needles_of_another_model(tmp_path):
         goal.main(["--goal", "smollm2", "--niah", d, "--out", str(tmp_path / "g.json")])
 
 
+def test_label_names_the_arm_that_ran_as_the_method(tmp_path):
+    d = _needles(tmp_path / "a", cells=_grid(5))
+    goal.main(["--goal", "smollm2", "--niah", d, "--label", "oscar-layer-copy-int2", "--out", str(tmp_path / "g.json")])
+    md = (tmp_path / "g.md").read_text()
+    assert md.startswith("**smollm2-135m**, oscar-layer-copy-int2 vs bf16") and "| oscar-layer-copy-int2 % |" in md
+    assert json.load(open(tmp_path / "g.json"))["method"] == "oscar-int2"
+
+
 def _ppl(d, ratio_by_protocol, windows=8, context=1024):
     """Windows whose oscar NLL is the bf16 NLL + log(ratio) per token, each with its 512-token segments."""
     os.makedirs(d, exist_ok=True)
