@@ -15,7 +15,7 @@
 # ~7.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy qwencopygoal tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -203,6 +203,18 @@ if has smollm2copy; then  # widths per layer by a retrieval signal through the m
     $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
     $W/cw_ppl:oscar-int2=oscar-scaled-int2 $W/cc_ppl:oscar-int2=oscar-layer-copy-int2 \
     --out bench/results/issue16/ab_smollm2_copy_ppl.json
+  # the goal's cells for each per-layer arm (bf16 and the output-error widths from the same runs)
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cc4k_s0 $W/cc4k_s1 --bf16 $W/cw4k_s0 $W/cw4k_s1 \
+    --ppl $W/cc_ppl $W/cw_ppl --label oscar-layer-copy-int2 --out bench/results/issue16/goal_smollm2_copy.json
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cw4k_s0 $W/cw4k_s1 --ppl $W/cw_ppl --method oscar-layer-int2 \
+    --out bench/results/issue16/goal_smollm2_layer.json
+fi
+if has qwencopygoal; then  # bf16 on qwencopy's samples, then the goal's cells for the copy-chosen widths (hard tasks, 1k-4k)
+  Q="--model qwen2.5-0.5b"; C=$W/qp8192/copy.safetensors
+  G="--tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $C --methods bf16 $G --out $W/gb4k_hard
+  python bench/issue16_goal.py --goal qwen --niah $W/gc4k_hard --bf16 $W/gb4k_hard --ppl $W/gc_ppl $W/gs_ppl \
+    --label oscar-layer-copy-int2 --out bench/results/issue16/goal_qwen_copy.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
