@@ -11,11 +11,12 @@
 # SmolLM2's shipped store (smollm2layers); the clip confound of per-layer widths: their wide layers unclipped at 2 bits
 # (qwenunclip, after qwenlayers); per-layer widths chosen by each layer's copied-span NLL on calibration text, a
 # retrieval signal measured through the model (qwencopy, after qwenunclip: against its arms; smollm2copy: builds the
-# 4096-token store and scaled fit if absent).
-# ~7.5 h on 2 CPUs. STEPS selects steps.
+# 4096-token store and scaled fit if absent, ~65 min; smollm2seed2: a third needle seed for its arms; smollm2split: the
+# shipped split keys on the same store; qwencopygoal: bf16 on qwencopy's samples and the goal's cells).
+# ~9.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy qwencopygoal tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -203,11 +204,39 @@ if has smollm2copy; then  # widths per layer by a retrieval signal through the m
     $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
     $W/cw_ppl:oscar-int2=oscar-scaled-int2 $W/cc_ppl:oscar-int2=oscar-layer-copy-int2 \
     --out bench/results/issue16/ab_smollm2_copy_ppl.json
+  python bench/issue16_ab.py --niah $W/cw4k_s0 $W/cw4k_s1 $W/cc4k_s0 $W/cc4k_s1 --base oscar-scaled-int2 \
+    --rename $W/cw4k_s0:oscar-int2=oscar-scaled-int2 $W/cw4k_s1:oscar-int2=oscar-scaled-int2 \
+    $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
+    --out bench/results/issue16/ab_smollm2_copy_vs_scaled.json
   # the goal's cells for each per-layer arm (bf16 and the output-error widths from the same runs)
   python bench/issue16_goal.py --goal smollm2 --niah $W/cc4k_s0 $W/cc4k_s1 --bf16 $W/cw4k_s0 $W/cw4k_s1 \
     --ppl $W/cc_ppl $W/cw_ppl --label oscar-layer-copy-int2 --out bench/results/issue16/goal_smollm2_copy.json
   python bench/issue16_goal.py --goal smollm2 --niah $W/cw4k_s0 $W/cw4k_s1 --ppl $W/cw_ppl --method oscar-layer-int2 \
     --out bench/results/issue16/goal_smollm2_layer.json
+fi
+if has smollm2seed2; then  # a third needle seed for smollm2copy's arms (its goal table asked for ~100 pairs at 1k)
+  oscar validate niah --artifact $W/s4096/scaled.safetensors --methods bf16,oscar-layer-int2 $N --seed 2 --out $W/cw4k_s2
+  oscar validate niah --artifact $W/s4096/copy.safetensors --methods oscar-int2 $N --seed 2 --out $W/cc4k_s2
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cc4k_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cc_ppl $W/cw_ppl \
+    --label oscar-layer-copy-int2 --out bench/results/issue16/goal_smollm2_copy_3seeds.json
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cw4k_s{0,1,2} --ppl $W/cw_ppl --method oscar-layer-int2 \
+    --out bench/results/issue16/goal_smollm2_layer_3seeds.json
+  python bench/issue16_ab.py --niah $W/cw4k_s{0,1,2} $W/cc4k_s{0,1,2} --base oscar-layer-int2 \
+    --rename $W/cw4k_s0:oscar-int2=oscar-scaled-int2 $W/cw4k_s1:oscar-int2=oscar-scaled-int2 $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
+    $W/cc4k_s2:oscar-int2=oscar-layer-copy-int2 --out bench/results/issue16/ab_smollm2_copy_3seeds.json
+fi
+if has smollm2split; then  # the shipped format (split keys, its own tune) on smollm2copy's store, the same samples and windows
+  oscar fit $W/s4096/calib.zarr --variant split --out $W/s4096/fit.safetensors --no-progress
+  oscar validate tune --artifact $W/s4096/fit.safetensors --out $W/s4096/nll.safetensors --no-progress
+  for s in 0 1 2; do oscar validate niah --artifact $W/s4096/nll.safetensors --methods oscar-int2 $N --seed $s --out $W/cs4k_s$s; done
+  oscar validate ppl --artifact $W/s4096/nll.safetensors --methods oscar-int2 $P --out $W/cs_ppl
+  python bench/issue16_ab.py --niah $W/cw4k_s{0,1,2} $W/cc4k_s{0,1,2} $W/cs4k_s{0,1,2} --ppl $W/cw_ppl $W/cc_ppl $W/cs_ppl \
+    --rename $W/cw4k_s0:oscar-int2=oscar-scaled-int2 $W/cw4k_s1:oscar-int2=oscar-scaled-int2 $W/cw_ppl:oscar-int2=oscar-scaled-int2 \
+    $W/cc4k_s0:oscar-int2=oscar-layer-copy-int2 $W/cc4k_s1:oscar-int2=oscar-layer-copy-int2 \
+    $W/cc4k_s2:oscar-int2=oscar-layer-copy-int2 $W/cc_ppl:oscar-int2=oscar-layer-copy-int2 \
+    --out bench/results/issue16/ab_smollm2_copy_vs_shipped.json
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cs4k_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cs_ppl $W/cw_ppl \
+    --out bench/results/issue16/goal_smollm2_shipped_3seeds.json
 fi
 if has qwencopygoal; then  # bf16 on qwencopy's samples, then the goal's cells for the copy-chosen widths (hard tasks, 1k-4k)
   Q="--model qwen2.5-0.5b"; C=$W/qp8192/copy.safetensors
