@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oscar.common import OscarError, attention_shapes
 from oscar.kernels import dispatch
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layout
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layer_config, layout
 from oscar.stats.artifact import Artifact, QuantConfig, beyond_calibration, load_artifact
 
 ATTN_NAME = "oscar"
@@ -301,13 +301,15 @@ class OscarCache(Cache):
 
     def __init__(self, artifact: Artifact, config: Any, quant: QuantConfig, *, format: Format = "int2",
                  max_len: int | None = None, max_pages: int | None = None, max_seqs: int | None = None,
-                 backend: str | None = None, dtype: torch.dtype | None = None, pool: PagedKVCache | None = None):
+                 backend: str | None = None, dtype: torch.dtype | None = None, pool: PagedKVCache | None = None,
+                 layer_quant: list[QuantConfig] | None = None):
         if format not in ("int2", "passthrough"):
             raise OscarError(f"format must be 'int2' or 'passthrough', got {format!r}")
         from oscar.constraints import check_model
 
         check_model(config, what="the model")  # sliding-window layers: refused here as in every stage
         self.artifact, self.config, self.quant, self.format = artifact, config, quant, format
+        self.layer_quant = layer_quant  # layer l stores its K/V as layer_quant[l] (per-layer widths); None: `quant`
         self.shapes = attention_shapes(config)
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.max_len = int(max_len or min(getattr(c, "max_position_embeddings", 32768) or 32768, 32768))
@@ -319,6 +321,8 @@ class OscarCache(Cache):
         self._ids: list[torch.Tensor] | None = []  # token ids fed so far (None: unknown, e.g. embeddings fed)
         if pool is None:
             self.paged_config(1, torch.float32, "cpu")  # validate the format now, not at the first update
+            if layer_quant is not None and format == "int2":
+                self.layer_configs(self.paged_config(1, torch.float32, "cpu"))
         super().__init__(layers=[OscarLayer(self, i) for i in range(self.shapes["num_layers"])])
 
     @classmethod
@@ -345,7 +349,10 @@ class OscarCache(Cache):
         bad = set(overrides) - set(_QUANT_FIELDS)
         if bad:
             raise OscarError(f"unknown OscarCache option(s) {sorted(bad)}; quant overrides are {list(_QUANT_FIELDS)}")
-        q = replace(quant or art.quant, **{k: v for k, v in overrides.items() if v is not None})
+        ov = {k: v for k, v in overrides.items() if v is not None}
+        q = replace(quant or art.quant, **ov)
+        # per-layer widths (Artifact.layer_quant) unless a whole `quant` replaces the artifact's format
+        lq = [replace(x, **ov) for x in art.layer_quant] if art.layer_quant is not None and quant is None else None
         register_attention()
         if model.config._attn_implementation != ATTN_NAME:
             model.set_attn_implementation(ATTN_NAME)
@@ -354,7 +361,7 @@ class OscarCache(Cache):
             if hasattr(model, "prepare_inputs_for_generation"):  # generate: the whole prompt vs the cached tokens
                 model.prepare_inputs_for_generation = _guard_prefix(model.prepare_inputs_for_generation)
         return cls(art, model.config, q, format=format, max_len=max_len, max_pages=max_pages, max_seqs=max_seqs,
-                   backend=backend, dtype=dtype)
+                   backend=backend, dtype=dtype, layer_quant=lq)
 
     # ---- pool
     def paged_config(self, batch: int, dtype: torch.dtype, device) -> PagedConfig:
@@ -370,6 +377,18 @@ class OscarCache(Cache):
         except ValueError as e:
             raise OscarError(f"cache format: {e}") from e
 
+    def layer_configs(self, cfg: PagedConfig) -> list[PagedConfig]:
+        """Each layer's config (the model's layout `cfg` with the layer's own format); refuses what a layer cannot store."""
+        L = self.shapes["num_layers"]
+        if self.layer_quant is None or self.format != "int2":
+            return [cfg] * L
+        if len(self.layer_quant) != L:
+            raise OscarError(f"layer_quant has {len(self.layer_quant)} formats for the model's {L} layers")
+        try:
+            return [layer_config(cfg, q) for q in self.layer_quant]
+        except ValueError as e:
+            raise OscarError(f"cache format: {e}") from e
+
     def _ensure_pool(self, k: torch.Tensor) -> None:
         if self.pool is not None and self.seqs:
             return
@@ -378,7 +397,8 @@ class OscarCache(Cache):
         if self.pool is None:
             cfg = self.paged_config(B, dtype, k.device)
             rots = [LayerRotation.from_artifact(self.artifact, l, k.device) for l in range(self.artifact.num_layers)]
-            self.pool = PagedKVCache(cfg, rots, quantizer=dispatch.quantize_pages)
+            lq = self.layer_quant if self.format == "int2" else None
+            self.pool = PagedKVCache(cfg, rots, quantizer=dispatch.quantize_pages, layer_quant=lq)
         self.seqs = [self.pool.new_sequence() for _ in range(B)]
 
     def _check_attn_impl(self) -> None:
@@ -408,7 +428,7 @@ class OscarCache(Cache):
             raise OscarError("fork() needs a filled cache (run a prefill first)")
         new = OscarCache(self.artifact, self.config, self.quant, format=self.format, max_len=self.max_len,
                          max_pages=self.max_pages, max_seqs=self.max_seqs, backend=self.backend,
-                         dtype=self.store_dtype, pool=self.pool)
+                         dtype=self.store_dtype, pool=self.pool, layer_quant=self.layer_quant)
         new.seqs = [self.pool.fork(s) for s in self.seqs]
         new._ids = [t] if (t := self.token_ids()) is not None else None
         for a, b in zip(new.layers, self.layers):

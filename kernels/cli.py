@@ -18,6 +18,9 @@ def register(sub) -> None:
     m.add_argument("--sink", type=int, default=SINK, help="first tokens kept in BF16 by every INT2 format")
     m.add_argument("--recent", type=int, default=RECENT, help="latest tokens kept in BF16 by every INT2 format")
     m.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per INT2 page")
+    m.add_argument("--artifact", default=None,
+                   help="also account this artifact's own format, layer by layer (per-layer widths: issue 16); "
+                        "default: none, the preset formats only")
     m.add_argument("--json", action="store_true", help="print the report as JSON")
     m.add_argument("--out", default=None, help="also write the JSON report to this file (default: print only)")
     m.set_defaults(func=memory_cmd)
@@ -32,6 +35,11 @@ def memory_cmd(args: argparse.Namespace) -> int:
     cfg = load_model_config(args.model)
     rep = report(cfg, args.context, default_formats(args.sink, args.recent, args.page_size))
     rep["model"] = args.model
+    if args.artifact:
+        from oscar.kernels.memory import artifact_row
+        from oscar.stats.artifact import load_artifact
+
+        rep["artifact"] = {"path": args.artifact, **artifact_row(load_artifact(args.artifact), cfg)}
     text = json.dumps(rep, indent=2)
     if args.out:
         with open(args.out, "w") as f:
@@ -45,6 +53,10 @@ def memory_cmd(args: argparse.Namespace) -> int:
             print(f"{r['format']:14s} {r['bits_per_element']:9.3f} {r['history_bytes_per_token_total']:10.1f} "
                   f"1/{1 / r['history_ratio_vs_bf16']:<6.2f} {r['context_bytes_total'] / 2**20:9.2f} "
                   f"1/{1 / r['context_ratio_vs_bf16']:<6.2f}")
+        if "artifact" in rep:
+            a = rep["artifact"]
+            print(f"{'artifact':14s} {a['bits_per_element']:9.3f} {sum(a['history_bytes_per_token'].values()):10.1f} "
+                  f"1/{1 / a['history_ratio_vs_bf16']:<6.2f}  ({a['path']}, layer by layer)")
         for k, v in rep["targets"].items():
             by = f" by {v['met_by']}" if v.get("met_by") else ""
             print(f"target {k}: {'met' if v['met'] else 'MISSED'}{by}  {v.get('why', '')}")

@@ -47,6 +47,16 @@ class Format:
     key_split: int = 0  # split keys (QuantConfig.key_split): wide key channels, key_top more bits and a second param pair
     key_top: int = 1  # split keys: the wide channels' bits above `bits` (QuantConfig.key_top)
     key_drop: int = 0  # split keys: key channels not stored (QuantConfig.key_drop; -1: the tiers variant's own)
+    key_param_bytes: int | None = None  # keys' scale/zero bytes where they differ (QuantConfig.key_param_dtype)
+
+    @classmethod
+    def from_quant(cls, name: str, q) -> "Format":
+        """The row of a QuantConfig (one layer's format: `Artifact.quant_for`)."""
+        nbytes = {"float8_e4m3fn": 1, "float16": 2, "float32": 4}
+        return cls(name, bits=q.bits, mode=q.mode, key_axis=q.key_axis, group_size=q.group_size, page_size=q.page_size,
+                   sink=q.sink, recent=q.recent, param_bytes=nbytes[q.param_dtype], key_split=q.key_split,
+                   key_top=q.key_top, key_drop=q.key_drop,
+                   key_param_bytes=nbytes[q.key_param_dtype] if q.key_param_dtype else None)
 
     @property
     def param_dtype(self) -> str:
@@ -80,13 +90,15 @@ def per_history_token(shapes: dict, f: Format) -> dict[str, float]:
     W = _split(f, D)
     codes = elems * f.bits / 8 + L * H * (f.key_top * W - f.bits * _drop(f, D)) / 8  # + top bits, - not-stored keys
     pair = 2 * f.param_bytes  # scale + zero
+    pair_k = 2 * (f.key_param_bytes or f.param_bytes)
     if f.mode == "static":
         scales = 0.0
     else:
         G = f.group_size or D
         v = L * H * (D // G) * pair  # per token and channel group
-        k = L * H * D * pair / f.page_size if f.key_axis == "channel" else v  # KIVI: per channel per page
-        scales = k + v + (L * H * pair if W else 0)  # split keys: a pair per key part
+        k = L * H * D * pair_k / f.page_size if f.key_axis == "channel" else L * H * (D // G) * pair_k  # KIVI: per channel per page
+        two_parts = W and W < D - _drop(f, D)  # W = every stored channel: one wide part, one pair
+        scales = k + v + (L * H * pair_k if two_parts else 0)  # split keys: a pair per key part
     return {"codes": codes, "scales": scales, "page_table": L * PAGE_TABLE_BYTES / f.page_size}
 
 
@@ -108,6 +120,28 @@ def _drop(f: Format, D: int) -> int:
     return tier_drop(D)
 
 
+def per_history_token_layers(shapes: dict, formats: list[Format]) -> dict[str, float]:
+    """`per_history_token` of a model whose layer l stores its K/V as formats[l] (per-layer widths)."""
+    if len(formats) != shapes["num_layers"]:
+        raise ValueError(f"{len(formats)} layer formats for {shapes['num_layers']} layers")
+    one = dict(shapes, num_layers=1)
+    rows = [per_history_token(one, f) for f in formats]
+    return {k: sum(r[k] for r in rows) for k in rows[0]}
+
+
+def artifact_formats(art) -> list[Format]:
+    """One accounting row per layer of an artifact (`Artifact.quant_for`: per-layer widths where it has them)."""
+    return [Format.from_quant(f"layer{l}", art.quant_for(l)) for l in range(art.num_layers)]
+
+
+def artifact_bits_per_element(art) -> float:
+    """Stored bits per K/V element of the artifact's INT2 history (codes and every scale/zero, K and V averaged,
+    all layers): what the issue-16 budget reads (2.5), from the same accounting as `oscar bench memory`."""
+    shapes = {"num_layers": art.num_layers, "num_kv_heads": art.num_kv_heads, "head_dim": art.head_dim}
+    h = per_history_token_layers(shapes, artifact_formats(art))
+    return 8 * (h["codes"] + h["scales"]) / (2 * art.num_layers * art.num_kv_heads * art.head_dim)
+
+
 def total(shapes: dict, f: Format, context: int, batch: int = 1) -> dict[str, float]:
     """Bytes held for `batch` sequences of `context` tokens, by component (the kern layout)."""
     L, H, D = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
@@ -127,6 +161,27 @@ def total(shapes: dict, f: Format, context: int, batch: int = 1) -> dict[str, fl
         "page_table": batch * hist * h["page_table"],
         "constants": float(2 * L * H * D * 2 * f.param_bytes) if f.mode == "static" else 0.0,
     }
+
+
+def artifact_row(art, config: Any | None = None) -> dict:
+    """The accounting of an artifact's own format, layer by layer (`oscar bench memory --artifact`)."""
+    shapes = {"num_layers": art.num_layers, "num_kv_heads": art.num_kv_heads, "head_dim": art.head_dim}
+    if art.meta.get("codec"):
+        from oscar.common import OscarError
+
+        kind = art.meta["codec"].get("kind")
+        raise OscarError(f"the artifact stores validation codec {kind!r} (validate/codebooks.py), not a cache format the "
+                         "accounting knows" + ("; validate.codebooks.native_layer_artifact converts per-layer widths"
+                                               if kind == "layers" else ""))
+    ms = attention_shapes(config) if config is not None else shapes
+    if any(ms[k] != v for k, v in shapes.items()):
+        from oscar.common import OscarError
+
+        raise OscarError(f"the artifact's shapes {shapes} differ from the model's {ms}")
+    h = per_history_token_layers(shapes, artifact_formats(art))
+    base = per_history_token(shapes, Format("bf16", bits=16))["codes"]
+    return {"layers": [asdict(f) for f in artifact_formats(art)], "history_bytes_per_token": h,
+            "bits_per_element": artifact_bits_per_element(art), "history_ratio_vs_bf16": sum(h.values()) / base}
 
 
 def report(config: Any, context: int = 32768, formats: list[Format] | None = None) -> dict:
@@ -231,13 +286,14 @@ def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: in
     s = attention_shapes(config)
     H, D, P = s["num_kv_heads"], s["head_dim"], f.page_size
     W = _split(f, D)
+    kpd = {1: "float8_e4m3fn", 2: "float16", 4: "float32"}[f.key_param_bytes] if f.key_param_bytes else None
     quant = QuantConfig(bits=f.bits, group_size=f.group_size, key_axis=f.key_axis, mode=f.mode, sink=f.sink,
-                        recent=f.recent, page_size=P, param_dtype=f.param_dtype, key_split=W,
+                        recent=f.recent, page_size=P, param_dtype=f.param_dtype, key_split=W, key_param_dtype=kpd,
                         **({"key_top": f.key_top, "key_drop": _drop(f, D)} if W else {}))
     cfg = PagedConfig(quant, H, D, num_pages=-(-context // P), max_seqs=1, dtype=torch.bfloat16)
     rots = [LayerRotation.identity_for(H, D) for _ in range(s["num_layers"])]
     for r in rots if W else ():
-        r.clip_k = torch.ones(H, 2)  # a ratio per key part
+        r.clip_k = torch.ones(H, len(quant.key_parts(D)))  # a ratio per key part
     pool = PagedKVCache(cfg, rots, quantizer=quantize_pages)
     seq = pool.new_sequence()
     g = torch.Generator().manual_seed(seed)

@@ -37,14 +37,14 @@ The byte layout, rounding rule and policies are documented in docs/cache-format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, NamedTuple
 
 import torch
 
 from oscar.common import OscarError
 from oscar.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
-from oscar.stats.artifact import Artifact, QuantConfig
+from oscar.stats.artifact import LAYER_QUANT_FIELDS, Artifact, QuantConfig
 
 
 # writes whole rotated pages k, v (N, Hkv, P, D) (cfg.dtype) of a layer into its pool at page ids (N,)
@@ -149,6 +149,15 @@ class PagedConfig:
         return self.head_dim // (self.quant.group_size or self.head_dim)
 
 
+def layer_config(cfg: PagedConfig, quant: QuantConfig) -> PagedConfig:
+    """Layer l's config: the model's layout and pool sizes with the layer's own format (same sink, window, page)."""
+    bad = [f for f in asdict(quant) if f not in LAYER_QUANT_FIELDS and getattr(quant, f) != getattr(cfg.quant, f)]
+    if bad:
+        raise OscarError(f"a layer's format differs from the model's layout in {bad}: layers share sink, window, "
+                         f"pages and grid kind; only key formats and scale/zero dtypes may differ")
+    return replace(cfg, quant=quant)
+
+
 class DecodeBatch(NamedTuple):
     block_table: torch.Tensor  # (max_seqs, max_pages_per_seq) int32, row = sequence slot
     seq_lens: torch.Tensor  # (B,) int32
@@ -248,15 +257,18 @@ def _clip_layout(clip: torch.Tensor, cfg: PagedConfig, axis: str) -> torch.Tenso
         if not bool((c > 0).all()):
             raise OscarError("static mode needs positive clip thresholds (got a value <= 0)")
         return c.expand(H, D).reshape(H, 1, D)
-    split = axis == "k" and cfg.quant.key_split
-    if split and tuple(clip.shape) != (H, 2):
-        raise OscarError(f"split keys need one clip ratio per KV head and key part ({H}, 2), got shape {tuple(clip.shape)}")
+    parts = len(cfg.key_parts) if axis == "k" and cfg.quant.key_split else 0
+    if parts == 1 and tuple(clip.shape) == (H,):  # keys of one wide part (key_split = stored channels): a ratio per head
+        clip = clip.reshape(H, 1)
+    split = parts > 0
+    if split and tuple(clip.shape) != (H, parts):
+        raise OscarError(f"split keys need one clip ratio per KV head and key part ({H}, {parts}), got shape {tuple(clip.shape)}")
     if not split and (clip.dim() != 1 or clip.shape[0] != H):
         raise OscarError(f"minmax mode needs one clip ratio per KV head, got shape {tuple(clip.shape)}")
     if not bool(((clip > 0) & (clip <= 1)).all()):
         raise OscarError("minmax clip ratios must lie in (0, 1]")
     if split:
-        return clip.float().reshape(1, H, 1, 2)  # part j: [..., j:j + 1] over (N, Hkv, P, 1)
+        return clip.float().reshape(1, H, 1, parts)  # part j: [..., j:j + 1] over (N, Hkv, P, 1)
     return clip.float().reshape(1, H, 1, 1)  # over (N, Hkv, P, groups) or (N, Hkv, D, 1)
 
 
@@ -308,15 +320,16 @@ class PagedLayerCache:
         self.rot = rot
         self.qp = QuantParams.build(cfg, rot)
         z8 = lambda *s: torch.zeros(*s, dtype=torch.uint8, device=dev)  # noqa: E731
-        z16 = lambda *s: torch.zeros(*s, dtype=cfg.quant.torch_param_dtype, device=dev)  # noqa: E731  scale/zero storage
+        zk = lambda *s: torch.zeros(*s, dtype=cfg.quant.torch_key_param_dtype, device=dev)  # noqa: E731  scale/zero storage
+        zv = lambda *s: torch.zeros(*s, dtype=cfg.quant.torch_param_dtype, device=dev)  # noqa: E731
         self.k_codes, self.v_codes = z8(N, H, P, cfg.k_packed_dim), z8(N, H, P, cfg.packed_dim)
         if cfg.quant.mode == "static":
             self.k_scale, self.k_zero = self.qp.k_static
             self.v_scale, self.v_zero = self.qp.v_static
         else:
-            kshape = (N, H, D) if cfg.quant.key_axis == "channel" else (N, H, P, 2 if cfg.quant.key_split else cfg.groups)
-            self.k_scale, self.k_zero = z16(*kshape), z16(*kshape)
-            self.v_scale, self.v_zero = z16(N, H, P, cfg.groups), z16(N, H, P, cfg.groups)
+            kshape = (N, H, D) if cfg.quant.key_axis == "channel" else (N, H, P, len(cfg.key_parts) if cfg.quant.key_split else cfg.groups)
+            self.k_scale, self.k_zero = zk(*kshape), zk(*kshape)
+            self.v_scale, self.v_zero = zv(N, H, P, cfg.groups), zv(N, H, P, cfg.groups)
         fz = lambda *s: torch.zeros(*s, dtype=cfg.dtype, device=dev)  # noqa: E731
         self.sink_k, self.sink_v = fz(cfg.max_seqs, H, cfg.quant.sink, D), fz(cfg.max_seqs, H, cfg.quant.sink, D)
         self.ring_k, self.ring_v = fz(cfg.max_seqs, H, cfg.ring_size, D), fz(cfg.max_seqs, H, cfg.ring_size, D)
@@ -419,8 +432,9 @@ class PagedLayerCache:
                 tk[:, old], tv[:, old] = self.ring_k[s][:, slots], self.ring_v[s][:, slots]
                 tk[:, ~old], tv[:, ~old] = kr[b][:, t[~old] - n0], vr[b][:, t[~old] - n0]
                 leaving[b] = (tk, tv)
-        if leaving and cfg.quant.torch_param_dtype == FP8_PARAM and cfg.quant.mode == "minmax":
-            self._check_fp8_range(leaving)
+        fp8 = [i for i, d in enumerate((cfg.quant.torch_key_param_dtype, cfg.quant.torch_param_dtype)) if d == FP8_PARAM]
+        if leaving and fp8 and cfg.quant.mode == "minmax":
+            self._check_fp8_range(leaving, fp8)
         new_pages, page_k, page_v = [], [], []
         for b, (s, n0, l0, l1) in enumerate(plans):
             n1 = n0 + T
@@ -449,11 +463,14 @@ class PagedLayerCache:
             ids = torch.tensor(new_pages, device=k.device, dtype=torch.int64)
             self.quantizer(self, ids, torch.cat(page_k), torch.cat(page_v))
 
-    def _check_fp8_range(self, leaving: dict) -> None:
+    def _check_fp8_range(self, leaving: dict, sides: list[int]) -> None:
         """8-bit scale/zero (e4m3, finite range +-448) need every value entering a page within +-448.
 
-        Checked once per page flush (a device sync every page_size decode steps, fp8 pools only)."""
+        Checked once per page flush (a device sync every page_size decode steps, fp8 pools only), on the
+        sides (0 keys, 1 values) whose parameters are e4m3."""
         for name, i in (("keys", 0), ("values", 1)):
+            if i not in sides:
+                continue
             m = torch.stack([torch.nan_to_num(x[i].float().abs(), nan=float("inf")).amax() for x in leaving.values()])
             worst = float(m.max())
             if not worst <= FP8_MAX:
@@ -502,11 +519,19 @@ class PagedLayerCache:
 
 
 class PagedKVCache:
-    """All layers of a model: one `PagedLayerCache` each, sequence ops applied to every layer."""
+    """All layers of a model: one `PagedLayerCache` each, sequence ops applied to every layer.
 
-    def __init__(self, cfg: PagedConfig, rotations: list[LayerRotation], *, quantizer: PageQuantizer):
+    `cfg` is the model's layout (sink, window, page, pool sizes) and the format of every layer unless
+    `layer_quant` gives layer l its own (`Artifact.layer_quant`: wider keys in some layers); `layer_configs[l]`
+    is what layer l stores. Layers share the layout, so a sequence has the same pages in every layer."""
+
+    def __init__(self, cfg: PagedConfig, rotations: list[LayerRotation], *, quantizer: PageQuantizer,
+                 layer_quant: list[QuantConfig] | None = None):
         self.cfg = cfg
-        self.layers = [PagedLayerCache(cfg, r, quantizer=quantizer) for r in rotations]
+        if layer_quant is not None and len(layer_quant) != len(rotations):
+            raise OscarError(f"layer_quant has {len(layer_quant)} formats for {len(rotations)} layers")
+        self.layer_configs = [layer_config(cfg, q) for q in layer_quant] if layer_quant is not None else [cfg] * len(rotations)
+        self.layers = [PagedLayerCache(c, r, quantizer=quantizer) for c, r in zip(self.layer_configs, rotations)]
 
     @classmethod
     def from_artifact(cls, art: Artifact, num_pages: int, *, quantizer: PageQuantizer, max_seqs: int = 8,
@@ -515,7 +540,9 @@ class PagedKVCache:
         art.validate()
         cfg = PagedConfig(replace(art.quant, **overrides), art.num_kv_heads, art.head_dim, num_pages,
                           max_seqs=max_seqs, dtype=dtype, device=device)
-        return cls(cfg, [LayerRotation.from_artifact(art, l, device) for l in range(art.num_layers)], quantizer=quantizer)
+        lq = None if art.layer_quant is None else [replace(q, **overrides) for q in art.layer_quant]
+        return cls(cfg, [LayerRotation.from_artifact(art, l, device) for l in range(art.num_layers)], quantizer=quantizer,
+                   layer_quant=lq)
 
     def new_sequence(self, seq: int | None = None) -> int:
         seq = self.layers[0].new_sequence(seq)

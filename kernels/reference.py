@@ -70,7 +70,7 @@ def dequantize_pages(cache: PagedLayerCache, ids: torch.Tensor, which: str) -> t
     if which == "k" and cfg.key_parts:
         q, D = cfg.quant, cfg.head_dim
         codes = unpack_planes(cache.k_codes[ids], q.bits, q.key_split, D, q.key_top, D - q.key_drop)  # (N, Hkv, P, D)
-        s, z = cache.k_scale[ids], cache.k_zero[ids]  # (N, Hkv, P, 2)
+        s, z = cache.k_scale[ids], cache.k_zero[ids]  # (N, Hkv, P, parts)
         out = torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)  # not-stored channels read as 0
         for j, (a, b, sp) in enumerate(cfg.key_parts):
             out[..., a:b] = dequantize(codes[..., a:b], s[..., j:j + 1], z[..., j:j + 1], sp)
@@ -198,8 +198,9 @@ def _history(cache: PagedLayerCache, seq: int, q_rot: torch.Tensor):
     if W:  # split keys: + 2^(bits+p) x bit plane p of the W wide channels; q.k = sum over parts of s_j (q_j . c_j) + z_j sum q_j
         for p in range(cfg.quant.key_top):
             kc[..., :W] += _codes_f32(kpk[..., nb + p * W // 8:nb + (p + 1) * W // 8], 1, "k_top") * (1 << (bits + p))
-        s = cache.k_scale[ids].float().transpose(0, 1).reshape(H, 1, n, 2)
-        z = cache.k_zero[ids].float().transpose(0, 1).reshape(H, 1, n, 2)
+        nparts = len(cfg.key_parts)
+        s = cache.k_scale[ids].float().transpose(0, 1).reshape(H, 1, n, nparts)
+        z = cache.k_zero[ids].float().transpose(0, 1).reshape(H, 1, n, nparts)
         kf = kc.reshape(H, n, kc.shape[-1])  # the channels after the parts are not stored: they add nothing
         logits = 0
         for j, (a, b, _) in enumerate(cfg.key_parts):

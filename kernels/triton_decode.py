@@ -20,8 +20,9 @@ kernel only needs lengths, block tables and sequence slots.
 Split keys (QuantConfig.key_split = W, K_MODE 3): codes = the INT2 plane of the stored channels + 2^(2+p) x bit
 plane p < key_top of the W wide channels, two per-token (scale, zero) pairs, the logit factored per part (see the
 kernel); the key_drop channels after the parts are not stored and add nothing (they read as the key mean).
+W = D - key_drop is one part (a layer's keys at 2 + key_top bits: per-layer widths), one pair per token.
 
-8-bit scale/zero (cfg.quant.torch_param_dtype = float8_e4m3fn, PARAM_FP8=True) are read as bytes
+8-bit scale/zero (cfg.quant.torch_param_dtype = float8_e4m3fn: V_FP8, torch_key_param_dtype: K_FP8) are read as bytes
 through a uint8 view and decoded to fp32 in registers (a few integer ops per parameter,
 i.e. per token and group, or per channel and page for KIVI keys): no native fp8 type is
 needed, so the same kernel runs on any GPU and in the interpreter.
@@ -144,11 +145,12 @@ def _decode_split_kernel(
     stride_vsn, stride_vsh, stride_vst,  # value params: token | static
     D: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
     G_SIZE: tl.constexpr, K_MODE: tl.constexpr, V_MODE: tl.constexpr,
-    MIN_PAGES: tl.constexpr, DOT_FP16: tl.constexpr, PARAM_FP8: tl.constexpr,
+    MIN_PAGES: tl.constexpr, DOT_FP16: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
     W: tl.constexpr = 0,  # split keys (K_MODE 3): the first W channels have 2 + TOP bits, their top bit planes after the low plane
     TOP: tl.constexpr = 1,
     STORED: tl.constexpr = 0,  # key channels [0, STORED) are stored (D; split keys: D - key_drop, a low plane of STORED/4 bytes)
+    NPARTS: tl.constexpr = 2,  # split keys: per-token (scale, zero) pairs, 1 when W = STORED (every stored channel wide)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -270,29 +272,31 @@ def _decode_split_kernel(
                 k2 = _split_code(kb, 2, K_CODES, krow, c2, m2, STORED // 4, W, TOP)
                 k3 = _split_code(kb, 3, K_CODES, krow, c3, m2, STORED // 4, W, TOP)
                 dw = _dot_t(q0w, k0, DOT_FP16) + _dot_t(q1w, k1, DOT_FP16) + _dot_t(q2w, k2, DOT_FP16) + _dot_t(q3w, k3, DOT_FP16)
-                dn = _dot_t(q0n, k0, DOT_FP16) + _dot_t(q1n, k1, DOT_FP16) + _dot_t(q2n, k2, DOT_FP16) + _dot_t(q3n, k3, DOT_FP16)
-                s_w, z_w = _param(K_SCALE, sp, valid, PARAM_FP8), _param(K_ZERO, sp, valid, PARAM_FP8)
-                s_n, z_n = _param(K_SCALE, sp + 1, valid, PARAM_FP8), _param(K_ZERO, sp + 1, valid, PARAM_FP8)
-                sc = dw * s_w[None, :] + dn * s_n[None, :] + qsum_w[:, None] * z_w[None, :] + qsum_n[:, None] * z_n[None, :]
+                s_w, z_w = _param(K_SCALE, sp, valid, K_FP8), _param(K_ZERO, sp, valid, K_FP8)
+                sc = dw * s_w[None, :] + qsum_w[:, None] * z_w[None, :]
+                if NPARTS == 2:  # W = STORED: every stored channel is wide, no second pair (and dn = 0)
+                    dn = _dot_t(q0n, k0, DOT_FP16) + _dot_t(q1n, k1, DOT_FP16) + _dot_t(q2n, k2, DOT_FP16) + _dot_t(q3n, k3, DOT_FP16)
+                    s_n, z_n = _param(K_SCALE, sp + 1, valid, K_FP8), _param(K_ZERO, sp + 1, valid, K_FP8)
+                    sc += dn * s_n[None, :] + qsum_n[:, None] * z_n[None, :]
             elif K_FACT:
                 sc = _dot_t(q0, _code(kb, 0), DOT_FP16) + _dot_t(q1, _code(kb, 1), DOT_FP16)
                 sc += _dot_t(q2, _code(kb, 2), DOT_FP16) + _dot_t(q3, _code(kb, 3), DOT_FP16)
                 if K_MODE == 0:
                     sp = page * stride_ksn + h * stride_ksh + row * stride_kst
-                    s_t = _param(K_SCALE, sp, valid, PARAM_FP8)
-                    z_t = _param(K_ZERO, sp, valid, PARAM_FP8)
+                    s_t = _param(K_SCALE, sp, valid, K_FP8)
+                    z_t = _param(K_ZERO, sp, valid, K_FP8)
                     sc = sc * s_t[None, :] + qsum[:, None] * z_t[None, :]
                 else:
                     sc = sc + qz[:, None]
             else:  # KIVI keys or several channel groups: dequantize each sub-tile in registers
                 k0 = _dequant(kb, 0, c0, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, K_FP8)
                 k1 = _dequant(kb, 1, c1, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, K_FP8)
                 k2 = _dequant(kb, 2, c2, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, K_FP8)
                 k3 = _dequant(kb, 3, c3, b_mask, K_SCALE, K_ZERO, page, row, valid, h,
-                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_ksn, stride_ksh, stride_kst, K_MODE, G_SIZE, D, K_FP8)
                 sc = _dot_t(q0, k0, DOT_FP16) + _dot_t(q1, k1, DOT_FP16)
                 sc += _dot_t(q2, k2, DOT_FP16) + _dot_t(q3, k3, DOT_FP16)
             sc = tl.where(valid[None, :], sc + qmu[:, None], float("-inf"))  # (BLOCK_G, BLOCK_N), base 2
@@ -305,8 +309,8 @@ def _decode_split_kernel(
                 pw = pr
                 if V_MODE == 0:
                     sp = page * stride_vsn + h * stride_vsh + row * stride_vst
-                    s_t = _param(V_SCALE, sp, valid, PARAM_FP8)
-                    z_t = _param(V_ZERO, sp, valid, PARAM_FP8)
+                    s_t = _param(V_SCALE, sp, valid, V_FP8)
+                    z_t = _param(V_ZERO, sp, valid, V_FP8)
                     pw = pr * s_t[None, :]
                     accz = accz * alpha + tl.sum(pr * z_t[None, :], axis=1)
                 acc0 = acc0 * alpha[:, None] + _dot(pw, _code(vb, 0), DOT_FP16)
@@ -315,13 +319,13 @@ def _decode_split_kernel(
                 acc3 = acc3 * alpha[:, None] + _dot(pw, _code(vb, 3), DOT_FP16)
             else:
                 v0 = _dequant(vb, 0, c0, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, V_FP8)
                 v1 = _dequant(vb, 1, c1, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, V_FP8)
                 v2 = _dequant(vb, 2, c2, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, V_FP8)
                 v3 = _dequant(vb, 3, c3, b_mask, V_SCALE, V_ZERO, page, row, valid, h,
-                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, PARAM_FP8)
+                              stride_vsn, stride_vsh, stride_vst, V_MODE, G_SIZE, D, V_FP8)
                 acc0 = acc0 * alpha[:, None] + _dot(pr, v0, DOT_FP16)
                 acc1 = acc1 * alpha[:, None] + _dot(pr, v1, DOT_FP16)
                 acc2 = acc2 * alpha[:, None] + _dot(pr, v2, DOT_FP16)
@@ -510,10 +514,11 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         k_mode = MODE_SPLIT
     v_mode = MODE_STATIC if cfg.quant.mode == "static" else MODE_TOKEN
     kst, vst = _param_strides(cache.k_scale), _param_strides(cache.v_scale)
-    fp8 = cfg.quant.torch_param_dtype == FP8_PARAM and cfg.quant.mode != "static"  # static constants stay fp16
-    params = [cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero]
-    if fp8:
-        params = [t.view(torch.uint8) for t in params]
+    minmax = cfg.quant.mode != "static"  # static constants stay fp16
+    k_fp8 = cfg.quant.torch_key_param_dtype == FP8_PARAM and minmax  # keys may keep fp16 params where values are e4m3
+    v_fp8 = cfg.quant.torch_param_dtype == FP8_PARAM and minmax
+    params = [t.view(torch.uint8) if f else t for t, f in zip((cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero),
+                                                                (k_fp8, k_fp8, v_fp8, v_fp8))]
     _decode_split_kernel[(B, H, splits + 1)](
         q_rot, q_mu, batch.seq_lens, batch.slots, batch.block_table,
         cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v,
@@ -528,9 +533,9 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
         cache.v_codes.stride(0), cache.v_codes.stride(1), cache.v_codes.stride(2),
         kst[0], kst[1], kst[2], vst[0], vst[1], vst[2],
         D=D, GROUP=G, P=cfg.quant.page_size, SINK=cfg.quant.sink, RECENT=cfg.quant.recent, G_SIZE=cfg.quant.group_size or D,
-        K_MODE=k_mode, V_MODE=v_mode, MIN_PAGES=max(1, config.min_pages_per_split), DOT_FP16=config.dot_fp16, PARAM_FP8=fp8,
+        K_MODE=k_mode, V_MODE=v_mode, MIN_PAGES=max(1, config.min_pages_per_split), DOT_FP16=config.dot_fp16, K_FP8=k_fp8, V_FP8=v_fp8,
         BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, BLOCK_D=BLOCK_D, BLOCK_B=pow2_at_least(D // 4), W=cfg.quant.key_split,
-        TOP=cfg.quant.key_top, STORED=D - cfg.quant.key_drop,
+        TOP=cfg.quant.key_top, STORED=D - cfg.quant.key_drop, NPARTS=len(cfg.key_parts) if cfg.quant.key_split else 2,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -92,9 +92,9 @@ def _code(x, s, z, LEVELS: tl.constexpr):
 def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g: tl.constexpr, offs_t, offs_j, offs_e, t_mask,
                         j_mask, e_mask, D: tl.constexpr, G: tl.constexpr, PER: tl.constexpr, LEVELS: tl.constexpr,
                         ROTATE: tl.constexpr, CENTER: tl.constexpr, ROUND: tl.constexpr, BLOCK_P: tl.constexpr,
-                        FP8: tl.constexpr, W: tl.constexpr = 0):
+                        FP8: tl.constexpr, W: tl.constexpr = 0, NPARTS: tl.constexpr = 2):
     """(scale, zero) of channel group g for every token of the page, stored and fp32: (BLOCK_P,) each.
-    W > 0 (split keys): group 0 is channels [0, W), group 1 [W, D), each with its own clip ratio (clip_k (Hkv, 2))."""
+    W > 0 (split keys): group 0 is channels [0, W), group 1 [W, D), each with its own clip ratio (clip_k (Hkv, NPARTS))."""
     lo = tl.full((BLOCK_P,), float("inf"), tl.float32)
     hi = tl.full((BLOCK_P,), float("-inf"), tl.float32)
     for i in tl.static_range(PER):
@@ -113,7 +113,7 @@ def _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, g: tl.const
     if W == 0:
         r = tl.load(CLIP + h)
     else:
-        r = tl.load(CLIP + h * 2 + g)
+        r = tl.load(CLIP + h * NPARTS + g)
     lo, hi = lo * r, hi * r  # minmax clip: a ratio applied to both ends (quant.choose_qparams)
     return _params(lo, hi, LEVELS, FP8)
 
@@ -130,6 +130,7 @@ def _quantize_pages_kernel(
     W: tl.constexpr = 0, BLOCK_W: tl.constexpr = 16,  # split keys: wide channels, a block over their W/8 top-bit bytes
     TOP: tl.constexpr = 1,  # split keys: the wide channels' bits above BITS (one plane of W/8 bytes each)
     STORED: tl.constexpr = 0,  # channels [0, STORED) are stored (D; split keys: D - key_drop)
+    NPARTS: tl.constexpr = 2,  # split keys: 2, or 1 when W = STORED (every stored channel wide)
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -151,19 +152,24 @@ def _quantize_pages_kernel(
     byte = tl.zeros((BLOCK_P, BLOCK_B), tl.int32)
     if MODE == 3:
         # split keys: part 0 (channels < W) at BITS + TOP, part 1 (W <= c < STORED) at BITS, each its own
-        # per-token pair (stored at group 0 / 1); channels from STORED on are not stored at all. The low BITS of
+        # per-token pair (stored at group 0 / 1; W = STORED: part 0 only); channels from STORED on are not stored. The low BITS of
         # every stored code go to the byte tiles as usual; bit BITS + p of the wide channels to plane p of W/8
         # bytes, channel c at bit c % 8 of byte NB + p*W/8 + c // 8 (quant.pack_planes)
         LEV_W: tl.constexpr = (1 << (BITS + TOP)) - 1
         s0, z0, sf0, zf0 = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 0, offs_t, offs_j, offs_e, t_mask,
-                                               j_mask, e_mask, D, G, PER, LEV_W, ROTATE, CENTER, ROUND, BLOCK_P, FP8, W)
-        s1, z1, sf1, zf1 = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 1, offs_t, offs_j, offs_e, t_mask,
-                                               j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER, ROUND, BLOCK_P, FP8, W)
+                                               j_mask, e_mask, D, G, PER, LEV_W, ROTATE, CENTER, ROUND, BLOCK_P, FP8, W,
+                                               NPARTS)
         so = page * stride_sn + h * stride_sh + offs_t * stride_st
         tl.store(SCALE + so, s0, mask=t_mask)
         tl.store(ZERO + so, z0, mask=t_mask)
-        tl.store(SCALE + so + 1, s1, mask=t_mask)
-        tl.store(ZERO + so + 1, z1, mask=t_mask)
+        if NPARTS == 2:  # a narrow part (W = STORED: every stored channel is wide, one pair per token)
+            s1, z1, sf1, zf1 = _token_group_params(X, R, MEAN, CLIP, x_base, r_base, m_base, h, 1, offs_t, offs_j, offs_e,
+                                                   t_mask, j_mask, e_mask, D, G, PER, LEVELS, ROTATE, CENTER, ROUND,
+                                                   BLOCK_P, FP8, W, NPARTS)
+            tl.store(SCALE + so + 1, s1, mask=t_mask)
+            tl.store(ZERO + so + 1, z1, mask=t_mask)
+        else:
+            sf1, zf1 = sf0, zf0
         for i in tl.static_range(PER):
             offs_c = offs_j * PER + i
             x = _load_tile(X, R, MEAN, x_base, r_base, m_base, offs_t, offs_c, offs_e, t_mask, j_mask, e_mask,
@@ -223,8 +229,10 @@ def _quantize_pages_kernel(
 
 
 def supports(cfg) -> bool:
-    """Ratio clips with fp16 or 8-bit (e4m3) scale/zero; not the published format (row-quantile, float32)."""
-    return cfg.quant.clip_rule == "ratio" and cfg.quant.torch_param_dtype in (torch.float16, FP8_PARAM)
+    """Ratio clips with fp16 or 8-bit (e4m3) scale/zero (keys and values); not the published format (row-quantile,
+    float32)."""
+    ok = (torch.float16, FP8_PARAM)
+    return cfg.quant.clip_rule == "ratio" and cfg.quant.torch_param_dtype in ok and cfg.quant.torch_key_param_dtype in ok
 
 
 def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tensor, which: str,
@@ -263,7 +271,8 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
     round_code = {torch.bfloat16: 1, torch.float16: 2}.get(cfg.dtype, 0)
     ss = scale.stride() if mode != MODE_STATIC else (0, 0, 0)
     G = cfg.quant.group_size or D
-    fp8 = cfg.quant.torch_param_dtype == FP8_PARAM and mode != MODE_STATIC
+    pdt = cfg.quant.torch_key_param_dtype if which == "k" else cfg.quant.torch_param_dtype
+    fp8 = pdt == FP8_PARAM and mode != MODE_STATIC
     if fp8:  # the kernel writes e4m3 bit patterns it computed itself (directed rounding)
         scale, zero = scale.view(torch.uint8), zero.view(torch.uint8)
     _quantize_pages_kernel[(N, H)](
@@ -274,6 +283,7 @@ def quantize_pages_into(cache: PagedLayerCache, ids: torch.Tensor, x: torch.Tens
         P=P, D=D, G=G, NG=D // G, BITS=cfg.quant.bits, MODE=mode, ROTATE=do_rotate, CENTER=center and do_rotate,
         ROUND=round_code, FP8=fp8, BLOCK_P=pow2_at_least(P), BLOCK_D=pow2_at_least(D), BLOCK_B=pow2_at_least(cfg.packed_dim),
         W=W, BLOCK_W=pow2_at_least(max(W // 8, 1)), TOP=cfg.quant.key_top, STORED=D - cfg.quant.key_drop if W else D,
+        NPARTS=len(cfg.key_parts) if W else 2,
     )
 
 

@@ -15,7 +15,10 @@ ARTIFACT_FORMAT = "oscar-artifact/1"
 # /2 = /1 + rot_q. Written only by artifacts that have rot_q, so a /1 reader refuses them instead of
 # reading queries with rot_k (wrong logits); orthogonal artifacts stay /1.
 ARTIFACT_FORMAT_Q = "oscar-artifact/2"
-READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q)
+# /3 = /2 + a per-layer format (metadata `layer_quant`, rot_q when the key transform is scaled): an older reader
+# would store every layer in the base format, so it must refuse them
+ARTIFACT_FORMAT_L = "oscar-artifact/3"
+READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, ARTIFACT_FORMAT_L)
 
 
 def read_metadata(path: str) -> dict[str, Any]:

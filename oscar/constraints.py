@@ -32,10 +32,10 @@ def format_problems(head_dim: int, *, bits: int = 2, group_size: int | None = No
     """Why the cache format (QuantConfig fields) cannot store K/V of `head_dim` (empty: it can)."""
     D, out = int(head_dim), []
     stored = D - key_drop
-    if key_split and (key_split % 8 or not 0 < key_split < stored):
-        out.append(f"key_split {key_split} must be a multiple of 8 below the {stored} stored key channels of head_dim "
-                   f"{D} (the wide channels' top bits are packed 8 per byte)")
-    elif key_split and not (hadamard_supported(key_split) and hadamard_supported(stored - key_split)):
+    if key_split and (key_split % 8 or not 0 < key_split <= stored):
+        out.append(f"key_split {key_split} must be a multiple of 8 up to the {stored} stored key channels of head_dim "
+                   f"{D} (the wide channels' top bits are packed 8 per byte; all of them: one wide part)")
+    elif key_split and key_split < stored and not (hadamard_supported(key_split) and hadamard_supported(stored - key_split)):
         out.append(f"split keys of {key_split} + {stored - key_split} channels need a Hadamard of each order "
                    f"(2^k, 12*2^k, 20*2^k)")
     if key_drop and (key_drop < 0 or (stored * bits) % 8):

@@ -17,12 +17,12 @@ and JSON metadata under the safetensors header key ``oscar``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
-from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, read_metadata
+from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_L, ARTIFACT_FORMAT_Q, read_metadata
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
 from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
@@ -111,6 +111,10 @@ class QuantConfig:
     key_split: int = 0
     key_top: int = 1
     key_drop: int = 0
+    # the keys' scale/zero dtype where it differs from the values' (None: param_dtype). Per-layer widths (issue 16):
+    # a layer whose keys are 3 or 4 bits (key_split = D, every key channel wide) keeps fp16 key params while the
+    # 2-bit layers and every value store e4m3 ones
+    key_param_dtype: Literal["float16", "float32", "float8_e4m3fn"] | None = None
 
     def __post_init__(self):
         if self.clip_rule not in ("ratio", "row-quantile"):
@@ -118,6 +122,11 @@ class QuantConfig:
         if self.param_dtype not in ("float16", "float32", "float8_e4m3fn"):
             raise OscarError(f"quant.param_dtype must be 'float16', 'float32' or 'float8_e4m3fn', "
                              f"got {self.param_dtype!r}")
+        if self.key_param_dtype not in (None, "float16", "float32", "float8_e4m3fn"):
+            raise OscarError(f"quant.key_param_dtype must be None, 'float16', 'float32' or 'float8_e4m3fn', "
+                             f"got {self.key_param_dtype!r}")
+        if self.key_param_dtype and self.mode == "static":
+            raise OscarError("quant.key_param_dtype: static mode stores no per-token key parameters")
         if self.clip_rule == "row-quantile" and (self.mode != "minmax" or self.key_axis != "token"):
             raise OscarError("quant.clip_rule='row-quantile' clamps token rows: needs mode='minmax' and key_axis='token'")
         if self.key_split < 0 or (self.key_split and (self.mode != "minmax" or self.key_axis != "token"
@@ -130,22 +139,30 @@ class QuantConfig:
 
     @property
     def torch_param_dtype(self) -> torch.dtype:
+        """The values' scale/zero dtype (and the keys' unless key_param_dtype says otherwise)."""
         return getattr(torch, self.param_dtype)
+
+    @property
+    def torch_key_param_dtype(self) -> torch.dtype:
+        return getattr(torch, self.key_param_dtype or self.param_dtype)
 
     def key_spec(self, head_dim: int) -> QuantSpec:
         """The one derivation of the keys' quantizer (fit's clip search, the paged cache, validation)."""
         if self.key_axis == "channel":  # KIVI: per channel over token groups (the cache's page)
             return QuantSpec(bits=self.bits, axis="channel", group_size=self.group_size or self.page_size,
-                             param_dtype=self.torch_param_dtype)
-        return self.value_spec(head_dim)
+                             param_dtype=self.torch_key_param_dtype)
+        vs = self.value_spec(head_dim)
+        return replace(vs, param_dtype=self.torch_key_param_dtype) if self.key_param_dtype else vs
 
     def key_parts(self, head_dim: int) -> list[tuple[int, int, QuantSpec]] | None:
         """Split keys: [(0, key_split, wide spec), (key_split, D - key_drop, spec)], channels [a, b) of the rotated
-        key each a per-token group (the channels after the last part are not stored); None for one group (key_spec)."""
+        key each a per-token group (the channels after the last part are not stored); None for one group (key_spec).
+        key_split = D - key_drop: one part, every stored channel wide (a layer's keys at bits + key_top)."""
         if not self.key_split:
             return None
-        sp = lambda b: QuantSpec(bits=b, param_dtype=self.torch_param_dtype)  # noqa: E731
-        return [(0, self.key_split, sp(self.bits + self.key_top)), (self.key_split, head_dim - self.key_drop, sp(self.bits))]
+        sp = lambda b: QuantSpec(bits=b, param_dtype=self.torch_key_param_dtype)  # noqa: E731
+        parts = [(0, self.key_split, sp(self.bits + self.key_top)), (self.key_split, head_dim - self.key_drop, sp(self.bits))]
+        return [p for p in parts if p[1] > p[0]]
 
     def key_bits(self, head_dim: int) -> float:
         """Stored bits per key element of the history (codes and every scale/zero)."""
@@ -181,6 +198,13 @@ class Artifact:
     meta: dict[str, Any] = field(default_factory=dict)  # model, variant, d_eff, fallbacks, provenance...
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # other named tensors, saved verbatim
     rot_q: list[torch.Tensor] | None = None  # per layer (Hkv, D, D) = rot_k^{-T}; None: rot_k is orthogonal
+    # per-layer formats (issue 16's widths across layers; format oscar-artifact/3): layer l stores its K/V as
+    # layer_quant[l], which may differ from `quant` in LAYER_QUANT_FIELDS only (the layout is the model's); None: `quant`
+    layer_quant: list[QuantConfig] | None = None
+
+    def quant_for(self, layer: int) -> QuantConfig:
+        """The format layer `layer` stores its K/V in (the one place per-layer widths are read)."""
+        return self.layer_quant[layer] if self.layer_quant is not None else self.quant
 
     @property
     def num_layers(self) -> int:
@@ -196,6 +220,8 @@ class Artifact:
 
     def validate(self) -> None:
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
+        if self.layer_quant is not None:
+            check_layer_quant(self.quant, self.layer_quant, L, D)
         names = ("rot_k", "rot_v", "clip_k", "clip_v") + (("k_mean",) if self.k_mean is not None else ()) \
             + (("rot_q",) if self.rot_q is not None else ())
         for name in names:
@@ -204,9 +230,13 @@ class Artifact:
                 raise OscarError(f"artifact: {name} has {len(ts)} layers, rot_k has {L}")
             for l, t in enumerate(ts):
                 want = {"rot_k": (H, D, D), "rot_v": (H, D, D), "rot_q": (H, D, D), "k_mean": (H, D)}.get(name)
-                if name == "clip_k" and self.quant.key_split:
-                    want = (H, 2)  # one ratio per head and key part
+                parts = self.quant_for(l).key_parts(D) if name == "clip_k" else None
+                if parts and len(parts) > 1:
+                    want = (H, len(parts))  # one ratio per head and key part
                 ok = tuple(t.shape) == want if want else tuple(t.shape) in ((H,), (H, D))
+                if parts and len(parts) == 1 and tuple(t.shape) != (H,):  # one part: one ratio per head
+                    raise OscarError(f"artifact: layers.{l}.clip_k has shape {tuple(t.shape)}, expected ({H},) (keys of "
+                                     f"one part, key_split={self.quant_for(l).key_split})")
                 if not ok:
                     raise OscarError(f"artifact: layers.{l}.{name} has shape {tuple(t.shape)}, expected {want or f'({H},) or ({H}, {D})'}")
                 if not torch.isfinite(t).all():
@@ -252,6 +282,29 @@ class Artifact:
         raise OscarError(f"{why}{hint}")
 
 
+LAYER_QUANT_FIELDS = ("key_split", "key_top", "key_drop", "param_dtype", "key_param_dtype")
+
+
+def check_layer_quant(base: QuantConfig, layers: list[QuantConfig], num_layers: int, head_dim: int) -> None:
+    """Refuse per-layer formats that do not share the model's layout (sink, window, page, grid kind): only the
+    key format and the scale/zero dtypes (LAYER_QUANT_FIELDS) may differ between layers."""
+    from oscar.constraints import quant_problems
+
+    if len(layers) != num_layers:
+        raise OscarError(f"artifact: layer_quant has {len(layers)} entries for {num_layers} layers")
+    fixed = [f for f in asdict(base) if f not in LAYER_QUANT_FIELDS]
+    for l, q in enumerate(layers):
+        if not isinstance(q, QuantConfig):
+            raise OscarError(f"artifact: layer_quant[{l}] is a {type(q).__name__}, not a QuantConfig")
+        bad = [f"{f} {getattr(q, f)!r} vs {getattr(base, f)!r}" for f in fixed if getattr(q, f) != getattr(base, f)]
+        if bad:
+            raise OscarError(f"artifact: layer {l}'s format differs from the model's in {', '.join(bad)}; layers may "
+                             f"differ only in {', '.join(LAYER_QUANT_FIELDS)}")
+        probs = [p for p in quant_problems(head_dim, q) if "key_split" in p or "key_drop" in p]
+        if probs:
+            raise OscarError(f"artifact: layer {l}'s format: {'; '.join(probs)}")
+
+
 def save_artifact(art: Artifact, path: str) -> None:
     from safetensors.torch import save_file
 
@@ -268,8 +321,9 @@ def save_artifact(art: Artifact, path: str) -> None:
             tensors[f"layers.{l}.rot_q"] = art.rot_q[l].float().contiguous()
     for k, t in art.extra.items():
         tensors[k] = t.contiguous()
-    fmt = ARTIFACT_FORMAT_Q if art.rot_q is not None else ARTIFACT_FORMAT
-    meta = dict(art.meta, format=fmt, quant=asdict(art.quant), centering=art.k_mean is not None,
+    fmt = ARTIFACT_FORMAT_L if art.layer_quant is not None else ARTIFACT_FORMAT_Q if art.rot_q is not None else ARTIFACT_FORMAT
+    extra = {"layer_quant": [asdict(q) for q in art.layer_quant]} if art.layer_quant is not None else {}
+    meta = dict(art.meta, format=fmt, quant=asdict(art.quant), centering=art.k_mean is not None, **extra,
                 checksums={"algorithm": "crc32", "tensors": {k: tensor_checksum(t) for k, t in sorted(tensors.items())}})
     _check_writable(path)
     save_file(tensors, path, metadata={"oscar": json.dumps(meta, sort_keys=True, default=str)})
@@ -342,15 +396,28 @@ def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
             clip_k=[t[f"layers.{l}.clip_k"] for l in range(L)],
             clip_v=[t[f"layers.{l}.clip_v"] for l in range(L)],
             k_mean=[t[f"layers.{l}.k_mean"] for l in range(L)] if meta.get("centering") else None,
-            rot_q=[t[f"layers.{l}.rot_q"] for l in range(L)] if meta["format"] == ARTIFACT_FORMAT_Q else None,
-            quant=QuantConfig(**{k: v for k, v in meta["quant"].items() if k not in _RETIRED_QUANT_FIELDS}),
-            meta={k: v for k, v in meta.items() if k not in ("quant", "centering", "checksums")},
+            rot_q=[t[f"layers.{l}.rot_q"] for l in range(L)] if "layers.0.rot_q" in t and meta["format"] != ARTIFACT_FORMAT else None,
+            quant=_quant(meta["quant"]),
+            layer_quant=[_quant(q) for q in meta["layer_quant"]] if meta.get("layer_quant") is not None else None,
+            meta={k: v for k, v in meta.items() if k not in ("quant", "centering", "checksums", "layer_quant")},
             extra={k: v for k, v in t.items() if k not in known},
         )
     except KeyError as e:
         raise OscarError(f"{path}: artifact is missing tensor {e.args[0]}") from e
     art.validate()
     return art
+
+
+def describe_layer_quant(layers: list[dict]) -> str:
+    """One line for `oscar inspect`: the layers whose keys differ from 2-bit one-group ones."""
+    wide = [f"{l}: {q['bits'] + q.get('key_top', 1)}-bit keys on {q['key_split']} channels"
+            + (f" ({q['key_param_dtype']} params)" if q.get("key_param_dtype") else "")
+            for l, q in enumerate(layers) if q.get("key_split")]
+    return f"{len(layers)} layers; wider keys in {'; '.join(wide) if wide else 'none'}"
+
+
+def _quant(d: dict) -> QuantConfig:
+    return QuantConfig(**{k: v for k, v in d.items() if k not in _RETIRED_QUANT_FIELDS})
 
 
 def identity_artifact(config: Any, quant: QuantConfig | None = None, clip: float = 1.0, variant: str = "identity") -> Artifact:
@@ -386,6 +453,7 @@ def describe(path: str) -> str:
         f"  quant: {q.get('bits')} bits, mode {q.get('mode')}, group {q.get('group_size') or 'head_dim'}, "
         f"keys per {q.get('key_axis')}, sink {q.get('sink')}, recent {q.get('recent')}, "
         f"key-mean centering {'on' if meta.get('centering') else 'off'}",
+        *([f"  per-layer formats: {describe_layer_quant(meta['layer_quant'])}"] if meta.get("layer_quant") else []),
         f"  checksums: {len(meta['checksums']['tensors'])} tensors verified" if meta.get("checksums")
         else "  checksums: none (older artifact: not verified)",
     ]

@@ -57,6 +57,18 @@ QUANTS = {
 }
 
 
+def _layers_artifact(config):
+    """Issue 16's per-layer widths (oscar-artifact/3): layer 0 the 2-bit grid with e4m3 params, layer 1 keys at 4 bits
+    as one wide part with fp16 params (values 2-bit e4m3 in both)."""
+    from dataclasses import replace
+
+    base = QuantConfig(bits=2, page_size=16, param_dtype="float8_e4m3fn")
+    a = _rot_artifact(config, base)
+    a.layer_quant = [base, replace(base, key_split=a.head_dim, key_top=2, key_param_dtype="float16")]
+    a.validate()
+    return a
+
+
 def _answer_check(model, art, protocol, ctx: list[int], question: list[int], answer: list[int]):
     """The simulator's window over ctx + question + answer under the protocol matched to the cache: its greedy
     prediction at every answer position, and the logits there."""
@@ -182,7 +194,7 @@ def test_tiny_niah_answers_are_the_decode_semantics_reading(tiny, quant):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("quant", ["token", "split", "tiers"])
+@pytest.mark.parametrize("quant", ["token", "split", "tiers", "layers"])
 def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch, quant):
     """With the dispatcher forced to Triton (interpreted on CPU): decode attention and page quantization
     are the Triton kernels; the window NLL and the needle answer still match the simulator."""
@@ -191,7 +203,7 @@ def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch, quant)
 
     monkeypatch.setenv("OSCAR_KERNELS", "triton")
     assert dispatch.backend("cpu") == "triton"
-    art = _rot_artifact(tiny.config, QUANTS[quant])
+    art = _layers_artifact(tiny.config) if quant == "layers" else _rot_artifact(tiny.config, QUANTS[quant])
     ids = torch.randint(0, 97, (1, 96), generator=torch.Generator().manual_seed(4))
     p = Protocol("t", sink=8, recent=16)
     with simulated(tiny, art, engine.simulator_protocol(p)):

@@ -272,7 +272,7 @@ def cache_stream(name: str, art, layer: int, Ks: torch.Tensor, Vs: torch.Tensor,
     from oscar.validate.methods import Protocol
 
     opts = cache_options(name, art, Protocol("attention", sink=0, recent=0))
-    q = replace(art.quant, **opts)
+    q = replace(art.quant_for(layer), **opts)  # the layer's own format (per-layer widths)
     H, S, D = Ks.shape
     try:
         cfg = PagedConfig(q, H, D, -(-S // opts["page_size"]), max_seqs=1, dtype=dtype, device=Ks.device)

@@ -344,7 +344,7 @@ def method_problems(name: str, config, art: Artifact | None) -> list[str]:
     if art is None:
         return []
     D = attention_shapes(config)["head_dim"]
-    return quant_problems(D, art.quant)
+    return list(dict.fromkeys(p for l in range(art.num_layers) for p in quant_problems(D, art.quant_for(l))))
 
 
 def uncalibrated_warning(art: Artifact | None, length: int) -> str | None:
@@ -407,6 +407,10 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
     cb = codec_bits_per_element(art)
     if cb is not None:
         return cb
+    if art.layer_quant is not None:  # per-layer widths: layer by layer, by the cache's memory accounting
+        from oscar.kernels.memory import artifact_bits_per_element
+
+        return artifact_bits_per_element(art)
     return art.quant.bits_per_element(head_dim)
 
 
@@ -491,20 +495,21 @@ class LayerQuant:
         # rot_k^{-1} = rot_qᵀ (= rot_kᵀ when orthogonal): the dequantized keys go back to the model's space
         self.unrot_k = (art.rot_q[layer] if art.rot_q is not None else art.rot_k[layer]).float().transpose(-1, -2)
         self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
-        self.kspec, self.vspec = art.quant.key_spec(D), art.quant.value_spec(D)
-        flush = art.quant.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
+        q = art.quant_for(layer)  # per-layer widths (Artifact.layer_quant): this layer's own format
+        self.kspec, self.vspec = q.key_spec(D), q.value_spec(D)
+        flush = q.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
         # codebook formats (tq-int2, sq-int2, issue 16's: validate/codebooks.py) replace the uniform grid, per token
         from oscar.validate.codebooks import codec_key_group, layer_codecs
 
         cb = layer_codecs(art, layer)
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
-        self.kparts = art.quant.key_parts(D)  # split keys (QuantConfig.key_split): two per-token groups
+        self.kparts = q.key_parts(D)  # split keys (QuantConfig.key_split): a per-token group per part
         if cb:  # the codec reads its own clips
             self.key_group = codec_key_group(art, flush)
             self.clip_k = self.clip_v = None
         elif self.kparts:
-            self.clip_k = art.clip_k[layer].float()  # (Hkv, 2): one ratio per head and part
+            self.clip_k = art.clip_k[layer].float().reshape(art.num_kv_heads, -1)  # (Hkv, parts): a ratio per head and part
             self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
         else:
             self.clip_k = _clip_view(art.clip_k[layer].float(), self.kspec, D)
