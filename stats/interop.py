@@ -70,6 +70,9 @@ def unsupported_parts(art: Artifact) -> list[str]:
         out.append("static scales (mode=static)")
     if art.quant.key_axis != "token":
         out.append(f"key grouping axis {art.quant.key_axis!r}")
+    if art.layer_quant is not None:
+        wide = [l for l in range(art.num_layers) if art.quant_for(l).key_split]
+        out.append(f"per-layer formats (layer_quant: wider keys in layers {wide})")
     if art.quant.key_split:
         q = art.quant
         out.append(f"split keys (key_split={q.key_split}: the first channels {q.key_top} bit(s) wider, clip_k per part"
@@ -159,6 +162,8 @@ def _export_sglang_ext(art: Artifact, out_dir: str, tag: str) -> list[str]:
             "model": json.dumps(art.meta.get("model") or {}, sort_keys=True),
             "layers": layers,
         }
+        if art.layer_quant is not None:  # per-layer widths (oscar-artifact/3): the format each layer stores
+            obj["layer_quant"] = [asdict(q) for q in art.layer_quant]
         p = os.path.join(out_dir, f"{kind}_rotation_{tag}.pt")
         torch.save(obj, p)
         paths.append(p)
@@ -230,6 +235,9 @@ def _import_sglang_ext(in_dir: str, objs: dict) -> Artifact:
     for key in ("quant", "variant", "model"):
         if key not in k or k.get(key) != v.get(key):
             raise OscarError(f"{in_dir}: format_version {SGLANG_EXT} files must both carry the same {key!r}")
+    for key in ("layer_quant",):  # optional: per-layer widths
+        if k.get(key) != v.get(key):
+            raise OscarError(f"{in_dir}: format_version {SGLANG_EXT} files must both carry the same {key!r}")
     quant = _quant_from(k["quant"], in_dir)
     L = len(k["layers"])
     if sorted(int(i) for i in k["layers"]) != list(range(L)) or sorted(int(i) for i in v["layers"]) != list(range(L)):
@@ -254,6 +262,7 @@ def _import_sglang_ext(in_dir: str, objs: dict) -> Artifact:
         k_mean=[get(k, l, "key_mean", "k") for l in range(L)] if has_mean else None,
         rot_q=[get(k, l, "query_rotation", "k") for l in range(L)] if has_q else None,
         quant=quant, extra=extra,
+        layer_quant=[_quant_from(q, in_dir) for q in k["layer_quant"]] if k.get("layer_quant") is not None else None,
         meta=_imported_meta(k["variant"], k["model"], SGLANG, in_dir,
                             objectives={kk: o["objective"] for kk, o in objs.items()}),
     )
@@ -339,6 +348,9 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str, format_version: i
     if fv == GGUF_EXT:
         writer.add_key_value("oscar.extension_version", EXTENSION_VERSION, gguf.GGUFValueType.UINT32)
         writer.add_key_value("oscar.quant", json.dumps(asdict(art.quant), sort_keys=True), gguf.GGUFValueType.STRING)
+        if art.layer_quant is not None:  # per-layer widths (oscar-artifact/3)
+            writer.add_key_value("oscar.layer_quant", json.dumps([asdict(q) for q in art.layer_quant], sort_keys=True),
+                                 gguf.GGUFValueType.STRING)
         writer.add_key_value("oscar.model", json.dumps(art.meta.get("model") or {}, sort_keys=True),
                              gguf.GGUFValueType.STRING)
     for t in reader.tensors:
@@ -426,6 +438,8 @@ def _import_gguf_ext(path, reader, ts, rk, rv, mat) -> Artifact:
         k_mean=[vec(n["k_mean"]) for n in names] if has_mean else None,
         rot_q=[mat(n["rot_q"]) for n in names] if has_q else None,
         quant=_quant_from(json.loads(_gguf_field(reader, "oscar.quant", "null") or "null"), path),
+        layer_quant=[_quant_from(q, path) for q in lq] if (lq := json.loads(_gguf_field(reader, "oscar.layer_quant", "null")
+                                                                               or "null")) is not None else None,
         meta=_imported_meta(_gguf_field(reader, "oscar.rotation.variant", ""), _gguf_field(reader, "oscar.model", ""),
                             GGUF, path),
     )

@@ -171,7 +171,7 @@ def assert_same_recipe(a: Artifact, b: Artifact) -> None:
         assert (x is None) == (y is None), name
         for l, (s, t) in enumerate(zip(x or [], y or [])):
             assert s.dtype == t.dtype == torch.float32 and torch.equal(s, t), f"layers.{l}.{name}"
-    assert a.quant == b.quant
+    assert a.quant == b.quant and a.layer_quant == b.layer_quant
     assert a.meta["variant"] == b.meta["variant"] and a.meta.get("model") == b.meta.get("model")
 
 
@@ -197,6 +197,11 @@ def shipped_recipes(tmp_path_factory):
     out["scaled/fp8-params"] = fit(store, FitConfig(variant="scaled", quant=QuantConfig(param_dtype="float8_e4m3fn"),
                                                     progress=False, threads=1))
     assert out["scaled"].rot_q is not None and out["scaled"].k_mean is not None  # the main job's recipe
+    from oscar.validate.codebooks import native_layer_artifact, widths_artifact
+
+    # issue 16's per-layer widths (oscar-artifact/3): layer 1's keys at 4 bits
+    out["scaled/layer-widths"] = native_layer_artifact(widths_artifact(out["scaled"], [[2, 2], [4, 2]]))
+    assert out["scaled/layer-widths"].quant_for(1).key_top == 2
     return out
 
 

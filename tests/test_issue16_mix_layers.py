@@ -613,3 +613,37 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     with pytest.raises(OscarError, match=r"options\[0\] must be the artifact's own width 2"):
         layer_copy_errors(model, tok, fitted, ((3, 3), (4, 4)), cfg, log=str(tmp_path / "other.jsonl"), progress=False)
     assert not (tmp_path / "other.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_validate_widths_cli_writes_a_served_per_layer_artifact(fitted, tmp_path, capsys):
+    """`oscar validate widths`: the copy probe's DP written as the cache's per-layer format (oscar-artifact/3) within the
+    artifact's bits by the memory accounting, which OscarCache then serves (generate runs, layer formats as chosen)."""
+    from oscar.__main__ import main
+    from oscar.artifact_header import read_metadata
+    from oscar.kernels.cache import OscarCache
+    from oscar.kernels.memory import artifact_bits_per_element
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.validate.env import load_model
+
+    src, out = str(tmp_path / "scaled.safetensors"), str(tmp_path / "widths.safetensors")
+    save_artifact(fitted, src)
+    assert main(["validate", "widths", "--model", "tiny-llama", "--artifact", src, "--windows", "2", "--length", "512",
+                 "--out", out, "--no-progress"]) == 0
+    assert read_metadata(out)["format"] == "oscar-artifact/3"
+    art = load_artifact(out)
+    widths = art.meta["layer_widths"]["widths"]
+    kbits = [art.quant_for(l).bits + (art.quant_for(l).key_top if art.quant_for(l).key_split else 0)
+             for l in range(art.num_layers)]
+    assert kbits == [kb for kb, _ in widths] and all(vb == 2 for _, vb in widths)
+    assert artifact_bits_per_element(art) <= artifact_bits_per_element(fitted) + 1e-12
+    assert f"{artifact_bits_per_element(art):.3f} bits per element" in capsys.readouterr().out
+    model, tok, _ = load_model("tiny-llama")
+    try:
+        cache = OscarCache.from_artifact(model, art, max_len=256)
+        ids = tok("def f(x):\n    return x + 1\n" * 6, return_tensors="pt").input_ids
+        model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        assert [pc.cfg.quant.key_split for pc in cache.pool.layers] == [art.quant_for(l).key_split
+                                                                       for l in range(art.num_layers)]
+    finally:
+        model.set_attn_implementation("sdpa")

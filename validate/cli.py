@@ -108,6 +108,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     t.set_defaults(func=_tune)
 
+    w = vs.add_parser("widths", help="per-layer key widths (2 / 3 / 4 bits) chosen by the copy probe within the artifact's "
+                                     "budget; writes a per-layer artifact OscarCache serves",
+                      description="Probe each layer alone at 3- and 4-bit keys (every other layer at 2 bits) by the NLL "
+                                  "of spans copied from the INT2 history of calibration-split text (serving protocol), "
+                                  "choose the widths with the lowest summed NLL change whose bits per element (memory "
+                                  "accounting) stay within the artifact's own, and write them as the cache's per-layer "
+                                  "format (oscar-artifact/3). 2L + 1 probes, each a forward of every copy window; "
+                                  "resumable (OUT.probes.jsonl). Issue 16: docs/decisions.md, \"per-layer widths chosen "
+                                  "by the copy probe\".")
+    w.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
+    w.add_argument("--artifact", required=True, help="a one-group artifact (`oscar fit --variant scaled`, then tune)")
+    w.add_argument("--windows", type=int, default=4, help="calibration copy windows per probe (default 4)")
+    w.add_argument("--length", type=int, default=2048, help="tokens per copy window (default 2048)")
+    w.add_argument("--out", required=True, help="per-layer artifact (.safetensors); the probe log goes beside it")
+    w.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
+    w.set_defaults(func=_widths)
+
     a = vs.add_parser("attention", help="attention-level retrieval to 128k on held-out captured q/k/v (not a model run)",
                       description="Whole held-out sequences (text the fit never saw) captured at their own positions "
                                   "and laid end to end; the needle is the real key a real query prefers most; each "
@@ -180,6 +197,29 @@ def _tune(args) -> int:
         c = f"  copy NLL/token {copy[f]:.5f}" if f in copy else ""
         print(f"factor {f}: NLL/token {v:.5f}{c}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
     print(f"{args.out}: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> {rec['mean_clip_k_after']:.3f})")
+    return 0
+
+
+def _widths(args) -> int:
+    from oscar.kernels.memory import artifact_bits_per_element
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
+    from oscar.validate.env import load_model
+    from oscar.validate.tune import TuneConfig, layer_copy_errors
+
+    art = load_artifact(args.artifact)
+    model, tok, _ = load_model(args.model)
+    cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
+    err = layer_copy_errors(model, tok, art, COPY_OPTIONS, cfg, log=args.out + ".probes.jsonl",
+                            progress=not args.no_progress)
+    out = native_layer_artifact(layer_artifact(art, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy", copy_err=err))
+    save_artifact(out, args.out)
+    for l in range(out.num_layers):
+        q = out.quant_for(l)
+        kb = q.bits + (q.key_top if q.key_split else 0)
+        print(f"layer {l:3d}: {kb}-bit keys  copy NLL change at 3 / 4 bits {err[l, 1]:+.4f} / {err[l, 2]:+.4f}")
+    print(f"{args.out}: {artifact_bits_per_element(out):.3f} bits per element (memory accounting; "
+          f"{artifact_bits_per_element(art):.3f} for {args.artifact})")
     return 0
 
 

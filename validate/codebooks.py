@@ -87,6 +87,7 @@ BUDGET_BITS = 2.5  # issue 16: bits per element of the INT2 history, K and V ave
 LM_BITS = 2
 LAYER_OPTIONS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 4))  # oscar-layer-int2: (key bits, value bits) per layer
 MIX_LAYER_OPTIONS = ((2, 2), ("mix", 2), (3, 2), ("mix", 3), (4, 2), (3, 3), (4, 4))  # + oscar-mix-int2's keys
+COPY_OPTIONS = ((2, 2), (3, 2), (4, 2))  # `oscar validate widths`: keys at 2 / 3 / 4 bits, values at 2 (the cache's formats)
 
 
 # ----------------------------------------------------------------- the quantizers (torch references)
@@ -336,6 +337,9 @@ def sq_artifact(fitted: Artifact) -> Artifact:
 
 def _derived(fitted: Artifact, method: str, codec: dict, extra: dict) -> Artifact:
     """`fitted` (oscar-int2: rotations, key mean, clips, pages) with another key format."""
+    if fitted.layer_quant is not None:
+        raise OscarError(f"method {method} is built on a one-format oscar-int2 artifact; --artifact already stores "
+                         f"per-layer widths (layer_quant)")
     prov = dict(fitted.meta.get("provenance") or {})
     return replace(fitted, meta={**fitted.meta, "variant": method, "base_variant": fitted.meta.get("variant"),
                                  "codec": codec, "provenance": prov}, extra={**fitted.extra, **extra})
@@ -632,6 +636,35 @@ def widths_artifact(fitted: Artifact, widths, method: str = "oscar-layer-int2", 
     out = _derived(fitted, method, {"kind": "layers", "widths": widths, "base_params": "fp8", "wide_params": "fp16",
                                     **(rec or {})}, {})
     return replace(out, clip_k=clip_k, clip_v=clip_v)
+
+
+def native_layer_artifact(art: Artifact) -> Artifact:
+    """A "layers" codec artifact (oscar-layer-int2, the copy-chosen widths) in the cache's own per-layer format
+    (`Artifact.layer_quant`, oscar-artifact/3): a layer's keys at base + 1 or + 2 bits become one wide part
+    (key_split = D, key_top, fp16 key params), the base layers and every value keep the base grid with e4m3 params;
+    the same grids, clips and rounding as the codec (tested: simulator and OscarCache agree). What OscarCache,
+    the Triton kernels and `oscar bench memory --artifact` then serve. Refuses widths the cache has no format for
+    (values wider than the base, split-key "mix" layers, keys more than 2 bits wider)."""
+    c = art.meta.get("codec") or {}
+    if c.get("kind") != "layers":
+        raise OscarError(f"native_layer_artifact: the artifact has codec {c.get('kind')!r}, not per-layer widths ('layers')")
+    base, D = art.quant, art.head_dim
+    if base.key_split or base.key_axis != "token" or base.group_size or base.mode != "minmax" or base.clip_rule != "ratio":
+        raise OscarError("native_layer_artifact: per-layer widths are built on one-group per-token min/max keys "
+                         f"(key_split 0, key_axis token, group_size None, ratio clips); got {base}")
+    q0 = replace(base, param_dtype="float8_e4m3fn")  # the codec's base grid: e4m3 scale/zero (_layer_spec)
+    lq = []
+    for l, (kb, vb) in enumerate(c["widths"]):
+        if vb != base.bits or kb == "mix" or not base.bits <= int(kb) <= base.bits + 2:
+            raise OscarError(f"native_layer_artifact: layer {l} has (key, value) widths ({kb}, {vb}); the cache stores "
+                             f"values at {base.bits} bits and keys at {base.bits}..{base.bits + 2}")
+        kb = int(kb)
+        lq.append(q0 if kb == base.bits else replace(q0, key_split=D, key_top=kb - base.bits, key_param_dtype="float16"))
+    meta = {k: v for k, v in art.meta.items() if k != "codec"}
+    meta["layer_widths"] = {k: v for k, v in c.items() if k != "kind"}  # what chose them (probe tables, objective)
+    out = replace(art, quant=q0, layer_quant=lq, meta=meta)
+    out.validate()
+    return out
 
 
 def mix_layer_artifact(fitted: Artifact) -> Artifact:
