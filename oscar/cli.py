@@ -38,7 +38,12 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (12288 held-out tokens per context, all the pydoc held-out split holds "
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
-    r.add_argument("--variant", default="split", help="fit variant behind oscar-int2 (see `oscar variants`)")
+    r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default split, "
+                   "scaled with --widths copy)")
+    r.add_argument("--widths", default="none", choices=("none", "copy"),
+                   help="per-layer key widths (issue 16): copy = after the tune, probe each layer at 3- and 4-bit keys "
+                        "on calibration text and serve the per-layer artifact at the same bits (`oscar validate "
+                        "widths`; ~35 min more for SmolLM2 on 2 CPUs); default none")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
     from oscar.validate.tune import OBJECTIVES
 
@@ -67,7 +72,7 @@ def _run(args) -> int:
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
                        seq_len=args.calib_seq_len, positions=args.calib_positions,
                        methods=parse_methods(args.methods),
-                       variant=args.variant, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
+                       variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
                        engine=args.engine, device=args.device, progress=not args.no_progress))
     return 0
 

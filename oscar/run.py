@@ -65,7 +65,16 @@ class RunConfig:
     # clips (docs/decisions.md, "Main job recipe" and "Scaled keys"), the keys split into a 3-bit part
     # (the D/4 directions C_Q weighs most) and a 2-bit part at the same 2.5 bits per element
     # (issue 16, docs/decisions.md "Issue 16 A/B: split keys").
-    variant: str = "split"
+    # None: "split", or "scaled" under --widths copy (per-layer widths are chosen on a one-group fit)
+    variant: str | None = None
+    # Per-layer key widths (issue 16; docs/decisions.md "per-layer widths chosen by the copy probe"): "none", or
+    # "copy": after the tune, each layer probed alone at 3- and 4-bit keys by the copied-span NLL on calibration text
+    # (`oscar validate widths`: 2L + 1 probes of widths_windows x widths_length tokens, ~35 min for SmolLM2 at 4 x 2048
+    # on 2 CPUs), and oscar-int2 becomes the per-layer artifact at the fit's bits per element. Off by default: the
+    # probes would more than double the main job's time (docs/decisions.md, "Per-layer widths in the cache format").
+    widths: str = "none"
+    widths_windows: int = 4
+    widths_length: int = 2048
     # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
     # (validate/tune.py; docs/decisions.md, "Key clip tuned end to end").
     tune: bool = True
@@ -119,6 +128,13 @@ class RunConfig:
                              "sequence (the calibration length defaults to the longest context validated); raise "
                              "calib_tokens, or set a shorter seq_len: its windows are still read at positions up to "
                              f"{self.positions}")
+        if self.widths not in ("none", "copy"):
+            raise OscarError(f"oscar run: --widths must be 'none' or 'copy', got {self.widths!r}")
+        if self.variant is None:
+            self.variant = "scaled" if self.widths == "copy" else "split"
+        if self.widths == "copy" and self.variant in ("split", "tiers"):
+            raise OscarError(f"oscar run: --widths copy chooses per-layer key widths on a one-group fit; --variant "
+                             f"{self.variant} already splits the keys (use --variant scaled, the default with --widths)")
         from oscar.validate.tune import TuneConfig
 
         TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
@@ -202,7 +218,12 @@ class _Job:
 
     @property
     def art_path(self) -> str:
+        """oscar-int2's artifact: the tuned fit, or (--widths copy) its per-layer widths."""
         return os.path.join(self.dir, "artifact.safetensors")
+
+    @property
+    def tuned_path(self) -> str:
+        return os.path.join(self.dir, "artifact.tuned.safetensors") if self.cfg.widths != "none" else self.art_path
 
     def model(self):
         if not self.loaded:
@@ -264,11 +285,42 @@ def _stage_tune(job: _Job) -> None:
                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")" +
                  ("" if cfg.tune_objective == "nll" else f"; objective {cfg.tune_objective}, copy NLL/token " +
                   ", ".join(f"x{f} {v:.4f}" for f, v in rec["copy_nll_per_token"].items())))
-        _save(art, job.art_path)
-        calibration_section(job.art_path, job.store, os.path.join(job.dir, "calibration"))
+        _save(art, job.tuned_path)
+        calibration_section(job.tuned_path, job.store, os.path.join(job.dir, "calibration"))
         return {"clip_tuning": rec} if rec else None
 
-    job.st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [job.art_path], do_tune)
+    job.st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [job.tuned_path], do_tune)
+
+
+def _stage_widths(job: _Job) -> None:
+    """3b. (--widths copy) per-layer key widths by the copy probe -> DIR/artifact.safetensors (probe log beside it:
+    an interrupted stage resumes probe by probe)."""
+    cfg = job.cfg
+    if cfg.widths == "none":
+        return
+    fp_w = fingerprint({"tuned": file_fingerprint(job.tuned_path), "widths": cfg.widths, "windows": cfg.widths_windows,
+                        "length": cfg.widths_length, "corpus": cfg.corpus, "protocols": PROTOCOL_VERSION})
+
+    def do_widths() -> dict:
+        from oscar.kernels.memory import artifact_bits_per_element
+        from oscar.stats.artifact import load_artifact
+        from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
+        from oscar.validate.tune import TuneConfig, layer_copy_errors
+
+        m, tok, _ = job.model()
+        art = load_artifact(job.tuned_path)
+        tcfg = TuneConfig(corpus=cfg.corpus, copy_windows=cfg.widths_windows, copy_length=cfg.widths_length)
+        err = layer_copy_errors(m, tok, art, COPY_OPTIONS, tcfg, log=os.path.join(job.dir, "widths.probes.jsonl"),
+                                progress=cfg.progress)
+        out = native_layer_artifact(layer_artifact(art, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy",
+                                                   copy_err=err))
+        _save(out, job.art_path)
+        wide = {l: out.quant_for(l).bits + out.quant_for(l).key_top for l in range(out.num_layers) if out.quant_for(l).key_split}
+        bits = artifact_bits_per_element(out)
+        _say(f"widths: keys wider in layers {wide} (key bits), {bits:.3f} bits per element")
+        return {"widths": {"wide_key_layers": wide, "bits_per_element": bits}}
+
+    job.st.run("widths", "per-layer key widths (copy probe)", fp_w, [job.art_path], do_widths)
 
 
 def _stage_validate(job: _Job) -> None:
@@ -313,6 +365,7 @@ def _stage_report(job: _Job, seconds: float) -> dict:
                 + ("" if cfg.positions == max(cfg.seq_len, cfg.longest_context) else f" --calib-positions {cfg.positions}")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
+                + ("" if cfg.widths == "none" else f" --widths {cfg.widths}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
                 + ("" if cfg.device == "cpu" else f" --device {cfg.device}"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
@@ -337,6 +390,7 @@ def run_main(cfg: RunConfig) -> dict:
     fp_cal = _stage_calibrate(job)
     _stage_fit(job, fp_cal)
     _stage_tune(job)
+    _stage_widths(job)
     _stage_validate(job)
     return _stage_report(job, time.time() - t_all)
 

@@ -62,3 +62,34 @@ def test_run_calibrates_at_the_longest_validated_context(tmp_path):
     assert RunConfig(out=str(tmp_path), lengths=[8192], calib_tokens=4096, seq_len=2048).positions == 8192
     with pytest.raises(OscarError, match="positions 1024 must be at least the calibration length 2048"):
         RunConfig(out=str(tmp_path), seq_len=2048, positions=1024)
+
+
+@pytest.mark.slow
+def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsys):
+    """`oscar run --widths copy` (tiny-llama, small sizes): the fit is one-group (`scaled`), the tune writes
+    artifact.tuned.safetensors, the widths stage the per-layer artifact (oscar-artifact/3) the validation stages then
+    score as oscar-int2; a re-run skips the stage. --widths copy with split keys is refused before any work."""
+    from oscar.artifact_header import read_metadata
+    from oscar.common import OscarError
+    from oscar.kernels.memory import artifact_bits_per_element
+    from oscar.stats.artifact import load_artifact
+
+    cfg = RunConfig(out=str(tmp_path / "run"), ray=False, model="tiny-llama", calib_tokens=2048, seq_len=256, samples=1,
+                    tasks=["niah_single_1"], lengths=[512], methods=["bf16", "oscar-int2"], ppl_tokens=512,
+                    ppl_contexts=[512], attn_lengths=[1024], progress=False, widths="copy", widths_windows=1,
+                    widths_length=512)
+    assert cfg.variant == "scaled"
+    run_main(cfg)
+    d = cfg.out
+    assert read_metadata(os.path.join(d, "artifact.safetensors"))["format"] == "oscar-artifact/3"
+    art, tuned = load_artifact(os.path.join(d, "artifact.safetensors")), load_artifact(os.path.join(d, "artifact.tuned.safetensors"))
+    assert art.layer_quant is not None and tuned.layer_quant is None
+    assert artifact_bits_per_element(art) <= artifact_bits_per_element(tuned) + 1e-12
+    info = json.load(open(os.path.join(d, "run.json")))
+    assert "widths" in info["stage_seconds"] and "--widths copy" in info["command"]
+    assert "oscar-int2" in set(pd.read_parquet(os.path.join(d, "results.parquet")).method)
+    capsys.readouterr()
+    run_main(cfg)
+    assert "per-layer key widths (copy probe): done (skipped)" in capsys.readouterr().err
+    with pytest.raises(OscarError, match="--widths copy .* --variant split"):
+        RunConfig(out=str(tmp_path / "x"), widths="copy", variant="split")

@@ -660,8 +660,11 @@ def native_layer_artifact(art: Artifact) -> Artifact:
                              f"values at {base.bits} bits and keys at {base.bits}..{base.bits + 2}")
         kb = int(kb)
         lq.append(q0 if kb == base.bits else replace(q0, key_split=D, key_top=kb - base.bits, key_param_dtype="float16"))
-    meta = {k: v for k, v in art.meta.items() if k != "codec"}
-    meta["layer_widths"] = {k: v for k, v in c.items() if k != "kind"}  # what chose them (probe tables, objective)
+    # `variant` names the rotation recipe (refits of other methods read it): the base fit's, as the rotations are
+    meta = {k: v for k, v in art.meta.items() if k not in ("codec", "base_variant")}
+    meta["variant"] = art.meta.get("base_variant") or art.meta.get("variant")
+    meta["layer_widths"] = {"method": art.meta.get("variant"),  # what chose them (probe tables, objective)
+                            **{k: v for k, v in c.items() if k != "kind"}}
     out = replace(art, quant=q0, layer_quant=lq, meta=meta)
     out.validate()
     return out
