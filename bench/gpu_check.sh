@@ -52,7 +52,7 @@ cat "$OUT/env.json"
 
 status=0
 # 1. kernel tests (DEV = cuda when available; < ~2 min incl. Triton compilation)
-timeout 140 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py tests/test_split_cache.py \
+timeout 140 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py tests/test_split_cache.py tests/test_layer_widths.py \
   --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
 # 2. decode benchmark: batch 1 and 32 at 4k..128k vs BF16 SDPA (+ FlashInfer), bandwidth vs peak
 timeout 170 $PY bench/decode.py --device cuda --out "$OUT/decode_cuda.json" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1

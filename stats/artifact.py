@@ -409,11 +409,16 @@ def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
 
 
 def describe_layer_quant(layers: list[dict]) -> str:
-    """One line for `oscar inspect`: the layers whose keys differ from 2-bit one-group ones."""
-    wide = [f"{l}: {q['bits'] + q.get('key_top', 1)}-bit keys on {q['key_split']} channels"
-            + (f" ({q['key_param_dtype']} params)" if q.get("key_param_dtype") else "")
-            for l, q in enumerate(layers) if q.get("key_split")]
-    return f"{len(layers)} layers; wider keys in {'; '.join(wide) if wide else 'none'}"
+    """One line for `oscar inspect`: which layers store wider keys, grouped by key bits (and their params' dtype)."""
+    groups: dict[str, list[int]] = {}
+    for l, q in enumerate(layers):
+        if q.get("key_split"):
+            what = f"{q['bits'] + q.get('key_top', 1)}-bit keys on {q['key_split']} channels" + (
+                f", {q['key_param_dtype']} params" if q.get("key_param_dtype") else "")
+            groups.setdefault(what, []).append(l)
+    wide = "; ".join(f"layers {', '.join(map(str, ls))}: {what}" for what, ls in groups.items())
+    return f"{len(layers)} layers; {wide or 'no layer with wider keys'}; values and the rest " \
+           f"{layers[0]['bits']}-bit, {layers[0]['param_dtype']} params" if layers else "none"
 
 
 def _quant(d: dict) -> QuantConfig:

@@ -242,6 +242,9 @@ def test_layer_quant_artifact_round_trip_and_refusals(tmp_path):
     assert read_metadata(str(tmp_path / "a.safetensors"))["format"] == "oscar-artifact/3"
     back = load_artifact(str(tmp_path / "a.safetensors"))
     assert back.layer_quant == lq and back.quant_for(1) == lq[1] and back.quant_for(0) == base
+    from oscar.stats.artifact import describe
+
+    assert "layers 1: 4-bit keys on 32 channels, float16 params" in describe(str(tmp_path / "a.safetensors"))
     with pytest.raises(OscarError, match="layer 2's format differs .* sink"):
         replace(art, layer_quant=[base, base, replace(base, sink=8)]).validate()
     with pytest.raises(OscarError, match=r"layers.1.clip_k .* expected \(2,\)"):
