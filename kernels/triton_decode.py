@@ -274,7 +274,7 @@ def _decode_split_kernel(
                 dw = _dot_t(q0w, k0, DOT_FP16) + _dot_t(q1w, k1, DOT_FP16) + _dot_t(q2w, k2, DOT_FP16) + _dot_t(q3w, k3, DOT_FP16)
                 s_w, z_w = _param(K_SCALE, sp, valid, K_FP8), _param(K_ZERO, sp, valid, K_FP8)
                 sc = dw * s_w[None, :] + qsum_w[:, None] * z_w[None, :]
-                if NPARTS == 2:  # W = STORED: every stored channel is wide, no second pair (and dn = 0)
+                if NPARTS == 2:  # the narrow part's pair (NPARTS 1: W = STORED, every stored channel wide)
                     dn = _dot_t(q0n, k0, DOT_FP16) + _dot_t(q1n, k1, DOT_FP16) + _dot_t(q2n, k2, DOT_FP16) + _dot_t(q3n, k3, DOT_FP16)
                     s_n, z_n = _param(K_SCALE, sp + 1, valid, K_FP8), _param(K_ZERO, sp + 1, valid, K_FP8)
                     sc += dn * s_n[None, :] + qsum_n[:, None] * z_n[None, :]

@@ -126,66 +126,7 @@ def test_pool_with_per_layer_formats_shares_pages_and_forks():
                      layer_quant=[base, replace(base, page_size=8, recent=8)])
 
 
-# ----------------------------------------------------------------- Triton, against the reference
-
-
-def _triton():
-    from oscar.kernels.dispatch import triton_usable
-
-    return triton_usable("cpu") or torch.cuda.is_available()
-
-
-needs_triton = pytest.mark.skipif(not _triton(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
-
-
-@needs_triton
-@pytest.mark.parametrize("D,top,kp", [(32, 1, "float16"), (48, 2, "float16"), (64, 2, "float8_e4m3fn")])
-def test_triton_quantizer_writes_the_reference_bytes(D, top, kp):
-    """One wide part: codes, fp16 (or e4m3) key params and e4m3 value params bit-identical to the reference."""
-    from oscar.kernels import triton_quant
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    c = make(D=D, top=top, key_params=kp, device=dev)
-    g = torch.Generator().manual_seed(7)
-    ids = torch.tensor([4, 0, 7], device=dev)
-    u8 = lambda t: t.view(torch.uint8) if t.dtype == FP8_PARAM else t  # noqa: E731
-    for which in ("k", "v"):
-        x = (torch.randn(3, 2, 4, D, generator=g) * 3).to(torch.bfloat16).to(dev)
-        codes, s, z = ref.quantize_page_tensors(c, x, which)
-        triton_quant.quantize_pages_into(c, ids, x, which)
-        assert torch.equal(getattr(c, f"{which}_codes")[ids].cpu(), codes.cpu())
-        assert torch.equal(u8(getattr(c, f"{which}_scale")[ids]).cpu(), u8(s).cpu())
-        assert torch.equal(u8(getattr(c, f"{which}_zero")[ids]).cpu(), u8(z).cpu())
-
-
-@needs_triton
-@pytest.mark.parametrize("D,top,G,kp", [(32, 1, 1, "float16"), (48, 2, 3, "float16"), (64, 1, 8, "float8_e4m3fn"),
-                                        (80, 2, 3, "float16")])
-def test_triton_decode_equals_the_reference(D, top, G, kp):
-    """The fused decode kernel on a wide-key layer (K_MODE 3, one part, fp16 key params beside e4m3 value params)
-    against the reference: head dims 32 / 64 and non-powers of two 48 / 80, GQA 1 / 3 / 8, lengths (S = 3, R = 8,
-    P = 4) inside the sink, at the window's edge, the first page, several pages; a shared prefix and its own tail."""
-    from oscar.kernels.triton_decode import DecodeConfig, decode_attention
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    H = 2
-    c = make(D=D, top=top, key_params=kp, device=dev)
-    seqs = []
-    for i, n in enumerate([1, 3 + 8 + 3, 3 + 8 + 4, 37, 70]):
-        s = c.new_sequence()
-        k, v = tokens(H, n, D, 20 + i)
-        c.append(s, k.to(dev), v.to(dev))
-        seqs.append(s)
-    seqs.append(c.fork(seqs[-1]))
-    k, v = tokens(H, 5, D, 40)
-    c.append(seqs[-1], k.to(dev), v.to(dev))
-    q = torch.randn(len(seqs), H * G, D, generator=torch.Generator().manual_seed(6)).to(dev)
-    want_o, want_lse = ref.decode_attention(q, c, seqs, scale=0.25, return_lse=True)
-    for cfg in (DecodeConfig(block_n=16, num_splits=3, min_pages_per_split=1, dot_fp16=False), DecodeConfig(block_n=32)):
-        o, lse = decode_attention(q, c, seqs, scale=0.25, return_lse=True, config=cfg)
-        tol = 2e-5 if not cfg.dot_fp16 else 2e-2
-        torch.testing.assert_close(o.float().cpu(), want_o.float().cpu(), rtol=0, atol=tol)
-        torch.testing.assert_close(lse.cpu(), want_lse.cpu(), rtol=0, atol=tol)
+# Triton against the reference on one-part keys (W = D): tests/test_split_cache.py (ONE_PART cases)
 
 
 # ----------------------------------------------------------------- the artifact and the budget

@@ -23,18 +23,22 @@ def split_rotation(H, D, seed, W, drop=0):
     d = torch.rand(H, 1, D, generator=g) * 2 + 0.5
     M = torch.zeros(H, D, D)
     e = D - drop
-    M[:, :W, :W], M[:, W:e, W:e] = qr(W), qr(e - W)
+    M[:, :W, :W] = qr(W)
+    if e > W:
+        M[:, W:e, W:e] = qr(e - W)
     if drop:
         M[:, e:, e:] = qr(drop)
     rk, rq = (U * d) @ M, (U / d) @ M
     clip = torch.stack([torch.rand(H, generator=g) * 0.3 + 0.7, torch.rand(H, generator=g) * 0.3 + 0.7], -1)  # (H, 2)
+    clip = clip if e > W else clip[:, 0]  # W = every stored channel (per-layer widths): one part, a ratio per head
     return LayerRotation(rot_k=rk, rot_v=qr(D), clip_k=clip, clip_v=torch.full((H,), 0.9), k_mean=torch.randn(H, D, generator=g),
                          rot_q=rq)
 
 
 def make(H=2, D=32, W=8, P=4, S=3, R=8, pages=48, seqs=4, seed=0, dtype=torch.bfloat16, param_dtype="float8_e4m3fn",
-         device="cpu", top=1, drop=0):
-    quant = QuantConfig(page_size=P, sink=S, recent=R, key_split=W, param_dtype=param_dtype, key_top=top, key_drop=drop)
+         device="cpu", top=1, drop=0, key_params=None):
+    quant = QuantConfig(page_size=P, sink=S, recent=R, key_split=W, param_dtype=param_dtype, key_top=top, key_drop=drop,
+                        key_param_dtype=key_params)
     cfg = PagedConfig(quant, H, D, num_pages=pages, max_seqs=seqs, dtype=dtype, device=device)
     rot = split_rotation(H, D, seed, W, drop)
     if device != "cpu":
@@ -130,38 +134,50 @@ def _triton():
 needs_triton = pytest.mark.skipif(not _triton(), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
 
 
+# W = D: the per-layer widths' wide layers (one part, 3 / 4 bits, fp16 key params beside e4m3 values: kp)
+ONE_PART = [(32, 32, "float8_e4m3fn", 1, 0, "float16"), (48, 48, "float8_e4m3fn", 2, 0, "float16"),
+            (64, 64, "float8_e4m3fn", 2, 0, None)]
+
+
 @needs_triton
-@pytest.mark.parametrize("D,W,pd,top,drop", [(32, 8, "float8_e4m3fn", 1, 0), (64, 16, "float8_e4m3fn", 1, 0),
-                                             (48, 8, "float16", 1, 0), (64, 16, "float8_e4m3fn", 2, 8),
-                                             (32, 8, "float16", 2, 4), (48, 8, "float8_e4m3fn", 2, 8)])
-def test_triton_quantizer_writes_the_reference_bytes(D, W, pd, top, drop):
+@pytest.mark.parametrize("D,W,pd,top,drop,kp", [(32, 8, "float8_e4m3fn", 1, 0, None), (64, 16, "float8_e4m3fn", 1, 0, None),
+                                                (48, 8, "float16", 1, 0, None), (64, 16, "float8_e4m3fn", 2, 8, None),
+                                                (32, 8, "float16", 2, 4, None), (48, 8, "float8_e4m3fn", 2, 8, None),
+                                                *ONE_PART])
+def test_triton_quantizer_writes_the_reference_bytes(D, W, pd, top, drop, kp):
     from oscar.kernels import triton_quant
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    c = make(D=D, W=W, param_dtype=pd, device=dev, top=top, drop=drop)
+    c = make(D=D, W=W, param_dtype=pd, device=dev, top=top, drop=drop, key_params=kp)
     g = torch.Generator().manual_seed(7)
-    x = (torch.randn(5, 2, 4, D, generator=g) * 3).to(torch.bfloat16).to(dev)
     ids = torch.tensor([4, 0, 7, 2, 9], device=dev)
-    codes, s, z = ref.quantize_page_tensors(c, x, "k")
-    triton_quant.quantize_pages_into(c, ids, x, "k")
-    assert torch.equal(c.k_codes[ids].cpu(), codes.cpu())
     u8 = lambda t: t.view(torch.uint8) if t.dtype == FP8_PARAM else t  # noqa: E731
-    assert torch.equal(u8(c.k_scale[ids]).cpu(), u8(s).cpu()) and torch.equal(u8(c.k_zero[ids]).cpu(), u8(z).cpu())
+    for which in ("k", "v"):
+        x = (torch.randn(5, 2, 4, D, generator=g) * 3).to(torch.bfloat16).to(dev)
+        codes, s, z = ref.quantize_page_tensors(c, x, which)
+        triton_quant.quantize_pages_into(c, ids, x, which)
+        assert torch.equal(getattr(c, f"{which}_codes")[ids].cpu(), codes.cpu())
+        assert torch.equal(u8(getattr(c, f"{which}_scale")[ids]).cpu(), u8(s).cpu())
+        assert torch.equal(u8(getattr(c, f"{which}_zero")[ids]).cpu(), u8(z).cpu())
 
 
 @needs_triton
-@pytest.mark.parametrize("D,W,G,top,drop", [(32, 8, 1, 1, 0), (64, 16, 3, 1, 0), (48, 8, 8, 1, 0), (80, 16, 3, 1, 0),
-                                            (64, 16, 3, 2, 8), (48, 8, 8, 2, 4), (32, 8, 1, 2, 4)])
-def test_triton_decode_equals_the_reference(D, W, G, top, drop):
-    """The fused decode kernel on split keys (and their tiers: top 2, drop) against the reference: head dims 32 / 64
-    and non-powers of two 48 / 80 (masked), GQA 1 / 3 / 8; lengths (S = 3, R = 8, P = 4) inside the sink, at its
-    edge, the window not yet full, the last length before the first page, the first page, several pages; a shared
-    prefix (fork) and its own tail."""
+@pytest.mark.parametrize("D,W,G,top,drop,kp", [(32, 8, 1, 1, 0, None), (64, 16, 3, 1, 0, None), (48, 8, 8, 1, 0, None),
+                                               (80, 16, 3, 1, 0, None), (64, 16, 3, 2, 8, None), (48, 8, 8, 2, 4, None),
+                                               (32, 8, 1, 2, 4, None), (32, 32, 1, 1, 0, "float16"),
+                                               (48, 48, 3, 2, 0, "float16"), (64, 64, 8, 1, 0, None),
+                                               (80, 80, 3, 2, 0, "float16")])
+def test_triton_decode_equals_the_reference(D, W, G, top, drop, kp):
+    """The fused decode kernel on split keys (and their tiers: top 2, drop; and W = D, one part: the per-layer widths'
+    3- / 4-bit layers, fp16 key params beside e4m3 value params) against the reference: head dims 32 / 64 and
+    non-powers of two 48 / 80 (masked), GQA 1 / 3 / 8; lengths (S = 3, R = 8, P = 4) inside the sink, at its edge,
+    the window not yet full, the last length before the first page, the first page, several pages; a shared prefix
+    (fork) and its own tail."""
     from oscar.kernels.triton_decode import DecodeConfig, decode_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     H = 2
-    c = make(D=D, W=W, device=dev, pages=64, seqs=10, top=top, drop=drop)
+    c = make(D=D, W=W, device=dev, pages=64, seqs=10, top=top, drop=drop, key_params=kp)
     seqs = []
     for i, n in enumerate([1, 3, 4, 3 + 8 + 3, 3 + 8 + 4, 37, 70]):
         s = c.new_sequence()
