@@ -27,7 +27,7 @@ CANDIDATES = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-lay
               "oscar-tier-int2", "oscar-layer-top1-int2", "oscar-mix-layer-top1-int2",
               # --rename labels of oscar-int2 fitted or tuned otherwise (bench/issue16_calib_length.sh)
               "oscar-c4k-int2", "oscar-c8k-int2", "oscar-guarded-int2", "oscar-p4k-int2", "oscar-c4ks-int2",
-              "oscar-scaled-int2", "oscar-unclip-int2", "oscar-layer-copy-int2")
+              "oscar-scaled-int2", "oscar-unclip-int2", "oscar-layer-copy-int2", "oscar-layer-copy-2x1024")
 HIGHER_BETTER = {"topk", "cos_k", "cos_v", "cos_o"}  # ablation metrics where larger is better (the rest: errors)
 
 

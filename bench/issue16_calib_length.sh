@@ -12,11 +12,13 @@
 # (qwenunclip, after qwenlayers); per-layer widths chosen by each layer's copied-span NLL on calibration text, a
 # retrieval signal measured through the model (qwencopy, after qwenunclip: against its arms; smollm2copy: builds the
 # 4096-token store and scaled fit if absent, ~65 min; smollm2seed2: a third needle seed for its arms; smollm2split: the
-# shipped split keys on the same store; qwencopygoal: bf16 on qwencopy's samples and the goal's cells).
+# shipped split keys on the same store; qwencopygoal: bf16 on qwencopy's samples and the goal's cells; smollm2cheap: the
+# product command `oscar validate widths` at 2 x 1024 probe windows, 11 min, against smollm2copy's 4 x 2048 choice;
+# qwencopyeasy: the goal's easy tasks with Qwen's copy widths in the served per-layer format, bf16 alongside).
 # ~9.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -238,12 +240,35 @@ if has smollm2split; then  # the shipped format (split keys, its own tune) on sm
   python bench/issue16_goal.py --goal smollm2 --niah $W/cs4k_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cs_ppl $W/cw_ppl \
     --out bench/results/issue16/goal_smollm2_shipped_3seeds.json
 fi
+if has smollm2cheap; then  # `oscar validate widths` (the per-layer format OscarCache serves) with a 4x cheaper probe, same samples
+  A=$W/s4096/scaled.safetensors; Q=$W/s4096/widths_2x1024.safetensors
+  oscar validate widths --artifact $A --windows 2 --length 1024 --out $Q --no-progress  # resumes from its probe log
+  for s in 0 1 2; do oscar validate niah --artifact $Q --methods oscar-int2 $N --seed $s --out $W/cq4k_s$s; done
+  oscar validate ppl --artifact $Q --methods oscar-int2 $P --out $W/cq_ppl
+  R="$W/cc_ppl:oscar-int2=oscar-layer-copy-int2 $W/cq_ppl:oscar-int2=oscar-layer-copy-2x1024 $W/cw_ppl:oscar-int2=oscar-scaled-int2"
+  for s in 0 1 2; do R="$R $W/cc4k_s$s:oscar-int2=oscar-layer-copy-int2 $W/cq4k_s$s:oscar-int2=oscar-layer-copy-2x1024"; done
+  python bench/issue16_ab.py --niah $W/cc4k_s{0,1,2} $W/cq4k_s{0,1,2} --ppl $W/cc_ppl $W/cq_ppl $W/cw_ppl --base oscar-layer-copy-int2 \
+    --rename $R --out bench/results/issue16/ab_smollm2_cheap_probe.json
+  R="$W/cq_ppl:oscar-int2=oscar-layer-copy-2x1024 $W/cw_ppl:oscar-int2=oscar-scaled-int2"; for s in 0 1 2; do R="$R $W/cq4k_s$s:oscar-int2=oscar-layer-copy-2x1024"; done
+  python bench/issue16_ab.py --niah $W/cs4k_s{0,1,2} $W/cq4k_s{0,1,2} --ppl $W/cs_ppl $W/cq_ppl $W/cw_ppl --rename $R \
+    --out bench/results/issue16/ab_smollm2_cheap_vs_shipped.json  # against the shipped split keys (smollm2split)
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cq4k_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cq_ppl $W/cw_ppl \
+    --label oscar-layer-copy-2x1024 --out bench/results/issue16/goal_smollm2_cheap_probe.json
+fi
 if has qwencopygoal; then  # bf16 on qwencopy's samples, then the goal's cells for the copy-chosen widths (hard tasks, 1k-4k)
   Q="--model qwen2.5-0.5b"; C=$W/qp8192/copy.safetensors
   G="--tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
   oscar validate niah $Q --artifact $C --methods bf16 $G --out $W/gb4k_hard
   python bench/issue16_goal.py --goal qwen --niah $W/gc4k_hard --bf16 $W/gb4k_hard --ppl $W/gc_ppl $W/gs_ppl \
     --label oscar-layer-copy-int2 --out bench/results/issue16/goal_qwen_copy.json
+fi
+if has qwencopyeasy; then  # niah_single_1/2 at 1k-4k with Qwen's copy widths as the cache's per-layer format (oscar-int2)
+  Q="--model qwen2.5-0.5b"; C=$W/qp8192/copy.native.safetensors
+  [ -e $C ] || python bench/issue16_native_widths.py --model qwen2.5-0.5b --artifact $W/qp8192/copy.safetensors \
+    --out-artifact $C --out bench/results/issue16/native_widths_qwen.json
+  oscar validate niah $Q --artifact $C --methods bf16,oscar-int2 $N --out $W/gq4k_easy
+  python bench/issue16_goal.py --goal qwen --niah $W/gq4k_easy --ppl $W/gc_ppl $W/gs_ppl \
+    --label oscar-layer-copy-int2 --out bench/results/issue16/goal_qwen_copy_easy.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
