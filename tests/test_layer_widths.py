@@ -34,13 +34,9 @@ def rotation(H, D, seed):
                          clip_v=torch.full((H,), 0.9), k_mean=torch.randn(H, D, generator=g), rot_q=U / d)
 
 
-def make(H=2, D=32, top=1, P=4, S=3, R=8, pages=64, seqs=10, key_params="float16", device="cpu", seed=0):
-    cfg = PagedConfig(wide_quant(top, D, key_params, page_size=P, sink=S, recent=R), H, D, num_pages=pages,
-                      max_seqs=seqs, device=device)
-    rot = rotation(H, D, seed)
-    if device != "cpu":
-        rot = LayerRotation(**{k: getattr(rot, k).to(device) for k in ("rot_k", "rot_v", "clip_k", "clip_v", "k_mean", "rot_q")})
-    return PagedLayerCache(cfg, rot, quantizer=quantize_pages)
+def make(H=2, D=32, top=1, P=4, S=3, R=8, pages=64, seqs=10, key_params="float16", seed=0):
+    cfg = PagedConfig(wide_quant(top, D, key_params, page_size=P, sink=S, recent=R), H, D, num_pages=pages, max_seqs=seqs)
+    return PagedLayerCache(cfg, rotation(H, D, seed), quantizer=quantize_pages)
 
 
 def tokens(H, T, D, seed):
