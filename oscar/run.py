@@ -315,6 +315,9 @@ def _stage_widths(job: _Job) -> None:
         out = native_layer_artifact(layer_artifact(art, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy",
                                                    copy_err=err))
         _save(out, job.art_path)
+        from oscar.reports.calibration import widths_section
+
+        widths_section(job.art_path, os.path.join(job.dir, "calibration"))  # the report's plot of the probe
         wide = {l: out.quant_for(l).bits + out.quant_for(l).key_top for l in range(out.num_layers) if out.quant_for(l).key_split}
         bits = artifact_bits_per_element(out)
         _say(f"widths: keys wider in layers {wide} (key bits), {bits:.3f} bits per element")

@@ -88,6 +88,8 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
     info = json.load(open(os.path.join(d, "run.json")))
     assert "widths" in info["stage_seconds"] and "--widths copy" in info["command"]
     assert "oscar-int2" in set(pd.read_parquet(os.path.join(d, "results.parquet")).method)
+    assert os.path.exists(os.path.join(d, "calibration", "widths.png"))
+    assert "Per-layer key widths (copy probe)" in open(os.path.join(d, "report.md")).read()
     capsys.readouterr()
     run_main(cfg)
     assert "per-layer key widths (copy probe): done (skipped)" in capsys.readouterr().err
