@@ -37,14 +37,14 @@ The byte layout, rounding rule and policies are documented in docs/cache-format.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 import torch
 
 from oscar.common import OscarError
 from oscar.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
-from oscar.stats.artifact import LAYER_QUANT_FIELDS, Artifact, QuantConfig
+from oscar.stats.artifact import LAYER_QUANT_FIELDS, Artifact, QuantConfig, layout_differences
 
 
 # writes whole rotated pages k, v (N, Hkv, P, D) (cfg.dtype) of a layer into its pool at page ids (N,)
@@ -151,10 +151,10 @@ class PagedConfig:
 
 def layer_config(cfg: PagedConfig, quant: QuantConfig) -> PagedConfig:
     """Layer l's config: the model's layout and pool sizes with the layer's own format (same sink, window, page)."""
-    bad = [f for f in asdict(quant) if f not in LAYER_QUANT_FIELDS and getattr(quant, f) != getattr(cfg.quant, f)]
+    bad = layout_differences(cfg.quant, quant)
     if bad:
-        raise OscarError(f"a layer's format differs from the model's layout in {bad}: layers share sink, window, "
-                         f"pages and grid kind; only key formats and scale/zero dtypes may differ")
+        raise OscarError(f"a layer's format differs from the model's layout in {', '.join(bad)}: layers share sink, "
+                         f"window, pages and grid kind; only {', '.join(LAYER_QUANT_FIELDS)} may differ")
     return replace(cfg, quant=quant)
 
 

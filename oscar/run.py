@@ -304,16 +304,12 @@ def _stage_widths(job: _Job) -> None:
     def do_widths() -> dict:
         from oscar.kernels.memory import artifact_bits_per_element
         from oscar.stats.artifact import load_artifact
-        from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
-        from oscar.validate.tune import TuneConfig, layer_copy_errors
+        from oscar.validate.tune import TuneConfig, copy_widths_artifact
 
         m, tok, _ = job.model()
-        art = load_artifact(job.tuned_path)
         tcfg = TuneConfig(corpus=cfg.corpus, copy_windows=cfg.widths_windows, copy_length=cfg.widths_length)
-        err = layer_copy_errors(m, tok, art, COPY_OPTIONS, tcfg, log=os.path.join(job.dir, "widths.probes.jsonl"),
-                                progress=cfg.progress)
-        out = native_layer_artifact(layer_artifact(art, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy",
-                                                   copy_err=err))
+        out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg,
+                                      log=os.path.join(job.dir, "widths.probes.jsonl"), progress=cfg.progress)
         _save(out, job.art_path)
         from oscar.reports.calibration import widths_section
 

@@ -285,6 +285,13 @@ class Artifact:
 LAYER_QUANT_FIELDS = ("key_split", "key_top", "key_drop", "param_dtype", "key_param_dtype")
 
 
+def layout_differences(base: QuantConfig, q: QuantConfig) -> list[str]:
+    """The fields outside LAYER_QUANT_FIELDS where a layer's format `q` differs from the model's `base` ("field q vs
+    base"): what every layer must share (sink, window, pages, grid kind)."""
+    return [f"{f} {getattr(q, f)!r} vs {getattr(base, f)!r}" for f in asdict(base)
+            if f not in LAYER_QUANT_FIELDS and getattr(q, f) != getattr(base, f)]
+
+
 def check_layer_quant(base: QuantConfig, layers: list[QuantConfig], num_layers: int, head_dim: int) -> None:
     """Refuse per-layer formats that do not share the model's layout (sink, window, page, grid kind): only the
     key format and the scale/zero dtypes (LAYER_QUANT_FIELDS) may differ between layers."""
@@ -292,11 +299,10 @@ def check_layer_quant(base: QuantConfig, layers: list[QuantConfig], num_layers: 
 
     if len(layers) != num_layers:
         raise OscarError(f"artifact: layer_quant has {len(layers)} entries for {num_layers} layers")
-    fixed = [f for f in asdict(base) if f not in LAYER_QUANT_FIELDS]
     for l, q in enumerate(layers):
         if not isinstance(q, QuantConfig):
             raise OscarError(f"artifact: layer_quant[{l}] is a {type(q).__name__}, not a QuantConfig")
-        bad = [f"{f} {getattr(q, f)!r} vs {getattr(base, f)!r}" for f in fixed if getattr(q, f) != getattr(base, f)]
+        bad = layout_differences(base, q)
         if bad:
             raise OscarError(f"artifact: layer {l}'s format differs from the model's in {', '.join(bad)}; layers may "
                              f"differ only in {', '.join(LAYER_QUANT_FIELDS)}")

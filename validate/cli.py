@@ -203,16 +203,13 @@ def _tune(args) -> int:
 def _widths(args) -> int:
     from oscar.kernels.memory import artifact_bits_per_element
     from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
     from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, layer_copy_errors
+    from oscar.validate.tune import TuneConfig, copy_widths_artifact
 
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
     cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
-    err = layer_copy_errors(model, tok, art, COPY_OPTIONS, cfg, log=args.out + ".probes.jsonl",
-                            progress=not args.no_progress)
-    out = native_layer_artifact(layer_artifact(art, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy", copy_err=err))
+    out, err = copy_widths_artifact(model, tok, art, cfg, log=args.out + ".probes.jsonl", progress=not args.no_progress)
     save_artifact(out, args.out)
     for l in range(out.num_layers):
         q = out.quant_for(l)

@@ -255,3 +255,15 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
         for o in range(1, len(options)):
             err[l, o] = done[(l, o)] - done[(-1, 0)]  # (L, O)
     return err
+
+
+def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log: str | None = None,
+                         progress: bool = True):
+    """`oscar validate widths` / `oscar run --widths copy`: each layer probed at COPY_OPTIONS by the copied-span NLL
+    (`layer_copy_errors`, resumable from `log`), the DP's widths at `fitted`'s bits per element, written as the
+    cache's per-layer format (`codebooks.native_layer_artifact`). Returns (artifact, the (L, 3) probe table)."""
+    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
+
+    err = layer_copy_errors(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
+    art = layer_artifact(fitted, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy", copy_err=err)
+    return native_layer_artifact(art), err
