@@ -268,3 +268,14 @@ def test_native_layer_artifact_refuses_what_the_cache_cannot_store(tiny):
             native_layer_artifact(bad)
     with pytest.raises(OscarError, match="not per-layer widths"):
         native_layer_artifact(replace(codec, meta={k: v for k, v in codec.meta.items() if k != "codec"}))
+
+
+def test_memory_accounting_refuses_a_validation_codec(tiny):
+    """The accounting knows cache formats only: a "layers" codec artifact is refused naming the conversion, its
+    native form is accounted (both read from the same widths)."""
+    from oscar.kernels.memory import artifact_row
+
+    codec, native = widths_artifacts(tiny.config, [[2, 2], [4, 2], [3, 2]], 4)
+    with pytest.raises(OscarError, match="codec 'layers'.*native_layer_artifact"):
+        artifact_row(codec, tiny.config)
+    assert artifact_row(native, tiny.config)["bits_per_element"] > 2
