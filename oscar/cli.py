@@ -39,11 +39,12 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--full", action="store_true", help="larger perplexity budget (12288 held-out tokens per context, all the pydoc held-out split holds "
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
     r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default split, "
-                   "scaled with --widths copy)")
-    r.add_argument("--widths", default="none", choices=("none", "copy"),
+                   "scaled with --widths copy / gradient)")
+    r.add_argument("--widths", default="none", choices=("none", "copy", "gradient"),
                    help="per-layer key widths (issue 16): copy = after the tune, probe each layer at 3- and 4-bit keys "
                         "on calibration text and serve the per-layer artifact at the same bits (`oscar validate "
-                        "widths`; ~35 min more for SmolLM2 on 2 CPUs); default none")
+                        "widths`; ~35 min more for SmolLM2 on 2 CPUs); gradient = the probe to first order (`oscar "
+                        "validate widths --estimate gradient`; ~2.5 min); default none")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
     from oscar.validate.tune import OBJECTIVES
 

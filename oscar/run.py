@@ -27,6 +27,10 @@ from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
+
+# --widths: none; copy = the copy probe measured (2L + 1 forwards); gradient = the same to first order (a forward and
+# backward per window: validate.tune.layer_copy_gradients)
+WIDTHS = ("none", "copy", "gradient")
 from oscar.defaults import EMBEDDED_MODEL
 
 
@@ -70,8 +74,9 @@ class RunConfig:
     # Per-layer key widths (issue 16; docs/decisions.md "per-layer widths chosen by the copy probe"): "none", or
     # "copy": after the tune, each layer probed alone at 3- and 4-bit keys by the copied-span NLL on calibration text
     # (`oscar validate widths`: 2L + 1 probes of widths_windows x widths_length tokens, ~35 min for SmolLM2 at 4 x 2048
-    # on 2 CPUs), and oscar-int2 becomes the per-layer artifact at the fit's bits per element. Off by default: the
-    # probes would more than double the main job's time (docs/decisions.md, "Per-layer widths in the cache format").
+    # on 2 CPUs), and oscar-int2 becomes the per-layer artifact at the fit's bits per element; "gradient": the same
+    # NLL changes to first order (`--estimate gradient`, ~2.5 min). Off by default: docs/decisions.md, "Per-layer
+    # widths in the cache format".
     widths: str = "none"
     widths_windows: int = 4
     widths_length: int = 2048
@@ -128,12 +133,12 @@ class RunConfig:
                              "sequence (the calibration length defaults to the longest context validated); raise "
                              "calib_tokens, or set a shorter seq_len: its windows are still read at positions up to "
                              f"{self.positions}")
-        if self.widths not in ("none", "copy"):
-            raise OscarError(f"oscar run: --widths must be 'none' or 'copy', got {self.widths!r}")
+        if self.widths not in WIDTHS:
+            raise OscarError(f"oscar run: --widths must be one of {', '.join(WIDTHS)}, got {self.widths!r}")
         if self.variant is None:
-            self.variant = "scaled" if self.widths == "copy" else "split"
-        if self.widths == "copy" and self.variant in ("split", "tiers"):
-            raise OscarError(f"oscar run: --widths copy chooses per-layer key widths on a one-group fit; --variant "
+            self.variant = "split" if self.widths == "none" else "scaled"
+        if self.widths != "none" and self.variant in ("split", "tiers"):
+            raise OscarError(f"oscar run: --widths {self.widths} chooses per-layer key widths on a one-group fit; --variant "
                              f"{self.variant} already splits the keys (use --variant scaled, the default with --widths)")
         from oscar.validate.tune import TuneConfig
 
@@ -218,7 +223,7 @@ class _Job:
 
     @property
     def art_path(self) -> str:
-        """oscar-int2's artifact: the tuned fit, or (--widths copy) its per-layer widths."""
+        """oscar-int2's artifact: the tuned fit, or (--widths copy / gradient) its per-layer widths."""
         return os.path.join(self.dir, "artifact.safetensors")
 
     @property
@@ -293,8 +298,8 @@ def _stage_tune(job: _Job) -> None:
 
 
 def _stage_widths(job: _Job) -> None:
-    """3b. (--widths copy) per-layer key widths by the copy probe -> DIR/artifact.safetensors (probe log beside it:
-    an interrupted stage resumes probe by probe)."""
+    """3b. (--widths copy / gradient) per-layer key widths by the copy probe, measured or to first order ->
+    DIR/artifact.safetensors (copy: the probe log beside it, an interrupted stage resumes probe by probe)."""
     cfg = job.cfg
     if cfg.widths == "none":
         return
@@ -309,7 +314,8 @@ def _stage_widths(job: _Job) -> None:
         m, tok, _ = job.model()
         tcfg = TuneConfig(corpus=cfg.corpus, copy_windows=cfg.widths_windows, copy_length=cfg.widths_length)
         out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg,
-                                      log=os.path.join(job.dir, "widths.probes.jsonl"), progress=cfg.progress)
+                                      log=os.path.join(job.dir, "widths.probes.jsonl"), progress=cfg.progress,
+                                      estimate="probe" if cfg.widths == "copy" else "gradient")
         _save(out, job.art_path)
         from oscar.reports.calibration import widths_section
 
@@ -319,7 +325,8 @@ def _stage_widths(job: _Job) -> None:
         _say(f"widths: keys wider in layers {wide} (key bits), {bits:.3f} bits per element")
         return {"widths": {"wide_key_layers": wide, "bits_per_element": bits}}
 
-    job.st.run("widths", "per-layer key widths (copy probe)", fp_w, [job.art_path], do_widths)
+    how = "copy probe" if cfg.widths == "copy" else "copy probe to first order"
+    job.st.run("widths", f"per-layer key widths ({how})", fp_w, [job.art_path], do_widths)
 
 
 def _stage_validate(job: _Job) -> None:

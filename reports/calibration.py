@@ -189,6 +189,7 @@ def widths_section(artifact_path: str, out_dir: str) -> str:
     if not err or not widths:
         raise OscarError(f"{artifact_path}: no per-layer widths chosen by the copy probe (layer_widths.copy_err)")
     e = np.asarray(err, dtype=float)  # (L, 3): options (2, 2), (3, 2), (4, 2)
+    grad = rec.get("estimate") == "gradient"  # the probe to first order (validate.tune.layer_copy_gradients)
     kb = np.array([int(w[0]) for w in widths])
     L = len(kb)
     os.makedirs(out_dir, exist_ok=True)
@@ -201,18 +202,19 @@ def widths_section(artifact_path: str, out_dir: str) -> str:
         ax.annotate(f"{kb[l]}", (l, min(e[l, 1:].min(), 0)), ha="center", va="top", fontsize=8, fontweight="bold")
     ax.axhline(0, color="k", lw=0.6)
     ax.set(xlabel="layer (chosen key bits marked)", ylabel="copied-span NLL change (nats/token)",
-           title="per-layer key widths: the copy probe on calibration text")
+           title="per-layer key widths: the copy probe on calibration text" + (" (first order)" if grad else ""))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "widths.png"), dpi=110)
     plt.close(fig)
     wide = ", ".join(f"{l} ({kb[l]}-bit)" for l in range(L) if kb[l] > 2) or "none"
-    md = ["## Per-layer key widths (copy probe)", "",
+    md = ["## Per-layer key widths (copy probe" + (", first order)" if grad else ")"), "",
           f"Keys wider than 2 bits in layers {wide}; every value and the other layers' keys at 2 bits (e4m3 scale/zero; "
           "wide keys fp16), within the fitted artifact's bits per element. Each bar: the NLL of spans copied from the "
           "INT2 history of calibration text with that layer alone widened, minus all layers at 2 bits (negative: "
-          "widening helps). docs/decisions.md, \"Per-layer widths in the cache format\".", "",
+          "widening helps)" + ("; here to first order, from the gradient of that NLL with every layer at 2 bits"
+                                if grad else "") + ". docs/decisions.md, \"Per-layer widths in the cache format\".", "",
           "![per-layer key widths](widths.png)", ""]
     path = os.path.join(out_dir, "widths.md")
     with open(path, "w") as f:

@@ -615,6 +615,124 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     assert not (tmp_path / "other.jsonl").exists()
 
 
+@pytest.mark.parametrize("T,sink,recent", [(200, 16, 32), (701, 64, 256), (333, 64, 256)])
+def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
+    """The estimate's autograd attention (validate.tune._grad_attention) computes the simulator's attention
+    (validate.ppl.sim_attention: exact / INT2 per (query, key) by the fresh mask, pages of 16), and the gradient it
+    gives the INT2 error leaf is the directional derivative of a loss on its output: central differences of
+    the simulator with the stored keys moved along a random direction (pages and windows not aligned; at T = 333 no
+    query reads a stored key yet, so both are 0)."""
+    from types import SimpleNamespace
+
+    from oscar.validate import ppl, tune
+    from oscar.validate.methods import LayerQuant, Protocol
+
+    L, Hkv, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
+    Hq = 2 * Hkv
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))  # (B, H, T, D)
+    lq, p = LayerQuant(fitted, 1), Protocol("t", sink=sink, recent=recent)
+    mod = SimpleNamespace(layer_idx=1)
+    tune._GRAD.update(quant=[None, lq], protocol=p, deltas=[None] * L, keys=[None] * L)
+    ppl._SIM.update(quant=[None, lq], protocol=p)
+    try:
+        out = tune._grad_attention(mod, q, k, v)[0]  # (B, T, Hq, D)
+        torch.testing.assert_close(out, ppl.sim_attention(mod, q, k, v)[0], atol=2e-5, rtol=1e-4)
+        R = torch.randn(out.shape, generator=g)
+        (out * R).sum().backward()
+        delta = tune._GRAD["deltas"][1]  # (1, Hkv, n, D)
+        d = torch.randn(delta.shape, generator=g)
+
+        class Moved:  # the stored keys moved by t d
+            key_group, quantized_until = lq.key_group, lq.quantized_until
+
+            def __init__(self, t):
+                self.t = t
+
+            def keys(self, x):
+                return lq.keys(x) + self.t * d
+
+            def values(self, x):
+                return lq.values(x)
+
+        def f(t):
+            ppl._SIM["quant"] = [None, Moved(t)]
+            return float((ppl.sim_attention(mod, q, k, v)[0].double() * R).sum())
+
+        eps = 1e-2
+        fd = (f(eps) - f(-eps)) / (2 * eps)
+        reads = T - 1 - recent > sink + lq.key_group  # some query reads a stored key
+        assert delta.shape[2] > 0 and (abs(fd) > 1.0) == reads
+        assert math.isclose(float((delta.grad * d).sum()), fd, rel_tol=1e-2, abs_tol=0 if reads else 1e-9)
+    finally:
+        tune._GRAD.update(quant=None, protocol=None, deltas=None, keys=None)
+        ppl._SIM.update(quant=None, protocol=None)
+
+
+@pytest.mark.slow
+def test_layer_copy_gradients_are_the_directional_derivative(fitted):
+    """Entry (l, o) of the first-order estimate is d/dt of the copied-span NLL per token with layer l's stored keys
+    at Q_0(k) + t (Q_o(k) - Q_0(k)), t = 0: here a central difference through the production simulator (its
+    banded / flash attention, not the estimate's autograd one); `copy_widths_artifact` takes the DP of the table."""
+    import torch.nn.functional as F
+
+    from oscar.common import OscarError
+    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, widths_artifact
+    from oscar.validate.env import load_model
+    from oscar.validate.methods import PROTOCOLS, LayerQuant
+    from oscar.validate.ppl import simulated
+    from oscar.validate.tune import (TuneConfig, calibration_ids, copy_widths_artifact, copy_windows,
+                                     layer_copy_gradients)
+
+    model, tok, _ = load_model("tiny-llama")
+    cfg = TuneConfig(copy_windows=2, copy_length=512, copy_span=16)
+    est = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, progress=False)
+    L, sv = fitted.num_layers, PROTOCOLS["serving"]
+    assert est.shape == (L, 3) and (est[:, 0] == 0).all() and np.abs(est[:, 1:]).max() > 0
+    wins = copy_windows(calibration_ids(tok, "pydoc", 2 * 496), 2, 512, 16, sv.sink, sv.recent)
+    q = [[LayerQuant(widths_artifact(fitted, [list(o)] * L), l) for l in range(L)] for o in COPY_OPTIONS]
+
+    class Between:  # layer l's keys a fraction t of the way from the base width to option o
+        def __init__(self, lq0, lqo, t):
+            self.lq0, self.lqo, self.t, self.key_group = lq0, lqo, t, lq0.key_group
+
+        def keys(self, k):
+            k0 = self.lq0.keys(k)
+            return k0 + self.t * (self.lqo.keys(k) - k0)
+
+        def values(self, v):
+            return self.lq0.values(v)
+
+        def quantized_until(self, T, sink, recent):
+            return self.lq0.quantized_until(T, sink, recent)
+
+    def nll(l, o, t):
+        sim = simulated(model, widths_artifact(fitted, [[2, 2]] * L), sv)
+        sim.quant[l] = Between(q[0][l], q[o][l], t)
+        s = n = 0
+        with sim, torch.no_grad():
+            for win, pos, _ in wins:
+                logits = model(input_ids=win, use_cache=False).logits.float()[0]  # (T, V)
+                s += F.cross_entropy(logits[pos], win[0, pos + 1], reduction="sum").item()
+                n += len(pos)
+        return s / n
+
+    eps = 0.05
+    for l, o in ((0, 2), (L - 1, 1), (L // 2, 2)):
+        fd = (nll(l, o, eps) - nll(l, o, -eps)) / (2 * eps)
+        # the random-init model barely reads its keys (|est| ~ 1e-5 per token): float32 rounding of the difference
+        # and later layers' rounding steps (the estimate passes them straight through) allow ~1e-5
+        assert math.isclose(est[l, o], fd, abs_tol=1e-5), (l, o, est[l, o], fd)
+    art, err = copy_widths_artifact(model, tok, fitted, cfg, progress=False, estimate="gradient")
+    assert np.array_equal(err, est) and art.meta["layer_widths"]["estimate"] == "gradient"
+    assert art.meta["layer_widths"]["widths"] == layer_artifact(fitted, COPY_OPTIONS, objective="copy",
+                                                                copy_err=est).meta["codec"]["widths"]
+    with pytest.raises(OscarError, match="widen keys only"):
+        layer_copy_gradients(model, tok, fitted, ((2, 2), (3, 3)), cfg, progress=False)
+    with pytest.raises(OscarError, match="unknown estimate"):
+        copy_widths_artifact(model, tok, fitted, cfg, progress=False, estimate="guess")
+
+
 @pytest.mark.slow
 def test_validate_widths_cli_writes_a_served_per_layer_artifact(fitted, tmp_path, capsys):
     """`oscar validate widths`: the copy probe's DP written as the cache's per-layer format (oscar-artifact/3) within the

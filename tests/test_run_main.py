@@ -66,9 +66,11 @@ def test_run_calibrates_at_the_longest_validated_context(tmp_path):
 
 @pytest.mark.slow
 def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsys):
-    """`oscar run --widths copy` (tiny-llama, small sizes): the fit is one-group (`scaled`), the tune writes
-    artifact.tuned.safetensors, the widths stage the per-layer artifact (oscar-artifact/3) the validation stages then
-    score as oscar-int2; a re-run skips the stage. --widths copy with split keys is refused before any work."""
+    """`oscar run --widths gradient` (tiny-llama, small sizes): the fit is one-group (`scaled`), the tune writes
+    artifact.tuned.safetensors, the widths stage the per-layer artifact (oscar-artifact/3, widths from the copy
+    probe to first order) the validation stages then score as oscar-int2; a re-run skips the stage. --widths with
+    split keys is refused before any work. (`--widths copy` differs by the estimate only: the measured probe,
+    tested through `oscar validate widths`.)"""
     from oscar.artifact_header import read_metadata
     from oscar.common import OscarError
     from oscar.kernels.memory import artifact_bits_per_element
@@ -76,7 +78,7 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
 
     cfg = RunConfig(out=str(tmp_path / "run"), ray=False, model="tiny-llama", calib_tokens=2048, seq_len=256, samples=1,
                     tasks=["niah_single_1"], lengths=[512], methods=["bf16", "oscar-int2"], ppl_tokens=512,
-                    ppl_contexts=[512], attn_lengths=[1024], progress=False, widths="copy", widths_windows=1,
+                    ppl_contexts=[512], attn_lengths=[1024], progress=False, widths="gradient", widths_windows=1,
                     widths_length=512)
     assert cfg.variant == "scaled"
     run_main(cfg)
@@ -86,12 +88,16 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
     assert art.layer_quant is not None and tuned.layer_quant is None
     assert artifact_bits_per_element(art) <= artifact_bits_per_element(tuned) + 1e-12
     info = json.load(open(os.path.join(d, "run.json")))
-    assert "widths" in info["stage_seconds"] and "--widths copy" in info["command"]
+    assert "widths" in info["stage_seconds"] and "--widths gradient" in info["command"]
+    rec = read_metadata(os.path.join(d, "artifact.safetensors"))["layer_widths"]
+    assert rec["estimate"] == "gradient" and len(rec["copy_err"]) == art.num_layers
     assert "oscar-int2" in set(pd.read_parquet(os.path.join(d, "results.parquet")).method)
     assert os.path.exists(os.path.join(d, "calibration", "widths.png"))
-    assert "Per-layer key widths (copy probe)" in open(os.path.join(d, "report.md")).read()
+    assert "Per-layer key widths (copy probe, first order)" in open(os.path.join(d, "report.md")).read()
     capsys.readouterr()
     run_main(cfg)
-    assert "per-layer key widths (copy probe): done (skipped)" in capsys.readouterr().err
+    assert "per-layer key widths (copy probe to first order): done (skipped)" in capsys.readouterr().err
     with pytest.raises(OscarError, match="--widths copy .* --variant split"):
         RunConfig(out=str(tmp_path / "x"), widths="copy", variant="split")
+    with pytest.raises(OscarError, match="--widths must be one of none, copy, gradient"):
+        RunConfig(out=str(tmp_path / "x"), widths="grad")

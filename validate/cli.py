@@ -121,6 +121,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--artifact", required=True, help="a one-group artifact (`oscar fit --variant scaled`, then tune)")
     w.add_argument("--windows", type=int, default=4, help="calibration copy windows per probe (default 4)")
     w.add_argument("--length", type=int, default=2048, help="tokens per copy window (default 2048)")
+    w.add_argument("--estimate", choices=["probe", "gradient"], default="probe",
+                   help="probe: measure each layer alone (2L + 1 forwards; default); gradient: the same change to first "
+                        "order from one forward + backward per window (~25x faster; docs/decisions.md)")
     w.add_argument("--out", required=True, help="per-layer artifact (.safetensors); the probe log goes beside it")
     w.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     w.set_defaults(func=_widths)
@@ -209,12 +212,13 @@ def _widths(args) -> int:
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
     cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
-    out, err = copy_widths_artifact(model, tok, art, cfg, log=args.out + ".probes.jsonl", progress=not args.no_progress)
+    out, err = copy_widths_artifact(model, tok, art, cfg, log=args.out + ".probes.jsonl", progress=not args.no_progress,
+                                    estimate=args.estimate)
     save_artifact(out, args.out)
     for l in range(out.num_layers):
         q = out.quant_for(l)
         kb = q.bits + (q.key_top if q.key_split else 0)
-        print(f"layer {l:3d}: {kb}-bit keys  copy NLL change at 3 / 4 bits {err[l, 1]:+.4f} / {err[l, 2]:+.4f}")
+        print(f"layer {l:3d}: {kb}-bit keys  copy NLL change ({args.estimate}) at 3 / 4 bits {err[l, 1]:+.4f} / {err[l, 2]:+.4f}")
     print(f"{args.out}: {artifact_bits_per_element(out):.3f} bits per element (memory accounting; "
           f"{artifact_bits_per_element(art):.3f} for {args.artifact})")
     return 0

@@ -257,13 +257,109 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     return err
 
 
+_GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None}
+
+
+def _grad_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """The simulator's attention (validate/ppl.py: query i reads key j exactly if fresh, else from INT2), written
+    for autograd: one flash attention over [K ; K̂] with the fresh mask choosing a half per (i, j). K̂ = K + δ,
+    δ the INT2 error as a leaf, so δ's gradient is the copy NLL's total derivative w.r.t. this layer's stored keys
+    (the quantizer passes gradients straight through to earlier layers)."""
+    from oscar.validate.ppl import fresh_mask
+
+    l = module.layer_idx
+    lq, p = _GRAD["quant"][l], _GRAD["protocol"]
+    B, Hq, T, D = query.shape
+    sink = min(p.sink, T)
+    b = lq.quantized_until(T, sink, 0)
+    k0 = key[..., sink:b, :].detach()  # (B, Hkv, n, D)
+    delta = (lq.keys(k0) - k0).requires_grad_()  # (B, Hkv, n, D): the base width's error, a leaf
+    _GRAD["deltas"][l], _GRAD["keys"][l] = delta, k0
+    kh = torch.cat([key[..., :sink, :], key[..., sink:b, :] + delta, key[..., b:, :]], 2)  # (B, Hkv, T, D)
+    v0 = value[..., sink:b, :]
+    vh = torch.cat([value[..., :sink, :], v0 + (lq.values(v0.detach()) - v0.detach()), value[..., b:, :]], 2)
+    fresh = fresh_mask(T, sink, p.recent, lq.key_group, query.device)  # (T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+    mask = torch.cat([causal & fresh, causal & ~fresh], 1)  # (T, 2T): exact half, stored half
+    out = F.scaled_dot_product_attention(query, torch.cat([key, kh], 2), torch.cat([value, vh], 2), attn_mask=mask,
+                                         scale=scaling, enable_gqa=True)  # (B, Hq, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None, progress: bool = True):
+    """`layer_copy_errors` to first order, from one forward and backward per copy window instead of L (O - 1) + 1
+    forwards: entry (l, o) = Σ ⟨∂NLL/∂K̂_l, Q_o(K_l) − Q_0(K_l)⟩ per copied token, the gradient taken with every
+    layer at options[0] (the probe's base) and Q_o layer l's key quantizer at options[o] (values: options[0])."""
+    import numpy as np
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from oscar.validate.codebooks import widths_artifact
+    from oscar.validate.env import with_dtype
+    from oscar.validate.methods import PROTOCOLS, LayerQuant
+
+    cfg = cfg or TuneConfig()
+    art.check_model(model.config)
+    base, L = tuple(options[0]), art.num_layers
+    if base != (art.quant.bits, art.quant.bits) or any(tuple(o)[1] != base[1] for o in options):
+        raise OscarError(f"layer copy gradients: options must widen keys only from the artifact's own {art.quant.bits} "
+                         f"bits, got {options}")
+    cp = PROTOCOLS[cfg.copy_protocol]
+    quants = [[LayerQuant(widths_artifact(art, [list(o)] * L), l, cp.pages) for l in range(L)] for o in options]
+    with_dtype(model, cfg.dtype)
+    text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
+    wins = copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)
+    AttentionInterface.register("oscar_grad", _grad_attention)
+    AttentionMaskInterface.register("oscar_grad", sdpa_mask)
+    prev, grads = model.config._attn_implementation, [p.requires_grad for p in model.parameters()]
+    est, n_tok = np.zeros((L, len(options))), 0
+    it = wins
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(wins, desc="layer copy gradients", unit="window")
+    try:
+        model.requires_grad_(False)
+        model.set_attn_implementation("oscar_grad")
+        _GRAD.update(quant=quants[0], protocol=cp)
+        for win, pos, _ in it:
+            _GRAD.update(deltas=[None] * L, keys=[None] * L)
+            with torch.enable_grad():
+                h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
+                nll = F.cross_entropy(model.lm_head(h[0, pos]).float(), win[0, pos + 1], reduction="sum")
+                nll.backward()
+            n_tok += len(pos)
+            with torch.no_grad():
+                for l in range(L):
+                    g, k0 = _GRAD["deltas"][l].grad, _GRAD["keys"][l]  # (1, Hkv, n, D)
+                    q0 = k0 + _GRAD["deltas"][l].detach()
+                    for o in range(1, len(options)):
+                        est[l, o] += float((g.double() * (quants[o][l].keys(k0) - q0).double()).sum())
+    finally:
+        model.set_attn_implementation(prev)
+        for p, r in zip(model.parameters(), grads):
+            p.requires_grad_(r)
+        _GRAD.update(quant=None, protocol=None, deltas=None, keys=None)
+    return est / n_tok  # (L, O)
+
+
+ESTIMATES = ("probe", "gradient")  # how each layer's copy NLL change is obtained: measured, or to first order
+
+
 def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log: str | None = None,
-                         progress: bool = True):
-    """`oscar validate widths` / `oscar run --widths copy`: each layer probed at COPY_OPTIONS by the copied-span NLL
-    (`layer_copy_errors`, resumable from `log`), the DP's widths at `fitted`'s bits per element, written as the
-    cache's per-layer format (`codebooks.native_layer_artifact`). Returns (artifact, the (L, 3) probe table)."""
+                         progress: bool = True, estimate: str = "probe"):
+    """`oscar validate widths` / `oscar run --widths copy`: each layer's copied-span NLL change at COPY_OPTIONS,
+    measured (`layer_copy_errors`, 2L + 1 forwards, resumable from `log`) or to first order (`layer_copy_gradients`,
+    one forward + backward per window; `log` unused), the DP's widths at `fitted`'s bits per element, written as
+    the cache's per-layer format (`codebooks.native_layer_artifact`). Returns (artifact, the (L, 3) table)."""
     from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
 
-    err = layer_copy_errors(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
+    if estimate not in ESTIMATES:
+        raise OscarError(f"widths: unknown estimate {estimate!r}; known: {', '.join(ESTIMATES)}")
+    if estimate == "probe":
+        err = layer_copy_errors(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
+    else:
+        err = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, progress=progress)
     art = layer_artifact(fitted, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy", copy_err=err)
+    art.meta["codec"]["estimate"] = estimate
     return native_layer_artifact(art), err
