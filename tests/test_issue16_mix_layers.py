@@ -615,6 +615,23 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     assert not (tmp_path / "other.jsonl").exists()
 
 
+def test_channel_key_baseline_of_per_layer_widths_is_the_fits(fitted):
+    """oscar-kc-int2 next to a per-layer artifact is the same baseline as next to the fit it was widened from (the
+    `scaled` recipe, keys per channel, fp16 scale/zero: 2.5 bits), not the per-layer base grid's e4m3 (2.25)."""
+    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
+    from oscar.validate.methods import bits_per_element, channel_keys_artifact
+
+    L = fitted.num_layers
+    err = np.zeros((L, 3))
+    err[0, 2] = -1.0
+    native = native_layer_artifact(layer_artifact(fitted, COPY_OPTIONS, objective="copy", copy_err=err))
+    assert native.layer_quant is not None and native.quant.param_dtype == "float8_e4m3fn"
+    a, b = channel_keys_artifact(fitted), channel_keys_artifact(native)
+    assert a.quant == b.quant and a.quant.param_dtype == "float16" and a.quant.key_axis == "channel"
+    assert b.meta["variant"] == "scaled" and b.layer_quant is None
+    assert bits_per_element(b, b.head_dim) == bits_per_element(a, a.head_dim)
+
+
 @pytest.mark.parametrize("T,sink,recent", [(200, 16, 32), (701, 64, 256), (333, 64, 256)])
 def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
     """The estimate's autograd attention (validate.tune._grad_attention) computes the simulator's attention

@@ -160,7 +160,7 @@ def _refit(art: Artifact, method: str, how: str, cfg_kw: dict) -> Artifact:
         raise OscarError(f"method {method} refits {how} from the calibration store of --artifact, but "
                          f"{'it records none' if not store else f'{store!r} does not exist'}; keep the store, "
                          f"or pass an artifact fitted that way as --artifact")
-    key = (method, os.path.abspath(store), prov.get("store_fingerprint"))
+    key = (method, os.path.abspath(store), prov.get("store_fingerprint"), repr(sorted(cfg_kw.items())))
     if key not in _REFITS:
         from oscar.stats.fit import FitConfig, fit
 
@@ -185,6 +185,8 @@ def channel_keys_artifact(art: Artifact) -> Artifact:
     variant, q = art.meta.get("variant", "oscar"), art.quant
     if q.key_split:  # split keys are per-token groups: the channel-key analogue is `scaled` in the default format
         variant, q = "scaled", replace(q, key_split=0, key_top=1, key_drop=0, param_dtype="float16")
+    elif art.layer_quant is not None:  # per-layer widths: their base grid's e4m3 pays for the wide layers; the
+        q = replace(q, param_dtype="float16")  # channel-key baseline keeps the default format's 2.5 bits
     quant = replace(q, key_axis="channel", group_size=art.head_dim)
     return _refit(art, "oscar-kc-int2", "per-channel keys", {"variant": variant, "quant": quant})
 
