@@ -14,11 +14,14 @@
 # 4096-token store and scaled fit if absent, ~65 min; smollm2seed2: a third needle seed for its arms; smollm2split: the
 # shipped split keys on the same store; qwencopygoal: bf16 on qwencopy's samples and the goal's cells; smollm2cheap: the
 # product command `oscar validate widths` at 2 x 1024 probe windows, 11 min, against smollm2copy's 4 x 2048 choice;
-# qwencopyeasy: the goal's easy tasks with Qwen's copy widths in the served per-layer format, bf16 alongside).
+# qwencopyeasy: the goal's easy tasks with Qwen's copy widths in the served per-layer format, bf16 alongside;
+# smollm2grad: the copy probe to first order, `oscar validate widths --estimate gradient` on smollm2copy's artifact and
+# windows, its estimates against the measured probe's and its needles / perplexity paired with the probe's widths'; qwengrad:
+# the same estimate against qwencopy's measured probe, then its widths on the hard needles 1k-4k and perplexity).
 # ~9.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy smollm2grad qwengrad tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -269,6 +272,40 @@ if has qwencopyeasy; then  # niah_single_1/2 at 1k-4k with Qwen's copy widths as
   oscar validate niah $Q --artifact $C --methods bf16,oscar-int2 $N --out $W/gq4k_easy
   python bench/issue16_goal.py --goal qwen --niah $W/gq4k_easy --ppl $W/gc_ppl $W/gs_ppl \
     --label oscar-layer-copy-int2 --out bench/results/issue16/goal_qwen_copy_easy.json
+fi
+if has smollm2grad; then  # the copy probe to first order (validate.tune.layer_copy_gradients), same windows and samples
+  A=$W/s4096/scaled.safetensors; G=$W/s4096/grad.safetensors
+  python bench/issue16_copy_gradients.py --artifact $A --log $W/s4096/copy.safetensors.probes.jsonl --windows 4 --length 2048 \
+    --out bench/results/issue16/copy_gradients_smollm2.json --no-progress
+  python bench/issue16_copy_gradients.py --artifact $A --log $W/s4096/widths_2x1024.safetensors.probes.jsonl --windows 2 \
+    --length 1024 --out bench/results/issue16/copy_gradients_smollm2_2x1024.json --no-progress
+  oscar validate widths --artifact $A --estimate gradient --windows 4 --length 2048 --out $G --no-progress
+  for s in 0 1 2; do oscar validate niah --artifact $G --methods oscar-int2 $N --seed $s --out $W/cg4k_s$s; done
+  oscar validate ppl --artifact $G --methods oscar-int2 $P --out $W/cg_ppl
+  R="$W/cc_ppl:oscar-int2=oscar-layer-copy-int2 $W/cg_ppl:oscar-int2=oscar-layer-grad-int2 $W/cw_ppl:oscar-int2=oscar-scaled-int2"
+  for s in 0 1 2; do R="$R $W/cc4k_s$s:oscar-int2=oscar-layer-copy-int2 $W/cg4k_s$s:oscar-int2=oscar-layer-grad-int2"; done
+  python bench/issue16_ab.py --niah $W/cc4k_s{0,1,2} $W/cg4k_s{0,1,2} --ppl $W/cc_ppl $W/cg_ppl $W/cw_ppl --base oscar-layer-copy-int2 \
+    --rename $R --out bench/results/issue16/ab_smollm2_grad_vs_probe.json
+  R="$W/cg_ppl:oscar-int2=oscar-layer-grad-int2 $W/cw_ppl:oscar-int2=oscar-scaled-int2"; for s in 0 1 2; do R="$R $W/cg4k_s$s:oscar-int2=oscar-layer-grad-int2"; done
+  python bench/issue16_ab.py --niah $W/cs4k_s{0,1,2} $W/cg4k_s{0,1,2} --ppl $W/cs_ppl $W/cg_ppl $W/cw_ppl --rename $R \
+    --out bench/results/issue16/ab_smollm2_grad_vs_shipped.json  # against the shipped split keys (smollm2split)
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cg4k_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cg_ppl $W/cw_ppl \
+    --label oscar-layer-grad-int2 --out bench/results/issue16/goal_smollm2_grad.json
+fi
+if has qwengrad; then  # the first-order estimate against qwencopy's measured probe (4 x 1024 windows); its widths' hard needles
+  Q="--model qwen2.5-0.5b"; G=$W/qp8192/grad.safetensors
+  [ -e bench/results/issue16/copy_gradients_qwen.json ] || python bench/issue16_copy_gradients.py $Q --artifact $W/qp8192/scaled.safetensors \
+    --log $W/qp8192/copy.safetensors.probes.jsonl --windows 4 --length 1024 --out bench/results/issue16/copy_gradients_qwen.json --no-progress
+  oscar validate widths $Q --artifact $W/qp8192/scaled.safetensors --estimate gradient --windows 4 --length 1024 --out $G --no-progress
+  NH="--tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $G --methods oscar-int2 $NH --out $W/gg4k_hard
+  oscar validate ppl $Q --artifact $G --methods oscar-int2 $P --out $W/gg_ppl
+  R="$W/gc4k_hard:oscar-int2=oscar-layer-copy-int2 $W/gg4k_hard:oscar-int2=oscar-layer-grad-int2"
+  R="$R $W/gc_ppl:oscar-int2=oscar-layer-copy-int2 $W/gg_ppl:oscar-int2=oscar-layer-grad-int2"
+  python bench/issue16_ab.py --niah $W/gb4k_hard $W/gc4k_hard $W/gg4k_hard --ppl $W/gs_ppl $W/gc_ppl $W/gg_ppl \
+    --base oscar-layer-copy-int2 --rename $R --out bench/results/issue16/ab_qwen_grad_vs_probe.json
+  python bench/issue16_goal.py --goal qwen --niah $W/gg4k_hard --bf16 $W/gb4k_hard --ppl $W/gg_ppl $W/gs_ppl \
+    --label oscar-layer-grad-int2 --out bench/results/issue16/goal_qwen_grad.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
