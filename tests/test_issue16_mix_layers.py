@@ -632,6 +632,29 @@ def test_channel_key_baseline_of_per_layer_widths_is_the_fits(fitted):
     assert bits_per_element(b, b.head_dim) == bits_per_element(a, a.head_dim)
 
 
+def test_simulator_follows_the_model_device(fitted):
+    """LayerQuant moves every tensor it reads to the K/V's device on first use (a model on a GPU: the widths stage
+    runs the simulator where the tune put the model); checked on the meta device, where any tensor left on the CPU
+    makes the matmul or the codec fail."""
+    from oscar.validate.codebooks import native_layer_artifact, widths_artifact
+    from oscar.validate.methods import LayerQuant
+
+    L, H, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
+    widths = [[2, 2]] * (L - 1) + [[4, 2]]
+    for i, art in enumerate((fitted, widths_artifact(fitted, widths), native_layer_artifact(widths_artifact(fitted, widths)))):
+        lq = LayerQuant(art, L - 1)
+        x = torch.randn(1, H, 32, D)
+        assert lq.keys(x).device.type == "cpu" and lq.device.type == "cpu"  # the CPU first: nothing moves
+        if i == 0:  # fp16 parameters (e4m3's range check reads values, which the meta device has not)
+            k, v = lq.keys(x.to("meta")), lq.values(x.to("meta"))
+            assert k.device.type == v.device.type == "meta" and k.shape == v.shape == x.shape
+        else:
+            lq._on(torch.device("meta"))
+        ts = [t for t in vars(lq).values() if isinstance(t, torch.Tensor)]
+        ts += [t for c in (lq.codec_k, lq.codec_v) if c is not None for t in vars(c).values() if isinstance(t, torch.Tensor)]
+        assert len(ts) >= 5 and all(t.device.type == "meta" for t in ts) and lq.device.type == "meta"
+
+
 @pytest.mark.parametrize("T,sink,recent", [(200, 16, 32), (701, 64, 256), (333, 64, 256)])
 def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
     """The estimate's autograd attention (validate.tune._grad_attention) computes the simulator's attention

@@ -520,9 +520,28 @@ class LayerQuant:
         eye = torch.eye(D)
         self.k_eye = bool((self.rot_k == eye).all() and (self.unrot_k == eye).all())
         self.v_eye = bool((self.rot_v == eye).all())
+        self.device = torch.device("cpu")
+
+    def _on(self, dev: torch.device) -> None:
+        """Every tensor this layer's fake-quantization reads on `dev` (once per device: a model on a GPU)."""
+        if dev == self.device:
+            return
+        import dataclasses
+
+        for name in ("rot_k", "rot_v", "unrot_k", "k_mean", "clip_k", "clip_v", "v_mean"):
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor):
+                setattr(self, name, t.to(dev))
+        for name in ("codec_k", "codec_v"):
+            c = getattr(self, name)
+            if c is not None:
+                setattr(self, name, dataclasses.replace(c, **{f.name: getattr(c, f.name).to(dev) for f in dataclasses.fields(c)
+                                                             if isinstance(getattr(c, f.name), torch.Tensor)}))
+        self.device = dev
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
+        self._on(k.device)
         x = k.float()
         if self.k_mean is not None:
             x = x - self.k_mean
@@ -542,6 +561,7 @@ class LayerQuant:
         return xq.to(k.dtype)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
+        self._on(v.device)
         x = v.float()
         if self.v_mean is not None:
             x = x - self.v_mean

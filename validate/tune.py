@@ -229,7 +229,9 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     with_dtype(model, cfg.dtype)
     cp = PROTOCOLS[cfg.copy_protocol]
     text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
-    wins = [(w, pos) for w, pos, _ in copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)]
+    dev = next(model.parameters()).device  # where the run put the model (the tune's --device)
+    wins = [(w.to(dev), pos.to(dev)) for w, pos, _ in
+            copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)]
     n_tok = sum(len(pos) for _, pos in wins)
     probes = [(-1, 0)] + [(l, o) for l in range(L) for o in range(1, len(options))]  # (-1, 0): every layer at the base
     todo = [p for p in probes if p not in done]
@@ -308,7 +310,9 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     quants = [[LayerQuant(widths_artifact(art, [list(o)] * L), l, cp.pages) for l in range(L)] for o in options]
     with_dtype(model, cfg.dtype)
     text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
-    wins = copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)
+    dev = next(model.parameters()).device  # where the run put the model (the tune's --device)
+    wins = [(w.to(dev), pos.to(dev), p) for w, pos, p in
+            copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)]
     AttentionInterface.register("oscar_grad", _grad_attention)
     AttentionMaskInterface.register("oscar_grad", sdpa_mask)
     prev, grads = model.config._attn_implementation, [p.requires_grad for p in model.parameters()]
