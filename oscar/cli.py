@@ -38,13 +38,14 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (12288 held-out tokens per context, all the pydoc held-out split holds "
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
-    r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default split, "
-                   "scaled with --widths copy / gradient)")
-    r.add_argument("--widths", default="none", choices=("none", "copy", "gradient"),
-                   help="per-layer key widths (issue 16): copy = after the tune, probe each layer at 3- and 4-bit keys "
-                        "on calibration text and serve the per-layer artifact at the same bits (`oscar validate "
-                        "widths`; ~35 min more for SmolLM2 on 2 CPUs); gradient = the probe to first order (`oscar "
-                        "validate widths --estimate gradient`; ~2.5 min); default none")
+    r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default scaled, "
+                   "split with --widths none)")
+    r.add_argument("--widths", default="gradient", choices=("none", "copy", "gradient"),
+                   help="per-layer key widths (issue 16), chosen after the tune by the NLL of spans copied from the INT2 "
+                        "history of calibration text with one layer's keys at 3 / 4 bits, served as a per-layer "
+                        "artifact at the same bits: gradient = that NLL change to first order (default; ~2.5 min for "
+                        "SmolLM2 on 2 CPUs); copy = measured layer by layer (`oscar validate widths`, ~35 min); none = "
+                        "the tuned fit (split keys)")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
     from oscar.validate.tune import OBJECTIVES
 

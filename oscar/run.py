@@ -69,17 +69,17 @@ class RunConfig:
     # clips (docs/decisions.md, "Main job recipe" and "Scaled keys"), the keys split into a 3-bit part
     # (the D/4 directions C_Q weighs most) and a 2-bit part at the same 2.5 bits per element
     # (issue 16, docs/decisions.md "Issue 16 A/B: split keys").
-    # None: "split", or "scaled" under --widths copy (per-layer widths are chosen on a one-group fit)
+    # None: "scaled" (per-layer widths are chosen on a one-group fit), or "split" under --widths none
     variant: str | None = None
-    # Per-layer key widths (issue 16; docs/decisions.md "per-layer widths chosen by the copy probe"): "none", or
-    # "copy": after the tune, each layer probed alone at 3- and 4-bit keys by the copied-span NLL on calibration text
-    # (`oscar validate widths`: 2L + 1 probes of widths_windows x widths_length tokens, ~35 min for SmolLM2 at 4 x 2048
-    # on 2 CPUs), and oscar-int2 becomes the per-layer artifact at the fit's bits per element; "gradient": the same
-    # NLL changes to first order (`--estimate gradient`, ~2.5 min). Off by default: docs/decisions.md, "Per-layer
-    # widths in the cache format".
-    widths: str = "none"
+    # Per-layer key widths (issue 16; docs/decisions.md "Per-layer widths by the copy probe to first order"): after
+    # the tune, each layer's keys at 2, 3 or 4 bits (values at 2) within the fit's bits per element, by the NLL change
+    # of spans copied from the INT2 history of calibration text with that layer widened; oscar-int2 becomes the
+    # per-layer artifact. "gradient" (the default): the change to first order, a forward + backward per window
+    # (~2.5 min for SmolLM2 at 4 x 2048 on 2 CPUs); "copy": measured, 2L + 1 forwards (`oscar validate widths`,
+    # ~35 min; the same needles, docs/decisions.md); "none": the tuned fit itself (split keys by default).
+    widths: str = "gradient"
     widths_windows: int = 4
-    widths_length: int = 2048
+    widths_length: int | None = None  # None: min(2048, the longest context validated)
     # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
     # (validate/tune.py; docs/decisions.md, "Key clip tuned end to end").
     tune: bool = True
@@ -137,6 +137,8 @@ class RunConfig:
             raise OscarError(f"oscar run: --widths must be one of {', '.join(WIDTHS)}, got {self.widths!r}")
         if self.variant is None:
             self.variant = "split" if self.widths == "none" else "scaled"
+        if self.widths_length is None:
+            self.widths_length = min(2048, self.longest_context)
         if self.widths != "none" and self.variant in ("split", "tiers"):
             raise OscarError(f"oscar run: --widths {self.widths} chooses per-layer key widths on a one-group fit; --variant "
                              f"{self.variant} already splits the keys (use --variant scaled, the default with --widths)")
@@ -371,7 +373,7 @@ def _stage_report(job: _Job, seconds: float) -> dict:
                 + ("" if cfg.positions == max(cfg.seq_len, cfg.longest_context) else f" --calib-positions {cfg.positions}")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
-                + ("" if cfg.widths == "none" else f" --widths {cfg.widths}")
+                + ("" if cfg.widths == "gradient" else f" --widths {cfg.widths}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
                 + ("" if cfg.device == "cpu" else f" --device {cfg.device}"),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),

@@ -146,7 +146,7 @@ def _oscar(config, art):
     return art
 
 
-_REFITS: dict = {}  # (method, store path, store fingerprint) -> the artifact refitted from that store
+_REFITS: dict = {}  # (method, store path, store fingerprint, recipe) -> the artifact refitted from that store
 
 
 def _refit(art: Artifact, method: str, how: str, cfg_kw: dict) -> Artifact:
