@@ -15,7 +15,8 @@ def test_run_main_small_then_resume(tmp_path, capsys):
     # 512-token windows read at positions up to the 1024-token contexts validated (RunConfig.positions' default)
     cfg = RunConfig(out=str(tmp_path / "run"), ray=False, calib_tokens=4096, seq_len=512, samples=1,
                     tasks=["niah_single_1"], lengths=[1024], methods=["bf16", "naive-int2", "oscar-int2"],
-                    ppl_tokens=1024, ppl_contexts=[1024], attn_lengths=[2048], progress=False)
+                    ppl_tokens=1024, ppl_contexts=[1024], attn_lengths=[2048], progress=False, widths_windows=1)
+    assert cfg.widths == "gradient" and cfg.variant == "scaled" and cfg.widths_length == 1024  # the defaults
     run_main(cfg)
     d = cfg.out
     for f in ("calib.zarr", "artifact.fit.safetensors", "artifact.safetensors", "results.parquet", "ppl.parquet", "goal.json",
@@ -26,7 +27,7 @@ def test_run_main_small_then_resume(tmp_path, capsys):
     ppl = pd.read_parquet(os.path.join(d, "ppl.parquet"))
     assert set(ppl.protocol) == {"strict", "serving"} and (ppl.ppl > 1).all()
     info = json.load(open(os.path.join(d, "run.json")))
-    assert set(info["stage_seconds"]) >= {"calibrate", "fit", "tune", "niah", "ppl"}
+    assert set(info["stage_seconds"]) >= {"calibrate", "fit", "tune", "widths", "niah", "ppl"}
     from oscar.stats.artifact import load_artifact
 
     tuned = load_artifact(os.path.join(d, "artifact.safetensors"))
@@ -41,7 +42,8 @@ def test_run_main_small_then_resume(tmp_path, capsys):
 
     run_main(cfg)  # same config: every stage is found done and skipped
     err = capsys.readouterr().err
-    for stage in ("calibrate", "fit", "tune key clip", "validate niah", "validate ppl"):
+    for stage in ("calibrate", "fit", "tune key clip", "per-layer key widths (copy probe to first order)", "validate niah",
+                  "validate ppl"):
         assert f"{stage}: done (skipped)" in err, err
 
 
@@ -66,7 +68,7 @@ def test_run_calibrates_at_the_longest_validated_context(tmp_path):
 
 @pytest.mark.slow
 def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsys):
-    """`oscar run --widths gradient` (tiny-llama, small sizes): the fit is one-group (`scaled`), the tune writes
+    """`oscar run` with its default `--widths gradient` (tiny-llama, small sizes): the fit is one-group (`scaled`), the tune writes
     artifact.tuned.safetensors, the widths stage the per-layer artifact (oscar-artifact/3, widths from the copy
     probe to first order) the validation stages then score as oscar-int2; a re-run skips the stage. --widths with
     split keys is refused before any work. (`--widths copy` differs by the estimate only: the measured probe,
@@ -88,7 +90,7 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
     assert art.layer_quant is not None and tuned.layer_quant is None
     assert artifact_bits_per_element(art) <= artifact_bits_per_element(tuned) + 1e-12
     info = json.load(open(os.path.join(d, "run.json")))
-    assert "widths" in info["stage_seconds"] and "--widths gradient" in info["command"]
+    assert "widths" in info["stage_seconds"] and "--widths" not in info["command"]  # the default
     rec = read_metadata(os.path.join(d, "artifact.safetensors"))["layer_widths"]
     assert rec["estimate"] == "gradient" and len(rec["copy_err"]) == art.num_layers
     assert "oscar-int2" in set(pd.read_parquet(os.path.join(d, "results.parquet")).method)
@@ -101,3 +103,4 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
         RunConfig(out=str(tmp_path / "x"), widths="copy", variant="split")
     with pytest.raises(OscarError, match="--widths must be one of none, copy, gradient"):
         RunConfig(out=str(tmp_path / "x"), widths="grad")
+    assert RunConfig(out=str(tmp_path / "x"), widths="none").variant == "split"
