@@ -769,6 +769,8 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
                                                                 copy_err=est).meta["codec"]["widths"]
     with pytest.raises(OscarError, match="widen keys only"):
         layer_copy_gradients(model, tok, fitted, ((2, 2), (3, 3)), cfg, progress=False)
+    with pytest.raises(OscarError, match="unknown copy protocol 'fast'"):
+        layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, TuneConfig(copy_protocol="fast"), progress=False)
     with pytest.raises(OscarError, match="unknown estimate"):
         copy_widths_artifact(model, tok, fitted, cfg, progress=False, estimate="guess")
 

@@ -306,6 +306,8 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     if base != (art.quant.bits, art.quant.bits) or any(tuple(o)[1] != base[1] for o in options):
         raise OscarError(f"layer copy gradients: options must widen keys only from the artifact's own {art.quant.bits} "
                          f"bits, got {options}")
+    if cfg.copy_protocol not in PROTOCOLS:
+        raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
     cp = PROTOCOLS[cfg.copy_protocol]
     quants = [[LayerQuant(widths_artifact(art, [list(o)] * L), l, cp.pages) for l in range(L)] for o in options]
     with_dtype(model, cfg.dtype)
