@@ -31,7 +31,6 @@ from oscar.common import OscarError, file_fingerprint, fingerprint
 # --widths: none; copy = the copy probe measured (2L + 1 forwards); gradient = the same to first order (a forward and
 # backward per window: validate.tune.layer_copy_gradients)
 WIDTHS = ("none", "copy", "gradient")
-from oscar.defaults import EMBEDDED_MODEL
 
 
 @dataclass
@@ -66,9 +65,9 @@ class RunConfig:
     attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384])
     # The product recipe behind `oscar-int2`: the OSCAR rotation with the calibrated key mean
     # subtracted, keys scaled along the query eigenvectors (queries by the inverse) and searched
-    # clips (docs/decisions.md, "Main job recipe" and "Scaled keys"), the keys split into a 3-bit part
-    # (the D/4 directions C_Q weighs most) and a 2-bit part at the same 2.5 bits per element
-    # (issue 16, docs/decisions.md "Issue 16 A/B: split keys").
+    # clips (docs/decisions.md, "Main job recipe" and "Scaled keys"), one per-token group, then per-layer key
+    # widths (below); with --widths none the keys split into a 3-bit part (the D/4 directions C_Q weighs most)
+    # and a 2-bit part at the same 2.5 bits per element (issue 16, docs/decisions.md "Issue 16 A/B: split keys").
     # None: "scaled" (per-layer widths are chosen on a one-group fit), or "split" under --widths none
     variant: str | None = None
     # Per-layer key widths (issue 16; docs/decisions.md "Per-layer widths by the copy probe to first order"): after
