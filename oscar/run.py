@@ -75,7 +75,7 @@ class RunConfig:
     # of spans copied from the INT2 history of calibration text with that layer widened; oscar-int2 becomes the
     # per-layer artifact. "gradient" (the default): the change to first order, a forward + backward per window
     # (~2.5 min for SmolLM2 at 4 x 2048 on 2 CPUs); "copy": measured, 2L + 1 forwards (`oscar validate widths`,
-    # ~35 min; the same needles, docs/decisions.md); "none": the tuned fit itself (split keys by default).
+    # ~35 min; needles not distinguishable from the gradient's, docs/decisions.md); "none": the tuned fit itself (split keys by default).
     widths: str = "gradient"
     widths_windows: int = 4
     widths_length: int | None = None  # None: min(2048, the longest context validated)
