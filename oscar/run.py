@@ -300,7 +300,7 @@ def _stage_tune(job: _Job) -> None:
 
 def _stage_widths(job: _Job) -> None:
     """3b. (--widths copy / gradient) per-layer key widths by the copy probe, measured or to first order ->
-    DIR/artifact.safetensors (copy: the probe log beside it, an interrupted stage resumes probe by probe)."""
+    DIR/artifact.safetensors (its log beside it: an interrupted stage resumes probe by probe, or window by window)."""
     cfg = job.cfg
     if cfg.widths == "none":
         return
@@ -315,7 +315,8 @@ def _stage_widths(job: _Job) -> None:
         m, tok, _ = job.model()
         tcfg = TuneConfig(corpus=cfg.corpus, copy_windows=cfg.widths_windows, copy_length=cfg.widths_length)
         out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg,
-                                      log=os.path.join(job.dir, "widths.probes.jsonl"), progress=cfg.progress,
+                                      log=os.path.join(job.dir, f"widths.{'probes' if cfg.widths == 'copy' else 'gradients'}.jsonl"),
+                                      progress=cfg.progress,
                                       estimate="probe" if cfg.widths == "copy" else "gradient")
         _save(out, job.art_path)
         from oscar.reports.calibration import widths_section

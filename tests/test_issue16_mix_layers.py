@@ -615,6 +615,42 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     assert not (tmp_path / "other.jsonl").exists()
 
 
+def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
+    """The first-order estimate logs each window's sums as it finishes: a rerun after an interruption computes only
+    the missing windows and returns exactly the uninterrupted table; a log read for its windows is trusted (an
+    edited window changes the table by exactly its edit); a probe log or another config's log is refused."""
+    import json
+    from dataclasses import replace
+
+    from oscar.common import OscarError
+    from oscar.validate.env import load_model
+    from oscar.validate.tune import TuneConfig, _copy_ident, layer_copy_gradients
+
+    model, tok, _ = load_model("tiny-llama")
+    opts = ((2, 2), (3, 2), (4, 2))
+    cfg = TuneConfig(copy_windows=2, copy_length=512, copy_span=16)
+    log = tmp_path / "gradients.jsonl"
+    est = layer_copy_gradients(model, tok, fitted, opts, cfg, log=str(log), progress=False)
+    assert np.array_equal(est, layer_copy_gradients(model, tok, fitted, opts, cfg, progress=False))
+    lines = log.read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    assert [r["window"] for r in recs] == [0, 1] and np.abs(np.asarray(recs[1]["sums"])).max() > 0
+    log.write_text(lines[0] + "\n")  # interrupted after the first window
+    assert np.array_equal(layer_copy_gradients(model, tok, fitted, opts, cfg, log=str(log), progress=False), est)
+    assert log.read_text().splitlines() == lines
+    edited = {**recs[0], "sums": (2 * np.asarray(recs[0]["sums"])).tolist()}
+    log.write_text(json.dumps(edited) + "\n" + lines[1] + "\n")
+    n = recs[0]["tokens"] + recs[1]["tokens"]
+    again = layer_copy_gradients(model, tok, fitted, opts, cfg, log=str(log), progress=False)
+    assert np.allclose(again, est + np.asarray(recs[0]["sums"]) / n, rtol=1e-12, atol=0) and not np.allclose(again, est)
+    with pytest.raises(OscarError, match="another artifact, options or copy config"):
+        layer_copy_gradients(model, tok, fitted, opts, replace(cfg, copy_span=24), log=str(log), progress=False)
+    probe = tmp_path / "probes.jsonl"  # what layer_copy_errors writes for the same artifact, options and config
+    probe.write_text(json.dumps({"layer": -1, "option": 0, "nll": 1.0, "ident": _copy_ident(fitted, opts, cfg)}) + "\n")
+    with pytest.raises(OscarError, match="another artifact, options or copy config"):
+        layer_copy_gradients(model, tok, fitted, opts, cfg, log=str(probe), progress=False)
+
+
 def test_channel_key_baseline_of_per_layer_widths_is_the_fits(fitted):
     """oscar-kc-int2 next to a per-layer artifact is the same baseline as next to the fit it was widened from (the
     `scaled` recipe, keys per channel, fp16 scale/zero: 2.5 bits), not the per-layer base grid's e4m3 (2.25)."""

@@ -115,7 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "choose the widths with the lowest summed NLL change whose bits per element (memory "
                                   "accounting) stay within the artifact's own, and write them as the cache's per-layer "
                                   "format (oscar-artifact/3). 2L + 1 probes, each a forward of every copy window; "
-                                  "resumable (OUT.probes.jsonl). Issue 16: docs/decisions.md, \"per-layer widths chosen "
+                                  "resumable (OUT.probes.jsonl; --estimate gradient: OUT.gradients.jsonl, by window). Issue 16: docs/decisions.md, \"per-layer widths chosen "
                                   "by the copy probe\".")
     w.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     w.add_argument("--artifact", required=True, help="a one-group artifact (`oscar fit --variant scaled`, then tune)")
@@ -212,8 +212,8 @@ def _widths(args) -> int:
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
     cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
-    out, err = copy_widths_artifact(model, tok, art, cfg, log=args.out + ".probes.jsonl", progress=not args.no_progress,
-                                    estimate=args.estimate)
+    log = args.out + (".probes.jsonl" if args.estimate == "probe" else ".gradients.jsonl")
+    out, err = copy_widths_artifact(model, tok, art, cfg, log=log, progress=not args.no_progress, estimate=args.estimate)
     save_artifact(out, args.out)
     for l in range(out.num_layers):
         q = out.quant_for(l)

@@ -189,6 +189,33 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     return tuned, record
 
 
+def _copy_ident(art, options, cfg) -> dict:
+    """What a copy probe / gradient log was written for: a rerun resumes only the same artifact, options, config."""
+    return {"store_fingerprint": (art.meta.get("provenance") or {}).get("store_fingerprint"),
+            "clip_k": [round(float(c.float().mean()), 6) for c in art.clip_k], "options": [list(o) for o in options],
+            "copy": [cfg.copy_windows, cfg.copy_length, cfg.copy_span, cfg.copy_protocol, cfg.corpus, cfg.dtype]}
+
+
+def _read_log(log: str | None, ident: dict) -> list[dict]:
+    import json
+    import os
+
+    if not log or not os.path.exists(log):
+        return []
+    recs = [json.loads(line) for line in open(log) if line.strip()]
+    if any(r["ident"] != ident for r in recs):
+        raise OscarError(f"{log} was written for another artifact, options or copy config; use a new log")
+    return recs
+
+
+def _append_log(log: str | None, rec: dict) -> None:
+    import json
+
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, log: str | None = None,
                       progress: bool = True):
     """Each layer's retrieval sensitivity to its width on calibration text (issue 16, hypothesis 4): (L, O) array,
@@ -198,9 +225,6 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     One probe per (layer, wider option), each a forward of every copy window: L (O - 1) + 1 probes. Each probe's
     result is appended to `log` (JSONL) as it finishes; a rerun with the same log skips the probes found there
     and refuses a log written for another artifact, options or config."""
-    import json
-    import os
-
     import numpy as np
 
     from oscar.validate.codebooks import widths_artifact
@@ -216,16 +240,8 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     if base != (art.quant.bits, art.quant.bits):
         raise OscarError(f"layer copy errors: options[0] must be the artifact's own width {art.quant.bits}, got {base}")
     L = art.num_layers
-    ident = {"store_fingerprint": (art.meta.get("provenance") or {}).get("store_fingerprint"),
-             "clip_k": [round(float(c.float().mean()), 6) for c in art.clip_k], "options": [list(o) for o in options],
-             "copy": [cfg.copy_windows, cfg.copy_length, cfg.copy_span, cfg.copy_protocol, cfg.corpus, cfg.dtype]}
-    done = {}
-    if log and os.path.exists(log):
-        for line in open(log):
-            r = json.loads(line)
-            if r["ident"] != ident:
-                raise OscarError(f"{log} was written for another artifact, options or copy config; use a new log")
-            done[(r["layer"], r["option"])] = r["nll"]
+    ident = _copy_ident(art, options, cfg)
+    done = {(r["layer"], r["option"]): r["nll"] for r in _read_log(log, ident)}
     with_dtype(model, cfg.dtype)
     cp = PROTOCOLS[cfg.copy_protocol]
     text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
@@ -249,9 +265,7 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
             for win, pos in wins:
                 s += copy_nll(model, win, pos)[0]
         done[(l, o)] = s / n_tok
-        if log:
-            with open(log, "a") as f:
-                f.write(json.dumps({"layer": l, "option": o, "nll": done[(l, o)], "ident": ident}) + "\n")
+        _append_log(log, {"layer": l, "option": o, "nll": done[(l, o)], "ident": ident})
     err = np.zeros((L, len(options)))
     for l in range(L):
         for o in range(1, len(options)):
@@ -288,10 +302,14 @@ def _grad_attention(module, query, key, value, attention_mask=None, scaling=None
     return out.transpose(1, 2).contiguous(), None
 
 
-def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None, progress: bool = True):
+def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None, log: str | None = None,
+                         progress: bool = True):
     """`layer_copy_errors` to first order, from one forward and backward per copy window instead of L (O - 1) + 1
     forwards: entry (l, o) = Σ ⟨∂NLL/∂K̂_l, Q_o(K_l) − Q_0(K_l)⟩ per copied token, the gradient taken with every
-    layer at options[0] (the probe's base) and Q_o layer l's key quantizer at options[o] (values: options[0])."""
+    layer at options[0] (the probe's base) and Q_o layer l's key quantizer at options[o] (values: options[0]).
+
+    Each window's sums are appended to `log` (JSONL) as it finishes; a rerun with the same log skips those windows
+    (the result is the same sum in the same order) and refuses a log written for another artifact, options or config."""
     import numpy as np
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -309,6 +327,8 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     if cfg.copy_protocol not in PROTOCOLS:
         raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
     cp = PROTOCOLS[cfg.copy_protocol]
+    ident = {**_copy_ident(art, options, cfg), "estimate": "gradient"}  # a probe log is not a gradient log
+    done = {r["window"]: r for r in _read_log(log, ident)}
     quants = [[LayerQuant(widths_artifact(art, [list(o)] * L), l, cp.pages) for l in range(L)] for o in options]
     with_dtype(model, cfg.dtype)
     text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
@@ -318,35 +338,40 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     AttentionInterface.register("oscar_grad", _grad_attention)
     AttentionMaskInterface.register("oscar_grad", sdpa_mask)
     prev, grads = model.config._attn_implementation, [p.requires_grad for p in model.parameters()]
-    est, n_tok = np.zeros((L, len(options))), 0
-    it = wins
+    todo = [i for i in range(len(wins)) if i not in done]
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(wins, desc="layer copy gradients", unit="window")
+        todo = tqdm(todo, desc="layer copy gradients", unit="window", initial=len(wins) - len(todo), total=len(wins))
     try:
         model.requires_grad_(False)
         model.set_attn_implementation("oscar_grad")
         _GRAD.update(quant=quants[0], protocol=cp)
-        for win, pos, _ in it:
+        for i in todo:
+            win, pos, _ = wins[i]
             _GRAD.update(deltas=[None] * L, keys=[None] * L)
             with torch.enable_grad():
                 h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
                 nll = F.cross_entropy(model.lm_head(h[0, pos]).float(), win[0, pos + 1], reduction="sum")
                 nll.backward()
-            n_tok += len(pos)
+            w = np.zeros((L, len(options)))  # (L, O): this window's summed NLL change
             with torch.no_grad():
                 for l in range(L):
                     g, k0 = _GRAD["deltas"][l].grad, _GRAD["keys"][l]  # (1, Hkv, n, D)
                     q0 = k0 + _GRAD["deltas"][l].detach()
                     for o in range(1, len(options)):
-                        est[l, o] += float((g.double() * (quants[o][l].keys(k0) - q0).double()).sum())
+                        w[l, o] = float((g.double() * (quants[o][l].keys(k0) - q0).double()).sum())
+            done[i] = {"window": i, "tokens": len(pos), "sums": w.tolist(), "ident": ident}
+            _append_log(log, done[i])
     finally:
         model.set_attn_implementation(prev)
         for p, r in zip(model.parameters(), grads):
             p.requires_grad_(r)
         _GRAD.update(quant=None, protocol=None, deltas=None, keys=None)
-    return est / n_tok  # (L, O)
+    est = np.zeros((L, len(options)))
+    for i in range(len(wins)):  # window order, so a resumed run sums exactly as an uninterrupted one
+        est += np.asarray(done[i]["sums"])
+    return est / sum(done[i]["tokens"] for i in range(len(wins)))  # (L, O)
 
 
 ESTIMATES = ("probe", "gradient")  # how each layer's copy NLL change is obtained: measured, or to first order
@@ -355,8 +380,8 @@ ESTIMATES = ("probe", "gradient")  # how each layer's copy NLL change is obtaine
 def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log: str | None = None,
                          progress: bool = True, estimate: str = "probe"):
     """`oscar validate widths` / `oscar run --widths copy`: each layer's copied-span NLL change at COPY_OPTIONS,
-    measured (`layer_copy_errors`, 2L + 1 forwards, resumable from `log`) or to first order (`layer_copy_gradients`,
-    one forward + backward per window; `log` unused), the DP's widths at `fitted`'s bits per element, written as
+    measured (`layer_copy_errors`, 2L + 1 forwards) or to first order (`layer_copy_gradients`, one forward +
+    backward per window), each resumable from `log`; the DP's widths at `fitted`'s bits per element, written as
     the cache's per-layer format (`codebooks.native_layer_artifact`). Returns (artifact, the (L, 3) table)."""
     from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
 
@@ -365,7 +390,7 @@ def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log:
     if estimate == "probe":
         err = layer_copy_errors(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
     else:
-        err = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, progress=progress)
+        err = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
     art = layer_artifact(fitted, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy", copy_err=err)
     art.meta["codec"]["estimate"] = estimate
     return native_layer_artifact(art), err
