@@ -618,7 +618,8 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
 def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
     """The first-order estimate logs each window's sums as it finishes: a rerun after an interruption computes only
     the missing windows and returns exactly the uninterrupted table; a log read for its windows is trusted (an
-    edited window changes the table by exactly its edit); a probe log or another config's log is refused."""
+    edited window changes the table by exactly its edit); a probe log or another config's log is refused. Per KV
+    head (heads=True), the shares sum to the layer's entry."""
     import json
     from dataclasses import replace
 
@@ -642,7 +643,10 @@ def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
     log.write_text(json.dumps(edited) + "\n" + lines[1] + "\n")
     n = recs[0]["tokens"] + recs[1]["tokens"]
     again = layer_copy_gradients(model, tok, fitted, opts, cfg, log=str(log), progress=False)
-    assert np.allclose(again, est + np.asarray(recs[0]["sums"]) / n, rtol=1e-12, atol=0) and not np.allclose(again, est)
+    assert np.allclose(again, est + np.asarray(recs[0]["sums"]).sum(1) / n, rtol=1e-12, atol=0)
+    assert not np.allclose(again, est)
+    per_head = layer_copy_gradients(model, tok, fitted, opts, cfg, log=str(log), progress=False, heads=True)
+    assert per_head.shape == (fitted.num_layers, fitted.num_kv_heads, 3) and np.allclose(per_head.sum(1), again)
     with pytest.raises(OscarError, match="another artifact, options or copy config"):
         layer_copy_gradients(model, tok, fitted, opts, replace(cfg, copy_span=24), log=str(log), progress=False)
     probe = tmp_path / "probes.jsonl"  # what layer_copy_errors writes for the same artifact, options and config
@@ -745,6 +749,9 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
         ppl._SIM.update(quant=None, protocol=None)
 
 
+QK_SHARPEN = 8.0
+
+
 @pytest.mark.slow
 def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     """Entry (l, o) of the first-order estimate is d/dt of the copied-span NLL per token with layer l's stored keys
@@ -761,6 +768,9 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
                                      layer_copy_gradients)
 
     model, tok, _ = load_model("tiny-llama")
+    with torch.no_grad():  # sharper attention than the random init's, so the NLL reads the stored keys
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(QK_SHARPEN)
     cfg = TuneConfig(copy_windows=2, copy_length=512, copy_span=16)
     est = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, progress=False)
     L, sv = fitted.num_layers, PROTOCOLS["serving"]
@@ -768,13 +778,16 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     wins = copy_windows(calibration_ids(tok, "pydoc", 2 * 496), 2, 512, 16, sv.sink, sv.recent)
     q = [[LayerQuant(widths_artifact(fitted, [list(o)] * L), l) for l in range(L)] for o in COPY_OPTIONS]
 
-    class Between:  # layer l's keys a fraction t of the way from the base width to option o
-        def __init__(self, lq0, lqo, t):
-            self.lq0, self.lqo, self.t, self.key_group = lq0, lqo, t, lq0.key_group
+    class Between:  # layer l's keys (or one KV head's) a fraction t of the way from the base width to option o
+        def __init__(self, lq0, lqo, t, head=None):
+            self.lq0, self.lqo, self.t, self.head, self.key_group = lq0, lqo, t, head, lq0.key_group
 
         def keys(self, k):
             k0 = self.lq0.keys(k)
-            return k0 + self.t * (self.lqo.keys(k) - k0)
+            d = self.lqo.keys(k) - k0  # (B, Hkv, T, D)
+            if self.head is not None:
+                d = d * (torch.arange(d.shape[1]) == self.head).view(1, -1, 1, 1)
+            return k0 + self.t * d
 
         def values(self, v):
             return self.lq0.values(v)
@@ -782,9 +795,9 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
         def quantized_until(self, T, sink, recent):
             return self.lq0.quantized_until(T, sink, recent)
 
-    def nll(l, o, t):
+    def nll(l, o, t, head=None):
         sim = simulated(model, widths_artifact(fitted, [[2, 2]] * L), sv)
-        sim.quant[l] = Between(q[0][l], q[o][l], t)
+        sim.quant[l] = Between(q[0][l], q[o][l], t, head)
         s = n = 0
         with sim, torch.no_grad():
             for win, pos, _ in wins:
@@ -796,9 +809,15 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     eps = 0.05
     for l, o in ((0, 2), (L - 1, 1), (L // 2, 2)):
         fd = (nll(l, o, eps) - nll(l, o, -eps)) / (2 * eps)
-        # the random-init model barely reads its keys (|est| ~ 1e-5 per token): float32 rounding of the difference
-        # and later layers' rounding steps (the estimate passes them straight through) allow ~1e-5
-        assert math.isclose(est[l, o], fd, abs_tol=1e-5), (l, o, est[l, o], fd)
+        # |est| ~ 1e-4 per token here; later layers' rounding steps (the estimate passes them straight through, the
+        # difference sees them) and float32 rounding of the difference: measured within 11 %, allowed 20 %
+        assert math.isclose(est[l, o], fd, rel_tol=0.2, abs_tol=2e-6), (l, o, est[l, o], fd)
+    per_head = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, progress=False, heads=True)  # (L, Hkv, O)
+    l, o = max(((l, o) for l in range(L) for o in (1, 2)), key=lambda lo: abs(est[lo]))
+    for h in range(fitted.num_kv_heads):  # each head's share: the derivative with only that head's keys moving
+        fd = (nll(l, o, eps, h) - nll(l, o, -eps, h)) / (2 * eps)
+        assert math.isclose(per_head[l, h, o], fd, rel_tol=0.2, abs_tol=2e-6), (l, h, o, per_head[l, h, o], fd)
+    assert np.allclose(per_head.sum(1), est, rtol=1e-12, atol=0)
     art, err = copy_widths_artifact(model, tok, fitted, cfg, progress=False, estimate="gradient")
     assert np.array_equal(err, est) and art.meta["layer_widths"]["estimate"] == "gradient"
     assert art.meta["layer_widths"]["widths"] == layer_artifact(fitted, COPY_OPTIONS, objective="copy",

@@ -93,6 +93,7 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
     assert "widths" in info["stage_seconds"] and "--widths" not in info["command"]  # the default
     rec = read_metadata(os.path.join(d, "artifact.safetensors"))["layer_widths"]
     assert rec["estimate"] == "gradient" and len(rec["copy_err"]) == art.num_layers
+    assert len(open(os.path.join(d, "widths.gradients.jsonl")).readlines()) == 1  # one window's sums: resumable
     assert "oscar-int2" in set(pd.read_parquet(os.path.join(d, "results.parquet")).method)
     assert os.path.exists(os.path.join(d, "calibration", "widths.png"))
     assert "Per-layer key widths (copy probe, first order)" in open(os.path.join(d, "report.md")).read()

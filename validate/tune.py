@@ -303,11 +303,12 @@ def _grad_attention(module, query, key, value, attention_mask=None, scaling=None
 
 
 def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None, log: str | None = None,
-                         progress: bool = True):
+                         progress: bool = True, heads: bool = False):
     """`layer_copy_errors` to first order, from one forward and backward per copy window instead of L (O - 1) + 1
     forwards: entry (l, o) = Σ ⟨∂NLL/∂K̂_l, Q_o(K_l) − Q_0(K_l)⟩ per copied token, the gradient taken with every
     layer at options[0] (the probe's base) and Q_o layer l's key quantizer at options[o] (values: options[0]).
 
+    heads=True: (L, Hkv, O), each KV head's share (the inner product restricted to its keys; they sum to the layer's).
     Each window's sums are appended to `log` (JSONL) as it finishes; a rerun with the same log skips those windows
     (the result is the same sum in the same order) and refuses a log written for another artifact, options or config."""
     import numpy as np
@@ -354,13 +355,13 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
                 h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
                 nll = F.cross_entropy(model.lm_head(h[0, pos]).float(), win[0, pos + 1], reduction="sum")
                 nll.backward()
-            w = np.zeros((L, len(options)))  # (L, O): this window's summed NLL change
+            w = np.zeros((L, art.num_kv_heads, len(options)))  # (L, Hkv, O): this window's summed NLL change
             with torch.no_grad():
                 for l in range(L):
                     g, k0 = _GRAD["deltas"][l].grad, _GRAD["keys"][l]  # (1, Hkv, n, D)
                     q0 = k0 + _GRAD["deltas"][l].detach()
                     for o in range(1, len(options)):
-                        w[l, o] = float((g.double() * (quants[o][l].keys(k0) - q0).double()).sum())
+                        w[l, :, o] = (g.double() * (quants[o][l].keys(k0) - q0).double()).sum((0, 2, 3)).cpu().numpy()
             done[i] = {"window": i, "tokens": len(pos), "sums": w.tolist(), "ident": ident}
             _append_log(log, done[i])
     finally:
@@ -368,10 +369,11 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
         for p, r in zip(model.parameters(), grads):
             p.requires_grad_(r)
         _GRAD.update(quant=None, protocol=None, deltas=None, keys=None)
-    est = np.zeros((L, len(options)))
+    est = np.zeros((L, art.num_kv_heads, len(options)))
     for i in range(len(wins)):  # window order, so a resumed run sums exactly as an uninterrupted one
         est += np.asarray(done[i]["sums"])
-    return est / sum(done[i]["tokens"] for i in range(len(wins)))  # (L, O)
+    est /= sum(done[i]["tokens"] for i in range(len(wins)))  # (L, Hkv, O)
+    return est if heads else est.sum(1)  # (L, O)
 
 
 ESTIMATES = ("probe", "gradient")  # how each layer's copy NLL change is obtained: measured, or to first order
