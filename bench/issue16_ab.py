@@ -120,7 +120,7 @@ def ppl_table(dirs: list[str]) -> list[dict]:
         if m != "bf16":
             r["vs_bf16"] = {"ratio": st["ratio"], "lo": st["ratio_ci_low"], "hi": st["ratio_ci_high"],
                             "verdict": _verdict_ratio(st["ratio_ci_low"], st["ratio_ci_high"])}
-        if m in CANDIDATES and m != BASE and BASE in methods:
+        if m not in ("bf16", BASE) and BASE in methods:
             (ba, bb), unit, _ = ev.blocks(idx, [(m, ev.proto_key(m, p)), (BASE, ev.proto_key(BASE, p))], c, tokens // c)
             q, lo, hi, n = ev.ratio_of(ba, bb)
             r[f"vs_{BASE}"] = {"ratio": q, "lo": lo, "hi": hi, "blocks": n, "block": unit, "verdict": _verdict_ratio(lo, hi)}
@@ -224,19 +224,38 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def table_methods(niah: list[dict]) -> list[str]:
+    """The rows of the needle table: bf16, the base, oscar-int2 and the known candidates in that order, then every
+    other method the runs hold (a --rename label) in the order met."""
+    seen = list(dict.fromkeys(r["method"] for r in niah))
+    return [m for m in dict.fromkeys(("bf16", BASE, "oscar-int2", *CANDIDATES, *seen)) if m in seen]
+
+
 def main(argv=None) -> int:
     global BASE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--niah", required=True, nargs="+", help="output directories of `oscar validate niah` (pooled)")
+    ap.add_argument("--niah", nargs="+", help="output directories of `oscar validate niah` (pooled)")
+    ap.add_argument("--render", metavar="JSON", help="rewrite JSON's table rows and its .md from its records (no runs read)")
     ap.add_argument("--ppl", nargs="+", help="output directories of `oscar validate ppl` (the same windows)")
     ap.add_argument("--rename", nargs="*", default=[], metavar="DIR:METHOD=NAME",
                     help="compare METHOD of the run in DIR as NAME (two artifacts run as oscar-int2)")
     ap.add_argument("--attention", help="output directory of `oscar validate attention`")
     ap.add_argument("--ablation", help="output directory of `oscar ablate`")
     ap.add_argument("--base", default=BASE, help="the method every candidate is paired against (default: %(default)s)")
-    ap.add_argument("--out", required=True, help="JSON written here (and the markdown table next to it, .md)")
+    ap.add_argument("--out", help="JSON written here (and the markdown table next to it, .md)")
     a = ap.parse_args(argv)
     BASE = a.base
+    if a.render:  # a table written before its --rename labels were listed: its rows from the JSON's own records
+        res = json.load(open(a.render))
+        BASE, res["methods"] = res["base"], []
+        res["methods"] = table_methods(res["niah"])
+        with open(a.render, "w") as f:
+            json.dump(res, f, indent=1, default=float)
+        with open(os.path.splitext(a.render)[0] + ".md", "w") as f:
+            f.write(markdown(res) + "\n")
+        return 0
+    if not (a.niah and a.out):
+        ap.error("--niah and --out are required (or --render JSON)")
     for r in a.rename:
         d, rest = r.rsplit(":", 1)
         m, new = rest.split("=", 1)
@@ -249,8 +268,7 @@ def main(argv=None) -> int:
                     **({_name(d, k): v for d in a.ppl for k, v in memory(d).items()} if a.ppl else {})},
            "rename": a.rename,
            "lengths": sorted({r["length"] for r in niah if r["length"] != "all"}),
-           "methods": [m for m in dict.fromkeys(("bf16", BASE, "oscar-int2", *CANDIDATES))
-                       if any(r["method"] == m for r in niah)],
+           "methods": table_methods(niah),
            "base": BASE,
            "inputs": {"niah": a.niah, "ppl": a.ppl, "attention": a.attention, "ablation": a.ablation}}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -17,11 +17,12 @@
 # qwencopyeasy: the goal's easy tasks with Qwen's copy widths in the served per-layer format, bf16 alongside;
 # smollm2grad: the copy probe to first order, `oscar validate widths --estimate gradient` on smollm2copy's artifact and
 # windows, its estimates against the measured probe's and its needles / perplexity paired with the probe's widths'; qwengrad:
-# the same estimate against qwencopy's measured probe, then its widths on the hard needles 1k-4k and perplexity).
+# the same estimate against qwencopy's measured probe, then its widths on the hard needles 1k-4k and perplexity;
+# smollm2grad4k: smollm2grad's estimate read from 4 x 4096 windows instead of 4 x 2048, needles and perplexity paired).
 # ~9.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy smollm2grad qwengrad tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy smollm2grad qwengrad smollm2grad4k tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -306,6 +307,18 @@ if has qwengrad; then  # the first-order estimate against qwencopy's measured pr
     --base oscar-layer-copy-int2 --rename $R --out bench/results/issue16/ab_qwen_grad_vs_probe.json
   python bench/issue16_goal.py --goal qwen --niah $W/gg4k_hard --bf16 $W/gb4k_hard --ppl $W/gg_ppl $W/gs_ppl \
     --label oscar-layer-grad-int2 --out bench/results/issue16/goal_qwen_grad.json
+fi
+if has smollm2grad4k; then  # the first-order widths read at the longest needle length: 4 x 4096 windows against smollm2grad's 4 x 2048
+  A=$W/s4096/scaled.safetensors; G=$W/s4096/grad_4x4096.safetensors
+  oscar validate widths --artifact $A --estimate gradient --windows 4 --length 4096 --out $G --no-progress
+  for s in 0 1 2; do oscar validate niah --artifact $G --methods oscar-int2 $N --seed $s --out $W/cg4l_s$s; done
+  oscar validate ppl --artifact $G --methods oscar-int2 $P --out $W/cg4l_ppl
+  R="$W/cg_ppl:oscar-int2=oscar-layer-grad-int2 $W/cg4l_ppl:oscar-int2=oscar-layer-grad4k-int2 $W/cw_ppl:oscar-int2=oscar-scaled-int2"
+  for s in 0 1 2; do R="$R $W/cg4k_s$s:oscar-int2=oscar-layer-grad-int2 $W/cg4l_s$s:oscar-int2=oscar-layer-grad4k-int2"; done
+  python bench/issue16_ab.py --niah $W/cg4k_s{0,1,2} $W/cg4l_s{0,1,2} --ppl $W/cg_ppl $W/cg4l_ppl $W/cw_ppl --base oscar-layer-grad-int2 \
+    --rename $R --out bench/results/issue16/ab_smollm2_grad_4x4096.json
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cg4l_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cg4l_ppl $W/cw_ppl \
+    --label oscar-layer-grad4k-int2 --out bench/results/issue16/goal_smollm2_grad_4x4096.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
