@@ -4,7 +4,7 @@ copied-span NLL change at 3 / 4 bits into its KV heads' shares at no extra cost.
 (`codebooks.layer_widths`, the same option costs and 2.5-bit budget) over layers or over (layer, head) units on
 half of the copy windows and scored on the other half (and the other way round): a finer choice that only fits
 the estimate's noise scores no better on the windows it did not see (per held-out window, heads − layers, with a
-t interval over the windows). First order only: a predicted NLL change on
+t interval over the windows), and by how many windows the choice read. First order only: a predicted NLL change on
 calibration text, not needles; no per-head cache format exists yet.
 
     python bench/issue16_head_widths.py --artifact runs/i16e/s4096/scaled.safetensors --windows 8 --length 2048 \
@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
     opts, D = cb.COPY_OPTIONS, art.head_dim
+    logged = sum(1 for _ in open(args.log)) if os.path.exists(args.log) else 0  # windows a previous run computed
     t0 = time.perf_counter()
     est = layer_copy_gradients(model, tok, art, opts, TuneConfig(copy_windows=args.windows, copy_length=args.length),
                                log=args.log, progress=not args.no_progress, heads=True)  # (L, H, O)
@@ -78,19 +79,31 @@ def main(argv=None) -> int:
 
     d = np.array(diffs)
     half = float(student.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    from itertools import combinations
+
+    by_k = {}  # held-out score of widths chosen on k of a half's windows: does the choice need more windows?
+    for k in sorted({1, 2, len(halves[0])}):
+        sc = {"layers": [], "heads": []}
+        for sel, ev in (halves, halves[::-1]):
+            te = _table(recs, ev)
+            for sub in combinations(sel, k):
+                ts = _table(recs, sub)
+                sc["layers"].append(score(te, pick_layers(ts)))
+                sc["heads"].append(score(te, pick_heads(ts)))
+        by_k[k] = {u: round(float(np.mean(v)), 6) for u, v in sc.items()}
     pl, ph = pick_layers(est), pick_heads(est)
     gain4 = -est[..., 2]  # (L, H): NLL saved by 4-bit keys in that head alone, first order
     srt = np.sort(gain4.ravel())[::-1]
     pos = srt[srt > 0]
     res = {"artifact": args.artifact, "model": args.model, "windows": args.windows, "length": args.length,
            "options": [list(o) for o in opts], "option_bits": cost.round(4).tolist(), "budget": budget,
-           "seconds_gradients": round(secs, 1), "kv_heads": H,
+           "seconds_gradients": round(secs, 1), "windows_read_from_log": logged, "kv_heads": H,
            "held_out": {"layers": round(float(np.mean([f["layers"]["held_out"] for f in folds])), 6),
                         "heads": round(float(np.mean([f["heads"]["held_out"] for f in folds])), 6),
                         "heads_minus_layers_per_window": [round(x, 6) for x in diffs],
                         "heads_minus_layers": [round(float(d.mean()), 6), round(float(d.mean()) - half, 6),
                                                round(float(d.mean()) + half, 6)]},  # mean [95 % t interval]
-           "folds": folds,
+           "folds": folds, "held_out_by_choice_windows": by_k,
            "all_windows": {"layers": {"score": round(score(est, pl), 6), "key_bits": [opts[o][0] for o in pl[:, 0]]},
                            "heads": {"score": round(score(est, ph), 6),
                                      "key_bits": [[opts[o][0] for o in row] for row in ph]}},

@@ -699,8 +699,8 @@ def test_simulator_follows_the_model_device(fitted):
 def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
     """The estimate's autograd attention (validate.tune._grad_attention) computes the simulator's attention
     (validate.ppl.sim_attention: exact / INT2 per (query, key) by the fresh mask, pages of 16), and the gradient it
-    gives the INT2 error leaf is the directional derivative of a loss on its output: central differences of
-    the simulator with the stored keys moved along a random direction (pages and windows not aligned; at T = 333 no
+    gives the INT2 error leaves (keys, values) is the directional derivative of a loss on its output: central
+    differences of the simulator with the stored keys (values) moved along a random direction (pages and windows not aligned; at T = 333 no
     query reads a stored key yet, so both are 0)."""
     from types import SimpleNamespace
 
@@ -713,39 +713,40 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
     q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))  # (B, H, T, D)
     lq, p = LayerQuant(fitted, 1), Protocol("t", sink=sink, recent=recent)
     mod = SimpleNamespace(layer_idx=1)
-    tune._GRAD.update(quant=[None, lq], protocol=p, deltas=[None] * L, keys=[None] * L)
+    tune._GRAD.update(quant=[None, lq], protocol=p, deltas=[None] * L, keys=[None] * L, vdeltas=[None] * L, values=[None] * L)
     ppl._SIM.update(quant=[None, lq], protocol=p)
     try:
         out = tune._grad_attention(mod, q, k, v)[0]  # (B, T, Hq, D)
         torch.testing.assert_close(out, ppl.sim_attention(mod, q, k, v)[0], atol=2e-5, rtol=1e-4)
         R = torch.randn(out.shape, generator=g)
         (out * R).sum().backward()
-        delta = tune._GRAD["deltas"][1]  # (1, Hkv, n, D)
-        d = torch.randn(delta.shape, generator=g)
+        reads = T - 1 - recent > sink + lq.key_group  # some query reads a stored key (or value)
+        for side in ("keys", "values"):
+            delta = tune._GRAD["deltas" if side == "keys" else "vdeltas"][1]  # (1, Hkv, n, D)
+            d = torch.randn(delta.shape, generator=g)
 
-        class Moved:  # the stored keys moved by t d
-            key_group, quantized_until = lq.key_group, lq.quantized_until
+            class Moved:  # the stored keys (or values) moved by t d
+                key_group, quantized_until = lq.key_group, lq.quantized_until
 
-            def __init__(self, t):
-                self.t = t
+                def __init__(self, t):
+                    self.t = t
 
-            def keys(self, x):
-                return lq.keys(x) + self.t * d
+                def keys(self, x):
+                    return lq.keys(x) + (self.t * d if side == "keys" else 0)
 
-            def values(self, x):
-                return lq.values(x)
+                def values(self, x):
+                    return lq.values(x) + (self.t * d if side == "values" else 0)
 
-        def f(t):
-            ppl._SIM["quant"] = [None, Moved(t)]
-            return float((ppl.sim_attention(mod, q, k, v)[0].double() * R).sum())
+            def f(t):
+                ppl._SIM["quant"] = [None, Moved(t)]
+                return float((ppl.sim_attention(mod, q, k, v)[0].double() * R).sum())
 
-        eps = 1e-2
-        fd = (f(eps) - f(-eps)) / (2 * eps)
-        reads = T - 1 - recent > sink + lq.key_group  # some query reads a stored key
-        assert delta.shape[2] > 0 and (abs(fd) > 1.0) == reads
-        assert math.isclose(float((delta.grad * d).sum()), fd, rel_tol=1e-2, abs_tol=0 if reads else 1e-9)
+            eps = 1e-2
+            fd = (f(eps) - f(-eps)) / (2 * eps)
+            assert delta.shape[2] > 0 and (abs(fd) > 1.0) == reads, side
+            assert math.isclose(float((delta.grad * d).sum()), fd, rel_tol=1e-2, abs_tol=0 if reads else 1e-9), side
     finally:
-        tune._GRAD.update(quant=None, protocol=None, deltas=None, keys=None)
+        tune._GRAD.update(quant=None, protocol=None, deltas=None, keys=None, vdeltas=None, values=None)
         ppl._SIM.update(quant=None, protocol=None)
 
 
@@ -790,14 +791,15 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
             return k0 + self.t * d
 
         def values(self, v):
-            return self.lq0.values(v)
+            v0 = self.lq0.values(v)
+            return v0 + self.t * (self.lqo.values(v) - v0)  # the options here that widen keys leave values as they are
 
         def quantized_until(self, T, sink, recent):
             return self.lq0.quantized_until(T, sink, recent)
 
-    def nll(l, o, t, head=None):
+    def nll(l, o, t, head=None, quants=q):
         sim = simulated(model, widths_artifact(fitted, [[2, 2]] * L), sv)
-        sim.quant[l] = Between(q[0][l], q[o][l], t, head)
+        sim.quant[l] = Between(quants[0][l], quants[o][l], t, head)
         s = n = 0
         with sim, torch.no_grad():
             for win, pos, _ in wins:
@@ -822,8 +824,16 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     assert np.array_equal(err, est) and art.meta["layer_widths"]["estimate"] == "gradient"
     assert art.meta["layer_widths"]["widths"] == layer_artifact(fitted, COPY_OPTIONS, objective="copy",
                                                                 copy_err=est).meta["codec"]["widths"]
-    with pytest.raises(OscarError, match="widen keys only"):
-        layer_copy_gradients(model, tok, fitted, ((2, 2), (3, 3)), cfg, progress=False)
+    kv = ((2, 2), (2, 3), (3, 3))  # values widened too: the value leaf's term, and keys + values adding
+    est_kv = layer_copy_gradients(model, tok, fitted, kv, cfg, progress=False)
+    q_kv = [[LayerQuant(widths_artifact(fitted, [list(o)] * L), l) for l in range(L)] for o in kv]
+    l = int(np.abs(est_kv[:, 1]).argmax())
+    fd = (nll(l, 1, eps, quants=q_kv) - nll(l, 1, -eps, quants=q_kv)) / (2 * eps)
+    assert abs(est_kv[l, 1]) > 1e-5 and math.isclose(est_kv[l, 1], fd, rel_tol=0.2, abs_tol=2e-6), (l, est_kv[l, 1], fd)
+    est3 = layer_copy_gradients(model, tok, fitted, ((2, 2), (3, 2)), cfg, progress=False)
+    assert np.allclose(est_kv[:, 2], est3[:, 1] + est_kv[:, 1], rtol=1e-9, atol=1e-15)
+    with pytest.raises(OscarError, match="widen from there"):
+        layer_copy_gradients(model, tok, fitted, ((2, 2), (1, 2)), cfg, progress=False)
     with pytest.raises(OscarError, match="unknown copy protocol 'fast'"):
         layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, TuneConfig(copy_protocol="fast"), progress=False)
     with pytest.raises(OscarError, match="unknown estimate"):

@@ -273,14 +273,14 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     return err
 
 
-_GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None}
+_GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None, "vdeltas": None, "values": None}
 
 
 def _grad_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """The simulator's attention (validate/ppl.py: query i reads key j exactly if fresh, else from INT2), written
     for autograd: one flash attention over [K ; K̂] with the fresh mask choosing a half per (i, j). K̂ = K + δ,
     δ the INT2 error as a leaf, so δ's gradient is the copy NLL's total derivative w.r.t. this layer's stored keys
-    (the quantizer passes gradients straight through to earlier layers)."""
+    (the quantizer passes gradients straight through to earlier layers); the same for the stored values."""
     from oscar.validate.ppl import fresh_mask
 
     l = module.layer_idx
@@ -292,8 +292,10 @@ def _grad_attention(module, query, key, value, attention_mask=None, scaling=None
     delta = (lq.keys(k0) - k0).requires_grad_()  # (B, Hkv, n, D): the base width's error, a leaf
     _GRAD["deltas"][l], _GRAD["keys"][l] = delta, k0
     kh = torch.cat([key[..., :sink, :], key[..., sink:b, :] + delta, key[..., b:, :]], 2)  # (B, Hkv, T, D)
-    v0 = value[..., sink:b, :]
-    vh = torch.cat([value[..., :sink, :], v0 + (lq.values(v0.detach()) - v0.detach()), value[..., b:, :]], 2)
+    v0 = value[..., sink:b, :].detach()  # (B, Hkv, n, D)
+    vdelta = (lq.values(v0) - v0).requires_grad_()  # the values' INT2 error, a leaf too (value widths)
+    _GRAD["vdeltas"][l], _GRAD["values"][l] = vdelta, v0
+    vh = torch.cat([value[..., :sink, :], value[..., sink:b, :] + vdelta, value[..., b:, :]], 2)
     fresh = fresh_mask(T, sink, p.recent, lq.key_group, query.device)  # (T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
     mask = torch.cat([causal & fresh, causal & ~fresh], 1)  # (T, 2T): exact half, stored half
@@ -306,7 +308,8 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
                          progress: bool = True, heads: bool = False):
     """`layer_copy_errors` to first order, from one forward and backward per copy window instead of L (O - 1) + 1
     forwards: entry (l, o) = Σ ⟨∂NLL/∂K̂_l, Q_o(K_l) − Q_0(K_l)⟩ per copied token, the gradient taken with every
-    layer at options[0] (the probe's base) and Q_o layer l's key quantizer at options[o] (values: options[0]).
+    layer at options[0] (the probe's base) and Q_o layer l's key quantizer at options[o]; an option that widens the
+    values adds ⟨∂NLL/∂V̂_l, Q_o(V_l) − Q_0(V_l)⟩ (first order: the two widenings add).
 
     heads=True: (L, Hkv, O), each KV head's share (the inner product restricted to its keys; they sum to the layer's).
     Each window's sums are appended to `log` (JSONL) as it finishes; a rerun with the same log skips those windows
@@ -322,9 +325,9 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     cfg = cfg or TuneConfig()
     art.check_model(model.config)
     base, L = tuple(options[0]), art.num_layers
-    if base != (art.quant.bits, art.quant.bits) or any(tuple(o)[1] != base[1] for o in options):
-        raise OscarError(f"layer copy gradients: options must widen keys only from the artifact's own {art.quant.bits} "
-                         f"bits, got {options}")
+    if base != (art.quant.bits, art.quant.bits) or any(b < art.quant.bits for o in options for b in o):
+        raise OscarError(f"layer copy gradients: options must start at the artifact's own {art.quant.bits} bits and "
+                         f"widen from there, got {options}")
     if cfg.copy_protocol not in PROTOCOLS:
         raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
     cp = PROTOCOLS[cfg.copy_protocol]
@@ -350,7 +353,7 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
         _GRAD.update(quant=quants[0], protocol=cp)
         for i in todo:
             win, pos, _ = wins[i]
-            _GRAD.update(deltas=[None] * L, keys=[None] * L)
+            _GRAD.update(deltas=[None] * L, keys=[None] * L, vdeltas=[None] * L, values=[None] * L)
             with torch.enable_grad():
                 h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
                 nll = F.cross_entropy(model.lm_head(h[0, pos]).float(), win[0, pos + 1], reduction="sum")
@@ -360,15 +363,20 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
                 for l in range(L):
                     g, k0 = _GRAD["deltas"][l].grad, _GRAD["keys"][l]  # (1, Hkv, n, D)
                     q0 = k0 + _GRAD["deltas"][l].detach()
+                    gv, v0 = _GRAD["vdeltas"][l].grad, _GRAD["values"][l]
+                    p0 = v0 + _GRAD["vdeltas"][l].detach()
                     for o in range(1, len(options)):
-                        w[l, :, o] = (g.double() * (quants[o][l].keys(k0) - q0).double()).sum((0, 2, 3)).cpu().numpy()
+                        if options[o][0] != base[0]:
+                            w[l, :, o] += (g.double() * (quants[o][l].keys(k0) - q0).double()).sum((0, 2, 3)).cpu().numpy()
+                        if options[o][1] != base[1]:
+                            w[l, :, o] += (gv.double() * (quants[o][l].values(v0) - p0).double()).sum((0, 2, 3)).cpu().numpy()
             done[i] = {"window": i, "tokens": len(pos), "sums": w.tolist(), "ident": ident}
             _append_log(log, done[i])
     finally:
         model.set_attn_implementation(prev)
         for p, r in zip(model.parameters(), grads):
             p.requires_grad_(r)
-        _GRAD.update(quant=None, protocol=None, deltas=None, keys=None)
+        _GRAD.update(quant=None, protocol=None, deltas=None, keys=None, vdeltas=None, values=None)
     est = np.zeros((L, art.num_kv_heads, len(options)))
     for i in range(len(wins)):  # window order, so a resumed run sums exactly as an uninterrupted one
         est += np.asarray(done[i]["sums"])
