@@ -3,10 +3,12 @@
 # heads: the copy probe to first order split by KV head (bench/issue16_head_widths.py), widths chosen per layer or per
 # (layer, head) on half of 8 calibration windows and scored on the other half; SmolLM2 on smollm2copy's artifact at
 # 2048, Qwen on qwencopy's at 1024 (bench/issue16_calib_length.sh builds both). qwengrad8k: Qwen's first-order widths
-# (qwengrad's artifact) on the goal's hard tasks at 8k with bf16 on the same samples (~1 h on 2 CPUs).
+# (qwengrad's artifact) on the goal's hard tasks at 8k with bf16 on the same samples (~30 min on 2 CPUs); qwengrad16k:
+# the same at 16k, 10 samples per task. values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
+# on smollm2grad's artifact and windows; its widths on smollm2grad's needles and perplexity, paired.
 #   bash bench/issue16_heads.sh
 #   STEPS="qwengrad8k" bash bench/issue16_heads.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k"
+source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k values"
 if has heads; then
   python bench/issue16_head_widths.py --artifact $W/s4096/scaled.safetensors --windows 8 --length 2048 \
     --log $W/s4096/heads_8x2048.gradients.jsonl --out bench/results/issue16/head_widths_smollm2.json --no-progress
@@ -19,4 +21,26 @@ if has qwengrad8k; then
   oscar validate niah $Q --artifact $G --methods bf16,oscar-int2 $NH --out $W/gg8k_hard
   python bench/issue16_goal.py --goal qwen --niah $W/gg8k_hard $W/gg4k_hard --bf16 $W/gb4k_hard --ppl $W/gg_ppl $W/gs_ppl \
     --label oscar-layer-grad-int2 --out bench/results/issue16/goal_qwen_grad_8k.json
+fi
+if has qwengrad16k; then
+  Q="--model qwen2.5-0.5b"; G=$W/qp8192/grad.safetensors
+  NH="--tasks niah_single_3,niah_multikey_1 --lengths 16k --samples 10 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $G --methods bf16,oscar-int2 $NH --out $W/gg16k_hard
+  python bench/issue16_goal.py --goal qwen --niah $W/gg16k_hard $W/gg8k_hard $W/gg4k_hard --bf16 $W/gb4k_hard --ppl $W/gg_ppl $W/gs_ppl \
+    --label oscar-layer-grad-int2 --out bench/results/issue16/goal_qwen_grad_16k.json
+fi
+if has values; then
+  A=$W/s4096/scaled.safetensors; G=$W/s4096/grad_kv.safetensors
+  N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  P="--protocol strict,serving --dtype bfloat16 --no-progress"
+  python bench/issue16_value_widths.py --artifact $A --windows 4 --length 2048 --log $W/s4096/kv_4x2048.gradients.jsonl \
+    --out-artifact $G --out bench/results/issue16/value_widths_smollm2.json --no-progress
+  for s in 0 1 2; do oscar validate niah --artifact $G --methods oscar-int2 $N --seed $s --out $W/cv4k_s$s; done
+  oscar validate ppl --artifact $G --methods oscar-int2 $P --out $W/cv_ppl
+  R="$W/cg_ppl:oscar-int2=oscar-layer-grad-int2 $W/cv_ppl:oscar-int2=oscar-layer-kv-int2 $W/cw_ppl:oscar-int2=oscar-scaled-int2"
+  for s in 0 1 2; do R="$R $W/cg4k_s$s:oscar-int2=oscar-layer-grad-int2 $W/cv4k_s$s:oscar-int2=oscar-layer-kv-int2"; done
+  python bench/issue16_ab.py --niah $W/cg4k_s{0,1,2} $W/cv4k_s{0,1,2} --ppl $W/cg_ppl $W/cv_ppl $W/cw_ppl --base oscar-layer-grad-int2 \
+    --rename $R --out bench/results/issue16/ab_smollm2_value_widths.json
+  python bench/issue16_goal.py --goal smollm2 --niah $W/cv4k_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cv_ppl $W/cw_ppl \
+    --label oscar-layer-kv-int2 --out bench/results/issue16/goal_smollm2_value_widths.json
 fi
