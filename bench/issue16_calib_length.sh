@@ -18,11 +18,12 @@
 # smollm2grad: the copy probe to first order, `oscar validate widths --estimate gradient` on smollm2copy's artifact and
 # windows, its estimates against the measured probe's and its needles / perplexity paired with the probe's widths'; qwengrad:
 # the same estimate against qwencopy's measured probe, then its widths on the hard needles 1k-4k and perplexity;
-# smollm2grad4k: smollm2grad's estimate read from 4 x 4096 windows instead of 4 x 2048, needles and perplexity paired).
+# smollm2grad4k: smollm2grad's estimate read from 4 x 4096 windows instead of 4 x 2048, needles and perplexity paired;
+# smollm2attr: which half of the shipped example's cache loses niah_single_2 at 4k, keys or values).
 # ~9.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy smollm2grad qwengrad smollm2grad4k tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy smollm2grad qwengrad smollm2grad4k smollm2attr tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -319,6 +320,10 @@ if has smollm2grad4k; then  # the first-order widths read at the longest needle 
     --rename $R --out bench/results/issue16/ab_smollm2_grad_4x4096.json
   python bench/issue16_goal.py --goal smollm2 --niah $W/cg4l_s{0,1,2} --bf16 $W/cw4k_s{0,1,2} --ppl $W/cg4l_ppl $W/cw_ppl \
     --label oscar-layer-grad4k-int2 --out bench/results/issue16/goal_smollm2_grad_4x4096.json
+fi
+if has smollm2attr; then  # the committed example's artifact (oscar run's default widths): keys or values exact, 40 samples
+  python bench/niah_attribution.py --artifact reports/examples/smollm2/artifact.safetensors --tasks niah_single_2 --lengths 4096 \
+    --samples 40 --run-dir $W/attr_smollm2_grad --out bench/results/issue16/attribution_smollm2_grad.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \
