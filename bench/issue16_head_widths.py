@@ -19,6 +19,27 @@ import os
 import time
 
 
+def option_costs(art, opts):
+    """(O,) bits per element of each (key bits, value bits) option, as `codebooks.layer_artifact`'s DP counts them."""
+    import numpy as np
+
+    from oscar.validate import codebooks as cb
+
+    D = art.head_dim
+    return np.array([0.5 * (cb._layer_spec(art, kb).bits_per_element(D) + cb._layer_spec(art, vb).bits_per_element(D))
+                     for kb, vb in opts])
+
+
+def paired_t(diffs) -> list[float]:
+    """mean [95 % t interval] of per-window paired differences."""
+    import numpy as np
+    from scipy.stats import t as student
+
+    d = np.asarray(diffs, dtype=float)
+    half = float(student.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return [round(float(d.mean()), 6), round(float(d.mean()) - half, 6), round(float(d.mean()) + half, 6)]
+
+
 def _table(recs, idx):
     import numpy as np
 
@@ -44,7 +65,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
-    opts, D = cb.COPY_OPTIONS, art.head_dim
+    opts = cb.COPY_OPTIONS
     logged = sum(1 for _ in open(args.log)) if os.path.exists(args.log) else 0  # windows a previous run computed
     t0 = time.perf_counter()
     est = layer_copy_gradients(model, tok, art, opts, TuneConfig(copy_windows=args.windows, copy_length=args.length),
@@ -52,8 +73,7 @@ def main(argv=None) -> int:
     secs = time.perf_counter() - t0
     recs = {r["window"]: r for r in map(json.loads, open(args.log))}
     L, H, O = est.shape
-    cost = np.array([0.5 * (cb._layer_spec(art, kb).bits_per_element(D) + cb._layer_spec(art, vb).bits_per_element(D))
-                     for kb, vb in opts])  # (O,) bits per element, as layer_artifact's DP counts them
+    cost = option_costs(art, opts)  # (O,)
     budget = cb.oscar_bits(art)
 
     def pick_layers(t):  # (L, H, O) -> (L, H) option per unit, one per layer
@@ -75,10 +95,6 @@ def main(argv=None) -> int:
         folds.append({"choose_on": sel, "score_on": ev,
                       "layers": {"in_sample": round(score(ts, pl), 6), "held_out": round(score(te, pl), 6)},
                       "heads": {"in_sample": round(score(ts, ph), 6), "held_out": round(score(te, ph), 6)}})
-    from scipy.stats import t as student
-
-    d = np.array(diffs)
-    half = float(student.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
     from itertools import combinations
 
     by_k = {}  # held-out score of widths chosen on k of a half's windows: does the choice need more windows?
@@ -101,8 +117,7 @@ def main(argv=None) -> int:
            "held_out": {"layers": round(float(np.mean([f["layers"]["held_out"] for f in folds])), 6),
                         "heads": round(float(np.mean([f["heads"]["held_out"] for f in folds])), 6),
                         "heads_minus_layers_per_window": [round(x, 6) for x in diffs],
-                        "heads_minus_layers": [round(float(d.mean()), 6), round(float(d.mean()) - half, 6),
-                                               round(float(d.mean()) + half, 6)]},  # mean [95 % t interval]
+                        "heads_minus_layers": paired_t(diffs)},  # mean [95 % t interval]
            "folds": folds, "held_out_by_choice_windows": by_k,
            "all_windows": {"layers": {"score": round(score(est, pl), 6), "key_bits": [opts[o][0] for o in pl[:, 0]]},
                            "heads": {"score": round(score(est, ph), 6),

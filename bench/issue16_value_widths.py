@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     from oscar.validate.env import load_model
     from oscar.validate.tune import TuneConfig, layer_copy_gradients
 
+    from issue16_head_widths import option_costs, paired_t  # bench/ is on the path when run as a script
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--artifact", required=True, help="a tuned one-group (scaled) artifact")
@@ -42,15 +44,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
-    D, L = art.head_dim, art.num_layers
+    L = art.num_layers
     logged = sum(1 for _ in open(args.log)) if os.path.exists(args.log) else 0  # windows a previous run computed
     t0 = time.perf_counter()
     est = layer_copy_gradients(model, tok, art, KV, TuneConfig(copy_windows=args.windows, copy_length=args.length),
                                log=args.log, progress=not args.no_progress)  # (L, 9)
     secs = time.perf_counter() - t0
     recs = {r["window"]: r for r in map(json.loads, open(args.log))}
-    cost = np.array([0.5 * (cb._layer_spec(art, kb).bits_per_element(D) + cb._layer_spec(art, vb).bits_per_element(D))
-                     for kb, vb in KV])  # (O,) as layer_artifact's DP counts them
+    cost = option_costs(art, KV)  # (O,)
     budget, nk = cb.oscar_bits(art), len(KEYS)
 
     def table(idx):
@@ -69,10 +70,6 @@ def main(argv=None) -> int:
         pk, pkv = pick(ts, nk), pick(ts, len(KV))
         diffs += [score(table([i]), pkv) - score(table([i]), pk) for i in ev]
         folds.append({"choose_on": sel, "keys": round(score(te, pk), 6), "keys_values": round(score(te, pkv), 6)})
-    from scipy.stats import t as student
-
-    d = np.array(diffs)
-    half = float(student.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
     out = cb.layer_artifact(art, KV, "oscar-layer-kv-int2", objective="copy", copy_err=est)
     save_artifact(out, args.out_artifact)
     wk, wkv = pick(est, nk), pick(est, len(KV))
@@ -81,8 +78,7 @@ def main(argv=None) -> int:
            "options": [list(o) for o in KV], "option_bits": cost.round(4).tolist(), "budget": budget,
            "seconds_gradients": round(secs, 1), "windows_read_from_log": logged,
            "held_out": {"folds": folds, "kv_minus_keys_per_window": [round(x, 6) for x in diffs],
-                        "kv_minus_keys": [round(float(d.mean()), 6), round(float(d.mean()) - half, 6),
-                                          round(float(d.mean()) + half, 6)]},
+                        "kv_minus_keys": paired_t(diffs)},
            "keys_only": {"widths": [list(KEYS[o]) for o in wk], "score": round(score(est, wk), 6)},
            "keys_values": {"widths": out.meta["codec"]["widths"], "score": round(score(est, wkv), 6),
                            "artifact": args.out_artifact},
