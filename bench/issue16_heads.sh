@@ -4,11 +4,12 @@
 # (layer, head) on half of 8 calibration windows and scored on the other half; SmolLM2 on smollm2copy's artifact at
 # 2048, Qwen on qwencopy's at 1024 (bench/issue16_calib_length.sh builds both). qwengrad8k: Qwen's first-order widths
 # (qwengrad's artifact) on the goal's hard tasks at 8k with bf16 on the same samples (~30 min on 2 CPUs); qwengrad16k:
-# the same at 16k, 10 samples per task. values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
+# the same at 16k, 10 samples per task; qwensplit16k: the split-key oscar-int2 of the same store (calibrated to 8192
+# positions, as the widths' artifact) on those 16k samples, to tell the widths from the uncalibrated positions. values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
 # on smollm2grad's artifact and windows; its widths on smollm2grad's needles and perplexity, paired.
 #   bash bench/issue16_heads.sh
 #   STEPS="qwengrad8k" bash bench/issue16_heads.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k values"
+source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k qwensplit16k values"
 if has heads; then
   python bench/issue16_head_widths.py --artifact $W/s4096/scaled.safetensors --windows 8 --length 2048 \
     --log $W/s4096/heads_8x2048.gradients.jsonl --out bench/results/issue16/head_widths_smollm2.json --no-progress
@@ -28,6 +29,13 @@ if has qwengrad16k; then
   oscar validate niah $Q --artifact $G --methods bf16,oscar-int2 $NH --out $W/gg16k_hard
   python bench/issue16_goal.py --goal qwen --niah $W/gg16k_hard $W/gg8k_hard $W/gg4k_hard --bf16 $W/gb4k_hard --ppl $W/gg_ppl $W/gs_ppl \
     --label oscar-layer-grad-int2 --out bench/results/issue16/goal_qwen_grad_16k.json
+fi
+if has qwensplit16k; then
+  Q="--model qwen2.5-0.5b"
+  NH="--tasks niah_single_3,niah_multikey_1 --lengths 16k --samples 10 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $W/qp8192/nll.safetensors --methods oscar-int2 $NH --out $W/gn16k_hard
+  python bench/issue16_ab.py --niah $W/gg16k_hard $W/gn16k_hard --rename $W/gg16k_hard:oscar-int2=oscar-layer-grad-int2 \
+    --out bench/results/issue16/ab_qwen_16k_grad_vs_split.json
 fi
 if has values; then
   A=$W/s4096/scaled.safetensors; G=$W/s4096/grad_kv.safetensors
