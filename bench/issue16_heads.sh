@@ -30,9 +30,9 @@ if has qwengrad16k; then
   python bench/issue16_goal.py --goal qwen --niah $W/gg16k_hard $W/gg8k_hard $W/gg4k_hard --bf16 $W/gb4k_hard --ppl $W/gg_ppl $W/gs_ppl \
     --label oscar-layer-grad-int2 --out bench/results/issue16/goal_qwen_grad_16k.json
 fi
-if has qwensplit16k; then
+if has qwensplit16k; then  # 5 samples per task (the first 5 of qwengrad16k's): ~15 min
   Q="--model qwen2.5-0.5b"
-  NH="--tasks niah_single_3,niah_multikey_1 --lengths 16k --samples 10 --protocol serving --dtype bfloat16 --no-progress"
+  NH="--tasks niah_single_3,niah_multikey_1 --lengths 16k --samples 5 --protocol serving --dtype bfloat16 --no-progress"
   oscar validate niah $Q --artifact $W/qp8192/nll.safetensors --methods oscar-int2 $NH --out $W/gn16k_hard
   python bench/issue16_ab.py --niah $W/gg16k_hard $W/gn16k_hard --rename $W/gg16k_hard:oscar-int2=oscar-layer-grad-int2 \
     --out bench/results/issue16/ab_qwen_16k_grad_vs_split.json
