@@ -365,11 +365,17 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
                     q0 = k0 + _GRAD["deltas"][l].detach()
                     gv, v0 = _GRAD["vdeltas"][l].grad, _GRAD["values"][l]
                     p0 = v0 + _GRAD["vdeltas"][l].detach()
+                    kterm, vterm = {}, {}  # per width, once: key x value options share their key and value terms
                     for o in range(1, len(options)):
-                        if options[o][0] != base[0]:
-                            w[l, :, o] += (g.double() * (quants[o][l].keys(k0) - q0).double()).sum((0, 2, 3)).cpu().numpy()
-                        if options[o][1] != base[1]:
-                            w[l, :, o] += (gv.double() * (quants[o][l].values(v0) - p0).double()).sum((0, 2, 3)).cpu().numpy()
+                        kb, vb = options[o]
+                        if kb != base[0]:
+                            if kb not in kterm:
+                                kterm[kb] = (g.double() * (quants[o][l].keys(k0) - q0).double()).sum((0, 2, 3)).cpu().numpy()
+                            w[l, :, o] += kterm[kb]
+                        if vb != base[1]:
+                            if vb not in vterm:
+                                vterm[vb] = (gv.double() * (quants[o][l].values(v0) - p0).double()).sum((0, 2, 3)).cpu().numpy()
+                            w[l, :, o] += vterm[vb]
             done[i] = {"window": i, "tokens": len(pos), "sums": w.tolist(), "ident": ident}
             _append_log(log, done[i])
     finally:
