@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     BASE = a.base
     if a.render:  # a table written before its --rename labels were listed: its rows from the JSON's own records
         res = json.load(open(a.render))
-        BASE, res["methods"] = res["base"], []
+        BASE = res["base"]
         res["methods"] = table_methods(res["niah"])
         with open(a.render, "w") as f:
             json.dump(res, f, indent=1, default=float)
