@@ -19,11 +19,12 @@
 # windows, its estimates against the measured probe's and its needles / perplexity paired with the probe's widths'; qwengrad:
 # the same estimate against qwencopy's measured probe, then its widths on the hard needles 1k-4k and perplexity;
 # smollm2grad4k: smollm2grad's estimate read from 4 x 4096 windows instead of 4 x 2048, needles and perplexity paired;
-# smollm2attr: which half of the shipped example's cache loses niah_single_2 at 4k, keys or values).
+# smollm2attr: which half of the shipped example's cache loses niah_single_2 at 4k, keys or values; smollm2attrlayers:
+# which layers' keys, by key-width class, on the same samples).
 # ~9.5 h on 2 CPUs. STEPS selects steps.
 #   bash bench/issue16_calib_length.sh
 #   STEPS="tables" bash bench/issue16_calib_length.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy smollm2grad qwengrad smollm2grad4k smollm2attr tables"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2 position niah ppl guarded qwen windows qwen4k qwengrid qwen16k servetune qwenguard qwenmore qwenlayers smollm2layers qwenunclip qwencopy qwencopyppl smollm2copy smollm2seed2 smollm2split qwencopygoal smollm2cheap qwencopyeasy smollm2grad qwengrad smollm2grad4k smollm2attr smollm2attrlayers tables"
 N="--tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
 P="--protocol strict,serving --dtype bfloat16 --no-progress"
 if has smollm2; then  # stores, fits and tunes at three calibration lengths (65536 calibration tokens each)
@@ -324,6 +325,11 @@ fi
 if has smollm2attr; then  # the committed example's artifact (oscar run's default widths): keys or values exact, 40 samples
   python bench/niah_attribution.py --artifact reports/examples/smollm2/artifact.safetensors --tasks niah_single_2 --lengths 4096 \
     --samples 40 --run-dir $W/attr_smollm2_grad --out bench/results/issue16/attribution_smollm2_grad.json
+fi
+if has smollm2attrlayers; then  # keys exact in one class of layers at a time, paired with smollm2attr's bf16 / oscar-int2
+  python bench/niah_attribution.py --artifact reports/examples/smollm2/artifact.safetensors --key-classes --tasks niah_single_2 \
+    --lengths 4096 --samples 40 --reuse $W/attr_smollm2_grad --run-dir $W/attr_smollm2_layers \
+    --out bench/results/issue16/attribution_smollm2_layers.json
 fi
 if has tables; then
   python bench/issue16_ab.py --niah $W/c2k_s0 $W/c2k_s1 $W/c4k_s0 $W/c4k_s1 $W/c8k_s0 $W/g2k_s0 --ppl $W/ppl_c2k $W/ppl_c4k \

@@ -5,11 +5,13 @@
 # 2048, Qwen on qwencopy's at 1024 (bench/issue16_calib_length.sh builds both). qwengrad8k: Qwen's first-order widths
 # (qwengrad's artifact) on the goal's hard tasks at 8k with bf16 on the same samples (~30 min on 2 CPUs); qwengrad16k:
 # the same at 16k, 10 samples per task; qwensplit16k: the split-key oscar-int2 of the same store (calibrated to 8192
-# positions, as the widths' artifact) on those 16k samples, to tell the widths from the uncalibrated positions. values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
+# positions, as the widths' artifact) on those 16k samples, to tell the widths from the uncalibrated positions.
+# qwen16kgrad: the same widths recipe on a store calibrated to 16384 positions (calibrate, fit scaled, tune, first-order
+# widths at 4 x 1024), on qwengrad16k's samples (bf16 from there), against the 8192-position store's widths. values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
 # on smollm2grad's artifact and windows; its widths on smollm2grad's needles and perplexity, paired.
 #   bash bench/issue16_heads.sh
 #   STEPS="qwengrad8k" bash bench/issue16_heads.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k qwensplit16k values"
+source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k qwensplit16k qwen16kgrad values"
 if has heads; then
   python bench/issue16_head_widths.py --artifact $W/s4096/scaled.safetensors --windows 8 --length 2048 \
     --log $W/s4096/heads_8x2048.gradients.jsonl --out bench/results/issue16/head_widths_smollm2.json --no-progress
@@ -36,6 +38,17 @@ if has qwensplit16k; then  # 5 samples per task (the first 5 of qwengrad16k's): 
   oscar validate niah $Q --artifact $W/qp8192/nll.safetensors --methods oscar-int2 $NH --out $W/gn16k_hard
   python bench/issue16_ab.py --niah $W/gg16k_hard $W/gn16k_hard --rename $W/gg16k_hard:oscar-int2=oscar-layer-grad-int2 \
     --out bench/results/issue16/ab_qwen_16k_grad_vs_split.json
+fi
+if has qwen16kgrad; then  # ~45 min: the store and artifact ~10 min, the 16k needles ~90 s per sample
+  Q="--model qwen2.5-0.5b"; S=$W/qp16384g; G=$S/grad.safetensors
+  oscar calibrate $Q --store $S/calib.zarr --seq-len 2048 --positions 16384 --tokens 16384 --block-tokens 8192 --no-progress
+  [ -e $S/scaled.fit.safetensors ] || oscar fit $S/calib.zarr --variant scaled --out $S/scaled.fit.safetensors --no-progress
+  [ -e $S/scaled.safetensors ] || oscar validate tune $Q --artifact $S/scaled.fit.safetensors --out $S/scaled.safetensors --no-progress
+  [ -e $G ] || oscar validate widths $Q --artifact $S/scaled.safetensors --estimate gradient --windows 4 --length 1024 --out $G --no-progress
+  NH="--tasks niah_single_3,niah_multikey_1 --lengths 16k --samples 10 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $G --methods oscar-int2 $NH --out $W/gp16g_hard
+  python bench/issue16_ab.py --niah $W/gg16k_hard $W/gp16g_hard --rename $W/gg16k_hard:oscar-int2=oscar-grad-p8k-int2 \
+    $W/gp16g_hard:oscar-int2=oscar-grad-p16k-int2 --base oscar-grad-p8k-int2 --out bench/results/issue16/ab_qwen_16k_positions_grad.json
 fi
 if has values; then
   A=$W/s4096/scaled.safetensors; G=$W/s4096/grad_kv.safetensors

@@ -15,6 +15,15 @@ main job's needle tests).
 Writes bench/results/niah_attribution.json (per task, length and method: mean score in %; with --run-dir, which
 keeps the samples and resumes, also each half against bf16 and oscar-int2, paired, pooled over the lengths).
 Runs in this process: the two diagnostic methods exist only here, not in `run_niah`'s spawned workers.
+
+With --key-classes (an artifact with per-layer key widths), the keys are made exact in one class of layers at a time
+instead: `oscar-int2-k<b>` (keys exact in the layers whose keys are b bits), and the 2-bit layers also split at the
+middle layer (`oscar-int2-k2lo` / `-k2hi`). --reuse DIR pairs them with the bf16 and oscar-int2 arms of an earlier
+run of the same samples (same model, artifact, tasks, lengths, seed) instead of running those again:
+
+    python bench/niah_attribution.py --key-classes --tasks niah_single_2 --lengths 4096 --samples 40 \
+        --reuse runs/i16e/attr_smollm2_grad --run-dir runs/i16e/attr_smollm2_layers \
+        --out bench/results/issue16/attribution_smollm2_layers.json
 """
 
 from __future__ import annotations
@@ -30,35 +39,51 @@ import numpy as np
 
 from oscar import evidence as ev
 from oscar.common import set_threads
+from oscar.stats.artifact import load_artifact
 from oscar.validate import methods as M
 from oscar.validate.niah import NiahConfig, run_niah
 
 OUT = Path(__file__).with_name("results") / "niah_attribution.json"
 
 
-def _register_halves() -> None:
+def key_classes(art) -> dict[str, list[int]]:
+    """Method suffix -> layers: k<b> for each key width b present, and the 2-bit layers' lower / upper halves."""
+    widths = [q.bits + q.key_top if q.key_split else q.bits for q in (art.quant_for(l) for l in range(art.num_layers))]
+    out = {f"k{b}": [l for l, w in enumerate(widths) if w == b] for b in sorted(set(widths))}
+    mid = art.num_layers // 2
+    out["k2lo"] = [l for l in out.get("k2", []) if l < mid]
+    out["k2hi"] = [l for l in out.get("k2", []) if l >= mid]
+    return {k: v for k, v in out.items() if v}
+
+
+def _register_halves(classes: dict[str, list[int]] | None = None) -> None:
     init, keys, values = M.LayerQuant.__init__, M.LayerQuant.keys, M.LayerQuant.values
 
     def init_(self, art, layer, *args, **kwargs):
         init(self, art, layer, *args, **kwargs)
         self.exact_half = art.meta.get("diag_exact")     # "keys" | "values" | None
+        if layer in art.meta.get("diag_exact_key_layers", ()):
+            self.exact_half = "keys"
 
     M.LayerQuant.__init__ = init_
     M.LayerQuant.keys = lambda self, k: k if self.exact_half == "keys" else keys(self, k)
     M.LayerQuant.values = lambda self, v: v if self.exact_half == "values" else values(self, v)
 
-    def variant(exact: str):
+    def variant(exact: str | None, layers: list[int] = ()):
         def factory(config, art):
             a = copy.copy(M.METHODS["oscar-int2"](config, art))
-            a.meta = {**a.meta, "diag_exact": exact}
+            a.meta = {**a.meta, "diag_exact": exact, "diag_exact_key_layers": list(layers)}
             return a
         return factory
 
     M.register_method("oscar-int2-kq", variant("values"), needs_artifact=True)  # keys INT2, values exact
     M.register_method("oscar-int2-vq", variant("keys"), needs_artifact=True)    # values INT2, keys exact
+    for name, layers in (classes or {}).items():  # keys exact in one class of layers, everything else as oscar-int2
+        M.register_method(f"oscar-int2-{name}", variant(None, layers), needs_artifact=True)
 
 
 def _paired(cells: dict, methods: list[str]) -> dict:
+    # methods[0] is bf16, methods[1] oscar-int2, the rest its diagnostic variants
     """Each INT2 variant minus bf16 and each half minus oscar-int2, paired by sample, per task pooled over lengths."""
     out = {}
     tasks = sorted({t for t, _, _ in cells})
@@ -83,27 +108,48 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--run-dir", help="keep the needle run here (resumable); default: a temporary directory")
+    ap.add_argument("--key-classes", action="store_true",
+                    help="keys exact in one class of layers at a time (by key width; the 2-bit layers also by half)")
+    ap.add_argument("--reuse", help="an earlier run dir of the same samples: its bf16 and oscar-int2 arms are read, not rerun")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     threads = set_threads()
-    _register_halves()
-    methods = ["bf16", "oscar-int2", "oscar-int2-kq", "oscar-int2-vq"]
+    classes = key_classes(load_artifact(args.artifact)) if args.key_classes else {}
+    _register_halves(classes)
+    diag = [f"oscar-int2-{c}" for c in classes] if classes else ["oscar-int2-kq", "oscar-int2-vq"]
+    methods = ["bf16", "oscar-int2"] + diag
+    tasks, lengths = args.tasks.split(","), [int(x) for x in args.lengths.split(",")]
+    reused = {}
+    if args.reuse:  # the same samples: the identity a stored sample depends on, and tasks / lengths covered
+        prev = json.load(open(Path(args.reuse) / "niah_config.json"))
+        mine = NiahConfig(out=args.reuse, model=args.model, artifact=args.artifact, methods=methods[:2], tasks=tasks,
+                          lengths=lengths, samples=args.samples, protocol="serving", dtype=args.dtype).identity()
+        if prev["identity"] != mine or not set(tasks) <= set(prev["config"]["tasks"]) \
+                or not set(lengths) <= set(prev["config"]["lengths"]):
+            raise SystemExit(f"--reuse {args.reuse}: another run's samples ({prev['identity']} vs {mine})")
+        reused = {k: r for k, r in ev.read_samples(str(Path(args.reuse) / "niah_samples.jsonl")).items()
+                  if k[3] in methods[:2] and k[0] in tasks and k[1] in lengths and k[2] < args.samples}
     with tempfile.TemporaryDirectory(prefix="oscar-niah-attr-") as tmp:
         d = args.run_dir or tmp
-        cfg = NiahConfig(out=d, model=args.model, artifact=args.artifact, methods=methods, tasks=args.tasks.split(","),
-                         lengths=[int(x) for x in args.lengths.split(",")], samples=args.samples,
-                         protocol="serving", dtype=args.dtype)
+        cfg = NiahConfig(out=d, model=args.model, artifact=args.artifact, methods=diag if reused else methods,
+                         tasks=tasks, lengths=lengths, samples=args.samples, protocol="serving", dtype=args.dtype)
         t0 = time.perf_counter()
-        df = run_niah(cfg, workers=1)
+        run_niah(cfg, workers=1)
         wall = time.perf_counter() - t0
-        paired = _paired(ev.cell_scores(ev.read_samples(str(Path(d) / "niah_samples.jsonl"))), methods)
-    scores = {t: {str(L): dict(zip(g.method, g.score)) for L, g in gt.groupby("length")} for t, gt in df.groupby("task")}
+        done = {**reused, **ev.read_samples(str(Path(d) / "niah_samples.jsonl"))}
+        paired = _paired(ev.cell_scores(done), methods)
+    cells = ev.cell_scores(done)
+    scores = {t: {str(L): {m: 100 * float(np.mean(list(cells[(t, L, m)].values()))) for m in methods if (t, L, m) in cells}
+                  for L in sorted({L for t_, L, _ in cells if t_ == t})} for t in sorted({t for t, _, _ in cells})}
+    about = ({f"oscar-int2-{c}": f"keys exact in layers {v}, everything else as oscar-int2" for c, v in classes.items()}
+             if classes else {"oscar-int2-kq": "keys INT2 as oscar-int2, values exact",
+                              "oscar-int2-vq": "values INT2 as oscar-int2, keys exact"})
     res = {"model": args.model, "artifact": args.artifact, "protocol": "serving", "dtype": args.dtype, "samples": args.samples,
-           "methods": {"oscar-int2-kq": "keys INT2 as oscar-int2, values exact",
-                       "oscar-int2-vq": "values INT2 as oscar-int2, keys exact"},
+           "reused": args.reuse, "methods": about,
            "score_percent": scores, "paired_pooled_over_lengths": paired, "wall_s": wall, "threads": threads,
-           "command": "python bench/niah_attribution.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                              if k != "out" and v is not None)}
+           "command": "python bench/niah_attribution.py " + " ".join(
+               f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+               if k != "out" and v not in (None, False))}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(scores, indent=1))
