@@ -189,7 +189,8 @@ def markdown(res: dict) -> str:
                         f" {v['verdict']}" if base == BASE else "")
             cells.append(s)
         lines.append(f"| {m} | {res['bits'].get(m, float('nan')):.3g} | " + " | ".join(cells) + " |")
-    lines += ["", f"| perplexity | protocol | context | × bf16 [95 %] | × {BASE} [95 %] |", "|---|---|---|---|---|"]
+    if res["ppl"]:
+        lines += ["", f"| perplexity | protocol | context | × bf16 [95 %] | × {BASE} [95 %] |", "|---|---|---|---|---|"]
     for r in res["ppl"]:
         if r["method"] == "bf16":
             continue

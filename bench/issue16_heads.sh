@@ -7,11 +7,13 @@
 # the same at 16k, 10 samples per task; qwensplit16k: the split-key oscar-int2 of the same store (calibrated to 8192
 # positions, as the widths' artifact) on those 16k samples, to tell the widths from the uncalibrated positions.
 # qwen16kgrad: the same widths recipe on a store calibrated to 16384 positions (calibrate, fit scaled, tune, first-order
-# widths at 4 x 1024), on qwengrad16k's samples (bf16 from there), against the 8192-position store's widths. values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
+# widths at 4 x 1024), on qwengrad16k's samples (bf16 from there), against the 8192-position store's widths;
+# qwen16keasy: that artifact on the goal's easy tasks at 16k (5 per task, bf16 beside it) and its perplexity;
+# qwen16kshort: the same artifact's hard tasks at 1k-8k on qwengrad's / qwengrad8k's samples (its goal table). values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
 # on smollm2grad's artifact and windows; its widths on smollm2grad's needles and perplexity, paired.
 #   bash bench/issue16_heads.sh
 #   STEPS="qwengrad8k" bash bench/issue16_heads.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k qwensplit16k qwen16kgrad values"
+source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k qwensplit16k qwen16kgrad qwen16keasy qwen16kshort values"
 if has heads; then
   python bench/issue16_head_widths.py --artifact $W/s4096/scaled.safetensors --windows 8 --length 2048 \
     --log $W/s4096/heads_8x2048.gradients.jsonl --out bench/results/issue16/head_widths_smollm2.json --no-progress
@@ -49,6 +51,22 @@ if has qwen16kgrad; then  # ~45 min: the store and artifact ~10 min, the 16k nee
   oscar validate niah $Q --artifact $G --methods oscar-int2 $NH --out $W/gp16g_hard
   python bench/issue16_ab.py --niah $W/gg16k_hard $W/gp16g_hard --rename $W/gg16k_hard:oscar-int2=oscar-grad-p8k-int2 \
     $W/gp16g_hard:oscar-int2=oscar-grad-p16k-int2 --base oscar-grad-p8k-int2 --out bench/results/issue16/ab_qwen_16k_positions_grad.json
+fi
+if has qwen16keasy; then  # ~25 min
+  Q="--model qwen2.5-0.5b"; G=$W/qp16384g/grad.safetensors
+  NE="--tasks niah_single_1,niah_single_2 --lengths 16k --samples 5 --protocol serving --dtype bfloat16 --no-progress"
+  oscar validate niah $Q --artifact $G --methods bf16,oscar-int2 $NE --out $W/gp16g_easy
+  oscar validate ppl $Q --artifact $G --methods oscar-int2 --protocol strict,serving --dtype bfloat16 --no-progress --out $W/gp16g_ppl
+  python bench/issue16_goal.py --goal qwen --niah $W/gp16g_hard $W/gp16g_easy --bf16 $W/gg16k_hard --ppl $W/gp16g_ppl $W/gs_ppl \
+    --label oscar-layer-grad-p16k-int2 --out bench/results/issue16/goal_qwen_grad_p16k.json
+fi
+if has qwen16kshort; then  # ~30 min
+  Q="--model qwen2.5-0.5b"; G=$W/qp16384g/grad.safetensors
+  oscar validate niah $Q --artifact $G --methods oscar-int2 --tasks niah_single_3,niah_multikey_1 --lengths 1k,2k,4k,8k \
+    --samples 20 --protocol serving --dtype bfloat16 --no-progress --out $W/gp16g_short
+  python bench/issue16_goal.py --goal qwen --niah $W/gp16g_short $W/gp16g_hard $W/gp16g_easy \
+    --bf16 $W/gb4k_hard $W/gg8k_hard $W/gg16k_hard --ppl $W/gp16g_ppl $W/gs_ppl \
+    --label oscar-layer-grad-p16k-int2 --out bench/results/issue16/goal_qwen_grad_p16k.json
 fi
 if has values; then
   A=$W/s4096/scaled.safetensors; G=$W/s4096/grad_kv.safetensors
