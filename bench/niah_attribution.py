@@ -83,8 +83,8 @@ def _register_halves(classes: dict[str, list[int]] | None = None) -> None:
 
 
 def _paired(cells: dict, methods: list[str]) -> dict:
-    # methods[0] is bf16, methods[1] oscar-int2, the rest its diagnostic variants
-    """Each INT2 variant minus bf16 and each half minus oscar-int2, paired by sample, per task pooled over lengths."""
+    """Each INT2 variant minus bf16 and each diagnostic variant minus oscar-int2, paired by sample, per task pooled over
+    lengths (methods: bf16, oscar-int2, then the variants)."""
     out = {}
     tasks = sorted({t for t, _, _ in cells})
     lengths = sorted({L for _, L, _ in cells})
