@@ -9,11 +9,13 @@
 # qwen16kgrad: the same widths recipe on a store calibrated to 16384 positions (calibrate, fit scaled, tune, first-order
 # widths at 4 x 1024), on qwengrad16k's samples (bf16 from there), against the 8192-position store's widths;
 # qwen16keasy: that artifact on the goal's easy tasks at 16k (5 per task, bf16 beside it) and its perplexity;
-# qwen16kshort: the same artifact's hard tasks at 1k-8k on qwengrad's / qwengrad8k's samples (its goal table). values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
+# qwen16kshort: the same artifact's hard tasks at 1k-8k on qwengrad's / qwengrad8k's samples (its goal table);
+# qwen16keasyshort: its easy tasks at 1k-8k (10 per task, bf16 beside it), the goal cells the others leave unmeasured.
+# values: the first-order DP over key x value widths (bench/issue16_value_widths.py)
 # on smollm2grad's artifact and windows; its widths on smollm2grad's needles and perplexity, paired.
 #   bash bench/issue16_heads.sh
 #   STEPS="qwengrad8k" bash bench/issue16_heads.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k qwensplit16k qwen16kgrad qwen16keasy qwen16kshort values"
+source "$(dirname "$0")/steps.sh" runs/i16e "heads qwengrad8k qwengrad16k qwensplit16k qwen16kgrad qwen16keasy qwen16kshort qwen16keasyshort values"
 if has heads; then
   python bench/issue16_head_widths.py --artifact $W/s4096/scaled.safetensors --windows 8 --length 2048 \
     --log $W/s4096/heads_8x2048.gradients.jsonl --out bench/results/issue16/head_widths_smollm2.json --no-progress
@@ -41,12 +43,17 @@ if has qwensplit16k; then  # 5 samples per task (the first 5 of qwengrad16k's): 
   python bench/issue16_ab.py --niah $W/gg16k_hard $W/gn16k_hard --rename $W/gg16k_hard:oscar-int2=oscar-layer-grad-int2 \
     --out bench/results/issue16/ab_qwen_16k_grad_vs_split.json
 fi
-if has qwen16kgrad; then  # ~45 min: the store and artifact ~10 min, the 16k needles ~90 s per sample
-  Q="--model qwen2.5-0.5b"; S=$W/qp16384g; G=$S/grad.safetensors
+p16k_artifact() {  # Qwen's shipped recipe on a store calibrated to 16384 positions -> $W/qp16384g/grad.safetensors (~10 min)
+  local Q="--model qwen2.5-0.5b" S=$W/qp16384g
   oscar calibrate $Q --store $S/calib.zarr --seq-len 2048 --positions 16384 --tokens 16384 --block-tokens 8192 --no-progress
   [ -e $S/scaled.fit.safetensors ] || oscar fit $S/calib.zarr --variant scaled --out $S/scaled.fit.safetensors --no-progress
   [ -e $S/scaled.safetensors ] || oscar validate tune $Q --artifact $S/scaled.fit.safetensors --out $S/scaled.safetensors --no-progress
-  [ -e $G ] || oscar validate widths $Q --artifact $S/scaled.safetensors --estimate gradient --windows 4 --length 1024 --out $G --no-progress
+  [ -e $S/grad.safetensors ] || oscar validate widths $Q --artifact $S/scaled.safetensors --estimate gradient --windows 4 \
+    --length 1024 --out $S/grad.safetensors --no-progress
+}
+if has qwen16kgrad; then  # ~45 min: the store and artifact ~10 min, the 16k needles ~90 s per sample
+  Q="--model qwen2.5-0.5b"; G=$W/qp16384g/grad.safetensors
+  p16k_artifact
   NH="--tasks niah_single_3,niah_multikey_1 --lengths 16k --samples 10 --protocol serving --dtype bfloat16 --no-progress"
   oscar validate niah $Q --artifact $G --methods oscar-int2 $NH --out $W/gp16g_hard
   python bench/issue16_ab.py --niah $W/gg16k_hard $W/gp16g_hard --rename $W/gg16k_hard:oscar-int2=oscar-grad-p8k-int2 \
@@ -67,6 +74,14 @@ if has qwen16kshort; then  # ~30 min
   python bench/issue16_goal.py --goal qwen --niah $W/gp16g_short $W/gp16g_hard $W/gp16g_easy \
     --bf16 $W/gb4k_hard $W/gg8k_hard $W/gg16k_hard --ppl $W/gp16g_ppl $W/gs_ppl \
     --label oscar-layer-grad-p16k-int2 --out bench/results/issue16/goal_qwen_grad_p16k.json
+fi
+if has qwen16keasyshort; then  # ~45 min: the goal's easy tasks at 1k-8k, the cells goal_qwen_grad_p16k does not hold
+  Q="--model qwen2.5-0.5b"; G=$W/qp16384g/grad.safetensors
+  p16k_artifact
+  oscar validate niah $Q --artifact $G --methods bf16,oscar-int2 --tasks niah_single_1,niah_single_2 --lengths 1k,2k,4k,8k \
+    --samples 10 --protocol serving --dtype bfloat16 --no-progress --out $W/gp16g_easy_short
+  python bench/issue16_goal.py --goal qwen --niah $W/gp16g_easy_short --label oscar-layer-grad-p16k-int2 \
+    --out bench/results/issue16/goal_qwen_grad_p16k_easy.json
 fi
 if has values; then
   A=$W/s4096/scaled.safetensors; G=$W/s4096/grad_kv.safetensors
