@@ -82,6 +82,31 @@ def _register_halves(classes: dict[str, list[int]] | None = None) -> None:
         M.register_method(f"oscar-int2-{name}", variant(None, layers), needs_artifact=True)
 
 
+def _diag_bits(art, exact: str | None, key_layers: list[int] = ()) -> float:
+    """Bits per element a diagnostic arm stores: its exact half (or exact key layers) at 16 bits, the rest as the
+    artifact's per-layer formats, K and V averaged over the layers (the run's memory.json would say the artifact's)."""
+    D, out = art.head_dim, []
+    for l in range(art.num_layers):
+        q = art.quant_for(l)
+        kb = 16.0 if exact == "keys" or l in key_layers else q.key_bits(D)
+        out.append(0.5 * (kb + (16.0 if exact == "values" else q.value_bits(D))))
+    return float(np.mean(out))
+
+
+def _fix_memory(run_dir: str, bits: dict[str, float]) -> None:
+    """The diagnostic rows of run_dir/memory.json at the bits they store, their byte columns dropped (not a format)."""
+    p = Path(run_dir) / "memory.json"
+    if not p.exists():
+        return
+    rows = json.loads(p.read_text())
+    for r in rows:
+        if r["method"] in bits:
+            r.update({k: None for k in r if k.startswith("bytes_") or k == "ratio_vs_bf16"})
+            r["bits_per_element"] = bits[r["method"]]
+            r["note"] = "diagnostic (bench/niah_attribution.py): one half or some layers' keys exact, not a cache format"
+    p.write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def _paired(cells: dict, methods: list[str]) -> dict:
     """Each INT2 variant minus bf16 and each diagnostic variant minus oscar-int2, paired by sample, per task pooled over
     lengths (methods: bf16, oscar-int2, then the variants)."""
@@ -107,6 +132,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0, help="needle seed (`oscar validate niah --seed`)")
     ap.add_argument("--run-dir", help="keep the needle run here (resumable); default: a temporary directory")
     ap.add_argument("--key-classes", action="store_true",
                     help="keys exact in one class of layers at a time (by key width; the 2-bit layers also by half)")
@@ -123,7 +149,8 @@ def main() -> None:
     if args.reuse:  # the same samples: the identity a stored sample depends on, and tasks / lengths covered
         prev = json.load(open(Path(args.reuse) / "niah_config.json"))
         mine = NiahConfig(out=args.reuse, model=args.model, artifact=args.artifact, methods=methods[:2], tasks=tasks,
-                          lengths=lengths, samples=args.samples, protocol="serving", dtype=args.dtype).identity()
+                          lengths=lengths, samples=args.samples, protocol="serving", dtype=args.dtype,
+                          seed=args.seed).identity()
         if prev["identity"] != mine or not set(tasks) <= set(prev["config"]["tasks"]) \
                 or not set(lengths) <= set(prev["config"]["lengths"]):
             raise SystemExit(f"--reuse {args.reuse}: another run's samples ({prev['identity']} vs {mine})")
@@ -132,10 +159,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="oscar-niah-attr-") as tmp:
         d = args.run_dir or tmp
         cfg = NiahConfig(out=d, model=args.model, artifact=args.artifact, methods=diag if reused else methods,
-                         tasks=tasks, lengths=lengths, samples=args.samples, protocol="serving", dtype=args.dtype)
+                         tasks=tasks, lengths=lengths, samples=args.samples, protocol="serving", dtype=args.dtype,
+                         seed=args.seed)
         t0 = time.perf_counter()
         run_niah(cfg, workers=1)
         wall = time.perf_counter() - t0
+        art = load_artifact(args.artifact)
+        bits = ({f"oscar-int2-{c}": _diag_bits(art, None, v) for c, v in classes.items()} if classes else
+                {"oscar-int2-kq": _diag_bits(art, "values"), "oscar-int2-vq": _diag_bits(art, "keys")})
+        _fix_memory(d, bits)
         done = {**reused, **ev.read_samples(str(Path(d) / "niah_samples.jsonl"))}
         paired = _paired(ev.cell_scores(done), methods)
     cells = ev.cell_scores(done)
@@ -145,7 +177,7 @@ def main() -> None:
              if classes else {"oscar-int2-kq": "keys INT2 as oscar-int2, values exact",
                               "oscar-int2-vq": "values INT2 as oscar-int2, keys exact"})
     res = {"model": args.model, "artifact": args.artifact, "protocol": "serving", "dtype": args.dtype, "samples": args.samples,
-           "reused": args.reuse, "methods": about,
+           "reused": args.reuse, "methods": about, "bits_per_element": {k: round(v, 4) for k, v in bits.items()},
            "score_percent": scores, "paired_pooled_over_lengths": paired, "wall_s": wall, "threads": threads,
            "command": "python bench/niah_attribution.py " + " ".join(
                f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
