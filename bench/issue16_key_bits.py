@@ -40,12 +40,17 @@ def main(argv=None) -> int:
     from oscar.validate.methods import LayerQuant
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--artifact", required=True, help="a tuned one-group artifact (oscar fit --variant scaled + tune)")
+    ap.add_argument("--plot", metavar="AB_JSON", help="draw the dose-response of an A/B table over these arms (no artifacts)")
+    ap.add_argument("--artifact", help="a tuned one-group artifact (oscar fit --variant scaled + tune)")
     ap.add_argument("--widths", help="the shipped per-layer widths artifact of the same fit (its error table and bits)")
     ap.add_argument("--bits", type=int, nargs="+", default=[3, 4])
-    ap.add_argument("--out-dir", required=True, help="where keys<b>.safetensors go")
+    ap.add_argument("--out-dir", help="where keys<b>.safetensors go")
     ap.add_argument("--out", required=True, help="JSON")
     args = ap.parse_args(argv)
+    if args.plot:
+        return plot(args.plot, args.out)
+    if not (args.artifact and args.out_dir):
+        ap.error("--artifact and --out-dir are required (or --plot)")
     fitted = load_artifact(args.artifact)
     L, base = fitted.num_layers, fitted.quant.bits
     _, _, layers = store_layers(fitted, "key-bits")
@@ -86,6 +91,9 @@ def main(argv=None) -> int:
         }
     torch.set_grad_enabled(False)
     rel = {name: logit_error(a) for name, a in arms.items()}
+    D = fitted.head_dim  # the keys' own stored bits (codes and scale/zero), averaged over layers
+    rec["key_bits_per_element"] = {name: round(float(np.mean([a.quant_for(l).key_bits(D) for l in range(L)])), 4)
+                                   for name, a in arms.items() if not (a.meta.get("codec") or {}).get("kind")}
     ref = rel.get("shipped widths", rel["oscar-int2 (one group)"])
     rec["key_logit_error"] = {name: {"relative": round(e, 6), "dB_vs_" + ("shipped" if "shipped widths" in rel else "one_group"):
                                      round(10 * float(np.log10(e / ref)), 2)} for name, e in rel.items()}
@@ -93,6 +101,45 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)
     print(json.dumps(rec["bits_per_element"]), json.dumps(rec["key_logit_error"]), json.dumps(rec.get("attention_output_error")))
+    return 0
+
+
+# A/B labels (bench/issue16_key_bits.sh's --rename) -> the key_bits JSON's arm names; exact keys are 16 bits
+ARMS = {"oscar-scaled-int2": "oscar-int2 (one group)", "oscar-int2": "shipped widths", "oscar-keys3-int2": "keys3",
+        "oscar-keys4-int2": "keys4", "oscar-exact-keys": None}
+
+
+def plot(ab_json: str, key_json: str) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ab, kb = json.load(open(ab_json)), json.load(open(key_json))
+    L = max(ab["lengths"])
+    rows = {r["method"]: r for r in ab["niah"] if r["task"] == "pooled" and r["length"] == L and "vs_bf16" in r}
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for i, (m, name) in enumerate(ARMS.items()):
+        if m not in rows:
+            continue
+        x = 16.0 if name is None else kb["key_bits_per_element"][name]
+        v = rows[m]["vs_bf16"]
+        ax.errorbar([x], [v["diff"]], yerr=[[v["diff"] - v["lo"]], [v["hi"] - v["diff"]]], fmt="o", capsize=4)
+        db = "" if name is None else f" ({kb['key_logit_error'][name]['dB_vs_shipped']:+.1f} dB)"
+        ax.annotate(f"{m}{db}", (x, v["diff"]), textcoords="offset points", xytext=(6, 4 if i % 2 else -12), fontsize=7)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.axhline(-5, color="r", ls="--", lw=0.8, label="goal margin (-5 points)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("key bits per element, codes + scale/zero (values INT2 in every arm)")
+    ax.set_ylabel(f"needles vs bf16 at {L // 1024}k, points")
+    ax.set_title(f"keys' precision vs the needle loss ({rows['oscar-int2']['vs_bf16']['paired']} pairs, 95 % intervals)",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    out = os.path.splitext(ab_json)[0] + ".png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(out)
     return 0
 
 

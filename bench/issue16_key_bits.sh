@@ -4,8 +4,10 @@
 # fit scaled, tune, first-order widths at 4 x 2048: what `oscar run` ships; ~10 min, skipped where present), then
 # niah_single_2 at 4k, 40 samples (bench/niah_attribution.py's samples): bf16, oscar-int2, keys exact, values exact,
 # and every layer's keys at 3 and at 4 bits (bench/issue16_key_bits.py), paired (~25 min on 2 CPUs).
+# smollm2keybits3: the same arms and the one-group 2-bit keys on the goal's 4k samples (niah_single_1/2, 20 each, needle
+# seeds 0-2: 120 pairs; ~25 min).
 #   bash bench/issue16_key_bits.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2keybits"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2keybits smollm2keybits3"
 if has smollm2keybits; then
   S=$W/s4096; A=$S/scaled.safetensors; G=$S/grad.safetensors
   N="--tasks niah_single_2 --lengths 4k --samples 40 --protocol serving --dtype bfloat16 --no-progress"
@@ -19,4 +21,19 @@ if has smollm2keybits; then
   for b in 3 4; do oscar validate niah --artifact $S/keys$b.safetensors --methods oscar-int2 $N --out $W/kb$b; done
   python bench/issue16_ab.py --niah $W/kb_attr $W/kb3 $W/kb4 --rename $W/kb_attr:oscar-int2-vq=oscar-exact-keys \
     $W/kb_attr:oscar-int2-kq=oscar-exact-values $W/kb3:oscar-int2=oscar-keys3-int2 $W/kb4:oscar-int2=oscar-keys4-int2 --out bench/results/issue16/ab_smollm2_key_bits.json
+fi
+if has smollm2keybits3; then  # after smollm2keybits (its artifacts)
+  S=$W/s4096; A=$S/scaled.safetensors; G=$S/grad.safetensors; R=""
+  N="--tasks niah_single_1,niah_single_2 --lengths 4k --samples 20 --protocol serving --dtype bfloat16 --no-progress"
+  for s in 0 1 2; do
+    python bench/niah_attribution.py --artifact $G --tasks niah_single_1,niah_single_2 --lengths 4096 --samples 20 --seed $s \
+      --run-dir $W/kb3_attr_s$s --out $W/kb3_attr_s$s.json
+    oscar validate niah --artifact $A --methods oscar-int2 $N --seed $s --out $W/kb3_one_s$s
+    for b in 3 4; do oscar validate niah --artifact $S/keys$b.safetensors --methods oscar-int2 $N --seed $s --out $W/kb3_k${b}_s$s; done
+    R="$R $W/kb3_attr_s$s:oscar-int2-vq=oscar-exact-keys $W/kb3_attr_s$s:oscar-int2-kq=oscar-exact-values"
+    R="$R $W/kb3_one_s$s:oscar-int2=oscar-scaled-int2 $W/kb3_k3_s$s:oscar-int2=oscar-keys3-int2 $W/kb3_k4_s$s:oscar-int2=oscar-keys4-int2"
+  done
+  python bench/issue16_ab.py --niah $W/kb3_attr_s{0,1,2} $W/kb3_one_s{0,1,2} $W/kb3_k3_s{0,1,2} $W/kb3_k4_s{0,1,2} --rename $R \
+    --out bench/results/issue16/ab_smollm2_key_bits_3seeds.json
+  python bench/issue16_key_bits.py --plot bench/results/issue16/ab_smollm2_key_bits_3seeds.json --out bench/results/issue16/key_bits_smollm2.json
 fi
