@@ -27,13 +27,7 @@ import numpy as np
 from oscar import evidence as ev
 from oscar import intervals as iv
 
-GOALS = {
-    "qwen": {"model": "qwen2.5-0.5b", "margin": -2.0, "strict": 1.10, "serving": 1.01,
-             "tasks": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1"],
-             "lengths": [1024, 2048, 4096, 8192, 16384]},
-    "smollm2": {"model": "smollm2-135m", "margin": -5.0, "strict": 1.15, "serving": 1.01,
-                "tasks": ["niah_single_1", "niah_single_2"], "lengths": [1024, 2048, 4096]},
-}
+GOALS = {"qwen": ev.ISSUE16_GOALS["qwen2.5-0.5b"], "smollm2": ev.ISSUE16_GOALS["smollm2-135m"]}  # one owner: oscar.evidence
 
 
 def _seed(d: str) -> int:

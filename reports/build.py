@@ -70,12 +70,13 @@ def _resolve(c: dict, unit: str) -> str:
     return out
 
 
-def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, tokens: int | None = None
-               ) -> list[tuple[str, str, str]]:
+def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, tokens: int | None = None,
+               model: str | None = None) -> list[tuple[str, str, str]]:
     """(check, status, detail) for the validation targets; status is PASS, MISSED or UNRESOLVED by the
     interval rule (oscar.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
-    at 1 - 0.05/m over the m cells for MISSED."""
-    from oscar.evidence import niah_check, ppl_pair_check
+    at 1 - 0.05/m over the m cells for MISSED. With `model` one of issue 16's (oscar.evidence.ISSUE16_GOALS),
+    also its perplexity limits (oscar-int2 vs bf16, strict and serving)."""
+    from oscar.evidence import ISSUE16_GOALS, niah_check, ppl_pair_check
 
     out = []
     if res is not None and len(res):
@@ -124,6 +125,12 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
                 c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", other, proto)
                 det = ", ".join(f"{_len_label(x[0])}: ratio {x[1]:.3f}{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
                 out.append((name, c["verdict"], det + _resolve(c, "blocks")))
+            goal = ISSUE16_GOALS.get(model or "")
+            if goal and "bf16" in p and windows:  # issue 16's limit for this model, on the same paired blocks
+                c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", "bf16", proto, threshold=goal[proto])
+                det = ", ".join(f"{_len_label(x[0])}: {x[1]:.3f}x{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
+                out.append((f"ppl oscar-int2 <= {goal[proto]:.2f}x bf16 ({proto}; issue 16's goal for {model})",
+                            c["verdict"], det + _resolve(c, "blocks")))
     return out
 
 
@@ -639,6 +646,7 @@ class Results:
     ppl: object = None  # ppl.parquet (+ windows, blocks, ratio, ratio_ci_low, ratio_ci_high)
     windows: list | None = None  # ppl_windows.jsonl
     tokens: int | None = None  # held-out tokens per context (ppl_config.json)
+    model: str | None = None  # the model the perplexity ran on (ppl_config.json)
     goal: dict | None = None  # goal.json, three-valued
     mem: list | None = None
     att: object = None
@@ -660,7 +668,7 @@ def load_results(d: str) -> Results:
         r.res = ev.interval_columns(r.res, r.done)
     r.windows = ev.read_windows(os.path.join(d, "ppl_windows.jsonl")) or None
     pcfg = (js("ppl_config.json") or {}).get("config") or {}
-    r.tokens = pcfg.get("tokens")
+    r.tokens, r.model = pcfg.get("tokens"), pcfg.get("model")
     if r.ppl is not None and len(r.ppl) and r.windows and r.tokens and "ratio_ci_low" not in r.ppl:
         st = pd.DataFrame(ev.ppl_stats(r.windows, list(dict.fromkeys(r.ppl.method)), list(dict.fromkeys(r.ppl.protocol)),
                                        sorted(r.ppl.context.unique()), int(r.tokens)))
@@ -717,7 +725,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
     md += ["## Headline", ""]
     if goal:
         md += goal_lines(goal)
-    checks = acceptance(res, ppl, R.done, R.windows, R.tokens)
+    checks = acceptance(res, ppl, R.done, R.windows, R.tokens, R.model)
     if checks:
         md += ["Every check: PASS when its 95 % interval clears the threshold in every cell, MISSED when one cell's "
                "interval (at 1 − 0.05/m over the m cells) lies beyond it, UNRESOLVED otherwise.", "",

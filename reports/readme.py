@@ -54,7 +54,7 @@ def readme_block(d: str, cmd: str) -> str:
                 "segments of them), or there is none.", ""]
     if R.goal:
         out += goal_lines(R.goal)
-    checks = acceptance(R.res, R.ppl, R.done, R.windows, R.tokens)
+    checks = acceptance(R.res, R.ppl, R.done, R.windows, R.tokens, R.model)
     if checks:
         out += [md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
     out += [END]

@@ -295,3 +295,28 @@ def test_report_checks_come_out_pass_missed_unresolved():
     assert c["naive-int2 clearly below bf16 (paired)"][0] == "PASS"
     lo = -ev.paired_diff(np.zeros(60), np.array([1] * 20 + [0] * 40))[2]
     assert lo > 20
+
+
+def test_report_checks_issue16_perplexity_limits_by_model():
+    """The report checks issue 16's perplexity limits of its model (strict 1.15x, serving 1.01x for SmolLM2) against
+    bf16 on the paired windows; another model gets none of those rows."""
+    from oscar.reports.build import acceptance
+
+    rng = np.random.default_rng(9)
+    tight = lambda mu: list(mu + rng.normal(0, 0.002, 8))  # noqa: E731
+    wins = _windows("bf16", "-", 1024, [0.0] * 8, count=1023)
+    wins += _windows("oscar-int2", "strict", 1024, tight(math.log(1.10)), count=1023)   # within 1.15: PASS
+    wins += _windows("oscar-int2", "serving", 1024, tight(math.log(1.05)), count=1023)  # 1.05 > 1.01: MISSED
+    ppl = pd.DataFrame(ev.ppl_stats(wins, ["bf16", "oscar-int2"], ["strict", "serving"], [1024], 8192))
+    c = {x[0]: (x[1], x[2]) for x in acceptance(None, ppl, None, wins, 8192, "smollm2-135m")}
+    strict, serving = ("ppl oscar-int2 <= 1.15x bf16 (strict; issue 16's goal for smollm2-135m)",
+                       "ppl oscar-int2 <= 1.01x bf16 (serving; issue 16's goal for smollm2-135m)")
+    assert c[strict][0] == "PASS" and c[serving][0] == "MISSED"
+    r = ev.ppl_pair_check(wins, 8192, [1024], "oscar-int2", "bf16", "serving", threshold=1.01)["rows"][0]
+    assert r[1] == pytest.approx(1.05, rel=5e-3) and r[2] > 1.01  # the ratio to bf16, its interval above the limit
+    assert "1k: 1.05" in c[serving][1]
+    # the Qwen limit (strict 1.10) on the same windows straddles 1.10: unresolved, not passed
+    q = {x[0]: x[1] for x in acceptance(None, ppl, None, wins, 8192, "qwen2.5-0.5b")}
+    assert q["ppl oscar-int2 <= 1.10x bf16 (strict; issue 16's goal for qwen2.5-0.5b)"] in ("UNRESOLVED", "MISSED")
+    assert not [k for k in acceptance(None, ppl, None, wins, 8192, "other-model") if "issue 16" in k[0]]
+    assert not [k for k in acceptance(None, ppl, None, wins, 8192) if "issue 16" in k[0]]
