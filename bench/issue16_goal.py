@@ -22,8 +22,6 @@ import argparse
 import json
 import os
 
-import numpy as np
-
 from oscar import evidence as ev
 from oscar import intervals as iv
 
@@ -47,53 +45,7 @@ def read_needles(dirs: list[str], method: str, bf16_only: tuple[str, ...] = ()) 
     return done
 
 
-def _cell(cells: dict, tasks: list[str], L: int, method: str, level: float = 0.95) -> dict | None:
-    pa = [ev.paired_arrays(cells, t, L, method) for t in tasks]
-    x = np.concatenate([a for a, _ in pa])
-    y = np.concatenate([b for _, b in pa])
-    if not len(x):
-        return None
-    d, lo, hi = ev.paired_diff(x, y, level)
-    return {"pairs": int(len(x)), "score": 100 * float(x.mean()), "bf16": 100 * float(y.mean()),
-            "diff": d, "lo": lo, "hi": hi}
-
-
-def needle_goal(done: dict, goal: dict, method: str) -> dict:
-    cells = ev.cell_scores(done)
-    rows, missing = [], []
-    for L in goal["lengths"]:
-        held = [t for t in goal["tasks"] if ev.paired_arrays(cells, t, L, method)[0].size]
-        if len(held) < len(goal["tasks"]):
-            missing += [(t, L) for t in goal["tasks"] if t not in held]
-        if not held:
-            continue
-        r = {"length": L, "tasks": held, **_cell(cells, held, L, method),
-             "per_task": {t: _cell(cells, [t], L, method) for t in held}}
-        rows.append(r)
-    m = max(len(rows), 1)
-    for r in rows:  # a cell missing a task cannot pass: the goal names all of them
-        r["verdict"] = iv.verdict(r["lo"], r["hi"], goal["margin"], "above")
-        if r["verdict"] == iv.PASS and len(r["tasks"]) < len(goal["tasks"]):
-            r["verdict"] = iv.UNRESOLVED
-        adj = _cell(cells, r["tasks"], r["length"], method, 1 - ev.ALPHA / m)
-        r["verdict_adjusted"] = iv.verdict(adj["lo"], adj["hi"], goal["margin"], "above")
-        if r["verdict"] == iv.UNRESOLVED:
-            r["resolve_pairs"] = iv.resolve_n(r["diff"], r["lo"], r["hi"], goal["margin"], r["pairs"])
-    v = iv.combine([r["verdict"] for r in rows], [r["verdict_adjusted"] for r in rows]) if rows else "not measured"
-    if v == iv.PASS and missing:
-        v = iv.UNRESOLVED
-    by_task = {}  # each task over every length measured: where a loss sits when no single cell resolves it
-    for t in goal["tasks"]:
-        pa = [ev.paired_arrays(cells, t, r["length"], method) for r in rows]
-        if not pa:
-            continue
-        x, y = np.concatenate([a for a, _ in pa]), np.concatenate([b for _, b in pa])
-        if len(x):
-            d, lo, hi = ev.paired_diff(x, y)
-            by_task[t] = {"pairs": int(len(x)), "score": 100 * float(x.mean()), "bf16": 100 * float(y.mean()),
-                          "diff": d, "lo": lo, "hi": hi}
-    return {"rule": f"paired difference to bf16 (pooled over the tasks) above {goal['margin']:+.0f} points",
-            "verdict": v, "rows": rows, "by_task": by_task, "not_measured": [f"{t}@{L}" for t, L in missing]}
+needle_goal = ev.issue16_needle_goal  # the goal's needle rule lives in the leaf: `oscar report` checks it too
 
 
 def ppl_goal(dirs: list[str], goal: dict, method: str) -> dict:

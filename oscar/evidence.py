@@ -294,6 +294,63 @@ def product_goal(df, windows: list[dict] | None = None, tokens: int | None = Non
     return g
 
 
+# ----------------------------------------------------------------- issue 16's needle goal
+
+
+def _pooled_cell(cells: dict, tasks: list[str], L: int, method: str, level: float = 0.95) -> dict | None:
+    """Method vs bf16 at length L, the tasks' pairs pooled: pairs, scores (%), difference [interval] in points."""
+    pa = [paired_arrays(cells, t, L, method) for t in tasks]
+    x = np.concatenate([a for a, _ in pa])
+    y = np.concatenate([b for _, b in pa])
+    if not len(x):
+        return None
+    d, lo, hi = paired_diff(x, y, level)
+    return {"pairs": int(len(x)), "score": 100 * float(x.mean()), "bf16": 100 * float(y.mean()),
+            "diff": d, "lo": lo, "hi": hi}
+
+
+def issue16_needle_goal(done: dict, goal: dict, method: str) -> dict:
+    """Issue 16's needle rule (a goal of ISSUE16_GOALS): per length, `method` minus bf16 paired on the same samples
+    with the goal's tasks pooled, its 95 % interval above `margin`; PASS / MISSED / UNRESOLVED as every check here
+    (MISSED needs the interval at 1 - 0.05/m over the m lengths). A length missing a task cannot pass; the tasks
+    alone over every length are listed (`by_task`: where a loss sits when no single cell resolves it)."""
+    cells = cell_scores(done)
+    rows, missing = [], []
+    for L in goal["lengths"]:
+        held = [t for t in goal["tasks"] if paired_arrays(cells, t, L, method)[0].size]
+        if len(held) < len(goal["tasks"]):
+            missing += [(t, L) for t in goal["tasks"] if t not in held]
+        if not held:
+            continue
+        r = {"length": L, "tasks": held, **_pooled_cell(cells, held, L, method),
+             "per_task": {t: _pooled_cell(cells, [t], L, method) for t in held}}
+        rows.append(r)
+    m = max(len(rows), 1)
+    for r in rows:  # a cell missing a task cannot pass: the goal names all of them
+        r["verdict"] = iv.verdict(r["lo"], r["hi"], goal["margin"], "above")
+        if r["verdict"] == iv.PASS and len(r["tasks"]) < len(goal["tasks"]):
+            r["verdict"] = iv.UNRESOLVED
+        adj = _pooled_cell(cells, r["tasks"], r["length"], method, 1 - ALPHA / m)
+        r["verdict_adjusted"] = iv.verdict(adj["lo"], adj["hi"], goal["margin"], "above")
+        if r["verdict"] == iv.UNRESOLVED:
+            r["resolve_pairs"] = iv.resolve_n(r["diff"], r["lo"], r["hi"], goal["margin"], r["pairs"])
+    v = iv.combine([r["verdict"] for r in rows], [r["verdict_adjusted"] for r in rows]) if rows else "not measured"
+    if v == iv.PASS and missing:
+        v = iv.UNRESOLVED
+    by_task = {}  # each task over every length measured: where a loss sits when no single cell resolves it
+    for t in goal["tasks"]:
+        pa = [paired_arrays(cells, t, r["length"], method) for r in rows]
+        if not pa:
+            continue
+        x, y = np.concatenate([a for a, _ in pa]), np.concatenate([b for _, b in pa])
+        if len(x):
+            d, lo, hi = paired_diff(x, y)
+            by_task[t] = {"pairs": int(len(x)), "score": 100 * float(x.mean()), "bf16": 100 * float(y.mean()),
+                          "diff": d, "lo": lo, "hi": hi}
+    return {"rule": f"paired difference to bf16 (pooled over the tasks) above {goal['margin']:+.0f} points",
+            "verdict": v, "rows": rows, "by_task": by_task, "not_measured": [f"{t}@{L}" for t, L in missing]}
+
+
 # ----------------------------------------------------------------- the report's checks
 
 

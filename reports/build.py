@@ -75,10 +75,12 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
     """(check, status, detail) for the validation targets; status is PASS, MISSED or UNRESOLVED by the
     interval rule (oscar.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
     at 1 - 0.05/m over the m cells for MISSED. With `model` one of issue 16's (oscar.evidence.ISSUE16_GOALS),
-    also its perplexity limits (oscar-int2 vs bf16, strict and serving)."""
-    from oscar.evidence import ISSUE16_GOALS, niah_check, ppl_pair_check
+    also that goal: its needle rule (tasks pooled per length, the run's samples) and its perplexity limits
+    (oscar-int2 vs bf16, strict and serving)."""
+    from oscar.evidence import ISSUE16_GOALS, issue16_needle_goal, niah_check, ppl_pair_check
 
     out = []
+    goal = ISSUE16_GOALS.get(model or "")
     if res is not None and len(res):
         r = res[(res.suite == "ruler") & res.task.isin(CHECK_TASKS) & res.length.isin(CHECK_LENGTHS)]
         n = r.groupby(["task", "length", "method"]).samples.min()
@@ -108,6 +110,18 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
                 out.append((name + " (paired)", c["verdict"],
                             f"{label} {-w[2]:.1f} points{_iv(-w[4], -w[3])} ({w[0]} {_len_label(w[1])}){note}"
                             f"{_resolve(c, 'samples per cell')}"))
+
+    if goal and done and {"bf16", "oscar-int2"} <= {k[3] for k in done}:  # issue 16's rule: tasks pooled per length
+        g = issue16_needle_goal(done, goal, "oscar-int2")
+        if g["rows"]:
+            det = ", ".join(f"{_len_label(x['length'])}: {x['diff']:+.1f} [{x['lo']:+.1f}, {x['hi']:+.1f}] "
+                            f"({x['pairs']} pairs)" for x in g["rows"])
+            need = max([x.get("resolve_pairs") or 0 for x in g["rows"]], default=0)
+            det += f"; ~{need} pairs per length would resolve it" if g["verdict"] == "UNRESOLVED" and need else ""
+            if g["not_measured"]:
+                det += f"; {len(g['not_measured'])} of {len(goal['tasks']) * len(goal['lengths'])} (task, length) cells not measured"
+            out.append((f"oscar-int2 within {-goal['margin']:.0f} points of bf16, tasks pooled per length "
+                        f"(issue 16's goal for {model})", g["verdict"], det))
     if ppl is not None and len(ppl):
         ctxs = sorted(ppl.context.unique())
         for proto in ("strict", "serving"):
@@ -125,7 +139,6 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
                 c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", other, proto)
                 det = ", ".join(f"{_len_label(x[0])}: ratio {x[1]:.3f}{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
                 out.append((name, c["verdict"], det + _resolve(c, "blocks")))
-            goal = ISSUE16_GOALS.get(model or "")
             if goal and "bf16" in p and windows:  # issue 16's limit for this model, on the same paired blocks
                 c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", "bf16", proto, threshold=goal[proto])
                 det = ", ".join(f"{_len_label(x[0])}: {x[1]:.3f}x{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
@@ -646,7 +659,7 @@ class Results:
     ppl: object = None  # ppl.parquet (+ windows, blocks, ratio, ratio_ci_low, ratio_ci_high)
     windows: list | None = None  # ppl_windows.jsonl
     tokens: int | None = None  # held-out tokens per context (ppl_config.json)
-    model: str | None = None  # the model the perplexity ran on (ppl_config.json)
+    model: str | None = None  # the model the run used (ppl_config.json, else niah_config.json)
     goal: dict | None = None  # goal.json, three-valued
     mem: list | None = None
     att: object = None
@@ -668,7 +681,8 @@ def load_results(d: str) -> Results:
         r.res = ev.interval_columns(r.res, r.done)
     r.windows = ev.read_windows(os.path.join(d, "ppl_windows.jsonl")) or None
     pcfg = (js("ppl_config.json") or {}).get("config") or {}
-    r.tokens, r.model = pcfg.get("tokens"), pcfg.get("model")
+    r.tokens = pcfg.get("tokens")
+    r.model = pcfg.get("model") or ((js("niah_config.json") or {}).get("config") or {}).get("model")
     if r.ppl is not None and len(r.ppl) and r.windows and r.tokens and "ratio_ci_low" not in r.ppl:
         st = pd.DataFrame(ev.ppl_stats(r.windows, list(dict.fromkeys(r.ppl.method)), list(dict.fromkeys(r.ppl.protocol)),
                                        sorted(r.ppl.context.unique()), int(r.tokens)))
@@ -730,7 +744,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         md += ["Every check: PASS when its 95 % interval clears the threshold in every cell, MISSED when one cell's "
                "interval (at 1 − 0.05/m over the m cells) lies beyond it, UNRESOLVED otherwise.", "",
                md_table(["check", "status", "detail"], [list(c) for c in checks]), ""]
-    if not goal and not checks:  # a needle-only run (no perplexity, no acceptance cells): say so, not an empty heading
+    if not goal:  # a needle-only run (no perplexity): say so, not an empty heading or a silent one
         md += ["No product-goal verdict: the goal is judged on perplexity, and this run has none "
                "(`oscar validate ppl`); the needle tables below carry their own intervals.", ""]
     md += _skipped_section(d)

@@ -320,3 +320,28 @@ def test_report_checks_issue16_perplexity_limits_by_model():
     assert q["ppl oscar-int2 <= 1.10x bf16 (strict; issue 16's goal for qwen2.5-0.5b)"] in ("UNRESOLVED", "MISSED")
     assert not [k for k in acceptance(None, ppl, None, wins, 8192, "other-model") if "issue 16" in k[0]]
     assert not [k for k in acceptance(None, ppl, None, wins, 8192) if "issue 16" in k[0]]
+
+
+def test_report_checks_issue16_needle_rule_pools_the_tasks_per_length():
+    """Issue 16's needle rule in the report: the goal's tasks pooled per length, paired with bf16 (bench/issue16_goal.py's
+    rule, tested there cell by cell); a cell the run lacks is counted, and another model gets no row."""
+    from oscar.reports.build import acceptance
+
+    name = "oscar-int2 within 5 points of bf16, tasks pooled per length (issue 16's goal for smollm2-135m)"
+
+    def check(n, miss=0, lengths=(1024, 2048, 4096), model="smollm2-135m"):
+        cells = {}
+        for t in ("niah_single_1", "niah_single_2"):
+            for L in lengths:
+                cells[(t, L, "bf16")] = [1] * n
+                cells[(t, L, "oscar-int2")] = [0] * miss + [1] * (n - miss) if L == 4096 else [1] * n
+        done = _samples(cells)
+        return {c[0]: (c[1], c[2]) for c in acceptance(_res(done), None, done, model=model)}
+
+    v, det = check(300)[name]  # 600 identical pairs per length: within 5 points
+    assert v == "PASS" and det.startswith("1k: +0.0 [") and "(600 pairs)" in det
+    v, det = check(40, miss=16)[name]  # -40 points at 4k on 80 pairs
+    assert v == "MISSED" and "4k: -40.0 [" in det
+    v, det = check(300, lengths=(1024, 2048))[name]  # 4k not run: cannot pass
+    assert v == "UNRESOLVED" and "2 of 6 (task, length) cells not measured" in det
+    assert name not in check(300, model="other-model") and not [k for k in check(300, model=None) if "issue 16" in k]
