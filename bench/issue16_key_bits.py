@@ -11,7 +11,7 @@ quantizer of any dimension goes below the rate-distortion bound 2^-4 = 0.0625 (2
 So if 3-bit keys do not recover the needle, no grid at 2 bits will.
 
 Over the budget by construction (it is a ceiling, not a candidate); the bits are the memory accounting's
-(`kernels.memory.artifact_bits_per_element`). The JSON also records, per arm, the keys' relative logit error on the
+(`validate.methods.bits_per_element`, what `oscar validate niah` records). The JSON also records, per arm, the keys' relative logit error on the
 calibration store's reservoir rows (queries x keys of each layer, keys as `validate.methods.LayerQuant` serves them:
 mean (q·(k̂ - k))² over the variance of q·k across keys, averaged over layers and heads; and in dB against the
 shipped widths), and the per-layer relative attention-output error at 2 / 3 / 4 key bits that the widths DP read
@@ -30,14 +30,11 @@ import os
 
 def main(argv=None) -> int:
     import numpy as np
-
-    from oscar.kernels.memory import artifact_bits_per_element
     import torch
 
     from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate.codebooks import (_rows, codec_bits_per_element, lm_artifact, native_layer_artifact, sparse_artifact, store_layers,
-                                         widths_artifact)
-    from oscar.validate.methods import LayerQuant
+    from oscar.validate.codebooks import _rows, lm_artifact, native_layer_artifact, sparse_artifact, store_layers, widths_artifact
+    from oscar.validate.methods import LayerQuant, bits_per_element
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plot", metavar="AB_JSON", help="draw the dose-response of an A/B table over these arms (no artifacts)")
@@ -67,22 +64,17 @@ def main(argv=None) -> int:
 
     # the equal-bit grids issue 16 built (hypotheses 1 and 3): what a better 2-bit grid bought so far, in the same units
     arms = {"oscar-int2 (one group)": fitted, "oscar-lm-int2": lm_artifact(fitted), "oscar-sparse-int2": sparse_artifact(fitted)}
-    rec = {"artifact": args.artifact, "bits_per_element": {"oscar-int2 (one group)": artifact_bits_per_element(fitted),
-                                                           "oscar-lm-int2": codec_bits_per_element(arms["oscar-lm-int2"]),
-                                                           "oscar-sparse-int2": codec_bits_per_element(arms["oscar-sparse-int2"])},
-           "artifacts": {}}
+    rec = {"artifact": args.artifact, "artifacts": {}}
     for b in args.bits:
         a = native_layer_artifact(widths_artifact(fitted, [[b, base]] * L, method=f"oscar-keys{b}-int2"))
         path = os.path.join(args.out_dir, f"keys{b}.safetensors")
         save_artifact(a, path)
         rec["artifacts"][f"keys{b}"] = path
-        arms[f"keys{b}"] = load_artifact(path)
-        rec["bits_per_element"][f"keys{b}"] = artifact_bits_per_element(arms[f"keys{b}"])
+        arms[f"keys{b}"] = load_artifact(path)  # what a user would serve: the file
     if args.widths:
         w = arms["shipped widths"] = load_artifact(args.widths)
         lw = w.meta["layer_widths"]
         err = np.asarray(lw["err"])  # (L, options): relative attention-output error per layer and key width
-        rec["bits_per_element"]["shipped widths"] = artifact_bits_per_element(w)
         rec["widths"] = [kb for kb, _ in lw["widths"]]
         rec["attention_output_error"] = {
             "options": lw["options"],
@@ -91,7 +83,9 @@ def main(argv=None) -> int:
         }
     torch.set_grad_enabled(False)
     rel = {name: logit_error(a) for name, a in arms.items()}
-    D = fitted.head_dim  # the keys' own stored bits (codes and scale/zero), averaged over layers
+    D = fitted.head_dim
+    rec["bits_per_element"] = {name: bits_per_element(a, D) for name, a in arms.items()}  # the memory accounting's
+    # the keys' own stored bits (codes and scale/zero), averaged over layers
     rec["key_bits_per_element"] = {name: round(float(np.mean([a.quant_for(l).key_bits(D) for l in range(L)])), 4)
                                    for name, a in arms.items() if not (a.meta.get("codec") or {}).get("kind")}
     ref = rel.get("shipped widths", rel["oscar-int2 (one group)"])

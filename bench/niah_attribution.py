@@ -140,7 +140,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     threads = set_threads()
-    classes = key_classes(load_artifact(args.artifact)) if args.key_classes else {}
+    art = load_artifact(args.artifact)
+    classes = key_classes(art) if args.key_classes else {}
     _register_halves(classes)
     diag = [f"oscar-int2-{c}" for c in classes] if classes else ["oscar-int2-kq", "oscar-int2-vq"]
     methods = ["bf16", "oscar-int2"] + diag
@@ -164,7 +165,6 @@ def main() -> None:
         t0 = time.perf_counter()
         run_niah(cfg, workers=1)
         wall = time.perf_counter() - t0
-        art = load_artifact(args.artifact)
         bits = ({f"oscar-int2-{c}": _diag_bits(art, None, v) for c, v in classes.items()} if classes else
                 {"oscar-int2-kq": _diag_bits(art, "values"), "oscar-int2-vq": _diag_bits(art, "keys")})
         _fix_memory(d, bits)

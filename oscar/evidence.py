@@ -30,7 +30,7 @@ GOAL_BITS = 2.5  # ... at <= 2.5 bits per element
 # A ratio within 2 % of the limit is reported as a thin margin: INT2 strict perplexity moves by
 # ~0.5-1 % with float summation order alone (docs/validation.md), so such a verdict could flip.
 GOAL_THIN = 0.02
-# Issue 16's goal per model (bench/issue16_goal.py checks it cell by cell; the report checks its perplexity limits):
+# Issue 16's goal per model (`issue16_needle_goal` and the report's checks; bench/issue16_goal.py tabulates it):
 # needles within `margin` points of bf16 on `tasks` at `lengths`, strict ppl <= `strict` x bf16, serving <= `serving` x
 ISSUE16_GOALS = {
     "qwen2.5-0.5b": {"model": "qwen2.5-0.5b", "margin": -2.0, "strict": 1.10, "serving": 1.01,
@@ -297,16 +297,20 @@ def product_goal(df, windows: list[dict] | None = None, tokens: int | None = Non
 # ----------------------------------------------------------------- issue 16's needle goal
 
 
-def _pooled_cell(cells: dict, tasks: list[str], L: int, method: str, level: float = 0.95) -> dict | None:
-    """Method vs bf16 at length L, the tasks' pairs pooled: pairs, scores (%), difference [interval] in points."""
-    pa = [paired_arrays(cells, t, L, method) for t in tasks]
-    x = np.concatenate([a for a, _ in pa])
-    y = np.concatenate([b for _, b in pa])
+def _pooled(pa: list[tuple[np.ndarray, np.ndarray]], level: float = 0.95) -> dict | None:
+    """(method, bf16) score arrays of several cells pooled: pairs, scores (%), difference [interval] in points."""
+    x = np.concatenate([a for a, _ in pa]) if pa else np.zeros(0)
+    y = np.concatenate([b for _, b in pa]) if pa else np.zeros(0)
     if not len(x):
         return None
     d, lo, hi = paired_diff(x, y, level)
     return {"pairs": int(len(x)), "score": 100 * float(x.mean()), "bf16": 100 * float(y.mean()),
             "diff": d, "lo": lo, "hi": hi}
+
+
+def _pooled_cell(cells: dict, tasks: list[str], L: int, method: str, level: float = 0.95) -> dict | None:
+    """Method vs bf16 at length L, the tasks' pairs pooled."""
+    return _pooled([paired_arrays(cells, t, L, method) for t in tasks], level)
 
 
 def issue16_needle_goal(done: dict, goal: dict, method: str) -> dict:
@@ -339,14 +343,9 @@ def issue16_needle_goal(done: dict, goal: dict, method: str) -> dict:
         v = iv.UNRESOLVED
     by_task = {}  # each task over every length measured: where a loss sits when no single cell resolves it
     for t in goal["tasks"]:
-        pa = [paired_arrays(cells, t, r["length"], method) for r in rows]
-        if not pa:
-            continue
-        x, y = np.concatenate([a for a, _ in pa]), np.concatenate([b for _, b in pa])
-        if len(x):
-            d, lo, hi = paired_diff(x, y)
-            by_task[t] = {"pairs": int(len(x)), "score": 100 * float(x.mean()), "bf16": 100 * float(y.mean()),
-                          "diff": d, "lo": lo, "hi": hi}
+        c = _pooled([paired_arrays(cells, t, r["length"], method) for r in rows])
+        if c:
+            by_task[t] = c
     return {"rule": f"paired difference to bf16 (pooled over the tasks) above {goal['margin']:+.0f} points",
             "verdict": v, "rows": rows, "by_task": by_task, "not_measured": [f"{t}@{L}" for t, L in missing]}
 
