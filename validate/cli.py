@@ -76,7 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--protocol", "--protocols", dest="protocols", default="strict,serving",
                    help="one protocol or a comma list: strict, serving, strict-token (diagnostic; docs/validation.md); "
                         "--protocols: the older spelling")
-    p.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored per context")
+    p.add_argument("--tokens", type=int, default=8192,
+                   help="held-out tokens scored per context (past the corpus's held-out split: the standard library's "
+                        "docstrings, as the needle haystacks)")
     p.add_argument("--corpus", default="pydoc", help="held-out corpus: pydoc, or a .parquet / .jsonl / .txt file")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help=_DTYPE_HELP)
     p.add_argument("--out", required=True, help="output directory (resumes what it already holds)")

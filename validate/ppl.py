@@ -20,7 +20,8 @@ then it is stored), and tests check the two agree, and agree with the paged cach
 
 Perplexity = exp(mean NLL) over every predicted token of the first `tokens`
 held-out tokens, cut in non-overlapping windows of the context length, each
-window starting from an empty cache.
+window starting from an empty cache. Held-out tokens are the corpus's held-out
+split, then (only past it) the standard library's docstrings (`heldout_text_ids`).
 
 Files in OUT: ppl_windows.jsonl (one line per method, protocol, context,
 window, with the NLL of its 512-token segments; resumable), ppl.parquet
@@ -322,12 +323,36 @@ def _split(a: int, b: int, cuts: list[int]) -> list[tuple[int, int]]:
 
 
 def heldout_ids(tok, corpus: str, n: int) -> list[int]:
+    """The first n tokens of held-out text (`heldout_text_ids` without its record of the sources)."""
+    return heldout_text_ids(tok, corpus, n)[0]
+
+
+def heldout_text_ids(tok, corpus: str, n: int) -> tuple[list[int], dict]:
+    """The first n tokens of held-out text, and where they come from.
+
+    The corpus's held-out split first (pydoc: 12,427 SmolLM2 tokens); only when n asks for more, the standard
+    library's docstrings follow, sentences also in the calibration split dropped: the second held-out source the
+    attention-level test and the needle haystacks read (validate/heldout.py). The split is tokenized on its own, so
+    the first tokens never change with n. Returns (ids, {"split_tokens", "docstring_tokens", "python"}); "python"
+    (the docstrings' source) is None when none were read."""
     from oscar.validate import env
+    from oscar.validate.heldout import more_heldout_words
 
     ids = tok(env.heldout_text(corpus), add_special_tokens=False)["input_ids"]
-    if len(ids) < n:
-        raise OscarError(f"held-out split has {len(ids)} tokens, fewer than --tokens {n}")
-    return ids[:n]
+    info = {"split_tokens": min(len(ids), n), "docstring_tokens": 0, "python": None}
+    if len(ids) >= n:
+        return ids[:n], info
+    need, more = n - len(ids), more_heldout_words(corpus)
+    words = more(need)  # ~1.3 tokens per word of this prose: the first pass is usually enough
+    extra = tok(" " + " ".join(words), add_special_tokens=False)["input_ids"]
+    if len(extra) < need:
+        words = more(2 * need)
+        extra = tok(" " + " ".join(words), add_special_tokens=False)["input_ids"]
+    if len(extra) < need:
+        raise OscarError(f"held-out text gives only {len(ids) + len(extra)} tokens (held-out split of {corpus!r}: "
+                         f"{len(ids)}, then the standard library's docstrings: {len(extra)}), fewer than --tokens {n}")
+    info.update(docstring_tokens=need, python=sys.version.split()[0])
+    return ids + extra[:need], info
 
 
 def _window(model, art, protocol: str, win: torch.Tensor, cuts: tuple):
@@ -376,11 +401,17 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.contexts, cfg.dtype, loaded)
     engine.to_device(model, dev)
+    text, src = heldout_text_ids(tok, cfg.corpus, cfg.tokens)
+    ident = cfg.identity()
+    if src["docstring_tokens"]:  # past the split: the docstrings depend on the Python that read them
+        ident["text"] = src
+        print(f"oscar: the held-out split gives {src['split_tokens']} of the {cfg.tokens} tokens; the rest are the "
+              f"standard library's docstrings (Python {src['python']}; validate/heldout.py)", file=sys.stderr)
     os.makedirs(cfg.out, exist_ok=True)
     cpath = os.path.join(cfg.out, "ppl_config.json")
-    if os.path.exists(cpath) and json.load(open(cpath)).get("identity") != cfg.identity():
-        raise OscarError(f"{cfg.out} holds perplexities for another model/artifact/token budget; use another --out")
-    json.dump({"identity": cfg.identity(), "config": asdict(cfg)}, open(cpath, "w"), indent=1)
+    if os.path.exists(cpath) and json.load(open(cpath)).get("identity") != ident:
+        raise OscarError(f"{cfg.out} holds perplexities for another model/artifact/token budget/text; use another --out")
+    json.dump({"identity": ident, "config": asdict(cfg), "text": src}, open(cpath, "w"), indent=1)
 
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.contexts))):
@@ -389,7 +420,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     methods = [m for m in methods if m not in skipped]
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
         engine.check_methods({m: arts[m] for m in methods}, [PROTOCOLS[p] for p in cfg.protocols])
-    ids = torch.tensor([heldout_ids(tok, cfg.corpus, cfg.tokens)], device=dev)
+    ids = torch.tensor([text], device=dev)
     path = os.path.join(cfg.out, "ppl_windows.jsonl")
     done: dict[tuple, dict] = {}
     if os.path.exists(path):
