@@ -58,6 +58,8 @@ def ppl_goal(dirs: list[str], goal: dict, method: str) -> dict:
         return {"verdict": "not measured", "rows": []}
     cfg = json.load(open(os.path.join(dirs[0], "ppl_config.json")))["config"]
     protocols = sorted({w["protocol"] for w in windows if w["method"] == method})
+    text = json.load(open(os.path.join(dirs[0], "ppl_config.json"))).get("text") or {}
+    split = text.get("split_tokens") if text.get("docstring_tokens") else None  # held-out split, then docstrings
     contexts = sorted({w["context"] for w in windows})
     rows, idx, m = [], ev._index(windows), len(contexts)
     for st in ev.ppl_stats(windows, ["bf16", method], protocols, contexts, cfg["tokens"]):
@@ -70,11 +72,22 @@ def ppl_goal(dirs: list[str], goal: dict, method: str) -> dict:
                      "hi": st["ratio_ci_high"], "blocks": st["blocks"],
                      "verdict": iv.verdict(st["ratio_ci_low"], st["ratio_ci_high"], lim, "below"),
                      "verdict_adjusted": iv.verdict(alo, ahi, lim, "below")})
+        if split:  # past the held-out split: the ratio on each text alone, so a verdict is seen not to rest on one
+            rows[-1]["by_text"] = {name: _ratio_on(windows, method, p, c, cfg["tokens"], keep) for name, keep in
+                                   (("split", lambda w: (w + 1) * c <= split), ("docstrings", lambda w: w * c >= split))}
     out = {"rows": rows}
     for p in protocols:
         rp = [r for r in rows if r["protocol"] == p]
         out[p] = iv.combine([r["verdict"] for r in rp], [r["verdict_adjusted"] for r in rp])
     return out
+
+
+def _ratio_on(windows: list[dict], method: str, p: str, c: int, tokens: int, keep) -> dict:
+    """The paired ratio on the windows of context c that `keep(window)` selects (whole windows of one text)."""
+    idx = ev._index([w for w in windows if w["context"] == c and keep(w["window"])])
+    (ba, bb), unit, n = ev.blocks(idx, [(method, ev.proto_key(method, p)), ("bf16", "-")], c, tokens // c)
+    r, lo, hi, k = ev.ratio_of(ba, bb)
+    return {"ratio": r, "lo": lo, "hi": hi, "windows": n, "blocks": k, "block": unit}
 
 
 def markdown(res: dict) -> str:
@@ -102,6 +115,12 @@ def markdown(res: dict) -> str:
                   "", "| perplexity | context | x bf16 [95 %] | limit | verdict |", "|---|---|---|---|---|"]
         lines += [f"| {r['protocol']} | {r['context']} | {r['ratio']:.3f} [{r['lo']:.3f}-{r['hi']:.3f}] | "
                   f"<= {r['limit']:.2f} | {r['verdict']} |" for r in p["rows"]]
+        if any("by_text" in r for r in p["rows"]):
+            t = lambda x: f"{x['ratio']:.3f} [{x['lo']:.3f}-{x['hi']:.3f}] ({x['windows']} windows)"  # noqa: E731
+            lines += ["", "Each text alone (windows wholly inside it; the held-out split, then the standard library's "
+                      "docstrings):", "", "| perplexity | context | held-out split | docstrings |", "|---|---|---|---|"]
+            lines += [f"| {r['protocol']} | {r['context']} | {t(r['by_text']['split'])} | {t(r['by_text']['docstrings'])} |"
+                      for r in p["rows"] if "by_text" in r]
     return "\n".join(lines) + "\n"
 
 

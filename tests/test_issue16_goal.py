@@ -127,3 +127,30 @@ def test_perplexity_limits_per_protocol(tmp_path):
     assert by["strict"]["ratio"] == pytest.approx(1.05, rel=2e-3) and r["strict"] == "PASS"
     assert by["serving"]["ratio"] == pytest.approx(1.03, rel=2e-3) and r["serving"] == "MISSED"
     assert goal.ppl_goal([], goal.GOALS["qwen"], "oscar-int2")["verdict"] == "not measured"
+
+
+def test_each_text_alone_past_the_split(tmp_path):
+    """A run past the held-out split (ppl_config.json `text`): the ratio on the split's whole windows and on the
+    docstrings' whole windows, each against its own construction; the straddling window belongs to neither."""
+    d = _ppl(tmp_path / "p", {"strict": 1.08}, windows=12)
+    extra = _ppl(tmp_path / "q", {"strict": 1.02}, windows=12)  # the same layout, another ratio for windows >= 4
+    rec = [json.loads(x) for x in open(os.path.join(d, "ppl_windows.jsonl"))]
+    alt = [json.loads(x) for x in open(os.path.join(extra, "ppl_windows.jsonl"))]
+    mixed = [a if a["window"] < 4 else b for a, b in zip(rec, alt)]
+    with open(os.path.join(d, "ppl_windows.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in mixed)
+    cfg = json.load(open(os.path.join(d, "ppl_config.json")))
+    cfg["text"] = {"split_tokens": 3 * 1024 + 500, "docstring_tokens": 12 * 1024 - 3 * 1024 - 500, "python": "3.11.7"}
+    json.dump(cfg, open(os.path.join(d, "ppl_config.json"), "w"))
+    row = goal.ppl_goal([d], goal.GOALS["qwen"], "oscar-int2")["rows"][0]
+    split, docs = row["by_text"]["split"], row["by_text"]["docstrings"]
+    assert split["windows"] == 3 and split["block"] == "segment" and split["ratio"] == pytest.approx(1.08, rel=2e-3)
+    assert docs["windows"] == 8 and docs["block"] == "window" and docs["ratio"] == pytest.approx(1.02, rel=2e-3)
+    assert 1.02 < row["ratio"] < 1.08  # window 3 (the straddling one, at 1.08) counts in the whole only
+    res = {"goal": goal.GOALS["qwen"], "method": "oscar-int2", "label": "oscar-int2",
+           "inputs": {"niah": [], "bf16": [], "ppl": [d]}, "needles": goal.needle_goal({}, goal.GOALS["qwen"], "oscar-int2"),
+           "ppl": goal.ppl_goal([d], goal.GOALS["qwen"], "oscar-int2")}
+    md = goal.markdown(res)
+    assert "perplexity only" in md and "| strict | 1024 | 1.080" in md and "(8 windows) |" in md
+    _ppl(tmp_path / "r", {"strict": 1.08})  # no `text`: no per-text rows
+    assert "by_text" not in goal.ppl_goal([str(tmp_path / "r")], goal.GOALS["qwen"], "oscar-int2")["rows"][0]
