@@ -48,7 +48,10 @@ def read_needles(dirs: list[str], method: str, bf16_only: tuple[str, ...] = ()) 
 needle_goal = ev.issue16_needle_goal  # the goal's needle rule lives in the leaf: `oscar report` checks it too
 
 
-def ppl_goal(dirs: list[str], goal: dict, method: str) -> dict:
+def ppl_goal(dirs: list[str], goal: dict, method: str, looks: int = 1) -> dict:
+    """Perplexity cells against the goal's limits. looks: how many times these cells have been checked on growing
+    samples (a larger run decided after a straddling look): each verdict's interval at level 1 - 0.05/looks
+    (Bonferroni over the looks), so looking again cannot buy a PASS the first look's level would not give."""
     windows, seen = [], set()
     for d in dirs:  # a method present in two runs is taken from the first (the runs share their windows)
         got = [w for w in ev.read_windows(os.path.join(d, "ppl_windows.jsonl")) if w["method"] in ("bf16", method)]
@@ -67,15 +70,17 @@ def ppl_goal(dirs: list[str], goal: dict, method: str) -> dict:
             continue
         p, c, lim = st["protocol"], st["context"], goal[st["protocol"]]
         (ba, bb), _, _ = ev.blocks(idx, [(method, ev.proto_key(method, p)), ("bf16", "-")], c, cfg["tokens"] // c)
-        _, alo, ahi, _ = ev.ratio_of(ba, bb, 1 - ev.ALPHA / m)  # for MISSED over the m contexts (intervals.combine)
-        rows.append({"protocol": p, "context": c, "limit": lim, "ratio": st["ratio"], "lo": st["ratio_ci_low"],
-                     "hi": st["ratio_ci_high"], "blocks": st["blocks"],
-                     "verdict": iv.verdict(st["ratio_ci_low"], st["ratio_ci_high"], lim, "below"),
+        _, alo, ahi, _ = ev.ratio_of(ba, bb, 1 - ev.ALPHA / (m * looks))  # for MISSED over the m contexts
+        lo, hi = st["ratio_ci_low"], st["ratio_ci_high"]
+        if looks > 1:
+            _, lo, hi, _ = ev.ratio_of(ba, bb, 1 - ev.ALPHA / looks)
+        rows.append({"protocol": p, "context": c, "limit": lim, "ratio": st["ratio"], "lo": lo, "hi": hi,
+                     "level": 1 - ev.ALPHA / looks, "blocks": st["blocks"], "verdict": iv.verdict(lo, hi, lim, "below"),
                      "verdict_adjusted": iv.verdict(alo, ahi, lim, "below")})
         if split:  # past the held-out split: the ratio on each text alone, so a verdict is seen not to rest on one
             rows[-1]["by_text"] = {name: _ratio_on(windows, method, p, c, cfg["tokens"], keep) for name, keep in
                                    (("split", lambda w: (w + 1) * c <= split), ("docstrings", lambda w: w * c >= split))}
-    out = {"rows": rows}
+    out = {"rows": rows, "looks": looks}
     for p in protocols:
         rp = [r for r in rows if r["protocol"] == p]
         out[p] = iv.combine([r["verdict"] for r in rp], [r["verdict_adjusted"] for r in rp])
@@ -112,7 +117,8 @@ def markdown(res: dict) -> str:
     p = res["ppl"]
     if p["rows"]:
         lines += ["", "Perplexity: " + ", ".join(f"{q} **{p[q]}**" for q in ("strict", "serving") if q in p),
-                  "", "| perplexity | context | x bf16 [95 %] | limit | verdict |", "|---|---|---|---|---|"]
+                  "", f"| perplexity | context | x bf16 [{100 * (1 - 0.05 / p.get('looks', 1)):g} %] | limit | verdict |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {r['protocol']} | {r['context']} | {r['ratio']:.3f} [{r['lo']:.3f}-{r['hi']:.3f}] | "
                   f"<= {r['limit']:.2f} | {r['verdict']} |" for r in p["rows"]]
         if any("by_text" in r for r in p["rows"]):
@@ -132,6 +138,8 @@ def main(argv=None) -> int:
                     "another artifact)")
     ap.add_argument("--ppl", nargs="*", default=[], help="`oscar validate ppl` output directories")
     ap.add_argument("--method", default="oscar-int2")
+    ap.add_argument("--looks", type=int, default=1, help="perplexity: the times these cells were checked on growing "
+                    "samples; verdicts read intervals at level 1 - 0.05/looks (default 1: 95 %%)")
     ap.add_argument("--label", help="the arm's name in the report when --method runs another artifact "
                     "(e.g. oscar-layer-copy-int2 run as oscar-int2); default: --method")
     ap.add_argument("--out", required=True, help="JSON path; the Markdown table is written next to it (.md)")
@@ -143,7 +151,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{d} holds needles of {ident['model']}, not {goal['model']} (--goal {a.goal})")
     res = {"goal": goal, "method": a.method, "label": a.label or a.method, "inputs": {"niah": a.niah, "bf16": a.bf16, "ppl": a.ppl},
            "needles": needle_goal(read_needles([*a.bf16, *a.niah], a.method, tuple(a.bf16)), goal, a.method),
-           "ppl": ppl_goal(a.ppl, goal, a.method)}
+           "ppl": ppl_goal(a.ppl, goal, a.method, a.looks)}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -154,3 +154,17 @@ def test_each_text_alone_past_the_split(tmp_path):
     assert "perplexity only" in md and "| strict | 1024 | 1.080" in md and "(8 windows) |" in md
     _ppl(tmp_path / "r", {"strict": 1.08})  # no `text`: no per-text rows
     assert "by_text" not in goal.ppl_goal([str(tmp_path / "r")], goal.GOALS["qwen"], "oscar-int2")["rows"][0]
+
+
+def test_a_second_look_reads_a_wider_interval(tmp_path):
+    """--looks 2 (a larger run decided after a straddling look): intervals at 97.5 %, strictly wider than at 95 %,
+    around the same ratio; a ratio whose 95 % interval just clears the limit no longer passes at 97.5 %."""
+    d = _ppl(tmp_path / "p", {"serving": 1.0}, windows=40)
+    one = goal.ppl_goal([d], goal.GOALS["qwen"], "oscar-int2")["rows"][0]
+    two = goal.ppl_goal([d], goal.GOALS["qwen"], "oscar-int2", looks=2)["rows"][0]
+    assert two["ratio"] == one["ratio"] and two["level"] == pytest.approx(0.975) and one["level"] == pytest.approx(0.95)
+    assert two["lo"] < one["lo"] < one["ratio"] < one["hi"] < two["hi"]
+    lim = (one["hi"] + two["hi"]) / 2  # between the two upper bounds
+    g = dict(goal.GOALS["qwen"], serving=lim)
+    assert goal.ppl_goal([d], g, "oscar-int2")["serving"] == "PASS"
+    assert goal.ppl_goal([d], g, "oscar-int2", looks=2)["serving"] == "UNRESOLVED"
