@@ -102,7 +102,8 @@ def markdown(res: dict) -> str:
         lines = [f"**{g['model']}**, {arm} vs bf16: perplexity only (needles: the goal tables)"]
     else:
         lines = [f"**{g['model']}**, {arm} vs bf16 ({n['rule']}): **{n['verdict']}**", "",
-                 f"| length | pairs | bf16 % | {arm} % | difference [95 %] | verdict | per task (difference) |",
+                 f"| length | pairs | bf16 % | {arm} % | difference [{100 * (1 - 0.05 / res.get('looks', 1)):g} %] "
+                 "| verdict | per task (difference) |",
                  "|---|---|---|---|---|---|---|"]
     for r in n["rows"]:
         per = "; ".join(f"{t} {c['diff']:+.1f} [{c['lo']:+.0f}, {c['hi']:+.0f}]" for t, c in r["per_task"].items())
@@ -117,7 +118,7 @@ def markdown(res: dict) -> str:
     p = res["ppl"]
     if p["rows"]:
         lines += ["", "Perplexity: " + ", ".join(f"{q} **{p[q]}**" for q in ("strict", "serving") if q in p),
-                  "", f"| perplexity | context | x bf16 [{100 * (1 - 0.05 / p.get('looks', 1)):g} %] | limit | verdict |",
+                  "", f"| perplexity | context | x bf16 [{100 * (1 - 0.05 / res.get('looks', 1)):g} %] | limit | verdict |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['protocol']} | {r['context']} | {r['ratio']:.3f} [{r['lo']:.3f}-{r['hi']:.3f}] | "
                   f"<= {r['limit']:.2f} | {r['verdict']} |" for r in p["rows"]]
@@ -138,8 +139,8 @@ def main(argv=None) -> int:
                     "another artifact)")
     ap.add_argument("--ppl", nargs="*", default=[], help="`oscar validate ppl` output directories")
     ap.add_argument("--method", default="oscar-int2")
-    ap.add_argument("--looks", type=int, default=1, help="perplexity: the times these cells were checked on growing "
-                    "samples; verdicts read intervals at level 1 - 0.05/looks (default 1: 95 %%)")
+    ap.add_argument("--looks", type=int, default=1, help="the times these cells were checked on growing samples (needles "
+                    "and perplexity); verdicts read intervals at level 1 - 0.05/looks (default 1: 95 %%)")
     ap.add_argument("--label", help="the arm's name in the report when --method runs another artifact "
                     "(e.g. oscar-layer-copy-int2 run as oscar-int2); default: --method")
     ap.add_argument("--out", required=True, help="JSON path; the Markdown table is written next to it (.md)")
@@ -149,8 +150,8 @@ def main(argv=None) -> int:
         ident = json.load(open(os.path.join(d, "niah_config.json")))["identity"]
         if ident["model"] != goal["model"]:
             raise SystemExit(f"{d} holds needles of {ident['model']}, not {goal['model']} (--goal {a.goal})")
-    res = {"goal": goal, "method": a.method, "label": a.label or a.method, "inputs": {"niah": a.niah, "bf16": a.bf16, "ppl": a.ppl},
-           "needles": needle_goal(read_needles([*a.bf16, *a.niah], a.method, tuple(a.bf16)), goal, a.method),
+    res = {"goal": goal, "method": a.method, "label": a.label or a.method, "looks": a.looks, "inputs": {"niah": a.niah, "bf16": a.bf16, "ppl": a.ppl},
+           "needles": needle_goal(read_needles([*a.bf16, *a.niah], a.method, tuple(a.bf16)), goal, a.method, a.looks),
            "ppl": ppl_goal(a.ppl, goal, a.method, a.looks)}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:

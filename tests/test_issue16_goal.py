@@ -168,3 +168,16 @@ def test_a_second_look_reads_a_wider_interval(tmp_path):
     g = dict(goal.GOALS["qwen"], serving=lim)
     assert goal.ppl_goal([d], g, "oscar-int2")["serving"] == "PASS"
     assert goal.ppl_goal([d], g, "oscar-int2", looks=2)["serving"] == "UNRESOLVED"
+
+
+def test_needles_on_a_second_look(tmp_path):
+    """--looks 2 for needles: the pooled difference's interval at 97.5 %, wider than at 95 % around the same
+    difference, the rule says so, and the table's header names the level."""
+    d = _needles(tmp_path / "n", cells=_grid(40, oscar_miss=3))
+    done = goal.read_needles([d], "oscar-int2")
+    one, two = goal.needle_goal(done, goal.GOALS["smollm2"], "oscar-int2"), goal.needle_goal(done, goal.GOALS["smollm2"], "oscar-int2", 2)
+    for a, b in zip(one["rows"], two["rows"]):
+        assert a["diff"] == b["diff"] and b["lo"] < a["lo"] <= a["hi"] < b["hi"] and b["level"] == pytest.approx(0.975)
+    assert "look 2" in two["rule"] and "look" not in one["rule"]
+    goal.main(["--goal", "smollm2", "--niah", d, "--looks", "2", "--out", str(tmp_path / "g.json")])
+    assert "difference [97.5 %]" in (tmp_path / "g.md").read_text()
