@@ -142,8 +142,10 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
             if goal and "bf16" in p and windows:  # issue 16's limit for this model, on the same paired blocks
                 c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", "bf16", proto, threshold=goal[proto])
                 det = ", ".join(f"{_len_label(x[0])}: {x[1]:.3f}x{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
+                more = ("; `oscar validate ppl --tokens N` scores more held-out text (past the split: docstrings)"
+                        if c["verdict"] == "UNRESOLVED" else "")
                 out.append((f"ppl oscar-int2 <= {goal[proto]:.2f}x bf16 ({proto}; issue 16's goal for {model})",
-                            c["verdict"], det + _resolve(c, "blocks")))
+                            c["verdict"], det + _resolve(c, "blocks") + more))
     return out
 
 

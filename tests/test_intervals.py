@@ -316,8 +316,12 @@ def test_report_checks_issue16_perplexity_limits_by_model():
     assert r[1] == pytest.approx(1.05, rel=5e-3) and r[2] > 1.01  # the ratio to bf16, its interval above the limit
     assert "1k: 1.05" in c[serving][1]
     # the Qwen limit (strict 1.10) on the same windows straddles 1.10: unresolved, not passed
-    q = {x[0]: x[1] for x in acceptance(None, ppl, None, wins, 8192, "qwen2.5-0.5b")}
-    assert q["ppl oscar-int2 <= 1.10x bf16 (strict; issue 16's goal for qwen2.5-0.5b)"] in ("UNRESOLVED", "MISSED")
+    q = {x[0]: x[1:] for x in acceptance(None, ppl, None, wins, 8192, "qwen2.5-0.5b")}
+    qs = q["ppl oscar-int2 <= 1.10x bf16 (strict; issue 16's goal for qwen2.5-0.5b)"]
+    assert qs[0] in ("UNRESOLVED", "MISSED")
+    # only an unresolved limit says how to score more text; a decided one does not
+    assert ("oscar validate ppl --tokens N" in qs[1]) == (qs[0] == "UNRESOLVED")
+    assert "--tokens N" not in c[strict][1] and "--tokens N" not in c[serving][1]
     assert not [k for k in acceptance(None, ppl, None, wins, 8192, "other-model") if "issue 16" in k[0]]
     assert not [k for k in acceptance(None, ppl, None, wins, 8192) if "issue 16" in k[0]]
 
