@@ -5,8 +5,12 @@
 # length where the goal tables had 120 (4k seeds 0-2 are smollm2keybits3's runs, read from there). Serving protocol,
 # bf16 compute, as the goal tables. ~40 min on 2 CPUs. Run after the committed example's 40 pairs and the goal tables'
 # 120 straddled the margin: the third look, so its verdicts read 98.3 % intervals (--looks 3).
+# qwenneedles: Qwen's 1k and 2k cells (all four goal tasks, 20 samples per task and needle seed, seeds 0-4: 400 pairs
+# per length where the goal tables had 60) with the 16384-position artifact (bench/issue16_heads.sh's qp16384g/grad),
+# the second look at those cells (--looks 2). ~35 min on 2 CPUs.
 #   bash bench/issue16_needles.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2needles"
+#   STEPS=qwenneedles bash bench/issue16_needles.sh
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2needles qwenneedles"
 if has smollm2needles; then
   G=$W/s4096/grad.safetensors
   N="--tasks niah_single_1,niah_single_2 --samples 20 --protocol serving --dtype bfloat16 --methods bf16,oscar-int2 --no-progress"
@@ -20,4 +24,14 @@ if has smollm2needles; then
     D="$D $W/sn_s$s"
   done
   python bench/issue16_goal.py --goal smollm2 --niah $D --looks 3 --out bench/results/issue16/goal_smollm2_grad_9seeds.json
+fi
+if has qwenneedles; then
+  G=$W/qp16384g/grad.safetensors; D=""
+  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --samples 20 --protocol serving"
+  for s in 0 1 2 3 4; do
+    oscar validate niah --artifact $G $N --dtype bfloat16 --methods bf16,oscar-int2 --lengths 1k,2k --seed $s \
+      --no-progress --out $W/qn_s$s
+    D="$D $W/qn_s$s"
+  done
+  python bench/issue16_goal.py --goal qwen --niah $D --looks 2 --out bench/results/issue16/goal_qwen_grad_p16k_1k2k.json
 fi
