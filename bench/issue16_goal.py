@@ -59,9 +59,9 @@ def ppl_goal(dirs: list[str], goal: dict, method: str, looks: int = 1) -> dict:
         seen |= {w["method"] for w in got}
     if not windows:
         return {"verdict": "not measured", "rows": []}
-    cfg = json.load(open(os.path.join(dirs[0], "ppl_config.json")))["config"]
+    conf = json.load(open(os.path.join(dirs[0], "ppl_config.json")))
+    cfg, text = conf["config"], conf.get("text") or {}
     protocols = sorted({w["protocol"] for w in windows if w["method"] == method})
-    text = json.load(open(os.path.join(dirs[0], "ppl_config.json"))).get("text") or {}
     split = text.get("split_tokens") if text.get("docstring_tokens") else None  # held-out split, then docstrings
     contexts = sorted({w["context"] for w in windows})
     rows, idx, m = [], ev._index(windows), len(contexts)

@@ -342,12 +342,9 @@ def heldout_text_ids(tok, corpus: str, n: int) -> tuple[list[int], dict]:
     info = {"split_tokens": min(len(ids), n), "docstring_tokens": 0, "python": None}
     if len(ids) >= n:
         return ids[:n], info
-    need, more = n - len(ids), more_heldout_words(corpus)
-    words = more(need)  # ~1.3 tokens per word of this prose: the first pass is usually enough
+    need = n - len(ids)
+    words = more_heldout_words(corpus)(need)  # every word is >= 1 token: short only when the library runs out
     extra = tok(" " + " ".join(words), add_special_tokens=False)["input_ids"]
-    if len(extra) < need:
-        words = more(2 * need)
-        extra = tok(" " + " ".join(words), add_special_tokens=False)["input_ids"]
     if len(extra) < need:
         raise OscarError(f"held-out text gives only {len(ids) + len(extra)} tokens (held-out split of {corpus!r}: "
                          f"{len(ids)}, then the standard library's docstrings: {len(extra)}), fewer than --tokens {n}")
