@@ -313,6 +313,24 @@ def _pooled_cell(cells: dict, tasks: list[str], L: int, method: str, level: floa
     return _pooled([paired_arrays(cells, t, L, method) for t in tasks], level)
 
 
+def paired_resolve(x, y, threshold: float, level: float = 0.95) -> int | None:
+    """Pairs that would resolve the paired difference of x and y (threshold in points): 0/1 scores
+    project their 2x2 table (`iv.resolve_n_paired`), fractional ones the interval's width (`iv.resolve_n`)."""
+    if iv.is_binary(x) and iv.is_binary(y):
+        return iv.resolve_n_paired(x, y, threshold / 100, level)
+    d, lo, hi = paired_diff(x, y, level)
+    return iv.resolve_n(d, lo, hi, threshold, len(x))
+
+
+def score_resolve(x, threshold: float, level: float = 0.95) -> int | None:
+    """Samples that would resolve one cell's score (threshold in %): Wilson projected for 0/1 scores."""
+    x = np.asarray(x, float)
+    if iv.is_binary(x):
+        return iv.resolve_n_wilson(float(x.sum()), len(x), threshold / 100, level)
+    lo, hi, _ = score_interval(x, level)
+    return iv.resolve_n(100 * float(x.mean()), lo, hi, threshold, len(x))
+
+
 def issue16_needle_goal(done: dict, goal: dict, method: str, looks: int = 1) -> dict:
     """Issue 16's needle rule (a goal of ISSUE16_GOALS): per length, `method` minus bf16 paired on the same samples
     with the goal's tasks pooled, its 95 % interval above `margin`; PASS / MISSED / UNRESOLVED as every check here
@@ -340,7 +358,9 @@ def issue16_needle_goal(done: dict, goal: dict, method: str, looks: int = 1) -> 
         adj = _pooled_cell(cells, r["tasks"], r["length"], method, 1 - ALPHA / (m * looks))
         r["verdict_adjusted"] = iv.verdict(adj["lo"], adj["hi"], goal["margin"], "above")
         if r["verdict"] == iv.UNRESOLVED:
-            r["resolve_pairs"] = iv.resolve_n(r["diff"], r["lo"], r["hi"], goal["margin"], r["pairs"])
+            pa = [paired_arrays(cells, t, r["length"], method) for t in r["tasks"]]
+            r["resolve_pairs"] = paired_resolve(np.concatenate([a for a, _ in pa]), np.concatenate([b for _, b in pa]),
+                                                goal["margin"], level)
     v = iv.combine([r["verdict"] for r in rows], [r["verdict_adjusted"] for r in rows]) if rows else "not measured"
     if v == iv.PASS and missing:
         v = iv.UNRESOLVED
@@ -357,14 +377,16 @@ def issue16_needle_goal(done: dict, goal: dict, method: str, looks: int = 1) -> 
 # ----------------------------------------------------------------- the report's checks
 
 
-def _cell_verdicts(est_lo_hi: list[tuple], threshold: float, better: str, adjusted: list[tuple], n: list[int]) -> dict:
-    """Combine per-cell (est, lo, hi) 95 % intervals and (lo, hi) at level 1 - 0.05/m into one check."""
+def _cell_verdicts(est_lo_hi: list[tuple], threshold: float, better: str, adjusted: list[tuple],
+                   needs: list[int | None]) -> dict:
+    """Combine per-cell (est, lo, hi) 95 % intervals and (lo, hi) at level 1 - 0.05/m into one check;
+    needs: per cell, the samples that would resolve it (None: estimate on the threshold, or no interval)."""
     vs = [iv.verdict(lo, hi, threshold, better) for _, lo, hi in est_lo_hi]
     va = [iv.verdict(lo, hi, threshold, better) for lo, hi in adjusted]
     v = iv.combine(vs, va)
     need, stuck = None, 0
     if v == iv.UNRESOLVED:  # the cells that do not pass decide: the most demanding one
-        ns = [iv.resolve_n(e, lo, hi, threshold, k) for (e, lo, hi), c, k in zip(est_lo_hi, vs, n) if c != iv.PASS]
+        ns = [k for c, k in zip(vs, needs) if c != iv.PASS]
         stuck = sum(x is None for x in ns)  # estimate on the threshold, or no interval
         need = max([x for x in ns if x is not None], default=None)
     return {"verdict": v, "cells": vs, "resolve": need, "stuck": stuck}
@@ -381,14 +403,14 @@ def niah_check(done: dict, res, keys: list[tuple], method: str, threshold: float
     """
     m = len(keys)
     cells = cell_scores(done) if done else {}
-    rows, adj, ns = [], [], []
+    rows, adj, ns, sizes = [], [], [], []
     for t, L in keys:
         if done:
             if paired:
                 x, y = paired_arrays(cells, t, L, method)
                 e, lo, hi = paired_diff(x, y)
                 _, alo, ahi = paired_diff(x, y, 1 - ALPHA / m)
-                k = len(x)
+                k = paired_resolve(x, y, threshold) if len(x) else None
             else:
                 x = np.array(list(cells.get((t, L, method), {}).values()))
                 if not len(x):
@@ -396,24 +418,26 @@ def niah_check(done: dict, res, keys: list[tuple], method: str, threshold: float
                 e = 100 * float(x.mean())
                 lo, hi, _ = score_interval(x)
                 alo, ahi, _ = score_interval(x, 1 - ALPHA / m)
-                k = len(x)
+                k = score_resolve(x, threshold)
         else:
             r = res[(res.task == t) & (res.length == L) & (res.method == method)]
             if paired or not len(r):
                 e = lo = hi = alo = ahi = float("nan")
-                k = 0
+                n, k = 0, None
             else:
-                k, e = int(r.samples.iloc[0]), float(r.score.iloc[0])
-                lo, hi = (100 * v for v in iv.wilson(round(e * k / 100), k))
-                alo, ahi = (100 * v for v in iv.wilson(round(e * k / 100), k, 1 - ALPHA / m))
+                n, e = int(r.samples.iloc[0]), float(r.score.iloc[0])
+                lo, hi = (100 * v for v in iv.wilson(round(e * n / 100), n))
+                alo, ahi = (100 * v for v in iv.wilson(round(e * n / 100), n, 1 - ALPHA / m))
+                k = iv.resolve_n_wilson(round(e * n / 100), n, threshold / 100)
         rows.append((t, L, e, lo, hi))
         adj.append((alo, ahi))
         ns.append(k)
+        sizes.append(len(x) if done else n)
     out = _cell_verdicts([r[2:] for r in rows], threshold, better, adj, ns)
     worst = None
     if rows:  # the cell nearest to failing: lowest lower bound ("above"), highest upper bound ("below")
         worst = min(rows, key=lambda r: r[3] if better == "above" else -r[4]) if all(r[3] == r[3] for r in rows) else rows[0]
-    out.update(rows=rows, worst=worst, samples=min(ns) if ns else 0)
+    out.update(rows=rows, worst=worst, samples=min(sizes) if sizes else 0)
     return out
 
 
@@ -430,7 +454,7 @@ def ppl_pair_check(windows: list[dict], tokens: int, contexts, a: str, b: str, p
         _, alo, ahi, _ = ratio_of(ba, bb, 1 - ALPHA / m) if m > 1 else (r, lo, hi, n)
         rows.append((c, r, lo, hi, n, unit))
         adj.append((alo, ahi))
-        ns.append(n)
+        ns.append(iv.resolve_n(r, lo, hi, threshold, n))
     out = _cell_verdicts([(r[1], r[2], r[3]) for r in rows], threshold, "below", adj, ns)
     out.update(rows=rows)
     return out

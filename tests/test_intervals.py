@@ -190,6 +190,47 @@ def _goal(log_ratios_by_ctx):
     return ev.product_goal(df, wins, tokens), df
 
 
+def _first_clear(interval_at, est, threshold, start):
+    """Brute force: the first n' > start whose interval lies wholly on est's side of the threshold."""
+    m = start + 1
+    while True:
+        lo, hi = interval_at(m)
+        if (lo >= threshold) if est > threshold else (hi < threshold):
+            return m
+        m += 1
+
+
+@pytest.mark.parametrize("table,threshold", [((20, 0, 0, 0), -0.02), ((398, 0, 2, 0), -0.02), ((30, 4, 1, 5), 0.0),
+                                             ((10, 0, 8, 2), -0.05), ((19, 0, 1, 0), -0.20)])
+def test_resolve_n_paired_against_brute_force(table, threshold):
+    a, b, c, d = table
+    x = np.array([1] * a + [1] * b + [0] * c + [0] * d, bool)
+    y = np.array([1] * a + [0] * b + [1] * c + [0] * d, bool)
+    n = len(x)
+    need = iv.resolve_n_paired(x, y, threshold)
+    est = x.mean() - y.mean()
+    f = np.array(table, float) / n
+    assert need == _first_clear(lambda m: iv.newcombe_counts(*(f * m)), est, threshold, n)
+    k = need // n + 1  # the table repeated k times: real arrays, at least `need` pairs, resolve it
+    lo, hi = iv.newcombe_paired(np.tile(x, k), np.tile(y, k))
+    assert (lo >= threshold) if est > threshold else (hi < threshold)
+    assert iv.newcombe_counts(*table) == iv.newcombe_paired(x, y)
+    # zero discordance: the width falls like 1/n, so the sqrt rule overstates the pairs several times over
+    if table == (20, 0, 0, 0):
+        lo, hi = iv.newcombe_paired(x, y)
+        assert need == 189 and iv.resolve_n(0.0, lo, hi, threshold, n) > 5 * need
+        assert iv.newcombe_paired(np.ones(need), np.ones(need))[0] >= threshold > iv.newcombe_paired(np.ones(need - 1), np.ones(need - 1))[0]
+    assert iv.resolve_n_paired(x[:0], y[:0], threshold) is None
+
+
+def test_resolve_n_wilson_against_brute_force():
+    for k, n, thr in [(20, 20, 0.90), (17, 20, 0.80), (10, 20, 0.90), (3, 40, 0.02)]:
+        need = iv.resolve_n_wilson(k, n, thr)
+        assert need == _first_clear(lambda m: iv.wilson(k / n * m, m), k / n, thr, n), (k, n, thr)
+    assert iv.resolve_n_wilson(18, 20, 0.90) is None  # on the threshold: no number of samples resolves it
+    assert iv.resolve_n_wilson(20, 20, 0.90, level=0.99) > iv.resolve_n_wilson(20, 20, 0.90)
+
+
 def test_goal_pass_missed_unresolved_on_constructed_windows():
     rng = np.random.default_rng(6)
     tight = lambda mu: list(mu + rng.normal(0, 0.005, 8))  # noqa: E731
@@ -282,7 +323,7 @@ def test_report_checks_come_out_pass_missed_unresolved():
     small = {k: v[:20] for k, v in full.items()}
     c = checks(small)
     v, det = c["bf16 >= 90% on niah_single_1/2 at 1k-4k"]
-    assert v == "UNRESOLVED" and f"~{iv.resolve_n(100, 100 * iv.wilson(20, 20)[0], 100, 90, 20)} samples" in det
+    assert v == "UNRESOLVED" and f"~{iv.resolve_n_wilson(20, 20, 0.90)} samples" in det
     # bf16 collapses in one cell, oscar-int2 loses 40 points in every cell: both missed
     bad = dict(full)
     bad[("niah_single_1", 4096, "bf16")] = [1] * 20 + [0] * 40
