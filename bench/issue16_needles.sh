@@ -8,9 +8,14 @@
 # qwenneedles: Qwen's 1k and 2k cells (all four goal tasks, 20 samples per task and needle seed, seeds 0-4: 400 pairs
 # per length where the goal tables had 60) with the 16384-position artifact (bench/issue16_heads.sh's qp16384g/grad),
 # the second look at those cells (--looks 2). ~35 min on 2 CPUs.
+# qwenneedles3: seeds 5-7 on top of qwenneedles' 0-4 (640 pairs per length): 400 pairs had straddled the margin by a
+# tenth, so this is the third look (--looks 3). ~20 min on 2 CPUs.
+# qwen4k: Qwen's 4k cell (all four goal tasks; seed 0 at 10 samples per task, seeds 1-3 at 20: 280 pairs where the
+# goal tables had 40), the second look at that cell (--looks 2). ~55 min on 2 CPUs.
 #   bash bench/issue16_needles.sh
 #   STEPS=qwenneedles bash bench/issue16_needles.sh
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2needles qwenneedles"
+#   STEPS=qwenneedles3 bash bench/issue16_needles.sh   (after qwenneedles)
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2needles qwenneedles qwenneedles3 qwen4k"
 if has smollm2needles; then
   G=$W/s4096/grad.safetensors
   N="--tasks niah_single_1,niah_single_2 --samples 20 --protocol serving --dtype bfloat16 --methods bf16,oscar-int2 --no-progress"
@@ -34,4 +39,24 @@ if has qwenneedles; then
     D="$D $W/qn_s$s"
   done
   python bench/issue16_goal.py --goal qwen --niah $D --looks 2 --out bench/results/issue16/goal_qwen_grad_p16k_1k2k.json
+fi
+if has qwenneedles3; then
+  G=$W/qp16384g/grad.safetensors; D=""
+  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --samples 20 --protocol serving"
+  for s in 0 1 2 3 4 5 6 7; do
+    [ $s -ge 5 ] && oscar validate niah --artifact $G $N --dtype bfloat16 --methods bf16,oscar-int2 --lengths 1k,2k \
+      --seed $s --no-progress --out $W/qn_s$s
+    D="$D $W/qn_s$s"
+  done
+  python bench/issue16_goal.py --goal qwen --niah $D --looks 3 --out bench/results/issue16/goal_qwen_grad_p16k_1k2k_8seeds.json
+fi
+if has qwen4k; then
+  G=$W/qp16384g/grad.safetensors; D=""
+  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --protocol serving"
+  for s in 0 1 2 3; do
+    oscar validate niah --artifact $G $N --samples $([ $s -eq 0 ] && echo 10 || echo 20) --dtype bfloat16 \
+      --methods bf16,oscar-int2 --lengths 4k --seed $s --no-progress --out $W/q4k_s$s
+    D="$D $W/q4k_s$s"
+  done
+  python bench/issue16_goal.py --goal qwen --niah $D --looks 2 --out bench/results/issue16/goal_qwen_grad_p16k_4k.json
 fi
