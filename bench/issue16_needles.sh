@@ -12,10 +12,13 @@
 # tenth, so this is the third look (--looks 3). ~20 min on 2 CPUs.
 # qwen4k: Qwen's 4k cell (all four goal tasks; seed 0 at 10 samples per task, seeds 1-3 at 20: 280 pairs where the
 # goal tables had 40), the second look at that cell (--looks 2). ~55 min on 2 CPUs.
+# smollm2needles2k / smollm2needles2k5: SmolLM2's 2k cell on needle seeds 9-17 (720 pairs, the fourth look) / 9-22
+# (920, the fifth); the seeds already run are read, not rerun. ~15 / ~10 min. qwen4k3: Qwen's 4k cell, seeds 4-6 on top
+# of qwen4k's (520 pairs, the third look), ~50 min.
 #   bash bench/issue16_needles.sh
 #   STEPS=qwenneedles bash bench/issue16_needles.sh
 #   STEPS=qwenneedles3 bash bench/issue16_needles.sh   (after qwenneedles)
-source "$(dirname "$0")/steps.sh" runs/i16e "smollm2needles qwenneedles qwenneedles3 qwen4k"
+source "$(dirname "$0")/steps.sh" runs/i16e "smollm2needles qwenneedles qwenneedles3 qwen4k smollm2needles2k smollm2needles2k5 qwen4k3"
 if has smollm2needles; then
   G=$W/s4096/grad.safetensors
   N="--tasks niah_single_1,niah_single_2 --samples 20 --protocol serving --dtype bfloat16 --methods bf16,oscar-int2 --no-progress"
@@ -59,4 +62,27 @@ if has qwen4k; then
     D="$D $W/q4k_s$s"
   done
   python bench/issue16_goal.py --goal qwen --niah $D --looks 2 --out bench/results/issue16/goal_qwen_grad_p16k_4k.json
+fi
+if has smollm2needles2k || has smollm2needles2k5; then  # SmolLM2's 2k cell: 20 per task and seed, seeds 9-17 (look 4)
+  G=$W/s4096/grad.safetensors; D=""; LOOKS=4; LAST=17; OUT=goal_smollm2_grad_2k_18seeds
+  if has smollm2needles2k5; then LOOKS=5; LAST=22; OUT=goal_smollm2_grad_2k_23seeds; fi  # and 18-22 (look 5)
+  N="--tasks niah_single_1,niah_single_2 --samples 20 --protocol serving --dtype bfloat16 --methods bf16,oscar-int2 --no-progress"
+  for s in $(seq 9 $LAST); do
+    [ -f $W/sn2k_s$s/niah_samples.jsonl ] && [ -f $W/sn2k_s$s/results.parquet ] || \
+      oscar validate niah --artifact $G $N --lengths 2k --seed $s --out $W/sn2k_s$s
+    D="$D $W/sn2k_s$s"
+  done
+  for s in 0 1 2; do D="$D $W/sn_s$s $W/kb3_attr_s$s"; done
+  for s in 3 4 5 6 7 8; do D="$D $W/sn_s$s"; done
+  python bench/issue16_goal.py --goal smollm2 --niah $D --looks $LOOKS --out bench/results/issue16/$OUT.json
+fi
+if has qwen4k3; then  # Qwen's 4k cell: seeds 4-6 on top of qwen4k's 0-3 (520 pairs), the third look
+  G=$W/qp16384g/grad.safetensors; D=""
+  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --protocol serving"
+  for s in 0 1 2 3 4 5 6; do
+    [ $s -ge 4 ] && oscar validate niah --artifact $G $N --samples 20 --dtype bfloat16 --methods bf16,oscar-int2 \
+      --lengths 4k --seed $s --no-progress --out $W/q4k_s$s
+    D="$D $W/q4k_s$s"
+  done
+  python bench/issue16_goal.py --goal qwen --niah $D --looks 3 --out bench/results/issue16/goal_qwen_grad_p16k_4k_7seeds.json
 fi
