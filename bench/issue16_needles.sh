@@ -33,56 +33,45 @@ if has smollm2needles; then
   done
   python bench/issue16_goal.py --goal smollm2 --niah $D --looks 3 --out bench/results/issue16/goal_smollm2_grad_9seeds.json
 fi
-if has qwenneedles; then
-  G=$W/qp16384g/grad.safetensors; D=""
-  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --samples 20 --protocol serving"
-  for s in 0 1 2 3 4; do
-    oscar validate niah --artifact $G $N --dtype bfloat16 --methods bf16,oscar-int2 --lengths 1k,2k --seed $s \
-      --no-progress --out $W/qn_s$s
-    D="$D $W/qn_s$s"
+# A needle run already on disk (its results written last) is read, not rerun.
+finished() { [ -f $1/niah_samples.jsonl ] && [ -f $1/results.parquet ]; }
+# qwen_seeds NAME LENGTHS FIRST LAST: Qwen's four goal tasks against bf16 with the 16384-position artifact
+# (bench/issue16_heads.sh's qp16384g/grad), ${SAMPLES:-20} per task, one run per needle seed in $W/NAME_sSEED,
+# each added to D.
+qwen_seeds() {
+  local s
+  for s in $(seq $3 $4); do
+    finished $W/$1_s$s || oscar validate niah --model qwen2.5-0.5b --artifact $W/qp16384g/grad.safetensors \
+      --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --samples ${SAMPLES:-20} --protocol serving \
+      --dtype bfloat16 --methods bf16,oscar-int2 --lengths $2 --seed $s --no-progress --out $W/$1_s$s
+    D="$D $W/$1_s$s"
   done
+}
+if has qwenneedles; then
+  D=""; qwen_seeds qn 1k,2k 0 4
   python bench/issue16_goal.py --goal qwen --niah $D --looks 2 --out bench/results/issue16/goal_qwen_grad_p16k_1k2k.json
 fi
-if has qwenneedles3; then
-  G=$W/qp16384g/grad.safetensors; D=""
-  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --samples 20 --protocol serving"
-  for s in 0 1 2 3 4 5 6 7; do
-    [ $s -ge 5 ] && oscar validate niah --artifact $G $N --dtype bfloat16 --methods bf16,oscar-int2 --lengths 1k,2k \
-      --seed $s --no-progress --out $W/qn_s$s
-    D="$D $W/qn_s$s"
-  done
+if has qwenneedles3; then  # seeds 5-7 on top of qwenneedles' 0-4
+  D=""; qwen_seeds qn 1k,2k 0 7
   python bench/issue16_goal.py --goal qwen --niah $D --looks 3 --out bench/results/issue16/goal_qwen_grad_p16k_1k2k_8seeds.json
 fi
-if has qwen4k; then
-  G=$W/qp16384g/grad.safetensors; D=""
-  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --protocol serving"
-  for s in 0 1 2 3; do
-    oscar validate niah --artifact $G $N --samples $([ $s -eq 0 ] && echo 10 || echo 20) --dtype bfloat16 \
-      --methods bf16,oscar-int2 --lengths 4k --seed $s --no-progress --out $W/q4k_s$s
-    D="$D $W/q4k_s$s"
-  done
+if has qwen4k; then  # seed 0 at 10 samples per task, 1-3 at 20
+  D=""; SAMPLES=10 qwen_seeds q4k 4k 0 0; qwen_seeds q4k 4k 1 3
   python bench/issue16_goal.py --goal qwen --niah $D --looks 2 --out bench/results/issue16/goal_qwen_grad_p16k_4k.json
+fi
+if has qwen4k3; then  # seeds 4-6 on top of qwen4k's 0-3 (520 pairs), the third look
+  D=""; SAMPLES=10 qwen_seeds q4k 4k 0 0; qwen_seeds q4k 4k 1 6
+  python bench/issue16_goal.py --goal qwen --niah $D --looks 3 --out bench/results/issue16/goal_qwen_grad_p16k_4k_7seeds.json
 fi
 if has smollm2needles2k || has smollm2needles2k5; then  # SmolLM2's 2k cell: 20 per task and seed, seeds 9-17 (look 4)
   G=$W/s4096/grad.safetensors; D=""; LOOKS=4; LAST=17; OUT=goal_smollm2_grad_2k_18seeds
   if has smollm2needles2k5; then LOOKS=5; LAST=22; OUT=goal_smollm2_grad_2k_23seeds; fi  # and 18-22 (look 5)
   N="--tasks niah_single_1,niah_single_2 --samples 20 --protocol serving --dtype bfloat16 --methods bf16,oscar-int2 --no-progress"
   for s in $(seq 9 $LAST); do
-    [ -f $W/sn2k_s$s/niah_samples.jsonl ] && [ -f $W/sn2k_s$s/results.parquet ] || \
-      oscar validate niah --artifact $G $N --lengths 2k --seed $s --out $W/sn2k_s$s
+    finished $W/sn2k_s$s || oscar validate niah --artifact $G $N --lengths 2k --seed $s --out $W/sn2k_s$s
     D="$D $W/sn2k_s$s"
   done
   for s in 0 1 2; do D="$D $W/sn_s$s $W/kb3_attr_s$s"; done
   for s in 3 4 5 6 7 8; do D="$D $W/sn_s$s"; done
   python bench/issue16_goal.py --goal smollm2 --niah $D --looks $LOOKS --out bench/results/issue16/$OUT.json
-fi
-if has qwen4k3; then  # Qwen's 4k cell: seeds 4-6 on top of qwen4k's 0-3 (520 pairs), the third look
-  G=$W/qp16384g/grad.safetensors; D=""
-  N="--model qwen2.5-0.5b --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --protocol serving"
-  for s in 0 1 2 3 4 5 6; do
-    [ $s -ge 4 ] && oscar validate niah --artifact $G $N --samples 20 --dtype bfloat16 --methods bf16,oscar-int2 \
-      --lengths 4k --seed $s --no-progress --out $W/q4k_s$s
-    D="$D $W/q4k_s$s"
-  done
-  python bench/issue16_goal.py --goal qwen --niah $D --looks 3 --out bench/results/issue16/goal_qwen_grad_p16k_4k_7seeds.json
 fi
