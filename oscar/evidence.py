@@ -297,10 +297,16 @@ def product_goal(df, windows: list[dict] | None = None, tokens: int | None = Non
 # ----------------------------------------------------------------- issue 16's needle goal
 
 
+def _concat(pa: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(method, bf16) score arrays of several cells, pooled into one pair of arrays."""
+    if not pa:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate([a for a, _ in pa]), np.concatenate([b for _, b in pa])
+
+
 def _pooled(pa: list[tuple[np.ndarray, np.ndarray]], level: float = 0.95) -> dict | None:
     """(method, bf16) score arrays of several cells pooled: pairs, scores (%), difference [interval] in points."""
-    x = np.concatenate([a for a, _ in pa]) if pa else np.zeros(0)
-    y = np.concatenate([b for _, b in pa]) if pa else np.zeros(0)
+    x, y = _concat(pa)
     if not len(x):
         return None
     d, lo, hi = paired_diff(x, y, level)
@@ -358,9 +364,8 @@ def issue16_needle_goal(done: dict, goal: dict, method: str, looks: int = 1) -> 
         adj = _pooled_cell(cells, r["tasks"], r["length"], method, 1 - ALPHA / (m * looks))
         r["verdict_adjusted"] = iv.verdict(adj["lo"], adj["hi"], goal["margin"], "above")
         if r["verdict"] == iv.UNRESOLVED:
-            pa = [paired_arrays(cells, t, r["length"], method) for t in r["tasks"]]
-            r["resolve_pairs"] = paired_resolve(np.concatenate([a for a, _ in pa]), np.concatenate([b for _, b in pa]),
-                                                goal["margin"], level)
+            x, y = _concat([paired_arrays(cells, t, r["length"], method) for t in r["tasks"]])
+            r["resolve_pairs"] = paired_resolve(x, y, goal["margin"], level)
     v = iv.combine([r["verdict"] for r in rows], [r["verdict_adjusted"] for r in rows]) if rows else "not measured"
     if v == iv.PASS and missing:
         v = iv.UNRESOLVED
@@ -426,9 +431,10 @@ def niah_check(done: dict, res, keys: list[tuple], method: str, threshold: float
                 n, k = 0, None
             else:
                 n, e = int(r.samples.iloc[0]), float(r.score.iloc[0])
-                lo, hi = (100 * v for v in iv.wilson(round(e * n / 100), n))
-                alo, ahi = (100 * v for v in iv.wilson(round(e * n / 100), n, 1 - ALPHA / m))
-                k = iv.resolve_n_wilson(round(e * n / 100), n, threshold / 100)
+                hits = round(e * n / 100)
+                lo, hi = (100 * v for v in iv.wilson(hits, n))
+                alo, ahi = (100 * v for v in iv.wilson(hits, n, 1 - ALPHA / m))
+                k = iv.resolve_n_wilson(hits, n, threshold / 100)
         rows.append((t, L, e, lo, hi))
         adj.append((alo, ahi))
         ns.append(k)
