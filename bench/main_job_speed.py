@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from oscar.stats.artifact import load_artifact
-from oscar.validate import DEFAULT_METHODS, env
+from oscar.defaults import DEFAULT_METHODS
+from oscar.validate import env
 from oscar.validate.methods import PROTOCOLS, LayerQuant, MethodBatchCache, method_artifact
 from oscar.validate import ppl as P
 from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy

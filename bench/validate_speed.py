@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from oscar.stats.artifact import load_artifact
-from oscar.validate import DEFAULT_METHODS, env
+from oscar.defaults import DEFAULT_METHODS
+from oscar.validate import env
 from oscar.validate.methods import PROTOCOLS, MethodBatchCache, make_cache, method_artifact
 from oscar.validate.niah import PrefillPool, eos_ids, greedy
 from oscar.validate.ppl import heldout_ids, simulated, window_nll

@@ -9,3 +9,6 @@ EMBEDDED_MODEL = "smollm2-135m"  # the default model of every stage (embedded in
 SINK = 64         # first tokens of every sequence kept in the model dtype (and left out of calibration)
 RECENT = 256      # latest tokens kept in the model dtype (a multiple of PAGE_SIZE)
 PAGE_SIZE = 16    # tokens per INT2 page (= the KIVI key token group)
+
+# The KV-cache methods every validation command compares by default (bf16 first, the shipped recipe last).
+DEFAULT_METHODS = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-kc-int2", "oscar-int2"]

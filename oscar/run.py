@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.validate import DEFAULT_METHODS
+from oscar.defaults import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
 

@@ -14,7 +14,7 @@ import torch
 
 from oscar.common import OscarError, config_fingerprint
 from oscar.constraints import SLIDING_WINDOW, format_problems
-from oscar.validate import DEFAULT_METHODS
+from oscar.defaults import DEFAULT_METHODS
 
 # tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
 # and registered in sys.modules (its dataclass needs its module there)

@@ -41,7 +41,7 @@ import torch
 from oscar.common import OscarError
 from oscar.defaults import SINK
 from oscar.pipeline.store import open_verified
-from oscar.validate import DEFAULT_METHODS
+from oscar.defaults import DEFAULT_METHODS
 
 # Margin bin edges in nats (exp(0.25) = 1.28x the runner-up's weight, exp(4) = 55x).
 MARGIN_EDGES = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, math.inf)

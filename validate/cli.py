@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from oscar.validate import DEFAULT_METHODS as _DEFAULT_METHODS
+from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL, SINK
 
 DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)

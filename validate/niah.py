@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from oscar.validate import DEFAULT_METHODS
+from oscar.defaults import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.defaults import EMBEDDED_MODEL
 from oscar.pipeline import cpu_attention

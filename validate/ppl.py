@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from oscar.validate import DEFAULT_METHODS
+from oscar.defaults import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
 from oscar.pipeline import cpu_attention
 from oscar.defaults import EMBEDDED_MODEL

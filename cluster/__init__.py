@@ -1,1 +1,0 @@
-"""oscar.cluster: Ray stage actors, placement, job entrypoints, cluster launcher / KubeRay YAML."""

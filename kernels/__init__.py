@@ -1,1 +1,0 @@
-"""oscar.kernels: INT2 formats, torch references, Triton kernels, transformers Cache integration."""

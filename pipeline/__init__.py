@@ -1,1 +1,0 @@
-"""oscar.pipeline: model loading, attention capture, accumulators, zarr block store (one process, no Ray)."""

@@ -1,1 +1,0 @@
-"""oscar.reports: report builders (Markdown/HTML, plots, parquet). Reads result files only."""

@@ -1,1 +1,0 @@
-"""oscar.stats: reductions, eigendecompositions, d_eff, robust estimation, rotations, clipping, artifact."""
