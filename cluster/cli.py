@@ -195,9 +195,9 @@ def calibrate_dispatch(args, single) -> int:
             raise OscarError("--stages/--replicas need --ray ADDRESS|auto")
         return single(args)
     from oscar.cluster.pipeline import calibrate_on_ray, cluster_config_from_args, format_report
-    from oscar.pipeline.calibrate import CalibConfig
+    from oscar.pipeline.cli import calib_config
 
-    cfg = calib_config_from_args(CalibConfig, args)
+    cfg = calib_config(args)
     rep = calibrate_on_ray(cfg, cluster_config_from_args(args), address=args.ray,
                            progress=not getattr(args, "no_progress", False))
     if getattr(args, "json", False):
@@ -205,11 +205,3 @@ def calibrate_dispatch(args, single) -> int:
     else:
         print(format_report(rep))
     return 0
-
-
-def calib_config_from_args(cls, args):
-    """The pipeline's CalibConfig from parsed `calibrate` arguments (fields matched by name)."""
-    import dataclasses
-
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(args, f.name)}
-    return cls(**kw)

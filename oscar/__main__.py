@@ -77,6 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _suppress_defaults(p: argparse.ArgumentParser) -> None:
+    p._defaults.clear()
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sp in set(a.choices.values()):
+                _suppress_defaults(sp)
+        elif a.dest not in ("help", "version"):
+            a.default = argparse.SUPPRESS
+
+
+def given_options(argv: list[str] | None) -> set[str]:
+    """The dests set on the command line (not by a default): parsing again with every default suppressed
+    leaves only those. A command uses it to tell a flag left out from one given at its default value."""
+    p = build_parser()
+    _suppress_defaults(p)
+    return set(vars(p.parse_args(argv)))
+
+
 def interruptible() -> None:
     """Make SIGINT raise KeyboardInterrupt even when it arrived ignored.
 
@@ -111,6 +129,7 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args._given = given_options(argv)
     if args.allow_weights_mismatch:
         os.environ["OSCAR_ALLOW_WEIGHTS_MISMATCH"] = "1"  # read by Artifact.check_model in every stage
     interruptible()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from oscar.defaults import EMBEDDED_MODEL, SINK
@@ -75,14 +77,68 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_models_list)
 
 
-def _calibrate(args) -> int:
-    from oscar.pipeline.calibrate import CalibConfig, calibrate
+# The flags of `oscar calibrate` that define the statistics (CalibConfig.job_config), in the order a command is written.
+JOB_FLAGS = {"model": "--model", "corpus": "--corpus", "seq_len": "--seq-len", "positions": "--positions",
+             "sink": "--sink", "blocks": "--blocks", "block_tokens": "--block-tokens",
+             "seqs_per_block": "--seqs-per-block", "tokens": "--tokens", "batch_size": "--batch-size",
+             "reservoir": "--reservoir", "seed": "--seed", "attn_implementation": "--attn-implementation",
+             "dtype": "--dtype"}
+_BLOCKING = ("blocks", "block_tokens", "seqs_per_block")
 
-    cfg = CalibConfig(model=args.model, corpus=args.corpus, store=args.store, seq_len=args.seq_len, sink=args.sink,
-                      positions=args.positions, blocks=args.blocks, block_tokens=args.block_tokens, seqs_per_block=args.seqs_per_block,
-                      tokens=args.tokens, batch_size=args.batch_size, reservoir=args.reservoir, seed=args.seed,
-                      attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device,
-                      threads=args.threads, overwrite=args.overwrite)
+
+def _job_values(d: dict) -> dict:
+    """A job config's values as compared for resume (positions equal to seq_len is the same job as none)."""
+    v = {k: d.get(k) for k in JOB_FLAGS}
+    if v["positions"] == v["seq_len"]:
+        v["positions"] = None
+    return v
+
+
+def _same(k: str, a, b) -> bool:
+    return a == b or (k == "model" and isinstance(a, str) and isinstance(b, str) and a.lower() == b.lower())
+
+
+def _flags(values: dict, keys) -> str:
+    return " ".join(f"{JOB_FLAGS[k]} {values[k]}" for k in keys if values[k] is not None)
+
+
+def calib_config(args):
+    """The CalibConfig of parsed `oscar calibrate` arguments (single process and --ray alike).
+
+    An existing store resumes by its path alone: every job flag left out takes the value the store records, and a
+    flag given with another value is refused, naming the command that resumes (deleting it, --overwrite, comes last).
+    """
+    from oscar.common import OscarError
+    from oscar.pipeline.calibrate import CalibConfig
+    from oscar.pipeline.store import recorded_job, resume_hint
+
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(CalibConfig) if f.init and hasattr(args, f.name)}
+    rec = None if kw.get("overwrite") else recorded_job(kw["store"])
+    if rec is None:
+        return CalibConfig(**kw)
+    given = getattr(args, "_given", None)
+    given = set(JOB_FLAGS) if given is None else {k for k in JOB_FLAGS if k in given}
+    if given & set(_BLOCKING):
+        given |= set(_BLOCKING)  # one sizing flag replaces the others
+    old, new = _job_values(rec["config"]), _job_values(kw)
+    conflicts = [k for k in JOB_FLAGS if k in given and not _same(k, old[k], new[k])]
+    if conflicts:
+        was = _flags(old, [k for k in conflicts if old[k] is not None]) or "the defaults of " + ", ".join(
+            JOB_FLAGS[k] for k in conflicts)
+        now = " ".join(f"{JOB_FLAGS[k]} {new[k] if new[k] is not None else '(none)'}" for k in conflicts)
+        raise OscarError(f"store {kw['store']} ({rec['blocks_done']}/{rec['blocks_total']} blocks done) was made with "
+                         f"{was}, not {now}; {resume_hint(kw['store'])}")
+    kw.update({k: old[k] for k in JOB_FLAGS})
+    if not given >= set(JOB_FLAGS):
+        print(f"oscar calibrate: resuming {kw['store']} ({rec['blocks_done']}/{rec['blocks_total']} blocks done) with "
+              f"its recorded job config: {_flags(old, JOB_FLAGS)}", file=sys.stderr)
+    return CalibConfig(**kw)
+
+
+def _calibrate(args) -> int:
+    from oscar.pipeline.calibrate import calibrate
+
+    cfg = calib_config(args)
     r = calibrate(cfg, progress=not args.no_progress)
     if args.json:
         print(json.dumps(r.to_dict(), indent=2))

@@ -151,9 +151,26 @@ def store_fingerprint(attrs: dict, blocks: list[int]) -> str:
                         "config": attrs.get("config"), "blocks": list(blocks)})
 
 
+def recorded_job(path: str | os.PathLike) -> dict | None:
+    """The job config a store records (what `oscar calibrate --store PATH` alone resumes with), its blocks done
+    and total; None where PATH holds no store of ours or one that records no job config (format /1)."""
+    path = Path(path)
+    a = _attrs(path) if path.is_dir() else {}
+    if a.get("format") not in READS or a.get("creating") or not a.get("config"):
+        return None
+    done = CalibStore(path).done()  # (num_blocks, num_layers)
+    return {"config": dict(a["config"]), "blocks_done": int(done.all(axis=1).sum()), "blocks_total": len(done)}
+
+
+def resume_hint(path: str | os.PathLike) -> str:
+    """What to do when a store cannot be resumed with the given settings: its own job config first, deleting it last."""
+    return (f"to resume it: `oscar calibrate --store {path}` (it records its job config); to calibrate with these "
+            f"settings, choose another --store; --overwrite deletes it and its done blocks")
+
+
 def _mismatch(path: str, old: StoreMeta, new: StoreMeta) -> str | None:
     """Why the store at `path` cannot be resumed with `new` (None: it can)."""
-    hint = "pass --overwrite to start over, or choose another --store"
+    hint = resume_hint(path)
     om, nm = old.model, new.model
     why = model_mismatch(om, nm, "store")
     if why:
@@ -401,7 +418,7 @@ class CalibStore:
                 if not (np.array_equal(store.group["tokens"][:], tokens)
                         and np.array_equal(store.group["mask"][:], mask)):
                     raise OscarError(f"store {path} holds other token ids than this corpus and tokenizer produce "
-                                     f"(same fingerprints); pass --overwrite to start over")
+                                     f"(same fingerprints); choose another --store, or --overwrite to delete it")
                 return store
         if path.exists():
             path.rmdir()
