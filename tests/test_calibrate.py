@@ -187,16 +187,17 @@ def test_cli_refuses_mismatched_store(tmp_path, capsys):
     assert rc == 0, err
     before = CalibStore(store).array("layers/0/q_gram")[:]
     r = _oscar("calibrate", "--model", "tiny-qwen3", *small)   # a real process: exit status and message
-    assert r.returncode == 2 and "was made for model 'tiny-llama" in r.stderr and "--overwrite" in r.stderr
+    assert r.returncode == 2 and "was made with --model tiny-llama, not --model tiny-qwen3" in r.stderr
+    assert r.stderr.index(f"oscar calibrate --store {store}") < r.stderr.index("--overwrite")
     assert "Traceback" not in r.stderr
     corpus = tmp_path / "other.txt"
     corpus.write_text("Another corpus entirely. " * 200)
     rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--corpus", str(corpus), *small)
-    assert rc == 2 and "was made from corpus 'pydoc'" in err
+    assert rc == 2 and f"was made with --corpus pydoc, not --corpus {corpus}" in err
     rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--seed", "1", *small)
-    assert rc == 2 and "config.seed: 0 -> 1" in err
+    assert rc == 2 and "was made with --seed 0, not --seed 1" in err
     rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--seq-len", "32", "--sink", "3", *small[4:])
-    assert rc == 2 and "sink: 2 -> 3" in err
+    assert rc == 2 and "was made with --sink 2, not --sink 3" in err
     assert np.array_equal(CalibStore(store).array("layers/0/q_gram")[:], before)   # nothing lost
     rc, _, err = _main(capsys, "calibrate", "--model", "tiny-llama", "--seed", "1", "--overwrite", *small)
     assert rc == 0 and CalibStore(store).meta.config["seed"] == 1
