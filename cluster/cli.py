@@ -125,6 +125,8 @@ def _render(args) -> int:
     r = render(cfg)
     for p in write(r, args.out):
         print(p)
+    for note in r.notes:
+        print(note)
     print("runs: " + " ".join(r.command))
     return 0
 
