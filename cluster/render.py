@@ -8,7 +8,8 @@ Two targets, both templates in cluster/templates/ with ``{{name}}`` parameters:
 
 Nothing is written while a parameter is unset, and nothing is written for a GPU count that `oscar plan`
 says cannot hold the model: a stage (its layers, float64 accumulators and activations) must fit 90 % of
-its GPUs' memory, the check `oscar plan --gpu-mem` makes. No Ray import: rendering runs anywhere.
+its GPUs' memory, the check `oscar plan --gpu-mem` makes. Sizes below 1 and positions beyond the model's
+`max_position_embeddings` are refused too. No Ray import: rendering runs anywhere.
 """
 
 from __future__ import annotations
