@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="config.json, model directory, shipped config (glm-4.7) or preset")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages (layer ranges) to plan")
     p.add_argument("--gpus-per-stage", type=int, default=1, help="GPUs that share one stage's weights")
-    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB", help="memory of one GPU, to check the plan and suggest a stage count (default: no check)")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
+                   help="memory of one GPU, to check the plan and suggest a stage count; a plan that does not fit "
+                        "is printed, then refused (exit 2) (default: no check)")
     p.add_argument("--layers", default=None, help="explicit ranges START:STOP,... (default: balanced by parameters)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
     p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=int, default=1,
@@ -123,19 +125,29 @@ def _render(args) -> int:
     r = render(cfg)
     for p in write(r, args.out):
         print(p)
+    for note in r.notes:
+        print(note)
     print("runs: " + " ".join(r.command))
     return 0
 
 
 def _plan(args) -> int:
-    from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_plan
+    from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_plan, misfit
+    from oscar.common import OscarError
 
-    cfg = load_model_config(args.model)
-    plan = make_plan(cfg, PlanConfig(stages=args.stages, gpus_per_stage=args.gpus_per_stage, gpu_mem_gib=args.gpu_mem,
-                                     seq_len=args.seq_len, micro_batch=args.micro_batch,
-                                     seqs_per_block=args.seqs_per_block, num_blocks=args.blocks,
-                                     reservoir=args.reservoir, dtype=args.dtype, layers=args.layers, name=args.model))
+    pc = PlanConfig(stages=args.stages, gpus_per_stage=args.gpus_per_stage, gpu_mem_gib=args.gpu_mem,
+                    seq_len=args.seq_len, micro_batch=args.micro_batch, seqs_per_block=args.seqs_per_block,
+                    num_blocks=args.blocks, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
+                    name=args.model)
+    pc.check()  # sizes first: no config is read for a plan that cannot exist
+    plan = make_plan(load_model_config(args.model), pc)
+    # A plan that does not fit is still printed (stdout; JSON with "fits": false): its table shows which
+    # stage is too large and by how much, which is what choosing --stages / --gpus-per-stage needs.
+    # Then the one-line refusal (stderr, exit 2), so a script or `set -e` never takes it for a plan that fits.
     print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
+    why = misfit(plan, explicit_layers=bool(args.layers))
+    if why:
+        raise OscarError(why)
     return 0
 
 

@@ -84,8 +84,7 @@ class Checkpoint:
         idx = os.path.join(model_dir, INDEX_NAME)
         single = os.path.join(model_dir, SINGLE_NAME)
         if os.path.isfile(idx):
-            with open(idx) as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            self.weight_map: dict[str, str] = read_index(idx)
         elif os.path.isfile(single):
             from safetensors import safe_open
 
@@ -97,8 +96,32 @@ class Checkpoint:
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
 
+    def shard_path(self, shard: str, key: str) -> str:
+        """The file of `shard`; a one-line OscarError naming `key` when the index points at no file."""
+        p = os.path.join(self.dir, shard)
+        if not os.path.isfile(p):
+            raise OscarError(f"{os.path.join(self.dir, INDEX_NAME)}: weight_map puts {key} in {shard}, "
+                             f"but there is no file {p}")
+        return p
+
     def shard_sizes(self) -> dict[str, int]:
-        return {s: os.path.getsize(os.path.join(self.dir, s)) for s in sorted(set(self.weight_map.values()))}
+        shards = {}
+        for k, s in self.weight_map.items():
+            shards.setdefault(s, k)
+        return {s: os.path.getsize(self.shard_path(s, k)) for s, k in sorted(shards.items())}
+
+
+def read_index(path: str) -> dict[str, str]:
+    """The weight_map of a safetensors index (tensor name -> shard file name); OscarError when malformed."""
+    try:
+        with open(path) as f:
+            wm = json.load(f)["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise OscarError(f"{path}: not a readable safetensors index with a weight_map "
+                         f"({type(e).__name__}: {e})") from None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise OscarError(f"{path}: weight_map must map tensor names to shard file names")
+    return wm
 
 
 def _checkpoint_sources(name: str, ckpt: Checkpoint, num_experts: int | None) -> list[list[str]] | None:
@@ -270,8 +293,13 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
     got: dict[str, torch.Tensor] = {}
     todo = list(plan)
     for shard in needed:
-        with safe_open(os.path.join(model_dir, shard), framework="pt", device="cpu") as fh:
+        path = ckpt.shard_path(shard, keys_of[shard][0])
+        with safe_open(path, framework="pt", device="cpu") as fh:
+            held = set(fh.keys())
             for k in keys_of[shard]:
+                if k not in held:
+                    raise OscarError(f"{os.path.join(model_dir, INDEX_NAME)}: weight_map puts {k} in {shard}, "
+                                     f"but {path} holds no such tensor")
                 got[k] = fh.get_tensor(k)
                 report.keys.append(k)
                 report.bytes += got[k].numel() * got[k].element_size()

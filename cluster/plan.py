@@ -183,6 +183,8 @@ class Plan:
     suggested_stages: int | None
     gpu_mem_bytes: int | None
     notes: list[str] = field(default_factory=list)
+    budget_bytes: int | None = None   # per GPU: gpu_mem x usable (None without a GPU size)
+    fits: bool | None = None          # every stage's peak within its GPUs' budget (None without a GPU size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -208,11 +210,27 @@ class PlanConfig:
     usable: float = 0.9               # share of GPU memory a stage may plan for
     name: str = ""                    # model name in the plan (default: the config's model_type)
 
+    def check(self) -> None:
+        """Refuse sizes that cannot describe a job, before any config is read."""
+        for flag, v in (("--stages", self.stages), ("--gpus-per-stage", self.gpus_per_stage),
+                        ("--seq-len", self.seq_len), ("--batch-size", self.micro_batch),
+                        ("--seqs-per-block", self.seqs_per_block), ("--blocks", self.num_blocks),
+                        ("in_flight", self.in_flight)):
+            if v < 1:
+                raise OscarError(f"{flag} must be >= 1, got {v}")
+        if self.reservoir < 0:
+            raise OscarError(f"--reservoir must be >= 0, got {self.reservoir}")
+        if self.gpu_mem_gib is not None and not (math.isfinite(self.gpu_mem_gib) and self.gpu_mem_gib > 0):
+            raise OscarError(f"--gpu-mem must be a positive number of GiB, got {self.gpu_mem_gib:g}")
+        if not 0 < self.usable <= 1:
+            raise OscarError(f"usable share of GPU memory must be in (0, 1], got {self.usable:g}")
+        if self.dtype is not None and self.dtype.removeprefix("torch.") not in _DTYPE_BYTES:
+            raise OscarError(f"--dtype {self.dtype!r}: one of {sorted(_DTYPE_BYTES)}")
+
 
 def make_plan(config, pc: PlanConfig) -> Plan:
     """Plan a pipeline of `pc.stages` stages with `pc.gpus_per_stage` GPUs each."""
-    if pc.gpus_per_stage < 1 or pc.micro_batch < 1 or pc.seq_len < 1 or pc.num_blocks < 1:
-        raise OscarError("--gpus-per-stage, --micro-batch, --seq-len and --blocks must be positive")
+    pc.check()
     dtype = pc.dtype or str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     dtype = dtype.removeprefix("torch.")
     if dtype not in _DTYPE_BYTES:
@@ -231,7 +249,7 @@ def make_plan(config, pc: PlanConfig) -> Plan:
         acc = spb["per_layer"] * (b - a) * pc.in_flight
         peak = params + acc + pc.in_flight * 2 * act["boundary"] + act["layer_working_set"]
         sp.append(StagePlan(i, (a, b), params, a == 0, acc, peak, math.ceil(peak / pc.gpus_per_stage)))
-    gpu_mem = int(pc.gpu_mem_gib * GiB) if pc.gpu_mem_gib else None
+    gpu_mem = int(pc.gpu_mem_gib * GiB) if pc.gpu_mem_gib is not None else None
     suggested = None
     notes = [f"weights in {dtype} ({nb} B/param); activations in the same dtype",
              f"{pc.in_flight} micro-batches in flight per stage; accumulators are float64 per block",
@@ -249,8 +267,25 @@ def make_plan(config, pc: PlanConfig) -> Plan:
         notes.append(f"suggested stage count: smallest N whose largest stage fits {pc.usable:.0%} of "
                      f"{pc.gpus_per_stage} x {pc.gpu_mem_gib:g} GiB" if suggested else
                      "no stage count fits: a single layer exceeds the GPU budget")
+    budget = int(gpu_mem * pc.usable) if gpu_mem else None
+    fits = all(s.peak_bytes <= pc.gpus_per_stage * gpu_mem * pc.usable for s in sp) if gpu_mem else None
     return Plan(pc.name or getattr(config, "model_type", ""), nl, pb.total, pb.total - pb.head, sp, pc.gpus_per_stage,
-                act, spb, pc.num_blocks, spb["total"] * pc.num_blocks, suggested, gpu_mem, notes)
+                act, spb, pc.num_blocks, spb["total"] * pc.num_blocks, suggested, gpu_mem, notes, budget, fits)
+
+
+def misfit(p: Plan, explicit_layers: bool = False) -> str | None:
+    """Why plan `p` does not fit its GPUs, in one line with what to try instead; None when it fits
+    (or when no GPU size was given)."""
+    if p.fits is not False:
+        return None
+    worst = max(p.stages, key=lambda s: s.per_gpu_bytes)
+    if p.suggested_stages:
+        hint = f"try --stages {p.suggested_stages}" + (" without --layers" if explicit_layers else "")
+    else:
+        hint = "no stage count fits (a single layer exceeds the budget): try more --gpus-per-stage or larger GPUs"
+    return (f"does not fit: stage {worst.stage} (layers {worst.layers[0]}-{worst.layers[1] - 1}) needs "
+            f"{fmt_bytes(worst.per_gpu_bytes)} per GPU, budget {fmt_bytes(p.budget_bytes)} "
+            f"(--gpu-mem {p.gpu_mem_bytes / GiB:g} x {p.budget_bytes / p.gpu_mem_bytes:.0%} usable); {hint}")
 
 
 def fmt_bytes(n: float) -> str:
@@ -279,6 +314,8 @@ def format_plan(p: Plan) -> str:
               f"expert counts {fmt_bytes(p.store_per_block['experts'])}); "
               f"{p.num_blocks} blocks: {fmt_bytes(p.store_total_bytes)}"]
     if p.gpu_mem_bytes:
+        lines.append(f"budget per GPU: {fmt_bytes(p.budget_bytes)}; this plan "
+                     + ("fits" if p.fits else "does NOT fit"))
         lines.append(f"suggested stages for {fmt_bytes(p.gpu_mem_bytes)} GPUs x {p.gpus_per_stage} per stage: "
                      f"{p.suggested_stages if p.suggested_stages else 'none fits'}")
     lines += [f"note: {n}" for n in p.notes]

@@ -8,7 +8,8 @@ Two targets, both templates in cluster/templates/ with ``{{name}}`` parameters:
 
 Nothing is written while a parameter is unset, and nothing is written for a GPU count that `oscar plan`
 says cannot hold the model: a stage (its layers, float64 accumulators and activations) must fit 90 % of
-its GPUs' memory, the check `oscar plan --gpu-mem` makes. No Ray import: rendering runs anywhere.
+its GPUs' memory, the check `oscar plan --gpu-mem` makes. Sizes below 1 and positions beyond the model's
+`max_position_embeddings` are refused too. No Ray import: rendering runs anywhere.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import os
 import re
 import shlex
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from oscar.common import OscarError
 
@@ -34,6 +35,14 @@ REQUIRED = {
     "aws": ("image", "nodes", "gpus_per_node", "gpu_mem", "cpus_per_node", "model", "store", "region",
             "instance_type", "mount_command"),
 }
+
+# Sizes that must be >= 1 (integers) or positive GiB, when set.
+_COUNTS = ("nodes", "gpus_per_node", "cpus_per_node", "stages", "gpus_per_stage", "seq_len", "positions",
+           "seqs_per_block", "batch_size", "tokens", "disk_gib", "head_cpus")
+_GIB = ("gpu_mem", "memory_per_node", "head_memory")
+# Without --positions, a model serving at least this many times the positions the windows cover gets a
+# printed note: the artifact is calibrated for the short range only.
+FAR_POSITIONS = 2
 
 
 @dataclass
@@ -79,6 +88,7 @@ class Rendered:
     files: dict[str, str]             # file name -> text
     command: list[str]                # the `oscar ...` command the cluster runs (argv, "oscar" first)
     plan: dict
+    notes: list[str] = field(default_factory=list)  # printed with the file names (and in the manifests' header)
 
 
 def _check_params(cfg: RenderConfig) -> None:
@@ -92,13 +102,16 @@ def _check_params(cfg: RenderConfig) -> None:
         v = getattr(cfg, f.name)
         if isinstance(v, str) and ("\n" in v or "\r" in v):
             raise OscarError(f"--{f.name.replace('_', '-')} must be one line")
-    for k in ("nodes", "gpus_per_node", "cpus_per_node", "seq_len", "seqs_per_block", "batch_size", "disk_gib"):
-        if int(getattr(cfg, k)) < 1:
-            raise OscarError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(cfg, k)}")
+    for k in _COUNTS:  # sizes: refused before any config is read (unset optional ones keep their default)
+        v = getattr(cfg, k)
+        if v is not None and v < 1:
+            raise OscarError(f"--{k.replace('_', '-')} must be >= 1, got {v}; nothing written")
+    for k in _GIB:
+        v = getattr(cfg, k)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise OscarError(f"--{k.replace('_', '-')} must be a positive number of GiB, got {v:g}; nothing written")
     if cfg.positions is not None and cfg.positions < cfg.seq_len:
         raise OscarError(f"--positions {cfg.positions} must be at least --seq-len {cfg.seq_len}; nothing written")
-    if cfg.gpu_mem <= 0 or (cfg.memory_per_node is not None and cfg.memory_per_node <= 0):
-        raise OscarError("--gpu-mem and --memory-per-node must be positive (GiB)")
     shared = [cfg.shared_dir] + ([cfg.models_dir] if cfg.models_pvc else [])
     for name, path in (("store", cfg.store), ("model", cfg.model)) + ((("corpus", cfg.corpus),) if cfg.corpus != "pydoc" else ()):
         if not os.path.isabs(path):
@@ -119,7 +132,8 @@ def _layout(cfg: RenderConfig) -> tuple[int, int]:
 
 
 def plan_for(cfg: RenderConfig):
-    """(plan, stages, replicas, gpus_per_stage), or a clear refusal when the GPUs cannot hold the model."""
+    """(plan, stages, replicas, gpus_per_stage, notes), or a clear refusal when the GPUs cannot hold the model
+    or --positions goes beyond the model's (notes: `positions_notes`)."""
     from oscar.cluster.plan import PlanConfig, load_model_config, make_plan
 
     spec = cfg.model_config or cfg.model
@@ -129,6 +143,7 @@ def plan_for(cfg: RenderConfig):
         hint = "" if cfg.model_config else (" (--model names the path on the nodes; give --model-config: a local "
                                             "config.json, model directory or shipped config such as glm-4.7)")
         raise OscarError(f"cannot plan the model: {e}{hint}") from None
+    notes = positions_notes(cfg, mcfg, spec)  # refuses --positions beyond the model's before any planning
     g, slots = _layout(cfg)
     blocks = max(1, math.ceil(cfg.tokens / (cfg.seqs_per_block * cfg.seq_len))) if cfg.tokens else 64
     kw = dict(gpus_per_stage=g, gpu_mem_gib=cfg.gpu_mem, seq_len=cfg.seq_len, micro_batch=cfg.batch_size,
@@ -157,7 +172,25 @@ def plan_for(cfg: RenderConfig):
         raise OscarError(f"{cfg.nodes} node(s) x {cfg.gpus_per_node // g} stage(s) per node = {slots} stage slots do not "
                          f"split into replicas of {stages} stage(s); use --nodes that is a multiple of "
                          f"{stages // math.gcd(stages, cfg.gpus_per_node // g)}; nothing written")
-    return plan, stages, slots // stages, g
+    return plan, stages, slots // stages, g, notes
+
+
+def positions_notes(cfg: RenderConfig, mcfg, spec: str) -> list[str]:
+    """Refuse positions the model does not serve; without --positions, say which positions the artifact
+    will cover when the model serves far more (`FAR_POSITIONS` times or more)."""
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    limit = getattr(text, "max_position_embeddings", None)
+    covered = cfg.positions or cfg.seq_len
+    flag = "--positions" if cfg.positions else "--seq-len"
+    if not isinstance(limit, int) or limit < 1:
+        return []  # the config does not say: nothing to check against
+    if covered > limit:
+        raise OscarError(f"{flag} {covered} is beyond {spec}'s max_position_embeddings {limit} (positions "
+                         f"0..{limit - 1}); nothing written")
+    if cfg.positions is None and limit >= FAR_POSITIONS * covered:
+        return [f"positions: the artifact is calibrated for 0..{covered - 1}; {spec} serves up to {limit}; "
+                "pass --positions N to calibrate for longer contexts"]
+    return []
 
 
 def calibrate_command(cfg: RenderConfig, stages: int, replicas: int, g: int) -> list[str]:
@@ -213,7 +246,7 @@ def render(cfg: RenderConfig) -> Rendered:
     import yaml
 
     _check_params(cfg)
-    plan, stages, replicas, g = plan_for(cfg)
+    plan, stages, replicas, g, notes = plan_for(cfg)
     cmd = calibrate_command(cfg, stages, replicas, g)
     q = json.dumps  # a JSON string is a valid YAML double-quoted scalar
     plan_cmd = (f"oscar plan --model {shlex.quote(cfg.model_config or cfg.model)} --stages {stages} --gpus-per-stage {g} "
@@ -221,7 +254,7 @@ def render(cfg: RenderConfig) -> Rendered:
                 f"--blocks {plan.num_blocks} --dtype {cfg.dtype}")
     v = {
         "model": cfg.model, "render_command": shlex.join(["oscar", "cluster", "render", *render_argv(cfg)]),
-        "plan_command": plan_cmd, "plan_comment": _comment(_plan_lines(plan, stages, replicas, g, cfg)),
+        "plan_command": plan_cmd, "plan_comment": _comment(_plan_lines(plan, stages, replicas, g, cfg) + notes),
         "name": q(cfg.name), "image": q(cfg.image), "command": q(shlex.join(cmd)),
         "nodes": str(cfg.nodes), "gpus_per_node": str(cfg.gpus_per_node), "cpus_per_node": str(cfg.cpus_per_node),
         "stages": str(stages), "replicas": str(replicas), "gpus_per_stage": str(g),
@@ -262,7 +295,7 @@ def render(cfg: RenderConfig) -> Rendered:
             list(yaml.safe_load_all(text))
         except yaml.YAMLError as e:  # a parameter broke the YAML: a bug or a hostile value, never written
             raise OscarError(f"rendered {name} is not valid YAML ({e}); nothing written") from None
-    return Rendered(files, cmd, plan.to_dict())
+    return Rendered(files, cmd, plan.to_dict(), notes)
 
 
 def _read(name: str) -> str:

@@ -186,11 +186,26 @@ def _weight_files(model_dir: str) -> dict[str, str] | None:
     idx = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(idx):
         with open(idx) as f:
-            return {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+            d = json.load(f)
+        wm = d.get("weight_map") if isinstance(d, dict) else None
+        if not isinstance(wm, dict):
+            raise OscarError(f"{idx}: not a safetensors index (no weight_map object)")
+        return {k: os.path.join(model_dir, v) for k, v in wm.items()}
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.isfile(single):
         return {k: single for k in _safetensors_header(single)[0] if k != "__metadata__"}
     return None
+
+
+def _check_index_files(model_dir: str, files: dict[str, str]) -> None:
+    """Every shard the index names exists (a one-line error naming a key and its missing file)."""
+    first: dict[str, str] = {}
+    for name, path in sorted(files.items()):
+        first.setdefault(path, name)
+    for path, name in first.items():
+        if not os.path.isfile(path):
+            raise OscarError(f"{model_dir}/model.safetensors.index.json: weight_map puts {name} in "
+                             f"{os.path.basename(path)}, but there is no file {path}")
 
 
 def weights_fingerprint(model_dir: str | None, layers=None) -> dict | None:
@@ -211,6 +226,7 @@ def weights_fingerprint(model_dir: str | None, layers=None) -> dict | None:
         return None
     if not files:
         return None
+    _check_index_files(model_dir, files)
     key = (os.path.realpath(model_dir), tuple(sorted((p, os.stat(p).st_mtime_ns) for p in set(files.values()))),
            None if layers is None else tuple(layers))
     if key in _WEIGHTS_MEMO:
@@ -225,6 +241,9 @@ def weights_fingerprint(model_dir: str | None, layers=None) -> dict | None:
         if path not in headers:
             headers[path] = _safetensors_header(path)
         hdr, base = headers[path]
+        if name not in hdr:
+            raise OscarError(f"{model_dir}/model.safetensors.index.json: weight_map puts {name} in "
+                             f"{os.path.basename(path)}, but {path} holds no such tensor")
         t = hdr[name]
         a, b = t["data_offsets"]
         n = b - a

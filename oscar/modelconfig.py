@@ -118,7 +118,17 @@ def cache_root(cache_dir: str | None = None) -> str:
     return os.path.abspath(os.path.expanduser(cache_dir or os.environ.get("OSCAR_CACHE") or "~/.cache/oscar-kv"))
 
 
+def known_name(name: str) -> str | None:
+    """The registered spelling of a model name (preset, embedded or installable), matched
+    case-insensitively: `TINY-LLAMA` -> `tiny-llama`; None for anything else."""
+    names = (*PRESETS, *EMBEDDED, *INSTALLABLE)
+    if name in names:
+        return name
+    return next((n for n in names if n.lower() == name.lower()), None)
+
+
 def split_gguf(name: str) -> SplitGguf:
+    name = known_name(name) or name
     if name not in INSTALLABLE:
         raise OscarError(f"unknown installable model {name!r}; installable: {', '.join(INSTALLABLE)}")
     return INSTALLABLE[name]
@@ -138,10 +148,15 @@ def not_installed(name: str, path: str) -> str:
 
 
 def parse_spec(spec: str, seed: int | None = None) -> tuple[str, int | None]:
-    """'tiny-llama@seed=3' -> ('tiny-llama', 3); an explicit seed argument wins over none in the spec."""
+    """'tiny-llama@seed=3' -> ('tiny-llama', 3); an explicit seed argument wins over none in the spec.
+
+    Names match case-insensitively (`TINY-LLAMA` is `tiny-llama`) unless the spec is a path on disk:
+    a file or directory is used as given."""
     name, _, opts = spec.partition("@")
-    if name not in PRESETS and name not in EMBEDDED and name not in INSTALLABLE:
+    known = known_name(name)
+    if known is None or (known != name and os.path.exists(os.path.expanduser(spec))):
         return spec, seed  # a path (which may contain '@')
+    name = known
     spec_seed = None
     if opts:
         m = re.fullmatch(r"seed=(\d+)", opts.strip())
@@ -157,6 +172,7 @@ def parse_spec(spec: str, seed: int | None = None) -> tuple[str, int | None]:
 def preset_config(name: str, seed: int = DEFAULT_SEED):
     from transformers import AutoConfig
 
+    name = known_name(name) or name
     if name not in PRESETS:
         raise OscarError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
     kw = dict(_COMMON, **PRESETS[name])
@@ -211,17 +227,30 @@ def read_config(path: str):
         raise OscarError(f"cannot read model config in {d}: {type(e).__name__}: {e}") from None
 
 
+def _shipped_config(shipped: str, spec: str) -> str | None:
+    """`{shipped}/{spec}.json`, the name matched case-insensitively (`GLM-4.7` finds glm-4.7.json)."""
+    if os.sep in spec or (os.altsep and os.altsep in spec) or not os.path.isdir(shipped):
+        return None
+    want = f"{spec}.json".lower()
+    hits = sorted(f for f in os.listdir(shipped) if f.lower() == want)
+    exact = f"{spec}.json"
+    name = exact if exact in hits else (hits[0] if hits else None)
+    return os.path.join(shipped, name) if name and os.path.isfile(os.path.join(shipped, name)) else None
+
+
 def load_model_config(spec: str, *, shipped: str | None = None, cache_dir: str | None = None):
     """A transformers config for any model spec, without weights: a path (`read_config`), a config
     shipped as `{shipped}/{spec}.json`, a preset (`NAME@seed=N`), the embedded model (its GGUF's
-    metadata) or an installed model (its assembled GGUF)."""
+    metadata) or an installed model (its assembled GGUF). Names match case-insensitively; a path on
+    disk is used as given."""
     if not isinstance(spec, str) or not spec.strip():
         raise OscarError("empty model spec")
     spec = spec.strip()
     if os.path.exists(os.path.expanduser(spec)):
         return read_config(spec)
-    if shipped and os.path.isfile(os.path.join(shipped, f"{spec}.json")):
-        return read_config(os.path.join(shipped, f"{spec}.json"))
+    config_file = _shipped_config(shipped, spec) if shipped else None
+    if config_file:
+        return read_config(config_file)
     name, seed = parse_spec(spec)
     if name in PRESETS:
         return preset_config(name, DEFAULT_SEED if seed is None else seed)

@@ -530,7 +530,7 @@ def _display_name(spec: str, seed: int | None) -> str:
     name, s = parse_spec(spec.strip(), seed)
     if name in PRESETS:
         return f"{name}@seed={DEFAULT_SEED if s is None else s}"
-    return spec.strip()
+    return name if name in (*EMBEDDED, *INSTALLABLE) else spec.strip()  # a name in its registered spelling
 
 
 def load_config(spec: str, *, seed: int | None = None, cache_dir: str | None = None):

@@ -184,3 +184,44 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(OscarError, match="no tensor for model.layers.1.self_attn.k_proj.weight"):
         load_layer_range(str(broken), 1, 2)
     load_layer_range(str(broken), 2, 4)  # other ranges never touch the missing key
+
+
+def _corrupt(src: str, dst, key_suffix: str, shard: str | None = None) -> tuple[str, str]:
+    """A copy of checkpoint `src` whose index puts the key ending in `key_suffix` in `shard` (default: another
+    shard file, which does not hold it). Returns (key, shard)."""
+    shutil.copytree(src, dst)
+    idx = json.load(open(os.path.join(dst, loading.INDEX_NAME)))
+    wm = idx["weight_map"]
+    key = next(k for k in wm if k.endswith(key_suffix))
+    wm[key] = shard or next(s for s in sorted(set(wm.values())) if s != wm[key])
+    json.dump(idx, open(os.path.join(dst, loading.INDEX_NAME), "w"))
+    return key, wm[key]
+
+
+def test_malformed_index_is_one_line_naming_the_key_and_the_file(tmp_path):
+    """An index naming a shard that lacks the key, or a shard file that does not exist: an OscarError naming both,
+    from the layer-range loader and from the model's weights fingerprint (what every command reads first)."""
+    from oscar.pipeline.models import load_info
+
+    d = resolve_model("tiny-llama")
+    key, shard = _corrupt(d, tmp_path / "moved", "layers.1.self_attn.k_proj.weight")
+    for call in (lambda: load_layer_range(str(tmp_path / "moved"), 1, 2), lambda: load_info(str(tmp_path / "moved"))):
+        with pytest.raises(OscarError) as e:
+            call()
+        msg = str(e.value)
+        assert key in msg and shard in msg and "holds no such tensor" in msg and "\n" not in msg, msg
+    load_layer_range(str(tmp_path / "moved"), 2, 4)  # other ranges never read the misplaced key
+
+    key, shard = _corrupt(d, tmp_path / "gone", "layers.2.mlp.up_proj.weight", "model-00009-of-00009.safetensors")
+    for call in (lambda: load_layer_range(str(tmp_path / "gone"), 2, 3), lambda: load_info(str(tmp_path / "gone")),
+                 lambda: loading.Checkpoint(str(tmp_path / "gone")).shard_sizes()):
+        with pytest.raises(OscarError) as e:
+            call()
+        msg = str(e.value)
+        assert key in msg and shard in msg and "no file" in msg and "\n" not in msg, msg
+
+    (tmp_path / "gone" / loading.INDEX_NAME).write_text('{"metadata": {}}')
+    with pytest.raises(OscarError, match="not a readable safetensors index with a weight_map"):
+        load_layer_range(str(tmp_path / "gone"), 0, 1)
+    with pytest.raises(OscarError, match="not a safetensors index"):
+        load_info(str(tmp_path / "gone"))

@@ -114,3 +114,64 @@ def test_store_bytes_match_a_real_store(tmp_path):
     est = store_bytes_per_block(c, seq_len=T, seqs_per_block=S, reservoir=R)
     assert on_disk == est["layers"] + est["done"], (on_disk, est)
     assert est["tokens"] == st.group["tokens"][1].nbytes + st.group["mask"][1].nbytes
+
+
+def test_plan_that_does_not_fit_is_printed_then_refused(capsys):
+    """GLM-4.7 in one stage of 8 x 80 GiB: the table is printed (which stage, by how much), then one error line."""
+    from oscar.__main__ import main
+
+    argv = ["plan", "--model", "glm-4.7", "--stages", "1", "--gpus-per-stage", "8", "--gpu-mem", "80"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "82.4 GiB" in out and "does NOT fit" in out
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert ("oscar plan: error: does not fit: stage 0 (layers 0-91) needs 82.4 GiB per GPU, budget 72.0 GiB "
+            "(--gpu-mem 80 x 90% usable); try --stages 2") in err
+    # --json: the plan still parses (scripts read "fits"), and the exit status still says it does not fit
+    assert main(argv + ["--json"]) == 2
+    out, err = capsys.readouterr()
+    d = json.loads(out)
+    assert d["fits"] is False and d["suggested_stages"] == 2 and d["budget_bytes"] == int(80 * 0.9 * 2**30)
+    assert "does not fit" in err
+    assert main(["plan", "--model", "glm-4.7", "--stages", "2", "--gpus-per-stage", "8", "--gpu-mem", "80", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert main(["plan", "--model", "glm-4.7", "--stages", "1", "--json"]) == 0  # no --gpu-mem: nothing to check
+    assert json.loads(capsys.readouterr().out)["fits"] is None
+    # explicit ranges that do not fit where the balanced ones would: the hint drops --layers
+    assert main(["plan", "--model", "glm-4.7", "--stages", "2", "--layers", "0:90,90:92", "--gpus-per-stage", "8",
+                 "--gpu-mem", "80"]) == 2
+    assert "stage 0 (layers 0-89)" in (err := capsys.readouterr().err) and "try --stages 2 without --layers" in err
+    # no stage count fits: the hint says so instead of naming one
+    assert main(["plan", "--model", "glm-4.7", "--stages", "92", "--gpu-mem", "1"]) == 2
+    assert "no stage count fits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [("--stages", "0"), ("--stages", "-2"), ("--gpus-per-stage", "0"),
+                                        ("--gpu-mem", "0"), ("--gpu-mem", "-80"), ("--gpu-mem", "nan"),
+                                        ("--seq-len", "0"), ("--seqs-per-block", "0"), ("--blocks", "0"),
+                                        ("--batch-size", "0"), ("--reservoir", "-1")])
+def test_plan_refuses_non_positive_sizes_before_reading_the_config(flag, value, capsys, monkeypatch):
+    from oscar.__main__ import main
+    from oscar.cluster import plan
+
+    def no_config(spec):
+        raise AssertionError("the config was read before the sizes were checked")
+
+    monkeypatch.setattr(plan, "load_model_config", no_config)
+    argv = ["plan", "--model", "glm-4.7", "--stages", "2", "--gpu-mem", "80"]
+    i = argv.index(flag) if flag in argv else None
+    argv = argv[:i] + argv[i + 2:] if i is not None else argv
+    assert main(argv + [flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oscar plan: error: {flag} must be") and err.count("\n") == 1, err
+
+
+def test_plan_model_names_are_case_insensitive(capsys):
+    from oscar.__main__ import main
+
+    assert main(["plan", "--model", "GLM-4.7", "--stages", "2", "--gpus-per-stage", "8", "--gpu-mem", "80",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["num_layers"] == 92 and d["fits"] is True
+    assert main(["plan", "--model", "TINY-LLAMA", "--stages", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_layers"] == 4

@@ -139,6 +139,53 @@ def test_template_parameters_without_value_are_refused():
 def test_small_real_model_plans_from_its_own_config():
     """--model readable here: the plan reads it directly (the tiny preset, one stage on one GPU)."""
     r = render(RenderConfig(**{**KUBE, "model": "/data/m", "model_config": "tiny-llama", "nodes": 1, "gpus_per_node": 1,
-                               "gpu_mem": 1}))
+                               "gpu_mem": 1, "positions": None}))  # tiny-llama serves 8192 positions, not 131072
     args = build_parser().parse_args(r.command[1:])
     assert (args.stages, args.replicas, args.gpus_per_stage) == (1, 1, 1.0)
+
+
+def test_positions_beyond_the_model_are_refused(tmp_path, capsys):
+    with pytest.raises(OscarError, match="--positions 300000 is beyond glm-4.7's max_position_embeddings 202752"):
+        render(RenderConfig(**{**KUBE, "positions": 300000}))
+    with pytest.raises(OscarError, match="--seq-len 16384 is beyond tiny-llama's max_position_embeddings 8192"):
+        render(RenderConfig(**{**KUBE, "model_config": "tiny-llama", "positions": None, "seq_len": 16384}))
+    out = tmp_path / "out"
+    assert main(["cluster", "render", "--out", str(out), *argv_of({**KUBE, "positions": 202753})]) == 2
+    err = capsys.readouterr().err
+    assert "202753" in err and "202752" in err and err.count("\n") == 1 and not out.exists()
+    assert render(RenderConfig(**{**KUBE, "positions": 202752})).command[-1] == "202752"  # the last one it serves
+
+
+def test_default_positions_say_what_the_artifact_covers(tmp_path, capsys):
+    """Without --positions, a model serving far more than the windows cover gets a printed note (and one in the
+    manifest); with --positions, or a model that serves little more, nothing is said."""
+    kw = {k: v for k, v in KUBE.items() if k != "positions"}
+    assert main(["cluster", "render", "--out", str(tmp_path / "a"), *argv_of(kw)]) == 0
+    note = ("positions: the artifact is calibrated for 0..4095; glm-4.7 serves up to 202752; "
+            "pass --positions N to calibrate for longer contexts")
+    assert note in capsys.readouterr().out
+    assert note in (tmp_path / "a" / "rayjob.yaml").read_text()
+    assert main(["cluster", "render", "--out", str(tmp_path / "b"), *argv_of(KUBE)]) == 0  # --positions 131072
+    assert "positions:" not in capsys.readouterr().out
+    small = render(RenderConfig(**{**kw, "model": "/data/m", "model_config": "tiny-llama", "nodes": 1,
+                                   "gpus_per_node": 1, "gpu_mem": 1, "seq_len": 6144}))  # 8192 < 2 x 6144
+    assert small.notes == []
+
+
+@pytest.mark.parametrize("name,value", [("nodes", 0), ("gpus_per_node", 0), ("gpu_mem", 0), ("gpu_mem", -80),
+                                        ("cpus_per_node", 0), ("memory_per_node", 0), ("seq_len", 0),
+                                        ("positions", 0), ("positions", -1), ("seqs_per_block", 0),
+                                        ("batch_size", 0), ("stages", 0), ("gpus_per_stage", 0), ("tokens", 0),
+                                        ("head_cpus", 0), ("head_memory", 0), ("disk_gib", 0)])
+def test_non_positive_sizes_are_refused_before_anything(tmp_path, capsys, monkeypatch, name, value):
+    from oscar.cluster import plan
+
+    def no_config(spec):
+        raise AssertionError("the config was read before the sizes were checked")
+
+    monkeypatch.setattr(plan, "load_model_config", no_config)
+    out = tmp_path / "out"
+    assert main(["cluster", "render", "--out", str(out), *argv_of({**KUBE, name: value})]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oscar cluster: error: --{name.replace('_', '-')} must be") and err.count("\n") == 1, err
+    assert "nothing written" in err and not out.exists()

@@ -77,3 +77,28 @@ def test_config_fingerprint_matches_the_resolved_model():
 
     for spec in (EMBEDDED_MODEL, embedded_gguf_path(), "tiny-qwen3@seed=2"):
         assert config_fingerprint(load_model_config(spec)) == config_fingerprint(load_config(spec)), spec
+
+
+def test_model_names_match_case_insensitively(tmp_path, monkeypatch):
+    """Presets, the embedded model and shipped configs answer to any spelling; a path on disk is used as given."""
+    from oscar.common import config_fingerprint
+    from oscar.modelconfig import parse_spec
+
+    shipped = os.path.join(os.path.dirname(__file__), "..", "cluster", "configs")
+    assert parse_spec("TINY-LLAMA") == ("tiny-llama", None)
+    assert parse_spec("Tiny-Qwen3@seed=2") == ("tiny-qwen3", 2)
+    assert parse_spec(EMBEDDED_MODEL.upper()) == (EMBEDDED_MODEL, None)
+    for upper, lower in (("TINY-LLAMA", "tiny-llama"), ("Tiny-Qwen3@seed=2", "tiny-qwen3@seed=2")):
+        assert config_fingerprint(load_model_config(upper)) == config_fingerprint(load_model_config(lower))
+    assert load_model_config("Tiny-Qwen3@seed=2").oscar_origin == {"preset": "tiny-qwen3", "seed": 2}
+    assert load_model_config(EMBEDDED_MODEL.upper()).num_hidden_layers == 30
+    glm = load_model_config("GLM-4.7", shipped=shipped)
+    assert glm.to_dict() == load_model_config("glm-4.7", shipped=shipped).to_dict()
+    with pytest.raises(OscarError, match="unknown model 'GLM-4.7'"):
+        load_model_config("GLM-4.7")  # shipped configs only where the caller ships them
+    # a directory on disk spelled like a preset is that directory, not the preset
+    monkeypatch.chdir(tmp_path)
+    load_model_config("tiny-qwen3").save_pretrained(tmp_path / "TINY-LLAMA")
+    assert parse_spec("TINY-LLAMA") == ("TINY-LLAMA", None)
+    assert load_model_config("TINY-LLAMA").model_type == "qwen3"
+    assert load_model_config("tiny-llama").model_type == "llama"

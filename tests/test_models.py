@@ -267,6 +267,16 @@ def test_path_with_at_sign_is_a_path(tmp_path):
     assert M.resolve_model(str(d)) == str(d)
 
 
+def test_names_match_case_insensitively_but_paths_are_used_as_given(tmp_path, monkeypatch):
+    d = M.resolve_model("tiny-llama")
+    assert M.resolve_model("TINY-LLAMA") == M.resolve_model("Tiny-Llama@seed=0") == d
+    assert M.load_info("TINY-LLAMA").name == "tiny-llama@seed=0"
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(M.resolve_model("tiny-qwen3"), tmp_path / "TINY-LLAMA")
+    assert M.resolve_model("TINY-LLAMA") == str(tmp_path / "TINY-LLAMA")  # a directory of that name wins
+    assert M.resolve_model("tiny-llama") == d
+
+
 def test_unreadable_directory(tmp_path):
     d = tmp_path / "locked"
     d.mkdir()
