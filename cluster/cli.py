@@ -23,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
                    help="memory of one GPU, to check the plan and suggest a stage count; a plan that does not fit "
                         "is printed, then refused (exit 2) (default: no check)")
-    p.add_argument("--layers", default=None, help="explicit ranges START:STOP,... (default: balanced by parameters)")
+    p.add_argument("--stage-layers", "--layers", dest="layers", default=None, metavar="A:B,B:C",
+                   help="explicit layer ranges, one per stage, as `oscar calibrate --stage-layers` (default: balanced "
+                        "by parameters; --layers: the older spelling)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
     p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=int, default=1,
                    help="sequences per forward pass, as `oscar calibrate --batch-size` (--micro-batch: the same)")

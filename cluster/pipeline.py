@@ -162,7 +162,7 @@ def stage_ranges(model_dir: str, cc: ClusterConfig, num_layers: int) -> list[tup
     if cc.layers:
         r = parse_ranges(cc.layers, num_layers)
         if len(r) != cc.stages:
-            raise OscarError(f"--layers gives {len(r)} ranges but --stages is {cc.stages}")
+            raise OscarError(f"--stage-layers gives {len(r)} ranges but --stages is {cc.stages}")
         return r
     if cc.stages > num_layers:
         raise OscarError(f"--stages {cc.stages} exceeds the model's {num_layers} layers")

@@ -93,14 +93,14 @@ def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]]:
     try:
         ranges = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
     except ValueError as e:
-        raise OscarError(f"--layers {text!r}: expected START:STOP,START:STOP,...") from e
+        raise OscarError(f"--stage-layers {text!r}: expected START:STOP,START:STOP,...") from e
     pos = 0
     for r in ranges:
         if len(r) != 2 or r[0] != pos or r[1] <= r[0]:
-            raise OscarError(f"--layers {text!r}: ranges must be contiguous, non-empty and start at 0")
+            raise OscarError(f"--stage-layers {text!r}: ranges must be contiguous, non-empty and start at 0")
         pos = r[1]
     if pos != num_layers:
-        raise OscarError(f"--layers {text!r}: ranges end at {pos}, the model has {num_layers} layers")
+        raise OscarError(f"--stage-layers {text!r}: ranges end at {pos}, the model has {num_layers} layers")
     return ranges  # type: ignore[return-value]
 
 
@@ -240,7 +240,7 @@ def make_plan(config, pc: PlanConfig) -> Plan:
     nl = len(pb.layers)
     ranges = parse_ranges(pc.layers, nl) if pc.layers else balance_layers(pb.layers, pc.stages, pb.embed)
     if len(ranges) != pc.stages:
-        raise OscarError(f"--layers gives {len(ranges)} ranges but --stages is {pc.stages}")
+        raise OscarError(f"--stage-layers gives {len(ranges)} ranges but --stages is {pc.stages}")
     act = activation_bytes(config, micro_batch=pc.micro_batch, seq_len=pc.seq_len, act_bytes=nb)
     spb = store_bytes_per_block(config, seq_len=pc.seq_len, seqs_per_block=pc.seqs_per_block, reservoir=pc.reservoir)
     sp = []
@@ -280,7 +280,7 @@ def misfit(p: Plan, explicit_layers: bool = False) -> str | None:
         return None
     worst = max(p.stages, key=lambda s: s.per_gpu_bytes)
     if p.suggested_stages:
-        hint = f"try --stages {p.suggested_stages}" + (" without --layers" if explicit_layers else "")
+        hint = f"try --stages {p.suggested_stages}" + (" without --stage-layers" if explicit_layers else "")
     else:
         hint = "no stage count fits (a single layer exceeds the budget): try more --gpus-per-stage or larger GPUs"
     return (f"does not fit: stage {worst.stage} (layers {worst.layers[0]}-{worst.layers[1] - 1}) needs "

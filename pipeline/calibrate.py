@@ -25,7 +25,7 @@ class CalibConfig:
     model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
     store: str = "runs/calib.zarr"
-    seq_len: int = 2048
+    seq_len: int = 4096                 # the same default as `oscar plan`, `cluster render` and `run`
     positions: int | None = None        # absolute positions the windows cover (None: seq_len); see window_offsets
     sink: int = SINK                    # first positions of every sequence excluded (kept BF16 at serve time)
     blocks: int | None = None           # number of blocks, or

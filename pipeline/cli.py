@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "HF directory or .gguf file (default: %%(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
+                   "`cluster render` and `run` too)")
     p.add_argument("--positions", type=int, default=None,
                    help="absolute positions the statistics cover: the --seq-len windows are read at position "
                         "offsets 0, L, 2L, ... below this (RoPE is relative: the model computes the same; the "

@@ -137,10 +137,12 @@ def test_plan_that_does_not_fit_is_printed_then_refused(capsys):
     assert json.loads(capsys.readouterr().out)["fits"] is True
     assert main(["plan", "--model", "glm-4.7", "--stages", "1", "--json"]) == 0  # no --gpu-mem: nothing to check
     assert json.loads(capsys.readouterr().out)["fits"] is None
-    # explicit ranges that do not fit where the balanced ones would: the hint drops --layers
-    assert main(["plan", "--model", "glm-4.7", "--stages", "2", "--layers", "0:90,90:92", "--gpus-per-stage", "8",
-                 "--gpu-mem", "80"]) == 2
-    assert "stage 0 (layers 0-89)" in (err := capsys.readouterr().err) and "try --stages 2 without --layers" in err
+    # explicit ranges that do not fit where the balanced ones would: the hint drops them (--layers: the old spelling)
+    for flag in ("--stage-layers", "--layers"):
+        assert main(["plan", "--model", "glm-4.7", "--stages", "2", flag, "0:90,90:92", "--gpus-per-stage", "8",
+                     "--gpu-mem", "80"]) == 2
+        assert "stage 0 (layers 0-89)" in (err := capsys.readouterr().err)
+        assert "try --stages 2 without --stage-layers" in err
     # no stage count fits: the hint says so instead of naming one
     assert main(["plan", "--model", "glm-4.7", "--stages", "92", "--gpu-mem", "1"]) == 2
     assert "no stage count fits" in capsys.readouterr().err
