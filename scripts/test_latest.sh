@@ -48,8 +48,8 @@ $OSCAR fit "$T/tiny.zarr" --out "$T/tiny.safetensors" --no-progress
 
 step "SmolLM2: calibrate, fit the scaled recipe, run docs/serving.md's snippets as written"
 mkdir -p "$T/serve/runs/demo"
-$OSCAR calibrate --model smollm2-135m --store "$T/smol.zarr" --seq-len 512 --seqs-per-block 2 --tokens 2048 \
-  --reservoir 64 --no-progress
+$OSCAR calibrate --model smollm2-135m --store "$T/smol.zarr" --seq-len 512 --positions 1024 --seqs-per-block 2 \
+  --tokens 2048 --reservoir 64 --no-progress
 $OSCAR fit "$T/smol.zarr" --variant scaled --out "$T/serve/runs/demo/artifact.safetensors" --no-progress
 $PY - "$T/serve" <<'PY'
 import os, re, sys
@@ -64,7 +64,7 @@ PY
 
 step "one needle cell: niah_single_1 at 1k, bf16 and oscar-int2"
 $OSCAR validate niah --model smollm2-135m --artifact "$T/serve/runs/demo/artifact.safetensors" \
-  --methods bf16,oscar-int2 --tasks niah_single_1 --lengths 1k --samples 2 --out "$T/niah" --no-progress
+  --methods bf16,oscar-int2 --tasks niah_single_1 --lengths 1k --samples 2 --dtype float32 --out "$T/niah" --no-progress
 test -s "$T/niah/results.parquet" || { echo "no results.parquet" >&2; exit 1; }
 
 step "packaging tests (the shadowing checks) on the latest dependencies"
