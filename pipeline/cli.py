@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "command resumes; a store made for another model, corpus or config is refused.")
     p.add_argument("--model", default=EMBEDDED_MODEL,
                    help=f"preset ({EMBEDDED_MODEL}, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
-                        "HF directory or .gguf file (default: %%(default)s)")
+                        "HF directory or .gguf file (default: %(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
