@@ -107,14 +107,32 @@ def interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Commands whose --out is one file (the others write a directory of files).
+FILE_OUTPUTS = {("fit",), ("import",), ("validate", "tune"), ("validate", "widths"), ("bench", "memory")}
+
+
+def command_path(args) -> tuple[str, ...]:
+    """("validate", "niah"), ("fit",), ...: the (nested) subcommand the arguments select."""
+    path = (args.command,)
+    for dest in ("validate_command", "bench", "cluster_command", "models_command"):
+        if getattr(args, dest, None):
+            path += (getattr(args, dest),)
+    return path
+
+
 def check_outputs(args) -> None:
-    """Output paths checked before any work: a command must not compute for minutes and then fail to write."""
+    """Output paths checked before any work: a command must not compute for minutes and then fail to write.
+    Writability is probed (a temporary file created and removed), so nothing is left behind on refusal."""
     from oscar.common import check_output_path
 
     if getattr(args, "out", None):
-        check_output_path(args.out)
+        check_output_path(args.out, file=command_path(args) in FILE_OUTPUTS)
     if args.command == "calibrate" and getattr(args, "store", None):
         check_output_path(args.store, file=False, flag="--store")
+    if args.command == "report" and getattr(args, "dir", None) and os.path.isdir(args.dir):
+        check_output_path(args.dir, file=False, flag="DIR")  # report.md and report.html are written into it
+        if getattr(args, "readme", None):
+            check_output_path(args.readme, file=True, flag="--readme")
 
 
 def _quiet_broken_pipe() -> int:

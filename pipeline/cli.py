@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from oscar.common import nonneg_int, positive_int
 from oscar.defaults import EMBEDDED_MODEL, SINK
 
 
@@ -21,27 +22,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "HF directory or .gguf file (default: %(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
                    "`cluster render` and `run` too)")
-    p.add_argument("--positions", type=int, default=None,
+    p.add_argument("--positions", type=positive_int, default=None,
                    help="absolute positions the statistics cover: the --seq-len windows are read at position "
                         "offsets 0, L, 2L, ... below this (RoPE is relative: the model computes the same; the "
                         "rotation sees a long context's angles at a short window's attention cost). "
                         "Default: --seq-len")
-    p.add_argument("--sink", type=int, default=SINK, help=f"first positions of every sequence left out (default {SINK})")
+    p.add_argument("--sink", type=nonneg_int, default=SINK, help=f"first positions of every sequence left out (default {SINK})")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--blocks", type=int, help="number of blocks (default: as many as --block-tokens gives)")
-    g.add_argument("--block-tokens", type=int, help="tokens per block (default 16384)")
-    g.add_argument("--seqs-per-block", type=int, help="sequences per block (default: from --block-tokens)")
-    p.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole calibration split)")
-    p.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
+    g.add_argument("--blocks", type=positive_int, help="number of blocks (default: as many as --block-tokens gives)")
+    g.add_argument("--block-tokens", type=positive_int, help="tokens per block (default 16384)")
+    g.add_argument("--seqs-per-block", type=positive_int, help="sequences per block (default: from --block-tokens)")
+    p.add_argument("--tokens", type=positive_int, help="cap on calibration tokens (default: the whole calibration split)")
+    p.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=positive_int, default=1,
                    help="sequences per forward pass (--micro-batch: the same, as `oscar plan` spells it)")
-    p.add_argument("--reservoir", type=int, default=256, help="seeded sample rows of q/k/v kept per block, layer and KV head")
-    p.add_argument("--seed", type=int, default=0, help="seed of the reservoir samples")
+    p.add_argument("--reservoir", type=nonneg_int, default=256, help="seeded sample rows of q/k/v kept per block, layer and KV head")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the reservoir samples")
     p.add_argument("--attn-implementation", default="sdpa", help="transformers attention implementation the captured model runs: sdpa (default), eager, ...")
     p.add_argument("--dtype", default="float32", help="model dtype during capture: float32 (default), bfloat16, float16, float64; the statistics are float64 either way")
     p.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1, ...")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores or $OSCAR_THREADS)")
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: all cores or $OSCAR_THREADS)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing store and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's)")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
