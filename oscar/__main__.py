@@ -120,6 +120,44 @@ def command_path(args) -> tuple[str, ...]:
     return path
 
 
+# Commands that load the model named by --model (its spec is checked up front); and those that read a store.
+MODEL_INPUTS = {("calibrate",), ("run",), ("validate", "niah"), ("validate", "ppl"), ("validate", "tune"),
+                ("validate", "widths")}
+STORE_INPUTS = {("fit",), ("validate", "attention")}
+
+
+def check_inputs(args) -> None:
+    """Inputs that can be checked without loading anything, checked before any work: the model spec, a corpus
+    file, an artifact file, a calibration store. (cluster render names paths as the cluster's nodes see them.)"""
+    from oscar.common import OscarError
+
+    path = command_path(args)
+    if path == ("cluster", "render"):
+        return
+    if path in MODEL_INPUTS and getattr(args, "model", None):
+        from oscar.pipeline.models import check_model_spec
+
+        check_model_spec(args.model)
+    corpus = getattr(args, "corpus", None)
+    if corpus and corpus != "pydoc":
+        p = os.path.expanduser(corpus)
+        if not os.path.exists(p):
+            raise OscarError(f"--corpus {corpus}: no such file (pydoc, or a .parquet / .jsonl / .txt file)")
+        if os.path.isdir(p):
+            raise OscarError(f"--corpus {corpus} is a directory; give a .parquet / .jsonl / .txt file")
+    for dest, flag in (("artifact", "--artifact"), ("artifact_pos", "ARTIFACT")):
+        a = getattr(args, dest, None)
+        if a and not os.path.isfile(os.path.expanduser(a)):
+            raise OscarError(f"{flag} {a}: " + ("is a directory, not an artifact file" if os.path.isdir(a)
+                                                 else "no such artifact file"))
+    given = {getattr(args, d, None) for d in ("store", "store_pos")} - {None}
+    if path in STORE_INPUTS and len(given) == 1:  # given twice or never: the command says so itself
+        st = os.path.expanduser(given.pop())
+        if not os.path.isdir(st):
+            raise OscarError(f"calibration store {st} does not exist" if not os.path.exists(st)
+                             else f"{st} is not a calibration store (not a directory)")
+
+
 def check_outputs(args) -> None:
     """Output paths checked before any work: a command must not compute for minutes and then fail to write.
     Writability is probed (a temporary file created and removed), so nothing is left behind on refusal."""
@@ -157,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         silence_progress()
     try:
         check_outputs(args)
+        check_inputs(args)
         rc = args.func(args)
         sys.stdout.flush()
     except BrokenPipeError:

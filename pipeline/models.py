@@ -549,6 +549,35 @@ def _check_hf_dir(d: str) -> str:
     return d
 
 
+def check_model_spec(spec: str, cache_dir: str | None = None) -> None:
+    """The errors `resolve_model` would raise about the spec itself, without building, converting or hashing
+    anything: an unknown name, a bad @option, an on-request model not installed, a missing file, a directory
+    that is not a Hugging Face model. Commands call it before any work."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise OscarError("empty model spec")
+    spec = spec.strip()
+    name, _ = parse_spec(spec)
+    if name in PRESETS or name == EMBEDDED_MODEL:
+        return
+    if name in INSTALLABLE:
+        if not os.path.isfile(installed_path(name, cache_dir)):
+            raise OscarError(not_installed(name, installed_path(name, cache_dir)))
+        return
+    path = os.path.expanduser(spec)
+    if path.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise OscarError(f"GGUF file not found: {spec}")
+        return
+    if os.path.isdir(path):
+        _check_hf_dir(os.path.abspath(path))
+        return
+    if os.path.exists(path):
+        raise OscarError(f"model path {spec!r} is neither a Hugging Face directory nor a .gguf file")
+    valid = ", ".join([*EMBEDDED, *INSTALLABLE, *PRESETS])
+    raise OscarError(f"unknown model {spec!r}: not a preset ({valid}, presets take @seed=N) "
+                     "and no such file or directory")
+
+
 def resolve_model(spec: str, cache_dir: str | None = None, *, seed: int | None = None) -> str:
     """Local HF directory (config, tokenizer, safetensors) for a model spec; converts/creates it once."""
     if not isinstance(spec, str) or not spec.strip():

@@ -348,3 +348,27 @@ def test_run_config_refuses_bad_sizes_before_any_stage(tmp_path):
         with pytest.raises(OscarError, match="oscar run: "):
             RunConfig(out=str(tmp_path / "r"), **kw)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("case,msg", [
+    (["run", "--no-ray", "--model", "no-such-model", "--out", "{o}"], "unknown model 'no-such-model'"),
+    (["validate", "niah", "--model", "tiny-llama@seed=x", "--out", "{o}"], "bad model spec"),
+    (["validate", "ppl", "--model", "{t}/missing.gguf", "--out", "{o}"], "GGUF file not found"),
+    (["validate", "niah", "--corpus", "{t}/missing.txt", "--out", "{o}"], "--corpus {t}/missing.txt: no such file"),
+    (["calibrate", "--corpus", "{t}", "--store", "{o}"], "is a directory"),
+    (["validate", "niah", "--artifact", "{t}/missing.safetensors", "--out", "{o}"], "no such artifact file"),
+    (["validate", "tune", "--artifact", "{t}/missing.safetensors", "--out", "{o}.safetensors"], "no such artifact file"),
+    (["bench", "memory", "--artifact", "{t}/missing.safetensors", "--out", "{o}.json"], "no such artifact file"),
+    (["export", "{t}/missing.safetensors", "--format", "gguf-rot", "--out", "{o}"], "ARTIFACT {t}/missing.safetensors"),
+    (["validate", "attention", "--store", "{t}/missing.zarr", "--artifact", "{t}/a.safetensors", "--out", "{o}"],
+     "calibration store {t}/missing.zarr does not exist"),
+])
+def test_inputs_checked_before_any_work(case, msg, tmp_path, capsys):
+    """The model spec, corpus, artifact and store paths are checked before any model loads or --out is created
+    (`oscar run --model typo` used to leave DIR/stages behind)."""
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    t, o = str(tmp_path), str(tmp_path / "out")
+    rc, err = _run([a.replace("{t}", t).replace("{o}", o) for a in case], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"oscar {case[0]}: error: " in err and msg.replace("{t}", t) in err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
