@@ -387,10 +387,15 @@ def _items(s: str, what: str) -> list[str]:
 
 
 def parse_token_count(s: str) -> int:
-    """'4k' -> 4096, '128k' -> 131072, '1500' -> 1500 (1k = 1024 tokens); ValueError otherwise."""
+    """'4k' -> 4096, '128k' -> 131072, '1500' -> 1500 (1k = 1024 tokens, fractions of k truncated as the validate
+    commands read them); ValueError otherwise."""
+    import math
+
     t = str(s).strip().lower()
-    v = float(t[:-1]) * 1024 if t.endswith("k") else int(t)
-    if v != int(v):
+    if not t.endswith("k"):
+        return int(t)
+    v = float(t[:-1]) * 1024
+    if not math.isfinite(v):
         raise ValueError(s)
     return int(v)
 
