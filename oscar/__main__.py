@@ -126,6 +126,18 @@ MODEL_INPUTS = {("calibrate",), ("run",), ("validate", "niah"), ("validate", "pp
 STORE_INPUTS = {("fit",), ("validate", "attention")}
 
 
+def _resumes(args) -> bool:
+    """`oscar calibrate` on a store that records its job (and no --overwrite): a resume."""
+    if getattr(args, "overwrite", False) or not getattr(args, "store", None) or not os.path.isdir(args.store):
+        return False
+    from oscar.pipeline.store import recorded_job
+
+    try:
+        return recorded_job(args.store) is not None
+    except (OscarError, OSError, ValueError):
+        return False  # not a readable store: the command says why
+
+
 def check_inputs(args) -> None:
     """Inputs that can be checked without loading anything, checked before any work: the model spec, a corpus
     file, an artifact file, a calibration store. (cluster render names paths as the cluster's nodes see them.)"""
@@ -134,6 +146,8 @@ def check_inputs(args) -> None:
     path = command_path(args)
     if path == ("cluster", "render"):
         return
+    if path == ("calibrate",) and _resumes(args):
+        return  # the store's recorded job supplies --model and --corpus; calibrate compares any given (pipeline/cli.py)
     if path in MODEL_INPUTS and getattr(args, "model", None):
         from oscar.pipeline.models import check_model_spec
 
