@@ -141,8 +141,6 @@ def _resumes(args) -> bool:
 def check_inputs(args) -> None:
     """Inputs that can be checked without loading anything, checked before any work: the model spec, a corpus
     file, an artifact file, a calibration store. (cluster render names paths as the cluster's nodes see them.)"""
-    from oscar.common import OscarError
-
     path = command_path(args)
     if path == ("cluster", "render"):
         return
