@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from oscar.common import nonneg_float, nonneg_int, positive_float, positive_int
+from oscar.common import nonneg_float, positive_float, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,20 +20,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "accumulators, activations per micro-batch, store size and, with --gpu-mem, the "
                                    "smallest stage count that fits (docs/scale.md).")
     p.add_argument("--model", required=True, help="config.json, model directory, shipped config (glm-4.7) or preset")
-    p.add_argument("--stages", type=positive_int, required=True, help="pipeline stages (layer ranges) to plan")
-    p.add_argument("--gpus-per-stage", type=positive_int, default=1, help="GPUs that share one stage's weights")
-    p.add_argument("--gpu-mem", type=positive_float, default=None, metavar="GiB",
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages (layer ranges) to plan")
+    p.add_argument("--gpus-per-stage", type=int, default=1, help="GPUs that share one stage's weights")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
                    help="memory of one GPU, to check the plan and suggest a stage count; a plan that does not fit "
                         "is printed, then refused (exit 2) (default: no check)")
     p.add_argument("--stage-layers", "--layers", dest="layers", default=None, metavar="A:B,B:C",
                    help="explicit layer ranges, one per stage, as `oscar calibrate --stage-layers` (default: balanced "
                         "by parameters; --layers: the older spelling)")
-    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per calibration sequence")
-    p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=positive_int, default=1,
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
+    p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=int, default=1,
                    help="sequences per forward pass, as `oscar calibrate --batch-size` (--micro-batch: the same)")
-    p.add_argument("--seqs-per-block", type=positive_int, default=8, help="sequences per store block")
-    p.add_argument("--blocks", type=positive_int, default=64, help="store blocks (for the store size)")
-    p.add_argument("--reservoir", type=nonneg_int, default=256, help="reservoir rows per block, layer and KV head")
+    p.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
+    p.add_argument("--blocks", type=int, default=64, help="store blocks (for the store size)")
+    p.add_argument("--reservoir", type=int, default=256, help="reservoir rows per block, layer and KV head")
     p.add_argument("--dtype", default=None, help="weight/activation dtype (default: the config's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
@@ -79,11 +79,11 @@ def _register_render(sub) -> None:
                         "config for `oscar submit` (job.yaml)")
     r.add_argument("--out", required=True, help="directory the manifests are written to")
     r.add_argument("--image", help=f"container image with oscar-kv installed (built from the Dockerfile); {req}")
-    r.add_argument("--nodes", type=positive_int, help=f"GPU worker nodes (pods); {req}")
-    r.add_argument("--gpus-per-node", type=positive_int, help=f"GPUs of one worker node; {req}")
-    r.add_argument("--gpu-mem", type=positive_float, metavar="GiB", help=f"memory of one GPU, for the plan check; {req}")
-    r.add_argument("--cpus-per-node", type=positive_int, help=f"CPUs of one worker node (shared by its stages); {req}")
-    r.add_argument("--memory-per-node", type=positive_float, metavar="GiB", help=f"kuberay: memory of one worker pod; {req} "
+    r.add_argument("--nodes", type=int, help=f"GPU worker nodes (pods); {req}")
+    r.add_argument("--gpus-per-node", type=int, help=f"GPUs of one worker node; {req}")
+    r.add_argument("--gpu-mem", type=float, metavar="GiB", help=f"memory of one GPU, for the plan check; {req}")
+    r.add_argument("--cpus-per-node", type=int, help=f"CPUs of one worker node (shared by its stages); {req}")
+    r.add_argument("--memory-per-node", type=float, metavar="GiB", help=f"kuberay: memory of one worker pod; {req} "
                    "for kuberay")
     r.add_argument("--model", help=f"model directory (HF safetensors + index) as the nodes see it; {req}")
     r.add_argument("--model-config", help="config the plan reads on this machine: config.json, model directory or a "
@@ -101,20 +101,20 @@ def _register_render(sub) -> None:
     r.add_argument("--ami", default="latest_dlami", help="aws: node AMI (latest_dlami: Ray's Deep Learning AMI of the region)")
     r.add_argument("--mount-command", help="aws: host command run before the container starts that mounts the shared "
                    "filesystem at --shared-dir (e.g. a Lustre or NFS mount); required for aws")
-    r.add_argument("--disk-gib", type=positive_int, default=500, help="aws: root volume of each worker (GiB)")
-    r.add_argument("--stages", type=positive_int, help="pipeline stages per replica (default: the smallest count `oscar plan` fits)")
-    r.add_argument("--gpus-per-stage", type=positive_int, help="GPUs per stage, dividing --gpus-per-node (default: --gpus-per-node)")
-    r.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per calibration sequence")
-    r.add_argument("--positions", type=positive_int, default=None,
+    r.add_argument("--disk-gib", type=int, default=500, help="aws: root volume of each worker (GiB)")
+    r.add_argument("--stages", type=int, help="pipeline stages per replica (default: the smallest count `oscar plan` fits)")
+    r.add_argument("--gpus-per-stage", type=int, help="GPUs per stage, dividing --gpus-per-node (default: --gpus-per-node)")
+    r.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
+    r.add_argument("--positions", type=int, default=None,
                    help="RoPE positions the windows cover, as `oscar calibrate --positions` (default: --seq-len)")
-    r.add_argument("--seqs-per-block", type=positive_int, default=8, help="sequences per store block")
-    r.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=positive_int, default=1,
+    r.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
+    r.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
                    help="sequences per forward pass (--micro-batch: the same)")
-    r.add_argument("--tokens", type=positive_int, help="cap on calibration tokens (default: the whole corpus)")
+    r.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole corpus)")
     r.add_argument("--dtype", default="bfloat16", help="weight and activation dtype on the GPUs")
     r.add_argument("--name", default="oscar-calib", help="RayJob / cluster name")
-    r.add_argument("--head-cpus", type=positive_int, default=8, help="kuberay: CPUs of the head pod (driver only)")
-    r.add_argument("--head-memory", type=positive_float, default=32.0, metavar="GiB", help="kuberay: memory of the head pod")
+    r.add_argument("--head-cpus", type=int, default=8, help="kuberay: CPUs of the head pod (driver only)")
+    r.add_argument("--head-memory", type=float, default=32.0, metavar="GiB", help="kuberay: memory of the head pod")
     r.add_argument("--dashboard", default="http://127.0.0.1:8265",
                    help="aws: dashboard address the printed `oscar submit` uses (after `ray dashboard cluster.yaml`)")
     r.set_defaults(func=_render)

@@ -198,15 +198,10 @@ BAD_SIZES = [
     ["ablate", "--layer", "-1"], ["ablate", "--head", "-1"], ["ablate", "--triton-seeds", "-1"],
     ["bench", "memory", "--context", "0"], ["bench", "memory", "--sink", "-1"], ["bench", "memory", "--page-size", "0"],
     ["import", "p", "--format", "sglang-oscar", "--num-kv-heads", "0"],
-    ["plan", "--model", "tiny-llama", "--stages", "0"], ["plan", "--model", "tiny-llama", "--stages", "1", "--seq-len", "0"],
-    ["plan", "--model", "tiny-llama", "--stages", "1", "--gpu-mem", "-80"],
-    ["plan", "--model", "tiny-llama", "--stages", "1", "--blocks", "0"],
     ["submit", "job.yaml", "--timeout", "0"],
-    ["cluster", "render", "--nodes", "0"], ["cluster", "render", "--gpus-per-node", "-8"],
-    ["cluster", "render", "--disk-gib", "0"], ["cluster", "render", "--head-memory", "0"],
-]
+]  # plan and cluster render refuse their sizes themselves, before reading a config (tests/test_cluster_plan.py, _render.py)
 OUT = {"calibrate": "--store", "fit": "--out", "validate": "--out", "run": "--out", "ablate": "--out", "bench": "--out",
-       "import": "--out", "cluster": "--out"}
+       "import": "--out"}
 
 
 @pytest.mark.parametrize("case", BAD_SIZES, ids=[" ".join(c) for c in BAD_SIZES])
@@ -267,8 +262,11 @@ def test_every_size_option_is_typed():
     sys.path.insert(0, str(Path(__file__).parent))
     from test_cli_help import walk
 
+    # Ray's --max-restarts: -1 = restart forever; plan and cluster render check their sizes in cluster/plan.py and
+    # cluster/render.py, before reading a config, with messages of their own
     loose = [f"{' '.join(path)} {'/'.join(a.option_strings)}" for path, p in walk(build_parser()) for a in p._actions
-             if a.type in (int, float) and not a.choices and a.dest != "max_restarts"]  # Ray: -1 = restart forever
+             if a.type in (int, float) and not a.choices and a.dest != "max_restarts"
+             and path[1:] not in (("plan",), ("cluster", "render"))]
     assert not loose, loose
     assert isinstance(build_parser(), argparse.ArgumentParser)
 
