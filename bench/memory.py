@@ -24,7 +24,7 @@ from oscar.common import attention_shapes
 
 
 def glm4_shapes_config():
-    """Attention shapes of GLM-4.5/4.6/4.7 355B-A32B (DESIGN.md): 92 layers, 96 q heads, 8 KV heads, head_dim 128."""
+    """Attention shapes of GLM-4.5/4.6/4.7 355B-A32B (docs/scale.md): 92 layers, 96 q heads, 8 KV heads, head_dim 128."""
     return Glm4MoeConfig(num_hidden_layers=92, hidden_size=5120, num_attention_heads=96, num_key_value_heads=8,
                          head_dim=128, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from oscar.common import nonneg_float, positive_float, positive_int
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     add_ray_arguments(sub.choices.get("calibrate"))
@@ -46,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: $RAY_ADDRESS)")
     s.add_argument("--wait", action="store_true", help="follow the job until it ends, printing its status changes and "
                    "new log lines; exit 0 only on SUCCEEDED")
-    s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds (default: wait for the end)")
+    s.add_argument("--timeout", type=positive_float, default=None, help="with --wait: give up after this many seconds (default: wait for the end)")
     s.add_argument("--no-progress", action="store_true", help="with --wait: print only the final status")
     s.set_defaults(func=_submit)
 
@@ -185,13 +187,13 @@ def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
     g.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_ADDRESS, a running "
                         "local cluster, else start one on 127.0.0.1; default: no Ray, this process)")
-    g.add_argument("--stages", type=int, default=None, help="stage actors per replica (layer ranges; default 1 with --ray)")
-    g.add_argument("--replicas", type=int, default=None, help="pipeline replicas splitting the blocks (default 1 with --ray)")
+    g.add_argument("--stages", type=positive_int, default=None, help="stage actors per replica (layer ranges; default 1 with --ray)")
+    g.add_argument("--replicas", type=positive_int, default=None, help="pipeline replicas splitting the blocks (default 1 with --ray)")
     g.add_argument("--stage-layers", default=None, metavar="A:B,B:C",
                    help="explicit layer ranges (default: balanced by parameter count)")
-    g.add_argument("--cpus-per-stage", type=float, default=1.0, help="Ray CPUs reserved per stage actor")
-    g.add_argument("--gpus-per-stage", type=float, default=0.0, help="Ray GPUs reserved per stage actor")
-    g.add_argument("--memory-per-stage", type=float, default=None, metavar="GiB",
+    g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
+    g.add_argument("--gpus-per-stage", type=nonneg_float, default=0.0, help="Ray GPUs reserved per stage actor")
+    g.add_argument("--memory-per-stage", type=positive_float, default=None, metavar="GiB",
                    help="host memory reserved per stage actor (Ray `memory` resource; default: none reserved)")
     g.add_argument("--stage-resources", default=None, metavar="JSON",
                    help='custom Ray resources per stage actor: {"res": 1} for every stage, or a list with one '

@@ -18,7 +18,7 @@ Per layer (one `PagedLayerCache` per attention layer; `PagedKVCache` groups them
     v_scale, v_zero   as keys with the token axis (never channel)
 
 Everything stored is in the *rotated* space: ``k_rot = (k - mu) @ R_K``,
-``v_rot = v @ R_V`` (row vectors, see DESIGN.md), rounded to ``cfg.dtype`` on
+``v_rot = v @ R_V`` (row vectors, see docs/artifact-format.md), rounded to ``cfg.dtype`` on
 arrival. Pages are quantized from those stored values, so the layout and the
 codes are a pure function of the token stream: prefilling 1000 tokens at once
 or in 10 chunks or one by one gives bit-identical caches.

@@ -107,14 +107,82 @@ def interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Commands whose --out is one file (the others write a directory of files).
+FILE_OUTPUTS = {("fit",), ("import",), ("validate", "tune"), ("validate", "widths"), ("bench", "memory")}
+
+
+def command_path(args) -> tuple[str, ...]:
+    """("validate", "niah"), ("fit",), ...: the (nested) subcommand the arguments select."""
+    path = (args.command,)
+    for dest in ("validate_command", "bench", "cluster_command", "models_command"):
+        if getattr(args, dest, None):
+            path += (getattr(args, dest),)
+    return path
+
+
+# Commands that load the model named by --model (its spec is checked up front); and those that read a store.
+MODEL_INPUTS = {("calibrate",), ("run",), ("validate", "niah"), ("validate", "ppl"), ("validate", "tune"),
+                ("validate", "widths")}
+STORE_INPUTS = {("fit",), ("validate", "attention")}
+
+
+def _resumes(args) -> bool:
+    """`oscar calibrate` on a store that records its job (and no --overwrite): a resume."""
+    if getattr(args, "overwrite", False) or not getattr(args, "store", None) or not os.path.isdir(args.store):
+        return False
+    from oscar.pipeline.store import recorded_job
+
+    try:
+        return recorded_job(args.store) is not None
+    except (OscarError, OSError, ValueError):
+        return False  # not a readable store: the command says why
+
+
+def check_inputs(args) -> None:
+    """Inputs that can be checked without loading anything, checked before any work: the model spec, a corpus
+    file, an artifact file, a calibration store. (cluster render names paths as the cluster's nodes see them.)"""
+    path = command_path(args)
+    if path == ("cluster", "render"):
+        return
+    if path == ("calibrate",) and _resumes(args):
+        return  # the store's recorded job supplies --model and --corpus; calibrate compares any given (pipeline/cli.py)
+    if path in MODEL_INPUTS and getattr(args, "model", None):
+        from oscar.pipeline.models import check_model_spec
+
+        check_model_spec(args.model)
+    corpus = getattr(args, "corpus", None)
+    if corpus and corpus != "pydoc":
+        p = os.path.expanduser(corpus)
+        if not os.path.exists(p):
+            raise OscarError(f"--corpus {corpus}: no such file (pydoc, or a .parquet / .jsonl / .txt file)")
+        if os.path.isdir(p):
+            raise OscarError(f"--corpus {corpus} is a directory; give a .parquet / .jsonl / .txt file")
+    for dest, flag in (("artifact", "--artifact"), ("artifact_pos", "ARTIFACT")):
+        a = getattr(args, dest, None)
+        if a and not os.path.isfile(os.path.expanduser(a)):
+            raise OscarError(f"{flag} {a}: " + ("is a directory, not an artifact file" if os.path.isdir(a)
+                                                 else "no such artifact file"))
+    given = {getattr(args, d, None) for d in ("store", "store_pos")} - {None}
+    if path in STORE_INPUTS and len(given) == 1:  # given twice or never: the command says so itself
+        st = os.path.expanduser(given.pop())
+        if not os.path.isdir(st):
+            raise OscarError(f"calibration store {st} does not exist" if not os.path.exists(st)
+                             else f"{st} is not a calibration store (not a directory)")
+
+
 def check_outputs(args) -> None:
-    """Output paths checked before any work: a command must not compute for minutes and then fail to write."""
+    """Output paths checked before any work: a command must not compute for minutes and then fail to write.
+    Writability is probed (a temporary file created and removed), so nothing is left behind on refusal."""
     from oscar.common import check_output_path
 
     if getattr(args, "out", None):
-        check_output_path(args.out)
+        check_output_path(args.out, file=command_path(args) in FILE_OUTPUTS)
     if args.command == "calibrate" and getattr(args, "store", None):
         check_output_path(args.store, file=False, flag="--store")
+    if args.command == "report" and getattr(args, "dir", None) and os.path.isdir(args.dir):
+        check_output_path(args.dir, file=False, flag="DIR")  # report.md and report.html are written into it
+        if getattr(args, "readme", None):
+            check_output_path(args.readme, file=True, flag="--readme")
 
 
 def _quiet_broken_pipe() -> int:
@@ -139,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         silence_progress()
     try:
         check_outputs(args)
+        check_inputs(args)
         rc = args.func(args)
         sys.stdout.flush()
     except BrokenPipeError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from oscar.common import nonneg_int, positive_float, positive_int
 from oscar.defaults import EMBEDDED_MODEL
 from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
 
@@ -26,11 +27,11 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", required=True, help="run directory (everything the job writes; resumes what it holds)")
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
     r.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
-    r.add_argument("--samples", type=int, default=None, help="NIAH samples per cell (default 20)")
-    r.add_argument("--calib-seq-len", type=int, default=None,
+    r.add_argument("--samples", type=positive_int, default=None, help="NIAH samples per cell (default 20)")
+    r.add_argument("--calib-seq-len", type=positive_int, default=None,
                    help="calibration sequence length (default: the longest context validated, 4096: the fit sees "
                         "every position it is judged on)")
-    r.add_argument("--calib-positions", type=int, default=None,
+    r.add_argument("--calib-positions", type=positive_int, default=None,
                    help="absolute positions the calibration covers (default: the longest context validated); a "
                         "shorter --calib-seq-len is read at RoPE offsets up to it (`oscar calibrate --positions`)")
     r.add_argument("--methods", default=DEFAULT_METHODS,
@@ -86,15 +87,15 @@ def _register_ablate(sub) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_const", const="quick", dest="preset", help="CI size (< 3 min on 2 cores); default: the full preset")
     g.add_argument("--smoke", action="store_const", const="smoke", dest="preset", help="tiny, for tests")
-    p.add_argument("--seeds", type=int, help="seeds per regime (default 30)")
+    p.add_argument("--seeds", type=positive_int, help="seeds per regime (default 30)")
     p.add_argument("--regimes", nargs="+", help="subset of regimes (default: all of the preset)")
     p.add_argument("--schemes", nargs="+", help="subset of schemes (default: all of the preset)")
-    p.add_argument("--bits", nargs="+", type=int, help="budgets among 2 3 4 (default: the preset's)")
-    p.add_argument("--nu", type=float, help="Student-t degrees of freedom of the heavy regime (default 3)")
+    p.add_argument("--bits", nargs="+", type=positive_int, help="budgets among 2 3 4 (default: the preset's)")
+    p.add_argument("--nu", type=positive_float, help="Student-t degrees of freedom of the heavy regime (default 3)")
     p.add_argument("--store", help="calibration store (oscar-calib/2 or /1) for the real regime (default: no real regime)")
-    p.add_argument("--layer", type=int, help="store layer for the real regime (default: middle)")
-    p.add_argument("--head", type=int, default=0, help="KV head for the real regime")
-    p.add_argument("--triton-seeds", type=int, help="also run N seeds of plain/oscar on isotropic/heavy through the "
+    p.add_argument("--layer", type=nonneg_int, help="store layer for the real regime (default: middle)")
+    p.add_argument("--head", type=nonneg_int, default=0, help="KV head for the real regime")
+    p.add_argument("--triton-seeds", type=nonneg_int, help="also run N seeds of plain/oscar on isotropic/heavy through the "
                    "serving cache's Triton quantizer (CPU interpreter: slow; default: none)")
     p.add_argument("--correction", choices=["holm", "bh"], default="holm", help="multiple-testing control")
     p.add_argument("--no-report", action="store_true", help="write the tables only, no report.md / plots")

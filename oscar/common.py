@@ -295,16 +295,189 @@ def allow_weights_mismatch() -> bool:
     return os.environ.get("OSCAR_ALLOW_WEIGHTS_MISMATCH", "") not in ("", "0")
 
 
+# --------------------------------------------------------------------------- argument types
+# argparse `type=` functions: a bad value is a one-line usage error (exit 2) before any command runs. They raise
+# ArgumentTypeError (argparse prints its message), never OscarError.
+
+def _int(s: str, what: str) -> int:
+    import argparse
+
+    try:
+        return int(str(s).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {s!r}") from None
+
+
+def _float(s: str, what: str) -> float:
+    import argparse
+    import math
+
+    try:
+        v = float(str(s).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {s!r}")
+    return v
+
+
+def positive_int(s: str) -> int:
+    """An integer >= 1 (sizes, counts, lengths)."""
+    import argparse
+
+    v = _int(s, "a positive integer")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
+    return v
+
+
+def nonneg_int(s: str) -> int:
+    """An integer >= 0 (windows that may be empty, seeds, indices)."""
+    import argparse
+
+    v = _int(s, "an integer >= 0")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {s!r}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    """A finite number > 0 (GiB, seconds, degrees of freedom)."""
+    import argparse
+
+    v = _float(s, "a positive number")
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
+    return v
+
+
+def nonneg_float(s: str) -> float:
+    """A finite number >= 0."""
+    import argparse
+
+    v = _float(s, "a number >= 0")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}")
+    return v
+
+
+def int_between(lo: int, hi: int):
+    """`type=` for an integer in lo..hi (bits per element: 1..8)."""
+    import argparse
+
+    def check(s: str) -> int:
+        v = _int(s, f"an integer in {lo}..{hi}")
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo}..{hi}, got {s!r}")
+        return v
+
+    check.__name__ = f"int_{lo}_{hi}"
+    return check
+
+
+def _items(s: str, what: str) -> list[str]:
+    import argparse
+
+    items = [x.strip() for x in str(s).split(",")]
+    if not any(items):
+        raise argparse.ArgumentTypeError(f"must be a comma list of {what}, got {s!r}")
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"empty item in the comma list {s!r}")
+    return items
+
+
+def parse_token_count(s: str) -> int:
+    """'4k' -> 4096, '128k' -> 131072, '1500' -> 1500 (1k = 1024 tokens, fractions of k truncated as the validate
+    commands read them); ValueError otherwise."""
+    import math
+
+    t = str(s).strip().lower()
+    if not t.endswith("k"):
+        return int(t)
+    v = float(t[:-1]) * 1024
+    if not math.isfinite(v):
+        raise ValueError(s)
+    return int(v)
+
+
+def length_list(s: str) -> str:
+    """`type=` for a comma list of token lengths (1k = 1024): every one a positive whole number of tokens.
+    Returns the string unchanged (the command parses it as before); a bad list is a usage error at parse time."""
+    import argparse
+
+    for x in _items(s, "lengths"):
+        try:
+            v = parse_token_count(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad length {x!r} in {s!r}: use tokens (e.g. 3000) or k-units "
+                                             "(1k = 1024)") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"length {x!r} in {s!r} must be at least 1 token")
+    return s
+
+
+def nonneg_int_list(s: str) -> str:
+    """`type=` for a comma list of integers >= 0 (layer indices); the empty string (the default) is allowed.
+    Returns the string unchanged."""
+    import argparse
+
+    if not str(s).strip():
+        return s
+    for x in _items(s, "integers >= 0"):
+        try:
+            v = int(x)
+        except ValueError:
+            v = -1
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{x!r} in {s!r} must be an integer >= 0")
+    return s
+
+
+def positive_float_list(s: str) -> str:
+    """`type=` for a comma list of numbers > 0 (clip factors). Returns the string unchanged."""
+    import argparse
+    import math
+
+    for x in _items(s, "positive numbers"):
+        try:
+            v = float(x)
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"{x!r} in {s!r} must be a positive number")
+    return s
+
+
 # --------------------------------------------------------------------------- output paths
 FILE_SUFFIXES = (".safetensors", ".json", ".jsonl", ".parquet", ".md", ".html", ".txt", ".csv", ".gguf", ".png")
+
+
+def _probe_writable(d: str) -> str | None:
+    """Why no file can be created in existing directory `d` (None: one can). `os.access` is not enough: root is
+    granted W_OK on /proc, /sys and read-only mounts, where creating a file then fails. So create a uniquely named
+    empty file in `d` and remove it at once."""
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".oscar-write-probe-", dir=d)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+    return None
 
 
 def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out") -> None:
     """Refuse, before any work, an output path the command could not write at the end.
 
     file=None: a path with a known file suffix (.safetensors, .json, ...) is a file, else a directory.
-    A file needs an existing, writable directory; a directory (created by the command) needs its
-    nearest existing ancestor to be a writable directory and must not be an existing file.
+    A file needs an existing directory where a file can be created (probed: a temporary file is created and
+    removed) and must not be a directory; an existing file must open for writing. A directory (created by the
+    command) must not be an existing file, and its nearest existing ancestor must be a directory where the
+    command can create entries (probed the same way). Nothing is created or left behind.
     """
     p = os.path.abspath(os.path.expanduser(str(path)))
     file = os.path.splitext(p)[1].lower() in FILE_SUFFIXES if file is None else file
@@ -315,8 +488,14 @@ def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out
         if not os.path.isdir(d):
             raise OscarError(f"{flag} {path}: directory {os.path.dirname(str(path)) or d} does not exist "
                              f"(create it first)")
-        if not os.access(d, os.W_OK) or (os.path.exists(p) and not os.access(p, os.W_OK)):
-            raise OscarError(f"{flag} {path}: not writable")
+        if os.path.exists(p):
+            try:
+                os.close(os.open(p, os.O_WRONLY))  # no O_TRUNC, no O_CREAT: the file is left as it is
+            except OSError as e:
+                raise OscarError(f"{flag} {path}: not writable ({e.strerror or e})") from None
+        why = _probe_writable(d)
+        if why:
+            raise OscarError(f"{flag} {path}: cannot create a file in {os.path.dirname(str(path)) or d} ({why})")
         return
     if os.path.exists(p) and not os.path.isdir(p):
         raise OscarError(f"{flag} {path} exists and is not a directory")
@@ -325,5 +504,6 @@ def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out
         a = os.path.dirname(a)
     if not os.path.isdir(a):
         raise OscarError(f"{flag} {path}: {a} is a file, so the directory cannot be created")
-    if not os.access(a, os.W_OK | os.X_OK):
-        raise OscarError(f"{flag} {path}: {a} is not writable")
+    why = _probe_writable(a) if os.access(a, os.X_OK) else "permission denied"
+    if why:
+        raise OscarError(f"{flag} {path}: {a} is not writable ({why})")

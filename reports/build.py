@@ -36,10 +36,41 @@ def _len_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def num(x: float, spec: str = ".1f") -> str:
+    """`format(x, spec)` without a negative zero: -0.0, and what rounds to it (-0.04 at .1f), print as 0.0."""
+    s = format(x, spec)
+    if s[:1] == "-" and x == x:
+        try:
+            if float(s.rstrip("%×x")) == 0:
+                return ("+" if "+" in spec else "") + s[1:]
+        except ValueError:
+            pass
+    return s
+
+
+def scope_label(tasks, lengths, all_lengths=None) -> str:
+    """"niah_single_1/2 at 1k-4k": the tasks and lengths a check covers, as measured. Tasks sharing a prefix
+    are shortened (niah_single_1/2); lengths that are a run of `all_lengths` (the default grid) read as a range."""
+    tasks, lengths = sorted(dict.fromkeys(tasks)), sorted(dict.fromkeys(int(L) for L in lengths))
+    head = tasks[0].rsplit("_", 1)[0] if tasks else ""
+    if len(tasks) > 1 and all(t.rsplit("_", 1)[0] == head and "_" in t for t in tasks):
+        t = head + "_" + "/".join(t.rsplit("_", 1)[1] for t in tasks)
+    else:
+        t = ", ".join(tasks)
+    grid = sorted(all_lengths or lengths)
+    run = len(lengths) > 2 or (len(lengths) == 2 and all(L in grid for L in lengths)
+                               and grid.index(lengths[1]) - grid.index(lengths[0]) == 1)
+    if run and all(L in grid for L in lengths) and grid.index(lengths[-1]) - grid.index(lengths[0]) == len(lengths) - 1:
+        ls = f"{_len_label(lengths[0])}-{_len_label(lengths[-1])}"
+    else:
+        ls = ", ".join(_len_label(L) for L in lengths)
+    return f"{t} at {ls}"
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
     def cell(x):
         if isinstance(x, float):
-            return "—" if x != x else f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+            return "—" if x != x else num(x, ".1f") if abs(x) >= 10 else num(x, ".3g")
         return str(x)
 
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -57,7 +88,7 @@ def _n(k: int, unit: str) -> str:
 
 
 def _iv(lo: float, hi: float, fmt: str = ".1f") -> str:
-    return "" if lo != lo or hi != hi else f" [{lo:{fmt}}–{hi:{fmt}}]"
+    return "" if lo != lo or hi != hi else f" [{num(lo, fmt)}–{num(hi, fmt)}]"
 
 
 def _resolve(c: dict, unit: str) -> str:
@@ -94,27 +125,34 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
         def where(c):
             return f" ({c['worst'][0]} {_len_label(c['worst'][1])})" if c.get("worst") else ""
 
+        def scope(ks):  # what the check covers: the cells this run measured, never the default grid it did not
+            return scope_label([t for t, _ in ks], [L for _, L in ks], CHECK_LENGTHS)
+
         if "bf16" in methods:
             c = niah_check(done, r, keys("bf16"), "bf16", 90.0, "above", paired=False)
             w = c["worst"]
-            out.append(("bf16 >= 90% on niah_single_1/2 at 1k-4k", c["verdict"],
-                        f"min {w[2]:.1f}%{_iv(w[3], w[4])}{where(c)}{note}{_resolve(c, 'samples per cell')}"))
+            out.append((f"bf16 >= 90% on {scope(keys('bf16'))}", c["verdict"],
+                        f"min {num(w[2])}%{_iv(w[3], w[4])}{where(c)}{note}{_resolve(c, 'samples per cell')}"))
         for m, thr, better, name, label in (("naive-int2", -20.0, "below", "naive-int2 clearly below bf16", "smallest gap"),
                                             ("oscar-int2", -5.0, "above", "oscar-int2 within 5 points of bf16", "largest gap")):
-            if "bf16" in methods and m in methods:
-                c = niah_check(done, r, keys(m), m, thr, better, paired=True)
+            both = sorted(set(keys(m)) & set(keys("bf16")))  # paired: only cells both methods measured
+            if both:
+                # the bf16 check's name states the cells; a paired check on fewer of them says which
+                on = "" if both == keys("bf16") else f"on {scope(both)}: "
+                c = niah_check(done, r, both, m, thr, better, paired=True)
                 if not done:
-                    out.append((name, c["verdict"], "no per-sample file (niah_samples.jsonl): no paired interval"))
+                    out.append((name, c["verdict"], on + "no per-sample file (niah_samples.jsonl): no paired interval"))
                     continue
                 w = max(c["rows"], key=lambda x: x[4]) if better == "below" else min(c["rows"], key=lambda x: x[3])
                 out.append((name + " (paired)", c["verdict"],
-                            f"{label} {-w[2]:.1f} points{_iv(-w[4], -w[3])} ({w[0]} {_len_label(w[1])}){note}"
+                            f"{on}{label} {num(-w[2])} points{_iv(-w[4], -w[3])} ({w[0]} {_len_label(w[1])}){note}"
                             f"{_resolve(c, 'samples per cell')}"))
 
     if goal and done and {"bf16", "oscar-int2"} <= {k[3] for k in done}:  # issue 16's rule: tasks pooled per length
         g = issue16_needle_goal(done, goal, "oscar-int2")
         if g["rows"]:
-            det = ", ".join(f"{_len_label(x['length'])}: {x['diff']:+.1f} [{x['lo']:+.1f}, {x['hi']:+.1f}] "
+            det = ", ".join(f"{_len_label(x['length'])}: {num(x['diff'], '+.1f')} [{num(x['lo'], '+.1f')}, "
+                            f"{num(x['hi'], '+.1f')}] "
                             f"({x['pairs']} pairs)" for x in g["rows"])
             need = max([x.get("resolve_pairs") or 0 for x in g["rows"]], default=0)
             det += f"; ~{need} pairs per length would resolve it" if g["verdict"] == "UNRESOLVED" and need else ""
@@ -123,23 +161,28 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
             out.append((f"oscar-int2 within {-goal['margin']:.0f} points of bf16, tasks pooled per length "
                         f"(issue 16's goal for {model})", g["verdict"], det))
     if ppl is not None and len(ppl):
-        ctxs = sorted(ppl.context.unique())
         for proto in ("strict", "serving"):
             p = ppl[ppl.protocol == proto].pivot_table(index="context", columns="method", values="ppl")
             if "oscar-int2" not in p:
                 continue
+
+            def measured(*ms):  # the contexts where every one of `ms` was scored under this protocol
+                return [int(c) for c in p.index if all(m in p and p.loc[c, m] == p.loc[c, m] for m in ms)]
+
             for other in ("naive-int2", "hadamard-int2", "oscar-ref-int2"):
-                if other not in p:
+                ctxs = measured("oscar-int2", other)
+                if not ctxs:
                     continue
                 name = f"ppl oscar-int2 < {other} ({proto})"
                 if not windows:
                     out.append((name, "UNRESOLVED", "no per-window file (ppl_windows.jsonl): no paired interval; "
-                                + ", ".join(f"{_len_label(c)}: {p.loc[c, 'oscar-int2']:.3f} vs {p.loc[c, other]:.3f}" for c in p.index)))
+                                + ", ".join(f"{_len_label(c)}: {p.loc[c, 'oscar-int2']:.3f} vs {p.loc[c, other]:.3f}" for c in ctxs)))
                     continue
                 c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", other, proto)
                 det = ", ".join(f"{_len_label(x[0])}: ratio {x[1]:.3f}{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
                 out.append((name, c["verdict"], det + _resolve(c, "blocks")))
-            if goal and "bf16" in p and windows:  # issue 16's limit for this model, on the same paired blocks
+            ctxs = measured("oscar-int2", "bf16")
+            if goal and ctxs and windows:  # issue 16's limit for this model, on the same paired blocks
                 c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", "bf16", proto, threshold=goal[proto])
                 det = ", ".join(f"{_len_label(x[0])}: {x[1]:.3f}x{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
                 more = ("; `oscar validate ppl --tokens N` scores more held-out text (past the split: docstrings)"
@@ -272,7 +315,7 @@ def _skipped_section(d: str) -> list[str]:
 
 
 def _cell(est: float, lo: float, hi: float) -> str:
-    return "—" if est != est else f"{est:.1f}{_iv(lo, hi, '.0f')}"
+    return "—" if est != est else f"{num(est)}{_iv(lo, hi, '.0f')}"
 
 
 def _avg_over_tasks(r, done: dict | None, method: str, length: int) -> tuple[float, float, float]:
@@ -346,7 +389,7 @@ def _ruler_section(res, figdir: str, done: dict | None = None) -> list[str]:
                         cells.append("—")
                         continue
                     star = "*" if dm.p_holm.get(L) < 0.05 else ""
-                    cells.append(f"{dm.diff_vs_bf16.get(L):+.1f}{_iv(dm.diff_ci_low.get(L), dm.diff_ci_high.get(L), '+.0f')}{star}")
+                    cells.append(f"{num(dm.diff_vs_bf16.get(L), '+.1f')}{_iv(dm.diff_ci_low.get(L), dm.diff_ci_high.get(L), '+.0f')}{star}")
                 rows.append([t, m] + cells)
         out += [md_table(["task", "method"] + [_len_label(L) for L in lengths], rows), ""]
     p = _plot_accuracy(r, os.path.join(figdir, "accuracy_vs_length.png"))

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from oscar.common import int_between, nonneg_int, positive_int
 from oscar.defaults import RECENT, SINK
 
 
@@ -76,24 +77,24 @@ def register(sub) -> None:
     p.add_argument("--shrinkage", default="oas", choices=("oas", "lw", "none"),
                    help="eigenvalue shrinkage when rows < 10 x head_dim: oas, lw (Ledoit-Wolf on reservoir rows), none")
     p.add_argument("--partial", action="store_true", help="fit an incomplete store from its fully done blocks only")
-    p.add_argument("--bits", type=int, default=2, help="bits per stored K/V element")
-    p.add_argument("--group-size", type=int, default=None,
+    p.add_argument("--bits", type=int_between(1, 8), default=2, help="bits per stored K/V element")
+    p.add_argument("--group-size", type=positive_int, default=None,
                    help="elements per quantization group (default: head_dim for per-token groups, page_size tokens "
                         "for per-channel keys)")
     p.add_argument("--key-axis", choices=("token", "channel"), default="token",
                    help="key grouping: token (one group per token) or channel (KIVI-style, over a group of tokens)")
     p.add_argument("--mode", choices=("minmax", "static"), default="minmax",
                    help="minmax: per-group scale/zero with clip ratios; static: fixed symmetric grid at absolute clips")
-    p.add_argument("--sink", type=int, default=SINK, help="first tokens of each sequence kept in the model dtype")
-    p.add_argument("--recent", type=int, default=RECENT, help="latest tokens kept in the model dtype")
+    p.add_argument("--sink", type=nonneg_int, default=SINK, help="first tokens of each sequence kept in the model dtype")
+    p.add_argument("--recent", type=nonneg_int, default=RECENT, help="latest tokens kept in the model dtype")
     p.add_argument("--param-dtype", choices=("float16", "float8_e4m3fn"), default="float16",
                    help="minmax scale/zero storage; the clip search fits that format (float8_e4m3fn: 8-bit, 2.25 bits "
                         "per element at head_dim 64)")
     p.add_argument("--no-clip", action="store_true", help="skip the clip search (clip 1.0)")
     p.add_argument("--fallback", choices=("hadamard", "none"), default="hadamard",
                    help="rotation of a head whose eigenbasis is unstable across blocks: hadamard (H P_br) or none (keep it)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the randomised variants (random, clip search samples)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads of the clip search (default: torch's own choice)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the randomised variants (random, clip search samples)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads of the clip search (default: torch's own choice)")
     p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
                    help="no progress bars (--quiet: the same, the older spelling)")
     p.set_defaults(func=_cmd_fit)
@@ -108,5 +109,5 @@ def register(sub) -> None:
                                    "eigenvalues of C_Q and C_S, key kurtosis. A .safetensors artifact: its metadata.")
     p.add_argument("path", help="a calibration store (zarr directory) or an artifact (.safetensors)")
     p.add_argument("--json", action="store_true", help="print a store's summary as JSON (an artifact is always described as text)")
-    p.add_argument("--top", type=int, default=3, help="eigenvalues shown per layer (default 3)")
+    p.add_argument("--top", type=positive_int, default=3, help="eigenvalues shown per layer (default 3)")
     p.set_defaults(func=_inspect)

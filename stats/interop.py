@@ -34,7 +34,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from oscar.common import OscarError
+from oscar.common import OscarError, positive_int
 from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, QuantConfig, load_artifact, save_artifact
 
 SGLANG = "sglang-oscar"
@@ -514,7 +514,7 @@ def register(sub) -> None:
     p.add_argument("--format", choices=FORMATS, required=True, help="format of PATH: sglang-oscar or gguf-rot")
     p.add_argument("--out", required=True, help="artifact .safetensors to write")
     p.add_argument("--tag", default=None, help="sglang-oscar file tag to read (default: the only {k,v}_rotation_*.pt pair)")
-    p.add_argument("--num-kv-heads", type=int, default=None,
+    p.add_argument("--num-kv-heads", type=positive_int, default=None,
                    help="KV heads to broadcast a per-layer (format_version 1) rotation to (default: none; v1 needs it)")
     p.add_argument("--model", default=None, help="record and check this model's fingerprint (default: no check)")
     p.set_defaults(func=_cmd_import)

@@ -1,6 +1,6 @@
 """Rotation variants: a registry of named recipes, each building one layer's rotations.
 
-Row-vector convention, ``x_rot = x @ R``. ``oscar`` is DESIGN's recipe,
+Row-vector convention, ``x_rot = x @ R``. ``oscar`` is the product's recipe (docs/reference-recipe.md),
 ``R_K = U_Q H P_br`` and ``R_V = U_S H P_br`` per KV head (U: eigenvectors as columns,
 descending). A variant is a function ``build(ls: LayerStats, rng) -> Rotations``;
 add one with ``@register_variant("name", "one-line doc")``.
@@ -92,7 +92,7 @@ def _eig_rot(ls, x: str, pooled: bool = False, bitrev: bool = True) -> np.ndarra
     return compose(ls.eig(x, pooled)[1], bitrev)
 
 
-@register_variant("oscar", "R_K = U_Q H P_br, R_V = U_S H P_br per KV head (DESIGN)")
+@register_variant("oscar", "R_K = U_Q H P_br, R_V = U_S H P_br per KV head (docs/reference-recipe.md)")
 def _oscar(ls, rng) -> Rotations:
     return Rotations(_eig_rot(ls, "q"), _eig_rot(ls, "o"), source_k=("q", False), source_v=("o", False))
 

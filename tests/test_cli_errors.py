@@ -163,3 +163,210 @@ def test_inspect_piped_to_head_is_quiet(tmp_path):
     p = subprocess.run(f"{sys.executable} -m oscar inspect {path} --json | head -c 1", shell=True, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.stdout == "{" and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+# --------------------------------------------------------------------------- checked before any work
+
+BAD_SIZES = [
+    ["calibrate", "--seq-len", "-4"], ["calibrate", "--positions", "0"], ["calibrate", "--sink", "-1"],
+    ["calibrate", "--blocks", "0"], ["calibrate", "--block-tokens", "0"], ["calibrate", "--seqs-per-block", "-2"],
+    ["calibrate", "--tokens", "0"], ["calibrate", "--batch-size", "0"], ["calibrate", "--reservoir", "-1"],
+    ["calibrate", "--threads", "0"], ["calibrate", "--seed", "-1"], ["calibrate", "--seq-len", "abc"],
+    ["calibrate", "--ray", "auto", "--stages", "0"], ["calibrate", "--ray", "auto", "--replicas", "0"],
+    ["calibrate", "--ray", "auto", "--cpus-per-stage", "-1"], ["calibrate", "--ray", "auto", "--memory-per-stage", "0"],
+    ["fit", "s.zarr", "--bits", "0"], ["fit", "s.zarr", "--bits", "9"], ["fit", "s.zarr", "--group-size", "0"],
+    ["fit", "s.zarr", "--sink", "-1"], ["fit", "s.zarr", "--recent", "-16"], ["fit", "s.zarr", "--threads", "0"],
+    ["inspect", "s.zarr", "--top", "0"],
+    ["validate", "niah", "--lengths", "0"], ["validate", "niah", "--lengths", "1k,0"], ["validate", "niah", "--lengths", "-1k"],
+    ["validate", "niah", "--lengths", "1k,,2k"], ["validate", "niah", "--lengths", ""], ["validate", "niah", "--lengths", "zz"],
+    ["validate", "niah", "--samples", "0"], ["validate", "niah", "--seed", "-3"],
+    ["validate", "ppl", "--lengths", "0"], ["validate", "ppl", "--tokens", "0"],
+    ["validate", "tune", "--artifact", "a.safetensors", "--tokens", "-1"],
+    ["validate", "tune", "--artifact", "a.safetensors", "--factors", "1.0,0"],
+    ["validate", "tune", "--artifact", "a.safetensors", "--factors", "1.0,x"],
+    ["validate", "tune", "--artifact", "a.safetensors", "--nll-slack", "-0.1"],
+    ["validate", "tune", "--artifact", "a.safetensors", "--copy-windows", "0"],
+    ["validate", "widths", "--artifact", "a.safetensors", "--windows", "0"],
+    ["validate", "widths", "--artifact", "a.safetensors", "--length", "0"],
+    ["validate", "attention", "--store", "s.zarr", "--lengths", "4k,0"],
+    ["validate", "attention", "--store", "s.zarr", "--windows", "0"],
+    ["validate", "attention", "--store", "s.zarr", "--seq-len", "0"],
+    ["validate", "attention", "--store", "s.zarr", "--layers", "0,-1"],
+    ["validate", "attention", "--store", "s.zarr", "--sink", "-1"],
+    ["run", "--samples", "0"], ["run", "--calib-seq-len", "0"], ["run", "--calib-positions", "-1"],
+    ["ablate", "--seeds", "0"], ["ablate", "--bits", "2", "0"], ["ablate", "--nu", "0"], ["ablate", "--nu", "nan"],
+    ["ablate", "--layer", "-1"], ["ablate", "--head", "-1"], ["ablate", "--triton-seeds", "-1"],
+    ["bench", "memory", "--context", "0"], ["bench", "memory", "--sink", "-1"], ["bench", "memory", "--page-size", "0"],
+    ["import", "p", "--format", "sglang-oscar", "--num-kv-heads", "0"],
+    ["submit", "job.yaml", "--timeout", "0"],
+]  # plan and cluster render refuse their sizes themselves, before reading a config (tests/test_cluster_plan.py, _render.py)
+OUT = {"calibrate": "--store", "fit": "--out", "validate": "--out", "run": "--out", "ablate": "--out", "bench": "--out",
+       "import": "--out"}
+
+
+@pytest.mark.parametrize("case", BAD_SIZES, ids=[" ".join(c) for c in BAD_SIZES])
+def test_bad_size_is_a_usage_error_before_anything_runs(case, tmp_path, capsys):
+    """Zero, negative or malformed sizes and length lists: argparse's one-line error (exit 2) at parse time, so
+    nothing runs and the output path is never created."""
+    out = tmp_path / "out"
+    argv = list(case)
+    flag = OUT.get(case[0])
+    if flag:
+        suffix = ".safetensors" if case[:2] in (["fit", "s.zarr"], ["import", "p"]) or case[1:2] in (["tune"], ["widths"]) \
+            else ".json" if case[0] == "bench" else ""
+        out = tmp_path / ("out" + suffix)
+        argv += [flag, str(out)]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "usage: oscar" in err and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("oscar ") and ": error: argument " in last, last
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_lengths_zero_refused_before_any_work(tmp_path):
+    """`oscar validate niah --lengths 0` once refused the length only after minutes of work, leaving files in --out."""
+    out = tmp_path / "n"
+    p = subprocess.run([sys.executable, "-m", "oscar", "validate", "niah", "--lengths", "0", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == ("oscar validate niah: error: argument --lengths/--contexts: "
+                                                "length '0' in '0' must be at least 1 token")
+    assert not out.exists()
+
+
+def test_argument_types():
+    import argparse
+
+    from oscar.common import (int_between, length_list, nonneg_float, nonneg_int, nonneg_int_list, parse_token_count,
+                              positive_float, positive_float_list, positive_int)
+
+    assert positive_int("3") == 3 and nonneg_int("0") == 0 and positive_float("0.5") == 0.5 and nonneg_float("0") == 0
+    assert int_between(1, 8)("8") == 8 and length_list("1k, 4096,2.5k") == "1k, 4096,2.5k"
+    assert [parse_token_count(x) for x in ("1k", "128k", "1500", "0.5k")] == [1024, 131072, 1500, 512]
+    assert nonneg_int_list("") == "" and nonneg_int_list("0,3") == "0,3" and positive_float_list("1,1.5") == "1,1.5"
+    for f, v in [(positive_int, "0"), (positive_int, "-1"), (positive_int, "1.5"), (nonneg_int, "-1"),
+                 (positive_float, "0"), (positive_float, "inf"), (nonneg_float, "-0.1"), (int_between(1, 8), "0"),
+                 (length_list, "0"), (length_list, "1k,"), (length_list, "0.3"), (nonneg_int_list, "a"),
+                 (positive_float_list, "-1")]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            f(v)
+
+
+def test_every_size_option_is_typed():
+    """No option of any command parses a bare int or float: each says which values it accepts (positive_int, ...)."""
+    import argparse
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cli_help import walk
+
+    # Ray's --max-restarts: -1 = restart forever; plan and cluster render check their sizes in cluster/plan.py and
+    # cluster/render.py, before reading a config, with messages of their own
+    loose = [f"{' '.join(path)} {'/'.join(a.option_strings)}" for path, p in walk(build_parser()) for a in p._actions
+             if a.type in (int, float) and not a.choices and a.dest != "max_restarts"
+             and path[1:] not in (("plan",), ("cluster", "render"))]
+    assert not loose, loose
+    assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize("case", [
+    ["fit", "s.zarr", "--out", "/proc/oscar-x.safetensors"],
+    ["import", "p", "--format", "gguf-rot", "--out", "/proc/oscar-x.safetensors"],
+    ["validate", "tune", "--artifact", "a.safetensors", "--out", "/sys/oscar-x.safetensors"],
+    ["validate", "niah", "--out", "/proc/oscar-run"],
+    ["run", "--out", "/proc/oscar-run/sub"],
+    ["bench", "memory", "--out", "/proc/oscar-mem.json"],
+    ["calibrate", "--store", "/sys/oscar.zarr"],
+])
+def test_unwritable_output_refused_before_work(case, capsys):
+    """Root is granted W_OK on /proc and /sys by os.access, yet nothing can be created there: the check probes
+    by creating (and removing) a file, so these fail at once with one line, not after the work."""
+    if not os.path.isdir("/proc") or not os.path.isdir("/sys"):
+        pytest.skip("no /proc, /sys")
+    rc, err = _run(case, capsys)
+    assert rc == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert f"oscar {case[0]}: error: " in err and ("--out" in err or "--store" in err)
+
+
+def test_read_only_directory_refused(tmp_path, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a mode-555 directory (a read-only mount is what refuses root: /proc stands in)")
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        rc, err = _run(["fit", "s.zarr", "--out", str(d / "a.safetensors")], capsys)
+        assert rc == 2 and "cannot create a file" in err
+        rc, err = _run(["validate", "niah", "--out", str(d / "n")], capsys)
+        assert rc == 2 and "not writable" in err
+    finally:
+        d.chmod(0o755)
+
+
+@pytest.mark.parametrize("case", [
+    ["fit", "s.zarr", "--out", "{d}"], ["import", "p", "--format", "gguf-rot", "--out", "{d}"],
+    ["validate", "tune", "--artifact", "a.safetensors", "--out", "{d}"],
+    ["validate", "widths", "--artifact", "a.safetensors", "--out", "{d}"], ["bench", "memory", "--out", "{d}"],
+])
+def test_out_directory_where_a_file_is_expected(case, tmp_path, capsys):
+    """A command that writes one file refuses an existing directory as --out, whatever its name."""
+    d = tmp_path / "somedir"
+    d.mkdir()
+    rc, err = _run([a.replace("{d}", str(d)) for a in case], capsys)
+    assert rc == 2 and f"--out {d} is a directory; give a file path" in err and "Traceback" not in err
+    assert os.listdir(d) == []
+
+
+def test_output_probe_leaves_nothing(tmp_path):
+    from oscar.common import OscarError, check_output_path
+
+    (tmp_path / "empty").mkdir()
+    check_output_path(str(tmp_path / "empty"), file=False)
+    check_output_path(str(tmp_path / "empty" / "a.safetensors"))
+    check_output_path(str(tmp_path / "new" / "deeper"), file=False)
+    assert os.listdir(tmp_path / "empty") == [] and sorted(os.listdir(tmp_path)) == ["empty"]
+    (tmp_path / "f.safetensors").write_bytes(b"keep")
+    check_output_path(str(tmp_path / "f.safetensors"))  # an existing file is opened for writing, not truncated
+    assert (tmp_path / "f.safetensors").read_bytes() == b"keep"
+    with pytest.raises(OscarError, match="exists and is not a directory"):
+        check_output_path(str(tmp_path / "f.safetensors"), file=False)
+
+
+def test_run_config_refuses_bad_sizes_before_any_stage(tmp_path):
+    """A `run:` job config reaches RunConfig without argparse: lengths and sizes are checked there, and lengths may
+    be written in k-units."""
+    from oscar.common import OscarError
+    from oscar.run import RunConfig
+
+    assert RunConfig(out=str(tmp_path / "r"), lengths=["1k", 2048]).lengths == [1024, 2048]
+    for kw in ({"lengths": [0]}, {"lengths": []}, {"lengths": ["zz"]}, {"ppl_contexts": [-1024]},
+               {"attn_lengths": [0]}, {"samples": 0}, {"ppl_tokens": 0}, {"widths_windows": 0}, {"seq_len": 0}):
+        with pytest.raises(OscarError, match="oscar run: "):
+            RunConfig(out=str(tmp_path / "r"), **kw)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("case,msg", [
+    (["run", "--no-ray", "--model", "no-such-model", "--out", "{o}"], "unknown model 'no-such-model'"),
+    (["validate", "niah", "--model", "tiny-llama@seed=x", "--out", "{o}"], "bad model spec"),
+    (["validate", "ppl", "--model", "{t}/missing.gguf", "--out", "{o}"], "GGUF file not found"),
+    (["validate", "niah", "--corpus", "{t}/missing.txt", "--out", "{o}"], "--corpus {t}/missing.txt: no such file"),
+    (["calibrate", "--corpus", "{t}", "--store", "{o}"], "is a directory"),
+    (["validate", "niah", "--artifact", "{t}/missing.safetensors", "--out", "{o}"], "no such artifact file"),
+    (["validate", "tune", "--artifact", "{t}/missing.safetensors", "--out", "{o}.safetensors"], "no such artifact file"),
+    (["bench", "memory", "--artifact", "{t}/missing.safetensors", "--out", "{o}.json"], "no such artifact file"),
+    (["export", "{t}/missing.safetensors", "--format", "gguf-rot", "--out", "{o}"], "ARTIFACT {t}/missing.safetensors"),
+    (["validate", "attention", "--store", "{t}/missing.zarr", "--artifact", "{t}/a.safetensors", "--out", "{o}"],
+     "calibration store {t}/missing.zarr does not exist"),
+])
+def test_inputs_checked_before_any_work(case, msg, tmp_path, capsys):
+    """The model spec, corpus, artifact and store paths are checked before any model loads or --out is created
+    (`oscar run --model typo` used to leave DIR/stages behind)."""
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    t, o = str(tmp_path), str(tmp_path / "out")
+    rc, err = _run([a.replace("{t}", t).replace("{o}", o) for a in case], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"oscar {case[0]}: error: " in err and msg.replace("{t}", t) in err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]

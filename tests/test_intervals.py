@@ -304,6 +304,7 @@ def test_report_checks_come_out_pass_missed_unresolved():
     from oscar.reports.build import acceptance
 
     keys = [("niah_single_1", L) for L in (1024, 2048, 4096)]
+    BF16_CHECK = "bf16 >= 90% on niah_single_1 at 1k-4k"  # the check names the cells the run measured
     rng = np.random.default_rng(8)
 
     def checks(cells):
@@ -314,7 +315,7 @@ def test_report_checks_come_out_pass_missed_unresolved():
     full = {**{(t, L, "bf16"): [1] * 60 for t, L in keys}, **{(t, L, "naive-int2"): [0] * 60 for t, L in keys},
             **{(t, L, "oscar-int2"): [1] * 60 for t, L in keys}}
     c = checks(full)
-    assert c["bf16 >= 90% on niah_single_1/2 at 1k-4k"][0] == "PASS"
+    assert c[BF16_CHECK][0] == "PASS"
     assert c["naive-int2 clearly below bf16 (paired)"][0] == "PASS"
     # 60/60 vs 60/60: the paired interval is about +-6 points, which still straddles -5: unresolved
     assert c["oscar-int2 within 5 points of bf16 (paired)"][0] == "UNRESOLVED"
@@ -322,7 +323,7 @@ def test_report_checks_come_out_pass_missed_unresolved():
     # 20 samples: bf16 20/20 cannot clear 90 % (Wilson lower bound 83.9 %): unresolved, with a projection
     small = {k: v[:20] for k, v in full.items()}
     c = checks(small)
-    v, det = c["bf16 >= 90% on niah_single_1/2 at 1k-4k"]
+    v, det = c[BF16_CHECK]
     assert v == "UNRESOLVED" and f"~{iv.resolve_n_wilson(20, 20, 0.90)} samples" in det
     # bf16 collapses in one cell, oscar-int2 loses 40 points in every cell: both missed
     bad = dict(full)
@@ -330,7 +331,7 @@ def test_report_checks_come_out_pass_missed_unresolved():
     for t, L in keys:
         bad[(t, L, "oscar-int2")] = list(rng.permutation([1] * 36 + [0] * 24))
     c = checks(bad)
-    assert c["bf16 >= 90% on niah_single_1/2 at 1k-4k"][0] == "MISSED"
+    assert c[BF16_CHECK][0] == "MISSED"
     assert c["oscar-int2 within 5 points of bf16 (paired)"][0] == "MISSED"
     # bf16 20/60 vs naive 0/60 at 4k: a 33-point gap whose interval still clears 20 points
     assert c["naive-int2 clearly below bf16 (paired)"][0] == "PASS"

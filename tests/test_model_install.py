@@ -138,3 +138,28 @@ def test_real_preset_resolves_and_matches_its_pins():
     info = M.load_info("qwen2.5-0.5b")
     assert (info.model_type, info.num_layers, info.num_q_heads, info.num_kv_heads, info.head_dim) == ("qwen2", 24, 14, 2, 64)
     assert "model.layers.0.self_attn.k_proj.bias" in M.weight_map("qwen2.5-0.5b")  # qkv bias (large key biases)
+
+
+def test_models_list_names_every_model_with_what_it_is(tmp_path, capsys):
+    """`oscar models list`: the embedded default, every random-init preset and the on-request models, each with a
+    description and whether it is installed (a fresh cache: presets not built, qwen not installed)."""
+    import json
+
+    from oscar.__main__ import main
+    from oscar.pipeline.models import INSTALLABLE, PRESETS, model_catalog
+
+    cache = str(tmp_path / "c")
+    assert main(["models", "list", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    for name in ["smollm2-135m", *PRESETS, *INSTALLABLE]:
+        assert f"  {name}: " in out, name
+    assert "presets (tiny random-init configs):" in out and "embedded default:" in out
+    assert "tiny-glm4-moe: tiny random-init GLM-4-MoE" in out and "8 experts top-2" in out
+    assert "tiny-qwen3: tiny random-init Qwen3 with per-head q/k norm (qwen3: 4 layers, 8 q / 2 KV heads, head_dim 64)" in out
+    assert "not installed: oscar models install qwen2.5-0.5b" in out
+    rows = model_catalog(cache)
+    assert [r["kind"] for r in rows] == ["embedded"] + ["preset"] * len(PRESETS) + ["on request"] * len(INSTALLABLE)
+    assert not any(r["installed"] for r in rows if r["kind"] == "preset")  # nothing built in a fresh cache
+    assert all("not built yet" in r["state"] for r in rows if r["kind"] == "preset")
+    assert main(["models", "list", "--cache-dir", cache, "--json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == [r["name"] for r in rows]

@@ -56,3 +56,56 @@ def test_report_without_batch_costs_has_no_compute_section(tmp_path):
                    "score": 50.0, "protocol": "serving"}]).to_parquet(tmp_path / "results.parquet", index=False)
     md = build_report(str(tmp_path)).markdown
     assert "## Compute" not in md and "## Commands" not in md
+
+
+def test_report_checks_state_only_what_the_run_measured(tmp_path):
+    """A run of niah_single_1 at 1k alone: the checks name that cell (not niah_single_1/2 at 1k-4k, which it never
+    ran), and an oscar-int2 equal to bf16 reads "0.0 points", never "-0.0"."""
+    from oscar.reports.build import build_report
+
+    rows = []
+    for m, sc in (("bf16", [1] * 20), ("oscar-int2", [1] * 20), ("naive-int2", [0] * 20)):
+        rows += _rows("niah_single_1", 1024, m, sc, [1.0] * 20, [1.0] * 20)
+    with open(tmp_path / "niah_samples.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    pd.DataFrame([{"suite": "ruler", "task": "niah_single_1", "method": m, "length": 1024, "samples": 20,
+                   "score": s, "protocol": "serving"} for m, s in (("bf16", 100.0), ("oscar-int2", 100.0),
+                                                                   ("naive-int2", 0.0))]
+                 ).to_parquet(tmp_path / "results.parquet", index=False)
+    md = build_report(str(tmp_path)).markdown
+    checks = md[md.index("| check |"):].split("\n\n")[0]
+    assert "| bf16 >= 90% on niah_single_1 at 1k |" in checks
+    assert "niah_single_2" not in checks and "1k-4k" not in checks and "2k" not in checks and "4k" not in checks
+    assert "largest gap 0.0 points" in checks
+    assert "-0.0" not in md and "−0.0" not in md
+
+
+def test_paired_checks_use_only_cells_both_methods_measured(tmp_path):
+    """oscar-int2 run at 1k only, bf16 at 1k and 2k: the paired check covers 1k and says so."""
+    from oscar.reports.build import acceptance
+
+    rows = []
+    for L in (1024, 2048):
+        rows += _rows("niah_single_1", L, "bf16", [1] * 20, [1.0] * 20, [1.0] * 20)
+    rows += _rows("niah_single_1", 1024, "oscar-int2", [1] * 19 + [0], [1.0] * 20, [1.0] * 20)
+    from oscar.evidence import niah_stats
+
+    done = {(r["task"], r["length"], r["index"], r["method"]): r for r in rows}
+    res = pd.DataFrame([{"suite": "ruler", **{k: s[k] for k in ("task", "length", "method", "samples", "score")}}
+                        for s in niah_stats(done)])
+    c = {x[0]: x[1:] for x in acceptance(res, None, done)}
+    assert "bf16 >= 90% on niah_single_1 at 1k-2k" in c
+    v, det = c["oscar-int2 within 5 points of bf16 (paired)"]
+    assert det.startswith("on niah_single_1 at 1k: largest gap 5.0 points") and v in ("UNRESOLVED", "MISSED", "PASS")
+
+
+def test_numbers_never_print_negative_zero():
+    from oscar.reports.build import md_table, num, scope_label
+
+    assert [num(x) for x in (-0.0, -0.04, 0.0, -1.26, 2.0)] == ["0.0", "0.0", "0.0", "-1.3", "2.0"]
+    assert num(-0.0, "+.1f") == "+0.0" and num(-0.2, "+.0f") == "+0" and num(float("nan")) == "nan"
+    assert md_table(["x"], [[-0.0], [-0.0001]]).splitlines()[2:] == ["| 0 |", "| -0.0001 |"]
+    assert scope_label(["niah_single_1", "niah_single_2"], [1024, 2048, 4096], [1024, 2048, 4096]) == \
+        "niah_single_1/2 at 1k-4k"
+    assert scope_label(["niah_single_1"], [1024, 4096], [1024, 2048, 4096]) == "niah_single_1 at 1k, 4k"
+    assert scope_label(["niah_single_2"], [2048], [1024, 2048, 4096]) == "niah_single_2 at 2k"

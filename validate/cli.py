@@ -6,6 +6,8 @@ import argparse
 
 from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL, SINK
+from oscar.common import (length_list, nonneg_float, nonneg_int, nonneg_int_list, positive_float_list,
+                          positive_int)
 
 DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)
 
@@ -49,11 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     n.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
     n.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma list of RULER tasks, or 'all'")
-    n.add_argument("--lengths", "--contexts", dest="lengths", default="1k,2k,4k",
+    n.add_argument("--lengths", "--contexts", dest="lengths", default="1k,2k,4k", type=length_list,
                    help="comma list of haystack lengths, e.g. 1k,2k,4k,...,128k (1k = 1024 tokens; --contexts: the "
                         "same, as `oscar validate ppl` spelled it)")
-    n.add_argument("--samples", type=int, default=20, help="samples per (task, length) cell")
-    n.add_argument("--seed", type=int, default=0, help="seed of the haystacks, needles and questions")
+    n.add_argument("--samples", type=positive_int, default=20, help="samples per (task, length) cell")
+    n.add_argument("--seed", type=nonneg_int, default=0, help="seed of the haystacks, needles and questions")
     n.add_argument("--protocol", default="strict", choices=["strict", "serving", "strict-token"],
                    help="cache protocol: strict (recent window 0: sinks and under a page of the latest tokens exact), "
                         "serving (sink + recent window exact), "
@@ -71,12 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     p.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
-    p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k",
+    p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k", type=length_list,
                    help="comma list of context lengths scored (1k = 1024 tokens; --contexts: the older spelling)")
     p.add_argument("--protocol", "--protocols", dest="protocols", default="strict,serving",
                    help="one protocol or a comma list: strict, serving, strict-token (diagnostic; docs/validation.md); "
                         "--protocols: the older spelling")
-    p.add_argument("--tokens", type=int, default=8192,
+    p.add_argument("--tokens", type=positive_int, default=8192,
                    help="held-out tokens scored per context (past the corpus's held-out split: the standard library's "
                         "docstrings, as the needle haystacks)")
     p.add_argument("--corpus", default="pydoc", help="held-out corpus: pydoc, or a .parquet / .jsonl / .txt file")
@@ -94,17 +96,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "with the best factor applied.")
     t.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     t.add_argument("--artifact", required=True, help="fitted artifact to tune")
-    t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", help="comma list of factors x the fitted key clip "
+    t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", type=positive_float_list, help="comma list of factors x the fitted key clip "
                    "(ratios capped at 1)")
-    t.add_argument("--tokens", type=int, default=2048, help="calibration-split tokens scored per factor")
+    t.add_argument("--tokens", type=positive_int, default=2048, help="calibration-split tokens scored per factor")
     t.add_argument("--protocol", default="strict", choices=["strict", "serving"], help="cache protocol the NLL is scored under")
     t.add_argument("--corpus", default="pydoc", help="corpus whose calibration split is scored")
     t.add_argument("--objective", default="nll", choices=OBJECTIVES,
                    help="nll: lowest NLL per token; copy: lowest NLL of a span copied from the INT2 history (serving "
                         "protocol; a retrieval proxy on calibration text); guarded: lowest copy NLL among factors whose "
                         "NLL is within --nll-slack of the lowest (validate/tune.py)")
-    t.add_argument("--nll-slack", type=float, default=0.005, help="guarded: allowed relative NLL excess (default 0.005)")
-    t.add_argument("--copy-windows", type=int, default=8, help="copy objective: calibration windows of 2048 tokens")
+    t.add_argument("--nll-slack", type=nonneg_float, default=0.005, help="guarded: allowed relative NLL excess (default 0.005)")
+    t.add_argument("--copy-windows", type=positive_int, default=8, help="copy objective: calibration windows of 2048 tokens")
     t.add_argument("--out", required=True, help="tuned artifact (.safetensors)")
     _exec_args(t)
     t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
@@ -121,8 +123,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "by the copy probe\".")
     w.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     w.add_argument("--artifact", required=True, help="a one-group artifact (`oscar fit --variant scaled`, then tune)")
-    w.add_argument("--windows", type=int, default=4, help="calibration copy windows per probe (default 4)")
-    w.add_argument("--length", type=int, default=2048, help="tokens per copy window (default 2048)")
+    w.add_argument("--windows", type=positive_int, default=4, help="calibration copy windows per probe (default 4)")
+    w.add_argument("--length", type=positive_int, default=2048, help="tokens per copy window (default 2048)")
     w.add_argument("--estimate", choices=["probe", "gradient"], default="probe",
                    help="probe: measure each layer alone (2L + 1 forwards; default); gradient: the same change to first "
                         "order from one forward + backward per window (SmolLM2 at 4 x 2048 on 2 CPUs: ~2.5 min against ~35 min, separate runs; docs/decisions.md)")
@@ -139,18 +141,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "against its tokens; the model is the store's)")
     a.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2", help=_METHODS_HELP)
-    a.add_argument("--lengths", "--contexts", dest="lengths", default="4k,16k,64k,128k",
+    a.add_argument("--lengths", "--contexts", dest="lengths", default="4k,16k,64k,128k", type=length_list,
                    help="context lengths in keys, every key a distinct held-out row (1k = 1024 tokens; --contexts: the same)")
-    a.add_argument("--windows", type=int, default=8,
+    a.add_argument("--windows", type=positive_int, default=8,
                    help="contexts per layer and length, each scored by every query head")
-    a.add_argument("--layers", default="", help="comma list of layers (default: 4 spread over depth)")
-    a.add_argument("--seq-len", type=int, default=4096,
+    a.add_argument("--layers", default="", type=nonneg_int_list, help="comma list of layers (default: 4 spread over depth)")
+    a.add_argument("--seq-len", type=positive_int, default=4096,
                    help="tokens per captured held-out sequence, at most the model's context")
-    a.add_argument("--sink", type=int, default=SINK, help="first keys of each context kept exact")
+    a.add_argument("--sink", type=nonneg_int, default=SINK, help="first keys of each context kept exact")
     a.add_argument("--corpus", default="pydoc", help="corpus whose held-out split comes first")
     a.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model compute dtype of the capture")
-    a.add_argument("--seed", type=int, default=0, help="seed of the context offsets")
+    a.add_argument("--seed", type=nonneg_int, default=0, help="seed of the context offsets")
     a.add_argument("--out", required=True, help="output directory (attention.parquet, attention.json)")
     _exec_args(a)
     a.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
