@@ -28,12 +28,14 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
     r.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     r.add_argument("--samples", type=positive_int, default=None, help="NIAH samples per cell (default 20)")
-    r.add_argument("--calib-seq-len", type=positive_int, default=None,
-                   help="calibration sequence length (default: the longest context validated, 4096: the fit sees "
-                        "every position it is judged on)")
-    r.add_argument("--calib-positions", type=positive_int, default=None,
-                   help="absolute positions the calibration covers (default: the longest context validated); a "
-                        "shorter --calib-seq-len is read at RoPE offsets up to it (`oscar calibrate --positions`)")
+    r.add_argument("--seq-len", "--calib-seq-len", dest="calib_seq_len", type=positive_int, default=None,
+                   help="calibration sequence length, as `oscar calibrate --seq-len` (default: the longest context "
+                        "validated, 4096: the fit sees every position it is judged on; --calib-seq-len: the older "
+                        "spelling)")
+    r.add_argument("--positions", "--calib-positions", dest="calib_positions", type=positive_int, default=None,
+                   help="absolute positions the calibration covers, as `oscar calibrate --positions` (default: the "
+                        "longest context validated); a shorter --seq-len is read at RoPE offsets up to it "
+                        "(--calib-positions: the older spelling)")
     r.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list of KV-cache methods to compare (default: %(default)s; also tq-int2, sq-int2, "
                         "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
@@ -42,7 +44,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default scaled, "
                    "split with --widths none)")
     r.add_argument("--widths", default="gradient", choices=("none", "copy", "gradient"),
-                   help="per-layer key widths (issue 16), chosen after the tune by the NLL of spans copied from the INT2 "
+                   help="per-layer key widths, chosen after the tune by the NLL of spans copied from the INT2 "
                         "history of calibration text with one layer's keys at 3 / 4 bits, served as a per-layer "
                         "artifact at the same bits: gradient = that NLL change to first order (default; ~2.5 min for "
                         "SmolLM2 on 2 CPUs); copy = measured layer by layer (`oscar validate widths`, ~35 min); none = "

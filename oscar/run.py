@@ -391,8 +391,8 @@ def _stage_report(job: _Job, seconds: float) -> dict:
 
     cfg, d, st = job.cfg, job.dir, job.st
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
-                + ("" if cfg.seq_len == cfg.longest_context else f" --calib-seq-len {cfg.seq_len}")
-                + ("" if cfg.positions == max(cfg.seq_len, cfg.longest_context) else f" --calib-positions {cfg.positions}")
+                + ("" if cfg.seq_len == cfg.longest_context else f" --seq-len {cfg.seq_len}")
+                + ("" if cfg.positions == max(cfg.seq_len, cfg.longest_context) else f" --positions {cfg.positions}")
                 + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
                 + ("" if cfg.widths == "gradient" else f" --widths {cfg.widths}")

@@ -70,8 +70,8 @@ def register(sub) -> None:
     p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/2; /1 read with a warning); required, "
                    "here or as STORE (no default)")
     p.add_argument("--out", required=True, help="artifact .safetensors to write")
-    p.add_argument("--variant", default="oscar", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default oscar; "
-                   "`oscar run` fits scaled; `oscar variants` describes each)")
+    p.add_argument("--variant", default="scaled", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default scaled, "
+                   "the rotations `oscar run` ships; oscar: the published recipe; `oscar variants` describes each)")
     p.add_argument("--estimator", default="auto", help="covariance estimator across blocks: auto (robust where tails "
                    "are heavy) | plain | mom (median of means) | trimmed")
     p.add_argument("--shrinkage", default="oas", choices=("oas", "lw", "none"),

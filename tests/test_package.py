@@ -91,8 +91,13 @@ def test_wheel_layout_imports_without_checkout(tmp_path):
     directory with the checkout nowhere on sys.path."""
     import zipfile
 
+    import shutil
+
+    src = tmp_path / "src"  # setuptools writes build/ into the source tree: build a copy, not the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "runs", "*.zarr", "*.egg-info", "bench",
+                                                              "tests", "docs", "examples", "__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                        str(tmp_path / "whl"), str(ROOT)], capture_output=True, text=True)
+                        str(tmp_path / "whl"), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = (tmp_path / "whl").glob("oscar_kv-*.whl")
     names = zipfile.ZipFile(whl).namelist()

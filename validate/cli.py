@@ -56,9 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "same, as `oscar validate ppl` spelled it)")
     n.add_argument("--samples", type=positive_int, default=20, help="samples per (task, length) cell")
     n.add_argument("--seed", type=nonneg_int, default=0, help="seed of the haystacks, needles and questions")
-    n.add_argument("--protocol", default="strict", choices=["strict", "serving", "strict-token"],
-                   help="cache protocol: strict (recent window 0: sinks and under a page of the latest tokens exact), "
-                        "serving (sink + recent window exact), "
+    n.add_argument("--protocol", default="serving", choices=["strict", "serving", "strict-token"],
+                   help="cache protocol: serving (sink + recent window exact: the deployed cache; the default, as "
+                        "`oscar run`), strict (recent window 0: sinks and under a page of the latest tokens exact), "
                         "strict-token (diagnostic: per-token K/V quantized the moment they are written)")
     n.add_argument("--corpus", default="pydoc", help="haystack corpus: pydoc, or a .parquet / .jsonl / .txt file")
     n.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help=_DTYPE_HELP)

@@ -1,4 +1,4 @@
-"""`oscar validate niah`: RULER-style tasks under the strict protocol, resumable per sample.
+"""`oscar validate niah`: RULER-style tasks under a cache protocol (the CLI: serving by default), resumable per sample.
 
 Strict protocol (docs/validation.md): chunk 1 (template head + instruction +
 haystack) is prefilled; the method's cache stores it (sink exact, the rest
