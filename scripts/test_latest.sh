@@ -67,5 +67,7 @@ $OSCAR validate niah --model smollm2-135m --artifact "$T/serve/runs/demo/artifac
   --methods bf16,oscar-int2 --tasks niah_single_1 --lengths 1k --samples 2 --dtype float32 --out "$T/niah" --no-progress
 test -s "$T/niah/results.parquet" || { echo "no results.parquet" >&2; exit 1; }
 
-step "packaging tests (the shadowing checks) on the latest dependencies"
+step "every test module collects from the repo root; the packaging tests (the shadowing checks) run"
+$PY -m pytest -q -p no:cacheprovider --collect-only tests > "$T/collect.txt" || { tail -30 "$T/collect.txt"; exit 1; }
+tail -1 "$T/collect.txt"
 exec $PY -m pytest -q -p no:cacheprovider tests/test_package.py tests/test_calibrate_resume.py
