@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import math
 import os
 import re
 from typing import Any
@@ -300,8 +302,6 @@ def allow_weights_mismatch() -> bool:
 # ArgumentTypeError (argparse prints its message), never OscarError.
 
 def _int(s: str, what: str) -> int:
-    import argparse
-
     try:
         return int(str(s).strip())
     except ValueError:
@@ -309,9 +309,6 @@ def _int(s: str, what: str) -> int:
 
 
 def _float(s: str, what: str) -> float:
-    import argparse
-    import math
-
     try:
         v = float(str(s).strip())
     except ValueError:
@@ -323,8 +320,6 @@ def _float(s: str, what: str) -> float:
 
 def positive_int(s: str) -> int:
     """An integer >= 1 (sizes, counts, lengths)."""
-    import argparse
-
     v = _int(s, "a positive integer")
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
@@ -333,8 +328,6 @@ def positive_int(s: str) -> int:
 
 def nonneg_int(s: str) -> int:
     """An integer >= 0 (windows that may be empty, seeds, indices)."""
-    import argparse
-
     v = _int(s, "an integer >= 0")
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {s!r}")
@@ -343,8 +336,6 @@ def nonneg_int(s: str) -> int:
 
 def positive_float(s: str) -> float:
     """A finite number > 0 (GiB, seconds, degrees of freedom)."""
-    import argparse
-
     v = _float(s, "a positive number")
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
@@ -353,8 +344,6 @@ def positive_float(s: str) -> float:
 
 def nonneg_float(s: str) -> float:
     """A finite number >= 0."""
-    import argparse
-
     v = _float(s, "a number >= 0")
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}")
@@ -363,8 +352,6 @@ def nonneg_float(s: str) -> float:
 
 def int_between(lo: int, hi: int):
     """`type=` for an integer in lo..hi (bits per element: 1..8)."""
-    import argparse
-
     def check(s: str) -> int:
         v = _int(s, f"an integer in {lo}..{hi}")
         if not lo <= v <= hi:
@@ -376,8 +363,6 @@ def int_between(lo: int, hi: int):
 
 
 def _items(s: str, what: str) -> list[str]:
-    import argparse
-
     items = [x.strip() for x in str(s).split(",")]
     if not any(items):
         raise argparse.ArgumentTypeError(f"must be a comma list of {what}, got {s!r}")
@@ -389,8 +374,6 @@ def _items(s: str, what: str) -> list[str]:
 def parse_token_count(s: str) -> int:
     """'4k' -> 4096, '128k' -> 131072, '1500' -> 1500 (1k = 1024 tokens, fractions of k truncated as the validate
     commands read them); ValueError otherwise."""
-    import math
-
     t = str(s).strip().lower()
     if not t.endswith("k"):
         return int(t)
@@ -403,8 +386,6 @@ def parse_token_count(s: str) -> int:
 def length_list(s: str) -> str:
     """`type=` for a comma list of token lengths (1k = 1024): every one a positive whole number of tokens.
     Returns the string unchanged (the command parses it as before); a bad list is a usage error at parse time."""
-    import argparse
-
     for x in _items(s, "lengths"):
         try:
             v = parse_token_count(x)
@@ -419,8 +400,6 @@ def length_list(s: str) -> str:
 def nonneg_int_list(s: str) -> str:
     """`type=` for a comma list of integers >= 0 (layer indices); the empty string (the default) is allowed.
     Returns the string unchanged."""
-    import argparse
-
     if not str(s).strip():
         return s
     for x in _items(s, "integers >= 0"):
@@ -435,9 +414,6 @@ def nonneg_int_list(s: str) -> str:
 
 def positive_float_list(s: str) -> str:
     """`type=` for a comma list of numbers > 0 (clip factors). Returns the string unchanged."""
-    import argparse
-    import math
-
     for x in _items(s, "positive numbers"):
         try:
             v = float(x)
