@@ -313,3 +313,76 @@ def test_other_quantizations_are_refused_by_name_before_any_weight(pair, tmp_pat
             call()
         msg = str(e.value)
         assert named in msg and os.path.join(d, "config.json") in msg and "\n" not in msg, msg
+
+
+# ------------------------------------------------------------------ calibration: one process and 2 Ray stages
+
+
+def _calib_opts(model, store):
+    # threads=1: float32 summation order in the MoE layers depends on the torch thread count; each Ray stage
+    # actor runs one thread (threads_per_stage defaults to cpus_per_stage = 1), so the single process does too
+    return dict(model=model, store=str(store), seq_len=48, sink=4, seqs_per_block=2, tokens=48 * 2 * 2,
+                reservoir=8, batch_size=1, threads=1)
+
+
+def _same_statistics(a_path, b_path):
+    """Every array of two stores equal bit for bit (their attributes differ: the model fingerprints do, since the
+    checkpoints' configs and bytes differ)."""
+    import numpy as np
+
+    from oscar.pipeline.store import CalibStore
+
+    a, b = CalibStore(str(a_path)), CalibStore(str(b_path))
+    assert a.done().all() and b.done().all()
+    for name in ("tokens", "mask", "done"):
+        assert np.array_equal(a.group[name][:], b.group[name][:]), name
+    n = 0
+    for l in range(a.num_layers):
+        for s in a.spec:
+            x, y = a.group[f"layers/{l}/{s}"][:], b.group[f"layers/{l}/{s}"][:]
+            assert np.array_equal(x, y), f"layers/{l}/{s} differs (max {np.abs(x - y).max()})"
+            n += 1
+    assert n
+
+
+@pytest.fixture(scope="module")
+def twin_store(pair, tmp_path_factory):
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    path = tmp_path_factory.mktemp("twin") / "twin.zarr"
+    calibrate(CalibConfig(**_calib_opts(pair[1], path)), progress=False)
+    return path
+
+
+@pytest.mark.slow
+def test_fp8_calibrates_as_its_twin_in_one_process(pair, twin_store, tmp_path):
+    """Bit-identical: both load the same float32 weights (the twin holds the exact float32 products
+    code x scale that the loader computes), so every statistic is the same float64 sum."""
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    calibrate(CalibConfig(**_calib_opts(pair[0], tmp_path / "fp8.zarr")), progress=False)
+    _same_statistics(twin_store, tmp_path / "fp8.zarr")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_fp8_calibrates_as_its_twin_on_two_ray_stages(pair, twin_store, tmp_path):
+    """The block-FP8 checkpoint on 2 layer-range stages of a real local Ray cluster: each stage dequantizes its
+    own layers' weights; the store equals the single-process twin's bit for bit."""
+    from oscar.cluster.localray import LocalHead
+    from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+    from oscar.pipeline.calibrate import CalibConfig
+
+    o = _calib_opts(pair[0], tmp_path / "ray.zarr")
+    o.pop("threads")
+    with LocalHead(num_cpus=4, object_store_mb=256).session() as h:  # loopback-only, private token
+        import ray
+
+        ray.init(address=h.address, log_to_driver=False)
+        try:
+            rep = calibrate_on_ray(CalibConfig(**o), ClusterConfig(stages=2), address=h.address, progress=False)
+        finally:
+            ray.shutdown()
+    assert len(rep.stages) == 2 and rep.block_retries == 0
+    _same_statistics(twin_store, tmp_path / "ray.zarr")
