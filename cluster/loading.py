@@ -11,6 +11,15 @@ the first stage also holds the token embeddings; every stage builds the rotary
 module (it has no parameters, only buffers derived from the config); nobody
 loads the final norm or the LM head (calibration stops at the last attention).
 
+Every checkpoint key of the stage's layers (and, for the first stage, of the embeddings) is accounted for
+before any tensor is read: it is placed into a parameter or buffer, consumed as the scale of a block-FP8
+weight (`<name>.weight_scale_inv`, dequantized with its weight by
+`oscar.pipeline.models.dequantize_block_fp8`, the one rule every loader follows), or ignored by a named
+rule (`IGNORED_KEYS`); any other key is an error naming it, so a tensor can never be dropped silently.
+A checkpoint quantized any other way is refused by `checkpoint_quantization` before a weight is read.
+Block-FP8 weights are dequantized at load, on CPU, tensor by tensor as their shard is read, to the
+stage's compute dtype: on CUDA too FP8 is not kept (transformers' fine-grained FP8 layers are not used).
+
 Ray-free: importable and testable in one process.
 """
 
@@ -26,7 +35,9 @@ from torch import nn
 
 from oscar.cluster.balance import balance_layers
 from oscar.common import OscarError
-from oscar.modelconfig import read_config
+from oscar.modelconfig import layer_of, read_config
+from oscar.pipeline.models import (SCALE_SUFFIX, checkpoint_quantization, dequantize_block_fp8, is_float8,
+                                   scale_key)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -39,6 +50,18 @@ _FUSED_EXPERTS = {
     "experts.gate_up_proj": [("gate_proj.weight", "w1.weight"), ("up_proj.weight", "w3.weight")],
     "experts.down_proj": [("down_proj.weight", "w2.weight")],
 }
+
+
+# Checkpoint keys a stage reads nothing from, each by a named rule: (rule, pattern on the key).
+IGNORED_KEYS: tuple[tuple[str, re.Pattern], ...] = (
+    # older checkpoints saved the rotary module's inverse frequencies; every stage rebuilds them from the config
+    ("rotary inv_freq buffer (rebuilt from the config)", re.compile(r"(^|\.)rotary_emb\.inv_freq$")),
+)
+
+
+def ignored_by(key: str) -> str | None:
+    """The name of the rule that ignores checkpoint key `key`, or None."""
+    return next((rule for rule, pat in IGNORED_KEYS if pat.search(key)), None)
 
 
 @dataclass
@@ -74,6 +97,8 @@ class LoadReport:
     shards: list[str] = field(default_factory=list)   # shard files opened (basenames)
     bytes: int = 0                                     # bytes of the tensors read (checkpoint dtype)
     params: list[str] = field(default_factory=list)   # module parameters/buffers materialised (full names)
+    dequantized: list[str] = field(default_factory=list)  # block-FP8 weight keys dequantized (scales consumed)
+    ignored: dict[str, str] = field(default_factory=dict)  # checkpoint key -> the rule that ignores it (not read)
 
 
 class Checkpoint:
@@ -251,6 +276,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
     config = config if config is not None else load_config(model_dir)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     spec = StageSpec(start, stop, text_cfg.num_hidden_layers)
+    # before any weight is read: another quantization method is refused by name; block FP8 gives its block size
+    block = checkpoint_quantization(config, os.path.join(model_dir, "config.json"))
     ckpt = Checkpoint(model_dir)
     skeleton = build_skeleton(config)
     base = skeleton.get_decoder() if hasattr(skeleton, "get_decoder") else getattr(skeleton, skeleton.base_model_prefix)
@@ -276,13 +303,39 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
                 continue  # a buffer the checkpoint does not carry keeps its constructed value
             plan.append((mod, local, full, src))
 
+    # Account for every checkpoint key of the owned layers (and embeddings) before reading any.
+    consumed = {k for *_, src in plan for ks in src for k in ks}
+    scales: dict[str, str] = {}  # weight key -> its scale key
+    for k in consumed:
+        sk = scale_key(k)
+        if sk is not None and sk in ckpt:
+            scales[k] = sk
+    mine = {k for k in ckpt.weight_map if (layer_of(k) is not None and start <= layer_of(k) < stop)
+            or (spec.first and layer_of(k) is None and "embed_tokens" in k)}
+    unaccounted = sorted(mine - consumed - set(scales.values()))
+    report_ignored = {}
+    for k in unaccounted:
+        rule = ignored_by(k)
+        if rule is not None:
+            report_ignored[k] = rule
+        elif k.endswith(SCALE_SUFFIX):
+            raise OscarError(f"{model_dir}: checkpoint key {k} is a scale whose weight "
+                             f"{k[: -len(SCALE_SUFFIX)]} is not a tensor of layers [{start}, {stop})")
+        else:
+            raise OscarError(f"{model_dir}: checkpoint key {k} of layers [{start}, {stop}) is not placed into any "
+                             "parameter or buffer of the model, nor ignored by a named rule")
+    if scales and block is None:
+        k = sorted(scales)[0]
+        raise OscarError(f"{model_dir}: checkpoint holds {scales[k]} (a block-FP8 scale) but config.json has no "
+                         "quantization_config")
+
     devices = [str(d) for d in devices] if devices else [str(device)]
     sizes = [sum(p.numel() for p in base.layers[i].parameters()) for i in spec.layers]
     layer_dev = dict(zip(spec.layers, assign_devices(sizes, devices)))
     dev_of = {f"{pre}layers.{i}": layer_dev[i] for i in spec.layers} | {f"{pre}embed_tokens": devices[0]}
 
-    needed = sorted({ckpt.weight_map[k] for *_, src in plan for ks in src for k in ks})
-    report = LoadReport(shards=needed)
+    needed = sorted({ckpt.weight_map[k] for k in consumed | set(scales.values())})
+    report = LoadReport(shards=needed, ignored=report_ignored)
     # One shard open at a time, closed once read: its mmap'd pages leave the resident set, so the
     # peak is the stage's weights plus one shard (plus per-expert parts waiting for their layer).
     keys_of: dict[str, list[str]] = {}
@@ -290,6 +343,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
         for ks in src:
             for k in ks:
                 keys_of.setdefault(ckpt.weight_map[k], []).append(k)
+                if k in scales:
+                    keys_of.setdefault(ckpt.weight_map[scales[k]], []).append(scales[k])
     got: dict[str, torch.Tensor] = {}
     todo = list(plan)
     for shard in needed:
@@ -303,20 +358,34 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
                 got[k] = fh.get_tensor(k)
                 report.keys.append(k)
                 report.bytes += got[k].numel() * got[k].element_size()
-        ready = [it for it in todo if all(k in got for ks in it[3] for k in ks)]
+        ready = [it for it in todo if all(k in got and (k not in scales or scales[k] in got)
+                                          for ks in it[3] for k in ks)]
         todo = [it for it in todo if it not in ready]
         for mod, local, full, src in ready:
-            parts = [got[ks[0]] if len(ks) == 1 else torch.cat([got[k] for k in ks], dim=0) for ks in src]
-            value = parts[0] if len(src) == 1 and len(src[0]) == 1 else torch.stack(parts, dim=0)
-            for ks in src:
-                for k in ks:
-                    del got[k]
             cur = _get(mod, local)
+            keep_fp32 = cur.dtype == torch.float32 and _keep_fp32(skeleton, full)
+            tdt = torch.float32 if keep_fp32 else dtype
+
+            def tensor(k: str) -> torch.Tensor:  # checkpoint tensor k, block-FP8 dequantized (fp32 math) to tdt
+                t = got.pop(k)
+                if k in scales:
+                    if not is_float8(t):
+                        raise OscarError(f"{model_dir}: {k} has a scale ({scales[k]}) but is {t.dtype}, "
+                                         "not float8_e4m3fn")
+                    report.dequantized.append(k)
+                    return dequantize_block_fp8(t, got.pop(scales[k]), block, tdt, name=k)
+                if is_float8(t):
+                    raise OscarError(f"{model_dir}: {k} is {t.dtype} but the checkpoint has no "
+                                     f"{scale_key(k) or k + SCALE_SUFFIX}: a float8 weight without its scale "
+                                     "is a wrong model")
+                return t.to(tdt)
+
+            parts = [tensor(ks[0]) if len(ks) == 1 else torch.cat([tensor(k) for k in ks], dim=0) for ks in src]
+            value = parts[0] if len(src) == 1 and len(src[0]) == 1 else torch.stack(parts, dim=0)
             if tuple(cur.shape) != tuple(value.shape):
                 raise OscarError(f"{full}: checkpoint shape {tuple(value.shape)} != model shape {tuple(cur.shape)}")
-            keep_fp32 = cur.dtype == torch.float32 and _keep_fp32(skeleton, full)
             mdev = dev_of[full[: -len(local) - 1]]  # the owned module's prefix
-            set_module_tensor_to_device(mod, local, mdev, value=value.to(torch.float32 if keep_fp32 else dtype))
+            set_module_tensor_to_device(mod, local, mdev, value=value)
             report.params.append(full)
             del value, parts
 

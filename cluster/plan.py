@@ -185,6 +185,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     budget_bytes: int | None = None   # per GPU: gpu_mem x usable (None without a GPU size)
     fits: bool | None = None          # every stage's peak within its GPUs' budget (None without a GPU size)
+    weights_mode: str = ""            # how the loaders hold the weights (block FP8: dequantized at load)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -236,6 +237,14 @@ def make_plan(config, pc: PlanConfig) -> Plan:
     if dtype not in _DTYPE_BYTES:
         raise OscarError(f"--dtype {dtype!r}: one of {sorted(_DTYPE_BYTES)}")
     nb = _DTYPE_BYTES[dtype]
+    # The bytes of the mode the loaders use: a block-FP8 checkpoint is dequantized at load (FP8 is not kept,
+    # on CUDA either; oscar.pipeline.models), so its weights count at the compute dtype, like a BF16 one.
+    # Any other quantization is refused here as the loaders refuse it.
+    from oscar.pipeline.models import checkpoint_quantization
+
+    block = checkpoint_quantization(config, f"model config {pc.name or getattr(config, 'model_type', '')}".strip())
+    weights_mode = (f"block FP8 checkpoint ({block[0]}x{block[1]} blocks) dequantized at load to {dtype}"
+                    if block else f"unquantized checkpoint loaded in {dtype}")
     pb = param_bytes(config, nb)
     nl = len(pb.layers)
     ranges = parse_ranges(pc.layers, nl) if pc.layers else balance_layers(pb.layers, pc.stages, pb.embed)
@@ -251,7 +260,9 @@ def make_plan(config, pc: PlanConfig) -> Plan:
         sp.append(StagePlan(i, (a, b), params, a == 0, acc, peak, math.ceil(peak / pc.gpus_per_stage)))
     gpu_mem = int(pc.gpu_mem_gib * GiB) if pc.gpu_mem_gib is not None else None
     suggested = None
-    notes = [f"weights in {dtype} ({nb} B/param); activations in the same dtype",
+    notes = [f"weights in {dtype} ({nb} B/param); activations in the same dtype" + (
+                 f"; the checkpoint is block FP8 ({block[0]}x{block[1]}), dequantized at load by every loader "
+                 f"(about 1 B/param + scales on disk, {nb} B/param in memory)" if block else ""),
              f"{pc.in_flight} micro-batches in flight per stage; accumulators are float64 per block",
              "scores_if_materialised applies to eager attention and CPU sdpa; flash/mem-efficient kernels avoid it"]
     if gpu_mem:
@@ -270,7 +281,8 @@ def make_plan(config, pc: PlanConfig) -> Plan:
     budget = int(gpu_mem * pc.usable) if gpu_mem else None
     fits = all(s.peak_bytes <= pc.gpus_per_stage * gpu_mem * pc.usable for s in sp) if gpu_mem else None
     return Plan(pc.name or getattr(config, "model_type", ""), nl, pb.total, pb.total - pb.head, sp, pc.gpus_per_stage,
-                act, spb, pc.num_blocks, spb["total"] * pc.num_blocks, suggested, gpu_mem, notes, budget, fits)
+                act, spb, pc.num_blocks, spb["total"] * pc.num_blocks, suggested, gpu_mem, notes, budget, fits,
+                weights_mode)
 
 
 def misfit(p: Plan, explicit_layers: bool = False) -> str | None:
@@ -299,6 +311,7 @@ def fmt_bytes(n: float) -> str:
 def format_plan(p: Plan) -> str:
     lines = [f"model {p.model}: {p.num_layers} layers, parameters {fmt_bytes(p.total_param_bytes)} "
              f"({fmt_bytes(p.loaded_param_bytes)} loaded by stages; LM head and final norm by nobody)",
+             *([f"weights: {p.weights_mode}"] if p.weights_mode else []),
              f"{len(p.stages)} stages x {p.gpus_per_stage} GPU(s)", "",
              f"{'stage':>5} {'layers':>10} {'params':>11} {'accum':>11} {'peak':>11} {'per GPU':>11}"]
     for s in p.stages:

@@ -6,6 +6,7 @@ One process, whole model. The Ray job (`oscar.cluster`) reuses `Capture`, `Calib
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -324,11 +325,14 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
 
 
 def check_servable(info) -> None:
-    """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack)."""
+    """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack)
+    or no loader reads (a quantized checkpoint other than block FP8): before weights, in the Ray driver too."""
     from oscar.constraints import check_model
-    from oscar.pipeline.models import load_config
+    from oscar.pipeline.models import checkpoint_quantization, load_config
 
-    check_model(load_config(info.source), info.head_dim, what=f"model {info.name!r}")
+    config = load_config(info.source)
+    check_model(config, info.head_dim, what=f"model {info.name!r}")
+    checkpoint_quantization(config, os.path.join(info.source, "config.json"))
 
 
 def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:

@@ -533,6 +533,150 @@ def model_catalog(cache_dir: str | None = None) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------- quantized checkpoints
+#
+# One rule for every loader (this module's `load_model`, cluster/loading.py's layer-range stage loader, and
+# validation, which loads through `load_model`): a checkpoint whose config carries a `quantization_config`
+# loads only if it is block FP8 (quant_method "fp8" with weight_block_size, `float8_e4m3fn` weights with a
+# `<name>.weight_scale_inv` per block, as DeepSeek-V3 and GLM-4.7-FP8 ship). Those weights are dequantized
+# at load, on CPU, by `dequantize_block_fp8` (the one implementation), to the model's compute dtype; FP8 is
+# not kept, on CUDA either (transformers' fine-grained FP8 layers are not used): a stage holds its layers at
+# the compute dtype's size. Any other quant_method is refused by name before a weight is read.
+
+SCALE_SUFFIX = "_scale_inv"  # `<prefix>.weight` -> `<prefix>.weight_scale_inv`
+FP8_DTYPES = ("float8_e4m3fn",)
+
+
+def checkpoint_quantization(config: Any, where: str) -> tuple[int, int] | None:
+    """The checkpoint's block size (rows, cols) when it is block FP8, None when it is not quantized; a one-line
+    OscarError naming the method and `where` (the config file) for any other quantization. Reads the config only."""
+    q = getattr(config, "quantization_config", None)
+    if q is None and hasattr(config, "get_text_config"):
+        q = getattr(config.get_text_config(), "quantization_config", None)
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else dict(vars(q))
+    method = q.get("quant_method")
+    block = q.get("weight_block_size")
+    supported = "oscar loads unquantized checkpoints and block FP8 (quant_method 'fp8' with weight_block_size)"
+    if str(method).lower() != "fp8":
+        raise OscarError(f"{where}: quantization_config.quant_method {method!r} is not supported ({supported}); "
+                         "use the unquantized (BF16) checkpoint")
+    if block is None:
+        raise OscarError(f"{where}: quantization_config.quant_method 'fp8' without weight_block_size (per-tensor "
+                         f"FP8) is not supported ({supported})")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise OscarError(f"{where}: quantization_config.weight_block_size {block!r}: expected [rows, cols] of "
+                         "positive integers")
+    if q.get("activation_scheme", "dynamic") not in (None, "dynamic"):
+        raise OscarError(f"{where}: quantization_config.activation_scheme {q.get('activation_scheme')!r} "
+                         f"(static activation scales) is not supported ({supported}, dynamic activations)")
+    if q.get("fmt", "e4m3") not in (None, "e4m3"):
+        raise OscarError(f"{where}: quantization_config.fmt {q.get('fmt')!r} is not supported (block FP8 is e4m3)")
+    return int(block[0]), int(block[1])
+
+
+def dir_quantization(model_dir: str) -> tuple[int, int] | None:
+    """`checkpoint_quantization` of a model directory's config.json."""
+    return checkpoint_quantization(read_config(model_dir), os.path.join(model_dir, "config.json"))
+
+
+def scale_key(key: str) -> str | None:
+    """The scale tensor's key of weight `key` (`x.weight` -> `x.weight_scale_inv`); None for non-weights."""
+    return key + SCALE_SUFFIX if key.endswith(".weight") or key == "weight" else None
+
+
+def dequantize_block_fp8(weight, scale_inv, block: tuple[int, int] = (128, 128), dtype=None, name: str = "weight"):
+    """`weight * scale_inv`, one scale per `block` (rows x cols) of the last two dims, computed in float32 and
+    cast to `dtype` (default float32).
+
+    weight (..., R, C) float8_e4m3fn; scale_inv (..., ceil(R/br), ceil(C/bc)): the last block of a row or
+    column is partial when R or C is not a multiple of the block (its scale covers what is there). `name`
+    appears in the errors.
+    """
+    import torch
+
+    br, bc = block
+    if weight.dim() < 2:
+        raise OscarError(f"{name}: a block-FP8 weight must have 2 or more dims, got shape {tuple(weight.shape)}")
+    R, C = weight.shape[-2:]
+    want = (*weight.shape[:-2], -(-R // br), -(-C // bc))
+    if tuple(scale_inv.shape) != want:
+        raise OscarError(f"{name}{SCALE_SUFFIX}: shape {tuple(scale_inv.shape)} does not match weight "
+                         f"{tuple(weight.shape)} in {br}x{bc} blocks (expected {want})")
+    if not scale_inv.is_floating_point() or scale_inv.element_size() < 2:
+        raise OscarError(f"{name}{SCALE_SUFFIX}: scale dtype {scale_inv.dtype} is not supported "
+                         "(float32, bfloat16 or float16)")
+    s = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :R, :C]
+    out = weight.to(torch.float32) * s
+    return out if dtype is None or dtype == torch.float32 else out.to(dtype)
+
+
+def is_float8(t) -> bool:
+    return str(t.dtype).removeprefix("torch.").startswith("float8")
+
+
+def check_unquantized(model_dir: str) -> None:
+    """A checkpoint whose config declares no quantization holds no scale tensor and no float8 tensor (their
+    safetensors headers say, no tensor is read): transformers would load the codes as values without a word."""
+    from oscar.common import _safetensors_header
+
+    files = weight_map(model_dir)
+    scales = sorted(k for k in files if k.endswith(".weight" + SCALE_SUFFIX))
+    if scales:
+        raise OscarError(f"{model_dir}: checkpoint holds {scales[0]} (a block-FP8 scale) but config.json has no "
+                         "quantization_config")
+    for p in sorted(set(files.values())):
+        hdr, _ = _safetensors_header(p)
+        for k, t in sorted(hdr.items()):
+            if k != "__metadata__" and str(t.get("dtype", "")).upper().startswith("F8"):
+                raise OscarError(f"{p}: {k} is {t['dtype']} but the checkpoint has no {scale_key(k) or k + SCALE_SUFFIX}"
+                                 " (and config.json no quantization_config): a float8 weight without its scale "
+                                 "is a wrong model")
+
+
+def read_state_dict(model_dir: str, block: tuple[int, int] | None, dtype=None) -> dict:
+    """Every tensor of a checkpoint, block-FP8 weights dequantized to `dtype` (their scales consumed). A
+    float8 weight without its scale, or a scale without its weight, is an error naming it. The single-process
+    loader's path for quantized checkpoints (a layer-range stage reads only its keys: cluster/loading.py)."""
+    from safetensors import safe_open
+
+    files = weight_map(model_dir)
+    out: dict = {}
+    scales = {k for k in files if k.endswith(".weight" + SCALE_SUFFIX)}
+    for k in scales:
+        if k[: -len(SCALE_SUFFIX)] not in files:
+            raise OscarError(f"{model_dir}: checkpoint holds {k} but no weight {k[: -len(SCALE_SUFFIX)]} for it")
+    if scales and block is None:
+        raise OscarError(f"{model_dir}: checkpoint holds scale tensors ({sorted(scales)[0]}, ...) but its config "
+                         "has no quantization_config")
+    by_file: dict[str, list[str]] = {}
+    for k, p in files.items():
+        if k not in scales:
+            by_file.setdefault(p, []).append(k)
+    for p, keys in sorted(by_file.items()):
+        with safe_open(p, "pt") as fh:
+            for k in sorted(keys):
+                t = fh.get_tensor(k)
+                sk = scale_key(k)
+                if sk in scales:
+                    if str(t.dtype).removeprefix("torch.") not in FP8_DTYPES:
+                        raise OscarError(f"{p}: {k} has a scale ({sk}) but is {t.dtype}, not float8_e4m3fn")
+                    if files[sk] == p:
+                        s = fh.get_tensor(sk)
+                    else:
+                        with safe_open(files[sk], "pt") as fs:
+                            s = fs.get_tensor(sk)
+                    t = dequantize_block_fp8(t, s, block, dtype, name=k)
+                elif is_float8(t):
+                    raise OscarError(f"{p}: {k} is {t.dtype} but the checkpoint has no {sk or k + SCALE_SUFFIX}: "
+                                     "a float8 weight without its scale is a wrong model")
+                out[k] = t
+    return out
+
+
 # ---------------------------------------------------------------- resolve / load
 
 
@@ -655,12 +799,28 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
     from oscar.constraints import check_model
 
     check_model(config, what=f"model {spec!r}")  # sliding-window layers: refused in every stage, before loading
+    block = checkpoint_quantization(config, os.path.join(d, "config.json"))  # refuses other methods, before loading
     kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
     if is_moe(config):
         # transformers' default grouped_mm experts bypass per-expert modules; eager loops over experts
         kw["experts_implementation"] = "eager"
+    if block is None:
+        check_unquantized(d)
+    else:
+        # Block FP8: dequantized here on CPU by the one rule (`dequantize_block_fp8`), on CUDA too (FP8 is not
+        # kept), and handed to transformers as a plain checkpoint. Not transformers' own FP8 dequantization:
+        # it derives the block from the scale grid and so misplaces blocks when a dim is not a multiple of it.
+        # Holds the dequantized checkpoint in memory once while loading (single-process models are small).
+        config = read_config(d)
+        del config.quantization_config
+        kw.update(config=config, state_dict=read_state_dict(d, block, dtype))
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, **kw)
+        if block is None:
+            model = AutoModelForCausalLM.from_pretrained(d, **kw)
+        else:  # with a state_dict transformers takes no directory: the model class itself, config and tensors from d
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, **kw)
     except (ValueError, ImportError) as e:
         raise OscarError(f"cannot load {spec!r} with attn_implementation={attn_implementation!r}: {e}") from None
     model = model.to(device).eval()

@@ -177,3 +177,36 @@ def test_plan_model_names_are_case_insensitive(capsys):
     assert d["num_layers"] == 92 and d["fits"] is True
     assert main(["plan", "--model", "TINY-LLAMA", "--stages", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_layers"] == 4
+
+
+def _llama_config(quantization_config=None):
+    """A constructed 2-layer Llama: per layer q 128x128 + k, v 128x64 + o 128x128 + gate/up/down 3 x 128x256 +
+    2 norms of 128 = 16384 + 2 * 8192 + 16384 + 98304 + 256 = 147712 parameters; embeddings 1000 x 128."""
+    from transformers import LlamaConfig
+
+    kw = dict(quantization_config=quantization_config) if quantization_config else {}
+    return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                       torch_dtype="bfloat16", **kw)
+
+
+def test_block_fp8_checkpoint_counts_the_dequantized_bytes():
+    """The loaders dequantize block FP8 at load: weights count at the compute dtype (bf16, 2 B/param), the same
+    as the BF16 checkpoint, and the plan says which mode it counted."""
+    from oscar.cluster.plan import format_plan
+
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    p = make_plan(_llama_config(fp8), PlanConfig(stages=2))
+    layer, embed, head = 147712 * 2, 1000 * 128 * 2, (1000 * 128 + 128) * 2
+    assert [s.layers for s in p.stages] == [(0, 1), (1, 2)]
+    assert [s.param_bytes for s in p.stages] == [layer + embed, layer]
+    assert p.total_param_bytes == 2 * layer + embed + head and p.loaded_param_bytes == 2 * layer + embed
+    assert p.weights_mode == "block FP8 checkpoint (128x128 blocks) dequantized at load to bfloat16"
+    text = format_plan(p)
+    assert "weights: block FP8 checkpoint (128x128 blocks) dequantized at load to bfloat16" in text
+    assert "dequantized at load by every loader" in text
+    plain = make_plan(_llama_config(), PlanConfig(stages=2))
+    assert [s.param_bytes for s in plain.stages] == [s.param_bytes for s in p.stages]
+    assert plain.weights_mode == "unquantized checkpoint loaded in bfloat16"
+    with pytest.raises(OscarError, match="quant_method 'gptq' is not supported"):
+        make_plan(_llama_config({"quant_method": "gptq", "bits": 4}), PlanConfig(stages=2))
