@@ -375,8 +375,10 @@ def _stage_validate(job: _Job) -> None:
     def fp(c) -> str:  # the device is execution only; the default engine is left out (older markers stay valid)
         d = {k: v for k, v in asdict(c).items() if k != "device" and not (k == "engine" and v == "simulate")}
         for k in ("squad", "hotpotqa"):  # QA files by content; none given: left out (older markers stay valid)
-            if k in d:
-                d[k] = file_fingerprint(d[k]) if d[k] else d.pop(k)
+            if d.get(k):
+                d[k] = file_fingerprint(d[k])
+            else:
+                d.pop(k, None)
         return fingerprint({"art": art_fp, "cfg": d, "protocols": PROTOCOL_VERSION})
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
