@@ -406,6 +406,7 @@ def _ruler_protocol_notes(r, cfg: dict) -> list[str]:
             f"- Samples per task and length: {per} here (RULER's default is 500); every cell carries its 95 % interval.",
             "- The prompt goes through the model's own chat template (one user turn, then the assistant header and the "
             "answer prefix); RULER applies its per-model template and lm-evaluation-harness a raw prompt unless asked.",
+            "- No in-context example for vt / cwe; cwe scales the common words' frequency down below 8k so the list fits.",
             "- The answer budget is the references' own length + 16 tokens (QA: at least 32, RULER's); RULER reserves "
             "a fixed budget per task. The target length counts prompt + budget, as RULER's does.",
             "- The prompt is prefilled into each method's KV cache in two chunks (haystack, then question) under the "
