@@ -54,6 +54,13 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
 
     r.add_argument("--tune-objective", default="nll", choices=OBJECTIVES,
                    help="what the key-clip tune minimises (`oscar validate tune --objective`; default %(default)s)")
+    r.add_argument("--tasks", default="niah_single_1,niah_single_2",
+                   help="RULER tasks of the needle stage (`oscar validate niah --tasks`): a comma list, or 'all' "
+                        "(every task the inputs allow: qa_1 / qa_2 only with --squad / --hotpotqa; the others skipped "
+                        "are named on stderr and in the report)")
+    from oscar.validate.cli import _qa_args
+
+    _qa_args(r)
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
                    help="cache protocol of the needle stage (`oscar validate niah --protocol`; named for its stage "
                         "because perplexity always reports both)")
@@ -76,7 +83,8 @@ def _run(args) -> int:
 
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
                        seq_len=args.calib_seq_len, positions=args.calib_positions,
-                       methods=parse_methods(args.methods),
+                       methods=parse_methods(args.methods), tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+                       squad=args.squad, hotpotqa=args.hotpotqa,
                        variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
                        engine=args.engine, device=args.device, progress=not args.no_progress))
     return 0

@@ -51,7 +51,10 @@ class RunConfig:
     # shorter than that are read at RoPE offsets (`oscar calibrate --positions`): the same statistics as sequences of
     # that length for a window's attention cost (docs/decisions.md, "Calibrate at positions, not lengths").
     positions: int | None = None
+    # RULER tasks of the needle stage; "all": every task the inputs allow (qa_1 / qa_2 need squad / hotpotqa)
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
+    squad: str | None = None  # SQuAD v1.1 / v2.0 JSON for qa_1
+    hotpotqa: str | None = None  # HotpotQA JSON for qa_2
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     # Held-out tokens scored per perplexity context: 8 windows at 1k, 2 at 4k (their 16 segments of
@@ -166,6 +169,12 @@ class RunConfig:
         from oscar.validate.tune import TuneConfig
 
         TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
+        if isinstance(self.tasks, str):
+            self.tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
+        from oscar.validate.ruler import load_qa, resolve_tasks
+
+        # unknown tasks, a QA task without its file and a malformed QA file fail here too, not after calibration
+        self.skipped_tasks = resolve_tasks(self.tasks, load_qa(self.squad, self.hotpotqa))[1]  # not a field
 
 
 def _say(msg: str) -> None:
@@ -365,11 +374,17 @@ def _stage_validate(job: _Job) -> None:
 
     def fp(c) -> str:  # the device is execution only; the default engine is left out (older markers stay valid)
         d = {k: v for k, v in asdict(c).items() if k != "device" and not (k == "engine" and v == "simulate")}
+        for k in ("squad", "hotpotqa"):  # QA files by content; none given: left out (older markers stay valid)
+            if d.get(k):
+                d[k] = file_fingerprint(d[k])
+            else:
+                d.pop(k, None)
         return fingerprint({"art": art_fp, "cfg": d, "protocols": PROTOCOL_VERSION})
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
-                      protocol=cfg.niah_protocol, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
+                      protocol=cfg.niah_protocol, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device,
+                      squad=cfg.squad, hotpotqa=cfg.hotpotqa)
     job.st.run("niah", "validate niah", fp(ncfg), [os.path.join(d, "results.parquet")],
                lambda: run_niah(ncfg, loaded=job.model(), progress=cfg.progress))
 
@@ -397,7 +412,9 @@ def _stage_report(job: _Job, seconds: float) -> dict:
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
                 + ("" if cfg.widths == "gradient" else f" --widths {cfg.widths}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
-                + ("" if cfg.device == "cpu" else f" --device {cfg.device}"),
+                + ("" if cfg.device == "cpu" else f" --device {cfg.device}")
+                + ("" if cfg.tasks == ["niah_single_1", "niah_single_2"] else f" --tasks {','.join(cfg.tasks)}")
+                + (f" --squad {cfg.squad}" if cfg.squad else "") + (f" --hotpotqa {cfg.hotpotqa}" if cfg.hotpotqa else ""),
             "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": seconds}
     with open(os.path.join(d, "run.json"), "w") as f:
@@ -417,6 +434,10 @@ def run_main(cfg: RunConfig) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     job = _Job(cfg, Stages(cfg.out))
     _say(f"output in {cfg.out}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
+    if getattr(cfg, "skipped_tasks", None):
+        from oscar.validate.ruler import skipped_line
+
+        print(skipped_line(cfg.skipped_tasks), file=sys.stderr, flush=True)
     fp_cal = _stage_calibrate(job)
     _stage_fit(job, fp_cal)
     _stage_tune(job)

@@ -345,38 +345,122 @@ def needle_avg_table(r, done: dict | None, methods=None) -> tuple[list[str], lis
     return ["method"] + [_len_label(L) for L in lengths], rows
 
 
+def _ruler_niah_config(d: str) -> dict:
+    p = os.path.join(d, "niah_config.json")
+    try:
+        return json.load(open(p)) if os.path.exists(p) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def ruler_main_table(r, done: dict | None, methods=None) -> tuple[list[str], list[list]]:
+    """(header, rows) of RULER's paper layout: methods x lengths, each cell the mean over the tasks run of their
+    scores (%) with its 95 % interval, then the mean over every (task, length) cell. From the per-sample rows
+    (oscar/ruler_outputs.py: the rows summary.csv and results.json are written from); without them, from
+    results.parquet (pooled Wilson interval)."""
+    from oscar import ruler_outputs as ro
+
+    lengths = sorted(int(L) for L in r.length.unique())
+    cs = ro.cells({k: v for k, v in done.items() if k[0] in set(r.task)}) if done else None
+    rows = []
+    for m in methods or _order(r.method):
+        cells = []
+        for L in lengths:
+            if cs is not None:
+                est, lo, hi, k = ro.average(cs, m, L)
+                cells.append(_cell(100 * est, 100 * lo, 100 * hi) if k else "—")
+            else:
+                cells.append(_cell(*_avg_over_tasks(r, None, m, L)))
+        if cs is not None:
+            est, lo, hi = ro.overall(cs, m)
+            cells.append(_cell(100 * est, 100 * lo, 100 * hi))
+        else:
+            d = r[r.method == m]
+            cells.append(f"{d.score.mean():.1f}" if len(d) else "—")
+        rows.append([m] + cells)
+    return ["method"] + [_len_label(L) for L in lengths] + ["Avg."], rows
+
+
+def _span(samples) -> str:
+    n = sorted({int(x) for x in samples})
+    return f"{n[0]}" if len(n) == 1 else f"{n[0]}–{n[-1]}"
+
+
+def _ruler_protocol_notes(r, cfg: dict) -> list[str]:
+    """Where this protocol differs from RULER's, and what was skipped: said beside the table people compare."""
+    from oscar.ruler_outputs import task_order
+
+    c = cfg.get("config") or {}
+    per = _span(r.samples)
+    tasks = list(task_order(r.task))
+    out = [f"Tasks run: {', '.join(tasks)} ({len(tasks)} of RULER's 13).", ""]
+    for t, why in (cfg.get("skipped_tasks") or {}).items():
+        out += [f"Skipped: {t} — {why}.", ""]
+    for ds, f in (cfg.get("qa_files") or {}).items():
+        out += [f"QA file ({ds}): `{f.get('path')}` (sha256 {f.get('fingerprint')}).", ""]
+    out += ["Where this differs from RULER's own protocol (NVIDIA/RULER):", "",
+            "- Templates and generators are written here (validate/ruler.py) from RULER's task definitions: the same "
+            "task families, needle layouts and scoring (string_match_all; string_match_part for qa_1 / qa_2), with our "
+            "own wording and word lists; haystacks are held-out corpus text "
+            f"({c.get('corpus', 'pydoc')}) and noise sentences, not RULER's essays.",
+            f"- Samples per task and length: {per} here (RULER's default is 500); every cell carries its 95 % interval.",
+            "- The prompt goes through the model's own chat template (one user turn, then the assistant header and the "
+            "answer prefix); RULER applies its per-model template and lm-evaluation-harness a raw prompt unless asked.",
+            "- No in-context example for vt / cwe; cwe scales the common words' frequency down below 8k so the list fits.",
+            "- The answer budget is the references' own length + 16 tokens (QA: at least 32, RULER's); RULER reserves "
+            "a fixed budget per task. The target length counts prompt + budget, as RULER's does.",
+            "- The prompt is prefilled into each method's KV cache in two chunks (haystack, then question) under the "
+            f"{c.get('protocol', 'strict')} protocol; greedy decoding.",
+            "- qa_1 / qa_2 read the SQuAD / HotpotQA files given (`--squad`, `--hotpotqa`): gold document(s) plus "
+            "other documents of the same file, shuffled, as RULER; QA prompts grow in whole documents, so they end "
+            "up to one document below the target length.",
+            "- Comparable files: `ruler/<method>/<length>/summary.csv` (RULER's summary layout; written even for one "
+            "task, where RULER names it summary-<task>.csv) and `ruler/<method>/results.json` "
+            "(lm-evaluation-harness's results layout, 0–1 scale, -1 where a length has no samples).", ""]
+    return out
+
+
 def _ruler_section(res, figdir: str, done: dict | None = None) -> list[str]:
+    d = os.path.dirname(figdir)
+    cfg = _ruler_niah_config(d)
     if res is None or not len(res[res.suite == "ruler"]):
-        return ["## RULER-style tasks", "", "No NIAH results in this directory (`oscar validate niah`).", ""]
+        skipped = [f"Skipped: {t} — {why}." for t, why in (cfg.get("skipped_tasks") or {}).items()]
+        return ["## RULER-style tasks", "", "No NIAH results in this directory (`oscar validate niah`).", "",
+                *(skipped + [""] if skipped else [])]
+    from oscar.ruler_outputs import task_order
+
     r = res[res.suite == "ruler"]
     proto = ", ".join(sorted(set(r.protocol))) if "protocol" in r else "strict"
     out = [f"## RULER-style tasks ({proto} protocol)", ""]
     lengths = sorted(r.length.unique())
-    out += [f"Score = RULER string match (%), protocol: {proto}. Samples per cell: "
-            f"{int(r.samples.min())}–{int(r.samples.max())}; [brackets]: 95 % interval over samples (Wilson for "
-            "0/1 scores, bootstrap otherwise). Haystacks are held-out text and noise; "
-            "the needle prompt is prefilled into each method's cache, then the question attends to it.", ""]
+    head, rows = ruler_main_table(r, done)
+    out += ["Score = RULER string match (%), averaged over the tasks run at each length (RULER's paper table); "
+            "Avg. = over every (task, length) cell. [brackets]: 95 % interval over samples (Wilson for 0/1 scores, "
+            "bootstrap otherwise; per-task bootstrap when tasks have unequal samples).", "",
+            md_table(head, rows), ""]
+    out += _ruler_protocol_notes(r, cfg)
+    out += ["### Per task", "",
+            f"Samples per cell: {_span(r.samples)}; the needle prompt is prefilled into "
+            "each method's cache, then the question attends to it.", ""]
     has_ci = "ci_low" in r
-    for t in dict.fromkeys(r.task):
-        d = r[r.task == t]
+    for t in task_order(r.task):
+        dt = r[r.task == t]
         rows = []
-        for m in _order(d.method):
-            dm = d[d.method == m].set_index("length")
+        for m in _order(dt.method):
+            dm = dt[dt.method == m].set_index("length")
             vals = [float(dm.score.get(L, float("nan"))) for L in lengths]
             cells = [_cell(v, float(dm.ci_low.get(L)), float(dm.ci_high.get(L))) if has_ci and v == v else _cell(v, *(float("nan"),) * 2)
                      for v, L in zip(vals, lengths)]
             have = [v for v in vals if v == v]
             rows.append([m] + cells + [sum(have) / len(have) if have else float("nan")])
-        out += [f"### {t}", "", md_table(["method"] + [_len_label(L) for L in lengths] + ["Avg."], rows), ""]
-    head, rows = needle_avg_table(r, done)
-    out += ["### Average over tasks (samples pooled)", "", md_table(head, rows), ""]
+        out += [f"#### {t}", "", md_table(["method"] + [_len_label(L) for L in lengths] + ["Avg."], rows), ""]
     if "diff_vs_bf16" in r and r.diff_vs_bf16.notna().any():
         out += ["### Paired difference to bf16 (points, same samples)", "",
                 "Each cell: method − bf16 [95 % interval: Newcombe for 0/1 scores, paired bootstrap otherwise]; "
                 "* marks a difference significant after Holm's correction over every cell compared "
                 "(exact McNemar / sign-flip test, adjusted p < 0.05).", ""]
         rows = []
-        for t in dict.fromkeys(r.task):
+        for t in task_order(r.task):
             for m in _order(r.method):
                 if m == "bf16":
                     continue

@@ -38,6 +38,16 @@ def _exec_args(parser, engine: bool = True) -> None:
         parser.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP)
 
 
+def _qa_args(parser) -> None:
+    """--squad / --hotpotqa: the files RULER's QA tasks read (oscar validate niah, oscar run)."""
+    parser.add_argument("--squad", metavar="PATH", help="SQuAD v1.1 / v2.0 JSON file (the official layout) for task "
+                        "qa_1: its paragraphs are the documents, its answerable questions the samples (default: none; "
+                        "qa_1 is then skipped by --tasks all and refused if named)")
+    parser.add_argument("--hotpotqa", metavar="PATH", help="HotpotQA JSON file (the official list of records with "
+                        "question, answer, context) for task qa_2 (default: none; qa_2 is then skipped by --tasks all "
+                        "and refused if named)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("validate", help="RULER-style needle tests, perplexity, attention-level retrieval",
                        description="Model-level checks of an artifact against BF16 and the baseline INT2 schemes; "
@@ -50,7 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     n.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
     n.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
-    n.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma list of RULER tasks, or 'all'")
+    n.add_argument("--tasks", default="niah_single_1,niah_single_2",
+                   help="comma list of RULER tasks, or 'all' (every task the inputs allow: qa_1 / qa_2 only with "
+                        "--squad / --hotpotqa; the others skipped are named on stderr and in the report)")
+    _qa_args(n)
     n.add_argument("--lengths", "--contexts", dest="lengths", default="1k,2k,4k", type=length_list,
                    help="comma list of haystack lengths, e.g. 1k,2k,4k,...,128k (1k = 1024 tokens; --contexts: the "
                         "same, as `oscar validate ppl` spelled it)")
@@ -161,12 +174,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _niah(args) -> int:
     from oscar.validate.niah import NiahConfig, run_niah
-    from oscar.validate.ruler import TASKS
 
-    tasks = list(TASKS) if args.tasks == "all" else _csv(args.tasks)
-    cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods), tasks=tasks,
-                     lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed, protocol=args.protocol,
-                     corpus=args.corpus, dtype=args.dtype, engine=args.engine, device=args.device)
+    cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
+                     tasks=_csv(args.tasks), lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed,
+                     protocol=args.protocol, corpus=args.corpus, dtype=args.dtype, engine=args.engine,
+                     device=args.device, squad=args.squad, hotpotqa=args.hotpotqa)
     df = run_niah(cfg, progress=not args.no_progress)
     print(df.pivot_table(index=["task", "method"], columns="length", values="score").round(1).to_string())
     return 0

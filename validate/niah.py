@@ -18,6 +18,11 @@ Files in OUT:
 - results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ci_low, ci_high
                       (95 %), the paired difference to bf16 and its Holm-adjusted test (oscar/evidence.py), ...
 - memory.json         bytes per token per method
+- ruler/<method>/<length>/summary.csv  RULER's summary layout (rows Tasks, Score, Nulls; oscar/ruler_outputs.py)
+- ruler/<method>/results.json          lm-evaluation-harness's results layout for its `ruler` group
+
+`tasks` may hold "all": every task the inputs allow (qa_1 / qa_2 only with their --squad / --hotpotqa file);
+what it leaves out is said on stderr and recorded in niah_config.json ("skipped_tasks") for the report.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ class NiahConfig:
     batch_tokens: int = 4096
     engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
     device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
+    # QA files (qa_1: SQuAD v1.1 / v2.0 JSON, qa_2: HotpotQA JSON); their fingerprints are checked per file in
+    # niah_config.json ("qa_files"), so adding one to an OUT keeps the samples it holds
+    squad: str | None = None
+    hotpotqa: str | None = None
 
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
@@ -100,10 +109,14 @@ def load_checked(name: str, artifact: str | None, methods: list[str], lengths: l
     return model, tok
 
 
-def _prepare_out(cfg: NiahConfig) -> None:
+def _prepare_out(cfg: NiahConfig, qa: dict | None = None, skipped: dict | None = None) -> None:
+    """Refuse an OUT made for other inputs; record the config, the QA files' fingerprints (qa: dataset ->
+    QaData; one given before must be the same file) and the tasks `--tasks all` skipped."""
     os.makedirs(cfg.out, exist_ok=True)
     p = os.path.join(cfg.out, "niah_config.json")
     ident = cfg.identity()
+    files = {k: {"path": d.path, "fingerprint": d.fingerprint} for k, d in (qa or {}).items()}
+    old_files: dict = {}
     if os.path.exists(p):
         old = json.load(open(p))
         if old.get("identity") != ident:
@@ -111,8 +124,19 @@ def _prepare_out(cfg: NiahConfig) -> None:
                 f"{cfg.out} holds NIAH samples for {old.get('identity')}, not {ident}; "
                 "use another --out (or delete niah_samples.jsonl to start over)"
             )
+        old_files = old.get("qa_files") or {}
+        for k, f in files.items():
+            if k in old_files and old_files[k]["fingerprint"] != f["fingerprint"]:
+                raise OscarError(f"{cfg.out} holds {k} samples from {old_files[k]['path']} (fingerprint "
+                                 f"{old_files[k]['fingerprint']}), not from {f['path']} ({f['fingerprint']}); "
+                                 "use another --out")
+    rec = {"identity": ident, "config": asdict(cfg), "fingerprint": fingerprint(ident)}
+    if files or old_files:
+        rec["qa_files"] = {**old_files, **files}
+    if skipped:
+        rec["skipped_tasks"] = skipped
     with open(p, "w") as f:
-        json.dump({"identity": ident, "config": asdict(cfg), "fingerprint": fingerprint(ident)}, f, indent=1)
+        json.dump(rec, f, indent=1)
 
 
 def decode_threads() -> int:
@@ -349,14 +373,15 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     from oscar.validate import engine, env
     from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods, uncalibrated_warning
     from oscar.validate.heldout import more_heldout_words
-    from oscar.validate.ruler import TASKS, Sources, make_sample, score_one
+    from oscar.validate.ruler import TASKS, Sources, load_qa, make_sample, resolve_tasks, score_one, skipped_line
 
     engine.check_engine(cfg.engine)
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
-    for t in cfg.tasks:
-        if t not in TASKS:
-            raise OscarError(f"unknown task {t!r}; known: {', '.join(TASKS)}")
+    qa = load_qa(cfg.squad, cfg.hotpotqa)  # a malformed file is refused before any weight is loaded
+    tasks, skipped = resolve_tasks(cfg.tasks, qa)
+    if skipped:
+        print(skipped_line(skipped), file=sys.stderr)
     if cfg.protocol not in PROTOCOLS:
         raise OscarError(f"unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
     if cfg.samples < 1:
@@ -365,7 +390,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
     model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
     engine.to_device(model, dev)
-    _prepare_out(cfg)
+    _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):
         print(f"oscar: WARNING: {warn}", file=sys.stderr)
@@ -375,11 +400,12 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
         engine.check_methods({m: arts[m] for m in methods}, [protocol])
     src = Sources.from_text(env.heldout_text(cfg.corpus), more=more_heldout_words(cfg.corpus))
+    src.qa = qa
     eos = eos_ids(model, tok)
 
     path = os.path.join(cfg.out, "niah_samples.jsonl")
     done = read_samples(path)  # a line cut by a kill: that sample is redone
-    cells = [(t, L, i) for t in cfg.tasks for L in cfg.lengths for i in range(cfg.samples)]
+    cells = [(t, L, i) for t in tasks for L in cfg.lengths for i in range(cfg.samples)]
     todo = sum(1 for (t, L, i) in cells for m in methods if (t, L, i, m) not in done)
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
     from oscar.validate.workers import Workers, default_workers
@@ -454,4 +480,9 @@ def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
                      **{k: v for k, v in st.items() if k not in ("task", "method", "length", "samples", "score")}})
     df = pd.DataFrame(rows)
     df.to_parquet(os.path.join(cfg.out, "results.parquet"), index=False)
+    from oscar.ruler_outputs import write_ruler_outputs
+
+    write_ruler_outputs(cfg.out, done, {"model": cfg.model, "protocol": cfg.protocol, "seed": cfg.seed,
+                                        "dtype": cfg.dtype, "engine": cfg.engine, "corpus": cfg.corpus},
+                        lengths=cfg.lengths)
     return df

@@ -15,28 +15,37 @@ Tasks
 - vt: variable tracking, 1 chain of 4 hops in noise sentences.
 - cwe: common words extraction (10 words that occur most in a numbered list).
 - fwe: frequent words extraction (3 most frequent coded words, Zipf alpha 2).
+- qa_1 / qa_2: question answering over documents from a SQuAD / HotpotQA JSON file the user gives
+  (`--squad`, `--hotpotqa`): the question's gold document(s) (HotpotQA: every paragraph of its
+  record; SQuAD: its paragraph, then the other paragraphs of the same article first among the
+  distractors, as RULER) with other documents of the same file, shuffled, "Document N:" each, the
+  question after them. Without the file these tasks are refused (named) or, under `--tasks all`,
+  skipped with the reason (`resolve_tasks`).
 
 Every prompt is split in two chunks for the strict protocol:
 ``context_ids`` (chat template head + instruction + haystack) and
 ``question_ids`` (question + end of user turn + assistant header + answer
 prefix). ``len(context_ids) + len(question_ids) + max_new_tokens`` is the
-target length within 2% (never above it).
+target length within 2% (never above it); QA prompts grow in whole documents, so they end up to one
+document (~100-200 tokens) below the target, as RULER's own QA prompts do.
 
 Scoring follows RULER: ``string_match_all`` (fraction of references found in
-the prediction, averaged) for every task here, ``string_match_part`` (any
-reference found) for QA-style tasks; both case-insensitive, in percent.
+the prediction, averaged) for every task but QA, ``string_match_part`` (any
+reference found) for qa_1 / qa_2; both case-insensitive, in percent.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
-import re
 import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 from oscar.common import OscarError
+from oscar.ruler_outputs import postprocess  # RULER's prediction cleanup (shared with the summary files)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -57,7 +66,7 @@ assert len(ADJECTIVES) == 80 and len(NOUNS) == 80, (len(ADJECTIVES), len(NOUNS))
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
-    kind: str  # niah | vt | cwe | fwe
+    kind: str  # niah | vt | cwe | fwe | qa
     haystack: str = "noise"  # noise | corpus | needle (niah only)
     key_type: str = "words"  # words | numbers | uuids
     value_type: str = "numbers"  # numbers | uuids
@@ -65,6 +74,7 @@ class TaskSpec:
     num_values: int = 1  # values per key
     num_queries: int = 1  # keys asked
     metric: str = "all"  # all | part
+    dataset: str = ""  # qa only: squad | hotpotqa
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -81,8 +91,14 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("vt", "vt", "noise"),
         TaskSpec("cwe", "cwe"),
         TaskSpec("fwe", "fwe"),
+        TaskSpec("qa_1", "qa", metric="part", dataset="squad"),
+        TaskSpec("qa_2", "qa", metric="part", dataset="hotpotqa"),
     ]
 }
+
+# The option that gives each QA dataset, and what it is.
+QA_OPTIONS = {"squad": ("--squad", "a SQuAD v1.1 / v2.0 JSON file"),
+              "hotpotqa": ("--hotpotqa", "a HotpotQA JSON file")}
 
 
 @dataclass
@@ -97,6 +113,16 @@ class Sources:
     # is ~7.7k words, a 32k-token Qwen haystack needs ~21k). None: such a haystack is refused.
     more: Callable[[int], list[str]] | None = field(default=None, repr=False)
     _more_words: list[str] = field(default_factory=list, repr=False)
+    # QA documents and questions by dataset (squad, hotpotqa), read from the user's files (`load_qa`)
+    qa: dict[str, "QaData"] = field(default_factory=dict, repr=False)
+
+    def qa_data(self, task: str) -> "QaData":
+        """The dataset a QA task reads, or the one-line refusal naming the option that gives it."""
+        ds = TASKS[task].dataset
+        if ds not in self.qa:
+            opt, what = QA_OPTIONS[ds]
+            raise OscarError(f"task {task} needs {opt} PATH ({what}); none was given")
+        return self.qa[ds]
 
     @classmethod
     def from_text(cls, text: str, name: str = "heldout", more: Callable[[int], list[str]] | None = None) -> "Sources":
@@ -126,6 +152,179 @@ class Sources:
         return W + self._more_words
 
 
+# ----------------------------------------------------------------- QA files (qa_1: SQuAD, qa_2: HotpotQA)
+
+
+@dataclass
+class QaQuestion:
+    question: str
+    answers: list[str]
+    gold: list[int]  # document ids the question is about (always in the prompt)
+    more: list[int] = field(default_factory=list)  # first distractors: SQuAD's other paragraphs of the same article
+
+
+@dataclass
+class QaData:
+    dataset: str  # squad | hotpotqa
+    path: str
+    docs: list[str]  # distinct documents, sorted (as RULER)
+    questions: list[QaQuestion]
+    fingerprint: str = ""
+
+    @property
+    def option(self) -> str:
+        return QA_OPTIONS[self.dataset][0]
+
+    def question_for(self, task: str, seed: int, index: int) -> QaQuestion:
+        """Sample `index`'s question: a seeded order of the file's questions, the same at every length (RULER
+        asks question `index` at every length too); more samples than questions is refused."""
+        n = len(self.questions)
+        if index >= n:
+            raise OscarError(f"{self.option} {self.path} holds {n} usable questions; sample {index + 1} of {task} "
+                             f"needs at least {index + 1} (lower --samples or give a larger file)")
+        order = list(range(n))
+        random.Random(hash_seed(seed, task, 0, -1)).shuffle(order)
+        return self.questions[order[index]]
+
+
+def _bad(option: str, path: str, where: str, what: str) -> OscarError:
+    return OscarError(f"{option} {path}: record {where}: {what}")
+
+
+def _load_json(option: str, path: str):
+    if not os.path.isfile(path):
+        raise OscarError(f"{option} {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise OscarError(f"{option} {path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise OscarError(f"{option} {path}: cannot read it ({e})") from None
+
+
+def _str(x) -> bool:
+    return isinstance(x, str) and bool(x.strip())
+
+
+def read_squad(path: str, option: str = "--squad") -> QaData:
+    """SQuAD v1.1 / v2.0 JSON: {"data": [{"paragraphs": [{"context", "qas": [{"question", "answers": [{"text"}],
+    "is_impossible"?}]}]}]}. Unanswerable questions (v2.0's is_impossible) are left out, as RULER does; a record
+    that breaks the layout is refused by its path in the JSON (data[i].paragraphs[j].qas[k])."""
+    from oscar.common import file_fingerprint
+
+    top = _load_json(option, path)
+    if not isinstance(top, dict) or not isinstance(top.get("data"), list):
+        raise OscarError(f"{option} {path}: not SQuAD's layout (expected {{\"data\": [...]}} at the top)")
+    raw: list[tuple[str, list[str], str, list[str]]] = []  # question, answers, context, article contexts
+    for a, art in enumerate(top["data"]):
+        w = f"data[{a}]"
+        if not isinstance(art, dict) or not isinstance(art.get("paragraphs"), list):
+            raise _bad(option, path, w, "expected an object with a \"paragraphs\" list")
+        ctxs = []
+        for p, par in enumerate(art["paragraphs"]):
+            wp = f"{w}.paragraphs[{p}]"
+            if not isinstance(par, dict) or not _str(par.get("context")) or not isinstance(par.get("qas"), list):
+                raise _bad(option, path, wp, "expected an object with a \"context\" string and a \"qas\" list")
+            ctxs.append(par["context"])
+        for p, par in enumerate(art["paragraphs"]):
+            for q, qa in enumerate(par["qas"]):
+                wq = f"{w}.paragraphs[{p}].qas[{q}]"
+                if not isinstance(qa, dict) or not _str(qa.get("question")):
+                    raise _bad(option, path, wq, "expected an object with a \"question\" string")
+                imp = qa.get("is_impossible", False)
+                if not isinstance(imp, bool):
+                    raise _bad(option, path, wq, "\"is_impossible\" must be true or false")
+                ans = qa.get("answers")
+                if not isinstance(ans, list) or not all(isinstance(x, dict) and isinstance(x.get("text"), str) for x in ans):
+                    raise _bad(option, path, wq, "\"answers\" must be a list of {\"text\": ...} objects")
+                if imp:
+                    continue
+                texts = list(dict.fromkeys(x["text"].strip() for x in ans if x["text"].strip()))
+                if not texts:
+                    raise _bad(option, path, wq, "an answerable question (no \"is_impossible\": true) without answer text")
+                raw.append((qa["question"].strip(), texts, par["context"], ctxs))
+    if not raw:
+        raise OscarError(f"{option} {path}: no answerable questions")
+    docs = sorted({c for _, _, c, _ in raw} | {c for *_, cs in raw for c in cs})
+    ids = {d: i for i, d in enumerate(docs)}
+    qs = [QaQuestion(q, a, [ids[c]], [i for i in dict.fromkeys(ids[x] for x in cs) if i != ids[c]]) for q, a, c, cs in raw]
+    return QaData("squad", path, docs, qs, file_fingerprint(path))
+
+
+def read_hotpotqa(path: str, option: str = "--hotpotqa") -> QaData:
+    """HotpotQA JSON: [{"question", "answer", "context": [[title, [sentences]], ...]}, ...]. A document is
+    "title\nsentences" (RULER's form); every paragraph of a record's context is one of its gold documents."""
+    from oscar.common import file_fingerprint
+
+    top = _load_json(option, path)
+    if not isinstance(top, list):
+        raise OscarError(f"{option} {path}: not HotpotQA's layout (expected a list of records at the top)")
+    raw: list[tuple[str, str, list[str]]] = []
+    for r, rec in enumerate(top):
+        w = f"[{r}]"
+        if not isinstance(rec, dict) or not _str(rec.get("question")) or not _str(rec.get("answer")):
+            raise _bad(option, path, w, "expected an object with \"question\" and \"answer\" strings")
+        ctx = rec.get("context")
+        if not isinstance(ctx, list) or not ctx:
+            raise _bad(option, path, w, "expected a non-empty \"context\" list of [title, [sentences]]")
+        docs = []
+        for c, par in enumerate(ctx):
+            if not (isinstance(par, list) and len(par) == 2 and isinstance(par[0], str) and isinstance(par[1], list)
+                    and all(isinstance(x, str) for x in par[1])):
+                raise _bad(option, path, f"{w}.context[{c}]", "expected [title, [sentences]]")
+            docs.append(f"{par[0]}\n{''.join(par[1])}")
+        raw.append((rec["question"].strip(), rec["answer"].strip(), list(dict.fromkeys(docs))))
+    if not raw:
+        raise OscarError(f"{option} {path}: no records")
+    docs = sorted({d for *_, ds in raw for d in ds})
+    ids = {d: i for i, d in enumerate(docs)}
+    return QaData("hotpotqa", path, docs, [QaQuestion(q, [a], [ids[d] for d in ds]) for q, a, ds in raw],
+                  file_fingerprint(path))
+
+
+def load_qa(squad: str | None = None, hotpotqa: str | None = None) -> dict[str, QaData]:
+    """The QA datasets the user gave, read and checked (`Sources.qa`)."""
+    out = {}
+    if squad:
+        out["squad"] = read_squad(squad)
+    if hotpotqa:
+        out["hotpotqa"] = read_hotpotqa(hotpotqa)
+    return out
+
+
+def resolve_tasks(tasks: list[str] | str, have: set[str] | dict) -> tuple[list[str], dict[str, str]]:
+    """(tasks to run, {task: why it is skipped}). "all" stands for every task the inputs allow: QA tasks
+    whose file (`have`: the QA datasets given) is missing are skipped with the reason; a QA task named
+    explicitly without its file is refused with the option that gives it; an unknown task is refused."""
+    tasks = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
+    out: list[str] = []
+    skipped: dict[str, str] = {}
+    for t in tasks:
+        if t == "all":
+            for u, spec in TASKS.items():
+                if spec.kind == "qa" and spec.dataset not in have:
+                    opt, what = QA_OPTIONS[spec.dataset]
+                    skipped[u] = f"no {opt} file ({what}) given"
+                else:
+                    out.append(u)
+        elif t not in TASKS:
+            raise OscarError(f"unknown task {t!r}; known: {', '.join(TASKS)}, or all")
+        else:
+            spec = TASKS[t]
+            if spec.kind == "qa" and spec.dataset not in have:
+                opt, what = QA_OPTIONS[spec.dataset]
+                raise OscarError(f"task {t} needs {opt} PATH ({what}); none was given")
+            out.append(t)
+    out = list(dict.fromkeys(out))
+    return out, {t: r for t, r in skipped.items() if t not in out}
+
+
+def skipped_line(skipped: dict[str, str]) -> str:
+    """The stderr line that says which tasks `--tasks all` left out and why."""
+    return "oscar: --tasks all: skipping " + "; ".join(f"{t} ({r})" for t, r in skipped.items())
+
+
 @dataclass
 class Sample:
     task: str
@@ -149,13 +348,6 @@ class Sample:
 
 
 # ----------------------------------------------------------------- scoring (RULER)
-
-_CTRL = re.compile(r"[\x00-\x1f]")
-
-
-def postprocess(pred: str) -> str:
-    """RULER's prediction cleanup: control characters become newlines, then strip."""
-    return _CTRL.sub("\n", pred).strip()
 
 
 def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
@@ -348,6 +540,32 @@ def _fwe_body(spec: TaskSpec, src: Sources, seed: int, n: int, alpha: float = 2.
     return intro + body + "\n", question, prefix, coded[:3]
 
 
+_QA_INSTRUCTION = "Answer the question from the documents. Reply with the answer alone, no other words."
+
+
+def _qa_body(data: QaData, q: QaQuestion, order: list[int], seed: int, n: int):
+    """The question's gold documents and the first n - len(gold) of `order` (its distractors), shuffled,
+    "Document N:" each, then the question (RULER's QA layout; our own wording)."""
+    ids = q.gold + order[: max(0, n - len(q.gold))]
+    random.Random(seed).shuffle(ids)
+    docs = "\n\n".join(f"Document {i + 1}:\n{data.docs[d]}" for i, d in enumerate(ids))
+    intro = f"{_QA_INSTRUCTION}\n\nThe documents:\n\n"
+    question = f"{_QA_INSTRUCTION}\n\nQuestion: {q.question}"
+    return intro + docs + "\n\n", question, "Answer:", list(q.answers)
+
+
+def _qa_order(data: QaData, q: QaQuestion, seed: int) -> list[int]:
+    """Distractor documents in the order they join the prompt: the same article's other paragraphs first
+    (SQuAD), then every other document of the file, each group in a seeded order."""
+    rng = random.Random(seed)
+    more = [d for d in q.more if d not in q.gold]
+    rng.shuffle(more)
+    taken = set(q.gold) | set(more)
+    rest = [d for d in range(len(data.docs)) if d not in taken]
+    rng.shuffle(rest)
+    return more + rest
+
+
 def _body(spec: TaskSpec, src: Sources, seed: int, n: int, length: int):
     if spec.kind == "niah":
         return _niah_body(spec, src, seed, n)
@@ -378,13 +596,18 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def answer_budget(tokenizer, answers: list[str]) -> int:
-    """Tokens left for the answer: the references' own length plus slack (RULER reserves a fixed budget)."""
+def answer_budget(tokenizer, answers: list[str], qa: bool = False) -> int:
+    """Tokens left for the answer: the references' own length plus slack (RULER reserves a fixed budget).
+    QA: the references are alternatives (any one scores), so RULER's 32 tokens or the longest one plus slack."""
+    if qa:
+        return max(32, max(len(_encode(tokenizer, " " + a)) for a in answers) + 16)
     return len(_encode(tokenizer, " " + ", ".join(answers))) + 16
 
 
 def _initial_units(spec: TaskSpec, length: int) -> int:
     per = {"noise": 6, "corpus": 1.4, "needle": 18 if spec.key_type == "words" else 60}
+    if spec.kind == "qa":
+        return max(1, int(length / 200))  # documents (SQuAD paragraphs ~150 tokens, HotpotQA ~100)
     if spec.kind == "cwe":
         return max(1, int(length / 14))
     if spec.kind == "fwe":
@@ -398,24 +621,33 @@ def make_sample(task: str, length: int, index: int, tokenizer, src: Sources, see
         raise OscarError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     spec = TASKS[task]
     sseed = hash_seed(seed, task, length, index)
+    cap = None  # most units a prompt can hold (QA: every document of the file)
+    if spec.kind == "qa":
+        data = src.qa_data(task)
+        qq = data.question_for(task, seed, index)
+        order = _qa_order(data, qq, sseed)
+        cap = len(qq.gold) + len(order)
+        body = lambda n: _qa_body(data, qq, order, sseed, n)  # noqa: E731
+    else:
+        body = lambda n: _body(spec, src, sseed, n, length)  # noqa: E731
 
     def build(n: int):
-        ctx, q, prefix, answers = _body(spec, src, sseed, n, length)
+        ctx, q, prefix, answers = body(n)
         c_text, q_text = split_prompt(tokenizer, ctx, q, prefix)
         c_ids, q_ids = _encode(tokenizer, c_text), _encode(tokenizer, q_text)
-        room = answer_budget(tokenizer, answers)
+        room = answer_budget(tokenizer, answers, qa=spec.kind == "qa")
         return len(c_ids) + len(q_ids) + room, (c_ids, q_ids, answers, room, c_text, q_text)
 
     lo, hi = 0, None
-    n = _initial_units(spec, length)
+    n = _initial_units(spec, length) if cap is None else min(cap, _initial_units(spec, length))
     # Exponential bracket then bisection on the largest n with total(n) <= length.
     while True:
         tot, _ = build(n)
         if tot <= length:
             lo = n
-            if hi is not None and hi - lo <= 1:
+            if (hi is not None and hi - lo <= 1) or (cap is not None and hi is None and n >= cap):
                 break
-            n = n * 2 if hi is None else (lo + hi) // 2
+            n = (n * 2 if cap is None else min(n * 2, cap)) if hi is None else (lo + hi) // 2
         else:
             hi = n
             if hi - lo <= 1:
@@ -426,6 +658,9 @@ def make_sample(task: str, length: int, index: int, tokenizer, src: Sources, see
     tot, (c_ids, q_ids, answers, room, c_text, q_text) = build(lo)
     if tot > length or lo == 0:
         raise OscarError(f"{task}: target length {length} is too short for the task's fixed text ({tot} tokens)")
+    if cap is not None and lo >= cap and tot < (1 - tol) * length:
+        raise OscarError(f"{task}: all {cap} documents of {data.option} {data.path} make {tot} of the {length} tokens; "
+                         "give a larger file or shorter lengths")
     if spec.haystack == "needle" and spec.kind == "niah" and tot < (1 - tol) * length:
         c_ids, q_ids, c_text = _pad_noise(tokenizer, c_text, q_text, length - room)
     return Sample(task, length, index, c_ids, q_ids, answers, room, spec.metric, c_text, q_text)
