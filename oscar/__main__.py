@@ -144,6 +144,11 @@ def check_inputs(args) -> None:
     path = command_path(args)
     if path == ("cluster", "render"):
         return
+    device = getattr(args, "device", None)
+    if isinstance(device, str) and device.strip().lower().startswith("cuda"):
+        from oscar.validate.engine import resolve_device  # torch: only when a CUDA device is asked for
+
+        resolve_device(device)  # a CUDA device this machine lacks is refused first, whatever else is wrong
     if path == ("calibrate",) and _resumes(args):
         return  # the store's recorded job supplies --model and --corpus; calibrate compares any given (pipeline/cli.py)
     if path in MODEL_INPUTS and getattr(args, "model", None):
