@@ -21,6 +21,17 @@ MODELS = ["smollm2-135m", "qwen2.5-0.5b"]
 PROMPT = 208  # long enough for 3 per-channel key groups of 64 after the sink
 
 
+def _fast_bf16() -> bool:
+    """The CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), or the slow case was asked for."""
+    if os.environ.get("OSCAR_SLOW_BF16", "") not in ("", "0"):
+        return True
+    try:
+        flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "").split()
+    except OSError:
+        return True  # not Linux: run it
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _available(spec: str) -> bool:
     return spec != "qwen2.5-0.5b" or os.path.isfile(M.installed_path(spec))
 
@@ -48,6 +59,9 @@ def setup(request, tmp_path_factory):
 @pytest.mark.timeout(1800)  # the float32 run builds every method's artifact (4 refits with clip search): 10 min under load
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_method_finite_logits(setup, dtype):
+    if dtype == "bfloat16" and setup[0] == "qwen2.5-0.5b" and not _fast_bf16():
+        pytest.skip("Qwen2.5 in bfloat16 takes ~20 min on a CPU without AVX-512 BF16 (bf16 GEMMs ~6x slower than "
+                    "float32 there): OSCAR_SLOW_BF16=1 runs it; SmolLM2's bfloat16 run and Qwen's float32 run still do")
     from oscar.validate.env import with_dtype
     from oscar.validate.methods import METHODS, MethodBatchCache, Protocol, method_artifact
     from oscar.validate.ppl import simulated
