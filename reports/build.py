@@ -182,7 +182,7 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
                 det = ", ".join(f"{_len_label(x[0])}: ratio {x[1]:.3f}{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
                 out.append((name, c["verdict"], det + _resolve(c, "blocks")))
             ctxs = measured("oscar-int2", "bf16")
-            if goal and ctxs and windows:  # issue 16's limit for this model, on the same paired blocks
+            if goal and ctxs and windows:  # the model's perplexity limit, on the same paired blocks
                 c = ppl_pair_check(windows, tokens or 0, ctxs, "oscar-int2", "bf16", proto, threshold=goal[proto])
                 det = ", ".join(f"{_len_label(x[0])}: {x[1]:.3f}x{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
                 more = ("; `oscar validate ppl --tokens N` scores more held-out text (past the split: docstrings)"
