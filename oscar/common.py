@@ -301,62 +301,41 @@ def allow_weights_mismatch() -> bool:
 # argparse `type=` functions: a bad value is a one-line usage error (exit 2) before any command runs. They raise
 # ArgumentTypeError (argparse prints its message), never OscarError.
 
-def _int(s: str, what: str) -> int:
+def _number(s: str, what: str, conv, ok):
+    """`conv(s)` when it parses, is finite and satisfies `ok`; else a usage error saying it must be `what`."""
     try:
-        return int(str(s).strip())
+        v = conv(str(s).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {s!r}") from None
-
-
-def _float(s: str, what: str) -> float:
-    try:
-        v = float(str(s).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {s!r}") from None
-    if not math.isfinite(v):
+        v = None
+    if v is None or not math.isfinite(v) or not ok(v):
         raise argparse.ArgumentTypeError(f"must be {what}, got {s!r}")
     return v
 
 
 def positive_int(s: str) -> int:
     """An integer >= 1 (sizes, counts, lengths)."""
-    v = _int(s, "a positive integer")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
-    return v
+    return _number(s, "a positive integer", int, lambda v: v >= 1)
 
 
 def nonneg_int(s: str) -> int:
     """An integer >= 0 (windows that may be empty, seeds, indices)."""
-    v = _int(s, "an integer >= 0")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {s!r}")
-    return v
+    return _number(s, "an integer >= 0", int, lambda v: v >= 0)
 
 
 def positive_float(s: str) -> float:
     """A finite number > 0 (GiB, seconds, degrees of freedom)."""
-    v = _float(s, "a positive number")
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
-    return v
+    return _number(s, "a positive number", float, lambda v: v > 0)
 
 
 def nonneg_float(s: str) -> float:
     """A finite number >= 0."""
-    v = _float(s, "a number >= 0")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}")
-    return v
+    return _number(s, "a number >= 0", float, lambda v: v >= 0)
 
 
 def int_between(lo: int, hi: int):
     """`type=` for an integer in lo..hi (bits per element: 1..8)."""
     def check(s: str) -> int:
-        v = _int(s, f"an integer in {lo}..{hi}")
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be an integer in {lo}..{hi}, got {s!r}")
-        return v
+        return _number(s, f"an integer in {lo}..{hi}", int, lambda v: lo <= v <= hi)
 
     check.__name__ = f"int_{lo}_{hi}"
     return check
