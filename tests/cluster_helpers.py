@@ -47,3 +47,19 @@ def assert_same_store(ref, got):
             assert np.array_equal(x, y), f"layers/{l}/{n} differs (max {np.abs(x - y).max()})"
     for k, v in a.group.attrs.items():  # the Ray store adds `cluster` (and MoE) attributes only
         assert b.group.attrs[k] == v, k
+
+
+def per_expert(key: str, t) -> dict:
+    """A checkpoint tensor in the per-expert layout published MoE checkpoints use: transformers' fused
+    `experts.gate_up_proj` / `experts.down_proj` (E, ...) split into `experts.{e}.{gate,up,down}_proj.weight`."""
+    if key.endswith("experts.gate_up_proj"):
+        base = key[: -len("gate_up_proj")]
+        out = {}
+        for e in range(t.shape[0]):
+            g, u = t[e].chunk(2, dim=0)
+            out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = g.clone(), u.clone()
+        return out
+    if key.endswith("experts.down_proj"):
+        base = key[: -len("down_proj")]
+        return {f"{base}{e}.down_proj.weight": t[e].clone() for e in range(t.shape[0])}
+    return {key: t}

@@ -3,9 +3,11 @@ stages reproduce the full model's hidden states bit for bit."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -16,6 +18,10 @@ from oscar.cluster.loading import load_layer_range
 from oscar.modelconfig import layer_of
 from oscar.common import OscarError
 from oscar.pipeline.models import load_model, resolve_model
+
+_spec = importlib.util.spec_from_file_location("cluster_helpers", Path(__file__).with_name("cluster_helpers.py"))
+ch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ch)
 
 PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-glm4-moe"]
 
@@ -127,18 +133,7 @@ def hf_expert_layout(src: str, dst) -> str:
     for k, shard in weight_map(src).items():
         with safe_open(os.path.join(src, shard), "pt") as fh:
             t = fh.get_tensor(k)
-        out = shards.setdefault(f"layer-{layer_of(k)}.safetensors", {})
-        if k.endswith("experts.gate_up_proj"):
-            base = k[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                g, u = t[e].chunk(2, dim=0)
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = g.clone(), u.clone()
-        elif k.endswith("experts.down_proj"):
-            base = k[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
-        else:
-            out[k] = t
+        shards.setdefault(f"layer-{layer_of(k)}.safetensors", {}).update(ch.per_expert(k, t))
     wm = {}
     for name, tensors in shards.items():
         save_file(tensors, os.path.join(dst, name))

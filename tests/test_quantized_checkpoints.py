@@ -6,9 +6,11 @@ an error naming it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,10 @@ from oscar.common import OscarError
 from oscar.modelconfig import cache_root, layer_of, preset_config
 from oscar.pipeline import models
 from oscar.pipeline.models import dequantize_block_fp8, load_model
+
+_spec = importlib.util.spec_from_file_location("cluster_helpers", Path(__file__).with_name("cluster_helpers.py"))
+ch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ch)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = (128, 128)
@@ -121,18 +127,7 @@ def write_pair(tmp) -> tuple[str, str]:
             t = fh.get_tensor(k)
         l = layer_of(k)
         fname = "other.safetensors" if l is None else f"layer-{l}.safetensors"
-        flat = {}
-        if k.endswith("experts.gate_up_proj"):
-            base = k[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                gte, up = t[e].chunk(2, dim=0)
-                flat[f"{base}{e}.gate_proj.weight"], flat[f"{base}{e}.up_proj.weight"] = gte.clone(), up.clone()
-        elif k.endswith("experts.down_proj"):
-            base = k[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                flat[f"{base}{e}.down_proj.weight"] = t[e].clone()
-        else:
-            flat[k] = t
+        flat = ch.per_expert(k, t)
         for name, w in flat.items():
             if _quantized(name, w):
                 q, s = quantize_block_fp8(w)
