@@ -28,66 +28,84 @@
 #include <immintrin.h>
 #endif
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-#define BK 64   /* keys per block: 4 vectors */
+/* Vectors are the machine's: 16 floats with AVX-512, else 8 (AVX2). A 64-byte vector type on a 256-bit
+ * machine is lowered by GCC through general registers and the stack (the float32 kernel then ran at 4.7
+ * GFLOP/s on an AVX2-only EPYC, 5x slower than torch's SDPA). Scores and outputs sum in the same order at
+ * either width; only the softmax's row sum (a horizontal add) rounds differently. */
+#ifdef __AVX512F__
+#define VL 16
+#define CW 4    /* score columns per pass: RQ x 4 vectors = 16 of the 32 zmm registers */
+#else
+#define VL 8
+#define CW 2    /* RQ x 2 accumulators + 2 key vectors + a broadcast: 11 of the 16 ymm registers */
+#endif
+#define NV (BK / VL)  /* vectors per key block */
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+#define BK 64   /* keys per block */
 #define BQ 64   /* queries per block */
-#define RQ 4    /* query rows computed together: 16 score vectors in registers */
+#define RQ 4    /* query rows computed together */
 
-static inline v16f ld(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
-static inline void st(float *p, v16f v) { memcpy(p, &v, sizeof v); }
-static inline v16f bc(float x) { return (v16f){x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x}; }
+static inline vf ld(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
+#if VL == 16
+static inline vf bc(float x) { return (vf){x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x}; }  /* a broadcast (a loop is not) */
+#else
+static inline vf bc(float x) { return (vf){x,x,x,x,x,x,x,x}; }
+#endif
 
 /* exp(x) for x <= 0 (x = s - rowmax): 2^(x log2 e) = 2^n 2^f, f in [-1/2, 1/2], degree-6 polynomial
  * (relative error ~2e-7); below -87 the result is flushed to 0. */
-static inline v16f vexp(v16f x) {
-    const v16f lo = bc(-87.0f);
-    v16i keep = x > lo;
-    x = (v16f)(((v16i)x & keep) | ((v16i)lo & ~keep));
-    v16f y = x * bc(1.4426950408889634f);
-    v16f n = (y + bc(12582912.0f)) - bc(12582912.0f);  /* round to nearest */
-    v16f f = y - n;
-    v16f p = bc(1.5353362e-4f);
+static inline vf vexp(vf x) {
+    const vf lo = bc(-87.0f);
+    vi keep = x > lo;
+    x = (vf)(((vi)x & keep) | ((vi)lo & ~keep));
+    vf y = x * bc(1.4426950408889634f);
+    vf n = (y + bc(12582912.0f)) - bc(12582912.0f);  /* round to nearest */
+    vf f = y - n;
+    vf p = bc(1.5353362e-4f);
     p = p * f + bc(1.3398874e-3f);
     p = p * f + bc(9.6181291e-3f);
     p = p * f + bc(5.5504109e-2f);
     p = p * f + bc(2.4022651e-1f);
     p = p * f + bc(6.9314718e-1f);
     p = p * f + bc(1.0f);
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16f r = p * (v16f)e;
-    return (v16f)((v16i)r & keep);
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf r = p * (vf)e;
+    return (vf)((vi)r & keep);
 }
 
-static inline v16f vmax(v16f a, v16f b) { v16i gt = a > b; return (v16f)(((v16i)a & gt) | ((v16i)b & ~gt)); }
+static inline vf vmax(vf a, vf b) { vi gt = a > b; return (vf)(((vi)a & gt) | ((vi)b & ~gt)); }
 #ifdef __AVX512F__
-static inline float hmax(v16f v) { return _mm512_reduce_max_ps((__m512)v); }
-static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
+static inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
+static inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
 #else
-static inline float hmax(v16f v) { float m = v[0]; for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m; return m; }
-static inline float hsum(v16f v) { float s = 0; for (int i = 0; i < 16; i++) s += v[i]; return s; }
+static inline float hmax(vf v) { float m = v[0]; for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m; return m; }
+static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VL; i++) s += v[i]; return s; }
 #endif
 
-/* One row's online-softmax step over a key block: scores sr (4 vectors = BK keys from k0) scaled and
+/* One row's online-softmax step over a key block: scores sr (NV vectors = BK keys from k0) scaled and
  * masked beyond key lim, the running max *m and sum *l updated, p = exp(s - max) returned in p; the
  * factor that rescales the row's previous output is returned (0 for a padding row, live = 0). */
-static inline float softmax_step(v16f sr[4], float scale, int64_t k0, int64_t lim, float *m, float *l,
-                                 int live, v16f p[4]) {
-    for (int c = 0; c < 4; c++) {
-        v16f sc = sr[c] * bc(scale);
-        if (k0 + c * 16 + 15 > lim) {
-            v16i j = {0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15};
-            j += (int32_t)(k0 + c * 16);
-            v16i ok = j <= (int32_t)lim;
-            sc = (v16f)(((v16i)sc & ok) | ((v16i)bc(-INFINITY) & ~ok));
+static inline float softmax_step(vf sr[NV], float scale, int64_t k0, int64_t lim, float *m, float *l,
+                                 int live, vf p[NV]) {
+    for (int c = 0; c < NV; c++) {
+        vf sc = sr[c] * bc(scale);
+        if (k0 + c * VL + VL - 1 > lim) {
+            vi j;
+            for (int i = 0; i < VL; i++) j[i] = (int32_t)(k0 + c * VL + i);
+            vi ok = j <= (int32_t)lim;
+            sc = (vf)(((vi)sc & ok) | ((vi)bc(-INFINITY) & ~ok));
         }
         sr[c] = sc;
     }
-    float mx = hmax(vmax(vmax(sr[0], sr[1]), vmax(sr[2], sr[3])));
+    vf mv = sr[0];
+    for (int c = 1; c < NV; c++) mv = vmax(mv, sr[c]);
+    float mx = hmax(mv);
     float mo = *m, mn = mo > mx ? mo : mx;
     float alpha = live ? expf(mo - mn) : 0.0f;  /* mo = -inf at the first block: 0 */
-    v16f sum = bc(0.0f);
-    for (int c = 0; c < 4; c++) { p[c] = vexp(sr[c] - bc(mn)); sum += p[c]; }
+    vf sum = bc(0.0f);
+    for (int c = 0; c < NV; c++) { p[c] = vexp(sr[c] - bc(mn)); sum += p[c]; }
     if (live) { *m = mn; *l = *l * alpha + hsum(sum); }
     return alpha;
 }
@@ -122,39 +140,44 @@ static inline __attribute__((always_inline)) void block(const float *q, const fl
         for (int64_t i0 = r0; i0 < r1; i0 += RQ) {
             int nr = (int)(r1 - i0 < RQ ? r1 - i0 : RQ);
             if (i0 + nr - 1 + off < k0) continue;  /* no row of this quad reads a key of this block */
-            v16f s[RQ][4];
-            for (int r = 0; r < RQ; r++) for (int c = 0; c < 4; c++) s[r][c] = bc(0.0f);
-            for (int d = 0; d < D; d++) {
-                const float *kd = kt + (int64_t)d * Tkp + k0;
-                v16f k_0 = ld(kd), k_1 = ld(kd + 16), k_2 = ld(kd + 32), k_3 = ld(kd + 48);
-                for (int r = 0; r < RQ; r++) {
-                    v16f qd = bc(q[(i0 + (r < nr ? r : 0)) * D + d]);
-                    s[r][0] += qd * k_0; s[r][1] += qd * k_1; s[r][2] += qd * k_2; s[r][3] += qd * k_3;
+            vf s[RQ][NV];
+            for (int c0 = 0; c0 < NV; c0 += CW) {  /* CW score columns of RQ rows in registers over the head dim */
+                vf t[RQ][CW];
+                for (int r = 0; r < RQ; r++) for (int c = 0; c < CW; c++) t[r][c] = bc(0.0f);
+                for (int d = 0; d < D; d++) {
+                    const float *kd = kt + (int64_t)d * Tkp + k0 + c0 * VL;
+                    vf kk[CW];
+                    for (int c = 0; c < CW; c++) kk[c] = ld(kd + c * VL);
+                    for (int r = 0; r < RQ; r++) {
+                        vf qd = bc(q[(i0 + (r < nr ? r : 0)) * D + d]);
+                        for (int c = 0; c < CW; c++) t[r][c] += qd * kk[c];
+                    }
                 }
+                for (int r = 0; r < RQ; r++) for (int c = 0; c < CW; c++) s[r][c0 + c] = t[r][c];
             }
             float alpha[RQ];
-            v16f p[RQ][4];
+            vf p[RQ][NV];
             float pb[RQ][BK];
             for (int r = 0; r < RQ; r++) {
                 int64_t lim = i0 + r + off < Tk - 1 ? i0 + r + off : Tk - 1;  /* last key this row reads */
                 alpha[r] = softmax_step(s[r], scale, k0, lim, &m[i0 + r - r0], &l[i0 + r - r0], r < nr, p[r]);
-                for (int c = 0; c < 4; c++) st(pb[r] + c * 16, p[r][c]);
+                for (int c = 0; c < NV; c++) st(pb[r] + c * VL, p[r][c]);
             }
-            for (int dc = 0; dc < D; dc += 64) {
-                int w = D - dc < 64 ? (D - dc) / 16 : 4;
-                v16f a[RQ][4];
+            for (int dc = 0; dc < D; dc += CW * VL) {  /* CW x VL output channels of RQ rows in registers */
+                int w = D - dc < CW * VL ? (D - dc) / VL : CW;
+                vf a[RQ][CW];
                 for (int r = 0; r < RQ; r++) for (int c = 0; c < w; c++)
-                    a[r][c] = r < nr ? ld(acc + (i0 + r - r0) * D + dc + c * 16) * bc(alpha[r]) : bc(0.0f);
+                    a[r][c] = r < nr ? ld(acc + (i0 + r - r0) * D + dc + c * VL) * bc(alpha[r]) : bc(0.0f);
                 for (int j = 0; j < BK; j++) {
                     const float *vj = v + (k0 + j) * D + dc;
-                    v16f v_[4];
-                    for (int c = 0; c < w; c++) v_[c] = ld(vj + c * 16);
+                    vf v_[CW];
+                    for (int c = 0; c < w; c++) v_[c] = ld(vj + c * VL);
                     for (int r = 0; r < RQ; r++) {
-                        v16f pj = bc(pb[r][j]);
+                        vf pj = bc(pb[r][j]);
                         for (int c = 0; c < w; c++) a[r][c] += pj * v_[c];
                     }
                 }
-                for (int r = 0; r < nr; r++) for (int c = 0; c < w; c++) st(acc + (i0 + r - r0) * D + dc + c * 16, a[r][c]);
+                for (int r = 0; r < nr; r++) for (int c = 0; c < w; c++) st(acc + (i0 + r - r0) * D + dc + c * VL, a[r][c]);
             }
         }
     }
@@ -209,7 +232,7 @@ static inline __attribute__((always_inline)) void block_bf16(
             uint16_t pb[RQ][BK] __attribute__((aligned(64)));
             for (int r = 0; r < RQ; r++) {
                 int64_t lim = i0 + r + off < Tk - 1 ? i0 + r + off : Tk - 1;
-                v16f sr[4] = {(v16f)s[r][0], (v16f)s[r][1], (v16f)s[r][2], (v16f)s[r][3]}, p[4];
+                vf sr[NV] = {(vf)s[r][0], (vf)s[r][1], (vf)s[r][2], (vf)s[r][3]}, p[NV];
                 alpha[r] = softmax_step(sr, scale, k0, lim, &m[i0 + r - r0], &l[i0 + r - r0], r < nr, p);
                 for (int c = 0; c < 4; c++)
                     _mm256_store_si256((__m256i *)(pb[r] + c * 16), (__m256i)_mm512_cvtneps_pbh((__m512)p[c]));
@@ -228,7 +251,7 @@ static inline __attribute__((always_inline)) void block_bf16(
                         for (int c = 0; c < w; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], pj, v_[c]);
                     }
                 }
-                for (int r = 0; r < nr; r++) for (int c = 0; c < w; c++) st(acc + (i0 + r - r0) * D + dc + c * 16, (v16f)a[r][c]);
+                for (int r = 0; r < nr; r++) for (int c = 0; c < w; c++) st(acc + (i0 + r - r0) * D + dc + c * 16, (vf)a[r][c]);
             }
         }
     }

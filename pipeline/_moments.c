@@ -40,10 +40,29 @@ typedef struct {
  * stays in L1/L2, then the moments and every Gram tile sweep it. */
 #define RB 64
 
-typedef double v8d __attribute__((vector_size(64)));
+/* Vectors are the machine's: 8 doubles with AVX-512, else 4 (AVX2). A 64-byte vector type on a 256-bit
+ * machine is lowered by GCC through general registers and the stack, and sixteen of them spill AVX2's
+ * sixteen registers. The tiles below are sized in vectors; every sum runs in row order whatever the width
+ * (the Gram and the moments are bit-identical across widths; the value target's weights sum their lanes
+ * in another order). */
+#ifdef __AVX512F__
+#define VL 8
+#define TI 8    /* Gram tile rows: TI x 2 accumulators = 16 of the 32 zmm registers */
+#else
+#define VL 4
+#define TI 4    /* TI x 2 accumulators + 2 row vectors + a broadcast: 11 of the 16 ymm registers */
+#endif
+#define TC (2 * VL)  /* Gram tile columns */
+typedef double vd __attribute__((vector_size(VL * 8)));
+typedef long long vl __attribute__((vector_size(VL * 8)));
 
-static inline v8d load8(const double *p) { v8d v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(double *p, v8d v) { memcpy(p, &v, sizeof v); }
+static inline vd load(const double *p) { vd v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(double *p, vd v) { memcpy(p, &v, sizeof v); }
+#if VL == 8
+static inline vd bcd(double x) { return (vd){x, x, x, x, x, x, x, x}; }
+#else
+static inline vd bcd(double x) { return (vd){x, x, x, x}; }
+#endif
 
 /* Rows r0 .. r0+m of head hs of source s, widened into out (m, D) float64. */
 static void widen(const oscar_src *s, int is_f64, int64_t hs, int64_t r0, int64_t m, int64_t D, double *restrict out) {
@@ -60,32 +79,30 @@ static void widen(const oscar_src *s, int is_f64, int64_t hs, int64_t r0, int64_
     }
 }
 
-typedef long long v8l __attribute__((vector_size(64)));
-
-static inline v8d vmax(v8d a, v8d b) {  /* a > b ? a : b per lane; a NaN lane keeps b */
-    v8l k = a > b;
-    return (v8d)(((v8l)a & k) | ((v8l)b & ~k));
+static inline vd vmax(vd a, vd b) {  /* a > b ? a : b per lane; a NaN lane keeps b */
+    vl k = a > b;
+    return (vd)(((vl)a & k) | ((vl)b & ~k));
 }
 
 /* Per-channel sum x, x^3, x^4 and max x^2 of the block, in row order (v^2 is exact for float32
- * inputs; NaN rows are found by the caller in s1). 16 channels at a time: eight vector
+ * inputs; NaN rows are found by the caller in s1). 2 VL channels at a time: eight vector
  * accumulators in registers, two independent chains each, so the adds don't wait on latency. */
 static void moments(const double *restrict buf, int64_t m, int64_t D, double *restrict s1, double *restrict s3,
                     double *restrict s4, double *restrict mx) {
     int64_t c = 0;
-    for (; c + 16 <= D; c += 16) {
-        v8d a1 = load8(s1 + c), b1 = load8(s1 + c + 8), a3 = load8(s3 + c), b3 = load8(s3 + c + 8);
-        v8d a4 = load8(s4 + c), b4 = load8(s4 + c + 8), am = load8(mx + c), bm = load8(mx + c + 8);
+    for (; c + 2 * VL <= D; c += 2 * VL) {
+        vd a1 = load(s1 + c), b1 = load(s1 + c + VL), a3 = load(s3 + c), b3 = load(s3 + c + VL);
+        vd a4 = load(s4 + c), b4 = load(s4 + c + VL), am = load(mx + c), bm = load(mx + c + VL);
         const double *x = buf + c;
         for (int64_t r = 0; r < m; r++, x += D) {
-            const v8d u = load8(x), v = load8(x + 8), u2 = u * u, v2 = v * v;
+            const vd u = load(x), v = load(x + VL), u2 = u * u, v2 = v * v;
             a1 += u;       b1 += v;
             a3 += u2 * u;  b3 += v2 * v;
             a4 += u2 * u2; b4 += v2 * v2;
             am = vmax(u2, am); bm = vmax(v2, bm);
         }
-        store8(s1 + c, a1); store8(s1 + c + 8, b1); store8(s3 + c, a3); store8(s3 + c + 8, b3);
-        store8(s4 + c, a4); store8(s4 + c + 8, b4); store8(mx + c, am); store8(mx + c + 8, bm);
+        store(s1 + c, a1); store(s1 + c + VL, b1); store(s3 + c, a3); store(s3 + c + VL, b3);
+        store(s4 + c, a4); store(s4 + c + VL, b4); store(mx + c, am); store(mx + c + VL, bm);
     }
     for (; c < D; c++)
         for (int64_t r = 0; r < m; r++) {
@@ -97,31 +114,31 @@ static void moments(const double *restrict buf, int64_t m, int64_t D, double *re
         }
 }
 
-/* Gram tile g[i:i+8, c:c+16] += sum_r a[r, i:i+8]^T b[r, c:c+16] (a = b: the Gram; a = w b: the
- * weighted one of the value target). The 8x16 partial sums are sixteen 8-double vectors
- * (GCC/Clang vector extensions: AVX-512 registers where the CPU has them, pairs of narrower ones
- * elsewhere) held in registers across the block, so a row costs two vector loads, eight
- * broadcasts and sixteen independent FMAs (enough to hide the FMA latency on two ports).
- * Tiles left of the diagonal are skipped (mirrored at the end). Needs D % 16 == 0. */
+/* Gram tile g[i:i+TI, c:c+TC] += sum_r a[r, i:i+TI]^T b[r, c:c+TC] (a = b: the Gram; a = w b: the
+ * weighted one of the value target). The TI x TC partial sums are 2 TI vectors held in registers
+ * across the block, so a row costs two vector loads, TI broadcasts and 2 TI independent FMAs (enough
+ * to hide the FMA latency on two ports). Tiles left of the diagonal are skipped (mirrored at the
+ * end). Needs D % 16 == 0 (a multiple of TI and TC at either width). */
 static void gram_tiles(double *restrict g, const double *restrict a_, const double *restrict b_, int64_t m, int64_t D) {
-    for (int64_t i = 0; i < D; i += 8)
-        for (int64_t c = i & ~(int64_t)15; c < D; c += 16) {
-            v8d a[8][2];
-            for (int k = 0; k < 8; k++) {
-                a[k][0] = load8(g + (i + k) * D + c);
-                a[k][1] = load8(g + (i + k) * D + c + 8);
+    for (int64_t i = 0; i < D; i += TI)
+        for (int64_t c = i & ~(int64_t)(TC - 1); c < D; c += TC) {
+            vd a[TI][2];
+            for (int k = 0; k < TI; k++) {
+                a[k][0] = load(g + (i + k) * D + c);
+                a[k][1] = load(g + (i + k) * D + c + VL);
             }
             const double *x = a_, *y = b_;
             for (int64_t r = 0; r < m; r++, x += D, y += D) {
-                const v8d y0 = load8(y + c), y1 = load8(y + c + 8);
-                for (int k = 0; k < 8; k++) {
-                    a[k][0] += x[i + k] * y0;
-                    a[k][1] += x[i + k] * y1;
+                const vd y0 = load(y + c), y1 = load(y + c + VL);
+                for (int k = 0; k < TI; k++) {
+                    const vd xk = bcd(x[i + k]);
+                    a[k][0] += xk * y0;
+                    a[k][1] += xk * y1;
                 }
             }
-            for (int k = 0; k < 8; k++) {
-                store8(g + (i + k) * D + c, a[k][0]);
-                store8(g + (i + k) * D + c + 8, a[k][1]);
+            for (int k = 0; k < TI; k++) {
+                store(g + (i + k) * D + c, a[k][0]);
+                store(g + (i + k) * D + c + VL, a[k][1]);
             }
         }
 }
@@ -212,27 +229,28 @@ int oscar_gram_moments(const oscar_src *src, int nsrc, int is_f64, int64_t row0,
 }
 
 /* w[r] = k_r^T C k_r for the block's rows k (m, D), C (D, D) symmetric. Tiled like the Gram: for
- * 8 rows and 16 columns, y = k C accumulates in registers over i, then its dot with k's columns is
+ * TI rows and TC columns, y = k C accumulates in registers over i, then its dot with k's columns is
  * added to w. */
 static void weights(const double *restrict k, const double *restrict C, int64_t m, int64_t D, double *restrict w) {
     int64_t r = 0;
     for (int64_t q = 0; q < m; q++) w[q] = 0.0;
     if (D % 16 == 0)
-        for (; r + 8 <= m; r += 8)
-            for (int64_t c = 0; c < D; c += 16) {
-                v8d a[8][2] = {{{0}}};
+        for (; r + TI <= m; r += TI)
+            for (int64_t c = 0; c < D; c += TC) {
+                vd a[TI][2];
+                for (int q = 0; q < TI; q++) a[q][0] = a[q][1] = bcd(0.0);
                 for (int64_t i = 0; i < D; i++) {
-                    const v8d c0 = load8(C + i * D + c), c1 = load8(C + i * D + c + 8);
-                    for (int q = 0; q < 8; q++) {
-                        const double kq = k[(r + q) * D + i];
+                    const vd c0 = load(C + i * D + c), c1 = load(C + i * D + c + VL);
+                    for (int q = 0; q < TI; q++) {
+                        const vd kq = bcd(k[(r + q) * D + i]);
                         a[q][0] += kq * c0;
                         a[q][1] += kq * c1;
                     }
                 }
-                for (int q = 0; q < 8; q++) {
-                    const v8d t = a[q][0] * load8(k + (r + q) * D + c) + a[q][1] * load8(k + (r + q) * D + c + 8);
+                for (int q = 0; q < TI; q++) {
+                    const vd t = a[q][0] * load(k + (r + q) * D + c) + a[q][1] * load(k + (r + q) * D + c + VL);
                     double acc = 0.0;
-                    for (int l = 0; l < 8; l++) acc += t[l];
+                    for (int l = 0; l < VL; l++) acc += t[l];
                     w[r + q] += acc;
                 }
             }

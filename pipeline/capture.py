@@ -162,7 +162,7 @@ def _native_ok(src: list[torch.Tensor]) -> bool:
     """The C kernel takes CPU float32/float64 rows with contiguous channels (the usual case)."""
     p = src[0]
     return (p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) and p.shape[2] <= native.MAX_D
-            and all(s.dtype == p.dtype and s.stride(2) == 1 for s in src) and native.available())
+            and all(s.dtype == p.dtype and s.stride(2) == 1 for s in src) and native.chosen())
 
 
 class LayerAccumulator:

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 SRC = Path(__file__).with_name("_flash_cpu.c")
 BK = 64  # keys per block in the C kernel (the key padding)
@@ -51,12 +52,36 @@ def available() -> bool:
     return _LIB is not None
 
 
-def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether `causal_attention` runs natively for these tensors (else callers use torch's SDPA)."""
+_CHOSEN: "bool | None" = None
+
+
+def chosen() -> bool:
+    """The product uses the kernel: built, and measured no slower than torch's SDPA on this host (float32,
+    one thread, a 512-token causal probe of SmolLM2's heads; `native.measured_choice`, kept per machine)."""
+    global _CHOSEN
+    if not available():  # checked each call: the environment may switch it off
+        return False
+    if _CHOSEN is None:
+        from oscar.pipeline.native import measured_choice
+
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, 512, 64, generator=g) for h in (9, 3, 3))      # (B, H, T, D)
+        K, V = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+        _CHOSEN = measured_choice("flash_cpu", _LIB, lambda: causal_attention(q, k, v, threads=1),
+                                  lambda: F.scaled_dot_product_attention(q, K, V, is_causal=True))
+    return _CHOSEN
+
+
+def _applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     D = q.shape[-1]
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
             and D % 16 == 0 and D <= 256 and q.shape[1] % k.shape[1] == 0 and k.shape[-2] > 0
-            and q.shape[-2] <= k.shape[-2] and not (torch.is_grad_enabled() and q.requires_grad) and available())
+            and q.shape[-2] <= k.shape[-2] and not (torch.is_grad_enabled() and q.requires_grad))
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the product runs `causal_attention` for these tensors (else callers use torch's SDPA)."""
+    return _applies(q, k) and chosen()
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -67,7 +92,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     h // (Hq / Hkv)); query i is position Tk - Tq + i, so it reads keys j <= Tk - Tq + i (for Tq == Tk
     plain causal attention). Returns out (B, Hq, Tq, D) and lse (B, Hq, Tq).
     """
-    assert supports(q, k), "causal_attention: not supported for these tensors (check supports() first)"
+    assert _applies(q, k) and available(), "causal_attention: not supported for these tensors (check supports() first)"
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     assert k.shape == v.shape == (B, Hkv, Tk, D), (tuple(k.shape), tuple(v.shape))
@@ -158,7 +183,7 @@ class native_prefill:
 
     def __enter__(self):
         m = self.model
-        if m.config._attn_implementation == "sdpa" and next(m.parameters()).device.type == "cpu" and available():
+        if m.config._attn_implementation == "sdpa" and next(m.parameters()).device.type == "cpu" and chosen():
             self.prev = "sdpa"
             m.set_attn_implementation(register())
         return self

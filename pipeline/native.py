@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
+import math
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -27,6 +30,9 @@ MAX_D = 512  # MAXD in _moments.c
 FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")  # gnu11: FMA contraction on (never reassociation)
 # Native vectorisation (512-bit where the CPU has it) first, then portable code if the compiler refuses.
 MARCH = (("-march=native", "-mprefer-vector-width=512"), ("-march=native",), ())
+# OSCAR_NATIVE_ISA picks the build: native (default, the ladder above), avx2 (this CPU without AVX-512: how an
+# AVX-512 host runs the kernels an AVX2-only host gets) or portable (the compiler's baseline, SSE2 on x86-64).
+ISA = {"native": MARCH, "avx2": (("-march=native", "-mno-avx512f"),), "portable": ((),)}
 _LOCK = threading.Lock()
 _LIB: "ctypes.CDLL | None | bool" = False  # False: not tried yet; None: unavailable
 WHY_NOT = ""
@@ -58,6 +64,9 @@ def compile_library(src_path: Path, stem: str) -> tuple["ctypes.CDLL | None", st
     """
     if os.environ.get("OSCAR_NATIVE", "1") == "0":
         return None, "disabled by OSCAR_NATIVE=0"
+    isa = os.environ.get("OSCAR_NATIVE_ISA", "native")
+    if isa not in ISA:
+        return None, f"unknown OSCAR_NATIVE_ISA={isa!r} (known: {', '.join(ISA)})"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler (cc) on PATH"
@@ -67,7 +76,7 @@ def compile_library(src_path: Path, stem: str) -> tuple["ctypes.CDLL | None", st
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
     errors = []
-    for march in MARCH:
+    for march in ISA[isa]:
         flags = FLAGS + march
         key = hashlib.sha256(src + version.encode() + " ".join(flags).encode() + _cpu_tag().encode()).hexdigest()[:20]
         so = _cache_dir() / f"{stem}-{key}.so"
@@ -109,6 +118,59 @@ def _build() -> "ctypes.CDLL | None":
     return lib
 
 
+CHOICES: dict[str, dict] = {}  # native path -> its host choice (`measured_choice`), for run.json and the report
+
+
+def _best(fn, reps: int) -> float:
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measured_choice(name: str, lib: "ctypes.CDLL", native_fn, torch_fn, reps: int = 5) -> bool:
+    """Whether native path `name` runs on this host: built, and no slower than the torch ops it replaces.
+
+    The two are timed on a probe of the work they share (one thread, the best of `reps` alternating
+    runs) once per machine, library build and torch version; the verdict is kept beside the library so
+    that every process of the machine (Ray stage workers too) takes the same path. `OSCAR_NATIVE=force`
+    takes the native path unmeasured (tests, benchmarks). The choice is recorded in CHOICES.
+    """
+    if os.environ.get("OSCAR_NATIVE", "1") == "force":
+        CHOICES[name] = {"native": True, "why": "forced by OSCAR_NATIVE=force", "build": Path(lib._name).name}
+        return True
+    so = Path(lib._name)
+    key = hashlib.sha256(f"{so.name} {torch.__version__}".encode()).hexdigest()[:12]
+    path = so.with_name(f"{name}-{key}.choice.json")
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            native_fn(), torch_fn()  # warm-up (first-touch allocations, torch's kernel selection)
+            tn, tt = math.inf, math.inf
+            for _ in range(reps):
+                tn, tt = min(tn, _best(native_fn, 1)), min(tt, _best(torch_fn, 1))
+        finally:
+            torch.set_num_threads(prev)
+        rec = {"native": tn <= tt, "native_s": tn, "torch_s": tt, "build": so.name, "torch": torch.__version__,
+               "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        rec["why"] = (f"native {tn * 1e3:.2f} ms vs torch {tt * 1e3:.2f} ms on a probe, one thread "
+                      f"({'native' if rec['native'] else 'torch'} chosen)")
+        try:
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=so.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: measured again by the next process
+    CHOICES[name] = rec
+    return bool(rec["native"])
+
+
 def available() -> bool:
     """Build/load the kernel once per process; warn once (with the reason) when it can't be used."""
     global _LIB
@@ -119,6 +181,47 @@ def available() -> bool:
                 warnings.warn(f"oscar: native capture kernel unavailable ({WHY_NOT}); using torch ops "
                               "(same statistics, slower calibration)", stacklevel=2)
     return _LIB is not None
+
+
+_CHOSEN: "bool | None" = None
+
+
+def chosen() -> bool:
+    """The capture uses the kernel: built, and measured no slower than its torch ops on this host
+    (`measured_choice`; the probe: one sequence of SmolLM2's shape, 512 rows, through both)."""
+    global _CHOSEN
+    if not available():  # checked each call: the environment may switch it off
+        return False
+    if _CHOSEN is None:
+        _CHOSEN = measured_choice("moments", _LIB, *_probe())
+    return _CHOSEN
+
+
+def _probe(rows: int = 512, heads: int = 24, kv: int = 3, D: int = 64):
+    """(native, torch): the Gram + moments and the value target of one probe sequence, each way."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(heads, rows, D, generator=g)                                      # (Htot, T, D) float32
+    k, v = x[heads - 2 * kv: heads - kv], x[heads - kv:]                              # (Hkv, T, D) each
+    cq = torch.eye(D, dtype=torch.float64).expand(kv, D, D).contiguous()
+    gram, mom, mx = torch.empty(heads, D, D, dtype=torch.float64), torch.empty(3, heads, D, dtype=torch.float64), \
+        torch.empty(heads, D, dtype=torch.float64)
+    vw, ws = torch.empty(kv, D, D, dtype=torch.float64), torch.empty(kv, dtype=torch.float64)
+
+    def native_fn():
+        gram_moments([x], 0, rows, gram, mom, mx, threads=1)
+        value_target(k, v, 0, rows, cq, vw, ws, threads=1)
+
+    def torch_fn():  # the capture's torch ops for the same sums (pipeline/capture.py, LayerAccumulator._torch_sums)
+        for c0 in range(0, rows, 128):
+            xd = x[:, c0:c0 + 128].double()                                           # (Htot, c, D)
+            x2 = xd * xd
+            torch.stack([xd, x2 * xd, x2 * x2]).sum(2), x2.amax(1)
+            torch.baddbmm(gram, xd.mT, xd)
+        kd, vd = k.double(), v.double()
+        wt = ((kd @ cq) * kd).sum(-1)                                                 # (Hkv, T)
+        (vd * wt[..., None]).mT @ vd
+
+    return native_fn, torch_fn
 
 
 def _check_src(src: list[torch.Tensor]) -> torch.dtype:

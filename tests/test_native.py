@@ -146,3 +146,118 @@ print("COUNT", int(a.arrays()["kv_count"]))
     assert r.returncode == 0, r.stderr
     assert "native capture kernel unavailable" in r.stdout and "COUNT 5" in r.stdout
     assert not list(tmp_path.rglob("*.so"))
+
+
+_CHOICE = """
+import json, torch
+from oscar.pipeline import capture as C, cpu_attention as CA, native
+ok = (native.chosen(), CA.chosen())
+x = torch.randn(2, 8, 64)
+print("CHOICE", json.dumps({"moments": ok[0], "flash": ok[1], "native_ok": C._native_ok([x]),
+                            "supports": CA.supports(torch.randn(1, 3, 8, 64), torch.randn(1, 1, 8, 64)),
+                            "choices": native.CHOICES}))
+"""
+
+
+def _choice(tmp_path, **env) -> dict:
+    import json
+
+    e = {**os.environ, "OSCAR_CACHE": str(tmp_path), **env}
+    r = subprocess.run([sys.executable, "-c", _CHOICE], env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.split("CHOICE", 1)[1])
+
+
+@needs_kernel
+def test_host_choice_measured_once_and_shared(tmp_path):
+    """Unforced, each native path runs only where its probe was no slower than the torch ops it replaces; the
+    verdict is measured once per machine and build, and every later process (Ray workers too) reads it."""
+    first = _choice(tmp_path, OSCAR_NATIVE="1")
+    for name, key in (("moments", "moments"), ("flash_cpu", "flash")):
+        rec = first["choices"][name]
+        assert rec["native"] == (rec["native_s"] <= rec["torch_s"]) == first[key]
+        assert rec["native_s"] > 0 and rec["torch_s"] > 0 and "chosen" in rec["why"]
+    assert first["native_ok"] == first["moments"] and first["supports"] == first["flash"]
+    files = sorted(tmp_path.rglob("*.choice.json"))
+    assert len(files) == 2
+    again = _choice(tmp_path, OSCAR_NATIVE="1")
+    assert again["choices"] == first["choices"]  # read, not re-measured (same timestamps and times)
+
+
+@needs_kernel
+def test_host_choice_slower_falls_back_to_torch(tmp_path):
+    """A host where the kernels measured slower than torch takes torch's path for both; OSCAR_NATIVE=force
+    takes the native one regardless."""
+    import json
+
+    _choice(tmp_path, OSCAR_NATIVE="1")
+    for f in tmp_path.rglob("*.choice.json"):
+        rec = json.loads(f.read_text())
+        f.write_text(json.dumps({**rec, "native": False, "native_s": 2 * rec["torch_s"]}))
+    slow = _choice(tmp_path, OSCAR_NATIVE="1")
+    assert not slow["moments"] and not slow["flash"] and not slow["native_ok"] and not slow["supports"]
+    forced = _choice(tmp_path, OSCAR_NATIVE="force")
+    assert forced["moments"] and forced["flash"] and forced["native_ok"] and forced["supports"]
+
+
+_SUMS = """
+import sys, torch
+from oscar.pipeline import cpu_attention as CA, native
+g = torch.Generator().manual_seed(0)
+src = [torch.randn(5, 200, 64, generator=g) * 2 + 0.3, torch.randn(3, 200, 128, generator=g)]
+out = []
+for s in src:
+    H, T, D = s.shape
+    gram, mom, mx = torch.empty(H, D, D, dtype=torch.float64), torch.empty(3, H, D, dtype=torch.float64), torch.empty(H, D, dtype=torch.float64)
+    native.gram_moments([s], 1, T, gram, mom, mx, threads=1)
+    cq = (s[:2].double().mT @ s[:2].double()) / T
+    vw, ws = torch.empty(2, D, D, dtype=torch.float64), torch.empty(2, dtype=torch.float64)
+    native.value_target(s[:2], s[-2:], 1, T, cq.contiguous(), vw, ws, threads=1)
+    out += [gram, mom, mx, vw, ws]
+q, k, v = torch.randn(1, 6, 200, 64, generator=g), torch.randn(1, 2, 200, 64, generator=g), torch.randn(1, 2, 200, 64, generator=g)
+out += list(CA.causal_attention(q, k, v, threads=1))
+torch.save(out, sys.argv[1])
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_isa_builds_agree(tmp_path, isa):
+    """The kernels built for another instruction set (OSCAR_NATIVE_ISA; on an AVX-512 host "avx2" is what an
+    AVX2-only host runs) against this host's build. With FMA on both sides (avx2) the Gram and the moments are
+    bit-identical: every sum runs in row order at any vector width. The portable build rounds each product
+    before adding it, so there each sum of n terms is within 2 n u of the sum of its absolute terms (u = 2^-53,
+    both sides' error). The value target's weights reorder their lanes; with C positive definite and w > 0 its
+    error is within 2 (2D + n) u of its largest entry (Cauchy-Schwarz bounds an entry by the diagonal)."""
+    outs = []
+    for which in ("native", isa):
+        f = tmp_path / f"{which}.pt"
+        env = {**os.environ, "OSCAR_CACHE": str(tmp_path / "cache"), "OSCAR_NATIVE": "force", "OSCAR_NATIVE_ISA": which}
+        r = subprocess.run([sys.executable, "-c", _SUMS, str(f)], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs.append(torch.load(f))
+    a, b = outs
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(5, 200, 64, generator=g) * 2 + 0.3, torch.randn(3, 200, 128, generator=g)]
+    u, n = 2.0 ** -53, 199
+    for i, s_ in zip((0, 5), src):
+        x = s_[:, 1:].double().abs()                                                   # (H, n, D)
+        absums = [x.mT @ x, torch.stack([x.sum(1), (x ** 3).sum(1), (x ** 4).sum(1)]), None]
+        for j in (0, 1, 2):  # gram, mom, max2 (max x^2: exact either way)
+            if isa == "avx2" or j == 2:
+                assert torch.equal(a[i + j], b[i + j])
+            else:
+                assert ((a[i + j] - b[i + j]).abs() <= 2 * n * u * absums[j]).all()
+        D = s_.shape[-1]
+        for j in (3, 4):
+            assert rel(a[i + j], b[i + j]) <= 2 * (2 * D + n) * u
+    # attention (float32): the row sum of up to 200 probabilities reordered: 200 u32 relative at worst
+    assert (a[10] - b[10]).abs().max() <= 2 * 200 * 2 ** -24 * a[10].abs().max()
+    assert (a[11] - b[11]).abs().max() <= 2 * 200 * 2 ** -24 * a[11].abs().max()
+
+
+def test_unknown_isa_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSCAR_NATIVE_ISA", "avx1024")
+    monkeypatch.setenv("OSCAR_CACHE", str(tmp_path))
+    lib, why = native.compile_library(native.SRC, "moments")
+    assert lib is None and "unknown OSCAR_NATIVE_ISA='avx1024'" in why
