@@ -64,9 +64,10 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
                    help="cache protocol of the needle stage (`oscar validate niah --protocol`; named for its stage "
                         "because perplexity always reports both)")
-    r.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                   help="model compute dtype for NIAH and perplexity (default bfloat16: serving precision, fast on "
-                        "CPUs with bf16 units; float32: steadier digits, ~1.7x slower)")
+    r.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="model compute dtype for NIAH, perplexity and the attention capture: auto (default: bfloat16 "
+                        "on CUDA and on CPUs that multiply it natively, AVX-512 BF16 or AMX; float32 on other CPUs, "
+                        "where bfloat16 runs ~6x slower), bfloat16 (serving precision) or float32 (steadier digits)")
     from oscar.validate.engine import DEFAULT_DEVICE, DEFAULT_ENGINE, DEVICE_HELP, ENGINE_HELP, ENGINES
 
     r.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 from oscar.defaults import EMBEDDED_MODEL
+from oscar.host import describe, info as host_info
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
@@ -92,10 +92,10 @@ class RunConfig:
     # "strict" (recent 0: the tokens being generated leave the window with their page) is
     # available with --niah-protocol strict. Perplexity always reports both protocols.
     niah_protocol: str = "serving"
-    # Model compute dtype for NIAH and perplexity: bfloat16 (the main job's default: what "bf16"
-    # means in serving, and the CPU's bf16 matrix units make the run fit 15 min) or float32
-    # (digit-for-digit comparable with `oscar validate` defaults). Calibration is float32 either way.
-    dtype: str = "bfloat16"
+    # Model compute dtype for NIAH, perplexity and the attention capture: auto (bfloat16 on CUDA and on CPUs that
+    # multiply it natively, AVX-512 BF16 or AMX; float32 on other CPUs, where torch's bfloat16 GEMMs run ~6x slower:
+    # oscar/host.py), bfloat16 or float32. Calibration, the tune and the widths compute in float32 either way.
+    dtype: str = "auto"
     # validate/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions.md
     # "Engines") or cache (OscarCache + the kernel dispatcher) for tune, NIAH, perplexity, attention; device: cpu, cuda[:N]
     engine: str = "simulate"
@@ -133,6 +133,13 @@ class RunConfig:
     def calib_positions(self) -> int | None:
         """`positions` as the calibration takes it: None when the windows already span it (no offsets)."""
         return self.positions if self.positions > self.seq_len else None
+
+    @property
+    def compute_dtype(self) -> str:
+        """`dtype` as this host runs it (oscar.host.compute_dtype)."""
+        from oscar.host import compute_dtype
+
+        return compute_dtype(self.dtype, self.device)
 
     @property
     def longest_context(self) -> int:
@@ -383,21 +390,33 @@ def _stage_validate(job: _Job) -> None:
 
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
-                      protocol=cfg.niah_protocol, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device,
+                      protocol=cfg.niah_protocol, dtype=cfg.compute_dtype, engine=cfg.engine, device=cfg.device,
                       squad=cfg.squad, hotpotqa=cfg.hotpotqa)
     job.st.run("niah", "validate niah", fp(ncfg), [os.path.join(d, "results.parquet")],
                lambda: run_niah(ncfg, loaded=job.model(), progress=cfg.progress))
 
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
-                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.dtype, engine=cfg.engine, device=cfg.device)
+                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.compute_dtype, engine=cfg.engine, device=cfg.device)
     job.st.run("ppl", "validate ppl", fp(pcfg), [os.path.join(d, "ppl.parquet")],
                lambda: run_ppl(pcfg, loaded=job.model(), progress=cfg.progress))
 
-    acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.dtype,
+    acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.compute_dtype,
                       engine=cfg.engine, device=cfg.device)
     job.st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp(acfg),
                [os.path.join(d, "attention.parquet")],
                lambda: run_attention(acfg, progress=cfg.progress, loaded=job.model()))
+
+
+def native_paths() -> dict:
+    """Each native CPU kernel's verdict on this host (pipeline/native.py: built, measured against torch), for run.json."""
+    from oscar.pipeline import cpu_attention, native
+
+    out = {}
+    for name, ok, why in (("moments", native.chosen, lambda: native.WHY_NOT),
+                          ("flash_cpu", cpu_attention.chosen, lambda: cpu_attention.WHY_NOT)):
+        ok()
+        out[name] = native.CHOICES.get(name) or {"native": False, "why": why() or "not built"}
+    return out
 
 
 def _stage_report(job: _Job, seconds: float) -> dict:
@@ -405,17 +424,19 @@ def _stage_report(job: _Job, seconds: float) -> dict:
     from oscar.reports.build import build_report
 
     cfg, d, st = job.cfg, job.dir, job.st
+    hinfo = host_info()
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
                 + ("" if cfg.seq_len == cfg.longest_context else f" --seq-len {cfg.seq_len}")
                 + ("" if cfg.positions == max(cfg.seq_len, cfg.longest_context) else f" --positions {cfg.positions}")
-                + ("" if cfg.dtype == "bfloat16" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
+                + ("" if cfg.dtype == "auto" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
                 + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
                 + ("" if cfg.widths == "gradient" else f" --widths {cfg.widths}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
                 + ("" if cfg.device == "cpu" else f" --device {cfg.device}")
                 + ("" if cfg.tasks == ["niah_single_1", "niah_single_2"] else f" --tasks {','.join(cfg.tasks)}")
                 + (f" --squad {cfg.squad}" if cfg.squad else "") + (f" --hotpotqa {cfg.hotpotqa}" if cfg.hotpotqa else ""),
-            "model": cfg.model, "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "config": asdict(cfg),
+            "model": cfg.model, "host": describe(hinfo), "host_info": hinfo, "compute_dtype": cfg.compute_dtype,
+            "native_paths": native_paths(), "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": seconds}
     with open(os.path.join(d, "run.json"), "w") as f:
         json.dump(info, f, indent=1)

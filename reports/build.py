@@ -27,6 +27,14 @@ from oscar.reports.plots import panels, save
 METHOD_ORDER = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"]
 
 
+def host_line(info: dict) -> str:
+    """The compute dtype and the native CPU kernels a run took on its host (run.json)."""
+    paths = info.get("native_paths") or {}
+    kern = "; ".join(f"{k}: {'native' if v.get('native') else 'torch'} ({v.get('why', '')})" for k, v in paths.items())
+    return (f"Model compute dtype {info.get('compute_dtype')} (the host's choice unless `--dtype` was given)"
+            + (f"; CPU kernels — {kern}" if kern else "") + ".")
+
+
 def _order(methods) -> list[str]:
     ms = list(dict.fromkeys(methods))
     return sorted(ms, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m))
@@ -864,6 +872,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         info = json.load(open(run))
         md += [f"Run: `{info.get('command', '')}` — model {info.get('model', '?')}, "
                f"{info.get('total_seconds', 0) / 60:.1f} min on {info.get('host', '?')}.", ""]
+        md += [host_line(info), ""] if info.get("compute_dtype") else []
         md += [info["summary"], ""] if info.get("summary") else []
     md += ["## Headline", ""]
     if goal:

@@ -14,12 +14,10 @@ from oscar.run import RunConfig, run_main
 @pytest.mark.timeout(1800)
 def test_run_main_small_then_resume(tmp_path, capsys):
     # 512-token windows read at positions up to the 1024-token contexts validated (RunConfig.positions' default).
-    # float32: the job's flow is under test, not its dtype; bfloat16 GEMMs run ~6x slower than float32 on a CPU
-    # without AVX-512 BF16, where this test passed its 900 s beside a loaded test run.
+    # The compute dtype is the host's (float32 on a CPU without native bfloat16, where bf16 GEMMs run ~6x slower).
     cfg = RunConfig(out=str(tmp_path / "run"), ray=False, calib_tokens=4096, seq_len=512, samples=1,
                     tasks=["niah_single_1"], lengths=[1024], methods=["bf16", "naive-int2", "oscar-int2"],
-                    ppl_tokens=1024, ppl_contexts=[1024], attn_lengths=[2048], progress=False, widths_windows=1,
-                    dtype="float32")
+                    ppl_tokens=1024, ppl_contexts=[1024], attn_lengths=[2048], progress=False, widths_windows=1)
     assert cfg.widths == "gradient" and cfg.variant == "scaled" and cfg.widths_length == 1024  # the defaults
     run_main(cfg)
     d = cfg.out
@@ -32,6 +30,14 @@ def test_run_main_small_then_resume(tmp_path, capsys):
     assert set(ppl.protocol) == {"strict", "serving"} and (ppl.ppl > 1).all()
     info = json.load(open(os.path.join(d, "run.json")))
     assert set(info["stage_seconds"]) >= {"calibrate", "fit", "tune", "widths", "niah", "ppl"}
+    from oscar import host
+
+    # the host it ran on, the dtype chosen for it and each native kernel's verdict, in run.json and the report
+    assert info["compute_dtype"] == host.compute_dtype("auto", "cpu") and info["config"]["dtype"] == "auto"
+    assert info["host"] == host.describe(info["host_info"]) and "CPUs" in info["host"]
+    assert set(info["native_paths"]) == {"moments", "flash_cpu"} and all("why" in v for v in info["native_paths"].values())
+    for f in ("ppl_config.json", "niah_config.json"):  # the stages ran in it (their resume identity names it)
+        assert json.load(open(os.path.join(d, f)))["identity"]["dtype"] == info["compute_dtype"]
     from oscar.stats.artifact import load_artifact
 
     tuned = load_artifact(os.path.join(d, "artifact.safetensors"))
@@ -42,6 +48,7 @@ def test_run_main_small_then_resume(tmp_path, capsys):
     assert float(min(rec["nll_per_token"], key=rec["nll_per_token"].get)) == rec["chosen_factor"]
     report = open(os.path.join(d, "report.md")).read()
     assert "Product goal" in report and "niah_single_1" in report
+    assert f"Model compute dtype {info['compute_dtype']}" in report and "flash_cpu: " in report
     capsys.readouterr()
 
     run_main(cfg)  # same config: every stage is found done and skipped

@@ -24,18 +24,20 @@ def load_model(spec: str = EMBEDDED_MODEL):
     return model.eval(), tok, info
 
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "auto")
 
 
 def with_dtype(model, dtype: str = "float32"):
-    """The model computing in `dtype` (in place). float32 is the default everywhere: `bfloat16` uses the
-    CPU's bf16 matrix units (about 2.3x faster per NIAH sample here) but changes every activation's
+    """The model computing in `dtype` (in place); "auto": the host's fast dtype for the model's device
+    (oscar.host.compute_dtype: float32 on CPUs without native bfloat16). `bfloat16` changes every activation's
     rounding, so its results are not comparable digit for digit with float32 runs."""
     import torch
 
+    from oscar.host import compute_dtype
+
     if dtype not in DTYPES:
         raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    dt = getattr(torch, dtype)
+    dt = getattr(torch, compute_dtype(dtype, str(next(model.parameters()).device)))
     if next(model.parameters()).dtype != dt:
         model.to(dt)
     return model

@@ -1,0 +1,77 @@
+"""The host a run lands on: its CPU's features, and the compute dtype chosen for it.
+
+A CPU multiplies bfloat16 natively only with AVX-512 BF16 or AMX; elsewhere torch converts every bf16 GEMM to
+float32 and back, about 6x slower than float32 itself (6.5 against 39 GFLOP/s on one thread of an AVX2-only
+EPYC; `python bench/native_paths.py`). The model's compute dtype `auto` is therefore bfloat16 on CUDA and on
+CPUs with those units, float32 on every other CPU. Every figure the product writes names this host
+(`describe()`), and run.json keeps `info()`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import lru_cache
+
+DTYPES = ("auto", "float32", "bfloat16")
+BF16_UNITS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matrix arithmetic
+FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")  # the ones the kernels care about
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = frozenset(val.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    return _cpuinfo()[1]
+
+
+def has_bf16_units() -> bool:
+    """The CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). OSCAR_CPU_BF16=1/0 overrides (tests)."""
+    force = os.environ.get("OSCAR_CPU_BF16")
+    if force in ("0", "1"):
+        return force == "1"
+    return any(f in cpu_flags() for f in BF16_UNITS)
+
+
+def compute_dtype(dtype: str = "auto", device: str = "cpu") -> str:
+    """The model compute dtype a run uses: `dtype` itself, or for "auto" the host's fast one (module docstring)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") or has_bf16_units() else "float32"
+
+
+def info() -> dict:
+    """What run.json and the benchmarks record of the host."""
+    import torch  # a local import: the CLI's argument checks use this module before torch is needed
+
+    model, flags = _cpuinfo()
+    return {"cpu": model, "cpus": os.cpu_count(), "machine": platform.machine(),
+            "features": [f for f in FEATURES if f in flags], "bf16_units": has_bf16_units(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "node": platform.node()}
+
+
+def describe(i: dict | None = None) -> str:
+    """One line naming the host: "AMD EPYC, 2 CPUs, AVX2 (no AVX-512)"."""
+    i = i or info()
+    f = set(i.get("features", []))
+    isa = ("AVX-512" + (" BF16" if "avx512_bf16" in f else "") + (" + AMX" if "amx_bf16" in f else "")
+           if "avx512f" in f else "AVX2 (no AVX-512)" if "avx2" in f else i.get("machine", "?"))
+    return f"{i.get('cpu', '?')}, {i.get('cpus', '?')} CPUs, {isa}"

@@ -1,0 +1,45 @@
+"""The host's compute dtype and description (oscar/host.py): bfloat16 only where it is fast."""
+
+import pytest
+
+from oscar import host
+
+
+def test_auto_dtype_follows_the_bf16_units(monkeypatch):
+    monkeypatch.setenv("OSCAR_CPU_BF16", "0")
+    assert host.compute_dtype("auto", "cpu") == "float32"
+    assert host.compute_dtype("auto", "cuda:1") == "bfloat16"  # GPUs multiply bfloat16 natively
+    monkeypatch.setenv("OSCAR_CPU_BF16", "1")
+    assert host.compute_dtype("auto", "cpu") == "bfloat16"
+    for d in ("float32", "bfloat16"):  # an explicit dtype is kept
+        assert host.compute_dtype(d, "cpu") == d
+    with pytest.raises(ValueError, match="unknown dtype 'float16'"):
+        host.compute_dtype("float16")
+
+
+def test_auto_dtype_reads_the_cpu_flags(monkeypatch):
+    monkeypatch.delenv("OSCAR_CPU_BF16", raising=False)
+    want = "bfloat16" if {"avx512_bf16", "amx_bf16"} & host.cpu_flags() else "float32"
+    assert host.compute_dtype("auto", "cpu") == want
+
+
+def test_describe_names_the_instruction_set():
+    base = {"cpu": "X", "cpus": 2, "machine": "x86_64"}
+    assert host.describe({**base, "features": ["avx2", "fma"]}) == "X, 2 CPUs, AVX2 (no AVX-512)"
+    assert host.describe({**base, "features": ["avx2", "avx512f", "avx512_bf16"]}) == "X, 2 CPUs, AVX-512 BF16"
+    assert host.describe({**base, "features": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]}) == "X, 2 CPUs, AVX-512 BF16 + AMX"
+    i = host.info()
+    assert i["cpus"] >= 1 and i["torch_cpu_capability"] and set(i["features"]) <= set(host.FEATURES)
+
+
+def test_model_follows_auto(monkeypatch):
+    """validate's with_dtype resolves "auto" for the model's device."""
+    import torch
+
+    from oscar.validate.env import with_dtype
+
+    m = torch.nn.Linear(2, 2)
+    monkeypatch.setenv("OSCAR_CPU_BF16", "1")
+    assert next(with_dtype(m, "auto").parameters()).dtype == torch.bfloat16
+    monkeypatch.setenv("OSCAR_CPU_BF16", "0")
+    assert next(with_dtype(m, "auto").parameters()).dtype == torch.float32
