@@ -462,3 +462,22 @@ def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out
     why = _probe_writable(a) if os.access(a, os.X_OK) else "permission denied"
     if why:
         raise OscarError(f"{flag} {path}: {a} is not writable ({why})")
+
+
+# The recipe's discrete choices (the clip factor of the tune, each layer's clip, the per-layer widths) compare
+# float32 objectives that different hosts compute with different kernels (summation orders of AVX2 and AVX-512
+# GEMMs, the native or torch attention). float32's unit roundoff is u = 2^-24 ~ 6e-8; a reduction of n terms in
+# another order moves a sum by ~sqrt(n) u relative (random rounding), and a forward (+ backward) through L layers
+# adds L such steps: L sqrt(n) u = 30 x sqrt(2048) x 6e-8 ~ 8e-5 for SmolLM2's 30 layers over a 2048-token window.
+# Objectives within TIE_REL of each other are therefore ties, broken by a fixed rule at each choice
+# (docs/decisions.md, "The recipe's choices do not depend on the host's kernels").
+TIE_REL = 1e-4
+
+
+def tied_best(values, rel: float = TIE_REL) -> list[int]:
+    """Indices of `values` (a 1-D sequence, lower is better) within `rel` of the smallest, in order: the candidates
+    a fixed rule then chooses from. Negative or zero minima use the band rel * max|v| around the minimum."""
+    v = [float(x) for x in values]
+    lo = min(v)
+    band = rel * max(abs(lo), max(abs(x) for x in v) if lo <= 0 else abs(lo))
+    return [i for i, x in enumerate(v) if x <= lo + band]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from oscar.common import tied_best
 from oscar.quant import QuantSpec, fake_quant
 
 
@@ -82,7 +83,7 @@ def refine(err_fn, coarse: np.ndarray, lo: float, hi: float) -> tuple[np.ndarray
     head's best coarse candidate; returns (candidates (C,), errors (C, H)) sorted by candidate."""
     e = err_fn(coarse)
     step = float(np.min(np.diff(coarse))) if len(coarse) > 1 else 0.0
-    best = {int(np.argmin(e.sum(1)))} | {int(i) for i in e.argmin(0)}
+    best = {_argmin(e.sum(1), coarse)} | {_argmin(e[:, h], coarse) for h in range(e.shape[1])}
     fine = sorted({round(float(coarse[i]) + s * step / 2, 6) for i in best for s in (-1, 1)} - set(coarse.tolist()))
     fine = np.array([f for f in fine if lo <= f <= hi])
     if len(fine):
@@ -91,11 +92,18 @@ def refine(err_fn, coarse: np.ndarray, lo: float, hi: float) -> tuple[np.ndarray
     return coarse[order], e[order]
 
 
+def _argmin(err: np.ndarray, cands: np.ndarray) -> int:
+    """The candidate with the lowest error; errors within TIE_REL are ties (float32 objectives that the host's GEMM
+    kernels round differently: oscar.common.TIE_REL), won by the largest candidate (the least clipping)."""
+    tied = tied_best(err)
+    return max(tied, key=lambda i: (float(cands[i]), i))
+
+
 def choose(errs: np.ndarray, cands: np.ndarray, per_head_gain: float, noclip: np.ndarray) -> ClipChoice:
     """errs (C, H): one threshold per layer unless per-head choice gains > per_head_gain."""
     H = errs.shape[1]
-    i = int(np.argmin(errs.sum(1)))
-    j = errs.argmin(0)  # (H,)
+    i = _argmin(errs.sum(1), cands)
+    j = np.array([_argmin(errs[:, h], cands) for h in range(H)], dtype=int)  # (H,)
     layer_err, head_err = errs[i], errs[j, np.arange(H)]
     gain = float(1 - head_err.sum() / max(layer_err.sum(), 1e-30))
     per_head = gain > per_head_gain

@@ -109,6 +109,10 @@ def test_tune_through_the_cache_engine(smollm2):
     _, rec = tune_key_clip(model, tok, art, cfg, progress=False, engine="cache")
     _, sim = tune_key_clip(model, tok, art, cfg, progress=False)
     assert rec["engine"] == "cache" and "engine" not in sim and rec["chosen_factor"] in (1.0, 1.3)
+    assert rec["dtype"] == "float32" and sim["config"]["dtype"] == "float64"  # the kernels take float32 at most
+    from oscar.validate.env import with_dtype
+
+    with_dtype(model, "float32")
     ids = torch.tensor([calibration_ids(tok, "pydoc", 256)])
     s, n = engine.window_nll(model, "oscar-int2", scale_key_clips(art, 1.3), PROTOCOLS["strict"], ids)
     assert abs(rec["nll_per_token"]["1.3"] - s / n) < 1e-5
@@ -151,6 +155,10 @@ def test_choose_factor_rules():
     assert choose_factor(nll, copy, "guarded", 0.0) == 1.1  # no slack: the NLL argmin
     assert choose_factor(nll, copy, "guarded", 0.02) == 2.0
     assert choose_factor({1.0: 1.0, 1.2: 1.0}, {1.0: 3.0, 1.2: 3.0}, "copy", 0.0) == 1.0  # ties: the smaller change
+    # within TIE_REL (1e-4 relative) the objectives are ties too, won by the smaller factor; beyond it the best wins
+    assert choose_factor({1.0: 2.80025, 1.1: 2.8, 1.2: 2.9}, None, "nll", 0.0) == 1.0
+    assert choose_factor({1.0: 2.8003, 1.1: 2.8, 1.2: 2.9}, None, "nll", 0.0) == 1.1
+    assert choose_factor(nll, {1.0: 2.05, 1.1: 1.65, 1.3: 1.46014, 2.0: 1.46}, "copy", 0.0) == 1.3
     for bad in (dict(objective="x"), dict(nll_slack=-0.1), dict(copy_span=2), dict(copy_windows=0)):
         with pytest.raises(OscarError):
             TuneConfig(**bad)

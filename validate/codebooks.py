@@ -72,7 +72,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from oscar.common import OscarError
+from oscar.common import TIE_REL, OscarError
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
 from oscar.validate.ablation.schemes import (SPARSE_VALUE_BITS, allocate, codebook_quant, d_eff_gap, hadamard, lloyd_fit,
@@ -592,6 +592,9 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...] = LAYER_OPTIONS,
     errs, tops, costs = np.array(errs), np.array(tops), np.array(costs)
     # top1: the output error scaled below one row's share of the layer with most rows, so it only breaks ties
     obj = {"output": errs, "top1": tops + errs / (errs.max() + 1) / n_rows, "copy": copy_err}[objective]
+    if objective == "copy":  # float32 NLL changes through the model: kernel-level differences are ties (TIE_REL), and
+        # on the rounded table the DP's own rule decides them (the first option, then the lowest cost)
+        obj = np.round(obj / (TIE_REL * max(float(np.abs(obj).max()), 1e-30)))
     pick = layer_widths(obj, costs, oscar_bits(fitted))
     widths = [list(options[o]) for o in pick]
     L = len(widths)

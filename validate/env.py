@@ -24,7 +24,7 @@ def load_model(spec: str = EMBEDDED_MODEL):
     return model.eval(), tok, info
 
 
-DTYPES = ("float32", "bfloat16", "auto")
+DTYPES = ("float32", "bfloat16", "auto", "float64")  # float64: the recipe's objectives (validate/tune.py)
 
 
 def with_dtype(model, dtype: str = "float32"):
@@ -37,7 +37,7 @@ def with_dtype(model, dtype: str = "float32"):
 
     if dtype not in DTYPES:
         raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    dt = getattr(torch, compute_dtype(dtype, str(next(model.parameters()).device)))
+    dt = getattr(torch, compute_dtype(dtype, str(next(model.parameters()).device)) if dtype == "auto" else dtype)
     if next(model.parameters()).dtype != dt:
         model.to(dt)
     return model

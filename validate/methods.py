@@ -91,6 +91,11 @@ STRICT_TOKEN = Protocol("strict-token", sink=SINK, recent=0, pages=False)
 PROTOCOLS = {p.name: p for p in (STRICT, SERVING, STRICT_TOKEN)}
 
 
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """The simulator's arithmetic for activations x: float32, or float64 when the model computes in float64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def hadamard(n: int) -> torch.Tensor:
     """Normalised Sylvester Hadamard matrix (n a power of two: the hadamard-int2 baseline), float32;
     oscar.stats.hadamard's construction, orthogonal and symmetric."""
@@ -542,10 +547,10 @@ class LayerQuant:
     def keys(self, k: torch.Tensor) -> torch.Tensor:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
         self._on(k.device)
-        x = k.float()
+        x = k.to(_acc(k))  # float32; float64 for a float64 model (the tune: no float32 rounding to flip a code)
         if self.k_mean is not None:
-            x = x - self.k_mean
-        xr = x if self.k_eye else x @ self.rot_k  # (B, Hkv, T, D)
+            x = x - self.k_mean.to(x.dtype)
+        xr = x if self.k_eye else x @ self.rot_k.to(x.dtype)  # (B, Hkv, T, D)
         if self.codec_k:
             xq = self.codec_k(xr)
         elif self.kparts:
@@ -554,23 +559,24 @@ class LayerQuant:
             xq = split_fake_quant(xr, self.kparts, self.clip_k)
         else:
             xq = fake_quant(xr, self.kspec, self.clip_k)
+        xq = xq.to(x.dtype)  # the codes are float32 arithmetic on float64-exact inputs: the same on every host
         if not self.k_eye:
-            xq = xq @ self.unrot_k
+            xq = xq @ self.unrot_k.to(x.dtype)
         if self.k_mean is not None:
-            xq = xq + self.k_mean
+            xq = xq + self.k_mean.to(x.dtype)
         return xq.to(k.dtype)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
         self._on(v.device)
-        x = v.float()
+        x = v.to(_acc(v))
         if self.v_mean is not None:
-            x = x - self.v_mean
-        vr = x if self.v_eye else x @ self.rot_v  # (B, Hkv, T, D)
-        xq = self.codec_v(vr) if self.codec_v else fake_quant(vr, self.vspec, self.clip_v)
+            x = x - self.v_mean.to(x.dtype)
+        vr = x if self.v_eye else x @ self.rot_v.to(x.dtype)  # (B, Hkv, T, D)
+        xq = (self.codec_v(vr) if self.codec_v else fake_quant(vr, self.vspec, self.clip_v)).to(x.dtype)
         if not self.v_eye:
-            xq = xq @ self.rot_v.transpose(-1, -2)
+            xq = xq @ self.rot_v.to(x.dtype).transpose(-1, -2)
         if self.v_mean is not None:
-            xq = xq + self.v_mean
+            xq = xq + self.v_mean.to(x.dtype)
         return xq.to(v.dtype)
 
     def quantized_until(self, T: int, sink: int, recent: int) -> int:

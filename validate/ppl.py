@@ -145,7 +145,8 @@ def sim_attention(module, query, key, value, attention_mask=None, scaling=None, 
     band = _band if W <= 64 else _band_loop  # measured: batched blocks win for narrow bands only
     o, ln = band(query, key, value, kh, vh, sink, p.recent, lq.key_group, W, scale)  # (B, Hq, T, D), (B, Hq, T)
     if far is not None:  # queries W..T-1 also read the stored cache beyond the band: merge by log-sum-exp
-        of, lf = far[0].float(), far[1].float()
+        acc = torch.promote_types(query.dtype, torch.float32)
+        of, lf = far[0].to(acc), far[1].to(acc)
         lse = torch.logaddexp(ln[:, :, W:], lf)
         o[:, :, W:] = torch.exp(ln[:, :, W:] - lse)[..., None] * o[:, :, W:] + torch.exp(lf - lse)[..., None] * of
     out = o.to(query.dtype)
@@ -157,8 +158,9 @@ def _band_loop(query, key, value, kh, vh, sink: int, recent: int, key_group: int
     wide bands (serving: W = 272, 320) this ran faster than the batched windows (bench/main_job_speed.py)."""
     B, Hq, T, D = query.shape
     rep = Hq // key.shape[1]
-    o_all = torch.empty(B, Hq, T, D, dtype=torch.float32, device=query.device)
-    ln_all = torch.empty(B, Hq, T, dtype=torch.float32, device=query.device)
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for a float64 model (the tune)
+    o_all = torch.empty(B, Hq, T, D, dtype=acc, device=query.device)
+    ln_all = torch.empty(B, Hq, T, dtype=acc, device=query.device)
     pos = torch.arange(T, device=query.device)
     C = _SIM["qchunk"] or 256
     for q0 in range(0, T, C):
@@ -174,15 +176,15 @@ def _band_loop(query, key, value, kh, vh, sink: int, recent: int, key_group: int
         if mixed:
             Kh, Vh = kh[..., k0:q1, :].repeat_interleave(rep, 1), vh[..., k0:q1, :].repeat_interleave(rep, 1)
             s = torch.where(fr, s, q @ Kh.transpose(-1, -2))
-        s = s.float().mul_(scale).masked_fill_(~band, float("-inf"))
+        s = s.to(acc).mul_(scale).masked_fill_(~band, float("-inf"))
         m = s.amax(-1, keepdim=True)  # every row has its own key in the band: finite
         e = torch.exp(s - m)
         z = e.sum(-1, keepdim=True)
         if mixed:
             frf = fr.to(e.dtype)
-            o_all[:, :, q0:q1] = ((e * frf) @ V.float() + (e * (1 - frf)) @ Vh.float()) / z  # (B, Hq, c, D)
+            o_all[:, :, q0:q1] = ((e * frf) @ V.to(acc) + (e * (1 - frf)) @ Vh.to(acc)) / z  # (B, Hq, c, D)
         else:
-            o_all[:, :, q0:q1] = (e @ V.float()) / z
+            o_all[:, :, q0:q1] = (e @ V.to(acc)) / z
         ln_all[:, :, q0:q1] = (m + torch.log(z))[..., 0]
     return o_all, ln_all
 
@@ -216,14 +218,15 @@ def _band(query, key, value, kh, vh, sink: int, recent: int, key_group: int, W: 
     s = (q @ win(key)).view(B, Hkv, nb, rep, C, n)  # model dtype, as a plain attention's scores
     if mixed:
         s = torch.where(fr[:, None], s, (q @ win(kh)).view(B, Hkv, nb, rep, C, n))
-    s = s.float().mul_(scale).masked_fill_(~band[:, None], float("-inf"))
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for a float64 model (the tune)
+    s = s.to(acc).mul_(scale).masked_fill_(~band[:, None], float("-inf"))
     m = s.amax(-1, keepdim=True)  # every query has its own key in the band: finite
     e = torch.exp(s - m)
     z = e.sum(-1, keepdim=True)
-    vw = win(value).float().transpose(-1, -2)  # (B, Hkv, nb, n, D)
+    vw = win(value).to(acc).transpose(-1, -2)  # (B, Hkv, nb, n, D)
     if mixed:
         frf = fr[:, None].to(e.dtype)
-        vhw = win(vh).float().transpose(-1, -2)
+        vhw = win(vh).to(acc).transpose(-1, -2)
         o = (e * frf).view(B, Hkv, nb, rep * C, n) @ vw + (e * (1 - frf)).view(B, Hkv, nb, rep * C, n) @ vhw
     else:
         o = e.view(B, Hkv, nb, rep * C, n) @ vw  # (B, Hkv, nb, rep*C, D)

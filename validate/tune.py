@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from oscar.common import OscarError
+from oscar.common import OscarError, tied_best
 
 OBJECTIVES = ("nll", "copy", "guarded")
 COPY_SKIP = 2  # the copy's first tokens are not scored: nothing points at the span yet
@@ -41,7 +41,10 @@ class TuneConfig:
     tokens: int = 2048  # calibration-split window scored per factor
     protocol: str = "strict"
     corpus: str = "pydoc"
-    dtype: str = "float32"  # deterministic scoring; the choice should not depend on thread counts
+    # float64: the recipe's choices are decided on objectives that no host's kernels round differently. Under INT2 a
+    # float32 rounding difference flips a code, which moves later layers and flips more: float32 NLLs of the same
+    # window differ by up to ~1 % between kernels (tests/test_tune.py), the size of the margins between factors.
+    dtype: str = "float64"
     objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
     nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)
     copy_windows: int = 8  # copy objective: calibration windows of copy_length tokens, the last copy_span copied
@@ -107,11 +110,13 @@ def copy_nll(model, win: torch.Tensor, pos: torch.Tensor) -> tuple[float, int]:
 
 
 def choose_factor(nll: dict[float, float], cnll: dict[float, float] | None, objective: str, nll_slack: float) -> float:
-    """The tune's rule; ties go to the smaller factor (the smaller change)."""
+    """The tune's rule; objectives within TIE_REL of the best are ties (the host's kernels cannot tell them apart:
+    oscar.common.TIE_REL), won by the smaller factor (the smaller change)."""
     if objective == "nll":
-        return min(nll, key=lambda f: (nll[f], f))
-    ok = list(nll) if objective == "copy" else [f for f in nll if nll[f] <= min(nll.values()) * (1 + nll_slack)]
-    return min(ok, key=lambda f: (cnll[f], f))
+        fs = sorted(nll)
+        return fs[tied_best([nll[f] for f in fs])[0]]
+    ok = sorted(nll) if objective == "copy" else sorted(f for f in nll if nll[f] <= min(nll.values()) * (1 + nll_slack))
+    return ok[tied_best([cnll[f] for f in ok])[0]]
 
 
 def scale_key_clips(art, factor: float):
@@ -145,7 +150,9 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     if engine == "cache":
         eng.check_methods({"oscar-int2": art}, [PROTOCOLS[cfg.protocol], PROTOCOLS[cfg.copy_protocol]])
     t0 = time.perf_counter()
-    with_dtype(model, cfg.dtype)
+    # the cache engine runs the serving kernels, which take float32 at most: float64 is the simulator's
+    dtype = "float32" if engine == "cache" and cfg.dtype == "float64" else cfg.dtype
+    with_dtype(model, dtype)
     eng.to_device(model, dev)
     ids = torch.tensor([calibration_ids(tok, cfg.corpus, cfg.tokens)], device=dev)  # (1, T)
     wins = []
@@ -181,7 +188,7 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     best = choose_factor(nll, cnll or None, cfg.objective, cfg.nll_slack)
     tuned = scale_key_clips(art, best)
     rnd = lambda d: {str(f): round(v, 6) for f, v in d.items()}  # noqa: E731
-    record = {"config": asdict(cfg), **({"engine": engine} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": rnd(nll),
+    record = {"config": asdict(cfg), **({"engine": engine, "dtype": dtype} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": rnd(nll),
               **({"copy_nll_per_token": rnd(cnll)} if cnll else {}), "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
               "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
               "seconds": round(time.perf_counter() - t0, 2)}
