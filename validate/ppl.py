@@ -104,8 +104,8 @@ def _fresh_pairs(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_g
 def _flash_lse(q, k, v, scale: float, causal: bool):
     """Attention output (B, H, Tq, D) and log-sum-exp (B, H, Tq) of q over k, v (same heads); top-left causal."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
-        out, lse = op(q, k, v, 0.0, causal, scale=scale)  # lse float32
+    if op is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float64):
+        out, lse = op(q, k, v, 0.0, causal, scale=scale)  # lse float32 (float64 for float64: the tune's dtype)
         return out, lse
     s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale  # fallback: (B, H, Tq, Tk)
     if causal:
