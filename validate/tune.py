@@ -45,6 +45,10 @@ class TuneConfig:
     # float32 rounding difference flips a code, which moves later layers and flips more: float32 NLLs of the same
     # window differ by up to ~1 % between kernels (tests/test_tune.py), the size of the margins between factors.
     dtype: str = "float64"
+    # The per-layer widths' copy probe and its gradient: float32. In float64 the gradient's forward + backward ran
+    # 4.5x the float32 time (~9 min of a 15-minute main job on a 2-core AVX2 host); its table is rounded to
+    # TIE_REL instead (validate/codebooks.py), which absorbs reordering but not a flipped code (docs/decisions.md).
+    widths_dtype: str = "float32"
     objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
     nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)
     copy_windows: int = 8  # copy objective: calibration windows of copy_length tokens, the last copy_span copied
@@ -200,7 +204,7 @@ def _copy_ident(art, options, cfg) -> dict:
     """What a copy probe / gradient log was written for: a rerun resumes only the same artifact, options, config."""
     return {"store_fingerprint": (art.meta.get("provenance") or {}).get("store_fingerprint"),
             "clip_k": [round(float(c.float().mean()), 6) for c in art.clip_k], "options": [list(o) for o in options],
-            "copy": [cfg.copy_windows, cfg.copy_length, cfg.copy_span, cfg.copy_protocol, cfg.corpus, cfg.dtype]}
+            "copy": [cfg.copy_windows, cfg.copy_length, cfg.copy_span, cfg.copy_protocol, cfg.corpus, cfg.widths_dtype]}
 
 
 def _read_log(log: str | None, ident: dict) -> list[dict]:
@@ -249,7 +253,7 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     L = art.num_layers
     ident = _copy_ident(art, options, cfg)
     done = {(r["layer"], r["option"]): r["nll"] for r in _read_log(log, ident)}
-    with_dtype(model, cfg.dtype)
+    with_dtype(model, cfg.widths_dtype)
     cp = PROTOCOLS[cfg.copy_protocol]
     text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
     dev = next(model.parameters()).device  # where the run put the model (the tune's --device)
@@ -341,7 +345,7 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     ident = {**_copy_ident(art, options, cfg), "estimate": "gradient"}  # a probe log is not a gradient log
     done = {r["window"]: r for r in _read_log(log, ident)}
     quants = [[LayerQuant(widths_artifact(art, [list(o)] * L), l, cp.pages) for l in range(L)] for o in options]
-    with_dtype(model, cfg.dtype)
+    with_dtype(model, cfg.widths_dtype)
     text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
     dev = next(model.parameters()).device  # where the run put the model (the tune's --device)
     wins = [(w.to(dev), pos.to(dev), p) for w, pos, p in
