@@ -348,14 +348,19 @@ def _stage_widths(job: _Job) -> None:
     def do_widths() -> dict:
         from oscar.kernels.memory import artifact_bits_per_element
         from oscar.stats.artifact import load_artifact
-        from oscar.validate.tune import TuneConfig, copy_widths_artifact
+        from oscar.validate.tune import StaleLog, TuneConfig, copy_widths_artifact
 
         m, tok, _ = job.model()
         tcfg = TuneConfig(corpus=cfg.corpus, copy_windows=cfg.widths_windows, copy_length=cfg.widths_length)
-        out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg,
-                                      log=os.path.join(job.dir, f"widths.{'probes' if cfg.widths == 'copy' else 'gradients'}.jsonl"),
-                                      progress=cfg.progress,
-                                      estimate="probe" if cfg.widths == "copy" else "gradient")
+        log = os.path.join(job.dir, f"widths.{'probes' if cfg.widths == 'copy' else 'gradients'}.jsonl")
+        try:
+            out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg, log=log, progress=cfg.progress,
+                                          estimate="probe" if cfg.widths == "copy" else "gradient")
+        except StaleLog:  # this stage's inputs changed since the log was written (its fingerprint did): start afresh
+            os.replace(log, log + ".old")
+            _say(f"widths: {log} was written for other inputs; kept as {log}.old, starting afresh")
+            out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg, log=log, progress=cfg.progress,
+                                          estimate="probe" if cfg.widths == "copy" else "gradient")
         _save(out, job.art_path)
         from oscar.reports.calibration import widths_section
 

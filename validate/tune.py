@@ -200,6 +200,10 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     return tuned, record
 
 
+class StaleLog(OscarError):
+    """A copy probe / gradient log written for other inputs."""
+
+
 def _copy_ident(art, options, cfg) -> dict:
     """What a copy probe / gradient log was written for: a rerun resumes only the same artifact, options, config."""
     return {"store_fingerprint": (art.meta.get("provenance") or {}).get("store_fingerprint"),
@@ -215,7 +219,7 @@ def _read_log(log: str | None, ident: dict) -> list[dict]:
         return []
     recs = [json.loads(line) for line in open(log) if line.strip()]
     if any(r["ident"] != ident for r in recs):
-        raise OscarError(f"{log} was written for another artifact, options or copy config; use a new log")
+        raise StaleLog(f"{log} was written for another artifact, options or copy config; use a new log")
     return recs
 
 
