@@ -189,3 +189,18 @@ def test_guarded_tune_recomputes_copy_nll_independently(smollm2):
     assert rec["chosen_factor"] == choose_factor(nll, copy, "guarded", 0.05)
     assert "copy_nll_per_token" not in tune_key_clip(model, tok, art, TuneConfig(factors=(1.0,), tokens=256),
                                                      progress=False)[1]  # nll objective: no copy pass
+
+
+def test_a_log_for_other_inputs_is_refused_by_its_own_error(tmp_path):
+    """A copy probe / gradient log written for another artifact or config raises StaleLog (an OscarError: one line
+    for `oscar validate widths`), which `oscar run` catches to set the log aside when its stage's inputs changed."""
+    import json
+
+    from oscar.validate.tune import StaleLog, _read_log
+
+    log = tmp_path / "w.jsonl"
+    log.write_text(json.dumps({"ident": {"a": 1}, "window": 0}) + "\n")
+    assert _read_log(str(log), {"a": 1}) == [{"ident": {"a": 1}, "window": 0}]
+    with pytest.raises(StaleLog, match="written for another artifact") as e:
+        _read_log(str(log), {"a": 2})
+    assert isinstance(e.value, OscarError)
