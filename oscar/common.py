@@ -479,5 +479,5 @@ def tied_best(values, rel: float = TIE_REL) -> list[int]:
     a fixed rule then chooses from. Negative or zero minima use the band rel * max|v| around the minimum."""
     v = [float(x) for x in values]
     lo = min(v)
-    band = rel * max(abs(lo), max(abs(x) for x in v) if lo <= 0 else abs(lo))
-    return [i for i, x in enumerate(v) if x <= lo + band]
+    scale = lo if lo > 0 else max(abs(x) for x in v)
+    return [i for i, x in enumerate(v) if x <= lo + rel * scale]

@@ -121,13 +121,10 @@ def _build() -> "ctypes.CDLL | None":
 CHOICES: dict[str, dict] = {}  # native path -> its host choice (`measured_choice`), for run.json and the report
 
 
-def _best(fn, reps: int) -> float:
-    best = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def measured_choice(name: str, lib: "ctypes.CDLL", native_fn, torch_fn, reps: int = 5) -> bool:
@@ -152,8 +149,8 @@ def measured_choice(name: str, lib: "ctypes.CDLL", native_fn, torch_fn, reps: in
         try:
             native_fn(), torch_fn()  # warm-up (first-touch allocations, torch's kernel selection)
             tn, tt = math.inf, math.inf
-            for _ in range(reps):
-                tn, tt = min(tn, _best(native_fn, 1)), min(tt, _best(torch_fn, 1))
+            for _ in range(reps):  # alternating: both sides see the same machine
+                tn, tt = min(tn, _seconds(native_fn)), min(tt, _seconds(torch_fn))
         finally:
             torch.set_num_threads(prev)
         rec = {"native": tn <= tt, "native_s": tn, "torch_s": tt, "build": so.name, "torch": torch.__version__,
