@@ -13,7 +13,7 @@ Components (all layers, K and V together):
 `per_history_token` is the steady-state cost of one token that has left the
 recent window; `total(context)` adds the 16-bit sink/recent segments and
 constants for a sequence of `context` tokens. BF16 stores every token at
-2 bytes per element. The targets (issue 5): INT2 with per-token scales <= 1/7
+2 bytes per element. The targets: INT2 with per-token scales <= 1/7
 of BF16 per history token, static mode exactly 1/8. At head_dim 64 the per-token
 target needs 8-bit scale + zero (`int2-token-fp8`: 2.25 bits per element, 1/7.11);
 fp16 ones give 2.5 bits (1/6.4).
@@ -46,7 +46,7 @@ class Format:
     dtype_bytes: int = 2  # sink / recent / BF16 storage
     key_split: int = 0  # split keys (QuantConfig.key_split): wide key channels, key_top more bits and a second param pair
     key_top: int = 1  # split keys: the wide channels' bits above `bits` (QuantConfig.key_top)
-    key_drop: int = 0  # split keys: key channels not stored (QuantConfig.key_drop; -1: the tiers variant's own)
+    key_drop: int = 0  # split keys: key channels not stored (QuantConfig.key_drop)
     key_param_bytes: int | None = None  # keys' scale/zero bytes where they differ (QuantConfig.key_param_dtype)
 
     @classmethod
@@ -73,11 +73,9 @@ def default_formats(sink: int = SINK, recent: int = RECENT, page_size: int = PAG
         Format("int2-static", mode="static", **kw),  # artifact clips: no per-token metadata
         Format("int2-kivi", key_axis="channel", **kw),  # keys per channel over a page, values per token
         Format("int2-kivi-fp8", key_axis="channel", param_bytes=1, **kw),
-        # issue 16's split keys (oscar fit --variant split): D/4 key channels at 3 bits, every part and the values
+        # split keys (oscar fit --variant split): D/4 key channels at 3 bits, every part and the values
         # with 8-bit scale/zero; key_split -1 = the model's own D/4 (2.5 bits per element at D = 64)
         Format("int2-split-fp8", param_bytes=1, key_split=-1, **kw),
-        # hypothesis 5's tiers (oscar fit --variant tiers): D/4 key channels at 4 bits, 5D/8 at 2, D/8 not stored
-        Format("int2-tiers-fp8", param_bytes=1, key_split=-1, key_top=2, key_drop=-1, **kw),
     ]
 
 
@@ -112,12 +110,8 @@ def _split(f: Format, D: int) -> int:
 
 
 def _drop(f: Format, D: int) -> int:
-    """Key channels a split format does not store at head_dim D (key_drop -1: the tiers variant's own, D/8 at D = 64)."""
-    if not f.key_split or f.key_drop >= 0:
-        return f.key_drop if f.key_split else 0
-    from oscar.stats.artifact import tier_drop
-
-    return tier_drop(D)
+    """Key channels a split format does not store at head_dim D."""
+    return f.key_drop if f.key_split else 0
 
 
 def per_history_token_layers(shapes: dict, formats: list[Format]) -> dict[str, float]:
@@ -136,7 +130,7 @@ def artifact_formats(art) -> list[Format]:
 
 def artifact_bits_per_element(art) -> float:
     """Stored bits per K/V element of the artifact's INT2 history (codes and every scale/zero, K and V averaged,
-    all layers): what the issue-16 budget reads (2.5), from the same accounting as `oscar bench memory`."""
+    all layers): what the 2.5-bit budget reads, from the same accounting as `oscar bench memory`."""
     shapes = {"num_layers": art.num_layers, "num_kv_heads": art.num_kv_heads, "head_dim": art.head_dim}
     h = per_history_token_layers(shapes, artifact_formats(art))
     return 8 * (h["codes"] + h["scales"]) / (2 * art.num_layers * art.num_kv_heads * art.head_dim)

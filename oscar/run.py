@@ -45,7 +45,7 @@ class RunConfig:
     # Calibration sequence length; None: the longest context the job validates (needles, perplexity). The fit
     # then sees queries and keys at every position it is judged on: past the calibration length RoPE's slow
     # pairs turn beyond any calibrated row and the INT2 key error grows (docs/decisions.md, "Calibrate at
-    # the serving length"; bench/issue16_position.py).
+    # the serving length"; lab/key_error_by_position.py).
     seq_len: int | None = None
     # Absolute positions the calibration covers; None: the longest context validated (and at least seq_len). Windows
     # shorter than that are read at RoPE offsets (`oscar calibrate --positions`): the same statistics as sequences of
@@ -70,10 +70,10 @@ class RunConfig:
     # subtracted, keys scaled along the query eigenvectors (queries by the inverse) and searched
     # clips (docs/decisions.md, "Main job recipe" and "Scaled keys"), one per-token group, then per-layer key
     # widths (below); with --widths none the keys split into a 3-bit part (the D/4 directions C_Q weighs most)
-    # and a 2-bit part at the same 2.5 bits per element (issue 16, docs/decisions.md "Issue 16 A/B: split keys").
+    # and a 2-bit part at the same 2.5 bits per element (docs/decisions.md, split keys).
     # None: "scaled" (per-layer widths are chosen on a one-group fit), or "split" under --widths none
     variant: str | None = None
-    # Per-layer key widths (issue 16; docs/decisions.md "Per-layer widths by the copy probe to first order"): after
+    # Per-layer key widths (docs/decisions.md "Per-layer widths by the copy probe to first order"): after
     # the tune, each layer's keys at 2, 3 or 4 bits (values at 2) within the fit's bits per element, by the NLL change
     # of spans copied from the INT2 history of calibration text with that layer widened; oscar-int2 becomes the
     # per-layer artifact. "gradient" (the default): the change to first order, a forward + backward per window
@@ -148,7 +148,7 @@ class RunConfig:
 
     def __post_init__(self):
         if self.samples is None:
-            self.samples = 20  # >= 20 per cell is what issue 7's must-hold is judged on (docs/decisions.md)
+            self.samples = 20  # >= 20 per cell: the acceptance sample size (docs/decisions.md)
         self._check_sizes()
         if self.full:
             self.ppl_tokens = max(self.ppl_tokens, 12288)
@@ -170,7 +170,7 @@ class RunConfig:
             self.variant = "split" if self.widths == "none" else "scaled"
         if self.widths_length is None:
             self.widths_length = min(2048, self.longest_context)
-        if self.widths != "none" and self.variant in ("split", "tiers"):
+        if self.widths != "none" and self.variant == "split":
             raise OscarError(f"oscar run: --widths {self.widths} chooses per-layer key widths on a one-group fit; --variant "
                              f"{self.variant} already splits the keys (use --variant scaled, the default with --widths)")
         from oscar.validate.tune import TuneConfig

@@ -41,20 +41,6 @@ def split_width(head_dim: int) -> int:
     return max(8, head_dim // 4 // 8 * 8)
 
 
-def tier_drop(head_dim: int) -> int:
-    """Key channels the tiers format does not store (QuantConfig.key_drop, `oscar fit --variant tiers`): the fewest,
-    a multiple of 4 (whole bytes of 2-bit codes) and at least half the wide part (so the wide part's second extra bit
-    is paid for: split keys' budget or less), that leave the middle part a Hadamard order. D/8 at D = 32, 64, 128."""
-    from oscar.constraints import hadamard_supported
-
-    W = split_width(head_dim)
-    for drop in range(-(-W // 2 // 4) * 4 or 4, head_dim - W, 4):
-        if hadamard_supported(head_dim - W - drop):
-            return drop
-    raise OscarError(f"the tiers format cannot cut head_dim {head_dim}: no multiple of 4 >= {W // 2} channels to drop "
-                     f"leaves a Hadamard order for the 2-bit part (wide part {W})")
-
-
 def calibrated_length(art: "Artifact") -> int | None:
     """The calibrated length: the fit saw queries and keys at positions [0, n) only — the windows' length, or
     the positions they were read at (`oscar calibrate --positions`) — None: an artifact fitted before it was
@@ -105,13 +91,13 @@ class QuantConfig:
     page_size: int = PAGE_SIZE
     clip_rule: Literal["ratio", "row-quantile"] = "ratio"
     param_dtype: Literal["float16", "float32", "float8_e4m3fn"] = "float16"  # float8_e4m3fn: 8-bit scale/zero
-    # split keys (issue 16): the first key_split rotated key channels at bits + key_top and the next
+    # split keys: the first key_split rotated key channels at bits + key_top and the next
     # D - key_split - key_drop at bits, each part its own per-token (scale, zero); the last key_drop channels are
-    # not stored (they read as the key mean: `oscar fit --variant tiers`); key_split 0: one group (the original format)
+    # not stored (they read as the key mean); key_split 0: one group (the original format)
     key_split: int = 0
     key_top: int = 1
     key_drop: int = 0
-    # the keys' scale/zero dtype where it differs from the values' (None: param_dtype). Per-layer widths (issue 16):
+    # the keys' scale/zero dtype where it differs from the values' (None: param_dtype). Per-layer widths:
     # a layer whose keys are 3 or 4 bits (key_split = D, every key channel wide) keeps fp16 key params while the
     # 2-bit layers and every value store e4m3 ones
     key_param_dtype: Literal["float16", "float32", "float8_e4m3fn"] | None = None
@@ -175,7 +161,7 @@ class QuantConfig:
         return self.value_spec(head_dim).bits_per_element(head_dim)
 
     def bits_per_element(self, head_dim: int) -> float:
-        """K and V averaged: what the history costs per element (the issue-16 budget reads this)."""
+        """K and V averaged: what the history costs per element (the 2.5-bit budget reads this)."""
         return 0.5 * (self.key_bits(head_dim) + self.value_bits(head_dim))
 
     def value_spec(self, head_dim: int) -> QuantSpec:
@@ -198,7 +184,7 @@ class Artifact:
     meta: dict[str, Any] = field(default_factory=dict)  # model, variant, d_eff, fallbacks, provenance...
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # other named tensors, saved verbatim
     rot_q: list[torch.Tensor] | None = None  # per layer (Hkv, D, D) = rot_k^{-T}; None: rot_k is orthogonal
-    # per-layer formats (issue 16's widths across layers; format oscar-artifact/3): layer l stores its K/V as
+    # per-layer formats (key widths across layers; format oscar-artifact/3): layer l stores its K/V as
     # layer_quant[l], which may differ from `quant` in LAYER_QUANT_FIELDS only (the layout is the model's); None: `quant`
     layer_quant: list[QuantConfig] | None = None
 

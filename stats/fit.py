@@ -68,8 +68,8 @@ def _log(msg: str) -> None:
 
 def _fallbacks(rot: Rotations, ls: LayerStats, cfg: FitConfig, l: int, drops_keys: bool = False) -> list[dict]:
     """Replace the rotation of heads whose source eigenbasis is unstable; return the records. drops_keys (a
-    format that does not store some key directions: `tiers`): unstable key heads keep their eigenbasis, recorded,
-    since a Hadamard would spread every direction over the not-stored channels and drop 1/8 of each."""
+    format that does not store some key directions, QuantConfig.key_drop): unstable key heads keep their eigenbasis,
+    recorded, since a Hadamard would spread every direction over the not-stored channels and drop part of each."""
     out = []
     if cfg.fallback == "none" or not hadamard_supported(ls.D):
         return out
@@ -124,9 +124,9 @@ def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
     quant = fixed.quant(cfg.quant) if fixed else cfg.quant
     if variant.fmt:  # a variant that only makes sense for its own format (split)
         quant = variant.fmt(quant, D)
-    if quant.key_split and variant.name not in ("split", "tiers"):
+    if quant.key_split and variant.name != "split":
         raise OscarError(f"quant.key_split={quant.key_split} needs the split variant's rotation (each key part mixed "
-                         f"within itself); variant {variant.name!r} mixes all channels: use --variant split or tiers")
+                         f"within itself); variant {variant.name!r} mixes all channels: use --variant split")
     probs = quant_problems(D, quant)  # what the cache will require of this artifact, before any fitting
     if probs:
         raise OscarError(f"{store_path}: the cache format asked for (bits {quant.bits}, group_size {quant.group_size}, "

@@ -157,28 +157,11 @@ def _split_format(q, D: int):
 
 @register_variant("split", "as scaled, but keys in two parts of the query eigenbasis: the D/4 directions of largest "
                   "lambda or lambda*sigma^2 (per layer, by calibration error) one bit wider, each part scaled and "
-                  "Hadamard-mixed within itself; 8-bit scale/zero (issue 16, stats/split.py)", fmt=_split_format)
+                  "Hadamard-mixed within itself; 8-bit scale/zero (stats/split.py)", fmt=_split_format)
 def _split(ls, rng) -> Rotations:
     r = _scaled(ls, rng)  # key mean, and a full-width rotation until the fit places the parts (fit._place_split)
     r.notes["split"] = True
     return r
-
-
-def _tiers_format(q, D: int):
-    """The format of `tiers` (issue 16, hypothesis 5): split keys' budget as D/4 key channels at 4 bits, 5D/8 at 2
-    and the D/8 of lowest score not stored (`artifact.tier_drop`); 8-bit scale/zero (2.5 bits per element at D = 64)."""
-    from dataclasses import replace
-
-    from oscar.stats.artifact import tier_drop
-
-    return replace(_split_format(q, D), key_top=2, key_drop=tier_drop(D))
-
-
-@register_variant("tiers", "as split, but the key bits in tiers along the query eigenbasis: D/4 directions at 4 bits, "
-                  "5D/8 at 2 and the D/8 of lowest score not stored (they read as the key mean); 8-bit scale/zero "
-                  "(issue 16, stats/split.py)", fmt=_tiers_format)
-def _tiers(ls, rng) -> Rotations:
-    return _split(ls, rng)
 
 
 @register_variant("hadamard", "R_K = R_V = H P_br (no eigenbasis)")

@@ -1,11 +1,11 @@
-"""Split keys (issue 16, hypothesis 2): a 3-bit and a 2-bit part of the rotated key, placed by C_Q.
+"""Split keys: a 3-bit and a 2-bit part of the rotated key, placed by C_Q.
 
 The `scaled` variant spends the key budget continuously (directions stretched by (λ_i/σ_i²)^¼, then
 one Hadamard mixes everything into one per-token INT2 group). The `split` format instead cuts the query
 eigenbasis U in two: the key_split = D/4 directions that matter most get one bit more, each part is
 scaled and Hadamard-mixed within itself (`split_scaled_rotation`) and stored as its own
 per-token min/max group (QuantConfig.key_split; the cache: docs/cache-format.md). "Matter most" is
-decided per layer on the calibration rows, between the largest λ_i (C_Q's eigenvalues, the issue's
+decided per layer on the calibration rows, between the largest λ_i (C_Q's eigenvalues, the first
 rule) and the largest λ_i σ_i² (a direction's share of the logit error at equal noise), by the fit's
 key objective (stats/clip.py) with each part's clip searched for each candidate.
 """
@@ -129,7 +129,7 @@ def fit_split_keys(U: np.ndarray, lam: np.ndarray, sig2: np.ndarray, kc: torch.T
     variance along them, kc (H, N, D) centred calibration keys, Cq (H, D, D) the query second moment (model space).
     For each rule (default SPLIT_RULES; {name: score (H, D)} for controls) the parts (consecutive, from channel 0)
     take the directions in descending score, part by part; channels after the last part are not stored (the
-    lowest scores: issue 16's tiers, `oscar-tier-int2`). The rule of lower summed error on these rows wins."""
+    lowest scores, QuantConfig.key_drop). The rule of lower summed error on these rows wins."""
     H, D = U.shape[0], U.shape[-1]
     cuts = [b for _, b, _ in parts] + ([D] if parts[-1][1] < D else [])  # the last group: not stored
     best, errs = None, {}

@@ -12,7 +12,7 @@ os.environ.setdefault("OSCAR_NATIVE", "force")
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory) -> str:
     """A real calibration store of the tiny-llama preset (4 sequences of 96 pydoc tokens, reservoirs of 32 rows):
-    what the codebook and issue-16 format tests fit their artifacts from. Treat it as read-only."""
+    what the codebook, split-key and per-layer width tests fit their artifacts from. Treat it as read-only."""
     from oscar.pipeline.calibrate import CalibConfig, calibrate
 
     store = str(tmp_path_factory.mktemp("tiny_store") / "s.zarr")

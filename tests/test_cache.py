@@ -324,10 +324,8 @@ def test_memory_report_targets(tmp_path):
     assert main(["bench", "memory", "--model", str(tmp_path / "config.json"), "--context", "4096", "--out", str(out)]) == 0
     j = json.loads(out.read_text())
     assert j["context"] == 4096 and {r["format"] for r in j["rows"]} == {"bf16", "int2-token", "int2-token-fp8", "int2-static",
-                                                                 "int2-kivi", "int2-kivi-fp8", "int2-split-fp8",
-                                                                 "int2-tiers-fp8"}
-    assert rows["int2-split-fp8"]["bits_per_element"] == 2.5 and rows["int2-split-fp8"]["key_split"] == 16  # issue 16's budget
-    assert rows["int2-tiers-fp8"]["bits_per_element"] == 2.5 and rows["int2-tiers-fp8"]["key_drop"] == 8
+                                                                 "int2-kivi", "int2-kivi-fp8", "int2-split-fp8"}
+    assert rows["int2-split-fp8"]["bits_per_element"] == 2.5 and rows["int2-split-fp8"]["key_split"] == 16  # the 2.5-bit budget
     assert main(["bench", "memory", "--model", str(tmp_path / "missing.json")]) == 2
 
 

@@ -102,15 +102,15 @@ def test_variant_rotations_orthogonal(store, name):
     ls = LayerStats(view, 0, ReduceConfig())
     rot = VARIANTS[name].build(ls, np.random.default_rng(0))
     eye = np.eye(16)
-    # every variant's R_V and query transform are orthogonal; R_K too, except `scaled` (and `split` / `tiers`, which
-    # build on it), whose R_K is the dual of its orthogonal-times-diagonal R_Q: R_Qᵀ R_K = I keeps q·k exact
+    # every variant's R_V and query transform are orthogonal; R_K too, except `scaled` (and `split`, which
+    # builds on it), whose R_K is the dual of its orthogonal-times-diagonal R_Q: R_Qᵀ R_K = I keeps q·k exact
     orth = (rot.rot_v,) + ((rot.rot_k,) if rot.rot_q is None else ())
     for R in orth:
         assert R.dtype == np.float64 and R.shape == (2, 16, 16)
         assert np.abs(R @ np.swapaxes(R, -1, -2) - eye).max() < 1e-10
         assert np.abs(np.swapaxes(R, -1, -2) @ R - eye).max() < 1e-10
     if rot.rot_q is not None:
-        assert name in ("scaled", "split", "tiers")
+        assert name in ("scaled", "split")
         assert np.abs(np.swapaxes(rot.rot_q, -1, -2) @ rot.rot_k - eye).max() < 1e-10
         assert np.abs(rot.rot_k @ np.swapaxes(rot.rot_k, -1, -2) - eye).max() > 1e-2  # really scaled
 

@@ -33,22 +33,11 @@ def expected_bpe(name: str, b: int, D: int, codec) -> tuple[float, float]:
     tq = lambda qjl: (b - 1) + 1 + 32 / D if qjl else b + 16 / D  # noqa: E731  norm (+ sketch m=D, residual norm)
     if name == "oscar-ref":  # the published format stores float32 scale + zero per token
         return b + 64 / D, b + 64 / D
-    if name == "oscar_sparse":  # issue 16: keys + a per-page side list (fp16 value + 10-bit index at page 16, D 32
-        # -> 9 bits), values with fp8 scale + zero; n_out the most the K/V average uni allows
-        n = codec.k.n_out
-        assert n == int((uni - (b + 16 / D)) * 16 * D // (16 + 9))
-        return uni + n * (16 + 9) / (16 * D), b + 16 / D
-    if name == "oscar_mix":  # issue 16: split keys, D/4 channels one bit wider, an fp8 scale + zero per part;
+    if name == "oscar_mix":  # split keys, D/4 channels one bit wider, an fp8 scale + zero per part;
         # values with fp8 scale + zero: at equal bits to oscar_scaled (the K/V average of uni)
         w = max(8, D // 4 // 8 * 8)
         k, v = b + (w + 32) / D, b + 16 / D
         assert 0.5 * (k + v) <= uni
-        return k, v
-    if name == "oscar_tier":  # hypothesis 5: D/4 channels two bits wider, the last D/8 not stored (artifact.tier_drop),
-        # an fp8 scale + zero per stored part; at most oscar_mix's key bits
-        w, drop = max(8, D // 4 // 8 * 8), D // 8
-        k, v = (w * (b + 2) + (D - w - drop) * b + 32) / D, b + 16 / D
-        assert k <= b + (w + 32) / D
         return k, v
     if name in ("plain", "hadamard") or name.startswith("oscar"):
         return uni, uni

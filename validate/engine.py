@@ -94,9 +94,7 @@ def cache_options(name: str, art, protocol) -> dict:
         raise EngineUnsupported(f"protocol {protocol.name!r} releases per-token K/V one token at a time, a diagnostic "
                                 f"no paged cache runs; use --engine simulate for it")
     if art.meta.get("codec") or layer_codecs(art, 0):
-        kind = (art.meta.get("codec") or {}).get("kind")
-        what = "a sparse side list of exact key entries" if kind == "sparse" else "Lloyd-Max codebook codes"
-        raise EngineUnsupported(f"method {name} stores {what} (validate/codebooks.py), not a format "
+        raise EngineUnsupported(f"method {name} stores Lloyd-Max codebook codes (validate/codebooks.py), not a format "
                                 f"OscarCache holds (uniform INT2 grids); use --engine simulate for it")
     q = art.quant
     page = (q.group_size or q.page_size) if q.key_axis == "channel" else q.page_size

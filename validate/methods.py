@@ -19,22 +19,6 @@
     sq-int2        SpectralQuant with uniform allocation (re-implemented): calibrated eigenbasis, per-dim
                    Gaussian Lloyd–Max codes scaled by the calibrated std, K and V centred, no per-token
                    metadata: 2.0 bits/element (validate/codebooks.py)
-    oscar-lm-int2  issue 16 hypothesis 1: oscar-int2's artifact, keys as per-token fp16 norms (groups of 32) and
-                   2-bit Lloyd-Max codebooks per rotated channel fitted on calibration keys: 2.5 bits/element
-    oscar-sparse-int2  issue 16 hypothesis 3: oscar-int2's keys plus the per-page entries of largest error exact
-                   (fp16 + index), values with fp8 scale/zero to pay for it: <= 2.5 bits/element (validate/codebooks.py)
-    oscar-mix-int2 issue 16 hypothesis 2: keys split into a 3-bit part (D/4 directions, placed by C_Q on
-                   calibration rows) and a 2-bit part, each scaled and Hadamard-mixed within itself, fp8
-                   scale/zero per part; values with fp8 scale/zero: 2.5 bits/element (validate/codebooks.py)
-    oscar-layer-int2 issue 16 hypothesis 4: oscar-int2's format with (key, value) widths per layer chosen
-                   by calibrated attention-output error at 2.5 bits/element on average (fp8 params at
-                   2 bits, fp16 above)
-    oscar-mix-layer-int2 hypotheses 2 and 4 together: oscar-layer-int2 with oscar-mix-int2's split keys
-                   among each layer's options
-    oscar-layer-top1-int2, oscar-mix-layer-top1-int2  the two above with the widths chosen by the share of
-                   calibration query rows whose highest-scoring key changes (retrieval) instead of the output error
-    oscar-tier-int2 issue 16 hypothesis 5: oscar-mix-int2's key bits as D/4 directions at 4 bits, 5D/8 at 2 and
-                   the D/8 of lowest score not stored (read as the key mean): 2.5 bits/element
     oscar-kc-int2  oscar-int2's recipe refitted on the same store with keys grouped per channel of the
                    rotated space over head_dim tokens (KIVI style; `oscar fit --key-axis channel --group-size D`)
 
@@ -238,36 +222,20 @@ def _searched(name: str):
     return factory
 
 
-# issue 16's candidates, built on oscar-int2's artifact: method -> its builder in validate/codebooks.py
-DERIVED = {"oscar-lm-int2": "lm_artifact",  # norms + Lloyd-Max keys
-           "oscar-sparse-int2": "sparse_artifact",  # + exact side list
-           "oscar-mix-int2": "mix_artifact",  # 3/2-bit key split by C_Q
-           "oscar-layer-int2": "layer_artifact",  # widths per layer
-           "oscar-mix-layer-int2": "mix_layer_artifact",  # both
-           "oscar-tier-int2": "tier_artifact",  # 4/2/0-bit key tiers
-           "oscar-layer-top1-int2": "layer_top1_artifact",  # widths per layer by top-1 moves
-           "oscar-mix-layer-top1-int2": "mix_layer_top1_artifact"}
 _CODEBOOK_ARTS: dict = {}  # (method, store path, store fingerprint) -> tq-int2 / sq-int2 artifact of that store
 
 
 def codebook_artifact(name: str, art: Artifact) -> Artifact:
-    """tq-int2 / sq-int2 built from the calibration store `art` was fitted from, oscar-lm-int2 /
-    oscar-sparse-int2 from `art` itself and that store (validate/codebooks.py); cached per store (and,
-    for the two built on `art`, per artifact content)."""
-    import hashlib
+    """tq-int2 / sq-int2 built from the calibration store `art` was fitted from (validate/codebooks.py); cached
+    per store."""
     import os
 
     from oscar.validate import codebooks
 
     prov = art.meta.get("provenance") or {}
     key = (name, os.path.abspath(prov.get("store") or ""), prov.get("store_fingerprint"))
-    if name in DERIVED:  # derived from art's rotations and clips: key on them too
-        h = hashlib.sha1()
-        for t in (*art.rot_k, *art.clip_k, *art.clip_v, *(art.k_mean or [])):
-            h.update(t.detach().float().contiguous().numpy().tobytes())
-        key += (h.hexdigest(), repr(art.quant))
     if key not in _CODEBOOK_ARTS:
-        build = getattr(codebooks, {"tq-int2": "tq_artifact", "sq-int2": "sq_artifact", **DERIVED}[name])
+        build = getattr(codebooks, {"tq-int2": "tq_artifact", "sq-int2": "sq_artifact"}[name])
         _CODEBOOK_ARTS[key] = build(art)
     return _CODEBOOK_ARTS[key]
 
@@ -286,27 +254,11 @@ def _sq(config, art):
     return a
 
 
-def _codebook_method(name: str):
-    def factory(config, art):
-        _needs(name, art)
-        if art.meta.get("codec"):
-            raise OscarError(f"method {name} is built on oscar-int2's artifact; --artifact already has codec "
-                             f"{art.meta['codec'].get('kind')!r}")
-        if art.quant.key_split:
-            raise OscarError(f"method {name} (an issue-16 A/B) is built on a one-group oscar-int2 artifact (`oscar fit "
-                             f"--variant scaled`); --artifact already stores split keys (key_split={art.quant.key_split})")
-        a = codebook_artifact(name, art)
-        a.check_model(config)
-        return a
-    return factory
-
-
 def fitted_for(name: str, fitted: Artifact) -> Artifact:
     """A NEEDS_ARTIFACT method's artifact from the fitted one, without a model check (callers check shapes)."""
     return {"oscar-ref-int2": reference_artifact, "oscar-kc-int2": channel_keys_artifact,
             "tq-int2": lambda a: codebook_artifact("tq-int2", a),
             "sq-int2": lambda a: codebook_artifact("sq-int2", a),
-            **{m: (lambda a, m=m: codebook_artifact(m, a)) for m in DERIVED},
             "kivi2-clip": lambda a: searched_baseline("kivi2-clip", a),
             "hadamard-clip-int2": lambda a: searched_baseline("hadamard-clip-int2", a)}.get(name, lambda a: a)(fitted)
 
@@ -320,8 +272,6 @@ register_method("oscar-ref-int2", _oscar_ref, needs_artifact=True)  # the publis
 register_method("oscar-kc-int2", _oscar_kc, needs_artifact=True)   # oscar-int2's rotations, KIVI-style key groups
 register_method("tq-int2", _tq, needs_artifact=True)  # TurboQuant, the paper's 2.5-bit 3/2-bit split (validate/codebooks.py)
 register_method("sq-int2", _sq, needs_artifact=True)  # SpectralQuant, uniform allocation (validate/codebooks.py)
-for _m in DERIVED:  # issue 16's candidates: oscar-int2's artifact with another key format
-    register_method(_m, _codebook_method(_m), needs_artifact=True)
 register_method("kivi2-clip", _searched("kivi2-clip"), needs_artifact=True)  # kivi2's format, searched clips
 register_method("hadamard-clip-int2", _searched("hadamard-clip-int2"), needs_artifact=True)  # + centering, searched clips
 
@@ -442,24 +392,6 @@ METHOD_NOTES: dict[str, str] = {
                   "`oscar run` fits --variant split, keys in a 3-bit and a 2-bit part placed by C_Q, 8-bit scale/zero)",
     "tq-int2": "TurboQuant re-implemented from its paper: random-sign Walsh-Hadamard, fp16 norms, Beta Lloyd-Max codes, "
                "D/4 outlier channels at 3 bits; keys centred; no clip search (a Lloyd-Max codebook has none)",
-    "oscar-lm-int2": "issue 16, hypothesis 1: oscar-int2's rotations and key mean, keys as fp16 norms of 32-coordinate "
-                     "groups + 2-bit Lloyd-Max codebooks per rotated channel fitted on calibration reservoir keys; "
-                     "values as oscar-int2; no key clip (a Lloyd-Max codebook has none)",
-    "oscar-sparse-int2": "issue 16, hypothesis 3: oscar-int2's keys + per page the entries of largest error exact "
-                         "(fp16 value + index, counted); paid for by values' scale/zero in fp8 e4m3",
-    "oscar-mix-int2": "issue 16, hypothesis 2: keys in two parts of the query eigenbasis, D/4 directions at 3 bits "
-                      "(placed per layer on calibration rows by lambda or lambda*sigma^2) and the rest at 2, each scaled "
-                      "and Hadamard-mixed within itself, fp8 scale/zero per part; values with fp8 scale/zero",
-    "oscar-layer-int2": "issue 16, hypothesis 4: oscar-int2's format with (key, value) bits per layer chosen by calibrated "
-                        "attention-output error at oscar-int2's mean bits; 2-bit layers store fp8 scale/zero",
-    "oscar-tier-int2": "issue 16, hypothesis 5: oscar-mix-int2's placement with D/4 directions at 4 bits, 5D/8 at 2 and "
-                       "the D/8 of lowest score not stored (read as the key mean); values with fp8 scale/zero",
-    "oscar-mix-layer-int2": "issue 16, hypotheses 2 + 4: oscar-layer-int2 whose per-layer options include oscar-mix-int2's "
-                            "split keys",
-    "oscar-layer-top1-int2": "issue 16, hypothesis 4: oscar-layer-int2 with the widths chosen by the share of calibration "
-                             "query rows whose highest-scoring key changes (a retrieval objective)",
-    "oscar-mix-layer-top1-int2": "issue 16, hypotheses 2 + 4: oscar-mix-layer-int2 with the widths chosen as "
-                                 "oscar-layer-top1-int2's",
     "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "
                "scaled by the calibrated std, K and V centred, no per-token metadata; no clip search",
 }
@@ -506,14 +438,14 @@ class LayerQuant:
         self.kspec, self.vspec = q.key_spec(D), q.value_spec(D)
         flush = q.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
-        # codebook formats (tq-int2, sq-int2, issue 16's: validate/codebooks.py) replace the uniform grid, per token
-        from oscar.validate.codebooks import codec_key_group, layer_codecs
+        # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token
+        from oscar.validate.codebooks import layer_codecs
 
         cb = layer_codecs(art, layer)
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
         self.kparts = q.key_parts(D)  # split keys (QuantConfig.key_split): a per-token group per part
         if cb:  # the codec reads its own clips
-            self.key_group = codec_key_group(art, flush)
+            self.key_group = flush
             self.clip_k = self.clip_v = None
         elif self.kparts:
             self.clip_k = art.clip_k[layer].float().reshape(art.num_kv_heads, -1)  # (Hkv, parts): a ratio per head and part

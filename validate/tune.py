@@ -233,7 +233,7 @@ def _append_log(log: str | None, rec: dict) -> None:
 
 def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, log: str | None = None,
                       progress: bool = True):
-    """Each layer's retrieval sensitivity to its width on calibration text (issue 16, hypothesis 4): (L, O) array,
+    """Each layer's retrieval sensitivity to its width on calibration text (the per-layer key widths): (L, O) array,
     entry (l, o) the copied-span NLL per token (the copy objective's windows and protocol) with layer l alone at
     options[o] = (key bits, value bits) and every other layer at options[0], minus the all-options[0] NLL.
 
@@ -422,6 +422,6 @@ def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log:
         err = layer_copy_errors(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
     else:
         err = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
-    art = layer_artifact(fitted, COPY_OPTIONS, "oscar-layer-copy-int2", objective="copy", copy_err=err)
+    art = layer_artifact(fitted, COPY_OPTIONS, "oscar-layer-copy-int2", err)
     art.meta["codec"]["estimate"] = estimate
     return native_layer_artifact(art), err

@@ -22,8 +22,7 @@ KS_METRICS = ["relmse_k", "relmse_v", "relmse_o", "d2", "logit_var", "topk"]
 SCHEME_PAIRS = [("tq_kv", "plain"), ("tq_qkv", "tq_kv"), ("tq_vqjl", "tq_kv"), ("sq_kv", "squ_kv"),
                 ("sq", "squ"), ("squ_kv", "tq_kv"), ("oscar", "tq_kv"), ("oscar", "plain"), ("kivi", "plain"),
                 ("oscar", "oscar_nc"), ("oscar", "oscar_kcov"), ("oscar", "oscar_nobr"), ("oscar", "oscar-ref"),
-                ("oscar_scaled", "oscar"), ("oscar_lm", "oscar_scaled"), ("oscar_sparse", "oscar_scaled"),
-                ("oscar_mix", "oscar_scaled"), ("oscar_tier", "oscar_mix")]  # issue 16
+                ("oscar_scaled", "oscar"), ("oscar_mix", "oscar_scaled")]
 
 
 @dataclass
@@ -115,7 +114,7 @@ def run_unit(regime: str, seed: int, cfg: AblationConfig) -> list[dict]:
                     continue
                 sch = make_scheme(name, b).fit(cal, Ctx(path, seed))
                 if path == "triton":
-                    if not (type(sch.k) is UniformCodec and type(sch.v) is UniformCodec):  # (LMCodec, SparseCodec: no paged form)
+                    if not (type(sch.k) is UniformCodec and type(sch.v) is UniformCodec):  # (codebook codecs: no paged form)
                         raise OscarError(f"scheme {name} has no serving-cache (Triton) form; drop it from triton_schemes")
                     with _triton_env():
                         kh, bk = paged_roundtrip(sch.k, te["k"], "k")

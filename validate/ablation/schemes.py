@@ -165,96 +165,6 @@ def f16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(x.dtype)
 
 
-# ----------------------------------------------------------------------------- issue 16's key quantizers
-# (the model-level oscar-lm-int2 / oscar-sparse-int2 of validate/codebooks.py and LMCodec / SparseCodec below)
-
-LM_ITERS = 200
-SPARSE_VALUE_BITS = 16  # an exact entry of a sparse side list: its fp16 value (+ its index in the page)
-
-
-def lloyd_fit(x: torch.Tensor, bits: int, iters: int = LM_ITERS, tol: float = 1e-7) -> torch.Tensor:
-    """Empirical Lloyd–Max codebooks: x (C, N) samples of C independent scalars -> levels (C, 2**bits), ascending.
-
-    Starts from each row's (j + 1/2) / L quantiles (every level then holds samples: a Gaussian start,
-    `schemes.lloyd_max` scaled by the std, leaves skewed rows' outer levels empty and stuck), then
-    alternates nearest-level assignment (thresholds at midpoints) and centroid update until no level
-    moves by more than tol x the row's std (a level left without samples keeps its place)."""
-    x = x.double()
-    L = 1 << bits
-    sd = x.std(-1, keepdim=True).clamp_min(1e-12)
-    q = (torch.arange(L, dtype=x.dtype) + 0.5) / L
-    levels = torch.quantile(x, q, dim=-1).T.contiguous()  # (C, L)
-    for _ in range(iters):
-        codes = _nearest_codes(x, levels)  # (C, N)
-        cnt = torch.zeros_like(levels).scatter_add_(-1, codes, torch.ones_like(x))
-        tot = torch.zeros_like(levels).scatter_add_(-1, codes, x)
-        new = torch.where(cnt > 0, tot / cnt.clamp_min(1), levels)
-        done = bool(((new - levels).abs() <= tol * sd).all())
-        levels = new
-        if done:
-            break
-    return levels.sort(-1).values
-
-
-def _nearest_codes(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest of each row's ascending levels: u (C, N), levels (C, L) -> (C, N) int64
-    (a tie between two levels goes to the upper one)."""
-    thr = 0.5 * (levels[:, 1:] + levels[:, :-1])  # (C, L - 1)
-    return (u[:, :, None] >= thr[:, None, :]).sum(-1)
-
-
-def lm_normalise(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated rows y (..., D) -> (u, stored norms): each group of `group` coordinates divided by its
-    fp16-rounded norm / sqrt(group), so u has unit mean square per group; norms (..., D // group, 1)."""
-    yg = y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
-    n = f16(yg.norm(dim=-1, keepdim=True)).clamp_min(1e-12) / math.sqrt(group)  # the fp16 norm, as stored
-    return (yg / n).reshape(y.shape), n
-
-
-def lm_fake_quant(y: torch.Tensor, levels: torch.Tensor, group: int) -> torch.Tensor:
-    """oscar-lm-int2 keys: y (B, Hkv, T, D) rotated -> per-token fp16 norms of `group`-coordinate groups,
-    each normalised coordinate to the nearest level of its (head, channel) codebook levels (Hkv, D, L)."""
-    B, H, T, D = y.shape
-    u, n = lm_normalise(y.float(), group)
-    lv = levels.float().reshape(H * D, -1)
-    uc = u.permute(1, 3, 0, 2).reshape(H * D, B * T)  # one row per (head, channel)
-    codes = _nearest_codes(uc, lv)
-    uq = lv.gather(-1, codes).reshape(H, D, B, T).permute(2, 0, 3, 1)  # (B, H, T, D)
-    yq = uq.reshape(B, H, T, D // group, group) * n
-    return yq.reshape(B, H, T, D).to(y.dtype)
-
-
-def sparse_index_bits(page: int, D: int) -> int:
-    """Bits of an exact entry's index within its page of page x D entries."""
-    return max(1, math.ceil(math.log2(page * D)))
-
-
-def sparse_outliers(kspec: QuantSpec, vspec: QuantSpec, page: int, D: int, budget: float) -> int:
-    """The most exact key entries per page (and KV head) for which the K/V average stays <= budget."""
-    side = 2 * budget - kspec.bits_per_element(D) - vspec.bits_per_element(D)  # bits per key element left
-    n = int(math.floor(side * page * D / (SPARSE_VALUE_BITS + sparse_index_bits(page, D)) + 1e-9))
-    if n < 1:
-        raise ValueError(f"oscar-sparse-int2: no room for an exact entry at {budget} bits/element "
-                         f"(keys {kspec.bits_per_element(D)}, values {vspec.bits_per_element(D)})")
-    return n
-
-
-def sparse_fake_quant(y: torch.Tensor, spec: QuantSpec, clip, n_out: int, page: int) -> torch.Tensor:
-    """oscar-sparse-int2 keys: y (B, Hkv, T, D) rotated, T a multiple of `page` -> the dense INT2 reading
-    (`oscar.quant.fake_quant` under spec and clip) with, in each page of `page` tokens and each head, the
-    n_out entries of largest |y - ŷ| replaced by fp16(y) (ties: the lower index first)."""
-    B, H, T, D = y.shape
-    if T % page:
-        raise ValueError(f"oscar-sparse-int2 selects its exact entries per page of {page} tokens; got {T} tokens")
-    x = y.float()
-    xq = fake_quant(x, spec, clip)
-    P = T // page
-    err = (x - xq).abs().reshape(B, H, P, page * D)
-    idx = err.topk(n_out, dim=-1, sorted=False).indices  # (B, H, P, n_out)
-    out = xq.reshape(B, H, P, page * D).scatter(-1, idx, f16(x).reshape(B, H, P, page * D).gather(-1, idx))
-    return out.reshape(B, H, T, D).to(y.dtype)
-
-
 # ----------------------------------------------------------------------------- codecs
 
 class Codec:
@@ -399,102 +309,25 @@ class TQCodec(Codec):
         return x
 
 
-class LMCodec(UniformCodec):
-    """Issue 16's oscar-lm-int2 keys: the rotation and centering of a UniformCodec, then per-token fp16 norms
-    of `group`-coordinate groups (default D/2: the bits of a per-token uniform grid of D with fp16
-    scale+zero) and a Lloyd–Max codebook per rotated channel fitted on the calibration rows (`lloyd_fit`)."""
-
-    def __init__(self, bits: int, rotation: Callable | None = None, center: bool = False, group: int | None = None):
-        super().__init__(bits, rotation, center=center)
-        self.group_lm = group
-
-    def fit(self, calib, role, ctx):
-        super().fit(calib, role, ctx)
-        x = calib[role].to(ctx.dtype)
-        D = x.shape[-1]
-        self.g = self.group_lm or D // 2
-        u, _ = lm_normalise((x - self.mu) @ self.R, self.g)  # (N, D)
-        self.levels = lloyd_fit(u.T, self.bits).to(ctx.dtype)  # (D, L)
-        return self
-
-    def encode(self, x):
-        y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
-        u, n = lm_normalise(y, self.g)
-        return Code({"codes": (_nearest_codes(u.T, self.levels).T.to(torch.uint8), self.bits),
-                     "norm": (n[..., 0].to(torch.float16), 16)}, tuple(x.shape))
-
-    def decode(self, code):
-        T, D = code.shape
-        uq = self.levels.gather(-1, code["codes"].long().T).T  # (T, D)
-        n = code["norm"].to(self.ctx.dtype)[..., None]  # (T, D // g, 1)
-        return (uq.reshape(T, D // self.g, self.g) * n).reshape(T, D) @ self.Rinv + self.mu
-
-
-class SparseCodec(UniformCodec):
-    """Issue 16's oscar-sparse-int2 keys: a UniformCodec's code plus, per page of `page` tokens, the `n_out`
-    entries of largest |error| exact (fp16 value + index in the page: `sparse_fake_quant`). n_out=None:
-    the most the budget `budget` (K/V average) allows next to values whose params are `v_param_dtype`."""
-
-    def __init__(self, bits: int, rotation: Callable | None = None, center: bool = False, clip="search",
-                 page: int = PAGE_SIZE, budget: float | None = None, v_param_dtype: torch.dtype = torch.float16):
-        super().__init__(bits, rotation, center=center, clip=clip)
-        self.page, self.budget, self.v_param_dtype = page, budget, v_param_dtype
-
-    def fit(self, calib, role, ctx):
-        super().fit(calib, role, ctx)
-        D = calib[role].shape[-1]
-        b = self.budget if self.budget is not None else self.spec.bits_per_element(D)
-        self.n_out = sparse_outliers(self.spec, replace_spec(self.spec, self.v_param_dtype), self.page, D, b)
-        self.idx_bits = sparse_index_bits(self.page, D)
-        return self
-
-    def encode(self, x):
-        c = super().encode(x)
-        T, D = x.shape
-        if T % self.page:
-            raise ValueError(f"SparseCodec selects per page of {self.page} tokens; got {T} rows")
-        from oscar.quant import dequantize
-
-        y = (x.to(self.ctx.dtype) - self.mu) @ self.R
-        yd = dequantize(c["codes"], c["scale"], c["zero"], self.spec, dtype=self.ctx.dtype)  # dense reading, rotated
-        err = (y - yd).abs().reshape(T // self.page, self.page * D)
-        idx = err.topk(self.n_out, dim=-1, sorted=False).indices  # (pages, n_out)
-        val = y.reshape(T // self.page, self.page * D).gather(-1, idx).to(torch.float16)
-        c.fields["sparse_val"] = (val, SPARSE_VALUE_BITS)
-        c.fields["sparse_idx"] = (idx, self.idx_bits)
-        return c
-
-    def decode(self, code):
-        from oscar.quant import dequantize
-
-        T, D = code.shape
-        y = dequantize(code["codes"], code["scale"], code["zero"], self.spec, dtype=self.ctx.dtype)
-        y = y.reshape(T // self.page, self.page * D).scatter(-1, code["sparse_idx"], code["sparse_val"].to(self.ctx.dtype))
-        return y.reshape(T, D) @ self.Rinv + self.mu
-
-
 class MixCodec(Codec):
-    """Issue 16's split keys (`oscar fit --variant split`, stats/split.py) on one head: centred keys in the query
+    """Split keys (`oscar fit --variant split`, stats/split.py) on one head: centred keys in the query
     eigenbasis, D/4 directions at `hi_bits` and the rest at `bits`, each part scaled and Hadamard-mixed within
     itself and stored as its own per-token min/max group with `param_dtype` scale/zero; placement and clips
-    from the calibration rows by the q-weighted logit objective (`fit_split_keys`). tiers=True: hypothesis 5's
-    oscar-tier-int2 instead, D/4 directions at `hi_bits`, 5D/8 at `bits` and the D/8 of lowest score not stored
-    (`artifact.tier_drop`; decoded as the mean)."""
+    from the calibration rows by the q-weighted logit objective (`fit_split_keys`)."""
 
-    def __init__(self, bits: int, hi_bits: int = 3, param_dtype: torch.dtype = FP8_PARAM, tiers: bool = False):
-        self.bits, self.hi_bits, self.param_dtype, self.tiers = bits, hi_bits, param_dtype, tiers
+    def __init__(self, bits: int, hi_bits: int = 3, param_dtype: torch.dtype = FP8_PARAM):
+        self.bits, self.hi_bits, self.param_dtype = bits, hi_bits, param_dtype
 
     def fit(self, calib, role, ctx):
         from oscar.stats.fit import FitConfig
-        from oscar.stats.artifact import split_width, tier_drop
+        from oscar.stats.artifact import split_width
         from oscar.stats.split import fit_split_keys
 
         super().fit(calib, role, ctx)
         q, k = calib["q"].double(), calib[role].double()
         D = k.shape[-1]
         n = split_width(D)
-        end = D - tier_drop(D) if self.tiers else D  # the native tiers format's cut (`oscar fit --variant tiers`)
-        self.parts = [(0, n, spec(self.hi_bits, param_dtype=self.param_dtype)), (n, end, spec(self.bits, param_dtype=self.param_dtype))]
+        self.parts = [(0, n, spec(self.hi_bits, param_dtype=self.param_dtype)), (n, D, spec(self.bits, param_dtype=self.param_dtype))]
         mu = k.mean(0)
         Cq = q.T @ q / q.shape[0]
         U = eigbasis(Cq)[1]  # (D, D) descending
@@ -525,12 +358,6 @@ class MixCodec(Codec):
         for j, (a, b, sp) in enumerate(self.parts):
             y[:, a:b] = dequantize(code[f"codes{j}"], code[f"scale{j}"], code[f"zero{j}"], sp, dtype=self.ctx.dtype)
         return y @ self.Rinv + self.mu
-
-
-def replace_spec(s: QuantSpec, param_dtype: torch.dtype) -> QuantSpec:
-    import dataclasses
-
-    return dataclasses.replace(s, param_dtype=param_dtype)
 
 
 def qjl_reconstruct(sketch: torch.Tensor, rnorm: torch.Tensor, S: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
@@ -775,16 +602,6 @@ register_scheme("oscar-ref", "oscar")(lambda b: (
     UniformCodec(b, reference_rotation, clip=0.96, param_dtype=torch.float32, clip_rule="row-quantile"),
     UniformCodec(b, reference_rotation, clip=0.92, param_dtype=torch.float32, clip_rule="row-quantile")))
 
-# issue 16 (validate/codebooks.py's oscar-lm-int2 / oscar-sparse-int2 in the ablation): oscar_scaled's rotations
-# with Lloyd-Max keys at equal bits; or its keys plus a per-page side list, paid for by fp8 value scale/zero
-register_scheme("oscar_lm", "oscar")(lambda b: (LMCodec(b, oscar_rotation(scaled=True), center=True),
-                                                UniformCodec(b, oscar_rotation(), clip="search")))
-# hypothesis 2: keys split 3/2 bits along the query eigenbasis (fp8 params per part), values with fp8 params
+# split keys: 3/2 bits along the query eigenbasis (fp8 params per part), values with fp8 params
 register_scheme("oscar_mix", "oscar")(lambda b: (MixCodec(b, hi_bits=b + 1),
                                                  UniformCodec(b, oscar_rotation(), clip="search", param_dtype=FP8_PARAM)))
-# hypothesis 5: the same key bits as tiers, D/4 directions at b + 2 bits, 5D/8 at b, D/8 not stored
-register_scheme("oscar_tier", "oscar")(lambda b: (MixCodec(b, hi_bits=b + 2, tiers=True),
-                                                  UniformCodec(b, oscar_rotation(), clip="search", param_dtype=FP8_PARAM)))
-register_scheme("oscar_sparse", "oscar")(lambda b: (
-    SparseCodec(b, oscar_rotation(scaled=True), center=True, v_param_dtype=FP8_PARAM),
-    UniformCodec(b, oscar_rotation(), clip="search", param_dtype=FP8_PARAM)))
