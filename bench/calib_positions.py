@@ -6,7 +6,7 @@ Both arms calibrate the same `--tokens` of the calibration split into fresh stor
     long:     --seq-len LONG                                (what a LONG-token context needs without the option)
     windows:  --seq-len SHORT --positions LONG              (the same absolute positions, attention over SHORT)
 
-The statistics they give match where it matters (bench/issue16_position.py: key error by position, SmolLM2 and
+The statistics they give match where it matters (lab/key_error_by_position.py: key error by position, SmolLM2 and
 Qwen, docs/decisions.md "Calibrate at positions, not lengths"); this measures the cost.
 
     python bench/calib_positions.py --model smollm2-135m --tokens 32768 --long 8192 --short 2048 \

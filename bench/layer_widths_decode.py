@@ -5,10 +5,10 @@ One layer of SmolLM2's attention shape (3 KV heads, 9 query heads, head_dim 64) 
 decode on the codes (`kernels.reference.decode_attention`: what `dispatch` runs on CPU), timings interleaved rep by
 rep (bench/decode.py). Formats: 2-bit keys and values with e4m3 params (the copy widths' 2-bit layers), keys of one
 wide part at 3 and 4 bits with fp16 params, and the shipped split keys (16 channels at 3 bits). The model-level
-figure weights them by SmolLM2's copy widths (bench/results/issue16/layer_copy_smollm2.json: 22 / 3 / 5 layers at
+figure weights them by SmolLM2's copy widths (bench/results/layer_copy_smollm2.json: 22 / 3 / 5 layers at
 2 / 3 / 4 bits) against 30 layers of split keys and 30 of 2-bit keys.
 
-    python bench/layer_widths_decode.py    # -> bench/results/issue16/layer_widths_decode_cpu.json
+    python bench/layer_widths_decode.py    # -> bench/results/layer_widths_decode_cpu.json
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(HERE / "results/issue16/layer_widths_decode_cpu.json"))
+    ap.add_argument("--out", default=str(HERE / "results/layer_widths_decode_cpu.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     q = torch.randn(1, H * G, D, generator=torch.Generator().manual_seed(1))
     caches = {n: layer(f, args.context) for n, f in FORMATS.items()}
     fns = {n: (lambda c=c, s=s: ref.decode_attention(q, c, [s])) for n, (c, s) in caches.items()}
     cpu, wall = interleaved(fns, args.reps)
-    widths = json.loads((HERE / "results/issue16/layer_copy_smollm2.json").read_text())["copy"]["widths"]
+    widths = json.loads((HERE / "results/layer_copy_smollm2.json").read_text())["copy"]["widths"]
     n = Counter(kb for kb, _ in widths)  # key bits -> layers
     per = {2: cpu["int2-fp8"], 3: cpu["keys3-fp16"], 4: cpu["keys4-fp16"]}
     model = {"copy_widths": sum(per[b] * k for b, k in n.items()), "split_keys": len(widths) * cpu["split-fp8"],

@@ -10,7 +10,7 @@ main job's needle tests).
                                      [--lengths 2048,4096] [--samples 10] [--dtype bfloat16]
     python bench/niah_attribution.py --model qwen2.5-0.5b --artifact runs/i16e/qp8192/nll.safetensors \
         --tasks niah_multikey_1 --lengths 2048,4096 --samples 20 --run-dir runs/i16e/attr_qwen_mk \
-        --out bench/results/issue16/attribution_qwen_multikey.json
+        --out lab/results/attribution_qwen_multikey.json
 
 Writes bench/results/niah_attribution.json (per task, length and method: mean score in %; with --run-dir, which
 keeps the samples and resumes, also each half against bf16 and oscar-int2, paired, pooled over the lengths).
@@ -23,7 +23,7 @@ run of the same samples (same model, artifact, tasks, lengths, seed) instead of 
 
     python bench/niah_attribution.py --key-classes --tasks niah_single_2 --lengths 4096 --samples 40 \
         --reuse runs/i16e/attr_smollm2_grad --run-dir runs/i16e/attr_smollm2_layers \
-        --out bench/results/issue16/attribution_smollm2_layers.json
+        --out lab/results/attribution_smollm2_layers.json
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Rebuilds each missed sample from its (task, length, index, seed) and classifies 
   other       anything else
 A directory may hold only some methods; --bf16 DIRS lend their bf16 arm for the same samples.
 
-  python bench/niah_misses.py --model qwen2.5-0.5b --niah runs/i16e/gp8k_short ... --bf16 runs/i16e/qp4k_4k \
-      --tasks niah_multikey_1 --out bench/results/issue16/misses_qwen.json
+  python lab/niah_misses.py --model qwen2.5-0.5b --niah runs/i16e/gp8k_short ... --bf16 runs/i16e/qp4k_4k \
+      --tasks niah_multikey_1 --out lab/results/misses_qwen.json
 """
 
 from __future__ import annotations

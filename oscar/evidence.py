@@ -30,9 +30,9 @@ GOAL_BITS = 2.5  # ... at <= 2.5 bits per element
 # A ratio within 2 % of the limit is reported as a thin margin: INT2 strict perplexity moves by
 # ~0.5-1 % with float summation order alone (docs/validation.md), so such a verdict could flip.
 GOAL_THIN = 0.02
-# Issue 16's goal per model (`issue16_needle_goal` and the report's checks; bench/issue16_goal.py tabulates it):
+# The accuracy goal per model (`needle_goal` and the report's checks; lab/goal_cells.py tabulates it):
 # needles within `margin` points of bf16 on `tasks` at `lengths`, strict ppl <= `strict` x bf16, serving <= `serving` x
-ISSUE16_GOALS = {
+ACCURACY_GOALS = {
     "qwen2.5-0.5b": {"model": "qwen2.5-0.5b", "margin": -2.0, "strict": 1.10, "serving": 1.01,
                      "tasks": ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1"],
                      "lengths": [1024, 2048, 4096, 8192, 16384]},
@@ -294,7 +294,7 @@ def product_goal(df, windows: list[dict] | None = None, tokens: int | None = Non
     return g
 
 
-# ----------------------------------------------------------------- issue 16's needle goal
+# ----------------------------------------------------------------- the accuracy goal's needle rule
 
 
 def _concat(pa: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -337,8 +337,8 @@ def score_resolve(x, threshold: float, level: float = 0.95) -> int | None:
     return iv.resolve_n(100 * float(x.mean()), lo, hi, threshold, len(x))
 
 
-def issue16_needle_goal(done: dict, goal: dict, method: str, looks: int = 1) -> dict:
-    """Issue 16's needle rule (a goal of ISSUE16_GOALS): per length, `method` minus bf16 paired on the same samples
+def needle_goal(done: dict, goal: dict, method: str, looks: int = 1) -> dict:
+    """The accuracy goal's needle rule (a goal of ACCURACY_GOALS): per length, `method` minus bf16 paired on the same samples
     with the goal's tasks pooled, its 95 % interval above `margin`; PASS / MISSED / UNRESOLVED as every check here
     (MISSED needs the interval at 1 - 0.05/m over the m lengths). A length missing a task cannot pass; the tasks
     alone over every length are listed (`by_task`: where a loss sits when no single cell resolves it).

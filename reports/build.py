@@ -113,13 +113,13 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
                model: str | None = None) -> list[tuple[str, str, str]]:
     """(check, status, detail) for the validation targets; status is PASS, MISSED or UNRESOLVED by the
     interval rule (oscar.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
-    at 1 - 0.05/m over the m cells for MISSED. With `model` one of issue 16's (oscar.evidence.ISSUE16_GOALS),
+    at 1 - 0.05/m over the m cells for MISSED. With `model` one with an accuracy goal (oscar.evidence.ACCURACY_GOALS),
     also that goal: its needle rule (tasks pooled per length, the run's samples) and its perplexity limits
     (oscar-int2 vs bf16, strict and serving)."""
-    from oscar.evidence import ISSUE16_GOALS, issue16_needle_goal, niah_check, ppl_pair_check
+    from oscar.evidence import ACCURACY_GOALS, needle_goal, niah_check, ppl_pair_check
 
     out = []
-    goal = ISSUE16_GOALS.get(model or "")
+    goal = ACCURACY_GOALS.get(model or "")
     if res is not None and len(res):
         r = res[(res.suite == "ruler") & res.task.isin(CHECK_TASKS) & res.length.isin(CHECK_LENGTHS)]
         n = r.groupby(["task", "length", "method"]).samples.min()
@@ -156,8 +156,8 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
                             f"{on}{label} {num(-w[2])} points{_iv(-w[4], -w[3])} ({w[0]} {_len_label(w[1])}){note}"
                             f"{_resolve(c, 'samples per cell')}"))
 
-    if goal and done and {"bf16", "oscar-int2"} <= {k[3] for k in done}:  # issue 16's rule: tasks pooled per length
-        g = issue16_needle_goal(done, goal, "oscar-int2")
+    if goal and done and {"bf16", "oscar-int2"} <= {k[3] for k in done}:  # the goal's rule: tasks pooled per length
+        g = needle_goal(done, goal, "oscar-int2")
         if g["rows"]:
             det = ", ".join(f"{_len_label(x['length'])}: {num(x['diff'], '+.1f')} [{num(x['lo'], '+.1f')}, "
                             f"{num(x['hi'], '+.1f')}] "
@@ -167,7 +167,7 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
             if g["not_measured"]:
                 det += f"; {len(g['not_measured'])} of {len(goal['tasks']) * len(goal['lengths'])} (task, length) cells not measured"
             out.append((f"oscar-int2 within {-goal['margin']:.0f} points of bf16, tasks pooled per length "
-                        f"(issue 16's goal for {model})", g["verdict"], det))
+                        f"(the accuracy goal for {model})", g["verdict"], det))
     if ppl is not None and len(ppl):
         for proto in ("strict", "serving"):
             p = ppl[ppl.protocol == proto].pivot_table(index="context", columns="method", values="ppl")
@@ -195,7 +195,7 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
                 det = ", ".join(f"{_len_label(x[0])}: {x[1]:.3f}x{_iv(x[2], x[3], '.3f')} ({_n(x[4], x[5])})" for x in c["rows"])
                 more = ("; `oscar validate ppl --tokens N` scores more held-out text (past the split: docstrings)"
                         if c["verdict"] == "UNRESOLVED" else "")
-                out.append((f"ppl oscar-int2 <= {goal[proto]:.2f}x bf16 ({proto}; issue 16's goal for {model})",
+                out.append((f"ppl oscar-int2 <= {goal[proto]:.2f}x bf16 ({proto}; the accuracy goal for {model})",
                             c["verdict"], det + _resolve(c, "blocks") + more))
     return out
 

@@ -339,8 +339,8 @@ def test_report_checks_come_out_pass_missed_unresolved():
     assert lo > 20
 
 
-def test_report_checks_issue16_perplexity_limits_by_model():
-    """The report checks issue 16's perplexity limits of its model (strict 1.15x, serving 1.01x for SmolLM2) against
+def test_report_checks_goal_perplexity_limits_by_model():
+    """The report checks the accuracy goal's perplexity limits of its model (strict 1.15x, serving 1.01x for SmolLM2) against
     bf16 on the paired windows; another model gets none of those rows."""
     from oscar.reports.build import acceptance
 
@@ -351,29 +351,29 @@ def test_report_checks_issue16_perplexity_limits_by_model():
     wins += _windows("oscar-int2", "serving", 1024, tight(math.log(1.05)), count=1023)  # 1.05 > 1.01: MISSED
     ppl = pd.DataFrame(ev.ppl_stats(wins, ["bf16", "oscar-int2"], ["strict", "serving"], [1024], 8192))
     c = {x[0]: (x[1], x[2]) for x in acceptance(None, ppl, None, wins, 8192, "smollm2-135m")}
-    strict, serving = ("ppl oscar-int2 <= 1.15x bf16 (strict; issue 16's goal for smollm2-135m)",
-                       "ppl oscar-int2 <= 1.01x bf16 (serving; issue 16's goal for smollm2-135m)")
+    strict, serving = ("ppl oscar-int2 <= 1.15x bf16 (strict; the accuracy goal for smollm2-135m)",
+                       "ppl oscar-int2 <= 1.01x bf16 (serving; the accuracy goal for smollm2-135m)")
     assert c[strict][0] == "PASS" and c[serving][0] == "MISSED"
     r = ev.ppl_pair_check(wins, 8192, [1024], "oscar-int2", "bf16", "serving", threshold=1.01)["rows"][0]
     assert r[1] == pytest.approx(1.05, rel=5e-3) and r[2] > 1.01  # the ratio to bf16, its interval above the limit
     assert "1k: 1.05" in c[serving][1]
     # the Qwen limit (strict 1.10) on the same windows straddles 1.10: unresolved, not passed
     q = {x[0]: x[1:] for x in acceptance(None, ppl, None, wins, 8192, "qwen2.5-0.5b")}
-    qs = q["ppl oscar-int2 <= 1.10x bf16 (strict; issue 16's goal for qwen2.5-0.5b)"]
+    qs = q["ppl oscar-int2 <= 1.10x bf16 (strict; the accuracy goal for qwen2.5-0.5b)"]
     assert qs[0] in ("UNRESOLVED", "MISSED")
     # only an unresolved limit says how to score more text; a decided one does not
     assert ("oscar validate ppl --tokens N" in qs[1]) == (qs[0] == "UNRESOLVED")
     assert "--tokens N" not in c[strict][1] and "--tokens N" not in c[serving][1]
-    assert not [k for k in acceptance(None, ppl, None, wins, 8192, "other-model") if "issue 16" in k[0]]
-    assert not [k for k in acceptance(None, ppl, None, wins, 8192) if "issue 16" in k[0]]
+    assert not [k for k in acceptance(None, ppl, None, wins, 8192, "other-model") if "accuracy goal" in k[0]]
+    assert not [k for k in acceptance(None, ppl, None, wins, 8192) if "accuracy goal" in k[0]]
 
 
-def test_report_checks_issue16_needle_rule_pools_the_tasks_per_length():
-    """Issue 16's needle rule in the report: the goal's tasks pooled per length, paired with bf16 (bench/issue16_goal.py's
+def test_report_checks_goal_needle_rule_pools_the_tasks_per_length():
+    """The accuracy goal's needle rule in the report: the goal's tasks pooled per length, paired with bf16 (lab/goal_cells.py's
     rule, tested there cell by cell); a cell the run lacks is counted, and another model gets no row."""
     from oscar.reports.build import acceptance
 
-    name = "oscar-int2 within 5 points of bf16, tasks pooled per length (issue 16's goal for smollm2-135m)"
+    name = "oscar-int2 within 5 points of bf16, tasks pooled per length (the accuracy goal for smollm2-135m)"
 
     def check(n, miss=0, lengths=(1024, 2048, 4096), model="smollm2-135m"):
         cells = {}
@@ -390,4 +390,4 @@ def test_report_checks_issue16_needle_rule_pools_the_tasks_per_length():
     assert v == "MISSED" and "4k: -40.0 [" in det
     v, det = check(300, lengths=(1024, 2048))[name]  # 4k not run: cannot pass
     assert v == "UNRESOLVED" and "2 of 6 (task, length) cells not measured" in det
-    assert name not in check(300, model="other-model") and not [k for k in check(300, model=None) if "issue 16" in k]
+    assert name not in check(300, model="other-model") and not [k for k in check(300, model=None) if "accuracy goal" in k]

@@ -1,4 +1,4 @@
-"""Per-layer widths in the cache (issue 16): a layer's keys at 3 or 4 bits as one wide part (key_split = D, fp16
+"""Per-layer widths in the cache: a layer's keys at 3 or 4 bits as one wide part (key_split = D, fp16
 key params while values and the 2-bit layers keep e4m3 ones), `Artifact.layer_quant`, the pool, OscarCache, the
 simulator and the memory accounting. The stored rows against brute force, Triton against the reference (under
 TRITON_INTERPRET=1), the cache against the simulator on a real transformers model."""
@@ -129,13 +129,13 @@ def test_pool_with_per_layer_formats_shares_pages_and_forks():
 
 
 def copy_widths_smollm2() -> list[list[int]]:
-    """The (key, value) bits per layer the copy probe chose on SmolLM2 (bench/results/issue16)."""
-    rec = json.loads((ROOT / "bench/results/issue16/layer_copy_smollm2.json").read_text())
+    """The (key, value) bits per layer the copy probe chose on SmolLM2 (bench/results/layer_copy_smollm2.json)."""
+    rec = json.loads((ROOT / "bench/results/layer_copy_smollm2.json").read_text())
     return rec["copy"]["widths"]
 
 
 def test_copy_widths_cost_2_5_bits_by_the_memory_accounting():
-    """Issue 16's budget, from the accounting `oscar bench memory` uses (not by hand): SmolLM2's copy-chosen widths as
+    """The 2.5-bit budget, from the accounting `oscar bench memory` uses (not by hand): SmolLM2's copy-chosen widths as
     per-layer formats (keys at 4 bits in 5 layers, 3 in 3, fp16 params there; e4m3 elsewhere) cost 2.5 bits per
     element, equal to the live pool's bytes; the shipped uniform formats agree with QuantConfig.bits_per_element."""
     from oscar.kernels import memory
@@ -204,7 +204,7 @@ def tiny():
 
 
 def widths_artifacts(config, widths, page):
-    """The same per-layer widths as the validation codec ("layers": oscar-layer-int2) and as the cache's own format
+    """The same per-layer widths as the validation codec ("layers") and as the cache's own format
     (native_layer_artifact), on a scaled rotation with a key mean and searched-looking clips."""
     from oscar.stats.artifact import identity_artifact
     from oscar.validate.codebooks import native_layer_artifact, widths_artifact

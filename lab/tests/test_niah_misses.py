@@ -1,11 +1,11 @@
-"""bench/niah_misses.py: a miss is classified against the context the sample really had."""
+"""lab/niah_misses.py: a miss is classified against the context the sample really had."""
 
 import importlib.util
 import re
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "_niah_misses", Path(__file__).resolve().parents[1] / "bench" / "niah_misses.py")
+    "_niah_misses", Path(__file__).resolve().parents[1] / "niah_misses.py")
 misses = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(misses)
 
