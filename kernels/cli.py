@@ -20,7 +20,7 @@ def register(sub) -> None:
     m.add_argument("--recent", type=nonneg_int, default=RECENT, help="latest tokens kept in BF16 by every INT2 format")
     m.add_argument("--page-size", type=positive_int, default=PAGE_SIZE, help="tokens per INT2 page")
     m.add_argument("--artifact", default=None,
-                   help="also account this artifact's own format, layer by layer (per-layer widths: issue 16); "
+                   help="also account this artifact's own format, layer by layer (per-layer widths); "
                         "default: none, the preset formats only")
     m.add_argument("--json", action="store_true", help="print the report as JSON")
     m.add_argument("--out", default=None, help="also write the JSON report to this file (default: print only)")

@@ -112,7 +112,7 @@ def default_threads(window_s: float = 0.3) -> int:
     """Threads worth running now: the CPUs this process may use (affinity, cgroup quota) minus those
     other processes keep busy (sampled over `window_s`; the 1-minute load average where /proc/stat is
     missing), at least 1. torch's threads spin and wait on each other: two threads on a machine whose
-    other job holds ~1.8 of 2 cores ran calibration 9x slower than one thread (issue 20)."""
+    other job holds ~1.8 of 2 cores ran calibration 9x slower than one thread (docs/decisions.md)."""
     return threads_decision(window_s)["threads"]
 
 

@@ -28,7 +28,7 @@ def reference(tmp_path_factory, **o):
         path = tmp_path_factory.mktemp("ref") / "ref.zarr"
         # one torch thread, as each stage actor runs (threads_per_stage defaults to cpus_per_stage = 1):
         # float32 summation order in the MoE layers depends on the thread count, so the reference pins it
-        # rather than take the load-dependent default (issue 20)
+        # rather than take the load-dependent default
         calibrate(CalibConfig(**{**o, "store": str(path), "threads": o.get("threads") or 1}), progress=False)
         _REFS[key] = path
     return _REFS[key]

@@ -52,13 +52,13 @@ QUANTS = {
     "token": QuantConfig(bits=2, page_size=16),
     "channel": QuantConfig(bits=2, key_axis="channel", group_size=16, page_size=16),
     "published": QuantConfig(bits=2, page_size=8, clip_rule="row-quantile", param_dtype="float32"),
-    "split": QuantConfig(bits=2, page_size=16, key_split=8, param_dtype="float8_e4m3fn"),  # issue 16's split keys
+    "split": QuantConfig(bits=2, page_size=16, key_split=8, param_dtype="float8_e4m3fn"),  # split keys
     "tiers": QuantConfig(bits=2, page_size=16, key_split=8, key_top=2, key_drop=4, param_dtype="float8_e4m3fn"),
 }
 
 
 def _layers_artifact(config):
-    """Issue 16's per-layer widths (oscar-artifact/3): layer 0 the 2-bit grid with e4m3 params, layer 1 keys at 4 bits
+    """Per-layer widths (oscar-artifact/3): layer 0 the 2-bit grid with e4m3 params, layer 1 keys at 4 bits
     as one wide part with fp16 params (values 2-bit e4m3 in both)."""
     from dataclasses import replace
 

@@ -199,7 +199,7 @@ def shipped_recipes(tmp_path_factory):
     assert out["scaled"].rot_q is not None and out["scaled"].k_mean is not None  # the main job's recipe
     from oscar.validate.codebooks import native_layer_artifact, widths_artifact
 
-    # issue 16's per-layer widths (oscar-artifact/3): layer 1's keys at 4 bits
+    # per-layer widths (oscar-artifact/3): layer 1's keys at 4 bits
     out["scaled/layer-widths"] = native_layer_artifact(widths_artifact(out["scaled"], [[2, 2], [4, 2]]))
     assert out["scaled/layer-widths"].quant_for(1).key_top == 2
     return out

@@ -1,4 +1,4 @@
-"""Split keys in the paged cache (QuantConfig.key_split, issue 16): the stored format against brute force, the
+"""Split keys in the paged cache (QuantConfig.key_split): the stored format against brute force, the
 Triton kernels against the reference (under TRITON_INTERPRET=1), and the memory accounting (the reference decode
 on the codes against the oracle: tests/test_paged.py, split=8)."""
 

@@ -134,7 +134,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "choose the widths with the lowest summed NLL change whose bits per element (memory "
                                   "accounting) stay within the artifact's own, and write them as the cache's per-layer "
                                   "format (oscar-artifact/3). 2L + 1 probes, each a forward of every copy window; "
-                                  "resumable (OUT.probes.jsonl; --estimate gradient: OUT.gradients.jsonl, by window). Issue 16: docs/decisions.md, \"per-layer widths chosen "
+                                  "resumable (OUT.probes.jsonl; --estimate gradient: OUT.gradients.jsonl, by window). docs/decisions.md, \"per-layer widths chosen "
                                   "by the copy probe\".")
     w.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     w.add_argument("--artifact", required=True, help="a one-group artifact (`oscar fit --variant scaled`, then tune)")
