@@ -1,4 +1,4 @@
-"""The dependency rules as a check over the import graph (issue 18 point 8).
+"""The dependency rules as a check over the import graph.
 
 Every module of every package pyproject.toml installs is parsed with `ast` (nothing is imported), its
 imports resolved to modules, folders mapped through `[tool.setuptools.package-dir]`. Three kinds of
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import tomllib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ RAY_ALLOWED = {"cluster", "top"}
 
 # Violations tolerated while a change that removes them is under way: {violation: what removes it}.
 # The test fails on any violation not listed here AND on a listed one that no longer occurs, so the
-# list only shrinks. Issue 18 emptied it; keep it empty.
+# list only shrinks. It is empty; keep it empty.
 KNOWN: dict[str, str] = {
 }
 
@@ -219,6 +220,58 @@ def violations(root: Path) -> dict[str, str]:
     for d in unlisted_packages(root):
         found[f"unlisted package: {d}"] = "pyproject's [tool.setuptools] packages does not list it"
     return found
+
+
+# ----------------------------------------------------------------------------- bench/ and lab/ stay outside
+
+SCRIPT_DIRS = ("bench", "lab")  # benchmarks and the lab's experiments: they may use the product, never the reverse
+_LOADERS = ("spec_from_file_location", "run_path", "import_module", "path.insert", "path.append", "SourceFileLoader")
+_SCRIPT_PATH = re.compile(r"""['"](?:[^'"]*/)?(?:bench|lab)(?:/[^'"]*)?['"]""")
+
+
+def script_refs(path: Path, root: Path) -> list[str]:
+    """Where the file at `path` reaches into bench/ or lab/: an import of a module there (by the folder's name, or
+    by a script's own name as when the folder is on sys.path), or a path into them handed to a loader (importlib,
+    runpy, sys.path)."""
+    stems = {p.stem for d in SCRIPT_DIRS if (root / d).is_dir() for p in (root / d).rglob("*.py")}
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+        out += [f"{os.path.relpath(path, root)}:{node.lineno} imports {n}" for n in names
+                if n.split(".")[0] in SCRIPT_DIRS or n.split(".")[0] in stems]
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(_LOADERS) and _SCRIPT_PATH.search(
+                ast.unparse(node)):
+            out.append(f"{os.path.relpath(path, root)}:{node.lineno} loads {ast.unparse(node)[:100]}")
+    return out
+
+
+def product_and_test_files(root: Path) -> tuple[list[Path], list[Path]]:
+    """(every module of the installed packages, every .py under tests/)."""
+    return list(modules(root).values()), sorted((root / "tests").rglob("*.py")) if (root / "tests").is_dir() else []
+
+
+def test_no_product_module_or_product_test_reaches_into_bench_or_lab():
+    mods, tests = product_and_test_files(ROOT)
+    assert len(mods) > 50 and len(tests) > 50
+    bad = [r for f in mods + tests for r in script_refs(f, ROOT)]
+    assert not bad, ("bench/ and lab/ are outside the product: move shared code into the package (product code) or "
+                     "tests/helpers.py (test code):\n  " + "\n  ".join(bad))
+
+
+def test_script_refs_finds_each_way_in(tmp_path):
+    root = _tree(tmp_path, {
+        "bench/fit.py": "", "lab/key_bits.py": "",
+        "stats/a.py": "from bench.fit import main\n",
+        "stats/b.py": "def f():\n    import key_bits\n",
+        "tests/test_x.py": ("import importlib.util\nfrom pathlib import Path\n"
+                            "s = importlib.util.spec_from_file_location('k', Path(__file__).parents[1] / 'lab' / 'k.py')\n"),
+        "tests/test_y.py": "import sys\nsys.path.insert(0, 'bench')\n",
+        "tests/test_ok.py": "import numpy\nfrom oscar.stats import fit\nx = 'a lab note'\n",
+    })
+    mods, tests = product_and_test_files(root)
+    refs = {r.split(":")[0] for f in mods + tests for r in script_refs(f, root)}
+    assert refs == {"stats/a.py", "stats/b.py", "tests/test_x.py", "tests/test_y.py"}, refs
 
 
 # ----------------------------------------------------------------------------- the project
