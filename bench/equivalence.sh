@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Behaviour-equivalence check for refactors (issue 18): run a small calibrate -> fit (oscar, scaled)
+# Behaviour-equivalence check for refactors: run a small calibrate -> fit (oscar, scaled)
 # -> tune -> NIAH + perplexity at float32 with the CLI of the checkout in $PWD, and write the
 # artifact hashes, NIAH predictions and perplexities to OUT/summary.json. Compare two commits with
 #   bash bench/equivalence.sh OUT_A [STORE] ; (other checkout) bash bench/equivalence.sh OUT_B OUT_A/calib.zarr

@@ -1,4 +1,4 @@
-"""Decode cost of the per-layer widths on the CPU serving path (issue 16): each layer format the copy widths use,
+"""Decode cost of the per-layer widths on the CPU serving path: each layer format the copy widths use,
 timed in one run against the one-group INT2 layer it replaces.
 
 One layer of SmolLM2's attention shape (3 KV heads, 9 query heads, head_dim 64) at `--context` tokens, the reference

@@ -16,7 +16,7 @@ predictions) on the same model object (its weights were rounded to bfloat16 once
     python bench/main_job_speed.py [--artifact A] [--dtype bfloat16] [--threads 1]
                                    [--cells 1024:4,2048:2,4096:2] [--tasks niah_single_1,niah_single_2]
 
-Sections beyond those (issue 19, point 5): `profile` (the current needle loop's CPU time by phase, one
+Sections beyond those: `profile` (the current needle loop's CPU time by phase, one
 thread), `rows_attention` (question-chunk scores in one block vs cache-sized row chunks) and `workers` (the
 NIAH and perplexity stage loops in this process vs on worker processes, validate/workers.py):
 
@@ -49,7 +49,7 @@ from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy
 from oscar.validate.ruler import Sources, make_sample
 
 OUT = Path(__file__).with_name("results") / "main_job_speed.json"
-ISSUE_NIAH_S = 828.0  # the needle stage of the 20.2-min run issue 19 measured (the old loop)
+ISSUE_NIAH_S = 828.0  # the needle stage of the 20.2-min run measured before the loop was rewritten (the old loop)
 
 
 class Clock:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 16 (docs/decisions.md "Calibrate at the serving length"): every command behind its tables. The same
+# Calibration length (docs/decisions.md "Calibrate at the serving length"): every command behind its tables. The same
 # calibration tokens at sequence lengths 2k / 4k / 8k (SmolLM2) and 2k / 8k (Qwen2.5-0.5B), each fitted (split keys)
 # and tuned as `oscar run` does; the INT2 key error by key position on held-out text, then paired needles and
 # perplexity. Also the tune objective `guarded` against `nll` on the 2k store; 2k windows read at positions to 8k
@@ -7,7 +7,7 @@
 # 4096; the Qwen goal grid 1k-8k with windows read to 8192 (qwengrid), its 16k cell with windows read to 16384
 # (qwen16k); the SmolLM2 clip tuned at the serving length and protocol (servetune); the tune objective `guarded` on
 # the grid's artifact (qwenguard); 40 samples per task at 2k and 4k, the grid's cells nearest a verdict (qwenmore);
-# per-layer widths (hypothesis 4, alone and with split keys) on the grid's store, Qwen's hard tasks (qwenlayers), and on
+# per-layer widths (alone and with split keys) on the grid's store, Qwen's hard tasks (qwenlayers), and on
 # SmolLM2's shipped store (smollm2layers); the clip confound of per-layer widths: their wide layers unclipped at 2 bits
 # (qwenunclip, after qwenlayers); per-layer widths chosen by each layer's copied-span NLL on calibration text, a
 # retrieval signal measured through the model (qwencopy, after qwenunclip: against its arms; smollm2copy: builds the
@@ -134,7 +134,7 @@ if has qwenmore; then  # the grid's 2k and 4k cells at 40 samples per task (indi
     --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --lengths 2k,4k --samples 40 --protocol serving \
     --dtype bfloat16 --no-progress --out $W/gp8k_more
 fi
-if has qwenlayers; then  # hypothesis 4 on the grid's store: widths per layer (and split keys among them), one-group base
+if has qwenlayers; then  # per-layer widths on the grid's store: widths per layer (and split keys among them), one-group base
   Q="--model qwen2.5-0.5b"; A=$W/qp8192/scaled.safetensors
   oscar fit $W/qp8192/calib.zarr --variant scaled --out $W/qp8192/scaled.fit.safetensors --no-progress
   oscar validate tune $Q --artifact $W/qp8192/scaled.fit.safetensors --out $A --no-progress
@@ -148,7 +148,7 @@ if has qwenlayers; then  # hypothesis 4 on the grid's store: widths per layer (a
     --no-progress --out $W/gt8k_hard
   python lab/layer_widths_dp.py --artifact $A --out lab/results/widths_qwen.json  # the DP's widths per layer
 fi
-if has smollm2layers; then  # hypothesis 4 on SmolLM2's shipped store (4096-token sequences), one-group base
+if has smollm2layers; then  # per-layer widths on SmolLM2's shipped store (4096-token sequences), one-group base
   A=$W/s4096/scaled.safetensors
   oscar fit $W/s4096/calib.zarr --variant scaled --out $W/s4096/scaled.fit.safetensors --no-progress
   oscar validate tune --artifact $W/s4096/scaled.fit.safetensors --out $A --no-progress

@@ -1,4 +1,4 @@
-"""Issue 16 A/B table: the candidate key formats (CANDIDATES) against oscar-int2 and bf16, from the outputs of
+"""The candidates' A/B table: the candidate key formats (CANDIDATES) against oscar-int2 and bf16, from the outputs of
 `oscar validate niah` (one or more needle seeds, pooled) / `oscar validate ppl` (and optionally `oscar validate attention`, `oscar ablate`).
 
 Every comparison is paired (the same needle samples, the same perplexity windows / segments) with its 95 %

@@ -1,4 +1,4 @@
-"""Issue 16 diagnostic: does a retrieval objective on calibration text choose a different key clip than NLL?
+"""Diagnostic: does a retrieval objective on calibration text choose a different key clip than NLL?
 
 `oscar validate tune` picks the key-clip factor by next-token NLL on a calibration window under the strict
 protocol. Needles are retrieval: the answer is a token far back in the INT2 history that must out-score every

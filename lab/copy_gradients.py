@@ -1,4 +1,4 @@
-"""Issue 16: the copy probe to first order. `validate.tune.layer_copy_gradients` (one forward + backward per copy
+"""The copy probe to first order. `validate.tune.layer_copy_gradients` (one forward + backward per copy
 window) against `layer_copy_errors` (2L + 1 forwards) on the same artifact, windows and options: each layer's
 estimated against measured copied-span NLL change, their rank correlation, and the widths the DP picks from each
 (the same DP, the same 2.5-bit budget). The measured table comes from the probe log a previous run wrote (resumed:

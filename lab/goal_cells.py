@@ -1,4 +1,4 @@
-"""Issue 16's goal, checked cell by cell: oscar-int2 against bf16 on the issue's grid, with the verdict rule of the
+"""The accuracy goal, checked cell by cell: oscar-int2 against bf16 on the goal's grid, with the verdict rule of the
 evidence issue (oscar/intervals.py: PASS when every cell's 95 % interval clears the limit, MISSED when one cell's
 interval at level 1 - 0.05/m lies beyond it, else UNRESOLVED, with the samples that would resolve it).
 

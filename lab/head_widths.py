@@ -1,4 +1,4 @@
-"""Issue 16, hypothesis 4 at head granularity: would key widths per KV head beat widths per layer at the same
+"""Per-layer key widths at head granularity: would key widths per KV head beat widths per layer at the same
 bits? The copy probe to first order (`validate.tune.layer_copy_gradients(heads=True)`) splits each layer's
 copied-span NLL change at 3 / 4 bits into its KV heads' shares at no extra cost. Widths are chosen by the same DP
 (`codebooks.layer_widths`, the same option costs and 2.5-bit budget) over layers or over (layer, head) units on

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 16, hypothesis 4 at head granularity and the shipped widths at 8k: every command behind their tables.
+# Per-layer key widths at head granularity and the shipped widths at 8k: every command behind their tables.
 # heads: the copy probe to first order split by KV head (lab/head_widths.py), widths chosen per layer or per
 # (layer, head) on half of 8 calibration windows and scored on the other half; SmolLM2 on smollm2copy's artifact at
 # 2048, Qwen on qwencopy's at 1024 (lab/calib_length.sh builds both). qwengrad8k: Qwen's first-order widths

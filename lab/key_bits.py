@@ -1,4 +1,4 @@
-"""Issue 16 diagnostic: how many bits would SmolLM2's keys need to keep the 4k needle? Every layer's keys at b bits.
+"""Diagnostic: how many bits would SmolLM2's keys need to keep the 4k needle? Every layer's keys at b bits.
 
 The attribution (`bench/niah_attribution.py`) showed SmolLM2's 4k niah_single_2 loss is in the keys and spread over
 the layers, so what is left to try is a better 2-bit key grid everywhere. This bounds what such a grid could buy:
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
             out.append(err / (q @ k.transpose(-1, -2)).var(-1).mean(-1))
         return float(torch.stack(out).mean())
 
-    # the equal-bit grids issue 16 built (hypotheses 1 and 3): what a better 2-bit grid bought so far, in the same units
+    # the equal-bit grids built before (Lloyd-Max and sparse keys): what a better 2-bit grid bought so far, in the same units
     arms = {"oscar-int2 (one group)": fitted, "oscar-lm-int2": lm_artifact(fitted), "oscar-sparse-int2": sparse_artifact(fitted)}
     rec = {"artifact": args.artifact, "artifacts": {}}
     for b in args.bits:

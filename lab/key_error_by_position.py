@@ -1,4 +1,4 @@
-"""Issue 16: does the INT2 key error grow with the key's position past the calibration length?
+"""Does the INT2 key error grow with the key's position past the calibration length?
 
 The stores are calibrated on windows of `seq_len` tokens (2048 by default), so C_Q, the key scales and the
 clips only ever see post-RoPE keys and queries at positions < seq_len. RoPE's slow pairs keep turning past

@@ -1,4 +1,4 @@
-"""Issue 16, hypothesis 5 screen: other ways to spend split keys' 2.75 bits across the query eigenbasis.
+"""Key tiers, a screen: other ways to spend split keys' 2.75 bits across the query eigenbasis.
 
 Split keys (oscar-int2) store the D/4 directions of the query eigenbasis that matter most at 3 bits and the rest
 at 2, each part a per-token group with 8-bit scale/zero. Reverse water-filling says a direction's bits should

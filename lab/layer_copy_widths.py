@@ -1,4 +1,4 @@
-"""Issue 16, hypothesis 4 with a retrieval signal measured through the model: per-layer widths chosen by each layer's
+"""Per-layer key widths with a retrieval signal measured through the model: per-layer widths chosen by each layer's
 copied-span NLL change on calibration text (`validate.tune.layer_copy_errors`: one layer at a time at (3, 2) or
 (4, 2), every other layer at 2 bits, the tune's copy windows under the serving protocol) instead of an average over
 reservoir rows (`layer_artifact`'s output / top-1 objectives, which ranked the candidates the wrong way round for

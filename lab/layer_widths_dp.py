@@ -1,4 +1,4 @@
-"""Issue 16, hypothesis 4: which (key, value) widths the per-layer DP of `validate.codebooks.layer_artifact` gives
+"""Per-layer key widths: which (key, value) widths the per-layer DP of `validate.codebooks.layer_artifact` gives
 each layer, for oscar-layer-int2 and oscar-mix-layer-int2 built on one artifact and its store (and their `-top1`
 variants, chosen by the share of query rows whose top key moves), with both calibrated objectives summed over layers
 against the all-2-bit base.

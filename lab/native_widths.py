@@ -1,4 +1,4 @@
-"""Issue 16: the copy-probe widths in the cache's own per-layer format, checked on the real model.
+"""The copy-probe widths in the cache's own per-layer format, checked on the real model.
 
 Converts a "layers" codec artifact (what `lab/layer_copy_widths.py` wrote and every A/B ran through the simulator)
 into the per-layer format OscarCache serves (`validate.codebooks.native_layer_artifact`, oscar-artifact/3), then on

@@ -1,4 +1,4 @@
-"""Issue 16, hypothesis 2: does *where* the 3-bit part goes matter, or only that keys get 2.75 bits?
+"""Split keys' placement: does *where* the 3-bit part goes matter, or only that keys get 2.75 bits?
 
 oscar-mix-int2 places its D/4 wide directions of the query eigenbasis by C_Q (λ_i, or λ_i σ_i², whichever
 fits the calibration rows better). This compares, per layer on the store's reservoir rows (the fit's key

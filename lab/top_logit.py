@@ -1,4 +1,4 @@
-"""Issue 16 diagnostic: does a key format keep the logit of the key a query prefers most?
+"""Diagnostic: does a key format keep the logit of the key a query prefers most?
 
 On the calibration store's reservoir rows (the fit's own sample: in-sample for every method, so this
 measures the format, not generalisation), per layer: the logit q·k / sqrt(D) of each reservoir query's

@@ -1,4 +1,4 @@
-"""Issue 16, the confound in per-layer widths: oscar-layer-int2 stores its wider key layers unclipped (fp16
+"""The confound in per-layer widths: oscar-layer-int2 stores its wider key layers unclipped (fp16
 scale/zero, clip 1), so is its needle gain the bits or the unclipped extremes? This writes the one-group artifact
 with the key clip switched off (ratio 1) in exactly the layers oscar-layer-int2 widens, everything else as is
 (2 bits, fp8 scale/zero: fewer bits than oscar-layer-int2, the same format as the artifact, so the paged cache

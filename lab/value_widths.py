@@ -1,4 +1,4 @@
-"""Issue 16, hypothesis 4 with the values in the budget: would the copy probe's DP spend bits on values if the
+"""Per-layer widths with the values in the budget: would the copy probe's DP spend bits on values if the
 cache could store wider values per layer? `validate.tune.layer_copy_gradients` with options that widen keys and/or
 values (first order: the value leaf's term adds to the key's), the same DP (`codebooks.layer_artifact`, objective
 copy) at the same 2.5-bit budget over keys-only options or over key x value options. Choice on half of the windows,
