@@ -80,4 +80,4 @@ def test_decision_records_have_a_title_and_status_and_are_indexed():
         for n in re.findall(r"^Status: superseded by (\d{4})", text, re.M):
             assert list(d.glob(f"{n}-*.md")), f"{r.name}: superseded by {n}, which does not exist"
         assert f"]({r.name})" in index, f"{r.name} is not listed in docs/decisions/README.md"
-    assert not (ROOT / "docs" / "decisions.md").exists(), "docs/decisions.md was split into docs/decisions/"
+    assert not (ROOT / "docs" / "decisions.md").exists(), "the single decisions file is split into docs/decisions/"
