@@ -11,16 +11,11 @@ MAX_LINES = 600
 # Work-process words: "issue 16" / "issue16" / "issues 15", "hypothesis 4" / "hypotheses 1 and 3", the labels
 # H1..H9, and "session" in the sense of a working session ("this session", "session 6"; a process session,
 # as Unix and Ray use the word, is a thing of the product and allowed).
-WORDS = re.compile(r"\bissues?[\s_#-]*\d+|\bhypothes[ie]s\s+\d+|\bH[1-9]\b|(?<!process )\bsessions?\b", re.I)
-
-# File names that still carry an issue number, renamed by the lab split (bench/issue16_* -> lab/); a mention of
-# such a path is a path, not a word. Remove an entry once no file of that name is left.
-RENAMED_PATHS = re.compile(r"\b(?:bench|tests)/(?:results/)?(?:test_)?issue\d+(?:_[\w.{},*-]*|/[\w./{},*-]*)")
-
+WORDS = re.compile(r"(?<![a-z])issues?[\s_#-]*\d+|\bhypothes[ie]s\s+\d+|\bH[1-9]\b|(?<!process )\bsessions?\b", re.I)
 
 def work_words(text: str) -> list[str]:
-    """The work-process words in `text` (paths of not yet renamed files left out)."""
-    return [m.group(0) for m in WORDS.finditer(RENAMED_PATHS.sub("<path>", text))]
+    """The work-process words in `text` (file names included: a path is named after what the file does)."""
+    return [m.group(0) for m in WORDS.finditer(text)]
 
 
 def _docs() -> list[pathlib.Path]:
@@ -42,11 +37,11 @@ def test_the_pattern_finds_work_words_and_spares_product_words():
     assert work_words("`oscar-lm-int2` (H1) and H3") == ["H1", "H3"]
     assert work_words("unverified this session") == ["session"]
     assert work_words("in session 6 and between sessions") == ["session", "sessions"]
-    # product words stay: GPUs, head dims, Unix process sessions, the Hadamard matrix, paths being renamed
+    assert work_words("`python bench/issue16_goal.py`, `tests/test_issue16_goal.py`") == ["issue16", "issue16"]
+    # product words stay: GPUs, head dims, Unix process sessions, the Hadamard matrix, descriptive file names
     assert work_words("one H100 or H200; H P_br; D = 64; a process session at once") == []
-    assert work_words("`python bench/issue16_goal.py`, `bench/results/issue16/goal_qwen.md`") == []
-    assert work_words("`tests/test_issue16_goal.py`") == []
-    assert work_words("the issues this closes") == []
+    assert work_words("`python lab/goal_cells.py`, `lab/results/goal_qwen.md`") == []
+    assert work_words("the issues this closes; tissue 5") == []
 
 
 def test_readme_and_docs_hold_no_work_process_words():
