@@ -470,7 +470,7 @@ def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out
 # another order moves a sum by ~sqrt(n) u relative (random rounding), and a forward (+ backward) through L layers
 # adds L such steps: L sqrt(n) u = 30 x sqrt(2048) x 6e-8 ~ 8e-5 for SmolLM2's 30 layers over a 2048-token window.
 # Objectives within TIE_REL of each other are therefore ties, broken by a fixed rule at each choice
-# (docs/decisions.md, "The recipe's choices do not depend on the host's kernels").
+# (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md, "The recipe's choices do not depend on the host's kernels").
 TIE_REL = 1e-4
 
 
