@@ -7,7 +7,7 @@ Both arms calibrate the same `--tokens` of the calibration split into fresh stor
     windows:  --seq-len SHORT --positions LONG              (the same absolute positions, attention over SHORT)
 
 The statistics they give match where it matters (lab/key_error_by_position.py: key error by position, SmolLM2 and
-Qwen, docs/decisions.md "Calibrate at positions, not lengths"); this measures the cost.
+Qwen, docs/decisions/0066-calibrate-at-positions-not-lengths-oscar.md "Calibrate at positions, not lengths"); this measures the cost.
 
     python bench/calib_positions.py --model smollm2-135m --tokens 32768 --long 8192 --short 2048 \
         --out bench/results/calib_positions_smollm2.json

@@ -3,7 +3,7 @@
 A bf16 2048x2048 matmul loop (the shape class of a prefill's linears) run alone, then in N processes at once;
 the ratio of total throughput tells whether the CPUs are independent cores (~N x) or share execution units
 (SMT siblings, a throttled VM: ~1 x). It explains why spreading validation over worker processes bought little
-on the 2-vCPU host (docs/decisions.md, "A native causal attention for CPU").
+on the 2-vCPU host (docs/decisions/0059-a-native-causal-attention-for-cpu-prefills.md, "A native causal attention for CPU").
 
     python bench/cpu_scaling.py [--procs 2] [--out bench/results/cpu_scaling.json]
 """

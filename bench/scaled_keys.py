@@ -5,7 +5,7 @@
 
 Both artifacts are fitted here from one calibration store (`centered`: R_K = U_Q H P_br;
 `scaled`: R_K = U_Q diag(d) H P_br with queries read through U_Q diag(1/d) H P_br,
-d = (λ/σ²)^¼ — docs/decisions.md, "Scaled keys"). Then:
+d = (λ/σ²)^¼ — docs/decisions/0033-scaled-keys-oscar-run-fits-variant-scaled-behind.md, "Scaled keys"). Then:
   A. the fit's own objective: relative q-weighted logit MSE of the INT2 keys at the searched clip,
      per layer (calibration reservoir rows), and the attention-output error of the values (unchanged);
   B. NIAH (niah_single_1/2, serving protocol, as `oscar run`) with bf16 and both recipes as methods

@@ -477,7 +477,7 @@ class PagedLayerCache:
                 raise ParamRangeError(
                     f"rotated {name} entering INT2 pages reach |x| = {worst:.4g}, beyond what 8-bit (e4m3) scale/zero "
                     f"can hold (+-{FP8_MAX:g}); nothing was written. Use param_dtype float16 for this model "
-                    f"(docs/decisions.md: 8-bit scale/zero range)")
+                    f"(docs/decisions/0038-8-bit-scale-zero-param-dtype-float8-e4m3fn-the.md: 8-bit scale/zero range)")
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, batched: bool) -> None:
         cfg = self.cfg

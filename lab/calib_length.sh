@@ -1,5 +1,5 @@
 #!/bin/bash
-# Calibration length (docs/decisions.md "Calibrate at the serving length"): every command behind its tables. The same
+# Calibration length (docs/decisions/0065-calibrate-at-the-serving-length-oscar-run.md "Calibrate at the serving length"): every command behind its tables. The same
 # calibration tokens at sequence lengths 2k / 4k / 8k (SmolLM2) and 2k / 8k (Qwen2.5-0.5B), each fitted (split keys)
 # and tuned as `oscar run` does; the INT2 key error by key position on held-out text, then paired needles and
 # perplexity. Also the tune objective `guarded` against `nll` on the 2k store; 2k windows read at positions to 8k
@@ -53,7 +53,7 @@ if has ppl; then
   oscar validate ppl --artifact $W/s2048/nll.safetensors --methods bf16,oscar-int2 $P --out $W/ppl_c2k
   oscar validate ppl --artifact $W/s4096/nll.safetensors --methods oscar-int2 $P --out $W/ppl_c4k
 fi
-if has guarded; then  # the tune objective of docs/decisions.md "Tune objective copy / guarded", on the 2k store
+if has guarded; then  # the tune objective of docs/decisions/0064-tune-objective-copy-guarded-built-not-the.md "Tune objective copy / guarded", on the 2k store
   oscar validate tune --artifact $W/s2048/fit.safetensors --objective guarded --out $W/s2048/guarded.safetensors --no-progress
   oscar validate niah --artifact $W/s2048/guarded.safetensors --methods oscar-int2 $N --seed 0 --out $W/g2k_s0
 fi
@@ -71,7 +71,7 @@ if has qwen; then  # 16384 calibration tokens at 2k and 8k; the hard needle task
   oscar validate niah $Q --artifact $W/q2048/nll.safetensors --methods bf16,oscar-int2 $NQ --out $W/q2k_8k
   oscar validate niah $Q --artifact $W/q8192/nll.safetensors --methods oscar-int2 $NQ --out $W/q8k_8k
 fi
-if has windows; then  # docs/decisions.md "Calibrate at positions, not lengths": 2k windows read at positions to 8k
+if has windows; then  # docs/decisions/0066-calibrate-at-positions-not-lengths-oscar.md "Calibrate at positions, not lengths": 2k windows read at positions to 8k
   oscar calibrate --model smollm2-135m --store $W/p8192/calib.zarr --tokens 65536 --seq-len 2048 --positions 8192 --no-progress
   oscar fit $W/p8192/calib.zarr --variant split --out $W/p8192/fit.safetensors --no-progress
   python lab/key_error_by_position.py --artifact c2k=$W/s2048/fit.safetensors --artifact c8k=$W/s8192/fit.safetensors \

@@ -8,7 +8,7 @@ ratios) is UNRESOLVED.
     python lab/candidates_ab.py --niah runs/i16/niah [runs/i16/niah_seed1 ...] --ppl runs/i16/ppl [--attention runs/i16/attn]
         [--ablation runs/i16/ablate] --out lab/results/ab_smollm2.json
 
-The commands that produce the inputs are in docs/decisions.md ("Issue 16 A/B").
+The commands that produce the inputs are in docs/decisions/README.md ("Issue 16 A/B").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Diagnostic (docs/decisions.md "SmolLM2's 4k needle needs more than a better 2-bit key grid"): every command
+# Diagnostic (docs/decisions/0075-smollm2-s-4k-needle-needs-more-than-a-better-2.md "SmolLM2's 4k needle needs more than a better 2-bit key grid"): every command
 # behind its table. smollm2keybits: SmolLM2's shipped recipe rebuilt on the 4096-token store (calibrate 65536 tokens,
 # fit scaled, tune, first-order widths at 4 x 2048: what `oscar run` ships; ~10 min, skipped where present), then
 # niah_single_2 at 4k, 40 samples (bench/niah_attribution.py's samples): bf16, oscar-int2, keys exact, values exact,

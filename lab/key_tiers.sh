@@ -1,5 +1,5 @@
 #!/bin/bash
-# Key tiers (docs/decisions.md "Issue 16 A/B: key tiers ..."): every command behind the tables.
+# Key tiers (docs/decisions/0062-a-b-key-tiers-reverse-water-filling-a-native.md "A/B: key tiers ..."): every command behind the tables.
 # Needs the one-group SmolLM2 artifact of lab/split_and_layer_widths.sh (runs/i16b/scaled.safetensors), the committed
 # examples (reports/examples/smollm2: its store and split-key artifact; reports/examples/qwen2.5-0.5b with its
 # store runs/qwen/calib.zarr) and Qwen2.5-0.5B installed. ~1.5 h on 2 CPUs. STEPS selects steps.

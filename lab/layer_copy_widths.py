@@ -2,7 +2,7 @@
 copied-span NLL change on calibration text (`validate.tune.layer_copy_errors`: one layer at a time at (3, 2) or
 (4, 2), every other layer at 2 bits, the tune's copy windows under the serving protocol) instead of an average over
 reservoir rows (`layer_artifact`'s output / top-1 objectives, which ranked the candidates the wrong way round for
-needles: docs/decisions.md, "per-layer key widths on both models' current stores").
+needles: docs/decisions/0068-a-b-per-layer-key-widths-on-both-models-current.md, "per-layer key widths on both models' current stores").
 
 Writes the artifact (the oscar-layer-int2 format, run as `--methods oscar-int2 --artifact OUT`), the probe log
 (resumable: a rerun skips finished probes) and a JSON of the table and the widths chosen beside the output-error DP's.

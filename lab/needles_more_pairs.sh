@@ -1,5 +1,5 @@
 #!/bin/bash
-# SmolLM2's needle cells on more samples (docs/decisions.md, "Issue 16: perplexity past the held-out split;
+# SmolLM2's needle cells on more samples (docs/decisions/0076-perplexity-past-the-held-out-split-smollm2-s.md, "perplexity past the held-out split;
 # SmolLM2's needles on 360 pairs"). The shipped artifact (lab/key_bits.sh's s4096/grad, what `oscar run`
 # ships) against bf16 on niah_single_1/2 at 1k-4k, 20 samples per task and needle seed, seeds 0-8: 360 pairs per
 # length where the goal tables had 120 (4k seeds 0-2 are smollm2keybits3's runs, read from there). Serving protocol,

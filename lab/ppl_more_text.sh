@@ -1,5 +1,5 @@
 #!/bin/bash
-# The goal's perplexity cells on more text than the held-out split holds (docs/decisions.md, "Issue 16: perplexity
+# The goal's perplexity cells on more text than the held-out split holds (docs/decisions/0076-perplexity-past-the-held-out-split-smollm2-s.md, "perplexity
 # past the held-out split; SmolLM2's needles on 360 pairs"). The split gives 12,427 SmolLM2 tokens (Qwen: 11,872),
 # two or three 4k windows: too few to resolve SmolLM2's serving 4k cell (1.009x [1.006-1.013] against 1.01x) or
 # Qwen's strict 4k cell (1.082x [1.059-1.106] against 1.10x). `oscar validate ppl --tokens N` past the split

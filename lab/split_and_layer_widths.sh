@@ -1,5 +1,5 @@
 #!/bin/bash
-# Split keys and per-layer widths (docs/decisions.md "Issue 16 A/B: split keys ..."): every command behind the tables.
+# Split keys and per-layer widths (docs/decisions/0061-a-b-split-keys-and-per-layer-widths-split-keys.md "A/B: split keys ..."): every command behind the tables.
 # Needs the SmolLM2 store of a one-group (`--variant scaled`) oscar-int2 artifact and Qwen2.5-0.5B installed
 # (`oscar models install qwen2.5-0.5b`). Takes ~2 h on 2 CPUs; each step resumes. STEPS selects steps.
 #   bash lab/split_and_layer_widths.sh                 everything

@@ -112,7 +112,7 @@ def default_threads(window_s: float = 0.3) -> int:
     """Threads worth running now: the CPUs this process may use (affinity, cgroup quota) minus those
     other processes keep busy (sampled over `window_s`; the 1-minute load average where /proc/stat is
     missing), at least 1. torch's threads spin and wait on each other: two threads on a machine whose
-    other job holds ~1.8 of 2 cores ran calibration 9x slower than one thread (docs/decisions.md)."""
+    other job holds ~1.8 of 2 cores ran calibration 9x slower than one thread (docs/decisions/README.md)."""
     return threads_decision(window_s)["threads"]
 
 
@@ -470,7 +470,7 @@ def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out
 # another order moves a sum by ~sqrt(n) u relative (random rounding), and a forward (+ backward) through L layers
 # adds L such steps: L sqrt(n) u = 30 x sqrt(2048) x 6e-8 ~ 8e-5 for SmolLM2's 30 layers over a 2048-token window.
 # Objectives within TIE_REL of each other are therefore ties, broken by a fixed rule at each choice
-# (docs/decisions.md, "The recipe's choices do not depend on the host's kernels").
+# (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md, "The recipe's choices do not depend on the host's kernels").
 TIE_REL = 1e-4
 
 

@@ -8,7 +8,7 @@ paired on the same samples: interval (Newcombe for 0/1, paired bootstrap otherwi
 Perplexity (ppl_windows.jsonl -> ppl.parquet columns): the ratio to bf16 paired by block with a
 bootstrap interval (intervals.ratio_bootstrap). A block is a window when a context has at least
 `MIN_BLOCKS` windows; otherwise the windows' 512-token segments (ppl.py records them), since the
-held-out split holds only 3 disjoint windows of 4k (docs/decisions.md, "Intervals"). Records from
+held-out split holds only 3 disjoint windows of 4k (docs/decisions/0046-intervals-on-every-model-level-figure-three.md, "Intervals"). Records from
 before segments existed give intervals from their windows alone (`blocks` says how many).
 
 The product goal and the report's checks are three-valued (intervals.verdict / combine).

@@ -4,7 +4,7 @@ Every quantizer in the project (cache formats, fit's clip search, the ablation's
 scalar schemes, fake-quant validation) is built from these functions, so a clip
 searched at fit time is optimal for exactly the format the kernel stores.
 Pure torch, no project imports: this module is the leaf both `stats` and the
-Triton kernels depend on (see docs/decisions.md).
+Triton kernels depend on (see docs/decisions/0028-kernels-rounding-identical-in-torch-and-triton.md).
 
 Conventions
 - Asymmetric uniform grid: ``x_hat = code * scale + zero`` with

@@ -44,12 +44,12 @@ class RunConfig:
     calib_tokens: int = 65536  # calibration tokens (of ~90k in the pydoc calibration split)
     # Calibration sequence length; None: the longest context the job validates (needles, perplexity). The fit
     # then sees queries and keys at every position it is judged on: past the calibration length RoPE's slow
-    # pairs turn beyond any calibrated row and the INT2 key error grows (docs/decisions.md, "Calibrate at
+    # pairs turn beyond any calibrated row and the INT2 key error grows (docs/decisions/0065-calibrate-at-the-serving-length-oscar-run.md, "Calibrate at
     # the serving length"; lab/key_error_by_position.py).
     seq_len: int | None = None
     # Absolute positions the calibration covers; None: the longest context validated (and at least seq_len). Windows
     # shorter than that are read at RoPE offsets (`oscar calibrate --positions`): the same statistics as sequences of
-    # that length for a window's attention cost (docs/decisions.md, "Calibrate at positions, not lengths").
+    # that length for a window's attention cost (docs/decisions/0066-calibrate-at-positions-not-lengths-oscar.md, "Calibrate at positions, not lengths").
     positions: int | None = None
     # RULER tasks of the needle stage; "all": every task the inputs allow (qa_1 / qa_2 need squad / hotpotqa)
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
@@ -59,31 +59,31 @@ class RunConfig:
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     # Held-out tokens scored per perplexity context: 8 windows at 1k, 2 at 4k (their 16 segments of
     # 512 tokens carry the 4k interval); the pydoc held-out split holds 12,427 tokens, so 3 windows
-    # of 4k at most (--full). docs/decisions.md, "Intervals on every model-level figure".
+    # of 4k at most (--full). docs/decisions/0046-intervals-on-every-model-level-figure-three.md, "Intervals on every model-level figure".
     ppl_tokens: int = 8192
     ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     # Attention-level test: every key a distinct held-out row captured through the model, so the
     # capture costs a forward per key; 16k keeps the stage near its old ~30 s here, 128k is
-    # `oscar validate attention` (docs/decisions.md, "Attention-level test: held-out text").
+    # `oscar validate attention` (docs/decisions/0047-attention-level-test-held-out-text-whole.md, "Attention-level test: held-out text").
     attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384])
     # The product recipe behind `oscar-int2`: the OSCAR rotation with the calibrated key mean
     # subtracted, keys scaled along the query eigenvectors (queries by the inverse) and searched
-    # clips (docs/decisions.md, "Main job recipe" and "Scaled keys"), one per-token group, then per-layer key
+    # clips (docs/decisions/0032-main-job-recipe-oscar-int2-oscar-rotation-key.md, "Main job recipe" and "Scaled keys"), one per-token group, then per-layer key
     # widths (below); with --widths none the keys split into a 3-bit part (the D/4 directions C_Q weighs most)
-    # and a 2-bit part at the same 2.5 bits per element (docs/decisions.md, split keys).
+    # and a 2-bit part at the same 2.5 bits per element (docs/decisions/README.md, split keys).
     # None: "scaled" (per-layer widths are chosen on a one-group fit), or "split" under --widths none
     variant: str | None = None
-    # Per-layer key widths (docs/decisions.md "Per-layer widths by the copy probe to first order"): after
+    # Per-layer key widths (docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md "Per-layer widths by the copy probe to first order"): after
     # the tune, each layer's keys at 2, 3 or 4 bits (values at 2) within the fit's bits per element, by the NLL change
     # of spans copied from the INT2 history of calibration text with that layer widened; oscar-int2 becomes the
     # per-layer artifact. "gradient" (the default): the change to first order, a forward + backward per window
     # (~2.5 min for SmolLM2 at 4 x 2048 on 2 CPUs); "copy": measured, 2L + 1 forwards (`oscar validate widths`,
-    # ~35 min; needles not distinguishable from the gradient's, docs/decisions.md); "none": the tuned fit itself (split keys by default).
+    # ~35 min; needles not distinguishable from the gradient's, docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md); "none": the tuned fit itself (split keys by default).
     widths: str = "gradient"
     widths_windows: int = 4
     widths_length: int | None = None  # None: min(2048, the longest context validated)
     # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
-    # (validate/tune.py; docs/decisions.md, "Key clip tuned end to end").
+    # (validate/tune.py; docs/decisions/0034-key-clip-tuned-end-to-end-oscar-validate-tune.md, "Key clip tuned end to end").
     tune: bool = True
     # What the tune minimises: nll (strict NLL), copy (a copied span read from the INT2 history) or guarded
     # (copy among the factors within 0.5 % of the best NLL); validate/tune.py.
@@ -96,7 +96,7 @@ class RunConfig:
     # multiply it natively, AVX-512 BF16 or AMX; float32 on other CPUs, where torch's bfloat16 GEMMs run ~6x slower:
     # oscar/host.py), bfloat16 or float32. Calibration, the tune and the widths compute in float32 either way.
     dtype: str = "auto"
-    # validate/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions.md
+    # validate/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md
     # "Engines") or cache (OscarCache + the kernel dispatcher) for tune, NIAH, perplexity, attention; device: cpu, cuda[:N]
     engine: str = "simulate"
     device: str = "cpu"
@@ -148,7 +148,7 @@ class RunConfig:
 
     def __post_init__(self):
         if self.samples is None:
-            self.samples = 20  # >= 20 per cell: the acceptance sample size (docs/decisions.md)
+            self.samples = 20  # >= 20 per cell: the acceptance sample size (docs/decisions/0037-main-job-speed-same-computations-cheaper.md)
         self._check_sizes()
         if self.full:
             self.ppl_tokens = max(self.ppl_tokens, 12288)

@@ -291,7 +291,7 @@ static void vt_head(const void *ctx_, int64_t h, double *kb) {
     c->wsum[h] = ws;
 }
 
-/* The value target of one sequence (docs/decisions.md): for every KV head h, with w_t = k_t^T C_h k_t,
+/* The value target of one sequence (docs/decisions/0015-capture-value-target-w-t-v-t-v-t-uses-the-c-q-of.md): for every KV head h, with w_t = k_t^T C_h k_t,
  *   vw[h] <- sum_t w_t v_t v_t^T (D, D),  wsum[h] <- sum_t w_t,
  * over rows row0 .. row0+nrows of k and v (each one source of H heads). C: (H, D, D) float64.
  * Returns 0 / -1 / -2. */

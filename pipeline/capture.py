@@ -236,7 +236,7 @@ class LayerAccumulator:
         self.gram += gseq
         if n == 0:
             return
-        # Value target: w_t = k_t C_Q k_t^T with this sequence's own C_Q (docs/decisions.md).
+        # Value target: w_t = k_t C_Q k_t^T with this sequence's own C_Q (docs/decisions/0015-capture-value-target-w-t-v-t-v-t-uses-the-c-q-of.md).
         cq = gseq[:Hq].view(H, G, D, D).sum(1) / (n * G)                              # (Hkv, D, D)
         if fast:
             vw, ws = torch.empty(H, D, D, dtype=torch.float64), torch.empty(H, dtype=torch.float64)

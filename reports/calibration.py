@@ -214,7 +214,7 @@ def widths_section(artifact_path: str, out_dir: str) -> str:
           "wide keys fp16), within the fitted artifact's bits per element. Each bar: the NLL of spans copied from the "
           "INT2 history of calibration text with that layer alone widened, minus all layers at 2 bits (negative: "
           "widening helps)" + ("; here to first order, from the gradient of that NLL with every layer at 2 bits"
-                                if grad else "") + ". docs/decisions.md, \"Per-layer widths in the cache format\".", "",
+                                if grad else "") + ". docs/decisions/0071-per-layer-widths-in-the-cache-format-served-end.md, \"Per-layer widths in the cache format\".", "",
           "![per-layer key widths](widths.png)", ""]
     path = os.path.join(out_dir, "widths.md")
     with open(path, "w") as f:

@@ -45,7 +45,7 @@ def calibrated_length(art: "Artifact") -> int | None:
     """The calibrated length: the fit saw queries and keys at positions [0, n) only — the windows' length, or
     the positions they were read at (`oscar calibrate --positions`) — None: an artifact fitted before it was
     recorded, or imported. Past it RoPE's slow pairs have turned further than any calibrated row, and the key
-    error grows (docs/decisions.md, "Calibrate at the serving length")."""
+    error grows (docs/decisions/0065-calibrate-at-the-serving-length-oscar-run.md, "Calibrate at the serving length")."""
     n = _covered(art.meta.get("provenance", {}))
     return int(n) if n else None
 

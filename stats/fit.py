@@ -53,7 +53,7 @@ class FitConfig:
 
 def _release_memory() -> None:
     """Hand freed heap pages back to the OS after each layer: glibc keeps them, and the RSS of a
-    92-layer fit grew ~15 MB per layer from fragmentation alone (measured, see docs/decisions.md)."""
+    92-layer fit grew ~15 MB per layer from fragmentation alone (measured, see docs/decisions/0030-fit-streaming-memory-prefetch-and-malloc-trim.md)."""
     try:
         import ctypes
 

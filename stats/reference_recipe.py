@@ -10,7 +10,7 @@ chains them from the calibration store's sums (docs/store-format.md).
    key   C_K,h = Σ q qᵀ / N_q over the query heads of h's GQA group   (``q_gram / q_count``)
    value C_V,h = Σ_t w_t v_t v_tᵀ / Σ_t w_t,  w_t = k_tᵀ C_Q k_t      (``vw_gram / w_sum``)
    i.e. the weights normalised to mean 1 (C_Q: the capture's per-sequence query
-   second moment, see docs/decisions.md "Capture: value target").
+   second moment, see docs/decisions/0015-capture-value-target-w-t-v-t-v-t-uses-the-c-q-of.md "Capture: value target").
 2. One rotation per layer: the per-head targets averaged over the KV heads.
 3. ``eigh`` of the average: eigenvalues ascending, eigenvectors as the columns of U
    (as ``torch.linalg.eigh`` returns them; no reordering, no sign fixing).

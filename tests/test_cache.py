@@ -411,7 +411,7 @@ def test_fp8_params_triton_path_equals_reference_path(monkeypatch):
 
 def test_a_sequence_past_the_calibration_length_warns_once():
     """The serving path says when a sequence leaves the positions the artifact was calibrated on (its key error grows
-    there: docs/decisions.md, "Calibrate at the serving length"), once per cache; within them it says nothing."""
+    there: docs/decisions/0065-calibrate-at-the-serving-length-oscar-run.md, "Calibrate at the serving length"), once per cache; within them it says nothing."""
     import warnings
 
     m = tiny_model("llama")

@@ -177,8 +177,8 @@ def test_no_help_or_doc_string_points_to_a_missing_design_document():
     sources = [f for d in ("oscar", "pipeline", "stats", "kernels", "validate", "cluster", "reports", "bench")
                for f in (root / d).rglob("*.py")]
     assert not [str(f) for f in sources if "DESIGN" in f.read_text()]
-    for f in sources + list((root / "docs").glob("*.md")):  # every docs/X.md a source or doc names exists
-        for ref in set(re.findall(r"docs/([\w.-]+\.md)", f.read_text())):
+    for f in sources + list((root / "docs").rglob("*.md")):  # every docs/X.md (docs/decisions/N.md) named exists
+        for ref in set(re.findall(r"docs/([\w.-]+(?:/[\w.-]+)*\.md)", f.read_text())):
             assert (root / "docs" / ref).is_file(), (str(f), ref)
 
 

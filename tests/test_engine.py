@@ -309,7 +309,7 @@ def test_smollm2_needles_engines_agree_for_every_int2_method(smol):
     naive-int2's rambling continuation after the number, ' The grass is blue' vs ' green', parts by the
     float-order noise of the test above). (The simulate engine's needle protocol prefills the haystack exactly,
     OscarCache's prefill reads the INT2 history: a different protocol, whose effect on predictions
-    bench/engine_speed.py measures; docs/decisions.md, "Engines".)"""
+    bench/engine_speed.py measures; docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md, "Engines".)"""
     from oscar.validate import env
     from oscar.validate.niah import eos_ids
     from oscar.validate.ruler import Sources, make_sample, score_one

@@ -65,7 +65,7 @@ def test_same_store_same_recipe_whichever_kernels(store, tmp_path):
     assert host["factor"] == other["factor"]
     # the widths' table is float32 (TuneConfig.widths_dtype): most entries move by reordering only, but an entry whose
     # window flips an INT2 code moves by up to ~1 % (1e-3 against the table's largest 0.11 here); the DP's choice on the
-    # table rounded to TIE_REL holds here, a guarantee only where no moved entry sits at a decision (docs/decisions.md)
+    # table rounded to TIE_REL holds here, a guarantee only where no moved entry sits at a decision (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md)
     spread = (host["err"].double() - other["err"].double()).abs()
     assert host["widths"] == other["widths"], spread.max()
     # float64 scoring: the NLLs agree to float64 rounding through 30 layers (far below TIE_REL), not to float32's ~1 %

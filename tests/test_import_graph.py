@@ -290,7 +290,7 @@ def test_dependency_rules():
     found = violations(ROOT)
     new = {v: w for v, w in found.items() if v not in KNOWN}
     gone = sorted(v for v in KNOWN if v not in found)
-    assert not new, "import against the dependency rules (README 'Layout', docs/decisions.md):\n" + "\n".join(
+    assert not new, "import against the dependency rules (README 'Layout', docs/decisions/0054-structure-follows-the-data-flow-dependency-rules.md):\n" + "\n".join(
         f"  {v}   at {w}" for v, w in sorted(new.items()))
     assert not gone, "no longer occurs; remove it from KNOWN in tests/test_import_graph.py:\n  " + "\n  ".join(gone)
 

@@ -58,7 +58,7 @@ def test_tune_picks_the_argmin_of_independently_recomputed_nll(smollm2, tmp_path
                 logits = model(input_ids=ids, use_cache=False).logits.float()
             x = float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]))
             # same path: bookkeeping only; dense path: INT2 amplifies float-order differences (0.2-1.1 % here;
-            # docs/decisions.md, "Main job speed": 1e-6 on attention outputs moves a strict window by 2.7 %)
+            # docs/decisions/0037-main-job-speed-same-computations-cheaper.md, "Main job speed": 1e-6 on attention outputs moves a strict window by 2.7 %)
             assert abs(x - got) < (1e-4 if not dense else 0.03 * got), (f, dense, x, got)
         nll[f] = x
     assert abs(nll[1.0] - nll[1.6]) > 0.2  # the factor matters on this window, well beyond the paths' difference

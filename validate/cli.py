@@ -134,7 +134,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "choose the widths with the lowest summed NLL change whose bits per element (memory "
                                   "accounting) stay within the artifact's own, and write them as the cache's per-layer "
                                   "format (oscar-artifact/3). 2L + 1 probes, each a forward of every copy window; "
-                                  "resumable (OUT.probes.jsonl; --estimate gradient: OUT.gradients.jsonl, by window). docs/decisions.md, \"per-layer widths chosen "
+                                  "resumable (OUT.probes.jsonl; --estimate gradient: OUT.gradients.jsonl, by window). docs/decisions/0070-a-b-per-layer-widths-chosen-by-the-copy-probe-on.md, \"per-layer widths chosen "
                                   "by the copy probe\".")
     w.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
     w.add_argument("--artifact", required=True, help="a one-group artifact (`oscar fit --variant scaled`, then tune)")
@@ -142,7 +142,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--length", type=positive_int, default=2048, help="tokens per copy window (default 2048)")
     w.add_argument("--estimate", choices=["probe", "gradient"], default="probe",
                    help="probe: measure each layer alone (2L + 1 forwards; default); gradient: the same change to first "
-                        "order from one forward + backward per window (SmolLM2 at 4 x 2048 on 2 CPUs: ~2.5 min against ~35 min, separate runs; docs/decisions.md)")
+                        "order from one forward + backward per window (SmolLM2 at 4 x 2048 on 2 CPUs: ~2.5 min against ~35 min, separate runs; docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md)")
     w.add_argument("--out", required=True, help="per-layer artifact (.safetensors); the probe log goes beside it")
     w.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     w.set_defaults(func=_widths)

@@ -35,7 +35,7 @@ import torch
 from oscar.common import OscarError
 
 ENGINES = ("simulate", "cache")
-DEFAULT_ENGINE = "simulate"  # measured ~?x faster on CPU: docs/decisions.md, "Engines"
+DEFAULT_ENGINE = "simulate"  # measured ~?x faster on CPU: docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md, "Engines"
 DEFAULT_DEVICE = "cpu"
 ENGINE_HELP = ("execution engine: simulate (default: the fake-quant simulator, several methods and samples "
                "batched) or cache (the product path: OscarCache and the kernel dispatcher, prefill then decode; "

@@ -6,7 +6,7 @@ Text, in this order, until enough tokens are cut:
   2. docstrings of the running Python's standard library (module, class and function docstrings
      of its .py files, read with `ast`, never imported), in sorted path order: ~1.4 MB of English
      technical prose in every Python install, a source no calibration corpus of this project uses
-     (docs/decisions.md, "Attention-level test: held-out text").
+     (docs/decisions/0047-attention-level-test-held-out-text-whole.md, "Attention-level test: held-out text").
 Cut into whole sequences of `seq_len` tokens by the calibration's own `make_blocks` (EOS between
 documents), the last one shorter.
 

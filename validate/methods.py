@@ -372,7 +372,7 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
 
 
 # What each method is, and which knobs of the INT2 comparison it lacks and why (written into memory.json,
-# listed by the report; docs/decisions.md "Second model on request").
+# listed by the report; docs/decisions/0049-second-model-on-request-the-kivi2-bfloat16.md "Second model on request").
 METHOD_NOTES: dict[str, str] = {
     "bf16": "the unquantized cache",
     "naive-int2": "identity rotation, per-token min/max groups; data-free: no clip search, no centering",

@@ -9,7 +9,7 @@ read, and the next token overwrites them), and a query at position p reads slots
 `MethodBatchCache` stores for its method (same quantized ranges, same flush steps); tests check the
 two agree.
 
-Why it is faster (docs/decisions.md, "Needle decoding: several samples per batch"):
+Why it is faster (docs/decisions/0050-needle-decoding-several-samples-per-batch.md, "Needle decoding: several samples per batch"):
 - attention is `rows_attention`: float32 scores and float32 accumulation, query heads viewed per
   KV head (GQA without repeat_kv). SDPA's CPU flash kernel for a one-token bfloat16 query was the
   decode step's main cost (21 ms vs 3.7 ms for (7, 9, 1, 64) x 4k keys, one thread);

@@ -4,7 +4,7 @@ The fit searches each layer's key clip on reservoir rows, minimising the q-weigh
 MSE. That proxy pairs random queries with random keys of other sequences, so it sees
 almost none of the large logits that real attention concentrates on — and MSE-optimal
 clipping shrinks exactly those. Measured on SmolLM2, the fit's clips (≈ 0.70) were
-too aggressive end to end (docs/decisions.md, "Key clip tuned end to end").
+too aggressive end to end (docs/decisions/0034-key-clip-tuned-end-to-end-oscar-validate-tune.md, "Key clip tuned end to end").
 
 This stage keeps the fit's per-layer *shape* and scales every key clip by one factor,
 clip = min(1, f · clip_fit), choosing f by the model's next-token NLL on a window of the
@@ -14,7 +14,7 @@ after the sinks from INT2 once its page is complete). Only calibration text is u
 That NLL is dominated by local prediction, where the recent tokens carry the answer; needles are retrieval
 from far back in the INT2 history. `objective` adds a retrieval proxy from the same calibration text: the NLL
 of a **copied span** (a window whose last S tokens repeat S of its INT2 tokens, read under the serving
-protocol), which the model can only predict by attending back to the span (docs/decisions.md, "the clip
+protocol), which the model can only predict by attending back to the span (docs/decisions/0063-diagnostic-the-clip-tune-s-objective-trades.md, "the clip
 tune's objective trades retrieval for next-token NLL"). `guarded` takes the best copy NLL among the factors
 whose strict NLL is within `nll_slack` of the best, so retrieval is bought only with a bounded NLL cost.
 """
@@ -47,7 +47,7 @@ class TuneConfig:
     dtype: str = "float64"
     # The per-layer widths' copy probe and its gradient: float32. In float64 the gradient's forward + backward ran
     # 4.5x the float32 time (~9 min of a 15-minute main job on a 2-core AVX2 host); its table is rounded to
-    # TIE_REL instead (validate/codebooks.py), which absorbs reordering but not a flipped code (docs/decisions.md).
+    # TIE_REL instead (validate/codebooks.py), which absorbs reordering but not a flipped code (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
     widths_dtype: str = "float32"
     objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
     nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)

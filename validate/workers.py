@@ -6,7 +6,7 @@ this 2-core host (`oscar run`'s needle stage gained 1.35x from batching where th
 ratio promised 1.9x: the old loop's bf16 SDPA kernel was compute-bound and used both threads, the
 new loop's ops do not), and with another job on the cores OpenMP barriers stall. Two processes of
 one intra-op thread each keep both cores busy on every op. Measured on the quiet host, that bought
-little (needles 579 s vs 613 s in one process, perplexity 277 s vs 255 s: docs/decisions.md, "Needle
+little (needles 579 s vs 613 s in one process, perplexity 277 s vs 255 s: docs/decisions/0056-needle-and-perplexity-units-on-worker-processes.md, "Needle
 and perplexity units on worker processes"); results are unchanged either way.
 
 Each worker is a spawned process (no fork of a process that ran OpenMP threads or Ray) holding a

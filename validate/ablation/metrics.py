@@ -7,7 +7,7 @@ decoded versions. Logits are s = q k^T / sqrt(D), attention o = softmax(s) v.
 - o_k / o_v: the output error with only K (resp. only V) compressed — the K-path /
   V-path decomposition.
 - d2: seed 004's 2-D error metric on the attention output, the squared distance of
-  the point (relMSE_O, 1 - cos_O) from the origin (docs/decisions.md).
+  the point (relMSE_O, 1 - cos_O) from the origin (docs/decisions/0004-ablation-harness.md).
 - err6: the 6-D error geometry (relmse, 1-cos) x (K, V, O) and its norm.
 - logit_var / logit_bias: variance and mean of eps = s^ - s over all (query, key) pairs.
 - jensen_measured = E[exp(s + eps)] / exp(s) = mean over keys of exp(eps), per query;

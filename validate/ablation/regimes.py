@@ -4,7 +4,7 @@ Every regime yields calibration and test sets of (q, k, v), each (N, D) float64,
 and a `spec`: the property it is built to have (kurtosis, rank, angle, ratio...).
 `measure(regime)` estimates the same properties from the generated data; tests
 check the two agree. Data is drawn from numpy PCG64 seeded by (regime, seed), so
-both validation paths see the same data (docs/decisions.md).
+both validation paths see the same data (docs/decisions/0004-ablation-harness.md).
 
 Scale: K and V are normalised so E|x|^2 = D; queries are independent draws of
 their own distribution (never Q = K) times `q_gain`, so logits q.k/sqrt(D) have a
