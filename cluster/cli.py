@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from oscar.cli_options import add_model, add_out, add_ray, add_stages
 from oscar.common import nonneg_float, positive_float, positive_int
 
 
@@ -19,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="From the model config alone (no weights): parameter bytes per stage, float64 "
                                    "accumulators, activations per micro-batch, store size and, with --gpu-mem, the "
                                    "smallest stage count that fits (docs/scale.md).")
-    p.add_argument("--model", required=True, help="config.json, model directory, shipped config (glm-4.7) or preset")
-    p.add_argument("--stages", type=int, required=True, help="pipeline stages (layer ranges) to plan")
+    add_model(p, "config.json, model directory, shipped config (glm-4.7) or preset", required=True)
+    add_stages(p, "pipeline stages (layer ranges) to plan", type=int, required=True)
     p.add_argument("--gpus-per-stage", type=int, default=1, help="GPUs that share one stage's weights")
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
                    help="memory of one GPU, to check the plan and suggest a stage count; a plan that does not fit "
@@ -77,7 +78,7 @@ def _register_render(sub) -> None:
     r.add_argument("--target", choices=("kuberay", "aws"), default="kuberay",
                    help="kuberay: a RayJob (rayjob.yaml); aws: a Ray cluster launcher config (cluster.yaml) + the job "
                         "config for `oscar submit` (job.yaml)")
-    r.add_argument("--out", required=True, help="directory the manifests are written to")
+    add_out(r, "directory the manifests are written to")
     r.add_argument("--image", help=f"container image with oscar-kv installed (built from the Dockerfile); {req}")
     r.add_argument("--nodes", type=int, help=f"GPU worker nodes (pods); {req}")
     r.add_argument("--gpus-per-node", type=int, help=f"GPUs of one worker node; {req}")
@@ -85,7 +86,7 @@ def _register_render(sub) -> None:
     r.add_argument("--cpus-per-node", type=int, help=f"CPUs of one worker node (shared by its stages); {req}")
     r.add_argument("--memory-per-node", type=float, metavar="GiB", help=f"kuberay: memory of one worker pod; {req} "
                    "for kuberay")
-    r.add_argument("--model", help=f"model directory (HF safetensors + index) as the nodes see it; {req}")
+    add_model(r, f"model directory (HF safetensors + index) as the nodes see it; {req}", default=None)
     r.add_argument("--model-config", help="config the plan reads on this machine: config.json, model directory or a "
                    "shipped config such as glm-4.7 (default: --model, when it is readable here)")
     r.add_argument("--store", help=f"calibration store as the nodes see it, below --shared-dir; {req}")
@@ -102,7 +103,7 @@ def _register_render(sub) -> None:
     r.add_argument("--mount-command", help="aws: host command run before the container starts that mounts the shared "
                    "filesystem at --shared-dir (e.g. a Lustre or NFS mount); required for aws")
     r.add_argument("--disk-gib", type=int, default=500, help="aws: root volume of each worker (GiB)")
-    r.add_argument("--stages", type=int, help="pipeline stages per replica (default: the smallest count `oscar plan` fits)")
+    add_stages(r, "pipeline stages per replica (default: the smallest count `oscar plan` fits)", type=int)
     r.add_argument("--gpus-per-stage", type=int, help="GPUs per stage, dividing --gpus-per-node (default: --gpus-per-node)")
     r.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence")
     r.add_argument("--positions", type=int, default=None,
@@ -184,10 +185,8 @@ def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
     if p is None:
         return
     g = p.add_argument_group("distributed (Ray)")
-    g.add_argument("--ray", metavar="ADDRESS", default=None,
-                   help="run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_ADDRESS, a running "
-                        "local cluster, else start one on 127.0.0.1; default: no Ray, this process)")
-    g.add_argument("--stages", type=positive_int, default=None, help="stage actors per replica (layer ranges; default 1 with --ray)")
+    add_ray(g)
+    add_stages(g, "stage actors per replica (layer ranges; default 1 with --ray)")
     g.add_argument("--replicas", type=positive_int, default=None, help="pipeline replicas splitting the blocks (default 1 with --ray)")
     g.add_argument("--stage-layers", default=None, metavar="A:B,B:C",
                    help="explicit layer ranges (default: balanced by parameter count)")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from oscar.cli_options import add_artifact, add_model, add_out
 from oscar.common import nonneg_int, positive_int
-from oscar.defaults import EMBEDDED_MODEL, PAGE_SIZE, RECENT, SINK
+from oscar.defaults import PAGE_SIZE, RECENT, SINK
 
 
 def register(sub) -> None:
@@ -14,16 +15,15 @@ def register(sub) -> None:
                            description="Cache benchmarks; `oscar bench memory` accounts KV-cache bytes per token.")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     m = bsub.add_parser("memory", help="bytes per token by component for BF16 and each INT2 cache mode")
-    m.add_argument("--model", default=EMBEDDED_MODEL, help="model spec or config.json path (default: the embedded SmolLM2)")
+    add_model(m, "model spec or config.json path (default: the embedded SmolLM2)")
     m.add_argument("--context", type=positive_int, default=32768, help="sequence length (tokens) for the whole-context totals")
     m.add_argument("--sink", type=nonneg_int, default=SINK, help="first tokens kept in BF16 by every INT2 format")
     m.add_argument("--recent", type=nonneg_int, default=RECENT, help="latest tokens kept in BF16 by every INT2 format")
     m.add_argument("--page-size", type=positive_int, default=PAGE_SIZE, help="tokens per INT2 page")
-    m.add_argument("--artifact", default=None,
-                   help="also account this artifact's own format, layer by layer (per-layer widths); "
-                        "default: none, the preset formats only")
+    add_artifact(m, "also account this artifact's own format, layer by layer (per-layer widths); "
+                    "default: none, the preset formats only")
     m.add_argument("--json", action="store_true", help="print the report as JSON")
-    m.add_argument("--out", default=None, help="also write the JSON report to this file (default: print only)")
+    add_out(m, "also write the JSON report to this file (default: print only)", required=False)
     m.set_defaults(func=memory_cmd)
 
 

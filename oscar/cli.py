@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from oscar.cli_options import add_device, add_methods, add_model, add_out
 from oscar.common import nonneg_int, positive_float, positive_int
-from oscar.defaults import EMBEDDED_MODEL
-from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
-
-DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,9 +21,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                                    "tests, perplexity and attention-level retrieval, and write DIR/report.md and "
                                    "DIR/report.html. Re-running the same command skips finished stages and resumes "
                                    "inside calibrate, niah and ppl.")
-    r.add_argument("--out", required=True, help="run directory (everything the job writes; resumes what it holds)")
+    add_out(r, "run directory (everything the job writes; resumes what it holds)")
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
-    r.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
+    add_model(r)
     r.add_argument("--samples", type=positive_int, default=None, help="NIAH samples per cell (default 20)")
     r.add_argument("--seq-len", "--calib-seq-len", dest="calib_seq_len", type=positive_int, default=None,
                    help="calibration sequence length, as `oscar calibrate --seq-len` (default: the longest context "
@@ -36,9 +33,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help="absolute positions the calibration covers, as `oscar calibrate --positions` (default: the "
                         "longest context validated); a shorter --seq-len is read at RoPE offsets up to it "
                         "(--calib-positions: the older spelling)")
-    r.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list of KV-cache methods to compare (default: %(default)s; also tq-int2, sq-int2, "
-                        "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
+    add_methods(r, "comma list of KV-cache methods to compare (default: %(default)s; also tq-int2, sq-int2, "
+                   "kivi2-clip, hadamard-clip-int2: validate/methods.py)")
     r.add_argument("--full", action="store_true", help="larger perplexity budget (12288 held-out tokens per context, all the pydoc held-out split holds "
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
     r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default scaled, "
@@ -68,9 +64,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help="model compute dtype for NIAH, perplexity and the attention capture: auto (default: bfloat16 "
                         "on CUDA and on CPUs that multiply it natively, AVX-512 BF16 or AMX; float32 on other CPUs, "
                         "where bfloat16 runs ~6x slower), bfloat16 (serving precision) or float32 (steadier digits)")
-    from oscar.validate.engine import DEFAULT_DEVICE, DEFAULT_ENGINE, DEVICE_HELP, ENGINE_HELP, ENGINES
+    from oscar.validate.engine import DEFAULT_ENGINE, ENGINE_HELP, ENGINES
 
-    r.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
+    add_device(r)
     r.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES,
                    help=ENGINE_HELP + "; for the tune, needle, perplexity and attention stages")
     r.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's); "
@@ -94,7 +90,7 @@ def _run(args) -> int:
 def _register_ablate(sub) -> None:
     p = sub.add_parser("ablate", help="controlled ablation: synthetic/real regimes x KV schemes x budgets, KS tests, report",
                        description="Run seed 004's controlled ablation; re-running the same command resumes.")
-    p.add_argument("--out", required=True, help="output directory (ablation.parquet, ks.parquet, report.md, plots)")
+    add_out(p, "output directory (ablation.parquet, ks.parquet, report.md, plots)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_const", const="quick", dest="preset", help="CI size (< 3 min on 2 cores); default: the full preset")
     g.add_argument("--smoke", action="store_const", const="smoke", dest="preset", help="tiny, for tests")

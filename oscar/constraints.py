@@ -20,10 +20,13 @@ SLIDING_WINDOW = ("sliding-window attention layers are not supported by oscar-kv
                   "OscarCache) refuses such a model")
 
 
+HADAMARD_PALEY_ORDERS = (12, 20)  # oscar.stats.hadamard's Paley factors (its Kronecker products with 2^k)
+
+
 def hadamard_supported(n: int) -> bool:
     """A normalised Hadamard matrix of order n exists here (oscar.stats.hadamard: 2^k, 12*2^k, 20*2^k)."""
     pow2 = lambda m: m >= 1 and m & (m - 1) == 0  # noqa: E731
-    return any(n % m == 0 and pow2(n // m) for m in (1, 12, 20))
+    return any(n % m == 0 and pow2(n // m) for m in (1,) + HADAMARD_PALEY_ORDERS)
 
 
 def format_problems(head_dim: int, *, bits: int = 2, group_size: int | None = None, key_axis: str = "token",

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from oscar.cli_options import add_device, add_model
 from oscar.common import nonneg_int, positive_int
 from oscar.defaults import EMBEDDED_MODEL, SINK
 
@@ -17,9 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Stream the calibration corpus through the model and accumulate per-layer, "
                                    "per-KV-head attention statistics into a zarr store. Re-running the same "
                                    "command resumes; a store made for another model, corpus or config is refused.")
-    p.add_argument("--model", default=EMBEDDED_MODEL,
-                   help=f"preset ({EMBEDDED_MODEL}, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
-                        "HF directory or .gguf file (default: %(default)s)")
+    add_model(p, f"preset ({EMBEDDED_MODEL}, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
+                 "HF directory or .gguf file (default: %(default)s)")
     p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
     p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the reservoir samples")
     p.add_argument("--attn-implementation", default="sdpa", help="transformers attention implementation the captured model runs: sdpa (default), eager, ...")
     p.add_argument("--dtype", default="float32", help="model dtype during capture: float32 (default), bfloat16, float16, float64; the statistics are float64 either way")
-    p.add_argument("--device", default="cpu", help="torch device of the model: cpu, cuda, cuda:1, ...")
+    add_device(p, "torch device of the model: cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=positive_int, help="torch threads (default: all cores or $OSCAR_THREADS)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing store and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's)")

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from oscar.cli_options import add_out
 from oscar.common import int_between, nonneg_int, positive_int
 from oscar.defaults import RECENT, SINK
 
@@ -68,7 +69,7 @@ def register(sub) -> None:
                    help="calibration store; the same as --store (the positional spelling scripts use)")
     p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/2; /1 read with a warning); required, "
                    "here or as STORE (no default)")
-    p.add_argument("--out", required=True, help="artifact .safetensors to write")
+    add_out(p, "artifact .safetensors to write")
     p.add_argument("--variant", default="scaled", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default scaled, "
                    "the rotations `oscar run` ships; oscar: the published recipe; `oscar variants` describes each)")
     p.add_argument("--estimator", default="auto", help="covariance estimator across blocks: auto (robust where tails "

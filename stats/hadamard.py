@@ -1,4 +1,6 @@
-"""Normalised Hadamard matrices and the bit-reversal permutation used by OSCAR rotations.
+"""Normalised Hadamard matrices and the bit-reversal permutation used by OSCAR rotations: the one
+Walsh–Hadamard of the project (the fit's rotations, the published recipe, the validation's hadamard-int2
+baseline, the ablation's and TurboQuant's random-sign WHT all take theirs from here).
 
 Sizes supported: 2^k (Sylvester) and 12 * 2^k, 20 * 2^k (Kronecker product of a
 Paley type-I Hadamard matrix of order 12 or 20 with a Sylvester one), which covers
@@ -13,8 +15,8 @@ from functools import lru_cache
 import numpy as np
 
 from oscar.common import OscarError
-
-PALEY_ORDERS = (12, 20)
+from oscar.constraints import HADAMARD_PALEY_ORDERS as PALEY_ORDERS
+from oscar.constraints import hadamard_supported as supported  # the sizes rule the up-front checks read too
 
 
 class HadamardUnsupported(OscarError):
@@ -52,10 +54,6 @@ def paley(q: int) -> np.ndarray:
     return h
 
 
-def supported(n: int) -> bool:
-    return any(n % m == 0 and _is_pow2(n // m) for m in (1,) + PALEY_ORDERS)
-
-
 @lru_cache(maxsize=16)
 def _hadamard(n: int) -> np.ndarray:
     if _is_pow2(n):
@@ -76,6 +74,19 @@ def _hadamard(n: int) -> np.ndarray:
 def hadamard(n: int) -> np.ndarray:
     """Normalised (orthogonal) Hadamard matrix of order n, float64 (n, n)."""
     return _hadamard(int(n)).copy()
+
+
+def hadamard_tensor(n: int, dtype=None, *, sylvester_for: str | None = None):
+    """hadamard(n) as a torch tensor: the float64 matrix, cast to dtype (default float64).
+
+    sylvester_for: the caller that accepts only the Sylvester orders n = 2^k (the published recipe, the data-free
+    hadamard-int2 baseline); any other n raises HadamardUnsupported naming it."""
+    import torch  # here, not at the top: the CLI reads the variant registry (stats.rotations) without torch
+
+    n = int(n)
+    if sylvester_for is not None and not _is_pow2(n):
+        raise HadamardUnsupported(f"{sylvester_for} needs a power-of-two head_dim, got {n}")
+    return torch.from_numpy(hadamard(n)).to(torch.float64 if dtype is None else dtype)
 
 
 def bitrev_perm(n: int) -> np.ndarray:

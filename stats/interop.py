@@ -34,6 +34,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from oscar.cli_options import add_artifact, add_model, add_out
 from oscar.common import OscarError, positive_int
 from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, QuantConfig, load_artifact, save_artifact
 
@@ -494,10 +495,10 @@ def register(sub) -> None:
                                    "formats carry rotations only; the oscar extension carries the whole recipe.")
     p.add_argument("artifact_pos", nargs="?", metavar="ARTIFACT", default=None,
                    help="artifact .safetensors; the same as --artifact (the positional spelling scripts use)")
-    p.add_argument("--artifact", default=None, help="artifact .safetensors to export; required, here or as ARTIFACT")
+    add_artifact(p, "artifact .safetensors to export; required, here or as ARTIFACT")
     p.add_argument("--format", choices=FORMATS, required=True,
                    help="sglang-oscar ({k,v}_rotation_TAG.pt) or gguf-rot (GGUF model copy with rotation tensors)")
-    p.add_argument("--out", required=True, help="output directory")
+    add_out(p, "output directory")
     p.add_argument("--tag", default="oscar", help="file tag for sglang-oscar ({k,v}_rotation_TAG.pt)")
     p.add_argument("--format-version", type=int, choices=(1, 2, 3), default=None,
                    help="sglang-oscar: 1 = one rotation per layer, 2 = per KV head (the published fork's schema, "
@@ -512,9 +513,9 @@ def register(sub) -> None:
                                    "an artifact that `oscar validate` and OscarCache load.")
     p.add_argument("path", help="sglang-oscar directory or gguf-rot file")
     p.add_argument("--format", choices=FORMATS, required=True, help="format of PATH: sglang-oscar or gguf-rot")
-    p.add_argument("--out", required=True, help="artifact .safetensors to write")
+    add_out(p, "artifact .safetensors to write")
     p.add_argument("--tag", default=None, help="sglang-oscar file tag to read (default: the only {k,v}_rotation_*.pt pair)")
     p.add_argument("--num-kv-heads", type=positive_int, default=None,
                    help="KV heads to broadcast a per-layer (format_version 1) rotation to (default: none; v1 needs it)")
-    p.add_argument("--model", default=None, help="record and check this model's fingerprint (default: no check)")
+    add_model(p, "record and check this model's fingerprint (default: no check)", default=None)
     p.set_defaults(func=_cmd_import)

@@ -33,6 +33,7 @@ import torch
 from oscar.common import OscarError
 from oscar.quant import QuantSpec
 from oscar.stats.artifact import QuantConfig
+from oscar.stats.hadamard import hadamard_tensor
 
 CLIP_K = 0.96
 CLIP_V = 0.92
@@ -91,13 +92,8 @@ def eig_ascending(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def hadamard(D: int) -> torch.Tensor:
     """Normalised Sylvester Hadamard (D, D) float64, D a power of two (the published code's only case):
-    oscar.stats.hadamard's construction, restricted to that case."""
-    from oscar.stats.hadamard import HadamardUnsupported
-    from oscar.stats.hadamard import hadamard as _hadamard
-
-    if D < 1 or D & (D - 1):
-        raise HadamardUnsupported(f"the reference recipe needs a power-of-two head_dim for its Hadamard, got {D}")
-    return torch.from_numpy(_hadamard(D))
+    oscar.stats.hadamard's, restricted to that case."""
+    return hadamard_tensor(D, sylvester_for="the reference recipe's Hadamard")
 
 
 def bitrev(D: int) -> torch.Tensor:

@@ -65,3 +65,50 @@ def test_help_states_each_default_once(cmd, capsys):
         build_parser().parse_args([*cmd, "--help"])
     out = capsys.readouterr().out
     assert "%(" not in out and "(default: None)" not in out
+
+
+SHARED = ("--model", "--artifact", "--methods", "--out", "--device", "--stages", "--ray")
+
+
+def test_shared_options_are_defined_in_one_place():
+    """--model, --artifact, --methods, --out, --device, --stages and --ray are added through oscar/cli_options.py
+    only (one flag spelling, type, default and common help), never by a stage's own add_argument."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    pat = re.compile(r"add_argument\(\s*[\"'](%s)[\"']" % "|".join(SHARED))
+    found = [f"{f.relative_to(root)}: {m.group(1)}"
+             for d in ("oscar", "pipeline", "stats", "kernels", "validate", "cluster", "reports")
+             for f in sorted((root / d).rglob("*.py")) if f.name != "cli_options.py"
+             for m in pat.finditer(f.read_text())]
+    assert not found, found
+
+
+def _shared_actions(p: argparse.ArgumentParser | None = None, path: tuple[str, ...] = ()):
+    """(command, shared flag, action) over every (nested) subcommand."""
+    for a in (p or build_parser())._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _shared_actions(sub, path + (name,))
+        flag = next((s for s in a.option_strings if s in SHARED), None)
+        if flag:
+            yield " ".join(path), flag, a
+
+
+def test_shared_options_keep_their_defaults():
+    """Where a command means the common thing it takes the common default; the commands that differ are named."""
+    from oscar import cli_options as co
+
+    seen = {}
+    for cmd, flag, a in _shared_actions():
+        assert a.option_strings == [flag], (cmd, a.option_strings)  # no alias of a shared flag
+        seen[(cmd, flag)] = a
+    dev = {c: a.default for (c, f), a in seen.items() if f == "--device"}
+    assert set(dev.values()) == {co.DEFAULT_DEVICE}, dev
+    meth = {c: a.default for (c, f), a in seen.items() if f == "--methods"}
+    assert meth.pop("validate attention") == "naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2"
+    assert set(meth.values()) == {co.DEFAULT_METHODS}, meth
+    model = {c: a.default for (c, f), a in seen.items() if f == "--model"}
+    assert {c for c, d in model.items() if d != co.EMBEDDED_MODEL} == {"plan", "cluster render", "import"}, model
+    assert {c for (c, f), a in seen.items() if f == "--ray"} == {"calibrate"}

@@ -255,3 +255,61 @@ def test_fake_quant_parts_is_fake_quant_per_part():
     assert torch.equal(got[..., 16:], fake_quant(x[..., 16:].contiguous(), parts[1][2], clips[1]))
     assert len(got[0, 0, 0, :16].unique()) <= 8 and len(got[0, 0, 0, 16:].unique()) <= 4
 
+
+
+# ----------------------------------------------------------------------------- one quantizer family
+
+def _ties_and_clipping(T=6, D=16, seed=3):
+    """Rows with exact half-step ties (the grid 0..3 at scale 1: x = k + 0.5 rounds up), values outside a clipped
+    range, a constant row, and random rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g) * 2
+    x[0] = torch.tensor([0.0, 3.0] + [0.5, 1.5, 2.5] * 4 + [1.0, 2.0])  # lo 0, hi 3: scale 1, ties at k + 0.5
+    x[1] = 1.25  # constant group
+    x[2, :2] = torch.tensor([-40.0, 40.0])  # far outliers: a clip ratio < 1 clamps most of the row's neighbours
+    return x
+
+
+def test_ties_round_half_up_and_clipping_clamps():
+    x = _ties_and_clipping()
+    got = fake_quant(x, QuantSpec(bits=2, group_size=16))
+    assert got[0, 2:14].tolist() == [1.0, 2.0, 3.0] * 4  # 0.5 -> 1, 1.5 -> 2, 2.5 -> 3: half up
+    assert torch.equal(got[1], x[1])  # a constant group reads back exactly
+    xv = x[[0, 2, 3, 4, 5]]  # the brute force divides by the scale: the constant row is checked above
+    for ratio in (None, 0.5, 0.9):
+        torch.testing.assert_close(fake_quant(xv, QuantSpec(bits=2, group_size=8), clip=ratio),
+                                   _brute(xv, 2, 8, ratio), rtol=0, atol=1e-6)
+    c = fake_quant(x, QuantSpec(bits=2, group_size=16), clip=0.5)
+    assert c[0].max() <= 1.5 and c[0].min() >= 0.0  # clipped to [0, 1.5]
+
+
+def test_every_uniform_grid_in_the_package_is_this_one():
+    """The ablation's uniform codec, the paged cache's CPU quantizer and the published recipe's format all read
+    x through choose_qparams / quantize / dequantize: bit-identical to fake_quant on ties and clipping. The
+    other quantizers (Lloyd–Max codebooks: TurboQuant, SpectralQuant, oscar-lm) are different by design."""
+    from oscar.stats import reference_recipe as rr
+    from oscar.validate.ablation.schemes import Ctx, UniformCodec
+
+    x = _ties_and_clipping(T=16, D=16)
+    for clip, rule in ((None, "ratio"), (0.8, "ratio"), (0.96, "row-quantile")):
+        codec = UniformCodec(2, clip=clip, clip_rule=rule).fit({"k": x}, "k", Ctx())
+        y, _ = codec.roundtrip(x)
+        assert torch.equal(y, fake_quant(x, codec.spec, clip)), (clip, rule)
+    spec = rr.reference_spec(2)
+    s, z = choose_qparams(x, spec, rr.CLIP_K)
+    assert torch.equal(dequantize(quantize(x, s, z, spec), s, z, spec), fake_quant(x, spec, rr.CLIP_K))
+
+
+def test_no_other_module_rounds_to_a_uniform_grid():
+    """Source guard: round-half-up onto a uniform grid (floor(... + 0.5)) is written in oscar/quant.py and in its
+    Triton mirror (kernels/triton_quant.py, tested against it) only."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = set()
+    for d in ("oscar", "pipeline", "stats", "kernels", "validate", "cluster", "reports"):
+        for f in (root / d).rglob("*.py"):
+            if re.search(r"floor\([^\n]*\+ 0\.5\)|\.add_\(0\.5\)\.floor_\(\)", f.read_text()):
+                found.add(str(f.relative_to(root)))
+    assert found == {"oscar/quant.py", "kernels/triton_quant.py"}, found

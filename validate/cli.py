@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
-from oscar.defaults import EMBEDDED_MODEL, SINK
+from oscar.cli_options import add_artifact, add_device, add_methods, add_model, add_out
+from oscar.defaults import SINK
 from oscar.host import DTYPES, compute_dtype
 from oscar.common import (length_list, nonneg_float, nonneg_int, nonneg_int_list, positive_float_list,
                           positive_int)
-
-DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)
 
 
 def _lengths(s: str) -> list[int]:
@@ -23,8 +21,6 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-_METHODS_HELP = "comma list of cache methods (docs/validation.md: bf16, naive-int2, kivi2, hadamard-int2, " \
-                "oscar-ref-int2, oscar-kc-int2, oscar-int2, ...)"
 _DTYPE_HELP = ("model compute dtype: auto (default, as `oscar run`: bfloat16 on CUDA and on CPUs that multiply it "
                "natively (AVX-512 BF16, AMX), float32 on other CPUs, where bfloat16 runs ~6x slower), bfloat16 (the "
                "serving precision) or float32 (steadier digits: bfloat16 results move with the thread count)")
@@ -33,9 +29,9 @@ _PROGRESS_HELP = "no progress bars (ours and transformers')"
 
 def _exec_args(parser, engine: bool = True) -> None:
     """--device (and --engine): where and through what the model runs (validate/engine.py)."""
-    from oscar.validate.engine import DEFAULT_DEVICE, DEFAULT_ENGINE, DEVICE_HELP, ENGINE_HELP, ENGINES
+    from oscar.validate.engine import DEFAULT_ENGINE, ENGINE_HELP, ENGINES
 
-    parser.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
+    add_device(parser)
     if engine:
         parser.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP)
 
@@ -59,9 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     n = vs.add_parser("niah", help="RULER-style tasks under the strict protocol (resumable)",
                       description="RULER-style needle-in-a-haystack tasks on held-out haystacks, every method on the "
                                   "same samples; writes DIR/results.parquet and DIR/niah_samples.jsonl.")
-    n.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
-    n.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
-    n.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
+    add_model(n)
+    add_artifact(n)
+    add_methods(n)
     n.add_argument("--tasks", default="niah_single_1,niah_single_2",
                    help="comma list of RULER tasks, or 'all' (every task the inputs allow: qa_1 / qa_2 only with "
                         "--squad / --hotpotqa; the others skipped are named on stderr and in the report)")
@@ -77,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "strict-token (diagnostic: per-token K/V quantized the moment they are written)")
     n.add_argument("--corpus", default="pydoc", help="haystack corpus: pydoc, or a .parquet / .jsonl / .txt file")
     n.add_argument("--dtype", default="auto", choices=DTYPES, help=_DTYPE_HELP)
-    n.add_argument("--out", required=True, help="output directory (resumes what it already holds)")
+    add_out(n, "output directory (resumes what it already holds)")
     _exec_args(n)
     n.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     n.set_defaults(func=_niah)
@@ -85,9 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = vs.add_parser("ppl", help="held-out perplexity, strict and serving protocols",
                       description="Held-out perplexity of every method, paired by window against bf16; writes "
                                   "DIR/ppl.parquet and DIR/goal.json.")
-    p.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
-    p.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=_METHODS_HELP)
+    add_model(p)
+    add_artifact(p)
+    add_methods(p)
     p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k", type=length_list,
                    help="comma list of context lengths scored (1k = 1024 tokens; --contexts: the older spelling)")
     p.add_argument("--protocol", "--protocols", dest="protocols", default="strict,serving",
@@ -98,7 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "docstrings, as the needle haystacks)")
     p.add_argument("--corpus", default="pydoc", help="held-out corpus: pydoc, or a .parquet / .jsonl / .txt file")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help=_DTYPE_HELP)
-    p.add_argument("--out", required=True, help="output directory (resumes what it already holds)")
+    add_out(p, "output directory (resumes what it already holds)")
     _exec_args(p)
     p.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     p.set_defaults(func=_ppl)
@@ -109,8 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       description="Score each factor x the fitted key clips by NLL per token on calibration-split text "
                                   "(float32, so the choice does not depend on thread counts) and write the artifact "
                                   "with the best factor applied.")
-    t.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
-    t.add_argument("--artifact", required=True, help="fitted artifact to tune")
+    add_model(t)
+    add_artifact(t, "fitted artifact to tune", required=True)
     t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", type=positive_float_list, help="comma list of factors x the fitted key clip "
                    "(ratios capped at 1)")
     t.add_argument("--tokens", type=positive_int, default=2048, help="calibration-split tokens scored per factor")
@@ -122,7 +118,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "NLL is within --nll-slack of the lowest (validate/tune.py)")
     t.add_argument("--nll-slack", type=nonneg_float, default=0.005, help="guarded: allowed relative NLL excess (default 0.005)")
     t.add_argument("--copy-windows", type=positive_int, default=8, help="copy objective: calibration windows of 2048 tokens")
-    t.add_argument("--out", required=True, help="tuned artifact (.safetensors)")
+    add_out(t, "tuned artifact (.safetensors)")
     _exec_args(t)
     t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     t.set_defaults(func=_tune)
@@ -136,14 +132,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "format (oscar-artifact/3). 2L + 1 probes, each a forward of every copy window; "
                                   "resumable (OUT.probes.jsonl; --estimate gradient: OUT.gradients.jsonl, by window). docs/decisions/0070-a-b-per-layer-widths-chosen-by-the-copy-probe-on.md, \"per-layer widths chosen "
                                   "by the copy probe\".")
-    w.add_argument("--model", default=EMBEDDED_MODEL, help="model preset, HF directory or .gguf file")
-    w.add_argument("--artifact", required=True, help="a one-group artifact (`oscar fit --variant scaled`, then tune)")
+    add_model(w)
+    add_artifact(w, "a one-group artifact (`oscar fit --variant scaled`, then tune)", required=True)
     w.add_argument("--windows", type=positive_int, default=4, help="calibration copy windows per probe (default 4)")
     w.add_argument("--length", type=positive_int, default=2048, help="tokens per copy window (default 2048)")
     w.add_argument("--estimate", choices=["probe", "gradient"], default="probe",
                    help="probe: measure each layer alone (2L + 1 forwards; default); gradient: the same change to first "
                         "order from one forward + backward per window (SmolLM2 at 4 x 2048 on 2 CPUs: ~2.5 min against ~35 min, separate runs; docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md)")
-    w.add_argument("--out", required=True, help="per-layer artifact (.safetensors); the probe log goes beside it")
+    add_out(w, "per-layer artifact (.safetensors); the probe log goes beside it")
     w.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     w.set_defaults(func=_widths)
 
@@ -154,8 +150,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "DIR/attention.json.")
     a.add_argument("--store", required=True, help="calibration store the artifact was fitted on (held-out text is checked "
                    "against its tokens; the model is the store's)")
-    a.add_argument("--artifact", help="fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)")
-    a.add_argument("--methods", default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2", help=_METHODS_HELP)
+    add_artifact(a)
+    add_methods(a, default="naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2")
     a.add_argument("--lengths", "--contexts", dest="lengths", default="4k,16k,64k,128k", type=length_list,
                    help="context lengths in keys, every key a distinct held-out row (1k = 1024 tokens; --contexts: the same)")
     a.add_argument("--windows", type=positive_int, default=8,
@@ -168,7 +164,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model compute dtype of the capture")
     a.add_argument("--seed", type=nonneg_int, default=0, help="seed of the context offsets")
-    a.add_argument("--out", required=True, help="output directory (attention.parquet, attention.json)")
+    add_out(a, "output directory (attention.parquet, attention.json)")
     _exec_args(a)
     a.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     a.set_defaults(func=_attention)

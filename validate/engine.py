@@ -32,15 +32,14 @@ from dataclasses import replace
 
 import torch
 
+from oscar.cli_options import DEFAULT_DEVICE, DEVICE_HELP  # noqa: F401 (--device's default and help, one place)
 from oscar.common import OscarError
 
 ENGINES = ("simulate", "cache")
-DEFAULT_ENGINE = "simulate"  # measured ~?x faster on CPU: docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md, "Engines"
-DEFAULT_DEVICE = "cpu"
+DEFAULT_ENGINE = "simulate"  # faster on CPU (several methods batched): docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md
 ENGINE_HELP = ("execution engine: simulate (default: the fake-quant simulator, several methods and samples "
                "batched) or cache (the product path: OscarCache and the kernel dispatcher, prefill then decode; "
                "docs/validation.md, 'Engines')")
-DEVICE_HELP = ("device the model runs on: cpu (default), cuda or cuda:N (refused when CUDA is not available)")
 DECODE_TOKENS = 16  # per perplexity window, the last tokens teacher-forced one at a time (cache engine)
 
 

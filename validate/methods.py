@@ -47,6 +47,7 @@ from oscar.common import OscarError, attention_shapes
 from oscar.defaults import RECENT, SINK
 from oscar.quant import QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
+from oscar.stats.hadamard import hadamard_tensor
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,7 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 def hadamard(n: int) -> torch.Tensor:
     """Normalised Sylvester Hadamard matrix (n a power of two: the hadamard-int2 baseline), float32;
     oscar.stats.hadamard's construction, orthogonal and symmetric."""
-    from oscar.stats.hadamard import hadamard as _hadamard
-
-    if n < 1 or n & (n - 1):
-        raise OscarError(f"Hadamard rotation needs a power-of-two head_dim, got {n}")
-    return torch.from_numpy(_hadamard(n)).float()
+    return hadamard_tensor(n, torch.float32, sylvester_for="Hadamard rotation")
 
 
 # ----------------------------------------------------------------- registry

@@ -28,6 +28,7 @@ import torch
 
 from oscar.defaults import PAGE_SIZE
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
+from oscar.stats.hadamard import hadamard_tensor as hadamard  # normalised, float64: Sylvester, or Paley x Sylvester
 
 
 # ----------------------------------------------------------------------------- context
@@ -97,13 +98,6 @@ class Code:
 def spec(bits: int, **kw) -> QuantSpec:
     """The uniform grid at any width 1..8 (3-bit codes are fake-quantized here, never packed whole)."""
     return QuantSpec(bits=int(bits), **kw)
-
-
-def hadamard(D: int) -> torch.Tensor:
-    """Normalised Hadamard (D, D), float64: the fit stage's construction (Sylvester, or Paley x Sylvester)."""
-    from oscar.stats.hadamard import hadamard as _hadamard
-
-    return torch.from_numpy(_hadamard(D))
 
 
 def bit_reversal(D: int) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""The options the commands share, each defined once: `--model`, `--artifact`, `--methods`, `--out`, `--device`,
+`--stages` and `--ray` (flag, type, default, help).
+
+Every stage's CLI adds them through these functions, so a flag keeps one spelling, one type and one default
+across commands. Where a command means something narrower (`oscar plan --model` reads a config only, `--out` is
+a file for some commands and a directory for others) it passes its own help, and where its default differs it
+passes that default; the shared text below is what the commands that mean the common thing print. A shared
+leaf: argparse and the other leaves only, so every stage may import it.
+
+Where commands differ (kept as they were; tests/test_cli_consistency.py names them):
+- --model: `plan` requires it and reads a config only; `cluster render` has no default (the path the nodes see);
+  `import` has none (the model whose fingerprint is checked); `calibrate` and `bench memory` word their help.
+- --methods: `validate attention` defaults to naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2 (no bf16,
+  no oscar-kc-int2); `run` words its help (the methods beyond the default).
+- --device: `calibrate` takes any torch device string (no CUDA check up front), so it has its own help.
+- --stages: `plan` requires it, `plan` and `cluster render` parse a plain int, `calibrate --ray` a positive one.
+- --out: a file for fit, import, validate tune / widths and bench memory (optional there), a directory elsewhere.
+- --artifact: required by validate tune / widths; `export` also takes it as a positional.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from oscar.common import positive_int
+from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
+from oscar.defaults import EMBEDDED_MODEL
+
+DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)  # --methods' default, as typed on the command line
+DEFAULT_DEVICE = "cpu"
+
+MODEL_HELP = "model preset, HF directory or .gguf file"
+ARTIFACT_HELP = "fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)"
+METHODS_HELP = ("comma list of cache methods (docs/validation.md: bf16, naive-int2, kivi2, hadamard-int2, "
+                "oscar-ref-int2, oscar-kc-int2, oscar-int2, ...)")
+DEVICE_HELP = "device the model runs on: cpu (default), cuda or cuda:N (refused when CUDA is not available)"
+RAY_HELP = ("run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_ADDRESS, a running local cluster, "
+            "else start one on 127.0.0.1; default: no Ray, this process)")
+
+Parser = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def add_model(p: Parser, help: str = MODEL_HELP, *, default: str | None = EMBEDDED_MODEL,
+              required: bool = False) -> argparse.Action:
+    """--model: the model a command loads (default: the embedded model)."""
+    return p.add_argument("--model", default=None if required else default, required=required, help=help)
+
+
+def add_artifact(p: Parser, help: str = ARTIFACT_HELP, *, required: bool = False) -> argparse.Action:
+    """--artifact: a fitted artifact (.safetensors); no default."""
+    return p.add_argument("--artifact", default=None, required=required, help=help)
+
+
+def add_methods(p: Parser, help: str = METHODS_HELP, *, default: str = DEFAULT_METHODS) -> argparse.Action:
+    """--methods: a comma list of cache methods (validate/methods.py)."""
+    return p.add_argument("--methods", default=default, help=help)
+
+
+def add_out(p: Parser, help: str, *, required: bool = True) -> argparse.Action:
+    """--out: where a command writes (each command says whether a file or a directory); required unless told."""
+    return p.add_argument("--out", default=None, required=required, help=help)
+
+
+def add_device(p: Parser, help: str = DEVICE_HELP, *, default: str = DEFAULT_DEVICE) -> argparse.Action:
+    """--device: the torch device the model runs on."""
+    return p.add_argument("--device", default=default, help=help)
+
+
+def add_stages(p: Parser, help: str, *, type: Callable[[str], Any] = positive_int,
+               required: bool = False) -> argparse.Action:
+    """--stages: pipeline stages (layer ranges) of one replica; no default."""
+    return p.add_argument("--stages", type=type, default=None, required=required, help=help)
+
+
+def add_ray(p: Parser, help: str = RAY_HELP) -> argparse.Action:
+    """--ray ADDRESS: run on a Ray cluster (default: none, this process)."""
+    return p.add_argument("--ray", metavar="ADDRESS", default=None, help=help)
