@@ -80,6 +80,7 @@ def test_cli_bad_store(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_quick_cli_end_to_end(tmp_path):
     out = tmp_path / "q"
     r = subprocess.run([sys.executable, "-m", "oscar", "ablate", "--quick", "--out", str(out), "--no-progress"],

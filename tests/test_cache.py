@@ -346,6 +346,7 @@ def load_smollm2():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_smollm2_generate_triton_equals_reference(monkeypatch):
     """Same greedy tokens with the fused Triton decode kernel (interpreter on CPU) and with the torch
     reference decode, INT2 history in use (random rotations + key mean). Page quantization goes

@@ -48,6 +48,7 @@ def _keys(path) -> list[tuple]:
     return [(r["task"], r["length"], r["index"], r["method"]) for r in rows]
 
 
+@pytest.mark.full
 def test_validation_job_stop_resubmit_resumes_from_scored_samples(head, tmp_path):
     from ray.job_submission import JobSubmissionClient
 

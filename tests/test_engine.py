@@ -194,7 +194,7 @@ def test_tiny_niah_answers_are_the_decode_semantics_reading(tiny, quant):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("quant", ["token", "split", "tiers", "layers"])
+@pytest.mark.parametrize("quant", ["token"] + [pytest.param(q, marks=pytest.mark.full) for q in ("split", "tiers", "layers")])
 def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch, quant):
     """With the dispatcher forced to Triton (interpreted on CPU): decode attention and page quantization
     are the Triton kernels; the window NLL and the needle answer still match the simulator."""
@@ -250,6 +250,7 @@ def smol(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.full
 def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
     """1k held-out window, every INT2 cache format, serving (R = 256) and a strict-side window (R = 64):
     NLL through OscarCache within 2e-4 (relative) of the simulator at the matched protocol under serving
@@ -302,6 +303,7 @@ def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.full
 def test_smollm2_needles_engines_agree_for_every_int2_method(smol):
     """A 1k needle sample, every INT2 method, serving: the cache engine's answer (haystack prefill, question
     chunk, decode steps through the dispatcher) is the simulator's greedy reading of the same sequence at the

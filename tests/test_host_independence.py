@@ -54,6 +54,7 @@ def _recipe(store: str, out: str, env: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.full
 def test_same_store_same_recipe_whichever_kernels(store, tmp_path):
     host = _recipe(store, str(tmp_path / "host.pt"), {"OSCAR_NATIVE": "force"})
     other = _recipe(store, str(tmp_path / "other.pt"), {"OSCAR_NATIVE": "0", "ATEN_CPU_CAPABILITY": "default",

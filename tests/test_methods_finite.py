@@ -17,7 +17,9 @@ from transformers import DynamicCache
 
 from oscar.pipeline import models as M
 
-MODELS = ["smollm2-135m", "qwen2.5-0.5b"]
+# The second model and bfloat16 (~6x slower than float32 without native bf16 units) repeat the float32 SmolLM2 run
+# at model scale: the full suite only (scripts/test.sh --full).
+MODELS = ["smollm2-135m", pytest.param("qwen2.5-0.5b", marks=pytest.mark.full)]
 PROMPT = 208  # long enough for 3 per-channel key groups of 64 after the sink
 
 
@@ -57,7 +59,7 @@ def setup(request, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the float32 run builds every method's artifact (4 refits with clip search): 10 min under load
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
 def test_every_method_finite_logits(setup, dtype):
     if dtype == "bfloat16" and setup[0] == "qwen2.5-0.5b" and not _fast_bf16():
         pytest.skip("Qwen2.5 in bfloat16 takes ~20 min on a CPU without AVX-512 BF16 (bf16 GEMMs ~6x slower than "

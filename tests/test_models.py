@@ -165,6 +165,7 @@ def test_glm4_moe_has_partial_rope_dense_first_layer_and_experts():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_smollm2_from_gguf_generates_paris(tmp_path):
     model, tok, info = M.load_model("smollm2-135m")
     assert (info.num_layers, info.num_q_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)

@@ -86,6 +86,7 @@ def test_past_the_split_the_docstrings_follow_and_share_no_calibration_run(smoll
         heldout_ids(tok, "pydoc", 50_000_000)
 
 
+@pytest.mark.full
 def test_ppl_past_the_split_records_its_text(smollm2, tmp_path):
     """A run past the split says so in its identity: resumed with the same budget, refused with another text."""
     out = str(tmp_path / "ppl")

@@ -142,6 +142,7 @@ def test_channel_keys_method(tiny, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_smollm2_report_has_both_methods_and_protocols(tmp_path):
     """On SmolLM2: calibrate a small store, fit oscar, ppl of oscar-int2 and oscar-ref-int2 (strict + serving), report."""
     import pandas as pd

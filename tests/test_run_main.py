@@ -12,6 +12,7 @@ from oscar.run import RunConfig, run_main
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.full
 def test_run_main_small_then_resume(tmp_path, capsys):
     # 512-token windows read at positions up to the 1024-token contexts validated (RunConfig.positions' default).
     # The compute dtype is the host's (float32 on a CPU without native bfloat16, where bf16 GEMMs run ~6x slower).
@@ -103,6 +104,20 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
     assert artifact_bits_per_element(art) <= artifact_bits_per_element(tuned) + 1e-12
     info = json.load(open(os.path.join(d, "run.json")))
     assert "widths" in info["stage_seconds"] and "--widths" not in info["command"]  # the default
+    # every stage's output, and the host it ran on with the dtype chosen for it and each native kernel's verdict
+    # (the SmolLM2 run of the full suite checks the same on the embedded model)
+    for f in ("calib.zarr", "artifact.fit.safetensors", "results.parquet", "ppl.parquet", "attention.parquet",
+              "report.html"):
+        assert os.path.exists(os.path.join(d, f)), f
+    assert set(pd.read_parquet(os.path.join(d, "ppl.parquet")).protocol) == {"strict", "serving"}
+    from oscar import host
+
+    assert info["compute_dtype"] == host.compute_dtype("auto", "cpu") and info["config"]["dtype"] == "auto"
+    assert info["host"] == host.describe(info["host_info"]) and "CPUs" in info["host"]
+    assert set(info["native_paths"]) == {"moments", "flash_cpu"} and all("why" in v for v in info["native_paths"].values())
+    for f in ("ppl_config.json", "niah_config.json"):
+        assert json.load(open(os.path.join(d, f)))["identity"].get("dtype", "float32") == info["compute_dtype"]
+    assert f"Model compute dtype {info['compute_dtype']}" in open(os.path.join(d, "report.md")).read()
     rec = read_metadata(os.path.join(d, "artifact.safetensors"))["layer_widths"]
     assert rec["estimate"] == "gradient" and len(rec["copy_err"]) == art.num_layers
     assert len(open(os.path.join(d, "widths.gradients.jsonl")).readlines()) == 1  # one window's sums: resumable

@@ -169,6 +169,7 @@ def test_decode_kernel_fp16_dots_and_auto_splits():
     torch.testing.assert_close(lse, rlse, rtol=0, atol=6e-3)
 
 
+@pytest.mark.full  # the small-shape sweeps above run the same kernels in the CI tier
 @pytest.mark.parametrize("axis,G", [("token", 3), ("channel", 8)])
 def test_decode_kernel_at_production_shapes(monkeypatch, axis, G):
     """The defaults the product ships (pages of 16, block_n 64, sink 64, recent 256, at least

@@ -98,6 +98,7 @@ def test_bad_input_is_refused(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_tune_through_the_cache_engine(smollm2):
     """`oscar validate tune --engine cache`: each factor's NLL is the window read through OscarCache (strict =
     recent 0, one token stricter than the simulator's strict: close, not equal); bad engine/device refused."""
@@ -165,6 +166,7 @@ def test_choose_factor_rules():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_guarded_tune_recomputes_copy_nll_independently(smollm2):
     """The copy NLL per factor equals full-logit cross-entropy at the copy positions under the serving simulator,
     and the chosen factor follows the guarded rule on the recorded figures."""

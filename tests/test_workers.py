@@ -41,6 +41,7 @@ def test_niah_workers_equal_in_process(smollm2, tmp_path):
     assert a.sort_values(["task", "method"]).score.tolist() == b.sort_values(["task", "method"]).score.tolist()
 
 
+@pytest.mark.full
 def test_ppl_workers_bit_identical(smollm2, tmp_path):
     """Windows are independent: the NLL of every window (and of its 256-token prefix window) is the same
     float whether a worker or this process scored it."""
