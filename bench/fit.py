@@ -70,12 +70,12 @@ def run_case(name: str, spec_kw: dict, tmp: str, store: str | None, target: dict
     if made:  # generated in a child so this process stays small
         store = os.path.join(tmp, f"bench_fit_{name}.zarr")
         t0 = time.perf_counter()
-        # the generator is a test fixture (tests/synthetic_store.py), loaded by path
+        # the generator is a test helper (tests/helpers/synthetic_store.py), loaded by path
         code = ("import importlib.util, json, sys; s = importlib.util.spec_from_file_location('synthetic_store', "
                 "sys.argv[3]); m = sys.modules['synthetic_store'] = importlib.util.module_from_spec(s); "
                 "s.loader.exec_module(m); "
                 "m.write_synthetic_store(sys.argv[1], m.SynthSpec(**json.loads(sys.argv[2])), progress=True)")
-        synth = os.path.join(HERE, "..", "tests", "synthetic_store.py")
+        synth = os.path.join(HERE, "..", "tests", "helpers", "synthetic_store.py")
         subprocess.run([sys.executable, "-c", code, store, json.dumps(spec_kw), synth], check=True,
                        env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"))
         res["generate_s"] = round(time.perf_counter() - t0, 2)

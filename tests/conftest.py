@@ -23,14 +23,7 @@ def tiny_store(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def synthetic_store():
-    """tests/synthetic_store.py as a module (tests/ is no package under --import-mode=importlib: loaded by path and
-    registered in sys.modules, as tests/test_fit.py does, since its dataclass needs its module there)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """tests/helpers/synthetic_store.py as a module."""
+    from helpers import synthetic_store
 
-    if "synthetic_store" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
-        sys.modules["synthetic_store"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["synthetic_store"])
-    return sys.modules["synthetic_store"]
+    return synthetic_store

@@ -59,14 +59,9 @@ def test_bad_config():
 
 
 def test_real_regime_through_ablation(tmp_path):
-    import importlib.util
+    from helpers.stores import write_reservoir_store
 
-    spec = importlib.util.spec_from_file_location("_tr", os.path.join(os.path.dirname(__file__), "test_regimes.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    write_store = mod.write_store  # the sibling test's tiny store
-
-    store = write_store(tmp_path / "s.zarr", D=32, R=128)
+    store = write_reservoir_store(tmp_path / "s.zarr", D=32, R=128)
     cfg = AblationConfig.preset("smoke", str(tmp_path / "r"), regimes=["isotropic"], seeds=2, progress=False,
                                 data=RegimeConfig(store=store), deff_regimes=[])
     df = pd.read_parquet(run_ablation(cfg)["ablation"])

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from helpers.artifacts import SMALL, random_artifact, tiny_config, tiny_model
 from oscar.common import OscarError
 from oscar.kernels.cache import OscarCache, prefill
 from oscar.kernels.memory import Format, cache_bytes, report, total
@@ -17,24 +18,6 @@ from oscar.stats.artifact import identity_artifact
 if not torch.cuda.is_available():  # the Triton path runs under the interpreter on CPU (before any kernel import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
-SMALL = dict(sink=4, recent=16, page_size=4)  # tiny windows so short prompts reach the INT2 history
-
-
-def tiny_config(arch: str):
-    from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config
-
-    common = dict(vocab_size=96, hidden_size=96, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen3":  # q/k norm, explicit head_dim
-        return Qwen3Config(head_dim=16, **common)
-    return Glm4MoeConfig(head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                         first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
-                         **common)  # partial RoPE, qkv bias, a dense then an MoE layer
-
-
-_MODELS: dict = {}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,31 +27,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def tiny_model(arch: str):
-    from transformers import AutoModelForCausalLM
-
-    if arch not in _MODELS:
-        torch.manual_seed(0)
-        m = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="sdpa").eval()
-        _MODELS[arch] = m
-    m = _MODELS[arch]
-    m.set_attn_implementation("sdpa")  # the DynamicCache reference runs on stock SDPA
-    return m
-
-
-def random_artifact(config, seed=0, mean=True):
-    """Random orthogonal rotations and key means: exercises every rotation term of the cache."""
-    art = identity_artifact(config, variant="random-test")
-    g = torch.Generator().manual_seed(seed)
-    H, D = art.num_kv_heads, art.head_dim
-    for l in range(art.num_layers):
-        art.rot_k[l] = torch.linalg.qr(torch.randn(H, D, D, generator=g))[0]
-        art.rot_v[l] = torch.linalg.qr(torch.randn(H, D, D, generator=g))[0]
-    if mean:
-        art.k_mean = [0.3 * torch.randn(H, D, generator=g) for _ in range(art.num_layers)]
-    return art
 
 
 def padded_batch(T=24, pad=5, seed=0):

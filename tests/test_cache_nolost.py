@@ -3,26 +3,24 @@ reuse for a new prompt refused (or an explicit reset)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import os
 
 import pytest
 import torch
 
+from helpers.artifacts import SMALL, random_artifact, tiny_model  # SMALL: sink 4, recent 16, pages of 4
 from oscar.common import OscarError
 from oscar.kernels.cache import CacheFull, OscarCache, generate
 from oscar.kernels.paged import PoolExhausted
 
-_spec = importlib.util.spec_from_file_location("_test_cache", Path(__file__).with_name("test_cache.py"))
-tc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tc)
-SMALL = tc.SMALL  # sink 4, recent 16, pages of 4
+if not torch.cuda.is_available():  # the Triton path runs under the interpreter on CPU (as tests/test_cache.py sets it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
 def setup():
-    m = tc.tiny_model("llama")
-    return m, tc.random_artifact(m.config)
+    m = tiny_model("llama")
+    return m, random_artifact(m.config)
 
 
 def _ids(T, seed=0):

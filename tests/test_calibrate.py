@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -17,10 +16,7 @@ import torch
 from oscar.common import OscarError
 from oscar.pipeline.calibrate import CalibConfig, calibrate, store_offsets, window_offsets
 from oscar.pipeline.store import XS, CalibStore, reduce
-
-_spec = importlib.util.spec_from_file_location("capture_reference", Path(__file__).with_name("capture_reference.py"))
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+from helpers import capture_reference as ref
 
 
 def check_store_against_reference(path, model_spec, *, softmax_dtype=torch.float64, blocks=None):

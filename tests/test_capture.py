@@ -1,4 +1,4 @@
-"""Attention capture vs a brute-force float64 recomputation (tests/capture_reference.py).
+"""Attention capture vs a brute-force float64 recomputation (tests/helpers/capture_reference.py).
 
 Small random-init models built here: Llama with GQA, Qwen3 with q/k-norm and one KV head,
 GLM-4-MoE with partial RoPE, qkv bias, q/k-norm and routed experts. Models run in float64
@@ -7,18 +7,12 @@ so that the capture and the reference agree to 1e-10 relative.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from oscar.pipeline import capture as C
-
-_spec = importlib.util.spec_from_file_location("capture_reference", Path(__file__).with_name("capture_reference.py"))
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
+from helpers import capture_reference as ref
 
 VOCAB, make_model, batch_data = ref.VOCAB, ref.make_model, ref.batch_data
 

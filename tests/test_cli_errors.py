@@ -147,19 +147,16 @@ def test_closed_pipe_ends_quietly(argv):
 
 def test_inspect_piped_to_head_is_quiet(tmp_path):
     """The shell form of the report: `oscar inspect STORE | head -1`."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_ti", Path(__file__).with_name("test_integrity.py"))
-    ti = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ti)
+    from helpers.capture_reference import make_model
+    from helpers.stores import block_data, meta_for
     from oscar.pipeline.calibrate import run_blocks
     from oscar.pipeline.store import CalibStore, WriterLock
 
-    model = ti.ts.ref.make_model("llama")
-    tokens, mask = ti.ts.block_data()
+    model = make_model("llama")
+    tokens, mask = block_data()
     path = tmp_path / "s.zarr"
     with WriterLock(path, range(3)):
-        run_blocks(model, CalibStore.open_or_create(path, ti.ts.meta_for(model), tokens, mask), progress=False)
+        run_blocks(model, CalibStore.open_or_create(path, meta_for(model), tokens, mask), progress=False)
     p = subprocess.run(f"{sys.executable} -m oscar inspect {path} --json | head -c 1", shell=True, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.stdout == "{" and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
@@ -259,8 +256,7 @@ def test_every_size_option_is_typed():
     """No option of any command parses a bare int or float: each says which values it accepts (positive_int, ...)."""
     import argparse
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_cli_help import walk
+    from helpers.cli import walk
 
     # Ray's --max-restarts: -1 = restart forever; plan and cluster render check their sizes in cluster/plan.py and
     # cluster/render.py, before reading a config, with messages of their own

@@ -10,19 +10,11 @@ import sys
 
 import pytest
 
+from helpers.cli import walk
 from oscar.__main__ import build_parser, main
 
 FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction, argparse._CountAction,
          argparse._AppendConstAction)
-
-
-def walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("oscar",)):
-    """(path, parser) for the top parser and every subcommand parser below it, nested levels included."""
-    yield path, parser
-    for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            for name, sub in a.choices.items():
-                yield from walk(sub, path + (name,))
 
 
 def problems(parser: argparse.ArgumentParser) -> list[str]:

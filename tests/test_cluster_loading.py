@@ -3,11 +3,9 @@ stages reproduce the full model's hidden states bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import safetensors
@@ -18,10 +16,7 @@ from oscar.cluster.loading import load_layer_range
 from oscar.modelconfig import layer_of
 from oscar.common import OscarError
 from oscar.pipeline.models import load_model, resolve_model
-
-_spec = importlib.util.spec_from_file_location("cluster_helpers", Path(__file__).with_name("cluster_helpers.py"))
-ch = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ch)
+from helpers import cluster as ch
 
 PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-glm4-moe"]
 

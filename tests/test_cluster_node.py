@@ -11,19 +11,14 @@ single-process store: every block counted exactly once.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from oscar.cluster.localray import LocalHead, LocalWorkerNode, session_pids
 from oscar.common import OscarError
-
-_spec = importlib.util.spec_from_file_location("cluster_helpers", Path(__file__).with_name("cluster_helpers.py"))
-_h = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_h)
+from helpers import cluster as _h
 
 # The head declares a node dead after 3 missed 1 s health checks (~5 s) instead of Ray's ~30 s default.
 FAST_HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",

@@ -4,14 +4,12 @@ and resubmitted job both end with every block counted once, the Jobs API end to 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +17,7 @@ import yaml
 
 from oscar.cluster.localray import LocalHead
 
-_spec = importlib.util.spec_from_file_location("cluster_helpers", Path(__file__).with_name("cluster_helpers.py"))
-_h = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_h)
-opts, reference, assert_same_store = _h.opts, _h.reference, _h.assert_same_store
+from helpers.cluster import assert_same_store, opts, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 

@@ -4,10 +4,7 @@ sliding-window models are refused by every stage with one message."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,13 +13,7 @@ from oscar.common import OscarError, config_fingerprint
 from oscar.constraints import SLIDING_WINDOW, format_problems
 from oscar.defaults import DEFAULT_METHODS
 
-# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
-# and registered in sys.modules (its dataclass needs its module there)
-_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
-if "synthetic_store" not in sys.modules:
-    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
-    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
-SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
+from helpers.synthetic_store import SynthSpec, write_synthetic_store
 
 
 def _config(D: int):

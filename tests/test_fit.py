@@ -1,13 +1,11 @@
 """Fit: Hadamard/bit reversal, reduction, spectrum, tails, rotations, clip search, bad input.
 
-Synthetic stores (tests/synthetic_store.py) with planted spectra are written to disk
+Synthetic stores (tests/helpers/synthetic_store.py) with planted spectra are written to disk
 in the documented format and fitted through the public functions.
 """
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,13 +18,7 @@ from oscar.stats.hadamard import bitrev_perm, hadamard, perm_matrix
 from oscar.stats.reduce import LayerStats, ReduceConfig, block_means, open_store, reduce
 from oscar.stats.rotations import VARIANTS
 
-# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
-# and registered in sys.modules (its dataclass needs its module there)
-_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
-if "synthetic_store" not in sys.modules:
-    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
-    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
-SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
+from helpers.synthetic_store import SynthSpec, write_synthetic_store
 
 
 def _cfg(**kw):

@@ -6,7 +6,6 @@ run redoes exactly that block, and the final store equals an uninterrupted one c
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -20,23 +19,22 @@ from oscar.common import OscarError
 from oscar.pipeline.calibrate import run_blocks
 from oscar.pipeline.store import FORMAT_V1, CalibStore, WriterLock, summarize
 
-_spec = importlib.util.spec_from_file_location("_test_store", Path(__file__).with_name("test_store.py"))
-ts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ts)
+from helpers.capture_reference import make_model
+from helpers.stores import block_data, meta_for
 
 
 @pytest.fixture(scope="module")
 def model():
-    return ts.ref.make_model("llama")
+    return make_model("llama")
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory, model):
     """An uninterrupted store of 3 blocks x 3 layers."""
-    tokens, mask = ts.block_data()
+    tokens, mask = block_data()
     path = tmp_path_factory.mktemp("full") / "full.zarr"
     with WriterLock(path, range(3)):
-        run_blocks(model, CalibStore.open_or_create(path, ts.meta_for(model), tokens, mask), batch_size=2,
+        run_blocks(model, CalibStore.open_or_create(path, meta_for(model), tokens, mask), batch_size=2,
                    progress=False)
     return path
 

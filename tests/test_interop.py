@@ -1,9 +1,6 @@
 """Export -> import round trips for the serving-engine formats (bit for bit)."""
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,13 +11,7 @@ from oscar.common import OscarError
 from oscar.stats.artifact import Artifact, QuantConfig, load_artifact, save_artifact
 from oscar.stats.interop import embedded_gguf, export_gguf, export_sglang, import_gguf, import_sglang, unsupported_parts
 
-# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
-# and registered in sys.modules (its dataclass needs its module there)
-_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
-if "synthetic_store" not in sys.modules:
-    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
-    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
-SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
+from helpers.synthetic_store import SynthSpec, write_synthetic_store
 
 
 def _random_artifact(L=3, H=2, D=16, shared=False, seed=0) -> Artifact:

@@ -5,11 +5,12 @@ check.)"""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 
 import pytest
+
+from helpers.cli import walk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = ("oscar", "pipeline", "stats", "kernels", "validate", "cluster", "reports")
@@ -73,19 +74,11 @@ def test_package_sources_name_no_work():
     assert not bad, "work-process names in the package:\n" + "\n".join(bad)
 
 
-def _walk(parser: argparse.ArgumentParser, path=("oscar",)):
-    yield path, parser
-    for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            for name, sub in a.choices.items():
-                yield from _walk(sub, path + (name,))
-
-
 def test_cli_help_names_no_work():
     from oscar.__main__ import build_parser
 
     bad, n = [], 0
-    for path, p in _walk(build_parser()):
+    for path, p in walk(build_parser()):
         n += 1
         found = work_names(p.format_help())
         if found:

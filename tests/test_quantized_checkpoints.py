@@ -6,11 +6,9 @@ an error naming it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +21,7 @@ from oscar.common import OscarError
 from oscar.modelconfig import cache_root, layer_of, preset_config
 from oscar.pipeline import models
 from oscar.pipeline.models import dequantize_block_fp8, load_model
-
-_spec = importlib.util.spec_from_file_location("cluster_helpers", Path(__file__).with_name("cluster_helpers.py"))
-ch = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ch)
+from helpers import cluster as ch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = (128, 128)

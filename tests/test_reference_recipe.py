@@ -4,10 +4,7 @@ Expected values are literals derived in the comments (not re-computed with the c
 under test); inputs are tiny so each number can be checked on paper.
 """
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,13 +14,7 @@ from oscar.quant import choose_qparams, dequantize, fake_quant, quantize
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
 
-# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
-# and registered in sys.modules (its dataclass needs its module there)
-_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
-if "synthetic_store" not in sys.modules:
-    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
-    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
-SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
+from helpers.synthetic_store import SynthSpec, write_synthetic_store
 
 
 T = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731

@@ -5,10 +5,7 @@ Fast checks run on a tiny random-init Llama and a synthetic store; the SmolLM2 t
 both protocols and checks the report shows them side by side.
 """
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,13 +16,7 @@ from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import identity_artifact, save_artifact, load_artifact
 from oscar.validate.methods import LayerQuant, Protocol, SimQuantCache, method_artifact, reference_artifact
 
-# tests/synthetic_store.py: tests/ is no package (--import-mode=importlib), so it is loaded by path
-# and registered in sys.modules (its dataclass needs its module there)
-_synth_spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
-if "synthetic_store" not in sys.modules:
-    sys.modules["synthetic_store"] = importlib.util.module_from_spec(_synth_spec)
-    _synth_spec.loader.exec_module(sys.modules["synthetic_store"])
-SynthSpec, write_synthetic_store = sys.modules["synthetic_store"].SynthSpec, sys.modules["synthetic_store"].write_synthetic_store
+from helpers.synthetic_store import SynthSpec, write_synthetic_store
 
 
 @pytest.fixture(scope="module")

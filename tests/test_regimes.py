@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from oscar.common import OscarError
+from helpers.stores import write_reservoir_store
 from oscar.validate.ablation.regimes import REGIMES, RegimeConfig, excess_kurtosis, make_regime, measure
 
 CFG = RegimeConfig(D=64, n_calib=4096, n_test=512, n_query=32)
@@ -83,34 +84,8 @@ def test_excess_kurtosis_brute_force():
 
 # ----------------------------------------------------------------------------- real regime
 
-def write_store(path, B=4, L=2, H=2, R=96, D=16, seed=0):
-    """A real oscar-calib/2 store (written by oscar.pipeline.store) whose q/k/v reservoirs hold
-    distinct rows (scales 3 / 1 / 0.5) and whose blocks count R, R-10, R, R-3 valid rows."""
-    from oscar.pipeline.store import CalibStore, StoreMeta, layer_arrays
-
-    rng = np.random.default_rng(seed)
-    meta = StoreMeta(model={"name": "tiny", "fingerprint": "tiny", "num_layers": L, "num_q_heads": 2 * H,
-                            "num_kv_heads": H, "head_dim": D},
-                     corpus={"name": "synthetic", "fingerprint": "c", "split": "all"}, seq_len=8, sink=0,
-                     num_blocks=B, seqs_per_block=1, reservoir=R, config={})
-    st = CalibStore.create(path, meta, np.zeros((B, 1, 8), np.int32), np.ones((B, 1, 8), np.uint8))
-    counts = np.array([R, R - 10, R, R - 3])[:B]
-    for b in range(B):
-        layers = {}
-        for l in range(L):
-            arrays = {n: np.zeros(tail, dtype) for n, (dtype, tail) in layer_arrays(H, D, R).items()}
-            for n, sc in (("q", 3.0), ("k", 1.0), ("v", 0.5)):
-                x = (rng.standard_normal((H, R, D)) * sc).astype("float32")
-                x[:, counts[b]:] = 0  # rows past the count are 0, as calibration writes them
-                arrays[f"{n}_res"] = x
-            arrays["res_count"] = arrays["qo_res_count"] = np.int64(counts[b])
-            layers[l] = arrays
-        st.write_block(b, layers)
-    return str(path)
-
-
 def test_real_regime_reads_reservoirs(tmp_path):
-    p = write_store(tmp_path / "s.zarr")
+    p = write_reservoir_store(tmp_path / "s.zarr")
     r = make_regime("real", RegimeConfig(store=p, layer=1, head=1, n_test=64, n_query=16), 0)
     assert r.calib["k"].shape == (96 + 86, 16) and r.test["k"].shape == (64, 16) and r.test["q"].shape == (16, 16)
     # queries are the store's q rows (scale 3), not keys (scale 1)
@@ -121,7 +96,7 @@ def test_real_regime_reads_reservoirs(tmp_path):
 def test_real_regime_bad_stores(tmp_path):
     with pytest.raises(ValueError, match="store"):
         make_regime("real", RegimeConfig(), 0)
-    p = write_store(tmp_path / "s.zarr")
+    p = write_reservoir_store(tmp_path / "s.zarr")
     with pytest.raises(OscarError, match="out of range"):
         make_regime("real", RegimeConfig(store=p, layer=5), 0)
     import zarr

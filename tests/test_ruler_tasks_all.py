@@ -3,16 +3,12 @@ reason (stderr, niah_config.json, the report); QA tasks without their file or wi
 before any model is loaded."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers.ruler_files import hotpot_file, squad_file
 from oscar.__main__ import main
 from oscar.common import OscarError
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_ruler_qa import hotpot_file, squad_file  # noqa: E402
 
 
 def _run(argv, capsys) -> tuple[int, str]:

@@ -2,42 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import zarr
 
-from oscar.common import OscarError, attention_shapes, config_fingerprint
+from oscar.common import OscarError
 from oscar.pipeline.calibrate import run_blocks
 from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock, reduce, summarize
-
-_spec = importlib.util.spec_from_file_location("capture_reference", Path(__file__).with_name("capture_reference.py"))
-ref = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ref)
-
-
-def meta_for(model, *, blocks=3, seqs=3, seq_len=13, sink=2, reservoir=5, seed=3, batch_size=2, corpus="c1", **cfg):
-    shapes = attention_shapes(model.config)
-    return StoreMeta(model={"name": "rand", "fingerprint": config_fingerprint(model.config), **shapes},
-                     corpus={"name": corpus, "fingerprint": "fp-" + corpus, "split": {"calibration": [0, 1]}},
-                     seq_len=seq_len, sink=sink, num_blocks=blocks, seqs_per_block=seqs, reservoir=reservoir,
-                     config={"seed": seed, "batch_size": batch_size, **cfg})
-
-
-def block_data(blocks=3, seqs=3, T=13):
-    toks, masks = [], []
-    for b in range(blocks):
-        t, m = ref.batch_data(S=seqs, T=T, seed=b, pad=((0, 4, 9), (0, 0, 0), (2, 0, 11))[b % 3])
-        toks.append(t)
-        masks.append(m)
-    return torch.stack(toks).numpy().astype(np.int32), torch.stack(masks).numpy().astype(np.uint8)
+from helpers import capture_reference as ref
+from helpers.stores import block_data, meta_for
 
 
 @pytest.fixture(scope="module")
@@ -309,11 +288,8 @@ def test_subset_store(tmp_path):
 
 
 def test_synthetic_store_is_a_verified_store(tmp_path):
-    _spec = importlib.util.spec_from_file_location("synthetic_store", Path(__file__).with_name("synthetic_store.py"))
-    if "synthetic_store" not in sys.modules:
-        sys.modules["synthetic_store"] = importlib.util.module_from_spec(_spec)
-        _spec.loader.exec_module(sys.modules["synthetic_store"])
-    syn = sys.modules["synthetic_store"]
+    from helpers import synthetic_store as syn
+
     from oscar.pipeline.store import FORMAT, open_verified
 
     for fast in (False, True):

@@ -6,7 +6,7 @@ own weights (norm, projections, optional q/k-norm) with an explicit rotate-half 
 attention probabilities S are an explicit softmax matrix; every statistic is accumulated with
 explicit Python loops over sequences, heads and positions.
 
-Import it from a test with `load_reference()` (tests run with --import-mode=importlib).
+Import it from a test with `from helpers import capture_reference as ref`.
 """
 
 from __future__ import annotations

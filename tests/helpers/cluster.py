@@ -1,5 +1,5 @@
 """Shared by the Ray tests (test helper, not a test): job options, the single-process reference
-store, and the store equality check. Load with `spec_from_file_location` (--import-mode=importlib)."""
+store, and the store equality check (`from helpers.cluster import ...`)."""
 
 from __future__ import annotations
 
