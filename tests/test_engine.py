@@ -16,8 +16,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers.artifacts import rotated_artifact
 from oscar.common import OscarError
-from oscar.stats.artifact import QuantConfig, identity_artifact
+from oscar.stats.artifact import QuantConfig
 from oscar.validate import engine
 from oscar.validate.methods import PROTOCOLS, Protocol
 from oscar.validate.ppl import simulated, window_nll
@@ -31,21 +32,6 @@ def tiny():
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attn_implementation="sdpa")
     return LlamaForCausalLM(cfg).eval()
-
-
-def _rot_artifact(config, quant, seed=1):
-    """Random orthogonal rotations, scaled keys (queries by the dual), key means, clip 0.9."""
-    a = identity_artifact(config, quant)
-    g = torch.Generator().manual_seed(seed)
-    a.rot_q = []
-    for l in range(a.num_layers):
-        q, _ = torch.linalg.qr(torch.randn(a.num_kv_heads, a.head_dim, a.head_dim, generator=g))
-        d = torch.rand(a.num_kv_heads, 1, a.head_dim, generator=g) * 2 + 0.3
-        a.rot_k[l], a.rot_v[l] = q * d, q.flip(-1)
-        a.rot_q.append(q / d)
-        a.clip_k[l] = torch.full((a.num_kv_heads, 2) if quant.key_split else (a.num_kv_heads,), 0.9)
-    a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
-    return a
 
 
 QUANTS = {
@@ -63,7 +49,7 @@ def _layers_artifact(config):
     from dataclasses import replace
 
     base = QuantConfig(bits=2, page_size=16, param_dtype="float8_e4m3fn")
-    a = _rot_artifact(config, base)
+    a = rotated_artifact(config, base, scaled=True)
     a.layer_quant = [base, replace(base, key_split=a.head_dim, key_top=2, key_param_dtype="float16")]
     a.validate()
     return a
@@ -127,14 +113,15 @@ def test_cli_device_cuda_without_cuda_refused(argv, tmp_path, capsys):
 
 def test_refusals(tiny):
     """What the cache format cannot hold is refused by name: codebook formats, strict-token, odd windows."""
-    art = _rot_artifact(tiny.config, QUANTS["token"])
+    art = rotated_artifact(tiny.config, QUANTS["token"], scaled=True)
     assert engine.cache_options("oscar-int2", art, PROTOCOLS["serving"]) == {"sink": 64, "recent": 256, "page_size": 16}
-    assert engine.cache_options("k", _rot_artifact(tiny.config, QUANTS["channel"]), PROTOCOLS["strict"])["page_size"] == 16
+    channel = rotated_artifact(tiny.config, QUANTS["channel"], scaled=True)
+    assert engine.cache_options("k", channel, PROTOCOLS["strict"])["page_size"] == 16
     with pytest.raises(engine.EngineUnsupported, match="strict-token"):
         engine.cache_options("oscar-int2", art, PROTOCOLS["strict-token"])
     with pytest.raises(engine.EngineUnsupported, match="multiple of its page"):
         engine.cache_options("oscar-int2", art, Protocol("x", sink=4, recent=20))
-    tq = _rot_artifact(tiny.config, QUANTS["token"])
+    tq = rotated_artifact(tiny.config, QUANTS["token"], scaled=True)
     tq.meta["codec"] = {"kind": "tq", "segments": [[0, 16, 2]]}  # what codebooks.tq_artifact records (SmolLM2 test: the real one)
     with pytest.raises(engine.EngineUnsupported, match="tq-int2 stores Lloyd-Max codebook"):
         engine.check_methods({"bf16": None, "oscar-int2": art, "tq-int2": tq}, [PROTOCOLS["serving"]])
@@ -147,7 +134,7 @@ def test_refusals(tiny):
 @pytest.mark.parametrize("recent", [16, 32])
 def test_tiny_ppl_engines_agree(tiny, quant, recent):
     """Window NLL (and a prefix window's) through OscarCache = the simulator at the matched protocol."""
-    art = _rot_artifact(tiny.config, QUANTS[quant])
+    art = rotated_artifact(tiny.config, QUANTS[quant], scaled=True)
     ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(4))
     p = Protocol("t", sink=8, recent=recent)
     with simulated(tiny, art, engine.simulator_protocol(p)):
@@ -161,7 +148,7 @@ def test_tiny_ppl_engines_agree(tiny, quant, recent):
 def test_tiny_strict_cache_is_recent_zero(tiny):
     """`strict` through the cache is OscarCache(recent=0), one token stricter than the simulator's strict:
     it lies between the simulator's strict and a protocol reading more from INT2 (sanity, not equality)."""
-    art = _rot_artifact(tiny.config, QUANTS["token"])
+    art = rotated_artifact(tiny.config, QUANTS["token"], scaled=True)
     ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(5))
     p = Protocol("strict", sink=8, recent=0)
     c = engine.window_nll(tiny, "t", art, p, ids)[0]
@@ -174,7 +161,7 @@ def test_tiny_strict_cache_is_recent_zero(tiny):
 def test_tiny_niah_answers_are_the_decode_semantics_reading(tiny, quant):
     """The cache engine's needle answer (haystack prefill, question chunk, decode steps) is the simulator's
     greedy reading of the same sequence at the matched protocol, logit for logit."""
-    art = _rot_artifact(tiny.config, QUANTS[quant])
+    art = rotated_artifact(tiny.config, QUANTS[quant], scaled=True)
     g = torch.Generator().manual_seed(7)
     ctx, q = torch.randint(0, 97, (150,), generator=g).tolist(), torch.randint(0, 97, (9,), generator=g).tolist()
 
@@ -203,7 +190,8 @@ def test_tiny_engines_agree_through_triton_interpreter(tiny, monkeypatch, quant)
 
     monkeypatch.setenv("OSCAR_KERNELS", "triton")
     assert dispatch.backend("cpu") == "triton"
-    art = _layers_artifact(tiny.config) if quant == "layers" else _rot_artifact(tiny.config, QUANTS[quant])
+    art = (_layers_artifact(tiny.config) if quant == "layers"
+           else rotated_artifact(tiny.config, QUANTS[quant], scaled=True))
     ids = torch.randint(0, 97, (1, 96), generator=torch.Generator().manual_seed(4))
     p = Protocol("t", sink=8, recent=16)
     with simulated(tiny, art, engine.simulator_protocol(p)):
@@ -338,7 +326,7 @@ def test_tiny_exact_prefill_cache_equals_the_simulate_engine(tiny):
     longer than a page."""
     from oscar.validate.niah import PrefillPool, decode_batch
 
-    art = _rot_artifact(tiny.config, QUANTS["token"])
+    art = rotated_artifact(tiny.config, QUANTS["token"], scaled=True)
     g = torch.Generator().manual_seed(7)
     p = Protocol("t", sink=8, recent=16)
     for qlen in (9, 40):
@@ -360,7 +348,7 @@ def test_attention_stream_through_the_paged_cache(tiny, quant):
     from oscar.validate.attention import quantize_stream
     from oscar.validate.methods import LayerQuant
 
-    art = _rot_artifact(tiny.config, QUANTS[quant])
+    art = rotated_artifact(tiny.config, QUANTS[quant], scaled=True)
     g = torch.Generator().manual_seed(3)
     Ks, Vs = torch.randn(2, 100, 16, generator=g), torch.randn(2, 100, 16, generator=g)  # (Hkv, S, D)
     Kc, Vc = engine.cache_stream("t", art, 1, Ks, Vs, torch.float32)

@@ -206,19 +206,13 @@ def tiny():
 def widths_artifacts(config, widths, page):
     """The same per-layer widths as the validation codec ("layers") and as the cache's own format
     (native_layer_artifact), on a scaled rotation with a key mean and searched-looking clips."""
-    from oscar.stats.artifact import identity_artifact
+    from helpers.artifacts import rotated_artifact
     from oscar.validate.codebooks import native_layer_artifact, widths_artifact
 
-    a = identity_artifact(config, QuantConfig(bits=2, page_size=page))
-    g = torch.Generator().manual_seed(1)
-    a.rot_q = []
+    a = rotated_artifact(config, QuantConfig(bits=2, page_size=page), seed=1, scaled=True)
     for l in range(a.num_layers):
-        q, _ = torch.linalg.qr(torch.randn(a.num_kv_heads, a.head_dim, a.head_dim, generator=g))
-        d = torch.rand(a.num_kv_heads, 1, a.head_dim, generator=g) * 2 + 0.3
-        a.rot_k[l], a.rot_v[l], a.rot_q = q * d, q.flip(-1), a.rot_q + [q / d]
         a.clip_k[l] = torch.full((a.num_kv_heads,), 0.85)
         a.clip_v[l] = torch.full((a.num_kv_heads,), 0.9)
-    a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
     codec = widths_artifact(a, widths)
     return codec, native_layer_artifact(codec)
 

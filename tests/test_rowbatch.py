@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from helpers.artifacts import rotated_artifact
 from oscar.common import OscarError
 from oscar.stats import reference_recipe as rr
-from oscar.stats.artifact import QuantConfig, identity_artifact
+from oscar.stats.artifact import QuantConfig
 from oscar.validate.methods import MethodBatchCache, Protocol
 from oscar.validate.niah import greedy
 from oscar.validate.rowbatch import ATTN, RowBatchCache, _register, decode_rows
@@ -26,21 +27,10 @@ def tiny():
     return LlamaForCausalLM(cfg).eval()
 
 
-def _art(config, quant, seed):
-    a = identity_artifact(config, quant)
-    g = torch.Generator().manual_seed(seed)
-    for l in range(a.num_layers):
-        q, _ = torch.linalg.qr(torch.randn(a.num_kv_heads, a.head_dim, a.head_dim, generator=g))
-        a.rot_k[l], a.rot_v[l] = q, q.flip(-1)
-        a.clip_k[l] = torch.full((a.num_kv_heads,), 0.9)
-    a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
-    return a
-
-
 def _arts(config):
-    return [None, _art(config, QuantConfig(bits=2, page_size=4), 1),
-            _art(config, QuantConfig(bits=2, key_axis="channel", group_size=4), 2),
-            _art(config, rr.reference_quant_config(), 3)]
+    return [None, rotated_artifact(config, QuantConfig(bits=2, page_size=4), 1),
+            rotated_artifact(config, QuantConfig(bits=2, key_axis="channel", group_size=4), 2),
+            rotated_artifact(config, rr.reference_quant_config(), 3)]
 
 
 def _prefill(model, ids):

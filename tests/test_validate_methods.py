@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from helpers.artifacts import rotated_artifact
 from oscar.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.validate.methods import (
@@ -27,22 +28,6 @@ def tiny():
     return LlamaForCausalLM(cfg).eval()
 
 
-def _rot_artifact(config, quant, seed=1, scaled=False):
-    """Random orthogonal rotations; scaled: keys by Q diag(d), queries by the dual Q diag(1/d) (the `scaled` variant's form)."""
-    a = identity_artifact(config, quant)
-    g = torch.Generator().manual_seed(seed)
-    a.rot_q = [] if scaled else None
-    for l in range(a.num_layers):
-        q, _ = torch.linalg.qr(torch.randn(a.num_kv_heads, a.head_dim, a.head_dim, generator=g))
-        a.rot_k[l], a.rot_v[l] = q, q.flip(-1)
-        if scaled:
-            d = torch.rand(a.num_kv_heads, 1, a.head_dim, generator=g) * 2 + 0.3
-            a.rot_k[l], a.rot_q = q * d, a.rot_q + [q / d]
-        a.clip_k[l] = torch.full((a.num_kv_heads,), 0.9)
-    a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
-    return a
-
-
 def test_hadamard_orthogonal():
     for n in (1, 2, 16, 64):
         h = hadamard(n)
@@ -53,7 +38,7 @@ def test_hadamard_orthogonal():
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_layerquant_matches_rotated_reference(tiny, scaled):
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2), scaled=scaled)
+    art = rotated_artifact(tiny.config, QuantConfig(bits=2), scaled=scaled)
     lq = LayerQuant(art, 0)
     k = torch.randn(1, 2, 10, 16, dtype=torch.float64).float()
     Rq = art.rot_q[0] if scaled else art.rot_k[0]
@@ -91,7 +76,7 @@ def test_masked_ppl_equals_token_by_token_decode(tiny, quant, recent, qchunk, mo
     from oscar.validate import ppl
 
     monkeypatch.setitem(ppl._SIM, "qchunk", qchunk)
-    art = _rot_artifact(tiny.config, quant)
+    art = rotated_artifact(tiny.config, quant)
     proto = Protocol("t", sink=3, recent=recent)
     ids = torch.randint(0, 97, (1, 29), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -111,7 +96,7 @@ def test_masked_ppl_equals_token_by_token_decode(tiny, quant, recent, qchunk, mo
 
 def test_prefill_takeover_equals_prefill_through_cache(tiny):
     """Strict NIAH: handing an exact prefill to the method's cache == prefilling through that cache."""
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+    art = rotated_artifact(tiny.config, QuantConfig(bits=2))
     proto = Protocol("strict", sink=4, recent=0)
     ctx = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
     q = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(6))
@@ -137,9 +122,9 @@ def test_method_batch_equals_each_method_cache(tiny, recent):
     exactly what each method's own cache decodes: question chunk, then steps that flush tokens."""
     from oscar.stats import reference_recipe as rr
 
-    arts = [None, _rot_artifact(tiny.config, QuantConfig(bits=2)),
-            _rot_artifact(tiny.config, QuantConfig(bits=2, key_axis="channel", group_size=4), seed=2),
-            _rot_artifact(tiny.config, rr.reference_quant_config(), seed=3)]
+    arts = [None, rotated_artifact(tiny.config, QuantConfig(bits=2)),
+            rotated_artifact(tiny.config, QuantConfig(bits=2, key_axis="channel", group_size=4), seed=2),
+            rotated_artifact(tiny.config, rr.reference_quant_config(), seed=3)]
     proto = Protocol("t", sink=4, recent=recent)
     g = torch.Generator().manual_seed(9)
     ctx, q = torch.randint(0, 97, (1, 45), generator=g), torch.randint(0, 97, (1, 6), generator=g)
@@ -209,7 +194,7 @@ def test_window_nll_matches_logits(tiny):
 @pytest.mark.parametrize("quant", [QuantConfig(bits=2), QuantConfig(bits=2, key_axis="channel", group_size=4)])
 def test_window_prefix_equals_shorter_window(tiny, quant):
     """A shorter window starting at the same token is scored from the longer window's prefix."""
-    art = _rot_artifact(tiny.config, quant)
+    art = rotated_artifact(tiny.config, quant)
     proto = Protocol("t", sink=3, recent=2)
     ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(8))
     with simulated(tiny, art, proto):
@@ -231,7 +216,7 @@ def test_simulator_matches_oscarcache(tiny, scaled, page):
     protocol's recent P - 1 with pages of P (page 1: token-granular, recent 1 ↔ recent 0).
     """
     cache_mod = pytest.importorskip("oscar.kernels.cache")
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2, page_size=page), scaled=scaled)
+    art = rotated_artifact(tiny.config, QuantConfig(bits=2, page_size=page), scaled=scaled)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(4))
     try:
         with torch.no_grad():
@@ -246,7 +231,7 @@ def test_simulator_matches_oscarcache(tiny, scaled, page):
 
 def test_pages_leave_the_window_whole(tiny):
     """`pages` protocols release per-token K/V in whole pages counted from the sink; strict-token does not."""
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2, page_size=16))
+    art = rotated_artifact(tiny.config, QuantConfig(bits=2, page_size=16))
     paged, token = LayerQuant(art, 0), LayerQuant(art, 0, pages=False)
     assert paged.key_group == 16 and token.key_group == 1
     assert paged.quantized_until(64 + 15, 64, 0) == 64 and token.quantized_until(64 + 15, 64, 0) == 79
@@ -263,7 +248,7 @@ def test_bfloat16_compute_paths(tiny):
 
     m = with_dtype(copy.deepcopy(tiny), "bfloat16")
     assert next(m.parameters()).dtype == torch.bfloat16
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2, key_axis="channel", group_size=4))
+    art = rotated_artifact(tiny.config, QuantConfig(bits=2, key_axis="channel", group_size=4))
     proto = Protocol("t", sink=3, recent=5)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
@@ -301,7 +286,7 @@ def test_band_batched_equals_band_loop(group, recent, T):
 
 def test_wide_band_ppl_equals_dense(tiny):
     """A serving-like band (recent 60, pages of 16: W = 76 > 64, the loop) with a far part, against the dense reference."""
-    art = _rot_artifact(tiny.config, QuantConfig(bits=2))
+    art = rotated_artifact(tiny.config, QuantConfig(bits=2))
     proto = Protocol("t", sink=3, recent=60)
     ids = torch.randint(0, 97, (1, 120), generator=torch.Generator().manual_seed(13))
     with torch.no_grad():

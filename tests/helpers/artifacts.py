@@ -52,3 +52,20 @@ def random_artifact(config, seed=0, mean=True):
         art.k_mean = [0.3 * torch.randn(H, D, generator=g) for _ in range(art.num_layers)]
     return art
 
+
+def rotated_artifact(config, quant, seed=1, scaled=False):
+    """An artifact of `quant` with, per layer and KV head, a random orthogonal Q: keys rotated by Q, values by Q with
+    its columns reversed, key clip 0.9 (per part when keys are split), and key means (0.1 N(0, 1)). scaled: keys by
+    Q diag(d), queries by the dual Q diag(1/d), d uniform in [0.3, 2.3) (the `scaled` variant's form)."""
+    a = identity_artifact(config, quant)
+    g = torch.Generator().manual_seed(seed)
+    a.rot_q = [] if scaled else None
+    for l in range(a.num_layers):
+        q, _ = torch.linalg.qr(torch.randn(a.num_kv_heads, a.head_dim, a.head_dim, generator=g))
+        a.rot_k[l], a.rot_v[l] = q, q.flip(-1)
+        if scaled:
+            d = torch.rand(a.num_kv_heads, 1, a.head_dim, generator=g) * 2 + 0.3
+            a.rot_k[l], a.rot_q = q * d, a.rot_q + [q / d]
+        a.clip_k[l] = torch.full((a.num_kv_heads, 2) if quant.key_split else (a.num_kv_heads,), 0.9)
+    a.k_mean = [torch.randn(a.num_kv_heads, a.head_dim, generator=g) * 0.1 for _ in range(a.num_layers)]
+    return a
