@@ -275,6 +275,48 @@ def test_script_refs_finds_each_way_in(tmp_path):
     assert refs == {"stats/a.py", "stats/b.py", "tests/test_x.py", "tests/test_y.py"}, refs
 
 
+# ----------------------------------------------------------------------------- tests share code through tests/helpers/
+
+_PATH_LOADERS = ("spec_from_file_location", "SourceFileLoader", "run_path")  # a module loaded by its file's path
+
+
+def path_loads(path: Path, root: Path) -> list[str]:
+    """Where the test file at `path` loads a module by its path (importlib, runpy) or imports another test file
+    (a `test_*` module or conftest): what tests share lives in tests/helpers/, imported by plain `import helpers`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+        out += [f"{os.path.relpath(path, root)}:{node.lineno} imports {n}" for n in names
+                if any(p.startswith("test_") or p == "conftest" for p in n.split("."))]
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(_PATH_LOADERS):
+            out.append(f"{os.path.relpath(path, root)}:{node.lineno} loads {ast.unparse(node)[:100]}")
+    return out
+
+
+def test_tests_share_code_through_the_helpers_package_only():
+    _, tests = product_and_test_files(ROOT)
+    assert (ROOT / "tests" / "helpers" / "__init__.py").is_file()
+    bad = [r for f in tests for r in path_loads(f, ROOT)]
+    assert not bad, ("tests load no module by path and import no other test file: move what they share into "
+                     "tests/helpers/ and import it (`from helpers import ...`):\n  " + "\n  ".join(bad))
+
+
+def test_path_loads_finds_each_way_in(tmp_path):
+    root = _tree(tmp_path, {
+        "tests/test_a.py": ("import importlib.util\nfrom pathlib import Path\n"
+                            "s = importlib.util.spec_from_file_location('x', Path(__file__).with_name('test_b.py'))\n"),
+        "tests/test_b.py": "def f():\n    import test_cache\n",
+        "tests/test_c.py": "import runpy\nrunpy.run_path('tests/helpers/cluster.py')\n",
+        "tests/test_d.py": "from importlib.machinery import SourceFileLoader\nm = SourceFileLoader('m', 'm.py').load_module()\n",
+        "tests/test_ok.py": ("from helpers import cluster\nfrom helpers.artifacts import rotated_artifact\n"
+                             "import importlib\nx = 'spec_from_file_location'\n"),
+    })
+    _, tests = product_and_test_files(root)
+    refs = {r.split(":")[0] for f in tests for r in path_loads(f, root)}
+    assert refs == {"tests/test_a.py", "tests/test_b.py", "tests/test_c.py", "tests/test_d.py"}, refs
+
+
 # ----------------------------------------------------------------------------- the project
 
 
