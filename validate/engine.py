@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from oscar.cli_options import DEFAULT_DEVICE, DEVICE_HELP  # noqa: F401 (--device's default and help, one place)
+from oscar.cli_options import DEFAULT_DEVICE  # noqa: F401 (--device's default, one place)
 from oscar.common import OscarError
 
 ENGINES = ("simulate", "cache")

@@ -4,7 +4,6 @@ store, and the store equality check (`from helpers.cluster import ...`)."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 
