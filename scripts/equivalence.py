@@ -1,6 +1,6 @@
-"""Compare two bench/equivalence.sh outputs: artifact tensors and metadata, NIAH predictions, perplexity NLLs.
+"""Compare two scripts/equivalence.sh outputs: artifact tensors and metadata, NIAH predictions, perplexity NLLs.
 
-python bench/equivalence.py OUT_A OUT_B   -> prints each check, exit 1 on a difference.
+python scripts/equivalence.py OUT_A OUT_B   -> prints each check, exit 1 on a difference.
 
 Artifacts are compared tensor by tensor (bit-exact) and by their metadata with wall-clock fields
 ("seconds", "time_s", ...) removed: a fit records how long it took, so whole-file hashes differ between

@@ -1,4 +1,4 @@
-# Sourced by the bench/*.sh A/B scripts: the repo's venv, the output folder W (default $1) and the steps to run
+# Sourced by the lab/*.sh A/B scripts: the repo's venv, the output folder W (default $1) and the steps to run
 # (STEPS, default $2), with `has STEP` to test for one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -2,11 +2,11 @@
 # Behaviour-equivalence check for refactors: run a small calibrate -> fit (oscar, scaled)
 # -> tune -> NIAH + perplexity at float32 with the CLI of the checkout in $PWD, and write the
 # artifact hashes, NIAH predictions and perplexities to OUT/summary.json. Compare two commits with
-#   bash bench/equivalence.sh OUT_A [STORE] ; (other checkout) bash bench/equivalence.sh OUT_B OUT_A/calib.zarr
-#   python bench/equivalence.py OUT_A OUT_B       (exit 1 on any difference)
+#   bash scripts/equivalence.sh OUT_A [STORE] ; (other checkout) bash scripts/equivalence.sh OUT_B OUT_A/calib.zarr
+#   python scripts/equivalence.py OUT_A OUT_B       (exit 1 on any difference)
 # With STORE given, the fit reads that store (same store -> same artifact bytes must hold).
 set -euo pipefail
-OUT=${1:?usage: bench/equivalence.sh OUT [STORE]}
+OUT=${1:?usage: scripts/equivalence.sh OUT [STORE]}
 STORE=${2:-}
 OSCAR=${OSCAR:-.venv/bin/oscar}
 mkdir -p "$OUT"
