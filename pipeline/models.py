@@ -789,10 +789,20 @@ def is_moe(config: Any) -> bool:
 
 def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, device: str = "cpu",
                seed: int | None = None, cache_dir: str | None = None):
-    """(model in eval mode, tokenizer, ModelInfo). MoE models use the eager (per-expert loop) experts path."""
+    """(model in eval mode, tokenizer, ModelInfo). MoE models use the eager (per-expert loop) experts path.
+
+    `dtype`: a torch dtype, None (float32), or a name `oscar.host.compute_dtype` knows ("auto": bfloat16 on CUDA
+    and on CPUs with bfloat16 units, float32 on other CPUs, where bfloat16 matmuls run ~30x slower)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if isinstance(dtype, str):  # "auto": bfloat16 where the device multiplies it natively, float32 elsewhere
+        from oscar.host import compute_dtype
+
+        try:
+            dtype = getattr(torch, compute_dtype(dtype, device))
+        except ValueError as e:
+            raise OscarError(f"load_model: {e}") from None
     dtype = torch.float32 if dtype is None else dtype
     d = resolve_model(spec, cache_dir, seed=seed)
     config = load_config(d)

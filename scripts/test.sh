@@ -9,6 +9,7 @@ TIER=(-m "not full") MODELS=""
 # afterwards. OSCAR_MODELS=... overrides the choice; tests of a model that is not installed skip.
 if [ "${1-}" = "--full" ]; then TIER=() MODELS="qwen2.5-0.5b"; shift; fi
 OSCAR_MODELS=${OSCAR_MODELS-$MODELS} bash scripts/setup.sh
+echo "== set up (${SECONDS} s)"
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 # Two workers, one file at a time each (module fixtures built once), one torch thread each: the suite used ~1.1 of
 # 2 cores serially (the Triton interpreter, Ray and subprocess start-up are single-threaded). OSCAR_TEST_WORKERS=0

