@@ -151,7 +151,8 @@ def test_plan_that_does_not_fit_is_printed_then_refused(capsys):
 @pytest.mark.parametrize("flag,value", [("--stages", "0"), ("--stages", "-2"), ("--gpus-per-stage", "0"),
                                         ("--gpu-mem", "0"), ("--gpu-mem", "-80"), ("--gpu-mem", "nan"),
                                         ("--seq-len", "0"), ("--seqs-per-block", "0"), ("--blocks", "0"),
-                                        ("--batch-size", "0"), ("--reservoir", "-1")])
+                                        ("--batch-size", "0"), ("--reservoir", "-1"), ("--nodes", "0"),
+                                        ("--gpus-per-node", "-8"), ("--utilization", "0")])
 def test_plan_refuses_non_positive_sizes_before_reading_the_config(flag, value, capsys, monkeypatch):
     from oscar.__main__ import main
     from oscar.cluster import plan
