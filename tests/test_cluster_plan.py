@@ -206,6 +206,8 @@ def test_block_fp8_checkpoint_counts_the_dequantized_bytes():
     text = format_plan(p)
     assert "weights: block FP8 checkpoint (128x128 blocks) dequantized at load to bfloat16" in text
     assert "dequantized at load by every loader" in text
+    # its own disk figure: 1 B/param, (2 layers + embeddings + head) / 2 B = 551552 B = 538.6 KiB
+    assert (2 * layer + embed + head) // 2 == 551552 and "538.6 KiB of FP8 weights read" in text
     plain = make_plan(_llama_config(), PlanConfig(stages=2))
     assert [s.param_bytes for s in plain.stages] == [s.param_bytes for s in p.stages]
     assert plain.weights_mode == "unquantized checkpoint loaded in bfloat16"
