@@ -114,6 +114,10 @@ def flops_per_token(config, seq_len: int, layers: tuple[int, int] | None = None)
     return out
 
 
+def fmt_seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
 def pipeline_efficiency(micro_batches: int, stages: int) -> float:
     """Share of the schedule a stage computes: M / (M + P - 1) (fill and drain take P - 1 steps)."""
     if micro_batches < 1 or stages < 1:

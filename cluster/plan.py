@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from oscar.cluster.balance import balance_layers  # noqa: F401  (re-exported: plan's public API)
 from oscar.cluster.loading import build_skeleton
-from oscar.cluster.placement import (H100, UTILIZATION, GpuSpec, Placement, balance_by_time, estimate, is_moe_layer,
-                                     layer_flops_per_token, num_experts)
+from oscar.cluster.placement import (H100, UTILIZATION, GpuSpec, Placement, balance_by_time, estimate, fmt_seconds,
+                                     is_moe_layer, layer_flops_per_token, num_experts)
 from oscar.common import OscarError, attention_shapes
 from oscar.modelconfig import layer_of
 from oscar.modelconfig import load_model_config as _load_model_config
@@ -293,10 +293,15 @@ def plan_placed(config, pc: PlanConfig, *, nodes: int, gpus_per_node: int, gpu: 
                 utilization: float = UTILIZATION) -> Plan:
     """`make_plan` for the placement on `nodes` x `gpus_per_node` GPUs (cluster/placement.py): stage count,
     GPUs per stage and replicas chosen unless pinned; the estimate counts the replicas."""
+    if pc.layers and stages is None:
+        stages = pc.layers.count(",") + 1  # explicit ranges fix the stage count
     pl = place(config, pc, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, stages=stages,
                gpus_per_stage=gpus_per_stage, utilization=utilization)
+    if pc.layers:
+        pl.why = [w for w in pl.why if not w.startswith("layer ranges")] + [f"layer ranges {pc.layers}: as given"]
+        pl.layers = pc.layers
     plan = make_plan(config, replace(pc, stages=pl.stages, gpus_per_stage=pl.gpus_per_stage,
-                                     layers=pc.layers or pl.layers), gpu=gpu,
+                                     layers=pl.layers), gpu=gpu,
                      utilization=utilization, replicas=pl.replicas, crosses_nodes=pl.crosses_nodes)
     plan.placement = pl.to_dict()
     return plan
@@ -451,11 +456,8 @@ def format_placement(p: Plan) -> list[str]:
     if e:
         out += ["", f"pipeline efficiency {e['efficiency']:.1%} (M/(M+P-1), M = {e['micro_batches']} micro-batches "
                     f"per replica, P = {e['stages']}); stage balance {e['balance']:.1%} (mean / slowest stage FLOPs)",
-                f"wall-time estimate: {_fmt_seconds(e['wall_seconds'])} for {e['tokens']:,} tokens on "
+                f"wall-time estimate: {fmt_seconds(e['wall_seconds'])} for {e['tokens']:,} tokens on "
                 f"{e['replicas']} replica(s) ({e['tokens'] / e['wall_seconds']:,.0f} tokens/s); assumptions:"]
         out += [f"  {a}" for a in e["assumptions"]]
     return out
 
-
-def _fmt_seconds(s: float) -> str:
-    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"

@@ -21,6 +21,7 @@ import re
 import shlex
 from dataclasses import dataclass, field, fields
 
+from oscar.cluster.placement import fmt_seconds
 from oscar.common import OscarError
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -240,7 +241,7 @@ def _plan_lines(plan, stages: int, replicas: int, g: int, cfg: RenderConfig) -> 
     e = plan.estimate
     if e:
         out.append(f"pipeline efficiency {e['efficiency']:.1%} (M/(M+P-1), M = {e['micro_batches']} micro-batches per "
-                   f"replica); wall-time estimate {e['wall_seconds'] / 3600:.2f} h for {e['tokens']:,} tokens "
+                   f"replica); wall-time estimate {fmt_seconds(e['wall_seconds'])} for {e['tokens']:,} tokens "
                    f"(`oscar plan --nodes` prints its assumptions)")
     out.append(f"store: {plan.store_per_block['total'] / 2**20:.0f} MiB per block, {plan.num_blocks} blocks = "
                f"{plan.store_total_bytes / GiB:.1f} GiB at {cfg.store}")

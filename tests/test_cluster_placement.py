@@ -162,3 +162,7 @@ def test_glm47_on_two_nodes_of_eight_h100_uses_sixteen_stages(capsys):
     assert err.count("\n") == 1 and err.startswith("oscar plan: error: no placement fits on 1 x 8 GPUs of 80 GiB")
     assert main(["plan", "--model", "glm-4.7"]) == 2
     assert "give --stages N, or --nodes N" in capsys.readouterr().err
+    # explicit ranges fix the stage count; the placement still picks GPUs per stage and replicas
+    two = plan_placed(c, PlanConfig(stages=1, gpu_mem_gib=141, layers="0:46,46:92"), nodes=1, gpus_per_node=8)
+    assert (two.placement["stages"], two.placement["gpus_per_stage"], two.placement["replicas"]) == (2, 4, 1)
+    assert two.placement["why"][-1] == "layer ranges 0:46,46:92: as given"
