@@ -97,7 +97,8 @@ def layer_flops_per_token(config, layer: int, seq_len: int) -> dict:
     if e and is_moe_layer(c, layer):
         inter = c.moe_intermediate_size
         k = getattr(c, "num_experts_per_tok", 1) or 1
-        shared = (getattr(c, "n_shared_experts", 0) or 0) * inter + (getattr(c, "shared_expert_intermediate_size", 0) or 0)
+        shared = ((getattr(c, "n_shared_experts", 0) or 0) * inter            # GLM / DeepSeek
+                  + (getattr(c, "shared_expert_intermediate_size", 0) or 0))  # Qwen-MoE
         mlp = 2 * h * e + 2 * 3 * h * (k * inter + shared)
     else:
         mlp = 2 * 3 * h * c.intermediate_size
@@ -177,7 +178,7 @@ class Estimate:
     micro_batches: int            # per replica
     micro_batch_tokens: int
     efficiency: float             # M / (M + P - 1)
-    balance: float                # mean / slowest stage compute time (stages are balanced by bytes, not FLOPs)
+    balance: float                # mean / slowest stage step (ranges balanced by bytes are not by FLOPs)
     flops_per_token: dict         # whole model
     stage_seconds: list[float]    # per micro-batch: compute (+ transfer beyond it) of each stage
     transfer_seconds: float       # one boundary crossing of one micro-batch (the slowest link used)
@@ -206,7 +207,7 @@ def estimate(config, ranges: list[tuple[int, int]], *, replicas: int, gpus_per_s
     steps = []
     for a, b in ranges:
         f = flops_per_token(config, seq_len, (a, b))
-        compute = mb_tokens * (f["matmul"] / (gpu.bf16_flops * utilization) + f["capture"] / (gpu.fp64_flops * utilization))
+        compute = mb_tokens * (f["matmul"] / gpu.bf16_flops + f["capture"] / gpu.fp64_flops) / utilization
         steps.append(max(compute, transfer))
     slowest = max(steps)
     wall = (m + p - 1) * slowest
@@ -215,9 +216,9 @@ def estimate(config, ranges: list[tuple[int, int]], *, replicas: int, gpus_per_s
     assumptions = [
         f"tokens: {num_blocks} blocks x {seqs_per_block} sequences x {seq_len} = {tokens:,} "
         f"({math.ceil(num_blocks / replicas)} blocks per replica)",
-        f"FLOPs per token (forward, 2 per multiply-add): attention {total['attention'] / 1e9:.2f} G (projections + "
-        f"causal scores over {(seq_len + 1) / 2:g} keys on average), MLP {total['mlp'] / 1e9:.2f} G (dense, or router + "
-        f"active experts), capture {total['capture'] / 1e9:.2f} G float64 Grams; LM head not run",
+        f"FLOPs per token (forward, 2 per multiply-add): attention {total['attention'] / 1e9:.2f} G (projections "
+        f"+ causal scores over {(seq_len + 1) / 2:g} keys on average), MLP {total['mlp'] / 1e9:.2f} G (dense, or "
+        f"router + active experts), capture {total['capture'] / 1e9:.2f} G float64 Grams; LM head not run",
         f"GPU {gpu.name}: {gpu.bf16_flops / 1e12:g} TFLOP/s BF16, {gpu.fp64_flops / 1e12:g} TFLOP/s FP64 "
         f"({gpu.source}); utilization {utilization:.0%} assumed",
         f"a stage of {gpus_per_stage} GPU(s) computes on one GPU at a time (its layers run one after another)",
@@ -242,7 +243,7 @@ class Placement:
     gpus_per_stage: int
     replicas: int
     idle_gpus: int
-    crosses_nodes: bool           # a replica's stages span more than one node
+    crosses_nodes: bool           # some replica's stages span nodes (a replica does not divide a node's GPUs)
     why: list[str] = field(default_factory=list)  # why these numbers (printed)
     layers: str | None = None     # `--stage-layers` balancing compute time (None: balanced by bytes)
 

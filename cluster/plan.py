@@ -332,7 +332,6 @@ def stage_layers_by_time(config, pc, stages: int, gpus_per_stage: int, gpu: GpuS
     return ",".join(f"{a}:{b}" for a, b in r) if r else None
 
 
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -373,10 +372,11 @@ def place(config, pc, *, nodes: int, gpus_per_node: int, gpu: GpuSpec = H100, st
             layers = stage_layers_by_time(config, pc, p, g, gpu)
             plan = make_plan(config, replace(pc, stages=p, gpus_per_stage=g, layers=layers, gpu_mem_gib=None))
             ranges = [s.layers for s in plan.stages]
-            crosses = p * g > gpus_per_node
-            est = estimate(config, ranges, replicas=r, gpus_per_stage=g, seq_len=pc.seq_len, micro_batch=pc.micro_batch,
-                           seqs_per_block=pc.seqs_per_block, num_blocks=pc.num_blocks, boundary_bytes=plan.activation["boundary"],
-                           gpu=gpu, utilization=utilization, crosses_nodes=crosses)
+            crosses = p > 1 and gpus_per_node % (p * g) != 0  # replicas that do not tile the nodes span them
+            est = estimate(config, ranges, replicas=r, gpus_per_stage=g, seq_len=pc.seq_len,
+                           micro_batch=pc.micro_batch, seqs_per_block=pc.seqs_per_block, num_blocks=pc.num_blocks,
+                           boundary_bytes=plan.activation["boundary"], gpu=gpu, utilization=utilization,
+                           crosses_nodes=crosses)
             key = (est.wall_seconds, p)
             if best is None or key < best[0]:
                 best = (key, p, r, crosses, layers)
@@ -455,7 +455,7 @@ def format_placement(p: Plan) -> list[str]:
     e = p.estimate
     if e:
         out += ["", f"pipeline efficiency {e['efficiency']:.1%} (M/(M+P-1), M = {e['micro_batches']} micro-batches "
-                    f"per replica, P = {e['stages']}); stage balance {e['balance']:.1%} (mean / slowest stage FLOPs)",
+                    f"per replica, P = {e['stages']}); stage balance {e['balance']:.1%} (mean / slowest stage step)",
                 f"wall-time estimate: {fmt_seconds(e['wall_seconds'])} for {e['tokens']:,} tokens on "
                 f"{e['replicas']} replica(s) ({e['tokens'] / e['wall_seconds']:,.0f} tokens/s); assumptions:"]
         out += [f"  {a}" for a in e["assumptions"]]
