@@ -7,7 +7,7 @@ calibration front end, which wrote tokens, mask and root attributes):
 - R replicas x N stage actors; stage i of every replica owns the same contiguous
   layer range (balanced by parameter count, or explicit). Each replica's stages
   are placed by one placement group (PACK: on as few nodes as hold them, so a
-  replica of one stage per GPU spans nodes when it has more stages than a node GPUs).
+  replica of one stage per GPU spans nodes when it has more stages than a node has GPUs).
 - Replicas split the pending blocks round-robin: every block goes to exactly one
   replica. Within a replica a block is cut into micro-batches of sequences; the
   driver chains `stage_0.forward -> stage_1.forward -> ...` per micro-batch and
