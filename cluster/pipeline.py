@@ -114,6 +114,7 @@ class PipelineReport:
     bubble: float                        # 1 - mean stage busy time / wall time (measured)
     bubble_ideal: float                  # (N-1)/(M+N-1) for M micro-batches per replica
     startup_seconds: float = 0.0         # actor start (layer loading) until every stage answered; in wall_seconds
+    blocks_in_flight: int = 2            # per replica: cluster.lookahead, raised by `lookahead_blocks`
     stage_stats: list[dict] = field(default_factory=list)
     unused_experts: dict = field(default_factory=dict)
 
@@ -282,7 +283,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             blocks_done=sorted(loop.done_blocks), blocks_skipped=skipped, block_retries=len(loop.failures),
             failures=loop.failures, wall_seconds=wall, tokens=real_tokens,
             tokens_per_second=real_tokens / wall if wall > 0 else 0.0, bubble=measured_bubble(stats),
-            bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup,
+            bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup, blocks_in_flight=ahead,
             stage_stats=stats, unused_experts={str(k): v for k, v in unused.items()})
     finally:
         _release(replicas, pgs)  # also on errors: a long-lived caller must get its resources back
