@@ -76,6 +76,9 @@ class StageStats:
     last_call: float | None = None
     node_id: str | None = None  # Ray node running this incarnation (None outside Ray)
     torch_threads: int | None = None  # torch.get_num_threads() seen by the first micro-batch
+    # (start, end of compute, end incl. throttle) of each forward call, time.time(): the schedule a
+    # benchmark reads back (bench/pipeline_bubble.py); 24 bytes a micro-batch
+    spans: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 def router_modules(stage) -> dict[int, torch.nn.Module]:
@@ -188,6 +191,7 @@ class StageWorker:
         t1 = time.time()
         if self.args.throttle_s:
             time.sleep(self.args.throttle_s)
+        self.stats.spans.append((t0, t1, time.time()))
         self.stats.busy_seconds += t1 - t0
         self.stats.micro_batches += 1
         self.stats.last_call = t1

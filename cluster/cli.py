@@ -11,6 +11,7 @@ import argparse
 import json
 
 from oscar.cli_options import add_model, add_out, add_ray, add_stages
+from oscar.cluster.placement import GPUS, UTILIZATION
 from oscar.common import nonneg_float, positive_float, positive_int
 
 
@@ -21,11 +22,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "accumulators, activations per micro-batch, store size and, with --gpu-mem, the "
                                    "smallest stage count that fits (docs/scale.md).")
     add_model(p, "config.json, model directory, shipped config (glm-4.7) or preset", required=True)
-    add_stages(p, "pipeline stages (layer ranges) to plan", type=int, required=True)
-    p.add_argument("--gpus-per-stage", type=int, default=1, help="GPUs that share one stage's weights")
+    add_stages(p, "pipeline stages (layer ranges) per replica; required without --nodes (with --nodes: the "
+                  "placement's choice)", type=int)
+    p.add_argument("--gpus-per-stage", type=int, default=None,
+                   help="GPUs that share one stage's weights (default: 1; with --nodes: the fewest that fit)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="GPU nodes to place stages and replicas on (with --gpus-per-node): one stage per GPU "
+                        "when a GPU holds a share of the layers, stages across nodes (default: no placement)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one node, with --nodes")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS),
+                   help="GPU whose datasheet FLOP/s (and, without --gpu-mem, memory) the placement and the "
+                        "wall-time estimate use")
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
                    help="memory of one GPU, to check the plan and suggest a stage count; a plan that does not fit "
-                        "is printed, then refused (exit 2) (default: no check)")
+                        "is printed, then refused (exit 2) (default: no check; with --nodes: --gpu's memory)")
+    p.add_argument("--utilization", type=float, default=UTILIZATION,
+                   help="share of the GPU's datasheet FLOP/s the wall-time estimate assumes")
     p.add_argument("--stage-layers", "--layers", dest="layers", default=None, metavar="A:B,B:C",
                    help="explicit layer ranges, one per stage, as `oscar calibrate --stage-layers` (default: balanced "
                         "by parameters; --layers: the older spelling)")
@@ -137,15 +149,30 @@ def _render(args) -> int:
 
 
 def _plan(args) -> int:
-    from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_plan, misfit
+    from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_plan, misfit, plan_placed
     from oscar.common import OscarError
 
-    pc = PlanConfig(stages=args.stages, gpus_per_stage=args.gpus_per_stage, gpu_mem_gib=args.gpu_mem,
+    if args.stages is None and args.nodes is None:
+        raise OscarError("give --stages N, or --nodes N (with --gpus-per-node) to place the stages")
+    gpu = GPUS[args.gpu]
+    mem = args.gpu_mem if args.gpu_mem is not None or args.nodes is None else gpu.mem_gib
+    for flag, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        if v is not None and v < 1:
+            raise OscarError(f"{flag} must be >= 1, got {v}")
+    if not 0 < args.utilization <= 1:
+        raise OscarError(f"--utilization must be in (0, 1], got {args.utilization:g}")
+    pc = PlanConfig(stages=1 if args.stages is None else args.stages,
+                    gpus_per_stage=1 if args.gpus_per_stage is None else args.gpus_per_stage, gpu_mem_gib=mem,
                     seq_len=args.seq_len, micro_batch=args.micro_batch, seqs_per_block=args.seqs_per_block,
                     num_blocks=args.blocks, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
                     name=args.model)
     pc.check()  # sizes first: no config is read for a plan that cannot exist
-    plan = make_plan(load_model_config(args.model), pc)
+    config = load_model_config(args.model)
+    if args.nodes is not None:
+        plan = plan_placed(config, pc, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu,
+                           stages=args.stages, gpus_per_stage=args.gpus_per_stage, utilization=args.utilization)
+    else:
+        plan = make_plan(config, pc, gpu=gpu, utilization=args.utilization)
     # A plan that does not fit is still printed (stdout; JSON with "fits": false): its table shows which
     # stage is too large and by how much, which is what choosing --stages / --gpus-per-stage needs.
     # Then the one-line refusal (stderr, exit 2), so a script or `set -e` never takes it for a plan that fits.

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from oscar.cluster.balance import balance_layers
+from oscar.cluster.placement import num_experts as _num_experts  # the name the cluster modules import
 from oscar.common import OscarError
 from oscar.modelconfig import layer_of, read_config
 from oscar.pipeline.models import (SCALE_SUFFIX, checkpoint_quantization, dequantize_block_fp8, is_float8,
@@ -163,14 +164,6 @@ def _checkpoint_sources(name: str, ckpt: Checkpoint, num_experts: int | None) ->
             keys = [[f"{base}.{e}.{p[alt]}" for p in parts] for e in range(num_experts)]
             if all(k in ckpt for ks in keys for k in ks):
                 return keys
-    return None
-
-
-def _num_experts(config) -> int | None:
-    for k in ("n_routed_experts", "num_local_experts", "num_experts"):
-        v = getattr(config, k, None)
-        if isinstance(v, int) and v > 0:
-            return v
     return None
 
 

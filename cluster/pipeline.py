@@ -6,12 +6,14 @@ calibration front end, which wrote tokens, mask and root attributes):
 
 - R replicas x N stage actors; stage i of every replica owns the same contiguous
   layer range (balanced by parameter count, or explicit). Each replica's stages
-  are co-located by a placement group (STRICT_PACK when they use GPUs).
+  are placed by one placement group (PACK: on as few nodes as hold them, so a
+  replica of one stage per GPU spans nodes when it has more stages than a node has GPUs).
 - Replicas split the pending blocks round-robin: every block goes to exactly one
   replica. Within a replica a block is cut into micro-batches of sequences; the
   driver chains `stage_0.forward -> stage_1.forward -> ...` per micro-batch and
-  keeps up to `lookahead` blocks in flight, so stage i works on micro-batch m+1
-  while stage i+1 works on m (pipeline parallelism).
+  keeps up to `lookahead` blocks in flight (more when a block has fewer micro-batches
+  than the pipeline has stages: `placement.lookahead_blocks`), so stage i works on
+  micro-batch m+1 while stage i+1 works on m (pipeline parallelism).
 - Fault tolerance: actors have `max_restarts`; their tasks are not retried by Ray
   (`max_task_retries=0`). When any micro-batch of a block fails (actor died,
   worker killed, node lost) the driver waits for that attempt to drain and
@@ -28,10 +30,11 @@ import sys
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from oscar.cluster.placement import lookahead_blocks
 from oscar.common import OscarError, fingerprint
 
 _LOCAL_RAY: bool = False  # True when this module started the Ray runtime itself
@@ -54,7 +57,7 @@ class ClusterConfig:
     threads_per_stage: int | None = None  # torch threads (default: cpus_per_stage, at least 1)
     max_restarts: int = 4                # per actor
     max_block_attempts: int = 6          # per block, before giving up
-    lookahead: int = 2                   # blocks in flight per replica
+    lookahead: int = 2                   # blocks in flight per replica (at least; raised to keep every stage fed)
     dtype: str = "float32"
     placement_timeout: float = 120.0    # seconds to place the stages (and to re-place them after a node loss)
     startup_timeout: float = 1800.0     # seconds for a stage actor to load its layers (also after a restart)
@@ -111,6 +114,7 @@ class PipelineReport:
     bubble: float                        # 1 - mean stage busy time / wall time (measured)
     bubble_ideal: float                  # (N-1)/(M+N-1) for M micro-batches per replica
     startup_seconds: float = 0.0         # actor start (layer loading) until every stage answered; in wall_seconds
+    blocks_in_flight: int = 2            # per replica: cluster.lookahead, raised by `lookahead_blocks`
     stage_stats: list[dict] = field(default_factory=list)
     unused_experts: dict = field(default_factory=dict)
 
@@ -260,7 +264,10 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         startup = time.time() - t_start
 
         masks = store.group["mask"]
-        loop = _BlockLoop(cc, replicas, store.group["tokens"], masks, todo, on_block)
+        # Stage 0 must get the next block before it finishes the current one, while the oldest block in
+        # flight still drains through the later stages: with few micro-batches per block, more blocks in flight.
+        ahead = max(cc.lookahead, lookahead_blocks(len(ranges), math.ceil(store.meta.seqs_per_block / cc.micro_batch)))
+        loop = _BlockLoop(replace(cc, lookahead=ahead), replicas, store.group["tokens"], masks, todo, on_block)
         loop.run(progress)
         wall = time.time() - t_start
 
@@ -276,7 +283,7 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
             blocks_done=sorted(loop.done_blocks), blocks_skipped=skipped, block_retries=len(loop.failures),
             failures=loop.failures, wall_seconds=wall, tokens=real_tokens,
             tokens_per_second=real_tokens / wall if wall > 0 else 0.0, bubble=measured_bubble(stats),
-            bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup,
+            bubble_ideal=(n - 1) / (m_total + n - 1) if todo else 0.0, startup_seconds=startup, blocks_in_flight=ahead,
             stage_stats=stats, unused_experts={str(k): v for k, v in unused.items()})
     finally:
         _release(replicas, pgs)  # also on errors: a long-lived caller must get its resources back
@@ -293,14 +300,15 @@ def _bundle(cc: ClusterConfig) -> dict:
 
 def _place(cc: ClusterConfig, n_stages: int, job: str, into: list) -> None:
     """One placement group per replica (a bundle per stage) into `into`, placed; a clear error when the
-    cluster cannot (the caller removes the groups either way)."""
+    cluster cannot (the caller removes the groups either way). PACK, not STRICT_PACK: a replica of one
+    stage per GPU has more stages than a node has GPUs; a bundle (one stage's GPUs) never spans nodes."""
     import ray
     from ray.util.placement_group import placement_group
 
     bundle = _bundle(cc)
     for r in range(cc.replicas):
         into.append(placement_group([{**bundle, **cc.custom_resources(i)} for i in range(n_stages)],
-                                    strategy="STRICT_PACK" if cc.gpus_per_stage else "PACK", name=f"oscar-{job}-r{r}"))
+                                    strategy="PACK", name=f"oscar-{job}-r{r}"))
     try:
         ray.get([pg.ready() for pg in into], timeout=cc.placement_timeout)
     except ray.exceptions.GetTimeoutError:

@@ -14,11 +14,12 @@ import math
 import os
 
 import numpy as np
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from oscar.cluster.balance import balance_layers  # noqa: F401  (re-exported: plan's public API)
-from oscar.cluster.loading import _num_experts as _ne
 from oscar.cluster.loading import build_skeleton
+from oscar.cluster.placement import (H100, UTILIZATION, GpuSpec, Placement, balance_by_time, estimate, fmt_seconds,
+                                     is_moe_layer, layer_flops_per_token, num_experts)
 from oscar.common import OscarError, attention_shapes
 from oscar.modelconfig import layer_of
 from oscar.modelconfig import load_model_config as _load_model_config
@@ -123,16 +124,10 @@ def store_bytes_per_block(config, *, seq_len: int, seqs_per_block: int, reservoi
 
 
 def _num_experts(config) -> int:
-    return _ne(config.get_text_config() if hasattr(config, "get_text_config") else config) or 0
+    return num_experts(config.get_text_config() if hasattr(config, "get_text_config") else config) or 0
 
 
-def _is_moe_layer(config, layer: int) -> bool:
-    k = getattr(config, "first_k_dense_replace", None)
-    if k is not None:
-        return layer >= k
-    every = getattr(config, "decoder_sparse_step", 1) or 1
-    skip = getattr(config, "mlp_only_layers", []) or []
-    return layer not in skip and (layer + 1) % every == 0
+_is_moe_layer = is_moe_layer  # the name cluster/pipeline.py imports
 
 
 # --------------------------------------------------------------------------- activations
@@ -186,6 +181,8 @@ class Plan:
     budget_bytes: int | None = None   # per GPU: gpu_mem x usable (None without a GPU size)
     fits: bool | None = None          # every stage's peak within its GPUs' budget (None without a GPU size)
     weights_mode: str = ""            # how the loaders hold the weights (block FP8: dequantized at load)
+    estimate: dict | None = None      # placement.Estimate: efficiency and wall time of the pipelined part
+    placement: dict | None = None     # placement.Placement, when planned for --nodes x --gpus-per-node
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -229,8 +226,10 @@ class PlanConfig:
             raise OscarError(f"--dtype {self.dtype!r}: one of {sorted(_DTYPE_BYTES)}")
 
 
-def make_plan(config, pc: PlanConfig) -> Plan:
-    """Plan a pipeline of `pc.stages` stages with `pc.gpus_per_stage` GPUs each."""
+def make_plan(config, pc: PlanConfig, *, gpu: GpuSpec = H100, utilization: float = UTILIZATION, replicas: int = 1,
+              crosses_nodes: bool = False) -> Plan:
+    """Plan a pipeline of `pc.stages` stages with `pc.gpus_per_stage` GPUs each (`replicas` of it, for the
+    wall-time estimate on `gpu`)."""
     pc.check()
     dtype = pc.dtype or str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     dtype = dtype.removeprefix("torch.")
@@ -262,7 +261,8 @@ def make_plan(config, pc: PlanConfig) -> Plan:
     suggested = None
     notes = [f"weights in {dtype} ({nb} B/param); activations in the same dtype" + (
                  f"; the checkpoint is block FP8 ({block[0]}x{block[1]}), dequantized at load by every loader "
-                 f"(about 1 B/param + scales on disk, {nb} B/param in memory)" if block else ""),
+                 f"(about 1 B/param + scales on disk: {fmt_bytes(pb.total // nb)} of FP8 weights read by the "
+                 f"stages and the head, {nb} B/param in GPU memory: {fmt_bytes(pb.total)})" if block else ""),
              f"{pc.in_flight} micro-batches in flight per stage; accumulators are float64 per block",
              "scores_if_materialised applies to eager attention and CPU sdpa; flash/mem-efficient kernels avoid it"]
     if gpu_mem:
@@ -280,9 +280,117 @@ def make_plan(config, pc: PlanConfig) -> Plan:
                      "no stage count fits: a single layer exceeds the GPU budget")
     budget = int(gpu_mem * pc.usable) if gpu_mem else None
     fits = all(s.peak_bytes <= pc.gpus_per_stage * gpu_mem * pc.usable for s in sp) if gpu_mem else None
+    est = estimate(config, ranges, replicas=replicas, gpus_per_stage=pc.gpus_per_stage, seq_len=pc.seq_len,
+                   micro_batch=pc.micro_batch, seqs_per_block=pc.seqs_per_block, num_blocks=pc.num_blocks,
+                   boundary_bytes=act["boundary"], gpu=gpu, utilization=utilization, crosses_nodes=crosses_nodes)
     return Plan(pc.name or getattr(config, "model_type", ""), nl, pb.total, pb.total - pb.head, sp, pc.gpus_per_stage,
                 act, spb, pc.num_blocks, spb["total"] * pc.num_blocks, suggested, gpu_mem, notes, budget, fits,
-                weights_mode)
+                weights_mode, est.to_dict())
+
+
+def plan_placed(config, pc: PlanConfig, *, nodes: int, gpus_per_node: int, gpu: GpuSpec = H100,
+                stages: int | None = None, gpus_per_stage: int | None = None,
+                utilization: float = UTILIZATION) -> Plan:
+    """`make_plan` for the placement on `nodes` x `gpus_per_node` GPUs (cluster/placement.py): stage count,
+    GPUs per stage and replicas chosen unless pinned; the estimate counts the replicas."""
+    if pc.layers and stages is None:
+        stages = pc.layers.count(",") + 1  # explicit ranges fix the stage count
+    pl = place(config, pc, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, stages=stages,
+               gpus_per_stage=gpus_per_stage, utilization=utilization)
+    if pc.layers:
+        pl.why = [w for w in pl.why if not w.startswith("layer ranges")] + [f"layer ranges {pc.layers}: as given"]
+        pl.layers = pc.layers
+    plan = make_plan(config, replace(pc, stages=pl.stages, gpus_per_stage=pl.gpus_per_stage,
+                                     layers=pl.layers), gpu=gpu,
+                     utilization=utilization, replicas=pl.replicas, crosses_nodes=pl.crosses_nodes)
+    plan.placement = pl.to_dict()
+    return plan
+
+
+# --------------------------------------------------------------------------- placement
+
+def stage_layers_by_time(config, pc, stages: int, gpus_per_stage: int, gpu: GpuSpec = H100) -> str | None:
+    """`--stage-layers` text of the split that balances compute time (FLOPs per layer at the GPU's rates) within
+    the memory `make_plan` checks; None without a GPU size or when no split fits. Balancing bytes instead puts
+    GLM-4.7's three dense layers (few bytes, the FLOPs of a MoE layer's active experts) with five MoE layers
+    on stage 0: the slowest stage of the pipeline."""
+    if pc.gpu_mem_gib is None:
+        return None
+    base = make_plan(config, replace(pc, stages=1, gpus_per_stage=gpus_per_stage, layers=None, gpu_mem_gib=None))
+    nl = base.num_layers
+    nb = param_bytes(config, 1)
+    scale = base.stages[0].param_bytes / (nb.embed + sum(nb.layers))  # bytes per parameter of the plan's dtype
+    acc = base.stages[0].accumulator_bytes / nl
+    fixed = base.stages[0].peak_bytes - base.stages[0].param_bytes - base.stages[0].accumulator_bytes
+    peaks = [nb.layers[l] * scale + acc for l in range(nl)]
+    times = []
+    for l in range(nl):
+        f = layer_flops_per_token(config, l, pc.seq_len)
+        times.append((f["attention"] + f["mlp"]) / gpu.bf16_flops + f["capture"] / gpu.fp64_flops)
+    budget = gpus_per_stage * pc.gpu_mem_gib * (1 << 30) * pc.usable - fixed
+    r = balance_by_time(times, peaks, stages, budget, nb.embed * scale)
+    return ",".join(f"{a}:{b}" for a, b in r) if r else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def place(config, pc, *, nodes: int, gpus_per_node: int, gpu: GpuSpec = H100, stages: int | None = None,
+          gpus_per_stage: int | None = None, utilization: float = UTILIZATION) -> Placement:
+    """The placement of `config` on `nodes` x `gpus_per_node` GPUs of `pc.gpu_mem_gib` each (a PlanConfig
+    carries the sizes; its stages / gpus_per_stage are ignored). Fewest GPUs per stage that fits (a
+    divisor of gpus_per_node: a stage's GPUs share a node), then among stage counts that fit and fill
+    the GPUs the one with the shortest estimated wall time (ties: fewer stages). `stages` and
+    `gpus_per_stage` pin either choice. Refuses in one line when nothing fits."""
+    for flag, v in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--stages", stages),
+                    ("--gpus-per-stage", gpus_per_stage)):
+        if v is not None and v < 1:
+            raise OscarError(f"{flag} must be >= 1, got {v}")
+    if pc.gpu_mem_gib is None:
+        raise OscarError("placing stages needs the GPU memory (--gpu-mem or --gpu)")
+    if gpus_per_stage is not None and gpus_per_node % gpus_per_stage:
+        raise OscarError(f"--gpus-per-stage {gpus_per_stage} must divide --gpus-per-node {gpus_per_node} (a stage's "
+                         "GPUs are in one node)")
+    nl = attention_shapes(config)["num_layers"]
+    why = []
+    for g in [gpus_per_stage] if gpus_per_stage else _divisors(gpus_per_node):
+        slots = nodes * gpus_per_node // g
+        plan1 = make_plan(config, replace(pc, stages=1, gpus_per_stage=g, layers=None))
+        pmin = plan1.suggested_stages
+        if pmin is None or pmin > min(slots, nl):
+            why.append(f"{g} GPU(s) per stage: " + ("a single layer does not fit" if pmin is None else
+                       f"needs {pmin} stages, {slots} stage slots"))
+            continue
+        if stages is not None and not pmin <= stages <= min(slots, nl):
+            why.append(f"{g} GPU(s) per stage: --stages {stages} " + (f"does not fit (from {pmin} stages)"
+                       if stages < pmin else f"exceeds the {min(slots, nl)} stage slots"))
+            continue
+        best = None
+        for p in [stages] if stages else range(pmin, min(slots, nl) + 1):
+            r = slots // p
+            layers = stage_layers_by_time(config, pc, p, g, gpu)
+            plan = make_plan(config, replace(pc, stages=p, gpus_per_stage=g, layers=layers, gpu_mem_gib=None))
+            ranges = [s.layers for s in plan.stages]
+            crosses = p > 1 and gpus_per_node % (p * g) != 0  # replicas that do not tile the nodes span them
+            est = estimate(config, ranges, replicas=r, gpus_per_stage=g, seq_len=pc.seq_len,
+                           micro_batch=pc.micro_batch, seqs_per_block=pc.seqs_per_block, num_blocks=pc.num_blocks,
+                           boundary_bytes=plan.activation["boundary"], gpu=gpu, utilization=utilization,
+                           crosses_nodes=crosses)
+            key = (est.wall_seconds, p)
+            if best is None or key < best[0]:
+                best = (key, p, r, crosses, layers)
+        _, p, r, crosses, layers = best
+        why.append(f"{g} GPU(s) per stage: the fewest whose stages fit ({pmin} stages at least)")
+        if not stages:
+            why.append(f"{p} stages x {r} replica(s): the shortest estimated wall time among {pmin}..{min(slots, nl)} "
+                       f"stages on {slots} stage slots")
+        idle = nodes * gpus_per_node - p * r * g
+        if layers:
+            why.append(f"layer ranges {layers}: balanced by estimated compute time within the memory budget")
+        return Placement(nodes, gpus_per_node, p, g, r, idle, crosses, why, layers)
+    raise OscarError(f"no placement fits on {nodes} x {gpus_per_node} GPUs of {pc.gpu_mem_gib:g} GiB: "
+                     + "; ".join(why))
 
 
 def misfit(p: Plan, explicit_layers: bool = False) -> str | None:
@@ -332,4 +440,24 @@ def format_plan(p: Plan) -> str:
         lines.append(f"suggested stages for {fmt_bytes(p.gpu_mem_bytes)} GPUs x {p.gpus_per_stage} per stage: "
                      f"{p.suggested_stages if p.suggested_stages else 'none fits'}")
     lines += [f"note: {n}" for n in p.notes]
-    return "\n".join(lines)
+    return "\n".join(lines + format_placement(p))
+
+
+def format_placement(p: Plan) -> list[str]:
+    """The placement (with --nodes), the pipeline efficiency and the wall-time estimate with its assumptions."""
+    out = []
+    if p.placement:
+        pl = p.placement
+        out += ["", f"placement: {pl['replicas']} replica(s) x {pl['stages']} stage(s) x {pl['gpus_per_stage']} GPU(s) "
+                    f"on {pl['nodes']} node(s) x {pl['gpus_per_node']} GPUs ({pl['idle_gpus']} idle; a replica "
+                    f"{'spans nodes' if pl['crosses_nodes'] else 'stays in one node'})"]
+        out += [f"  {w}" for w in pl["why"]]
+    e = p.estimate
+    if e:
+        out += ["", f"pipeline efficiency {e['efficiency']:.1%} (M/(M+P-1), M = {e['micro_batches']} micro-batches "
+                    f"per replica, P = {e['stages']}); stage balance {e['balance']:.1%} (mean / slowest stage step)",
+                f"wall-time estimate: {fmt_seconds(e['wall_seconds'])} for {e['tokens']:,} tokens on "
+                f"{e['replicas']} replica(s) ({e['tokens'] / e['wall_seconds']:,.0f} tokens/s); assumptions:"]
+        out += [f"  {a}" for a in e["assumptions"]]
+    return out
+

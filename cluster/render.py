@@ -21,6 +21,7 @@ import re
 import shlex
 from dataclasses import dataclass, field, fields
 
+from oscar.cluster.placement import fmt_seconds
 from oscar.common import OscarError
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -133,8 +134,10 @@ def _layout(cfg: RenderConfig) -> tuple[int, int]:
 
 def plan_for(cfg: RenderConfig):
     """(plan, stages, replicas, gpus_per_stage, notes), or a clear refusal when the GPUs cannot hold the model
-    or --positions goes beyond the model's (notes: `positions_notes`)."""
-    from oscar.cluster.plan import PlanConfig, load_model_config, make_plan
+    or --positions goes beyond the model's (notes: `positions_notes`). Without both --stages and
+    --gpus-per-stage the placement of `oscar plan --nodes` chooses what is unset (cluster/placement.py):
+    one stage per GPU where a GPU holds a share of the layers, stages across nodes."""
+    from oscar.cluster.plan import PlanConfig, load_model_config, make_plan, plan_placed
 
     spec = cfg.model_config or cfg.model
     try:
@@ -144,8 +147,20 @@ def plan_for(cfg: RenderConfig):
                                             "config.json, model directory or shipped config such as glm-4.7)")
         raise OscarError(f"cannot plan the model: {e}{hint}") from None
     notes = positions_notes(cfg, mcfg, spec)  # refuses --positions beyond the model's before any planning
-    g, slots = _layout(cfg)
     blocks = max(1, math.ceil(cfg.tokens / (cfg.seqs_per_block * cfg.seq_len))) if cfg.tokens else 64
+    if cfg.stages is None or cfg.gpus_per_stage is None:
+        if cfg.gpus_per_stage is not None:
+            _layout(cfg)  # the same one-line refusal for a stage size that does not divide a node
+        pc = PlanConfig(stages=1, gpu_mem_gib=cfg.gpu_mem, seq_len=cfg.seq_len, micro_batch=cfg.batch_size,
+                        seqs_per_block=cfg.seqs_per_block, num_blocks=blocks, dtype=cfg.dtype, name=spec)
+        try:
+            plan = plan_placed(mcfg, pc, nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, stages=cfg.stages,
+                               gpus_per_stage=cfg.gpus_per_stage)
+        except OscarError as e:
+            raise OscarError(f"oscar plan: {e}; nothing written") from None
+        pl = plan.placement
+        return plan, pl["stages"], pl["replicas"], pl["gpus_per_stage"], notes
+    g, slots = _layout(cfg)
     kw = dict(gpus_per_stage=g, gpu_mem_gib=cfg.gpu_mem, seq_len=cfg.seq_len, micro_batch=cfg.batch_size,
               seqs_per_block=cfg.seqs_per_block, num_blocks=blocks, dtype=cfg.dtype, name=spec)
     stages = cfg.stages
@@ -193,13 +208,16 @@ def positions_notes(cfg: RenderConfig, mcfg, spec: str) -> list[str]:
     return []
 
 
-def calibrate_command(cfg: RenderConfig, stages: int, replicas: int, g: int) -> list[str]:
-    """The `oscar calibrate --ray auto ...` the cluster runs (inside a Ray job, auto attaches to it)."""
+def calibrate_command(cfg: RenderConfig, stages: int, replicas: int, g: int, layers: str | None = None) -> list[str]:
+    """The `oscar calibrate --ray auto ...` the cluster runs (inside a Ray job, auto attaches to it); `layers`:
+    the plan's `--stage-layers` (the placement's split balanced by compute time)."""
     cpus = max(1, cfg.cpus_per_node // (cfg.gpus_per_node // g))  # the node's CPUs shared by its stages
     cmd = ["oscar", "calibrate", "--ray", "auto", "--model", cfg.model, "--corpus", cfg.corpus, "--store", cfg.store,
            "--seq-len", str(cfg.seq_len), "--seqs-per-block", str(cfg.seqs_per_block), "--batch-size", str(cfg.batch_size),
            "--dtype", cfg.dtype, "--device", "cuda", "--stages", str(stages), "--replicas", str(replicas),
            "--gpus-per-stage", str(g), "--cpus-per-stage", str(cpus)]
+    if layers:
+        cmd += ["--stage-layers", layers]
     if cfg.tokens:
         cmd += ["--tokens", str(cfg.tokens)]
     if cfg.positions:
@@ -218,7 +236,13 @@ def _plan_lines(plan, stages: int, replicas: int, g: int, cfg: RenderConfig) -> 
         out.append(f"stage {s.stage}: layers {s.layers[0]}-{s.layers[1] - 1}{' + embeddings' if s.embeddings else ''}: "
                    f"peak {s.peak_bytes / GiB:.1f} GiB -> {s.per_gpu_bytes / GiB:.1f} GiB per GPU on {g} GPU(s) "
                    f"(budget {0.9 * cfg.gpu_mem:.1f} GiB = 90 % of {cfg.gpu_mem:g} GiB)")
-    out.append(f"{replicas} replica(s) x {stages} stage(s) x {g} GPU(s) = {cfg.nodes} node(s) x {cfg.gpus_per_node} GPUs")
+    out.append(f"{replicas} replica(s) x {stages} stage(s) x {g} GPU(s) of {cfg.nodes} node(s) x {cfg.gpus_per_node} GPUs"
+               + (" (a replica's stages span nodes)" if stages * g > cfg.gpus_per_node else ""))
+    e = plan.estimate
+    if e:
+        out.append(f"pipeline efficiency {e['efficiency']:.1%} (M/(M+P-1), M = {e['micro_batches']} micro-batches per "
+                   f"replica); wall-time estimate {fmt_seconds(e['wall_seconds'])} for {e['tokens']:,} tokens "
+                   f"(`oscar plan --nodes` prints its assumptions)")
     out.append(f"store: {plan.store_per_block['total'] / 2**20:.0f} MiB per block, {plan.num_blocks} blocks = "
                f"{plan.store_total_bytes / GiB:.1f} GiB at {cfg.store}")
     return out
@@ -247,11 +271,13 @@ def render(cfg: RenderConfig) -> Rendered:
 
     _check_params(cfg)
     plan, stages, replicas, g, notes = plan_for(cfg)
-    cmd = calibrate_command(cfg, stages, replicas, g)
+    layers = (plan.placement or {}).get("layers")
+    cmd = calibrate_command(cfg, stages, replicas, g, layers)
     q = json.dumps  # a JSON string is a valid YAML double-quoted scalar
-    plan_cmd = (f"oscar plan --model {shlex.quote(cfg.model_config or cfg.model)} --stages {stages} --gpus-per-stage {g} "
+    plan_cmd = (f"oscar plan --model {shlex.quote(cfg.model_config or cfg.model)} --nodes {cfg.nodes} "
+                f"--gpus-per-node {cfg.gpus_per_node} --stages {stages} --gpus-per-stage {g} "
                 f"--gpu-mem {cfg.gpu_mem:g} --seq-len {cfg.seq_len} --seqs-per-block {cfg.seqs_per_block} "
-                f"--blocks {plan.num_blocks} --dtype {cfg.dtype}")
+                f"--blocks {plan.num_blocks} --dtype {cfg.dtype}" + (f" --stage-layers {layers}" if layers else ""))
     v = {
         "model": cfg.model, "render_command": shlex.join(["oscar", "cluster", "render", *render_argv(cfg)]),
         "plan_command": plan_cmd, "plan_comment": _comment(_plan_lines(plan, stages, replicas, g, cfg) + notes),
@@ -276,7 +302,7 @@ def render(cfg: RenderConfig) -> Rendered:
                              "seqs_per_block": cfg.seqs_per_block, "batch_size": cfg.batch_size, "dtype": cfg.dtype,
                              "device": "cuda", **({"tokens": cfg.tokens} if cfg.tokens else {}),
                              **({"positions": cfg.positions} if cfg.positions else {})},
-               "cluster": {"stages": stages, "replicas": replicas, "gpus_per_stage": g,
+               "cluster": {"stages": stages, "replicas": replicas, "gpus_per_stage": g, **({"layers": layers} if layers else {}),
                            "cpus_per_stage": float(cmd[cmd.index("--cpus-per-stage") + 1])},
                "job": {"python": "python"}}
         submit = ["oscar", "submit", "job.yaml", "--address", cfg.dashboard, "--wait"]

@@ -151,7 +151,8 @@ def test_plan_that_does_not_fit_is_printed_then_refused(capsys):
 @pytest.mark.parametrize("flag,value", [("--stages", "0"), ("--stages", "-2"), ("--gpus-per-stage", "0"),
                                         ("--gpu-mem", "0"), ("--gpu-mem", "-80"), ("--gpu-mem", "nan"),
                                         ("--seq-len", "0"), ("--seqs-per-block", "0"), ("--blocks", "0"),
-                                        ("--batch-size", "0"), ("--reservoir", "-1")])
+                                        ("--batch-size", "0"), ("--reservoir", "-1"), ("--nodes", "0"),
+                                        ("--gpus-per-node", "-8"), ("--utilization", "0")])
 def test_plan_refuses_non_positive_sizes_before_reading_the_config(flag, value, capsys, monkeypatch):
     from oscar.__main__ import main
     from oscar.cluster import plan
@@ -205,6 +206,8 @@ def test_block_fp8_checkpoint_counts_the_dequantized_bytes():
     text = format_plan(p)
     assert "weights: block FP8 checkpoint (128x128 blocks) dequantized at load to bfloat16" in text
     assert "dequantized at load by every loader" in text
+    # its own disk figure: 1 B/param, (2 layers + embeddings + head) / 2 B = 551552 B = 538.6 KiB
+    assert (2 * layer + embed + head) // 2 == 551552 and "538.6 KiB of FP8 weights read" in text
     plain = make_plan(_llama_config(), PlanConfig(stages=2))
     assert [s.param_bytes for s in plain.stages] == [s.param_bytes for s in p.stages]
     assert plain.weights_mode == "unquantized checkpoint loaded in bfloat16"

@@ -62,7 +62,9 @@ def test_kuberay_manifest_is_complete_and_runs_a_real_oscar_command(tmp_path):
     assert args.command == "calibrate" and args.ray == "auto" and args.device == "cuda" and args.dtype == "bfloat16"
     assert (args.model, args.store, args.tokens) == (KUBE["model"], KUBE["store"], KUBE["tokens"])
     assert args.positions == 131072 and args.seq_len == 4096  # 4k windows covering 128k positions
-    assert (args.stages, args.replicas, args.gpus_per_stage) == (2, 1, 8.0)  # oscar plan: 2 stages x 8 x 80 GiB
+    # oscar plan --nodes 2 --gpus-per-node 8 --gpu-mem 80: one stage per GPU (>= 10 fit), 16 fill the GPUs
+    assert (args.stages, args.replicas, args.gpus_per_stage) == (16, 1, 1.0)
+    assert len(args.stage_layers.split(",")) == 16 and args.stage_layers.endswith(":92")
     c = ClusterConfig(stages=args.stages, replicas=args.replicas, gpus_per_stage=args.gpus_per_stage)
     assert workers["replicas"] * lim["nvidia.com/gpu"] == c.stages * c.replicas * c.gpus_per_stage  # the arithmetic adds up
     assert args.cpus_per_stage * c.stages * c.replicas <= lim["cpu"] * workers["replicas"]
@@ -100,15 +102,22 @@ def test_every_required_parameter_unset_is_refused(tmp_path, target, base, capsy
 
 
 def test_gpu_counts_the_plan_cannot_hold_are_refused(tmp_path):
-    with pytest.raises(OscarError, match=r"needs 2 stage\(s\) x 8 GPU\(s\) = 16 GPUs, but --nodes 1 x --gpus-per-node 8 = 8"):
+    with pytest.raises(OscarError, match=r"no placement fits on 1 x 8 GPUs of 80 GiB: 1 GPU\(s\) per stage: needs 10 "
+                                         r"stages, 8 stage slots; .* 8 GPU\(s\) per stage: needs 2 stages, 1 stage slots"):
         render(RenderConfig(**{**KUBE, "nodes": 1}))
+    # --stages with --gpus-per-stage: the layout as given, checked as before
+    old = {**KUBE, "gpus_per_stage": 8}
+    with pytest.raises(OscarError, match=r"needs 2 stage\(s\) x 8 GPU\(s\) = 16 GPUs, but --nodes 1 x --gpus-per-node 8 = 8"):
+        render(RenderConfig(**{**old, "nodes": 1, "stages": 2}))
     with pytest.raises(OscarError, match=r"does not fit: stage 0 .* peaks at .* GiB > 576.0 GiB .* smallest stage count "
                                          r"that fits is 2"):
-        render(RenderConfig(**{**KUBE, "stages": 1}))
-    with pytest.raises(OscarError, match="no stage count fits"):
+        render(RenderConfig(**{**old, "stages": 1}))
+    with pytest.raises(OscarError, match="a single layer does not fit"):
         render(RenderConfig(**{**KUBE, "gpu_mem": 1}))
     with pytest.raises(OscarError, match="do not split into replicas"):
-        render(RenderConfig(**{**KUBE, "nodes": 3}))
+        render(RenderConfig(**{**old, "nodes": 3, "stages": 2}))
+    two = render(RenderConfig(**{**old, "stages": 2}))  # the one-stage-per-node layout stays available
+    assert two.command[two.command.index("--stages") + 1] == "2" and "--stage-layers" not in two.command
     assert main(["cluster", "render", "--out", str(tmp_path / "x"), *argv_of({**KUBE, "nodes": 1})]) == 2
     assert not (tmp_path / "x").exists()
 
