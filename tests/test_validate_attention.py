@@ -144,7 +144,7 @@ def test_rowcapture_rows_are_what_attention_receives():
     seen = {}
     attn = base_model(model).layers[2].self_attn
     hook = attn.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("o", a[0].detach().clone()))
-    from oscar.pipeline.cpu_attention import native_prefill
+    from oscar.kernels.cpu_attention import native_prefill
 
     with torch.no_grad(), native_prefill(model):  # the attention the capture's SDPA runs (native on CPU): bit-equal K/V
         ref = base_model(model)(input_ids=ids, use_cache=True).past_key_values

@@ -186,9 +186,11 @@ def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[i
     """Run each sequence through the model once; (k, v per layer: lists (Hkv, T, D); q per layer: {seq: (Hq, n, D)})."""
     from tqdm import tqdm
 
+    from oscar.kernels import cpu_attention
     from oscar.pipeline import capture as C
 
     impl = model.config._attn_implementation
+    cpu_attention.register()  # the capture's sdpa: the native kernel, as calibration ran it (bit-equal K/V)
     C.install(model, impl if impl in ("eager", "sdpa") else "sdpa")  # q/k/v do not depend on the kernel
     base = C.base_model(model)
     dev = next(model.parameters()).device

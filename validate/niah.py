@@ -38,7 +38,7 @@ import torch
 from oscar.defaults import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.pipeline import cpu_attention
+from oscar.kernels import cpu_attention
 from oscar.evidence import read_samples
 
 

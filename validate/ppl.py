@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from oscar.defaults import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
-from oscar.pipeline import cpu_attention
+from oscar.kernels import cpu_attention
 from oscar.defaults import EMBEDDED_MODEL
 
 from oscar.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
