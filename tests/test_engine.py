@@ -346,7 +346,7 @@ def test_attention_stream_through_the_paged_cache(tiny, quant):
     (the simulator's) on every whole page; the last incomplete page stays exact (the simulator quantizes
     its values: the one difference, on the stream's last < page rows)."""
     from oscar.validate.attention import quantize_stream
-    from oscar.validate.methods import LayerQuant
+    from oscar.kernels.simulate import LayerQuant
 
     art = rotated_artifact(tiny.config, QUANTS[quant], scaled=True)
     g = torch.Generator().manual_seed(3)

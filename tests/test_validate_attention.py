@@ -13,7 +13,7 @@ from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.validate.attention import (AttnConfig, Window, margin_bin, plan_windows, quantize_stream, run_attention,
                                       sequence_lengths, stream_rows_needed, trial_metrics, window_keys_int2)
 from oscar.validate.heldout import NGRAM, check_disjoint, ngram_hashes
-from oscar.validate.methods import LayerQuant
+from oscar.kernels.simulate import LayerQuant
 
 
 class _Cfg:

@@ -279,7 +279,7 @@ class simulated:
     """Context manager: the model's attention reads K/V through `art` under `protocol` (dense: the reference)."""
 
     def __init__(self, model, art, protocol, dense: bool = False):
-        from oscar.validate.methods import LayerQuant
+        from oscar.kernels.simulate import LayerQuant
 
         self.model, self.protocol, self.dense = model, protocol, dense
         self.quant = [LayerQuant(art, l, protocol.pages) for l in range(art.num_layers)]
