@@ -49,10 +49,6 @@ class Protocol:
     pages: bool = True
 
 
-# Bumped whenever a protocol's meaning changes, so stored results of the old meaning are not resumed
-# into new tables (NIAH/perplexity identities, `oscar run` stage fingerprints). 2: per-token K/V leave
-
-
 def _acc(x: torch.Tensor) -> torch.dtype:
     """The simulator's arithmetic for activations x: float32, or float64 when the model computes in float64."""
     return torch.promote_types(x.dtype, torch.float32)
