@@ -1,4 +1,4 @@
-"""The native CPU attention (pipeline/cpu_attention.py) against torch's SDPA, measured in one process.
+"""The native CPU attention (kernels/cpu_attention.py) against torch's SDPA, measured in one process.
 
 Sections (each path alternates with the other rep by rep, so the ratios see the same machine):
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from oscar.pipeline import cpu_attention as CA
+from oscar.kernels import cpu_attention as CA
 
 OUT = Path(__file__).with_name("results") / "cpu_attention.json"
 

@@ -43,7 +43,8 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
-from oscar.validate.methods import PROTOCOLS, LayerQuant, MethodBatchCache, method_artifact
+from oscar.kernels.simulate import LayerQuant, MethodBatchCache
+from oscar.validate.methods import PROTOCOLS, method_artifact
 from oscar.validate import ppl as P
 from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy
 from oscar.validate.ruler import Sources, make_sample
@@ -255,7 +256,7 @@ def ppl_windows(model, tok, fitted, configs=(("oscar-int2", "strict"), ("oscar-i
 def rows_attention_timing(reps: int = 3) -> list[dict]:
     """`rows_attention` with scores in one 64 MiB block (previous) vs cache-sized row chunks (current), on
     the question-chunk and decode shapes of a 1k batch (28 rows) and a 4k batch (7 rows); outputs compared."""
-    from oscar.validate import rowbatch as RB
+    from oscar.kernels import rowbatch as RB
 
     rows, cur = [], RB._SCORE_ELEMS
     for A, S, t in ((28, 1100, 40), (7, 4150, 40), (28, 1100, 1), (7, 4150, 1)):
@@ -282,7 +283,7 @@ def profile_niah(model, tok, arts, proto, cells=((1024, 4), (4096, 1)), task: st
     """Where the current needle loop's CPU time goes (one thread): prefill, cache load (quantization),
     question-chunk and decode-step attention, cache updates; the rest is the linears and Python."""
     from oscar.validate import niah as N
-    from oscar.validate import rowbatch as RB
+    from oscar.kernels import rowbatch as RB
 
     T: dict = {}
 

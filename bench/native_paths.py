@@ -2,7 +2,7 @@
 
 Sections (the two sides of each ratio alternate rep by rep, so they see the same machine):
 
-- attention: causal attention (pipeline/cpu_attention.py, `_flash_cpu.c`) against torch's SDPA, SmolLM2's
+- attention: causal attention (kernels/cpu_attention.py, `_flash_cpu.c`) against torch's SDPA, SmolLM2's
   heads (9 query / 3 KV, head_dim 64), float32 and bfloat16 inputs, 1k and 4k tokens;
 - moments:   one sequence's Gram + moments and value target (pipeline/native.py, `_moments.c`) against the
   capture's torch ops for the same sums, SmolLM2's 24 heads at 1k and 4k rows;
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from oscar import host
-from oscar.pipeline import cpu_attention as CA
+from oscar.kernels import cpu_attention as CA
+from oscar import native_build
 from oscar.pipeline import native
 
 OUT = Path(__file__).with_name("results") / "native_paths.json"
@@ -101,9 +102,9 @@ def main() -> None:
            "emulated": os.environ.get("OSCAR_NATIVE_ISA", "native") != "native" and "avx512f" in host.cpu_flags(),
            "auto_dtype_cpu": host.compute_dtype("auto", "cpu"),
            "attention": attention(a.reps), "moments": moments(a.reps), "gemm": gemm(a.reps)}
-    # what each product path chooses here (measured once per machine and build: pipeline/native.measured_choice)
+    # what each product path chooses here (measured once per machine and build: oscar/native_build.measured_choice)
     os.environ.pop("OSCAR_NATIVE", None)
-    res["choices"] = {"moments": native.chosen(), "flash_cpu": CA.chosen(), "records": native.CHOICES}
+    res["choices"] = {"moments": native.chosen(), "flash_cpu": CA.chosen(), "records": native_build.CHOICES}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {a.out}: {res['host']}")

@@ -40,6 +40,7 @@ import numpy as np
 from oscar import evidence as ev
 from oscar.common import set_threads
 from oscar.stats.artifact import load_artifact
+from oscar.kernels import simulate as S
 from oscar.validate import methods as M
 from oscar.validate.niah import NiahConfig, run_niah
 
@@ -57,7 +58,7 @@ def key_classes(art) -> dict[str, list[int]]:
 
 
 def _register_halves(classes: dict[str, list[int]] | None = None) -> None:
-    init, keys, values = M.LayerQuant.__init__, M.LayerQuant.keys, M.LayerQuant.values
+    init, keys, values = S.LayerQuant.__init__, S.LayerQuant.keys, S.LayerQuant.values
 
     def init_(self, art, layer, *args, **kwargs):
         init(self, art, layer, *args, **kwargs)
@@ -65,9 +66,9 @@ def _register_halves(classes: dict[str, list[int]] | None = None) -> None:
         if layer in art.meta.get("diag_exact_key_layers", ()):
             self.exact_half = "keys"
 
-    M.LayerQuant.__init__ = init_
-    M.LayerQuant.keys = lambda self, k: k if self.exact_half == "keys" else keys(self, k)
-    M.LayerQuant.values = lambda self, v: v if self.exact_half == "values" else values(self, v)
+    S.LayerQuant.__init__ = init_
+    S.LayerQuant.keys = lambda self, k: k if self.exact_half == "keys" else keys(self, k)
+    S.LayerQuant.values = lambda self, v: v if self.exact_half == "values" else values(self, v)
 
     def variant(exact: str | None, layers: list[int] = ()):
         def factory(config, art):

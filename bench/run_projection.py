@@ -29,7 +29,8 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
-from oscar.validate.methods import PROTOCOLS, MethodBatchCache, method_artifact
+from oscar.kernels.simulate import MethodBatchCache
+from oscar.validate.methods import PROTOCOLS, method_artifact
 from oscar.validate.niah import PrefillPool, decode_threads, eos_ids, greedy
 from oscar.validate.ppl import PplConfig, run_ppl
 from oscar.validate.ruler import Sources, make_sample

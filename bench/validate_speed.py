@@ -29,7 +29,9 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
-from oscar.validate.methods import PROTOCOLS, MethodBatchCache, make_cache, method_artifact
+from oscar.kernels.cache import make_cache
+from oscar.kernels.simulate import MethodBatchCache
+from oscar.validate.methods import PROTOCOLS, method_artifact
 from oscar.validate.niah import PrefillPool, eos_ids, greedy
 from oscar.validate.ppl import heldout_ids, simulated, window_nll
 from oscar.validate.ruler import Sources, make_sample

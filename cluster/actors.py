@@ -103,6 +103,7 @@ def _topk_indices(output) -> torch.Tensor:
 class StageWorker:
     def __init__(self, args: StageArgs):
         from oscar.cluster.loading import load_config, load_layer_range
+        from oscar.kernels import cpu_attention
         from oscar.pipeline import capture
         from oscar.pipeline.store import CalibStore, WriterLock
 
@@ -110,6 +111,7 @@ class StageWorker:
         self.args = args
         set_threads(args.threads)
         torch.set_grad_enabled(False)
+        cpu_attention.register()  # the capture's sdpa runs the native CPU kernel (pipeline/capture.native_attention)
         name = capture.register(args.attn)
         config = load_config(args.model_dir, attn_implementation=name)
         devices = ([f"cuda:{i}" for i in range(max(1, args.num_devices))] if args.device == "cuda"

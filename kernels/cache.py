@@ -25,6 +25,11 @@ the layer; the attention function finds the layer through that tag and attends:
 - format="passthrough": nothing is quantized (every token stays in the ring);
   attention is transformers' SDPA on the un-rotated cache, so with identity
   rotations generation matches DynamicCache token for token.
+
+OscarCache is the product's member of one cache family; `make_cache(art, protocol, backend)` at the end
+of this module builds any member: the paged cache on the dispatcher's kernels ("reference", "triton"),
+and the validation's simulators of the same format ("simulate", "batch": kernels/simulate.py; "rows":
+kernels/rowbatch.py).
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from oscar.common import OscarError, attention_shapes
 from oscar.kernels import dispatch
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layer_config, layout
+from oscar.kernels.rowbatch import RowBatchCache
+from oscar.kernels.simulate import MethodBatchCache, Protocol, SimQuantCache
 from oscar.stats.artifact import Artifact, QuantConfig, beyond_calibration, load_artifact
 
 ATTN_NAME = "oscar"
@@ -630,3 +637,45 @@ def prefill(model, cache: OscarCache, input_ids: torch.Tensor, chunk: int | None
                         **{name: cache})
             logits = out.logits[:, -1]
     return logits
+
+
+# --------------------------------------------------------------------------- the cache family
+
+
+def make_cache(art, protocol: Protocol, backend: str | None = "simulate", *, prefill: DynamicCache | None = None,
+               model=None, max_len: int | None = None, page_size: int | None = None, capacity: int = 0,
+               num_layers: int | None = None, dtype: torch.dtype | None = None) -> Cache:
+    """One entry point to the cache family; `backend` (dispatch.CACHE_BACKENDS) picks the implementation:
+
+        simulate   art (None: the exact DynamicCache) -> SimQuantCache: fake-quant K/V, exact attention
+                   (kernels/simulate.py); `prefill`: an exact DynamicCache of the first chunk taken over
+        batch      art = [artifact or None per row] -> MethodBatchCache over one exact `prefill` (required),
+                   `capacity` tokens preallocated
+        rows       art = [[artifact or None] per sample] -> RowBatchCache (kernels/rowbatch.py) of `capacity`
+                   slots, `num_layers` layers, model dtype `dtype`; each sample's prefill is `load`ed after
+        None, reference, triton
+                   art (None: DynamicCache) -> the paged OscarCache for `model` (`from_artifact`: sink and recent
+                   window from `protocol`, pages of `page_size`, `max_len`); None lets the dispatcher choose
+                   per call (Triton on CUDA, the torch reference on CPU; $OSCAR_KERNELS), as kernels do
+
+    `protocol` says which tokens stay exact (sink, recent window, whole pages or token by token)."""
+    backend = dispatch.cache_backend(backend)
+    if backend == "batch":
+        if prefill is None:
+            raise OscarError("the batch backend takes over an exact prefill (prefill=DynamicCache)")
+        return MethodBatchCache.from_prefill(list(art), protocol, prefill, capacity)
+    if backend == "rows":
+        return RowBatchCache(list(art), protocol, num_layers, capacity, dtype)
+    if art is None:  # the exact cache, whatever the backend
+        c = DynamicCache()
+        for l, src in enumerate(prefill.layers if prefill is not None else ()):
+            c.update(src.keys, src.values, l)
+        return c
+    if backend == "simulate":
+        return SimQuantCache(art, protocol) if prefill is None else SimQuantCache.from_prefill(art, protocol, prefill)
+    if not protocol.pages:
+        raise OscarError(f"protocol {protocol.name!r} releases K/V one token at a time: no paged cache holds that")
+    if prefill is not None:
+        raise OscarError("the paged cache prefills through the model (kernels.cache.prefill), not from a DynamicCache")
+    return OscarCache.from_artifact(model, art, max_len=max_len, backend=backend, sink=protocol.sink,
+                                    recent=protocol.recent, page_size=page_size)

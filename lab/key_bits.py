@@ -34,7 +34,8 @@ def main(argv=None) -> int:
 
     from oscar.stats.artifact import load_artifact, save_artifact
     from oscar.validate.codebooks import _rows, lm_artifact, native_layer_artifact, sparse_artifact, store_layers, widths_artifact
-    from oscar.validate.methods import LayerQuant, bits_per_element
+    from oscar.kernels.simulate import LayerQuant
+    from oscar.validate.methods import bits_per_element
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plot", metavar="AB_JSON", help="draw the dose-response of an A/B table over these arms (no artifacts)")

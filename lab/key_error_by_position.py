@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from oscar.validate.attention import capture_rows
     from oscar.validate.env import load_model
     from oscar.validate.heldout import heldout_sequences
-    from oscar.validate.methods import LayerQuant
+    from oscar.kernels.simulate import LayerQuant
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", action="append", help="NAME=PATH (repeatable)")

@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from oscar.stats.artifact import load_artifact
     from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
-    from oscar.validate.methods import LayerQuant, fitted_for
+    from oscar.kernels.simulate import LayerQuant
+    from oscar.validate.methods import fitted_for
 
     art = load_artifact(a.artifact)
     methods = a.methods.split(",")

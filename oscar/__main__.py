@@ -138,6 +138,15 @@ def _resumes(args) -> bool:
         return False  # not a readable store: the command says why
 
 
+def native_attention(args) -> None:
+    """A command that runs the model registers the native CPU attention with transformers first: the calibration
+    capture (pipeline/capture.py) looks it up there by name rather than importing kernels, later in the data flow."""
+    if command_path(args) in MODEL_INPUTS:
+        from oscar.kernels.cpu_attention import register
+
+        register()
+
+
 def check_inputs(args) -> None:
     """Inputs that can be checked without loading anything, checked before any work: the model spec, a corpus
     file, an artifact file, a calibration store. (cluster render names paths as the cluster's nodes see them.)"""
@@ -213,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_outputs(args)
         check_inputs(args)
+        native_attention(args)
         rc = args.func(args)
         sys.stdout.flush()
     except BrokenPipeError:

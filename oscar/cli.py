@@ -1,5 +1,6 @@
 """The commands that compose stages with reports: `oscar run` (the main job, oscar/run.py) and `oscar ablate`
-(the synthetic ablation, oscar.validate.ablation, then its report). Like oscar/run.py this may import every stage."""
+(the synthetic ablation, oscar.validate.ablation, then its report); and the handlers of `oscar validate tune /
+widths`, which write an artifact. Like oscar/run.py this may import every stage."""
 
 from __future__ import annotations
 
@@ -12,6 +13,64 @@ from oscar.common import nonneg_int, positive_float, positive_int
 def register(sub: argparse._SubParsersAction) -> None:
     _register_run(sub)
     _register_ablate(sub)
+    _attach_validate_writers(sub)
+
+
+def _attach_validate_writers(sub: argparse._SubParsersAction) -> None:
+    """`oscar validate tune` and `oscar validate widths` end by writing an artifact: their parsers are validation's
+    (validate/cli.py), their handlers live here, beside the main job, since validate/ writes no artifact."""
+    v = sub.choices.get("validate")
+    if v is None:  # the validate stage's CLI is not registered
+        return
+    vs = next(a for a in v._actions if isinstance(a, argparse._SubParsersAction))
+    vs.choices["tune"].set_defaults(func=_validate_tune)
+    vs.choices["widths"].set_defaults(func=_validate_widths)
+
+
+def _validate_tune(args) -> int:
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.validate.cli import _csv
+    from oscar.validate.engine import check_engine, resolve_device
+    from oscar.validate.env import load_model
+    from oscar.validate.tune import TuneConfig, tune_key_clip
+
+    cfg = TuneConfig(factors=tuple(float(x) for x in _csv(args.factors)), tokens=args.tokens, protocol=args.protocol,
+                     corpus=args.corpus, objective=args.objective, nll_slack=args.nll_slack,
+                     copy_windows=args.copy_windows)
+    check_engine(args.engine)
+    resolve_device(args.device)  # before loading weights
+    art = load_artifact(args.artifact)
+    model, tok, _ = load_model(args.model)
+    tuned, rec = tune_key_clip(model, tok, art, cfg, progress=not args.no_progress, engine=args.engine,
+                               device=args.device)
+    save_artifact(tuned, args.out)
+    copy = rec.get("copy_nll_per_token", {})
+    for f, v in rec["nll_per_token"].items():
+        c = f"  copy NLL/token {copy[f]:.5f}" if f in copy else ""
+        print(f"factor {f}: NLL/token {v:.5f}{c}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
+    print(f"{args.out}: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> {rec['mean_clip_k_after']:.3f})")
+    return 0
+
+
+def _validate_widths(args) -> int:
+    from oscar.kernels.memory import artifact_bits_per_element
+    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.validate.env import load_model
+    from oscar.validate.tune import TuneConfig, copy_widths_artifact
+
+    art = load_artifact(args.artifact)
+    model, tok, _ = load_model(args.model)
+    cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
+    log = args.out + (".probes.jsonl" if args.estimate == "probe" else ".gradients.jsonl")
+    out, err = copy_widths_artifact(model, tok, art, cfg, log=log, progress=not args.no_progress, estimate=args.estimate)
+    save_artifact(out, args.out)
+    for l in range(out.num_layers):
+        q = out.quant_for(l)
+        kb = q.bits + (q.key_top if q.key_split else 0)
+        print(f"layer {l:3d}: {kb}-bit keys  copy NLL change ({args.estimate}) at 3 / 4 bits {err[l, 1]:+.4f} / {err[l, 2]:+.4f}")
+    print(f"{args.out}: {artifact_bits_per_element(out):.3f} bits per element (memory accounting; "
+          f"{artifact_bits_per_element(art):.3f} for {args.artifact})")
+    return 0
 
 
 def _register_run(sub: argparse._SubParsersAction) -> None:

@@ -224,7 +224,10 @@ class Stages:
 
 
 def _calibrate(cfg: RunConfig, store: str) -> dict:
+    from oscar.kernels import cpu_attention
     from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    cpu_attention.register()  # the capture's attention: the native CPU kernel (pipeline/capture.native_attention)
 
     cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
                      positions=cfg.calib_positions, **(cfg.calibrate or {}))
@@ -413,14 +416,17 @@ def _stage_validate(job: _Job) -> None:
 
 
 def native_paths() -> dict:
-    """Each native CPU kernel's verdict on this host (pipeline/native.py: built, measured against torch), for run.json."""
-    from oscar.pipeline import cpu_attention, native
+    """Each native CPU kernel's verdict on this host (pipeline/native.py, kernels/cpu_attention.py: built, measured
+    against torch by oscar/native_build.py), for run.json."""
+    from oscar import native_build
+    from oscar.kernels import cpu_attention
+    from oscar.pipeline import native
 
     out = {}
     for name, ok, why in (("moments", native.chosen, lambda: native.WHY_NOT),
                           ("flash_cpu", cpu_attention.chosen, lambda: cpu_attention.WHY_NOT)):
         ok()
-        out[name] = native.CHOICES.get(name) or {"native": False, "why": why() or "not built"}
+        out[name] = native_build.CHOICES.get(name) or {"native": False, "why": why() or "not built"}
     return out
 
 

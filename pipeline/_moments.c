@@ -12,7 +12,7 @@
  * -ffast-math: nothing is reassociated across rows). Accuracy is that of a float64 dot product;
  * the tests compare against brute-force loops to 1e-10.
  *
- * Built and loaded at run time by oscar/pipeline/native.py (C11 + OpenMP, no Python or torch
+ * Built by oscar/native_build.py and loaded by pipeline/native.py (C11 + OpenMP, no Python or torch
  * headers); torch ops are the fallback and the reference in the tests.
  */
 #include <stdint.h>

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from oscar.common import OscarError
+from oscar.native_build import CPU_ATTENTION
 from oscar.pipeline import native
 
 PREFIX = "oscar_capture_"
@@ -55,8 +56,8 @@ def _make_capture_fn(impl: str) -> Callable:
     def oscar_capture_attention(module, query, key, value, attention_mask, **kwargs):
         if impl == "eager":
             inner = _eager_for(module)
-        elif impl == "sdpa":  # the native CPU kernel where it applies (pipeline/cpu_attention.py), else SDPA itself
-            from oscar.pipeline.cpu_attention import attention_forward as inner
+        elif impl == "sdpa":  # the native CPU kernel where a caller registered it (native_attention), else SDPA itself
+            inner = native_attention()
         else:
             inner = ALL_ATTENTION_FUNCTIONS[impl]
         out, weights = inner(module, query, key, value, attention_mask, **kwargs)  # out: (B, T, Hq, D)
@@ -67,6 +68,19 @@ def _make_capture_fn(impl: str) -> Callable:
 
     oscar_capture_attention.__name__ = f"{PREFIX}{impl}"
     return oscar_capture_attention
+
+
+def native_attention() -> Callable:
+    """The attention an `sdpa` capture runs: the CPU attention kernel registered under `CPU_ATTENTION`
+    (kernels/cpu_attention.py `register()`: native where it applies, SDPA otherwise), else SDPA.
+
+    Looked up at call time in transformers' registry, so the capture never imports kernels (later in the
+    data flow): the callers that may (the `oscar` dispatcher, the main job, the Ray stage actors) register it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if CPU_ATTENTION in ALL_ATTENTION_FUNCTIONS._global_mapping:
+        return ALL_ATTENTION_FUNCTIONS[CPU_ATTENTION]
+    return ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 
 def register(impl: str = "sdpa") -> str:

@@ -391,3 +391,43 @@ def test_a_sequence_past_the_calibration_length_warns_once():
         warnings.simplefilter("always")
         m(input_ids=ids, cache=plain, use_cache=True)  # no recorded length: nothing to say
     assert not [w for w in got if "calibration length" in str(w.message)]
+
+
+def test_make_cache_builds_every_member_of_the_family():
+    """kernels.cache.make_cache is the one entry point: each backend its cache class, the protocol's sink and
+    recent window carried into the paged cache, the exact cache for no artifact; unknown names and a protocol no
+    paged cache holds are refused."""
+    from transformers import DynamicCache
+
+    from oscar.kernels import dispatch
+    from oscar.kernels.cache import make_cache
+    from oscar.kernels.rowbatch import RowBatchCache
+    from oscar.kernels.simulate import MethodBatchCache, Protocol, SimQuantCache
+
+    model = tiny_model("llama")
+    art = random_artifact(model.config)
+    p = Protocol("t", sink=SMALL["sink"], recent=SMALL["recent"])
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))  # (1, T)
+    exact = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, cache=exact, use_cache=True)
+    L = model.config.num_hidden_layers
+    assert dispatch.CACHE_BACKENDS == ("simulate", "batch", "rows", "reference", "triton")
+    assert isinstance(make_cache(art, p), SimQuantCache) and isinstance(make_cache(art, p, prefill=exact), SimQuantCache)
+    assert type(make_cache(None, p)) is DynamicCache
+    copy = make_cache(None, p, prefill=exact)
+    assert type(copy) is DynamicCache and torch.equal(copy.layers[0].keys, exact.layers[0].keys)
+    assert isinstance(make_cache([art, None], p, "batch", prefill=exact, capacity=40), MethodBatchCache)
+    rows = make_cache([[art, None]], p, "rows", capacity=40, num_layers=L, dtype=torch.float32)
+    assert isinstance(rows, RowBatchCache) and rows.rows == 2
+    for b in (None, "reference"):
+        c = make_cache(art, p, b, model=model, max_len=64, page_size=SMALL["page_size"])
+        assert isinstance(c, OscarCache) and c.backend == b
+        assert (c.quant.sink, c.quant.recent, c.quant.page_size) == (p.sink, p.recent, SMALL["page_size"])
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(OscarError, match="unknown cache backend"):
+        make_cache(art, p, "fast")
+    with pytest.raises(OscarError, match="one token at a time"):
+        make_cache(art, Protocol("x", pages=False), None, model=model)
+    with pytest.raises(OscarError, match="exact prefill"):
+        make_cache([art], p, "batch")

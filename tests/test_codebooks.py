@@ -98,7 +98,8 @@ def test_layerquant_runs_the_codebook_format(fitted, name):
     """LayerQuant with the method's artifact = centre, rotate, the codebook round trip, rotate back
     (computed here from the artifact's tensors and the brute-force nearest level)."""
     from oscar.pipeline.models import load_config
-    from oscar.validate.methods import LayerQuant, bits_per_element, method_artifact
+    from oscar.kernels.simulate import LayerQuant
+    from oscar.validate.methods import bits_per_element, method_artifact
 
     config = load_config("tiny-llama")
     art = method_artifact(name, config, fitted)

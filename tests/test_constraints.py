@@ -54,7 +54,8 @@ def _fitted(D: int, tmp_path):
 
 @pytest.mark.parametrize("D", sorted(EXPECT))
 def test_every_default_method_runs_or_is_skipped_with_a_reason(D, tmp_path, capsys):
-    from oscar.validate.methods import LayerQuant, resolve_methods
+    from oscar.kernels.simulate import LayerQuant
+    from oscar.validate.methods import resolve_methods
 
     cfg, fitted = _fitted(D, tmp_path)
     arts, skipped = resolve_methods(list(DEFAULT_METHODS), cfg, fitted, out=str(tmp_path / "out"))

@@ -192,7 +192,7 @@ def test_simulator_follows_the_model_device(fitted):
     runs the simulator where the tune put the model); checked on the meta device, where any tensor left on the CPU
     makes the matmul or the codec fail."""
     from oscar.validate.codebooks import native_layer_artifact, widths_artifact
-    from oscar.validate.methods import LayerQuant
+    from oscar.kernels.simulate import LayerQuant
 
     L, H, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
     widths = [[2, 2]] * (L - 1) + [[4, 2]]
@@ -220,7 +220,8 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
     from types import SimpleNamespace
 
     from oscar.validate import ppl, tune
-    from oscar.validate.methods import LayerQuant, Protocol
+    from oscar.kernels.simulate import LayerQuant
+    from oscar.validate.methods import Protocol
 
     L, Hkv, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
     Hq = 2 * Hkv
@@ -278,7 +279,8 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     from oscar.common import OscarError
     from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, widths_artifact
     from oscar.validate.env import load_model
-    from oscar.validate.methods import PROTOCOLS, LayerQuant
+    from oscar.kernels.simulate import LayerQuant
+    from oscar.validate.methods import PROTOCOLS
     from oscar.validate.ppl import simulated
     from oscar.validate.tune import (TuneConfig, calibration_ids, copy_widths_artifact, copy_windows,
                                      layer_copy_gradients)

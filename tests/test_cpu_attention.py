@@ -1,4 +1,4 @@
-"""The native CPU attention (pipeline/_flash_cpu.c) against a float64 softmax, and its use by the model.
+"""The native CPU attention (kernels/_flash_cpu.c) against a float64 softmax, and its use by the model.
 
 Shapes sweep the kernel's paths: GQA ratios 1/3/7, head dims 32/64/128 and 48 (float32 only: the bf16
 kernel takes pairs of 16-lane channel blocks), query and key counts that are not multiples of the
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oscar.pipeline import cpu_attention as CA
+from oscar.kernels import cpu_attention as CA
 
 HAVE_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 needs_kernel = pytest.mark.skipif(not HAVE_CC or os.environ.get("OSCAR_NATIVE") == "0"
@@ -163,3 +163,65 @@ def test_model_prefill_and_continuation_match_sdpa(tiny_model, dtype, tol):
     assert (one - ref).abs().max() < tol
     assert (cont - ref[:, 90:]).abs().max() < tol
     model.float()
+
+
+_CAPTURE = """
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from oscar.kernels import cpu_attention as CA
+from oscar.pipeline import capture as C
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=300, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, attn_implementation="sdpa")
+model = LlamaForCausalLM(cfg).eval()
+ids = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(1))  # (B, T)
+mask = torch.ones_like(ids)  # no padding: plain causality, where the native kernel applies
+calls = []
+kernel = CA.causal_attention
+CA.causal_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+
+
+def stats():
+    cap = C.Capture(C.CaptureSpec(6, 2, 32, layers=(0, 1), sink=2, reservoir=0, seqs_per_block=2))
+    C.install(model, "sdpa")
+    cap.start_block(0)
+    with torch.no_grad(), cap.batch(mask, seq_offset=0):
+        C.base_model(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+    model.set_attn_implementation("sdpa")
+    return {f"{l}.{k}": torch.as_tensor(v).double() for l, a in cap.finish_block().items() for k, v in a.items()}
+
+
+plain, plain_calls, plain_inner = stats(), len(calls), C.native_attention()
+from oscar.__main__ import build_parser, native_attention
+native_attention(build_parser().parse_args(sys.argv[1:]))  # what `oscar <command>` does before running it
+reg = stats()
+diff = max(float(((plain[k] - reg[k]).abs() / reg[k].abs().max().clamp_min(1e-30)).max()) for k in plain
+           if reg[k].numel())
+print("CAPTURE", json.dumps({"plain_calls": plain_calls, "plain_sdpa": plain_inner is ALL_ATTENTION_FUNCTIONS["sdpa"],
+                             "native": C.native_attention() is CA.attention_forward,
+                             "calls": len(calls) - plain_calls, "rel_diff": diff}))
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("argv", [["calibrate", "--model", "smollm2-135m", "--store", "s.zarr"],
+                                  ["run", "--out", "runs/x"]])
+def test_calibration_runs_the_native_kernel_once_the_command_registers_it(tmp_path, argv):
+    """The capture (pipeline/) imports no kernels: its sdpa inner attention is whatever transformers' registry holds
+    under native_build.CPU_ATTENTION. A plain pipeline import, nothing registered, runs SDPA; after the `oscar`
+    dispatcher's registration (calibrate, run) the same capture runs the native kernel, and both compute the same
+    statistics (within float32 rounding of the attention outputs, relative 1e-4 of each array's largest entry)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OSCAR_NATIVE": "force", "OSCAR_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", _CAPTURE, *argv], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.split("CAPTURE", 1)[1])
+    assert got["plain_calls"] == 0 and got["plain_sdpa"]
+    assert got["native"] and got["calls"] == 2  # one per layer of the forward
+    assert got["rel_diff"] < 1e-4, got

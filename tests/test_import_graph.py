@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Shared leaves: import nothing but each other (and third-party code).
 LEAVES = {"oscar", "oscar.common", "oscar.quant", "oscar.artifact_header", "oscar.constraints", "oscar.defaults",
           "oscar.modelconfig", "oscar.intervals", "oscar.evidence", "oscar.ruler_outputs", "oscar.host",
-          "oscar.cli_options"}
+          "oscar.cli_options", "oscar.native_build"}
 # The main job, its CLI and the dispatcher: allowed to import every stage, cluster and reports.
 TOP = {"oscar.run", "oscar.cli", "oscar.__main__"}
 # reports imports no stage: what it renders is read through shared leaves (the artifact header, the
@@ -221,6 +221,68 @@ def violations(root: Path) -> dict[str, str]:
     for d in unlisted_packages(root):
         found[f"unlisted package: {d}"] = "pyproject's [tool.setuptools] packages does not list it"
     return found
+
+
+# ----------------------------------------------------------------------------- validate/ holds no cache and writes no artifact
+
+# transformers' cache bases: a class deriving from one (directly, or through a class of the same module) is a cache
+CACHE_BASES = {"Cache", "CacheLayerMixin", "DynamicLayer", "DynamicCache", "StaticCache", "StaticLayer"}
+# the calls that write an artifact (stats/artifact.py: the producer side of the format)
+ARTIFACT_WRITERS = {"save_artifact", "save_file"}
+
+
+def stage_roles(path: Path) -> list[str]:
+    """What a module of validate/ must leave to other stages: cache classes (the kernels' cache family) and artifact
+    writes (fit writes artifacts; a command that saves one sits beside the main job). 'LINE class NAME' / 'LINE
+    writes'."""
+    tree = ast.parse(path.read_text(), str(path))
+    base_name = lambda b: b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")  # noqa: E731
+    caches, out = set(CACHE_BASES), []
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    changed = True
+    while changed:  # a class deriving from a cache class of this module is one too
+        changed = False
+        for c in classes:
+            if c.name not in caches and any(base_name(b) in caches for b in c.bases):
+                caches.add(c.name)
+                changed = True
+    out += [f"{c.lineno} class {c.name}" for c in classes if c.name in caches]
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and base_name(n.func) in ARTIFACT_WRITERS:
+            out.append(f"{n.lineno} writes ({ast.unparse(n.func)})")
+        elif isinstance(n, (ast.Import, ast.ImportFrom)) and any(a.name in ARTIFACT_WRITERS for a in n.names):
+            out.append(f"{n.lineno} writes (imports {', '.join(a.name for a in n.names if a.name in ARTIFACT_WRITERS)})")
+    return sorted(out, key=lambda x: int(x.split()[0]))
+
+
+def validate_roles(root: Path) -> list[str]:
+    mods = modules(root)
+    return [f"{os.path.relpath(p, root)}:{r}" for m, p in mods.items() if component(m) in ("validate", "ablation")
+            for r in stage_roles(p)]
+
+
+def test_validate_defines_no_cache_and_writes_no_artifact():
+    bad = validate_roles(ROOT)
+    assert not bad, ("validate/ keeps recipes-to-methods and the protocols: caches belong to the kernels' cache family "
+                     "(kernels/cache.py make_cache), artifacts are written by fit or the commands beside the main job "
+                     "(oscar/cli.py):\n  " + "\n  ".join(bad))
+
+
+def test_validate_roles_finds_caches_and_writes(tmp_path):
+    root = _tree(tmp_path, {
+        "validate/a.py": ("from transformers.cache_utils import Cache, DynamicLayer\nclass L(DynamicLayer):\n    pass\n"
+                          "class M(L):\n    pass\nclass C(Cache):\n    pass\nclass Plain:\n    pass\n"),
+        "validate/b.py": "import transformers\nclass X(transformers.cache_utils.CacheLayerMixin):\n    pass\n",
+        "validate/c.py": "from oscar.stats.artifact import save_artifact\n",
+        "validate/d.py": "from oscar.stats import artifact\ndef f(a):\n    artifact.save_artifact(a, 'x')\n",
+        "validate/ablation/e.py": "from safetensors.torch import save_file\n",
+        "validate/ok.py": "from oscar.kernels.cache import make_cache\nfrom oscar.stats.artifact import load_artifact\n",
+        "kernels/cache.py": "from transformers.cache_utils import Cache\nclass OscarCache(Cache):\n    pass\n",
+    })
+    assert validate_roles(root) == [
+        "validate/a.py:2 class L", "validate/a.py:4 class M", "validate/a.py:6 class C", "validate/b.py:2 class X",
+        "validate/c.py:1 writes (imports save_artifact)", "validate/d.py:3 writes (artifact.save_artifact)",
+        "validate/ablation/e.py:1 writes (imports save_file)"], validate_roles(root)
 
 
 # ----------------------------------------------------------------------------- bench/ and lab/ stay outside

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from oscar import native_build
 from oscar.pipeline import capture as C
 from oscar.pipeline import native
 
@@ -150,12 +151,14 @@ print("COUNT", int(a.arrays()["kv_count"]))
 
 _CHOICE = """
 import json, torch
-from oscar.pipeline import capture as C, cpu_attention as CA, native
+from oscar import native_build
+from oscar.kernels import cpu_attention as CA
+from oscar.pipeline import capture as C, native
 ok = (native.chosen(), CA.chosen())
 x = torch.randn(2, 8, 64)
 print("CHOICE", json.dumps({"moments": ok[0], "flash": ok[1], "native_ok": C._native_ok([x]),
                             "supports": CA.supports(torch.randn(1, 3, 8, 64), torch.randn(1, 1, 8, 64)),
-                            "choices": native.CHOICES}))
+                            "choices": native_build.CHOICES}))
 """
 
 
@@ -202,7 +205,8 @@ def test_host_choice_slower_falls_back_to_torch(tmp_path):
 
 _SUMS = """
 import sys, torch
-from oscar.pipeline import cpu_attention as CA, native
+from oscar.kernels import cpu_attention as CA
+from oscar.pipeline import native
 g = torch.Generator().manual_seed(0)
 src = [torch.randn(5, 200, 64, generator=g) * 2 + 0.3, torch.randn(3, 200, 128, generator=g)]
 out = []
@@ -259,5 +263,5 @@ def test_isa_builds_agree(tmp_path, isa):
 def test_unknown_isa_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("OSCAR_NATIVE_ISA", "avx1024")
     monkeypatch.setenv("OSCAR_CACHE", str(tmp_path))
-    lib, why = native.compile_library(native.SRC, "moments")
+    lib, why = native_build.compile_library(native.SRC, "moments")
     assert lib is None and "unknown OSCAR_NATIVE_ISA='avx1024'" in why

@@ -337,8 +337,10 @@ def _same_statistics(a_path, b_path):
 
 @pytest.fixture(scope="module")
 def twin_store(pair, tmp_path_factory):
+    from oscar.kernels import cpu_attention
     from oscar.pipeline.calibrate import CalibConfig, calibrate
 
+    cpu_attention.register()  # the attention the Ray stage actors' capture runs (they register it too)
     path = tmp_path_factory.mktemp("twin") / "twin.zarr"
     calibrate(CalibConfig(**_calib_opts(pair[1], path)), progress=False)
     return path

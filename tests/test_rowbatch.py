@@ -14,9 +14,11 @@ from helpers.artifacts import rotated_artifact
 from oscar.common import OscarError
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig
-from oscar.validate.methods import MethodBatchCache, Protocol
+from oscar.kernels.simulate import MethodBatchCache
+from oscar.validate.methods import Protocol
 from oscar.validate.niah import greedy
-from oscar.validate.rowbatch import ATTN, RowBatchCache, _register, decode_rows
+from oscar.kernels.rowbatch import ATTN, RowBatchCache, register
+from oscar.validate.rowbatch import decode_rows
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def test_rows_equal_each_samples_method_batch(tiny, recent):
         rb = RowBatchCache([arts, arts], proto, tiny.config.num_hidden_layers, capacity=80, dtype=torch.float32)
         for s in range(2):
             rb.load(s, exact[s])
-        _register()
+        register()
         tiny.set_attn_implementation(ATTN)
         try:
             got = {r: [] for r in range(8)}

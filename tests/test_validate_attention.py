@@ -13,7 +13,7 @@ from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.validate.attention import (AttnConfig, Window, margin_bin, plan_windows, quantize_stream, run_attention,
                                       sequence_lengths, stream_rows_needed, trial_metrics, window_keys_int2)
 from oscar.validate.heldout import NGRAM, check_disjoint, ngram_hashes
-from oscar.validate.methods import LayerQuant
+from oscar.kernels.simulate import LayerQuant
 
 
 class _Cfg:
@@ -144,7 +144,7 @@ def test_rowcapture_rows_are_what_attention_receives():
     seen = {}
     attn = base_model(model).layers[2].self_attn
     hook = attn.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("o", a[0].detach().clone()))
-    from oscar.pipeline.cpu_attention import native_prefill
+    from oscar.kernels.cpu_attention import native_prefill
 
     with torch.no_grad(), native_prefill(model):  # the attention the capture's SDPA runs (native on CPU): bit-equal K/V
         ref = base_model(model)(input_ids=ids, use_cache=True).past_key_values

@@ -12,9 +12,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from helpers.artifacts import rotated_artifact
 from oscar.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
+from oscar.kernels.cache import make_cache
+from oscar.kernels.simulate import LayerQuant, MethodBatchCache, SimQuantCache
 from oscar.validate.methods import (
-    LayerQuant, MethodBatchCache, PROTOCOLS, Protocol, SimQuantCache, bits_per_element, hadamard, make_cache, method_artifact,
-    parse_methods, uncalibrated_warning,
+    PROTOCOLS, Protocol, bits_per_element, hadamard, method_artifact, parse_methods, uncalibrated_warning,
 )
 from oscar.validate.ppl import fresh_mask, simulated, window_nll
 from oscar.common import OscarError

@@ -186,9 +186,11 @@ def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[i
     """Run each sequence through the model once; (k, v per layer: lists (Hkv, T, D); q per layer: {seq: (Hq, n, D)})."""
     from tqdm import tqdm
 
+    from oscar.kernels import cpu_attention
     from oscar.pipeline import capture as C
 
     impl = model.config._attn_implementation
+    cpu_attention.register()  # the capture's sdpa: the native kernel, as calibration ran it (bit-equal K/V)
     C.install(model, impl if impl in ("eager", "sdpa") else "sdpa")  # q/k/v do not depend on the kernel
     base = C.base_model(model)
     dev = next(model.parameters()).device
@@ -215,7 +217,8 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     from oscar.stats.artifact import load_artifact
     from oscar.validate.env import load_model, max_context, with_dtype
     from oscar.validate.heldout import check_disjoint, heldout_sequences
-    from oscar.validate.methods import LayerQuant, NEEDS_ARTIFACT, parse_methods, resolve_methods
+    from oscar.kernels.simulate import LayerQuant, Protocol
+    from oscar.validate.methods import NEEDS_ARTIFACT, parse_methods, resolve_methods
 
     from oscar.validate import engine
 
@@ -275,8 +278,6 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     if not methods:
         raise OscarError(f"no method can serve this model: {skipped}")
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before the capture
-        from oscar.validate.methods import Protocol
-
         engine.check_methods({m: arts[m] for m in methods}, [Protocol("attention", sink=0, recent=0)])
     align = math.lcm(*[LayerQuant(arts[m], 0, pages=False).key_group for m in methods])
 

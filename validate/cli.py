@@ -1,4 +1,5 @@
-"""`oscar validate niah|ppl|tune|attention` (the main job `oscar run` is oscar/cli.py)."""
+"""`oscar validate niah|ppl|tune|widths|attention` (the main job `oscar run` is oscar/cli.py, as are the handlers of
+tune and widths: they write an artifact, which validate/ does not)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_out(t, "tuned artifact (.safetensors)")
     _exec_args(t)
     t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
-    t.set_defaults(func=_tune)
+    # its handler writes an artifact: oscar/cli.py attaches it (validate/ writes none)
 
     w = vs.add_parser("widths", help="per-layer key widths (2 / 3 / 4 bits) chosen by the copy probe within the artifact's "
                                      "budget; writes a per-layer artifact OscarCache serves",
@@ -141,7 +142,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "order from one forward + backward per window (SmolLM2 at 4 x 2048 on 2 CPUs: ~2.5 min against ~35 min, separate runs; docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md)")
     add_out(w, "per-layer artifact (.safetensors); the probe log goes beside it")
     w.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
-    w.set_defaults(func=_widths)
+    # its handler writes an artifact: oscar/cli.py attaches it
 
     a = vs.add_parser("attention", help="attention-level retrieval to 128k on held-out captured q/k/v (not a model run)",
                       description="Whole held-out sequences (text the fit never saw) captured at their own positions "
@@ -190,51 +191,6 @@ def _ppl(args) -> int:
                     dtype=compute_dtype(args.dtype, args.device), engine=args.engine, device=args.device)
     df = run_ppl(cfg, progress=not args.no_progress)
     print(df.round(3).to_string(index=False))
-    return 0
-
-
-def _tune(args) -> int:
-    from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate.engine import check_engine, resolve_device
-    from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, tune_key_clip
-
-    cfg = TuneConfig(factors=tuple(float(x) for x in _csv(args.factors)), tokens=args.tokens, protocol=args.protocol,
-                     corpus=args.corpus, objective=args.objective, nll_slack=args.nll_slack,
-                     copy_windows=args.copy_windows)
-    check_engine(args.engine)
-    resolve_device(args.device)  # before loading weights
-    art = load_artifact(args.artifact)
-    model, tok, _ = load_model(args.model)
-    tuned, rec = tune_key_clip(model, tok, art, cfg, progress=not args.no_progress, engine=args.engine,
-                               device=args.device)
-    save_artifact(tuned, args.out)
-    copy = rec.get("copy_nll_per_token", {})
-    for f, v in rec["nll_per_token"].items():
-        c = f"  copy NLL/token {copy[f]:.5f}" if f in copy else ""
-        print(f"factor {f}: NLL/token {v:.5f}{c}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
-    print(f"{args.out}: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> {rec['mean_clip_k_after']:.3f})")
-    return 0
-
-
-def _widths(args) -> int:
-    from oscar.kernels.memory import artifact_bits_per_element
-    from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, copy_widths_artifact
-
-    art = load_artifact(args.artifact)
-    model, tok, _ = load_model(args.model)
-    cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
-    log = args.out + (".probes.jsonl" if args.estimate == "probe" else ".gradients.jsonl")
-    out, err = copy_widths_artifact(model, tok, art, cfg, log=log, progress=not args.no_progress, estimate=args.estimate)
-    save_artifact(out, args.out)
-    for l in range(out.num_layers):
-        q = out.quant_for(l)
-        kb = q.bits + (q.key_top if q.key_split else 0)
-        print(f"layer {l:3d}: {kb}-bit keys  copy NLL change ({args.estimate}) at 3 / 4 bits {err[l, 1]:+.4f} / {err[l, 2]:+.4f}")
-    print(f"{args.out}: {artifact_bits_per_element(out):.3f} bits per element (memory accounting; "
-          f"{artifact_bits_per_element(art):.3f} for {args.artifact})")
     return 0
 
 

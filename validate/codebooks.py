@@ -1,7 +1,7 @@
 """Model-level codebook cache formats: TurboQuant (`tq-int2`) and SpectralQuant, uniform allocation (`sq-int2`).
 
 The synthetic ablation's TQ and SQ codecs (validate/ablation/schemes.py) as cache formats the model-level
-simulator (`validate.methods.LayerQuant`) runs like every other method. The quantizers are the
+simulator (`kernels.simulate.LayerQuant`, through `register_codec`) runs like every other method. The quantizers are the
 same functions (`schemes.lloyd_max`, `codebook_quant`, `allocate`, `d_eff_gap`); what is added
 here is the per-layer, per-KV-head layout and the calibration statistics, read from the same
 calibration store as oscar-int2 (the artifact's provenance), so every method sees the same data.
@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from oscar.common import TIE_REL, OscarError
+from oscar.kernels.simulate import register_codec
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
 from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, hadamard
@@ -435,3 +436,7 @@ def native_layer_artifact(art: Artifact) -> Artifact:
     out = replace(art, quant=q0, layer_quant=lq, meta=meta)
     out.validate()
     return out
+
+
+for _kind in CODECS:  # the simulator reads codebook artifacts through these (kernels import nothing from validate)
+    register_codec(_kind, layer_codecs)

@@ -1,6 +1,7 @@
 """Execution engines of the model-level checks, and the device they run on.
 
-    simulate  the fake-quant simulator (validate/methods.py, rowbatch.py, ppl.py): every method's INT2
+    simulate  the fake-quant simulator (the cache family's simulate / batch / rows backends, kernels/simulate.py
+              and kernels/rowbatch.py; validate/ppl.py's attention over `LayerQuant`): every method's INT2
               reading computed by `LayerQuant`, several methods and samples batched; the default.
     cache     the product path: the model's attention goes through `OscarCache` (kernels/cache.py,
               `from_artifact` installs its attention function) and kern's dispatcher (Triton on CUDA, the
@@ -128,14 +129,13 @@ def simulator_protocol(protocol):
 
 
 def new_cache(model, name: str, art, protocol, max_len: int):
-    """An empty OscarCache for method `name` (None: the exact DynamicCache)."""
-    from transformers import DynamicCache
+    """An empty OscarCache for method `name` (None: the exact DynamicCache), its kernels chosen by the dispatcher."""
+    from oscar.kernels.cache import make_cache
 
     if art is None:
-        return DynamicCache()
-    from oscar.kernels.cache import OscarCache
-
-    return OscarCache.from_artifact(model, art, max_len=max_len, **cache_options(name, art, protocol))
+        return make_cache(None, protocol, backend=None)
+    page = cache_options(name, art, protocol)["page_size"]  # refuses what the cache format cannot hold
+    return make_cache(art, protocol, backend=None, model=model, max_len=max_len, page_size=page)
 
 
 class served:
@@ -266,7 +266,7 @@ def cache_stream(name: str, art, layer: int, Ks: torch.Tensor, Vs: torch.Tensor,
     from oscar.kernels import dispatch
     from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
     from oscar.kernels.reference import dequantize_sequence
-    from oscar.validate.methods import Protocol
+    from oscar.kernels.simulate import Protocol
 
     opts = cache_options(name, art, Protocol("attention", sink=0, recent=0))
     q = replace(art.quant_for(layer), **opts)  # the layer's own format (per-layer widths)

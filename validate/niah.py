@@ -38,7 +38,7 @@ import torch
 from oscar.defaults import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.pipeline import cpu_attention
+from oscar.kernels import cpu_attention
 from oscar.evidence import read_samples
 
 
@@ -283,12 +283,13 @@ def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set
     """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
     `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
     decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
+    from oscar.kernels.cache import make_cache
     from oscar.validate import rowbatch
 
     cap = max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
         max(s.max_new_tokens for s in samples)
-    cache = rowbatch.RowBatchCache(groups, protocol, model.config.get_text_config().num_hidden_layers, cap,
-                                   next(model.parameters()).dtype)
+    cache = make_cache(groups, protocol, "rows", capacity=cap, num_layers=model.config.get_text_config().num_hidden_layers,
+                       dtype=next(model.parameters()).dtype)
     for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
         cache.load(g, pool.prefill(s.context_ids))
     with load_aware_threads():

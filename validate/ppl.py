@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from oscar.defaults import DEFAULT_METHODS
 from oscar.common import OscarError, file_fingerprint
-from oscar.pipeline import cpu_attention
+from oscar.kernels import cpu_attention
 from oscar.defaults import EMBEDDED_MODEL
 
 from oscar.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
@@ -279,7 +279,7 @@ class simulated:
     """Context manager: the model's attention reads K/V through `art` under `protocol` (dense: the reference)."""
 
     def __init__(self, model, art, protocol, dense: bool = False):
-        from oscar.validate.methods import LayerQuant
+        from oscar.kernels.simulate import LayerQuant
 
         self.model, self.protocol, self.dense = model, protocol, dense
         self.quant = [LayerQuant(art, l, protocol.pages) for l in range(art.num_layers)]

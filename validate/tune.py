@@ -335,7 +335,8 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
 
     from oscar.validate.codebooks import widths_artifact
     from oscar.validate.env import with_dtype
-    from oscar.validate.methods import PROTOCOLS, LayerQuant
+    from oscar.kernels.simulate import LayerQuant
+    from oscar.validate.methods import PROTOCOLS
 
     cfg = cfg or TuneConfig()
     art.check_model(model.config)

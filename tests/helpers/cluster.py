@@ -19,8 +19,12 @@ _REFS: dict = {}
 
 
 def reference(tmp_path_factory, **o):
-    """The single-process store for these options (computed once per session)."""
+    """The single-process store for these options (computed once per session), as `oscar calibrate` computes it:
+    with the native CPU attention registered, as the stage actors register it (pipeline/capture.native_attention)."""
+    from oscar.kernels import cpu_attention
     from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    cpu_attention.register()
 
     key = json.dumps({k: v for k, v in o.items() if k != "store"}, sort_keys=True)
     if key not in _REFS:

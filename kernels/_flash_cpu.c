@@ -18,7 +18,7 @@
  * polynomial (relative error ~2e-7, flushed to 0 below e^-87). No -ffast-math: nothing is
  * reassociated beyond what is written. Tests: tests/test_cpu_attention.py, against float64 loops.
  *
- * Built and loaded at run time by pipeline/cpu_attention.py through pipeline/native.compile_library.
+ * Built and loaded at run time by kernels/cpu_attention.py through oscar/native_build.compile_library.
  */
 #include <stdint.h>
 #include <stdlib.h>

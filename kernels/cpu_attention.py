@@ -11,6 +11,11 @@ than causality, head_dim a multiple of 16 (32 for bf16), no gradient — and tor
     with native_prefill(model): model(input_ids=...)   # the model's attention through it (else SDPA)
 
 `OSCAR_CPU_FLASH=0` (or `OSCAR_NATIVE=0`, or no C compiler) keeps torch's kernel.
+
+The calibration capture (pipeline/capture.py) runs before kernels in the data flow and does not import
+this module: it looks its inner attention up in transformers' registry under `CPU_ATTENTION`, which
+`register()` fills. The callers that may import kernels register it before calibrating: the `oscar`
+dispatcher (oscar/__main__.py), the main job (oscar/run.py) and the Ray stage actors (cluster/actors.py).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from oscar.native_build import CPU_ATTENTION, compile_library, measured_choice
+
 SRC = Path(__file__).with_name("_flash_cpu.c")
 BK = 64  # keys per block in the C kernel (the key padding)
-NAME = "oscar_cpu_causal"  # registered with transformers (a name containing "flash" would send it looking for flash-attn)
+NAME = CPU_ATTENTION  # registered with transformers (oscar/native_build.py says why the name lives there)
 _LOCK = threading.Lock()
 _LIB: "ctypes.CDLL | None | bool" = False
 WHY_NOT = ""
@@ -40,8 +47,6 @@ def available() -> bool:
         return False
     with _LOCK:
         if _LIB is False:
-            from oscar.pipeline.native import compile_library
-
             lib, WHY_NOT = compile_library(SRC, "flash_cpu")
             if lib is not None:
                 for f in (lib.oscar_flash_causal, lib.oscar_flash_causal_bf16):
@@ -57,13 +62,11 @@ _CHOSEN: "bool | None" = None
 
 def chosen() -> bool:
     """The product uses the kernel: built, and measured no slower than torch's SDPA on this host (float32,
-    one thread, a 512-token causal probe of SmolLM2's heads; `native.measured_choice`, kept per machine)."""
+    one thread, a 512-token causal probe of SmolLM2's heads; `native_build.measured_choice`, kept per machine)."""
     global _CHOSEN
     if not available():  # checked each call: the environment may switch it off
         return False
     if _CHOSEN is None:
-        from oscar.pipeline.native import measured_choice
-
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, h, 512, 64, generator=g) for h in (9, 3, 3))      # (B, H, T, D)
         K, V = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
