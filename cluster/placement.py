@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from oscar.cluster.balance import balance
 from oscar.common import OscarError, attention_shapes
 
 
@@ -137,34 +138,8 @@ def balance_by_time(times: list[float], peaks: list[float], stages: int, budget:
                     first_extra: float = 0.0) -> list[tuple[int, int]] | None:
     """Contiguous layer ranges minimising the slowest stage's time (`times` per layer) among the splits
     whose every stage holds its memory (`peaks` per layer, stage 0 also `first_extra`, each stage <= `budget`);
-    None when no split fits. Exact DP over split points, as `balance_layers` (which balances bytes)."""
-    n = len(times)
-    if not 1 <= stages <= n:
-        raise OscarError(f"--stages must be between 1 and the number of layers ({n}), got {stages}")
-    pt, pm = [0.0], [0.0]
-    for t, m in zip(times, peaks):
-        pt.append(pt[-1] + t)
-        pm.append(pm[-1] + m)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                if best[s - 1][j] == inf or pm[i] - pm[j] + (first_extra if j == 0 else 0) > budget:
-                    continue
-                v = max(best[s - 1][j], pt[i] - pt[j])
-                if v < best[s][i]:
-                    best[s][i], cut[s][i] = v, j
-    if best[stages][n] == inf:
-        return None
-    ranges, i = [], n
-    for s in range(stages, 0, -1):
-        j = cut[s][i]
-        ranges.append((j, i))
-        i = j
-    return ranges[::-1]
+    None when no split fits."""
+    return balance(times, stages, mem=peaks, budget=budget, first_mem=first_extra)
 
 
 # --------------------------------------------------------------------------- estimate
