@@ -16,11 +16,19 @@ calibrate  GLM-4.7's full layer shapes cut to its first --layers layers (3 dense
            (`"ray": false`). Reports tokens/s, expert token counts, and per stage the resident
            parameter bytes and peak memory against `oscar plan`'s prediction for the same cut.
 
---dry-run runs both on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
+calibrate-fp8
+           The same cut (default 1 dense + 1 MoE layer, --experts 16 to bound the disk) written in GLM-4.7-FP8's
+           block-FP8 layout (float8_e4m3fn decoder weights, a float32 weight_scale_inv per 128x128 block,
+           per-expert keys; tests/helpers/fp8.py) and as its dequantized BF16 twin; both calibrated by two
+           stages on CUDA as above. Reports the largest relative difference between the two stores' arrays
+           (each stage dequantizes its own layers' FP8 weights at load: 0 expected), and the checkpoint sizes.
+
+--dry-run runs each on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
 keeps working between GPU sessions.
 
     python bench/gpu_e2e.py decode --out $OUT/e2e_decode.json
     python bench/gpu_e2e.py calibrate --out $OUT/e2e_calibrate.json
+    python bench/gpu_e2e.py calibrate-fp8 --out $OUT/e2e_calibrate_fp8.json
 """
 
 from __future__ import annotations
@@ -230,10 +238,94 @@ def drive_in_process(store_path: str, model_dir: str, ranges, dev: torch.device,
         lock.release()
 
 
-def bench_calibrate(args, dev: torch.device) -> dict:
-    from oscar.cluster.pipeline import prepare_store, unused_experts
-    from oscar.cluster.plan import PlanConfig, balance_layers, make_plan, param_bytes
+def calibrate_two_stages(model_dir: str, store: str, ranges, args, dev: torch.device) -> dict:
+    """Calibrate `model_dir` into `store` on two stages of `ranges`: through Ray when it imports (and not
+    --no-ray), else the same StageWorker objects driven in-process."""
+    from oscar.cluster.pipeline import prepare_store
     from oscar.pipeline.calibrate import CalibConfig
+
+    cc = CalibConfig(model=model_dir, store=store, seq_len=args.seq_len, seqs_per_block=args.seqs_per_block,
+                     tokens=args.tokens, dtype="bfloat16", device=dev.type, batch_size=args.micro_batch,
+                     overwrite=True)
+    try:
+        import ray  # noqa: F401  (late: optional on the GPU image)
+        have_ray = not args.no_ray
+    except ImportError:
+        have_ray = False
+    if have_ray:
+        from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+
+        ccl = ClusterConfig(stages=2, layers=",".join(f"{a}:{b}" for a, b in ranges),
+                            gpus_per_stage=0.5 if dev.type == "cuda" else 0.0, cpus_per_stage=1.0)
+        t1 = time.perf_counter()
+        rep = calibrate_on_ray(cc, ccl, address=None, progress=False)
+        return {"ray": True, "tokens": rep.tokens, "wall_seconds": time.perf_counter() - t1,
+                "tokens_per_second": rep.tokens_per_second, "stages": rep.stage_stats}
+    prepare_store(cc)
+    return drive_in_process(store, model_dir, ranges, dev, args.micro_batch)
+
+
+def store_difference(a: str, b: str) -> dict:
+    """The largest relative difference between same-named arrays of two stores (max |x - y| / max |y|), and the
+    array where it occurs; arrays only one store holds are listed."""
+    import numpy as np
+
+    from oscar.pipeline.store import CalibStore
+
+    ga, gb = CalibStore(a).group, CalibStore(b).group
+    names = lambda g: {f"{p}/{n}" if p else n for p, n in _arrays(g)}  # noqa: E731
+    na, nb = names(ga), names(gb)
+    worst, where = 0.0, None
+    for name in sorted(na & nb):
+        x, y = np.asarray(ga[name][:], dtype=np.float64), np.asarray(gb[name][:], dtype=np.float64)
+        if x.shape != y.shape:
+            return {"max_rel_diff": float("inf"), "where": f"{name}: shape {x.shape} vs {y.shape}"}
+        d = float(np.abs(x - y).max(initial=0.0)) / max(float(np.abs(y).max(initial=0.0)), 1e-300)
+        if d > worst:
+            worst, where = d, name
+    return {"max_rel_diff": worst, "where": where, "arrays": len(na & nb), "only_in_first": sorted(na - nb),
+            "only_in_second": sorted(nb - na)}
+
+
+def _arrays(group, prefix: str = ""):
+    for name, arr in group.arrays():
+        yield prefix, name
+    for name, sub in group.groups():
+        yield from _arrays(sub, f"{prefix}/{name}" if prefix else name)
+
+
+def bench_calibrate_fp8(args, dev: torch.device) -> dict:
+    from oscar.cluster.plan import balance_layers, param_bytes
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from helpers.fp8 import write_pair  # late: a test helper, found through tests/ on sys.path
+
+    cfg = glm47_cut(args.layers, 1, args.dry_run)
+    cfg.n_routed_experts = min(cfg.n_routed_experts, args.experts)
+    cfg.num_experts_per_tok = min(cfg.num_experts_per_tok, cfg.n_routed_experts)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="oscar-gpu-fp8-"))
+    src, fp8_dir, twin_dir = work / "bf16", work / "fp8", work / "twin"
+    t0 = time.perf_counter()
+    if not (twin_dir / "config.json").exists():
+        src.mkdir(parents=True, exist_ok=True)
+        save_random_model(cfg, str(src), dev)
+        write_pair(str(src), str(fp8_dir), str(twin_dir), twin_dtype=torch.bfloat16)
+    write_s = time.perf_counter() - t0
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    pb = param_bytes(cfg, 2)
+    ranges = balance_layers(pb.layers, 2, pb.embed)
+    runs = {name: calibrate_two_stages(str(d), str(work / f"{name}.zarr"), ranges, args, dev)
+            for name, d in (("fp8", fp8_dir), ("twin", twin_dir))}
+    return {"model": "glm-4.7 layer shapes, random init, block-FP8 and its dequantized bf16 twin",
+            "layers": cfg.num_hidden_layers, "dense_layers": cfg.first_k_dense_replace,
+            "experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok, "ranges": ranges,
+            "write_seconds": write_s, "checkpoint_bytes": {"fp8": size(fp8_dir), "twin_bf16": size(twin_dir)},
+            "stores": store_difference(str(work / "fp8.zarr"), str(work / "twin.zarr")), "runs": runs}
+
+
+def bench_calibrate(args, dev: torch.device) -> dict:
+    from oscar.cluster.pipeline import unused_experts
+    from oscar.cluster.plan import PlanConfig, balance_layers, make_plan, param_bytes
     from oscar.pipeline.store import CalibStore
 
     cfg = glm47_cut(args.layers, min(3, args.layers - 1), args.dry_run)
@@ -246,26 +338,7 @@ def bench_calibrate(args, dev: torch.device) -> dict:
     save_s = time.perf_counter() - t0
     pb = param_bytes(cfg, 2)
     ranges = balance_layers(pb.layers, 2, pb.embed)
-    cc = CalibConfig(model=str(model_dir), store=str(store), seq_len=args.seq_len, seqs_per_block=args.seqs_per_block,
-                     tokens=args.tokens, dtype="bfloat16", device=dev.type, batch_size=args.micro_batch,
-                     overwrite=True)
-    try:
-        import ray  # noqa: F401
-        have_ray = not args.no_ray
-    except ImportError:
-        have_ray = False
-    if have_ray:
-        from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
-
-        ccl = ClusterConfig(stages=2, layers=",".join(f"{a}:{b}" for a, b in ranges),
-                            gpus_per_stage=0.5 if dev.type == "cuda" else 0.0, cpus_per_stage=1.0)
-        t1 = time.perf_counter()
-        rep = calibrate_on_ray(cc, ccl, address=None, progress=False)
-        run = {"ray": True, "tokens": rep.tokens, "wall_seconds": time.perf_counter() - t1,
-               "tokens_per_second": rep.tokens_per_second, "stages": rep.stage_stats}
-    else:
-        prepare_store(cc)
-        run = drive_in_process(str(store), str(model_dir), ranges, dev, args.micro_batch)
+    run = calibrate_two_stages(str(model_dir), str(store), ranges, args, dev)
     s = CalibStore(str(store))
     plan = make_plan(cfg, PlanConfig(stages=2, seq_len=args.seq_len, micro_batch=args.micro_batch,
                                      seqs_per_block=s.meta.seqs_per_block, num_blocks=s.num_blocks, dtype="bfloat16",
@@ -292,11 +365,11 @@ def bench_calibrate(args, dev: torch.device) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["decode", "calibrate"], help="which check to run")
+    ap.add_argument("what", choices=["decode", "calibrate", "calibrate-fp8"], help="which check to run")
     ap.add_argument("--out", required=True, help="JSON result path")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (the script's own test)")
     ap.add_argument("--layers", type=int, default=None,
-                    help="layers of the cut (default: decode 2 dense; calibrate 4 = 3 dense + 1 MoE; dry run 2)")
+                    help="layers of the cut (default: decode 2 dense; calibrate 4 = 3 dense + 1 MoE; calibrate-fp8 2 = 1 + 1; dry run 2)")
     ap.add_argument("--contexts", default="32768,131072", help="decode: contexts (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=12, help="decode: timed decode steps (default: %(default)s)")
     ap.add_argument("--chunk", type=int, default=8192, help="decode: prefill chunk (default: %(default)s)")
@@ -305,6 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16384, help="calibrate: corpus tokens (default: %(default)s)")
     ap.add_argument("--micro-batch", type=int, default=1, help="calibrate: sequences per micro-batch (default: %(default)s)")
     ap.add_argument("--no-ray", action="store_true", help="calibrate: drive the stage workers in-process even if ray imports")
+    ap.add_argument("--experts", type=int, default=16,
+                    help="calibrate-fp8: routed experts kept of GLM-4.7's 160 (default: %(default)s; bounds the disk)")
     ap.add_argument("--workdir", default=None, help="calibrate: where the model and store go (default: a temp dir)")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -312,20 +387,22 @@ def main(argv=None) -> int:
         args.layers = args.layers or 2
         if args.what == "decode" and args.contexts == ap.get_default("contexts"):
             args.contexts, args.steps, args.chunk = "400,700", 3, 256
-        if args.what == "calibrate" and args.tokens == ap.get_default("tokens"):
+        if args.what.startswith("calibrate") and args.tokens == ap.get_default("tokens"):
             args.seq_len, args.seqs_per_block, args.tokens = 128, 2, 512
     else:
         if not torch.cuda.is_available():
             print("no CUDA device (use --dry-run for the CPU smoke run)", file=sys.stderr)
             return 2
         dev = torch.device("cuda")
-        args.layers = args.layers or (2 if args.what == "decode" else 4)
+        args.layers = args.layers or {"decode": 2, "calibrate": 4, "calibrate-fp8": 2}[args.what]
     meta = {"commit": commit(), "torch": torch.__version__, "device": torch.cuda.get_device_name(dev)
             if dev.type == "cuda" else "cpu (dry run)", "argv": sys.argv[1:],
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     partial = lambda r: Path(args.out).write_text(json.dumps(dict(meta, **r, partial=True), indent=2, default=str))  # noqa: E731
-    result = dict(meta, **(bench_decode(args, dev, partial) if args.what == "decode" else bench_calibrate(args, dev)))
+    run = {"decode": lambda: bench_decode(args, dev, partial), "calibrate": lambda: bench_calibrate(args, dev),
+           "calibrate-fp8": lambda: bench_calibrate_fp8(args, dev)}[args.what]
+    result = dict(meta, **run())
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")
     return 0

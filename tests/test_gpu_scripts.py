@@ -50,3 +50,14 @@ def test_e2e_calibrate_dry_run_in_process(tmp_path):
     assert all(s["plan_param_bytes"] > 0 for s in d["stages"])
     (counts,) = d["expert_tokens"].values()  # the MoE layer: every routed token counted top_k times
     assert counts["experts"] == 8 and counts["total"] == d["tokens"] * d["top_k"]
+
+
+def test_e2e_calibrate_fp8_dry_run_in_process(tmp_path):
+    """The block-FP8 checkpoint and its dequantized twin calibrate to the same store; the FP8 one is smaller on
+    disk by its decoder weights (1 byte per parameter, plus one float32 scale per 128x128 block)."""
+    d = _run(["bench/gpu_e2e.py", "calibrate-fp8", "--dry-run", "--no-ray", "--workdir", str(tmp_path / "w")],
+             tmp_path)
+    assert d["stores"]["max_rel_diff"] == 0.0 and d["stores"]["arrays"] > 10, d["stores"]
+    assert not d["stores"]["only_in_first"] and not d["stores"]["only_in_second"]
+    assert d["checkpoint_bytes"]["fp8"] < d["checkpoint_bytes"]["twin_bf16"]
+    assert all(r["tokens"] > 0 for r in d["runs"].values())

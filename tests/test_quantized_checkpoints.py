@@ -21,11 +21,8 @@ from oscar.common import OscarError
 from oscar.modelconfig import cache_root, layer_of, preset_config
 from oscar.pipeline import models
 from oscar.pipeline.models import dequantize_block_fp8, load_model
-from helpers import cluster as ch
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-BLOCK = (128, 128)
-FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic", "fmt": "e4m3"}
+from helpers import fp8 as fp8_ckpt
+from helpers.fp8 import BLOCK, FP8_CONFIG
 
 
 def brute_dequantize(w: torch.Tensor, s: torch.Tensor, block=BLOCK) -> torch.Tensor:
@@ -37,20 +34,6 @@ def brute_dequantize(w: torch.Tensor, s: torch.Tensor, block=BLOCK) -> torch.Ten
             blk = (..., slice(i * br, (i + 1) * br), slice(j * bc, (j + 1) * bc))
             out[blk] = w[blk].to(torch.float32) * s[..., i, j].to(torch.float32).unsqueeze(-1).unsqueeze(-1)
     return out
-
-
-def quantize_block_fp8(w: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn codes, float32 scale_inv = block amax / 448), one scale per block, partial blocks too."""
-    br, bc = block
-    R, C = w.shape
-    s = torch.empty(-(-R // br), -(-C // bc), dtype=torch.float32)
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc].float()
-            s[i, j] = max(blk.abs().max().item(), 1e-12) / FP8_MAX
-            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (blk / s[i, j]).to(torch.float8_e4m3fn)
-    return q, s
 
 
 # ------------------------------------------------------------------ the dequantization itself
@@ -102,48 +85,10 @@ def _tiny_glm(tmp) -> str:
     return d
 
 
-def _quantized(name: str, t: torch.Tensor) -> bool:
-    """What GLM-4.7-FP8 quantizes: the linear weights of the decoder layers (not norms, not the router, not the
-    embeddings, not biases)."""
-    return layer_of(name) is not None and t.dim() >= 2 and not name.endswith("mlp.gate.weight")
-
-
 def write_pair(tmp) -> tuple[str, str]:
-    """(block-FP8 checkpoint, its dequantized float32 twin), both in the Hugging Face per-expert layout the
-    published checkpoints use (experts.{e}.gate_proj/up_proj/down_proj.weight [+ .weight_scale_inv]), one shard
-    per layer (embeddings, final norm, LM head in their own)."""
-    src = _tiny_glm(tmp)
-    wm = json.load(open(os.path.join(src, loading.INDEX_NAME)))["weight_map"]
+    """(block-FP8 checkpoint, its dequantized float32 twin) of the tiny GLM (helpers.fp8.write_pair)."""
     fp8_dir, twin_dir = os.path.join(tmp, "fp8"), os.path.join(tmp, "twin")
-    fp8: dict[str, dict] = {}
-    twin: dict[str, dict] = {}
-    for k, shard in sorted(wm.items()):
-        with safe_open(os.path.join(src, shard), "pt") as fh:
-            t = fh.get_tensor(k)
-        l = layer_of(k)
-        fname = "other.safetensors" if l is None else f"layer-{l}.safetensors"
-        flat = ch.per_expert(k, t)
-        for name, w in flat.items():
-            if _quantized(name, w):
-                q, s = quantize_block_fp8(w)
-                fp8.setdefault(fname, {})[name] = q
-                fp8[fname][name + "_scale_inv"] = s
-                twin.setdefault(fname, {})[name] = brute_dequantize(q, s)  # exact: float32 holds every product
-            else:
-                fp8.setdefault(fname, {})[name] = w
-                twin.setdefault(fname, {})[name] = w
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    for d, shards, qc in ((fp8_dir, fp8, FP8_CONFIG), (twin_dir, twin, None)):
-        os.makedirs(d)
-        for f in os.listdir(src):
-            if not f.endswith(".safetensors") and f not in (loading.INDEX_NAME, "config.json"):
-                shutil.copy(os.path.join(src, f), os.path.join(d, f))
-        for f, tensors in shards.items():
-            save_file(tensors, os.path.join(d, f), metadata={"format": "pt"})
-        json.dump({"metadata": {}, "weight_map": {k: f for f, ts in shards.items() for k in ts}},
-                  open(os.path.join(d, loading.INDEX_NAME), "w"), indent=1)
-        json.dump({**cfg, **({"quantization_config": qc} if qc else {})}, open(os.path.join(d, "config.json"), "w"),
-                  indent=1)
+    fp8_ckpt.write_pair(_tiny_glm(tmp), fp8_dir, twin_dir)
     return fp8_dir, twin_dir
 
 
@@ -161,6 +106,9 @@ def test_the_fixture_is_what_it_claims(pair):
         with safe_open(os.path.join(fp8, wm[k]), "pt") as fh:
             w = fh.get_tensor(k[: -len("_scale_inv")])
         assert w.dtype == torch.float8_e4m3fn
+        with safe_open(os.path.join(fp8, wm[k]), "pt") as fh, safe_open(os.path.join(twin, wm[k]), "pt") as th:
+            # the twin is the codes times their block's scale: the per-block loop is the oracle
+            assert torch.equal(th.get_tensor(k[: -len("_scale_inv")]), brute_dequantize(w, fh.get_tensor(k)))
         partial += any(n % 128 for n in w.shape)
     assert scales and partial >= 1, "the fixture must have a weight that is not a multiple of the block"
     assert any(".experts.3.gate_proj.weight_scale_inv" in k for k in scales)
