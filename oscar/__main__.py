@@ -16,8 +16,7 @@ from oscar.common import OscarError
 
 STAGE_CLIS = [
     "oscar.pipeline.cli",   # calibrate, verify, models
-    "oscar.stats.cli",      # fit, variants, inspect
-    "oscar.stats.interop",  # export, import
+    "oscar.stats.cli",      # fit, variants, inspect, export, import
     "oscar.kernels.cli",    # bench memory
     "oscar.validate.cli",   # validate niah/ppl/tune/attention
     "oscar.cli",            # run (the main job, oscar/run.py), ablate

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from oscar.cli_options import add_device, add_methods, add_model, add_out
+from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out
 from oscar.common import nonneg_int, positive_float, positive_int
+from oscar.defaults import TUNE_OBJECTIVES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,9 +47,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "SmolLM2 on 2 CPUs); copy = measured layer by layer (`oscar validate widths`, ~35 min); none = "
                         "the tuned fit (split keys)")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
-    from oscar.validate.tune import OBJECTIVES
-
-    r.add_argument("--tune-objective", default="nll", choices=OBJECTIVES,
+    r.add_argument("--tune-objective", default="nll", choices=TUNE_OBJECTIVES,
                    help="what the key-clip tune minimises (`oscar validate tune --objective`; default %(default)s)")
     r.add_argument("--tasks", default="niah_single_1,niah_single_2",
                    help="RULER tasks of the needle stage (`oscar validate niah --tasks`): a comma list, or 'all' "
@@ -64,8 +63,6 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help="model compute dtype for NIAH, perplexity and the attention capture: auto (default: bfloat16 "
                         "on CUDA and on CPUs that multiply it natively, AVX-512 BF16 or AMX; float32 on other CPUs, "
                         "where bfloat16 runs ~6x slower), bfloat16 (serving precision) or float32 (steadier digits)")
-    from oscar.validate.engine import DEFAULT_ENGINE, ENGINE_HELP, ENGINES
-
     add_device(r)
     r.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES,
                    help=ENGINE_HELP + "; for the tune, needle, perplexity and attention stages")

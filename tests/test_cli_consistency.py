@@ -112,3 +112,13 @@ def test_shared_options_keep_their_defaults():
     model = {c: a.default for (c, f), a in seen.items() if f == "--model"}
     assert {c for c, d in model.items() if d != co.EMBEDDED_MODEL} == {"plan", "cluster render", "import"}, model
     assert {c for (c, f), a in seen.items() if f == "--ray"} == {"calibrate"}
+
+
+def test_engine_choices_agree_with_the_engine():
+    """--engine's choices, default and help come from oscar/cli_options.py (so --help needs no torch); the engine
+    still defines its own copies: they must say the same."""
+    from oscar import cli_options
+    from oscar.validate import engine
+
+    assert (cli_options.ENGINES, cli_options.DEFAULT_ENGINE, cli_options.ENGINE_HELP) == (
+        engine.ENGINES, engine.DEFAULT_ENGINE, engine.ENGINE_HELP)
