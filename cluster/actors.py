@@ -22,14 +22,21 @@ chunks is idempotent (exactly once).
 from __future__ import annotations
 
 import os
+import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
+from oscar.cluster.loading import load_config, load_layer_range
 from oscar.common import OscarError, attention_shapes, set_threads
+from oscar.kernels import cpu_attention
+from oscar.pipeline import capture
+from oscar.pipeline.calibrate import store_offsets
 from oscar.pipeline.capture import StopForward
+from oscar.pipeline.store import CalibStore, WriterLock
 
 EXPERT_ARRAY = "expert_tokens"  # layers/{l}/expert_tokens: int64 (B, E), MoE layers only
 
@@ -102,11 +109,6 @@ def _topk_indices(output) -> torch.Tensor:
 
 class StageWorker:
     def __init__(self, args: StageArgs):
-        from oscar.cluster.loading import load_config, load_layer_range
-        from oscar.kernels import cpu_attention
-        from oscar.pipeline import capture
-        from oscar.pipeline.store import CalibStore, WriterLock
-
         t0 = time.time()
         self.args = args
         set_threads(args.threads)
@@ -125,7 +127,6 @@ class StageWorker:
             layers=self.layers, sink=args.sink, reservoir=args.reservoir, seed=args.seed,
             seqs_per_block=args.seqs_per_block))
         self.store = CalibStore(args.store, mode="r+")
-        from oscar.pipeline.calibrate import store_offsets
 
         self.offsets = store_offsets(self.store.meta)  # (B, S) RoPE start of every window (`--positions`; zeros)
         self.lock = WriterLock(args.store, self.layers, job=args.job).acquire()
@@ -246,10 +247,9 @@ class StageWorker:
 
 
 def _ray_node_id() -> str | None:
-    import sys
-
     if "ray" not in sys.modules:  # a plain StageWorker outside Ray
         return None
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
@@ -264,13 +264,13 @@ def peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def stage_actor_class():
     """`StageWorker` as a Ray actor class (Ray imported only here)."""
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
 
     return ray.remote(StageWorker)

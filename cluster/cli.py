@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 
 from oscar.cli_options import add_model, add_out, add_ray, add_stages
 from oscar.cluster.placement import GPUS, UTILIZATION
-from oscar.common import nonneg_float, positive_float, positive_int
+from oscar.common import OscarError, nonneg_float, positional_or_option, positive_float, positive_int
+from oscar.pipeline.cli import calib_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -134,8 +136,7 @@ def _register_render(sub) -> None:
 
 
 def _render(args) -> int:
-    from dataclasses import fields
-
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.render import RenderConfig, render, write
 
     cfg = RenderConfig(**{f.name: getattr(args, f.name) for f in fields(RenderConfig) if hasattr(args, f.name)})
@@ -149,8 +150,8 @@ def _render(args) -> int:
 
 
 def _plan(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_plan, misfit, plan_placed
-    from oscar.common import OscarError
 
     if args.stages is None and args.nodes is None:
         raise OscarError("give --stages N, or --nodes N (with --gpus-per-node) to place the stages")
@@ -184,6 +185,7 @@ def _plan(args) -> int:
 
 
 def _submit(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.jobs import submit
 
     return submit(args.config, address=args.address, wait=args.wait, timeout=args.timeout,
@@ -191,9 +193,8 @@ def _submit(args) -> int:
 
 
 def _status(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.jobs import format_status, store_status
-
-    from oscar.common import positional_or_option
 
     st = store_status(positional_or_option(args, "store", "--store"), address=args.address)
     print(json.dumps(st, indent=1) if args.json else format_status(st))
@@ -230,14 +231,12 @@ def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
 
 
 def calibrate_dispatch(args, single) -> int:
-    from oscar.common import OscarError
-
     if getattr(args, "ray", None) is None:
         if getattr(args, "stages", None) or getattr(args, "replicas", None):
             raise OscarError("--stages/--replicas need --ray ADDRESS|auto")
         return single(args)
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.pipeline import calibrate_on_ray, cluster_config_from_args, format_report
-    from oscar.pipeline.cli import calib_config
 
     cfg = calib_config(args)
     rep = calibrate_on_ray(cfg, cluster_config_from_args(args), address=args.ray,

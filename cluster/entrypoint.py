@@ -13,13 +13,13 @@ import json
 import os
 import sys
 
+from oscar.cluster.jobs import driver_config
+from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray, format_report
+from oscar.common import OscarError
+from oscar.pipeline.calibrate import CalibConfig
+
 
 def main(argv: list[str] | None = None) -> int:
-    from oscar.cluster.jobs import driver_config
-    from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray, format_report
-    from oscar.common import OscarError
-    from oscar.pipeline.calibrate import CalibConfig
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = driver_config(argv)

@@ -33,8 +33,15 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import fields
 
+import numpy as np
+import yaml
+
+from oscar.cluster.pipeline import ClusterConfig, unused_experts
 from oscar.common import OscarError, fingerprint
+from oscar.pipeline.calibrate import CalibConfig
+from oscar.pipeline.store import CalibStore
 
 CONFIG_ENV = "OSCAR_JOB_CONFIG"
 RUNTIME_ENV_FILE = os.path.join(os.path.dirname(__file__), "runtime_env.yaml")
@@ -43,8 +50,6 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 def load_job_config(path: str) -> dict:
-    import yaml
-
     try:
         with open(path) as f:
             text = f.read()
@@ -73,10 +78,6 @@ def driver_config(argv: list[str]) -> dict:
 def normalize_job_config(cfg, where: str = "job config") -> dict:
     """The config with paths made absolute and every section checked here, not on the cluster:
     {"calibrate": ..., "cluster": ..., "job": ...} or {"run": ..., "cluster": ..., "job": ...}."""
-    from dataclasses import fields
-
-    from oscar.cluster.pipeline import ClusterConfig
-
     if not isinstance(cfg, dict) or not (isinstance(cfg.get("calibrate"), dict) or isinstance(cfg.get("run"), dict)):
         raise OscarError(f"{where}: needs a `calibrate:` section (options of oscar calibrate) or a `run:` section "
                          "(options of oscar run)")
@@ -108,10 +109,6 @@ def normalize_job_config(cfg, where: str = "job config") -> dict:
 
 
 def _normalize_calibrate(cal: dict, where: str) -> dict:
-    from dataclasses import fields
-
-    from oscar.pipeline.calibrate import CalibConfig
-
     cal = dict(cal)
     names = {f.name for f in fields(CalibConfig) if f.init}
     bad = set(cal) - names
@@ -151,8 +148,6 @@ def submission_base(cfg: dict) -> str:
 
 def runtime_env(cfg: dict) -> dict:
     """cluster/runtime_env.yaml, then the job's own runtime_env, then the config itself."""
-    import yaml
-
     with open(RUNTIME_ENV_FILE) as f:
         env = yaml.safe_load(f) or {}
     own = cfg["job"].get("runtime_env") or {}
@@ -191,6 +186,7 @@ def submission(cfg: dict, submission_id: str, attempt: int) -> dict:
 
 
 def _client(address: str | None):
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     from ray.job_submission import JobSubmissionClient
 
     address = address or os.environ.get("RAY_ADDRESS")
@@ -284,11 +280,6 @@ def wait_for(client, sid: str, *, timeout: float | None = None, poll: float = 2.
 
 def store_status(store: str, address: str | None = None) -> dict:
     """Blocks done per stage (from the store's done markers and the stages its Ray job recorded)."""
-    import numpy as np
-
-    from oscar.cluster.pipeline import unused_experts
-    from oscar.pipeline.store import CalibStore
-
     st = CalibStore(store)
     done = st.done()  # (B, L)
     cl = st.group.attrs.get("cluster") or {}

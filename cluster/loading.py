@@ -25,13 +25,19 @@ Ray-free: importable and testable in one process.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 from dataclasses import dataclass, field
 
+import safetensors
 import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
 from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.masking_utils import create_causal_mask
 
 from oscar.cluster.balance import balance_layers
 from oscar.cluster.placement import num_experts as _num_experts  # the name the cluster modules import
@@ -112,9 +118,7 @@ class Checkpoint:
         if os.path.isfile(idx):
             self.weight_map: dict[str, str] = read_index(idx)
         elif os.path.isfile(single):
-            from safetensors import safe_open
-
-            with safe_open(single, framework="pt") as f:
+            with safetensors.safe_open(single, framework="pt") as f:
                 self.weight_map = {k: SINGLE_NAME for k in f.keys()}
         else:
             raise OscarError(f"{model_dir}: no {INDEX_NAME} or {SINGLE_NAME} (layer-range loading needs safetensors)")
@@ -194,8 +198,6 @@ class LayerRange(nn.Module):
         implementation) and the rotary embeddings. `attention_mask` is the 2D
         padding mask (B, T) of 1/0, as the full model receives it.
         """
-        from transformers.masking_utils import create_causal_mask
-
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
         dev, mask, pos_emb = None, None, None
@@ -218,8 +220,6 @@ class LayerRange(nn.Module):
             return self.rotary_emb
         key = str(dev)
         if key not in self._rotary:
-            import copy
-
             self._rotary[key] = copy.deepcopy(self.rotary_emb).to(dev)
         return self._rotary[key]
 
@@ -245,9 +245,6 @@ def load_config(model_dir: str, attn_implementation: str | None = None, experts_
 
 def build_skeleton(config) -> nn.Module:
     """The whole causal LM on the meta device: structure without memory."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     return model.eval()
@@ -263,9 +260,6 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
     contiguously over several devices, balanced by parameter bytes; the embeddings go
     to the first. Returns the stage module (eval mode) and what was read.
     """
-    from accelerate.utils import set_module_tensor_to_device
-    from safetensors import safe_open
-
     config = config if config is not None else load_config(model_dir)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     spec = StageSpec(start, stop, text_cfg.num_hidden_layers)
@@ -342,7 +336,7 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
     todo = list(plan)
     for shard in needed:
         path = ckpt.shard_path(shard, keys_of[shard][0])
-        with safe_open(path, framework="pt", device="cpu") as fh:
+        with safetensors.safe_open(path, framework="pt", device="cpu") as fh:
             held = set(fh.keys())
             for k in keys_of[shard]:
                 if k not in held:

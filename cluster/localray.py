@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 
 
 # Ray turns --node-ip-address=127.0.0.1 into the host's routable address unless
@@ -148,6 +148,7 @@ class LocalHead:
         except OSError:
             return False
         try:
+            # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
             from ray.job_submission import JobSubmissionClient
 
             JobSubmissionClient(self.dashboard).list_jobs()

@@ -24,6 +24,7 @@ calibration front end, which wrote tokens, mask and root attributes):
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -33,9 +34,17 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
+from oscar.cluster.actors import EXPERT_ARRAY, StageArgs, stage_actor_class
+from oscar.cluster.loading import load_config, _num_experts
+from oscar.cluster.localray import LOOPBACK_ENV
 from oscar.cluster.placement import lookahead_blocks
+from oscar.cluster.plan import balance_layers, _is_moe_layer, param_bytes, parse_ranges
 from oscar.common import OscarError, fingerprint
+from oscar.pipeline.calibrate import prepare_store as _prepare
+from oscar.pipeline.store import CalibStore, WriterLock
 
 _LOCAL_RAY: bool = False  # True when this module started the Ray runtime itself
 
@@ -131,10 +140,9 @@ def connect(address: str | None = "auto", *, num_cpus: int | None = None) -> str
     if address in (None, "", "auto"):
         address = os.environ.get("RAY_ADDRESS") or "local"
     if address == "local" and "ray" not in sys.modules:
-        from oscar.cluster.localray import LOOPBACK_ENV
-
         for k, v in LOOPBACK_ENV.items():  # single-node mode: every Ray component on 127.0.0.1
             os.environ.setdefault(k, v)
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
 
     if ray.is_initialized():
@@ -149,6 +157,7 @@ def connect(address: str | None = "auto", *, num_cpus: int | None = None) -> str
 
 
 def disconnect() -> None:
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
 
     global _LOCAL_RAY
@@ -160,9 +169,6 @@ def disconnect() -> None:
 # --------------------------------------------------------------------------- helpers
 
 def stage_ranges(model_dir: str, cc: ClusterConfig, num_layers: int) -> list[tuple[int, int]]:
-    from oscar.cluster.loading import load_config
-    from oscar.cluster.plan import balance_layers, param_bytes, parse_ranges
-
     if cc.layers:
         r = parse_ranges(cc.layers, num_layers)
         if len(r) != cc.stages:
@@ -181,10 +187,6 @@ def job_id_for(store: str) -> str:
 
 def _ensure_expert_arrays(store, model_dir: str, layers: list[int]) -> tuple[int, list[int]]:
     """Create `layers/{l}/expert_tokens` (int64, (B, E), one chunk per block) for MoE layers."""
-    from oscar.cluster.actors import EXPERT_ARRAY
-    from oscar.cluster.loading import _num_experts, load_config
-    from oscar.cluster.plan import _is_moe_layer
-
     cfg = load_config(model_dir)
     E = _num_experts(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
     if not E:
@@ -200,8 +202,6 @@ def _ensure_expert_arrays(store, model_dir: str, layers: list[int]) -> tuple[int
 
 def unused_experts(store, layers: list[int] | None = None) -> dict[int, list[int]]:
     """{MoE layer: experts that received no token in any done block} (empty dict for dense models)."""
-    from oscar.cluster.actors import EXPERT_ARRAY
-
     done = store.done()
     out = {}
     for l in range(store.num_layers) if layers is None else layers:
@@ -215,6 +215,7 @@ def unused_experts(store, layers: list[int] | None = None) -> dict[int, list[int
 
 
 def _is_ray_failure(e: BaseException) -> bool:
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray.exceptions as rex
 
     return isinstance(e, (rex.RayError,))
@@ -229,9 +230,8 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
     Everything that defines the statistics (tokens, mask, sink, reservoir, seed, attention
     implementation) is read from the store; `model_dir` defaults to the store's model source.
     """
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
-
-    from oscar.pipeline.store import CalibStore, WriterLock
 
     if not ray.is_initialized():
         raise OscarError("run_pipeline needs a Ray connection (oscar.cluster.pipeline.connect)")
@@ -302,6 +302,7 @@ def _place(cc: ClusterConfig, n_stages: int, job: str, into: list) -> None:
     """One placement group per replica (a bundle per stage) into `into`, placed; a clear error when the
     cluster cannot (the caller removes the groups either way). PACK, not STRICT_PACK: a replica of one
     stage per GPU has more stages than a node has GPUs; a bundle (one stage's GPUs) never spans nodes."""
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
     from ray.util.placement_group import placement_group
 
@@ -321,9 +322,8 @@ def _place(cc: ClusterConfig, n_stages: int, job: str, into: list) -> None:
 def _start_stages(store, store_path: str, model_dir: str, cc: ClusterConfig, ranges: list[tuple[int, int]], job: str,
                   pgs: list, into: list) -> None:
     """The stage actors of every replica into `into`, [replica][stage], each in its bundle of the replica's group."""
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from oscar.cluster.actors import StageArgs, stage_actor_class
 
     Actor = stage_actor_class()
     common = dict(model_dir=model_dir, store=str(store_path), job=job,
@@ -395,6 +395,7 @@ class _BlockLoop:
 
     def settle(self, ref, bar) -> None:
         """One finished call: a failure marks its block for redoing; the block's last call completes it."""
+        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
         import ray
 
         b = next(k for k, v in self.inflight.items() if ref in v["pending"])
@@ -423,6 +424,7 @@ class _BlockLoop:
                 self.on_block(b)
 
     def run(self, progress: bool) -> None:
+        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
         import ray
 
         bar = _progress(len(self.todo), progress)
@@ -439,6 +441,7 @@ class _BlockLoop:
 
 
 def _stage_stats(replicas: list[list]) -> list[dict]:
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
 
     stats = []
@@ -453,6 +456,7 @@ def _stage_stats(replicas: list[list]) -> list[dict]:
 
 def _release(replicas: list[list], pgs: list) -> None:
     """Kill the stage actors and remove the placement groups (whatever is already gone is skipped)."""
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -487,13 +491,12 @@ def measured_bubble(stats: list[dict]) -> float:
 
 
 def _tensor(a: np.ndarray):
-    import torch
-
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _wait_alive(actors, timeout: float) -> None:
     """Block until every actor of a replica answers (Ray restarts dead ones up to max_restarts)."""
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray
 
     deadline = time.time() + timeout
@@ -523,7 +526,6 @@ class _NoBar:
 def _progress(total: int, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
 
     return tqdm(total=total, desc="blocks (ray)", unit="block", file=sys.stderr)
 
@@ -533,15 +535,11 @@ def _progress(total: int, enabled: bool):
 def prepare_store(cfg) -> tuple[str, str]:
     """Create (or validate for resume) the store without loading weights: the driver of a
     Ray job must not hold the model. Returns (store path, local model directory)."""
-    from oscar.pipeline.calibrate import prepare_store as _prepare
-
     _, info = _prepare(cfg)
     return str(cfg.store), info.source
 
 
 def cluster_config_from_args(args) -> ClusterConfig:
-    import json
-
     mem = getattr(args, "memory_per_stage", None)
     res = getattr(args, "stage_resources", None)
     if res:

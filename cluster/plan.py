@@ -12,17 +12,20 @@ import functools
 import json
 import math
 import os
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
-from dataclasses import asdict, dataclass, field, replace
+from transformers import CONFIG_MAPPING
 
 from oscar.cluster.balance import balance_layers  # noqa: F401  (re-exported: plan's public API)
 from oscar.cluster.loading import build_skeleton
 from oscar.cluster.placement import (H100, UTILIZATION, GpuSpec, Placement, balance_by_time, estimate, fmt_seconds,
                                      is_moe_layer, layer_flops_per_token, num_experts)
-from oscar.common import OscarError, attention_shapes
+from oscar.common import OscarError, attention_shapes, canonical_json
 from oscar.modelconfig import layer_of
 from oscar.modelconfig import load_model_config as _load_model_config
+from oscar.pipeline.models import checkpoint_quantization
+from oscar.pipeline.store import layer_arrays
 
 GiB = 1 << 30
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -53,8 +56,6 @@ class ParamBytes:
 
 def param_bytes(config, dtype_bytes: int) -> ParamBytes:
     """Exact parameter bytes per decoder layer, from the model built on the meta device."""
-    from oscar.common import canonical_json
-
     counts = _param_counts(canonical_json(config.to_dict()))
     return ParamBytes(counts.embed * dtype_bytes, [n * dtype_bytes for n in counts.layers],
                       counts.head * dtype_bytes, dtype_bytes)
@@ -63,8 +64,6 @@ def param_bytes(config, dtype_bytes: int) -> ParamBytes:
 @functools.lru_cache(maxsize=8)
 def _param_counts(config_json: str) -> ParamBytes:
     """Parameter counts (1 byte per parameter) of a config, cached: GLM-4.7's meta model takes seconds."""
-    from transformers import CONFIG_MAPPING
-
     d = json.loads(config_json)
     config = CONFIG_MAPPING[d["model_type"]].from_dict(d)
     dtype_bytes = 1
@@ -111,7 +110,6 @@ def store_bytes_per_block(config, *, seq_len: int, seqs_per_block: int, reservoi
     """Uncompressed bytes one block adds to an `oscar-calib/1` store (docs/store-format.md)."""
     sh = attention_shapes(config)
     L, H, D = sh["num_layers"], sh["num_kv_heads"], sh["head_dim"]
-    from oscar.pipeline.store import layer_arrays
 
     per_layer = sum(np.dtype(dt).itemsize * int(np.prod(tail)) for dt, tail in layer_arrays(H, D, reservoir).values())
     n_exp = _num_experts(config)
@@ -239,8 +237,6 @@ def make_plan(config, pc: PlanConfig, *, gpu: GpuSpec = H100, utilization: float
     # The bytes of the mode the loaders use: a block-FP8 checkpoint is dequantized at load (FP8 is not kept,
     # on CUDA either; oscar.pipeline.models), so its weights count at the compute dtype, like a BF16 one.
     # Any other quantization is refused here as the loaders refuse it.
-    from oscar.pipeline.models import checkpoint_quantization
-
     block = checkpoint_quantization(config, f"model config {pc.name or getattr(config, 'model_type', '')}".strip())
     weights_mode = (f"block FP8 checkpoint ({block[0]}x{block[1]} blocks) dequantized at load to {dtype}"
                     if block else f"unquantized checkpoint loaded in {dtype}")

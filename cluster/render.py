@@ -20,8 +20,13 @@ import os
 import re
 import shlex
 from dataclasses import dataclass, field, fields
+from importlib.metadata import version
 
+import yaml
+
+from oscar.cluster import plan as planner
 from oscar.cluster.placement import fmt_seconds
+from oscar.cluster.plan import PlanConfig, make_plan, plan_placed
 from oscar.common import OscarError
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -137,11 +142,9 @@ def plan_for(cfg: RenderConfig):
     or --positions goes beyond the model's (notes: `positions_notes`). Without both --stages and
     --gpus-per-stage the placement of `oscar plan --nodes` chooses what is unset (cluster/placement.py):
     one stage per GPU where a GPU holds a share of the layers, stages across nodes."""
-    from oscar.cluster.plan import PlanConfig, load_model_config, make_plan, plan_placed
-
     spec = cfg.model_config or cfg.model
     try:
-        mcfg = load_model_config(spec)
+        mcfg = planner.load_model_config(spec)  # looked up at call time: tests replace it
     except OscarError as e:
         hint = "" if cfg.model_config else (" (--model names the path on the nodes; give --model-config: a local "
                                             "config.json, model directory or shipped config such as glm-4.7)")
@@ -267,8 +270,6 @@ def render_argv(cfg: RenderConfig) -> list[str]:
 
 
 def render(cfg: RenderConfig) -> Rendered:
-    import yaml
-
     _check_params(cfg)
     plan, stages, replicas, g, notes = plan_for(cfg)
     layers = (plan.placement or {}).get("layers")
@@ -331,8 +332,6 @@ def _read(name: str) -> str:
 
 def _ray_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("ray")
     except Exception:  # noqa: BLE001 - ray not installed here: the image's pin (scripts/constraints.txt)
         for line in _read_constraints():

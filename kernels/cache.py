@@ -42,9 +42,16 @@ from typing import Any, Literal
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 from oscar.common import OscarError, attention_shapes
+from oscar.constraints import SLIDING_WINDOW, check_model
 from oscar.kernels import dispatch
+from oscar.kernels.memory import cache_bytes
+from oscar.kernels.reference import gather_rotated
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layer_config, layout
 from oscar.kernels.rowbatch import RowBatchCache
 from oscar.kernels.simulate import MethodBatchCache, Protocol, SimQuantCache
@@ -60,15 +67,12 @@ _QUANT_FIELDS = tuple(f.name for f in fields(QuantConfig) if f.name != "value_ax
 def oscar_mask(*args, **kwargs):
     """Mask function paired with the "oscar" attention: SDPA's boolean (B, 1, Tq, Tk) mask (True = attend),
     None when it is a plain causal mask without padding."""
-    from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **kwargs)
 
 
 def register_attention() -> None:
     """Register the "oscar" attention function and its mask function (idempotent)."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, oscar_attention)
     AttentionMaskInterface.register(ATTN_NAME, oscar_mask)
@@ -79,13 +83,11 @@ def oscar_attention(module, query, key, value, attention_mask, dropout: float = 
     """transformers attention function: (B, Hq, Tq, D) post-RoPE q -> ((B, Tq, Hq, D), None)."""
     layer = getattr(key, "_oscar_layer", None)
     if layer is None:  # not an OscarCache (e.g. DynamicCache, or no cache): plain SDPA
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     key._oscar_layer = None  # one attention call per update
     if kwargs.get("sliding_window"):
-        from oscar.constraints import SLIDING_WINDOW
 
         raise OscarError(f"layer {layer.idx} uses sliding-window attention: {SLIDING_WINDOW}")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -189,7 +191,6 @@ class OscarLayer(CacheLayerMixin):
 
     def gather(self, rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's K, V as the cache represents them: (B, H, n, D) float32 (rotated space by default)."""
-        from oscar.kernels.reference import gather_rotated
 
         ks, vs = zip(*(gather_rotated(self.pc, s) for s in self.owner.seqs))
         k, v = torch.stack(ks), torch.stack(vs)
@@ -198,7 +199,6 @@ class OscarLayer(CacheLayerMixin):
         return k, v
 
     def _attend_sdpa(self, module, query, mask, scaling):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         k, v = self.gather(rotated=False)
         out, _ = sdpa_attention_forward(module, query, k.to(query.dtype), v.to(query.dtype), mask, dropout=0.0,
@@ -312,7 +312,6 @@ class OscarCache(Cache):
                  layer_quant: list[QuantConfig] | None = None):
         if format not in ("int2", "passthrough"):
             raise OscarError(f"format must be 'int2' or 'passthrough', got {format!r}")
-        from oscar.constraints import check_model
 
         check_model(config, what="the model")  # sliding-window layers: refused here as in every stage
         self.artifact, self.config, self.quant, self.format = artifact, config, quant, format
@@ -525,7 +524,6 @@ class OscarCache(Cache):
 
     def memory(self) -> dict:
         """Bytes held by component for the tokens in this cache (see oscar.kernels.memory)."""
-        from oscar.kernels.memory import cache_bytes
 
         return cache_bytes(self)
 
@@ -588,7 +586,6 @@ def generate(model, cache: OscarCache, input_ids: torch.Tensor, *, max_new_token
     `CacheFull` carrying the sequences generated so far. A pool shared with forks that runs out
     mid-decode also ends in `CacheFull` with the tokens produced.
     """
-    from transformers.generation.stopping_criteria import StoppingCriteriaList
 
     B, T = input_ids.shape
     n = cache.get_seq_length()

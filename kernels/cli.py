@@ -6,7 +6,7 @@ import argparse
 import json
 
 from oscar.cli_options import add_artifact, add_model, add_out
-from oscar.common import nonneg_int, positive_int
+from oscar.common import OscarError, nonneg_int, positive_int
 from oscar.defaults import PAGE_SIZE, RECENT, SINK
 
 
@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def memory_cmd(args: argparse.Namespace) -> int:
-    from oscar.common import OscarError
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.kernels.memory import default_formats, load_model_config, report
 
     if args.context < 1:
@@ -37,6 +37,7 @@ def memory_cmd(args: argparse.Namespace) -> int:
     rep = report(cfg, args.context, default_formats(args.sink, args.recent, args.page_size))
     rep["model"] = args.model
     if args.artifact:
+        # late: keeps torch (2.1 s) out of `oscar --help`
         from oscar.kernels.memory import artifact_row
         from oscar.stats.artifact import load_artifact
 

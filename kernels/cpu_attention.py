@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar.native_build import CPU_ATTENTION, compile_library, measured_choice
 
@@ -162,15 +165,12 @@ def attention_forward(module, query, key, value, attention_mask=None, dropout=0.
             and is_causal_mask(attention_mask, query.shape[2], key.shape[2])):
         out, _ = causal_attention(query, key, value, scaling)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def register() -> str:
     """Register `attention_forward` (with SDPA's mask function) with transformers as NAME."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)

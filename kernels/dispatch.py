@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oscar.common import OscarError
+from oscar.kernels import reference
 
 if TYPE_CHECKING:
     from oscar.kernels.paged import PagedLayerCache
@@ -90,12 +91,10 @@ def decode_attention(q: torch.Tensor, cache: PagedLayerCache, seqs: list[int], s
     """
     check_query(q, cache, seqs)
     if backend(q.device, want) == "triton":
-        from oscar.kernels.triton_decode import decode_attention as impl
+        from oscar.kernels import triton_decode  # late: optional dependency (triton)
 
-        return impl(q, cache, seqs, scale=scale, return_lse=return_lse, config=config)
-    from oscar.kernels.reference import decode_attention as impl
-
-    return impl(q, cache, seqs, scale=scale, return_lse=return_lse)
+        return triton_decode.decode_attention(q, cache, seqs, scale=scale, return_lse=return_lse, config=config)
+    return reference.decode_attention(q, cache, seqs, scale=scale, return_lse=return_lse)
 
 
 def quantize_pages(cache: PagedLayerCache, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -103,18 +102,14 @@ def quantize_pages(cache: PagedLayerCache, ids: torch.Tensor, k: torch.Tensor, v
 
     The Triton quantizer computes ratio clips with fp16 or 8-bit (e4m3) scale/zero; the published OSCAR format
     (row-quantile clips, float32 scale/zero) is quantized by the reference on every device."""
-    impl = None
+    impl = reference.quantize_pages
     if backend(k.device) == "triton":
-        from oscar.kernels import triton_quant
+        from oscar.kernels import triton_quant  # late: optional dependency (triton)
 
-        impl = triton_quant.quantize_pages if triton_quant.supports(cache.cfg) else None
-    if impl is None:
-        from oscar.kernels.reference import quantize_pages as impl
+        impl = triton_quant.quantize_pages if triton_quant.supports(cache.cfg) else impl
     impl(cache, ids, k, v)
 
 
 def dequantize_sequence(cache: PagedLayerCache, seq: int, dtype: torch.dtype | None = None, rotated: bool = False):
     """A sequence's full K, V (Hkv, n, D) as stored (torch; a prefill helper, not a hot path)."""
-    from oscar.kernels.reference import dequantize_sequence as impl
-
-    return impl(cache, seq, dtype=dtype, rotated=rotated)
+    return reference.dequantize_sequence(cache, seq, dtype=dtype, rotated=rotated)

@@ -24,8 +24,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from oscar.common import attention_shapes
+import torch
+
+from oscar.common import OscarError, attention_shapes
 from oscar.defaults import PAGE_SIZE, RECENT, SINK
+from oscar.kernels.dispatch import quantize_pages
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, layout
+from oscar.modelconfig import load_model_config as load
+from oscar.stats.artifact import QuantConfig, split_width
 
 PAGE_TABLE_BYTES = 4  # int32 page id per page per layer in the device block table
 
@@ -104,7 +110,6 @@ def _split(f: Format, D: int) -> int:
     """Wide key channels of a split format at head_dim D (key_split -1: the split variant's own D/4)."""
     if f.key_split >= 0:
         return f.key_split
-    from oscar.stats.artifact import split_width
 
     return split_width(D)
 
@@ -161,16 +166,12 @@ def artifact_row(art, config: Any | None = None) -> dict:
     """The accounting of an artifact's own format, layer by layer (`oscar bench memory --artifact`)."""
     shapes = {"num_layers": art.num_layers, "num_kv_heads": art.num_kv_heads, "head_dim": art.head_dim}
     if art.meta.get("codec"):
-        from oscar.common import OscarError
-
         kind = art.meta["codec"].get("kind")
         raise OscarError(f"the artifact stores validation codec {kind!r} (validate/codebooks.py), not a cache format the "
                          "accounting knows" + ("; validate.codebooks.native_layer_artifact converts per-layer widths"
                                                if kind == "layers" else ""))
     ms = attention_shapes(config) if config is not None else shapes
     if any(ms[k] != v for k, v in shapes.items()):
-        from oscar.common import OscarError
-
         raise OscarError(f"the artifact's shapes {shapes} differ from the model's {ms}")
     h = per_history_token_layers(shapes, artifact_formats(art))
     base = per_history_token(shapes, Format("bf16", bits=16))["codes"]
@@ -244,8 +245,6 @@ def pool_bytes(pool, seqs: list[int]) -> dict:
     Uses the pool's own tensors: bytes per page of codes / scales, 16-bit bytes per
     sink and ring token, an int32 block-table entry per page per sequence.
     """
-    from oscar.kernels.paged import layout
-
     out = {"codes": 0, "scales": 0, "sinks": 0, "recent": 0, "page_table": 0, "constants": 0, "tokens": 0}
     if pool is None:
         return out
@@ -271,12 +270,6 @@ def pool_bytes(pool, seqs: list[int]) -> dict:
 def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: int = 0) -> dict:
     """Fill a real paged pool (this config's shapes, identity rotations, bf16 segments) with `context`
     random tokens per layer and measure what it holds; the check on `total`."""
-    import torch
-
-    from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache
-    from oscar.kernels.dispatch import quantize_pages
-    from oscar.stats.artifact import QuantConfig
-
     s = attention_shapes(config)
     H, D, P = s["num_kv_heads"], s["head_dim"], f.page_size
     W = _split(f, D)
@@ -300,9 +293,6 @@ def live_bytes(config: Any, f: Format, context: int, chunk: int = 4096, seed: in
 
 def load_model_config(spec: str):
     """A transformers config from a config.json path / directory, or a model spec (oscar.modelconfig)."""
-    from oscar.common import OscarError
-    from oscar.modelconfig import load_model_config as load
-
     try:
         return load(spec)
     except OscarError as e:

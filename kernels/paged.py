@@ -43,6 +43,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from oscar.common import OscarError
+from oscar.constraints import quant_problems
 from oscar.quant import FP8_MAX, FP8_PARAM, QuantSpec, choose_qparams
 from oscar.stats.artifact import LAYER_QUANT_FIELDS, Artifact, QuantConfig, layout_differences
 
@@ -109,8 +110,6 @@ class PagedConfig:
                              f"{P}: the cache groups per page, set page_size = group_size")
         self.value_spec.group(D)  # raises if group_size does not divide head_dim
         if q.key_split:
-            from oscar.constraints import quant_problems
-
             probs = [p for p in quant_problems(D, q) if "key_split" in p or "key_drop" in p]
             if probs:
                 raise OscarError("; ".join(probs))

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from oscar.common import OscarError
 from oscar.kernels.simulate import LayerQuant, Protocol, commit_row
@@ -67,8 +69,6 @@ def rows_attention(module, query, key, value, attention_mask=None, dropout=0.0, 
 
 def register() -> None:
     """Register `rows_attention` with transformers as ATTN (its mask function: none, it masks by position)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN, rows_attention)
     AttentionMaskInterface.register(ATTN, lambda *a, **k: None)  # rows_attention masks by position itself

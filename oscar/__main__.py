@@ -1,7 +1,8 @@
 """The `oscar` command: a thin dispatcher over each stage's importable functions.
 
 Each stage owns a `cli.py` with `register(subparsers)`; handlers import their
-heavy dependencies lazily so `oscar --help` stays fast.
+heavy dependencies when called, each such import marked `# late:` with its cost,
+so that `oscar --help` loads no torch, transformers or ray.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import os
 import signal
 import sys
 
-from oscar.common import OscarError
+from oscar import __version__
+from oscar.common import OscarError, check_output_path, silence_progress
 
 STAGE_CLIS = [
     "oscar.pipeline.cli",   # calibrate, verify, models
-    "oscar.stats.cli",      # fit, variants, inspect
-    "oscar.stats.interop",  # export, import
+    "oscar.stats.cli",      # fit, variants, inspect, export, import
     "oscar.kernels.cli",    # bench memory
     "oscar.validate.cli",   # validate niah/ppl/tune/attention
     "oscar.cli",            # run (the main job, oscar/run.py), ablate
@@ -56,8 +57,6 @@ class OscarParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from oscar import __version__
-
     p = OscarParser(prog="oscar", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"oscar-kv {__version__}",
                    help="print the installed oscar-kv version and exit")
@@ -130,6 +129,7 @@ def _resumes(args) -> bool:
     """`oscar calibrate` on a store that records its job (and no --overwrite): a resume."""
     if getattr(args, "overwrite", False) or not getattr(args, "store", None) or not os.path.isdir(args.store):
         return False
+    # late: keeps zarr (0.33 s) out of `oscar --help`
     from oscar.pipeline.store import recorded_job
 
     try:
@@ -142,7 +142,7 @@ def native_attention(args) -> None:
     """A command that runs the model registers the native CPU attention with transformers first: the calibration
     capture (pipeline/capture.py) looks it up there by name rather than importing kernels, later in the data flow."""
     if command_path(args) in MODEL_INPUTS:
-        from oscar.kernels.cpu_attention import register
+        from oscar.kernels.cpu_attention import register  # late: keeps torch (2.1 s) out of `oscar --help`
 
         register()
 
@@ -155,12 +155,14 @@ def check_inputs(args) -> None:
         return
     device = getattr(args, "device", None)
     if isinstance(device, str) and device.strip().lower().startswith("cuda"):
+        # late: keeps torch (2.1 s) out of `oscar --help`
         from oscar.validate.engine import resolve_device  # torch: only when a CUDA device is asked for
 
         resolve_device(device)  # a CUDA device this machine lacks is refused first, whatever else is wrong
     if path == ("calibrate",) and _resumes(args):
         return  # the store's recorded job supplies --model and --corpus; calibrate compares any given (pipeline/cli.py)
     if path in MODEL_INPUTS and getattr(args, "model", None):
+        # late: keeps torch (2.1 s) out of `oscar --help`
         from oscar.pipeline.models import check_model_spec
 
         check_model_spec(args.model)
@@ -187,8 +189,6 @@ def check_inputs(args) -> None:
 def check_outputs(args) -> None:
     """Output paths checked before any work: a command must not compute for minutes and then fail to write.
     Writability is probed (a temporary file created and removed), so nothing is left behind on refusal."""
-    from oscar.common import check_output_path
-
     if getattr(args, "out", None):
         check_output_path(args.out, file=command_path(args) in FILE_OUTPUTS)
     if args.command == "calibrate" and getattr(args, "store", None):
@@ -216,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OSCAR_ALLOW_WEIGHTS_MISMATCH"] = "1"  # read by Artifact.check_model in every stage
     interruptible()
     if getattr(args, "no_progress", False):
-        from oscar.common import silence_progress
-
         silence_progress()
     try:
         check_outputs(args)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import safetensors
+
 from oscar.common import OscarError
 
 ARTIFACT_FORMAT = "oscar-artifact/1"
@@ -23,10 +25,8 @@ READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, ARTIFACT_FORMAT_L)
 
 def read_metadata(path: str) -> dict[str, Any]:
     """The artifact's metadata dict; OscarError for a file that is not an oscar artifact this version reads."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(path, "pt") as f:
+        with safetensors.safe_open(path, "pt") as f:
             raw = (f.metadata() or {}).get("oscar")
     except Exception as e:  # safetensors raises its own error types
         raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e

@@ -5,9 +5,13 @@ widths`, which write an artifact. Like oscar/run.py this may import every stage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 
-from oscar.cli_options import add_device, add_methods, add_model, add_out
-from oscar.common import nonneg_int, positive_float, positive_int
+from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out
+from oscar.common import OscarError, nonneg_int, positive_float, positive_int
+from oscar.defaults import TUNE_OBJECTIVES
+from oscar.validate.cli import _qa_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +32,7 @@ def _attach_validate_writers(sub: argparse._SubParsersAction) -> None:
 
 
 def _validate_tune(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import load_artifact, save_artifact
     from oscar.validate.cli import _csv
     from oscar.validate.engine import check_engine, resolve_device
@@ -53,6 +58,7 @@ def _validate_tune(args) -> int:
 
 
 def _validate_widths(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.kernels.memory import artifact_bits_per_element
     from oscar.stats.artifact import load_artifact, save_artifact
     from oscar.validate.env import load_model
@@ -105,15 +111,12 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "SmolLM2 on 2 CPUs); copy = measured layer by layer (`oscar validate widths`, ~35 min); none = "
                         "the tuned fit (split keys)")
     r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
-    from oscar.validate.tune import OBJECTIVES
-
-    r.add_argument("--tune-objective", default="nll", choices=OBJECTIVES,
+    r.add_argument("--tune-objective", default="nll", choices=TUNE_OBJECTIVES,
                    help="what the key-clip tune minimises (`oscar validate tune --objective`; default %(default)s)")
     r.add_argument("--tasks", default="niah_single_1,niah_single_2",
                    help="RULER tasks of the needle stage (`oscar validate niah --tasks`): a comma list, or 'all' "
                         "(every task the inputs allow: qa_1 / qa_2 only with --squad / --hotpotqa; the others skipped "
                         "are named on stderr and in the report)")
-    from oscar.validate.cli import _qa_args
 
     _qa_args(r)
     r.add_argument("--niah-protocol", default="serving", choices=("serving", "strict"),
@@ -123,8 +126,6 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help="model compute dtype for NIAH, perplexity and the attention capture: auto (default: bfloat16 "
                         "on CUDA and on CPUs that multiply it natively, AVX-512 BF16 or AMX; float32 on other CPUs, "
                         "where bfloat16 runs ~6x slower), bfloat16 (serving precision) or float32 (steadier digits)")
-    from oscar.validate.engine import DEFAULT_ENGINE, ENGINE_HELP, ENGINES
-
     add_device(r)
     r.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES,
                    help=ENGINE_HELP + "; for the tune, needle, perplexity and attention stages")
@@ -134,6 +135,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.run import RunConfig, run_main
     from oscar.validate.methods import parse_methods
 
@@ -170,10 +172,7 @@ def _register_ablate(sub) -> None:
 
 
 def _ablate(args: argparse.Namespace) -> int:
-    import dataclasses
-    import os
-
-    from oscar.common import OscarError
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.reports.ablation import build_report
     from oscar.validate.ablation.ablate import AblationConfig, run_ablation
     from oscar.validate.ablation.regimes import RegimeConfig

@@ -28,6 +28,16 @@ from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
 
 DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)  # --methods' default, as typed on the command line
+# The formats `oscar export` writes and `oscar import` reads (stats/interop.py), named here so their CLI lists
+# them without importing the converters (torch).
+EXPORT_FORMATS = ("sglang-oscar", "gguf-rot")
+# --engine (validate/engine.py runs them), named here so `oscar validate ... --help` lists them without importing torch.
+# validate/engine.py still defines its own copies; tests/test_cli_consistency.py checks they agree.
+ENGINES = ("simulate", "cache")
+DEFAULT_ENGINE = "simulate"  # faster on CPU (several methods batched): docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md
+ENGINE_HELP = ("execution engine: simulate (default: the fake-quant simulator, several methods and samples "
+               "batched) or cache (the product path: OscarCache and the kernel dispatcher, prefill then decode; "
+               "docs/validation.md, 'Engines')")
 DEFAULT_DEVICE = "cpu"
 
 MODEL_HELP = "model preset, HF directory or .gguf file"

@@ -8,6 +8,8 @@ import json
 import math
 import os
 import re
+import tempfile
+import time
 from typing import Any
 
 
@@ -52,6 +54,7 @@ def silence_progress() -> None:
     os.environ["TQDM_DISABLE"] = "1"  # tqdm >= 4.66 reads TQDM_<param> as the default of each parameter
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     try:
+        # late: keeps transformers (1.1 s) out of `oscar --help`
         from transformers.utils import logging as hf_logging
     except ImportError:
         return
@@ -60,6 +63,7 @@ def silence_progress() -> None:
 
 def set_threads(n: int | None = None) -> int:
     """Pin torch's intra-op threads (default: `default_threads()`, or $OSCAR_THREADS)."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
     import torch
 
     n = n or int(os.environ.get("OSCAR_THREADS", "0")) or default_threads()
@@ -93,8 +97,6 @@ def _cpu_busy(window_s: float) -> float | None:
         return sum(v), v[3] + (v[4] if len(v) > 4 else 0)  # total, idle + iowait (jiffies)
 
     try:
-        import time
-
         (t0, i0), c0, w0 = stat(), os.times(), time.monotonic()
         time.sleep(window_s)
         (t1, i1), c1, w1 = stat(), os.times(), time.monotonic()
@@ -411,8 +413,6 @@ def _probe_writable(d: str) -> str | None:
     """Why no file can be created in existing directory `d` (None: one can). `os.access` is not enough: root is
     granted W_OK on /proc, /sys and read-only mounts, where creating a file then fails. So create a uniquely named
     empty file in `d` and remove it at once."""
-    import tempfile
-
     try:
         fd, tmp = tempfile.mkstemp(prefix=".oscar-write-probe-", dir=d)
     except OSError as e:

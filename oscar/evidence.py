@@ -22,8 +22,10 @@ import math
 import os
 
 import numpy as np
+import pandas as pd
 
 from oscar import intervals as iv
+from oscar.intervals import holm
 
 GOAL_RATIO = 1.25  # oscar-int2 strict ppl <= 1.25x bf16 ...
 GOAL_BITS = 2.5  # ... at <= 2.5 bits per element
@@ -114,7 +116,6 @@ def niah_stats(done: dict) -> list[dict]:
             r.update(diff_vs_bf16=float("nan"), diff_ci_low=float("nan"), diff_ci_high=float("nan"), paired=0,
                      p_vs_bf16=float("nan"))
         rows.append(r)
-    from oscar.intervals import holm
 
     tested = [i for i, r in enumerate(rows) if r["p_vs_bf16"] == r["p_vs_bf16"]]
     adj = holm([rows[i]["p_vs_bf16"] for i in tested]) if tested else []
@@ -128,8 +129,6 @@ def niah_stats(done: dict) -> list[dict]:
 def interval_columns(res, done: dict | None):
     """results.parquet with the interval columns: from the per-sample lines when there are any,
     else Wilson from (score, samples) of 0/1 cells (results written before the columns existed)."""
-    import pandas as pd
-
     res = res.copy()
     if done:
         st = pd.DataFrame(niah_stats(done)).drop(columns=["samples", "score"])

@@ -59,6 +59,7 @@ def compute_dtype(dtype: str = "auto", device: str = "cpu") -> str:
 
 def info() -> dict:
     """What run.json and the benchmarks record of the host."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
     import torch  # a local import: the CLI's argument checks use this module before torch is needed
 
     model, flags = _cpuinfo()

@@ -21,8 +21,10 @@ Every random draw uses a fixed seed: the same files give the same report.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
+from scipy.stats import norm, t
 
 Z95 = 1.959963984540054
 PASS, MISSED, UNRESOLVED = "PASS", "MISSED", "UNRESOLVED"
@@ -31,8 +33,6 @@ SEED = 0
 
 
 def _z(level: float) -> float:
-    from statistics import NormalDist
-
     return NormalDist().inv_cdf(0.5 + level / 2)
 
 
@@ -145,7 +145,6 @@ def ratio_bootstrap(nll_a, nll_b, count, level: float = 0.95, b: int = BOOT, see
     r = float(math.exp((na.sum() - nb.sum()) / cnt.sum())) if n else float("nan")
     if n < 2:
         return r, float("nan"), float("nan")
-    from scipy.stats import norm, t
 
     idx = _boot_idx(n, b, seed)  # (b, n)
     lr = ((na - nb)[idx].sum(1)) / cnt[idx].sum(1)  # (b,) log ratio per resample

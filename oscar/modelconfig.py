@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
 from oscar.common import OscarError, file_fingerprint
 from oscar.defaults import EMBEDDED_MODEL
 
@@ -170,8 +172,6 @@ def parse_spec(spec: str, seed: int | None = None) -> tuple[str, int | None]:
 
 
 def preset_config(name: str, seed: int = DEFAULT_SEED):
-    from transformers import AutoConfig
-
     name = known_name(name) or name
     if name not in PRESETS:
         raise OscarError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
@@ -193,8 +193,6 @@ def _file_sha_memo(path: str, size: int, mtime_ns: int) -> str:
 def read_config(path: str):
     """The transformers config in a model directory, a config.json, another JSON model config
     (e.g. cluster/configs/glm-4.7.json) or a .gguf file's metadata; OscarError if none is readable."""
-    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
-
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
         raise OscarError(f"no model config at {path}: no such file or directory")

@@ -25,6 +25,8 @@ import re
 
 import numpy as np
 
+from oscar.evidence import score_interval
+
 # RULER's task order (scripts/synthetic.yaml): the columns of summary.csv and the rows of the report.
 RULER_ORDER = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
@@ -89,8 +91,6 @@ def mean_over(strata: list[dict], level: float = 0.95, boot: int = 2000, seed: i
     The interval: with the same number of samples in every cell the mean over cells is the mean of the pooled
     samples, and its interval is that of one cell (oscar.evidence.score_interval: Wilson for 0/1 scores,
     bootstrap otherwise); with unequal counts, a percentile bootstrap resampling each cell's samples on its own."""
-    from oscar.evidence import score_interval
-
     if not strata:
         return float("nan"), float("nan"), float("nan")
     est = float(np.mean([task_score(c) for c in strata]))

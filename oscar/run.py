@@ -20,13 +20,31 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-from oscar.defaults import EMBEDDED_MODEL
-from oscar.host import describe, info as host_info
+from oscar.cluster.jobs import driver_config
+from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+from oscar.common import OscarError, file_fingerprint, fingerprint, parse_token_count
 from oscar.defaults import DEFAULT_METHODS
+from oscar.defaults import EMBEDDED_MODEL
+from oscar.host import compute_dtype, describe, info as host_info
+from oscar import native_build
+from oscar.kernels import cpu_attention
+from oscar.kernels.memory import artifact_bits_per_element
+from oscar.pipeline import native
+from oscar.pipeline.calibrate import CalibConfig, calibrate
+from oscar.reports.build import build_report
+from oscar.reports.calibration import calibration_section, widths_section
+from oscar.stats.artifact import load_artifact, save_artifact
+from oscar.stats.fit import FitConfig, fit
+from oscar.validate.attention import AttnConfig, run_attention
+from oscar.validate.engine import check_engine, resolve_device
+from oscar.validate.env import load_model
 from oscar.validate.methods import PROTOCOL_VERSION
-from oscar.common import OscarError, file_fingerprint, fingerprint
+from oscar.validate.niah import NiahConfig, run_niah
+from oscar.validate.ppl import PplConfig, run_ppl
+from oscar.validate.ruler import load_qa, resolve_tasks, skipped_line
+from oscar.validate.tune import StaleLog, TuneConfig, copy_widths_artifact, tune_key_clip
 
 # --widths: none; copy = the copy probe measured (2L + 1 forwards); gradient = the same to first order (a forward and
 # backward per window: validate.tune.layer_copy_gradients)
@@ -111,8 +129,6 @@ class RunConfig:
     def _check_sizes(self) -> None:
         """Sizes and length lists checked before any stage runs (a `run:` job config reaches here unparsed by argparse):
         lengths may be written as tokens or k-units ("4k"); every size must be at least 1."""
-        from oscar.common import parse_token_count
-
         for name in ("lengths", "ppl_contexts", "attn_lengths"):
             v = getattr(self, name)
             if isinstance(v, (str, int)):
@@ -137,8 +153,6 @@ class RunConfig:
     @property
     def compute_dtype(self) -> str:
         """`dtype` as this host runs it (oscar.host.compute_dtype)."""
-        from oscar.host import compute_dtype
-
         return compute_dtype(self.dtype, self.device)
 
     @property
@@ -173,12 +187,10 @@ class RunConfig:
         if self.widths != "none" and self.variant == "split":
             raise OscarError(f"oscar run: --widths {self.widths} chooses per-layer key widths on a one-group fit; --variant "
                              f"{self.variant} already splits the keys (use --variant scaled, the default with --widths)")
-        from oscar.validate.tune import TuneConfig
 
         TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
         if isinstance(self.tasks, str):
             self.tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
-        from oscar.validate.ruler import load_qa, resolve_tasks
 
         # unknown tasks, a QA task without its file and a malformed QA file fail here too, not after calibration
         self.skipped_tasks = resolve_tasks(self.tasks, load_qa(self.squad, self.hotpotqa))[1]  # not a field
@@ -224,16 +236,10 @@ class Stages:
 
 
 def _calibrate(cfg: RunConfig, store: str) -> dict:
-    from oscar.kernels import cpu_attention
-    from oscar.pipeline.calibrate import CalibConfig, calibrate
-
-    cpu_attention.register()  # the capture's attention: the native CPU kernel (pipeline/capture.native_attention)
-
     cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
                      positions=cfg.calib_positions, **(cfg.calibrate or {}))
+    cpu_attention.register()  # the capture's attention: the native CPU kernel (pipeline/capture.native_attention)
     if cfg.ray:
-        from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
-
         _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
         clu = {"stages": 1, "replicas": 1, "cpus_per_stage": float(os.cpu_count() or 1), **(cfg.cluster or {})}
         rep = calibrate_on_ray(cc, ClusterConfig(**clu), address="auto", progress=cfg.progress)
@@ -274,16 +280,12 @@ class _Job:
 
     def model(self):
         if not self.loaded:
-            from oscar.validate.env import load_model
-
             self.loaded.append(load_model(self.cfg.model))
         return self.loaded[0]
 
 
 def _save(art, path: str) -> None:
     """The artifact written whole or not at all (a re-run never reads a half-written one)."""
-    from oscar.stats.artifact import save_artifact
-
     tmp = path + ".tmp"
     save_artifact(art, tmp)
     os.replace(tmp, path)
@@ -302,8 +304,6 @@ def _stage_calibrate(job: _Job) -> str:
 def _stage_fit(job: _Job, fp_cal: str) -> None:
     """2. fit -> DIR/artifact.fit.safetensors."""
     def do_fit() -> None:
-        from oscar.stats.fit import FitConfig, fit
-
         _save(fit(job.store, FitConfig(variant=job.cfg.variant, progress=job.cfg.progress)), job.fit_path)
 
     job.st.run("fit", "fit", fingerprint({"cal": fp_cal, "fit": job.cfg.variant}), [job.fit_path], do_fit)
@@ -312,17 +312,12 @@ def _stage_fit(job: _Job, fp_cal: str) -> None:
 def _stage_tune(job: _Job) -> None:
     """3. key clip tuned end to end on calibration text -> DIR/artifact.safetensors (+ the report's
     calibration section in DIR/calibration/)."""
-    from oscar.validate.tune import TuneConfig, tune_key_clip
-
     cfg = job.cfg
     tcfg = TuneConfig(corpus=cfg.corpus, objective=cfg.tune_objective)
     fp_t = fingerprint({"fit": file_fingerprint(job.fit_path), "tune": asdict(tcfg) if cfg.tune else None,
                         "protocols": PROTOCOL_VERSION, **({"engine": cfg.engine} if cfg.engine != "simulate" else {})})
 
     def do_tune() -> dict | None:
-        from oscar.reports.calibration import calibration_section
-        from oscar.stats.artifact import load_artifact
-
         art, rec = load_artifact(job.fit_path), None
         if cfg.tune:
             m, tok, _ = job.model()
@@ -349,10 +344,6 @@ def _stage_widths(job: _Job) -> None:
                         "length": cfg.widths_length, "corpus": cfg.corpus, "protocols": PROTOCOL_VERSION})
 
     def do_widths() -> dict:
-        from oscar.kernels.memory import artifact_bits_per_element
-        from oscar.stats.artifact import load_artifact
-        from oscar.validate.tune import StaleLog, TuneConfig, copy_widths_artifact
-
         m, tok, _ = job.model()
         tcfg = TuneConfig(corpus=cfg.corpus, copy_windows=cfg.widths_windows, copy_length=cfg.widths_length)
         log = os.path.join(job.dir, f"widths.{'probes' if cfg.widths == 'copy' else 'gradients'}.jsonl")
@@ -365,7 +356,6 @@ def _stage_widths(job: _Job) -> None:
             out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg, log=log, progress=cfg.progress,
                                           estimate="probe" if cfg.widths == "copy" else "gradient")
         _save(out, job.art_path)
-        from oscar.reports.calibration import widths_section
 
         widths_section(job.art_path, os.path.join(job.dir, "calibration"))  # the report's plot of the probe
         wide = {l: out.quant_for(l).bits + out.quant_for(l).key_top for l in range(out.num_layers) if out.quant_for(l).key_split}
@@ -380,10 +370,6 @@ def _stage_widths(job: _Job) -> None:
 def _stage_validate(job: _Job) -> None:
     """4.-6. NIAH (resumable per sample), perplexity (resumable per window), attention-level retrieval on
     captured q/k/v; each keyed on the tuned artifact's bytes."""
-    from oscar.validate.attention import AttnConfig, run_attention
-    from oscar.validate.niah import NiahConfig, run_niah
-    from oscar.validate.ppl import PplConfig, run_ppl
-
     cfg, d, art_path = job.cfg, job.dir, job.art_path
     art_fp = file_fingerprint(art_path)
 
@@ -418,10 +404,6 @@ def _stage_validate(job: _Job) -> None:
 def native_paths() -> dict:
     """Each native CPU kernel's verdict on this host (pipeline/native.py, kernels/cpu_attention.py: built, measured
     against torch by oscar/native_build.py), for run.json."""
-    from oscar import native_build
-    from oscar.kernels import cpu_attention
-    from oscar.pipeline import native
-
     out = {}
     for name, ok, why in (("moments", native.chosen, lambda: native.WHY_NOT),
                           ("flash_cpu", cpu_attention.chosen, lambda: cpu_attention.WHY_NOT)):
@@ -432,8 +414,6 @@ def native_paths() -> dict:
 
 def _stage_report(job: _Job, seconds: float) -> dict:
     """7. DIR/run.json, then the report (always rebuilt: cheap, reads files only); returns run.json's content."""
-    from oscar.reports.build import build_report
-
     cfg, d, st = job.cfg, job.dir, job.st
     hinfo = host_info()
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
@@ -458,8 +438,6 @@ def _stage_report(job: _Job, seconds: float) -> dict:
 
 def run_main(cfg: RunConfig) -> dict:
     """Run (or resume) the main job in cfg.out; returns what DIR/run.json records."""
-    from oscar.validate.engine import check_engine, resolve_device
-
     check_engine(cfg.engine)
     resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
     t_all = time.time()
@@ -467,8 +445,6 @@ def run_main(cfg: RunConfig) -> dict:
     job = _Job(cfg, Stages(cfg.out))
     _say(f"output in {cfg.out}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
     if getattr(cfg, "skipped_tasks", None):
-        from oscar.validate.ruler import skipped_line
-
         print(skipped_line(cfg.skipped_tasks), file=sys.stderr, flush=True)
     fp_cal = _stage_calibrate(job)
     _stage_fit(job, fp_cal)
@@ -486,10 +462,6 @@ RUN_OWNS_CALIBRATE = ("model", "corpus", "store", "seq_len", "positions", "token
 
 def check_run_section(run: dict, where: str = "job config") -> RunConfig:
     """The `run:` section of a job config (cluster/jobs.py shapes it) as a RunConfig, or a clear error."""
-    from dataclasses import fields
-
-    from oscar.pipeline.calibrate import CalibConfig
-
     names = {f.name for f in fields(RunConfig) if f.init} - {"ray", "progress", "cluster"}
     bad = set(run) - names
     if bad:
@@ -510,8 +482,6 @@ def job_main(argv: list[str] | None = None) -> int:
     by `oscar submit`, or a file). The whole run of one model in this driver (on the GPU the submission asked
     for): calibration on the job's Ray cluster with its `cluster:` section, then fit, tune, validation and report
     into run.out. Re-running skips finished stages and scores only the samples and windows `out` lacks."""
-    from oscar.cluster.jobs import driver_config
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = driver_config(argv)

@@ -14,9 +14,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from oscar.common import OscarError, set_threads
+from oscar.constraints import check_model
 from oscar.defaults import EMBEDDED_MODEL, SINK
+from oscar.pipeline import capture as C
+from oscar.pipeline.corpus import load_corpus, make_blocks
+from oscar.pipeline.models import checkpoint_quantization, load_config, load_info, load_model, load_tokenizer
+from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock, reduce
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -133,8 +140,6 @@ def store_offsets(meta) -> np.ndarray:
 
 
 def _sync(device) -> None:
-    import torch
-
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.synchronize(device)
 
@@ -146,11 +151,6 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     The caller holds the WriterLock for `layers`. Tokens, mask, sink, reservoir size and seed
     all come from the store, so a resumed run cannot drift from the one that created it.
     """
-    import torch
-
-    from oscar.pipeline import capture as C
-    from oscar.pipeline.store import reduce
-
     meta = store.meta
     m = meta.model
     layers = tuple(range(m["num_layers"])) if layers is None else tuple(layers)
@@ -253,8 +253,6 @@ class _Progress:
         self.enabled = enabled
         if not enabled:
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
 
         self.p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                           TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -282,8 +280,6 @@ class _Progress:
 
 
 def _torch_dtype(name: str):
-    import torch
-
     return getattr(torch, name)
 
 
@@ -293,10 +289,6 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     Shared by the single-process path and the Ray driver (which must not hold the
     model). Returns (store metadata, ModelInfo); the store's lock is released.
     """
-    from oscar.pipeline.corpus import load_corpus, make_blocks
-    from oscar.pipeline.models import load_info, load_tokenizer
-    from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock
-
     corpus = load_corpus(cfg.corpus)
     if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
@@ -327,9 +319,6 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
 def check_servable(info) -> None:
     """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack)
     or no loader reads (a quantized checkpoint other than block FP8): before weights, in the Ray driver too."""
-    from oscar.constraints import check_model
-    from oscar.pipeline.models import checkpoint_quantization, load_config
-
     config = load_config(info.source)
     check_model(config, info.head_dim, what=f"model {info.name!r}")
     checkpoint_quantization(config, os.path.join(info.source, "config.json"))
@@ -337,9 +326,6 @@ def check_servable(info) -> None:
 
 def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
-    from oscar.pipeline.models import load_info, load_model
-    from oscar.pipeline.store import CalibStore, WriterLock
-
     check_servable(load_info(cfg.model))  # before loading weights or reading the corpus
     set_threads(cfg.threads)
     model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,

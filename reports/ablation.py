@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from cycler import cycler
 
 from oscar.reports.plots import panels, pyplot, save
 
@@ -300,8 +301,6 @@ def _geometry(a: _Results) -> list[str]:
 
 def build_report(dir: str) -> str:
     """DIR/report.md (and its PNGs) from the ablation's tables in DIR; returns the report's path."""
-    from cycler import cycler
-
     plt = pyplot()
 
     # more schemes than tab10 colours: pair 20 colours with markers so no two lines look alike

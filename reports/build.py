@@ -21,8 +21,15 @@ import os
 import re
 from dataclasses import dataclass
 
+import pandas as pd
+
+from oscar import evidence as ev, ruler_outputs as ro
 from oscar.common import OscarError
+from oscar.evidence import ACCURACY_GOALS, MIN_BLOCKS, SEGMENT, needle_goal, niah_check, ppl_pair_check, score_interval
+from oscar.intervals import wilson
+from oscar.reports import ablation
 from oscar.reports.plots import panels, save
+from oscar.ruler_outputs import task_order
 
 METHOD_ORDER = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"]
 
@@ -116,8 +123,6 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
     at 1 - 0.05/m over the m cells for MISSED. With `model` one with an accuracy goal (oscar.evidence.ACCURACY_GOALS),
     also that goal: its needle rule (tasks pooled per length, the run's samples) and its perplexity limits
     (oscar-int2 vs bf16, strict and serving)."""
-    from oscar.evidence import ACCURACY_GOALS, needle_goal, niah_check, ppl_pair_check
-
     out = []
     goal = ACCURACY_GOALS.get(model or "")
     if res is not None and len(res):
@@ -303,8 +308,6 @@ def _plot_attention(att, path: str) -> str | None:
 
 
 def _read(d: str, name: str):
-    import pandas as pd
-
     p = os.path.join(d, name)
     return pd.read_parquet(p) if os.path.exists(p) else None
 
@@ -328,9 +331,6 @@ def _cell(est: float, lo: float, hi: float) -> str:
 
 def _avg_over_tasks(r, done: dict | None, method: str, length: int) -> tuple[float, float, float]:
     """Score of `method` at `length` pooled over the tasks' samples, with its 95 % interval."""
-    from oscar.evidence import score_interval
-    from oscar.intervals import wilson
-
     d = r[(r.method == method) & (r.length == length)]
     if not len(d):
         return float("nan"), float("nan"), float("nan")
@@ -366,8 +366,6 @@ def ruler_main_table(r, done: dict | None, methods=None) -> tuple[list[str], lis
     scores (%) with its 95 % interval, then the mean over every (task, length) cell. From the per-sample rows
     (oscar/ruler_outputs.py: the rows summary.csv and results.json are written from); without them, from
     results.parquet (pooled Wilson interval)."""
-    from oscar import ruler_outputs as ro
-
     lengths = sorted(int(L) for L in r.length.unique())
     cs = ro.cells({k: v for k, v in done.items() if k[0] in set(r.task)}) if done else None
     rows = []
@@ -396,8 +394,6 @@ def _span(samples) -> str:
 
 def _ruler_protocol_notes(r, cfg: dict) -> list[str]:
     """Where this protocol differs from RULER's, and what was skipped: said beside the table people compare."""
-    from oscar.ruler_outputs import task_order
-
     c = cfg.get("config") or {}
     per = _span(r.samples)
     tasks = list(task_order(r.task))
@@ -435,7 +431,6 @@ def _ruler_section(res, figdir: str, done: dict | None = None) -> list[str]:
         skipped = [f"Skipped: {t} — {why}." for t, why in (cfg.get("skipped_tasks") or {}).items()]
         return ["## RULER-style tasks", "", "No NIAH results in this directory (`oscar validate niah`).", "",
                 *(skipped + [""] if skipped else [])]
-    from oscar.ruler_outputs import task_order
 
     r = res[res.suite == "ruler"]
     proto = ", ".join(sorted(set(r.protocol))) if "protocol" in r else "strict"
@@ -533,8 +528,6 @@ def _steps_section(info: dict) -> list[str]:
 
 def _ratio_cell(x) -> str:
     """'1.16× [1.13–1.19]' with † when the interval rests on fewer than 8 blocks."""
-    from oscar.evidence import MIN_BLOCKS
-
     if "ratio" not in x or x.ratio != x.ratio:
         return f"{x.ratio_vs_bf16:.2f}×" if "ratio_vs_bf16" in x and x.ratio_vs_bf16 == x.ratio_vs_bf16 else "—"
     few = "†" if x.method != "bf16" and int(x.blocks) < MIN_BLOCKS else ""
@@ -560,8 +553,6 @@ def ppl_ratio_table(ppl, methods=None) -> tuple[list[str], list[list]]:
 
 
 def _few_blocks_note(ppl) -> str:
-    from oscar.evidence import MIN_BLOCKS, SEGMENT
-
     if "blocks" not in ppl:
         return "No intervals: these results predate per-window intervals."
     few = ppl[(ppl.method != "bf16") & (ppl.blocks < MIN_BLOCKS)]
@@ -700,7 +691,6 @@ def _ablation_section(d: str) -> list[str]:
     adir = os.path.join(d, "ablation")
     if not os.path.isdir(adir):
         return []
-    from oscar.reports import ablation
 
     if os.path.exists(os.path.join(adir, "ablation.parquet")):
         try:
@@ -803,10 +793,6 @@ class Results:
 
 
 def load_results(d: str) -> Results:
-    import pandas as pd
-
-    from oscar import evidence as ev
-
     def js(name):
         p = os.path.join(d, name)
         return json.load(open(p)) if os.path.exists(p) else None

@@ -12,19 +12,16 @@ import os
 from typing import Any
 
 import numpy as np
+import safetensors
+import zarr
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from oscar.artifact_header import read_metadata
+from oscar.common import OscarError
+from oscar.reports.plots import pyplot
 
 
 def _spectra_plot(eigs: list[np.ndarray], title: str, path: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     L = len(eigs)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     cmap = plt.get_cmap("viridis")
@@ -41,7 +38,7 @@ def _spectra_plot(eigs: list[np.ndarray], title: str, path: str) -> None:
 
 
 def _heat(mat: np.ndarray, title: str, label: str, path: str, cmap: str = "viridis", vmin=None, vmax=None) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 1.2 + 0.25 * mat.shape[0]))
     im = ax.imshow(mat, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     ax.set(xlabel="layer", ylabel="KV head", title=title)
@@ -52,7 +49,7 @@ def _heat(mat: np.ndarray, title: str, label: str, path: str, cmap: str = "virid
 
 
 def _clip_plot(ck: np.ndarray, cv: np.ndarray, mode: str, path: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     L = ck.shape[0]
     series = [(ck, "K"), (cv, "V")]
@@ -72,25 +69,18 @@ def _clip_plot(ck: np.ndarray, cv: np.ndarray, mode: str, path: str) -> None:
 def calibration_section(artifact_path: str, store_path: str | None, out_dir: str) -> dict[str, Any]:
     """Write plots and `calibration.json` / `calibration.md` into out_dir; return the summary dict
     ({"markdown", "json", "figures": [paths], "summary": {...}})."""
-    from safetensors import safe_open
-
-    from oscar.artifact_header import read_metadata  # the one header reader (a leaf: reports import no stage)
-    from oscar.common import OscarError
-
     os.makedirs(out_dir, exist_ok=True)
     meta = read_metadata(artifact_path)
     layers = meta.get("layers")
     if not layers:
         raise OscarError(f"{artifact_path}: artifact has no fit metadata (not produced by `oscar fit`)")
-    with safe_open(artifact_path, "np") as f:
+    with safetensors.safe_open(artifact_path, "np") as f:
         keys = set(f.keys())
         L = len(layers)
         eig_k = [f.get_tensor(f"layers.{l}.eig_k") for l in range(L) if f"layers.{l}.eig_k" in keys]
         eig_v = [f.get_tensor(f"layers.{l}.eig_v") for l in range(L) if f"layers.{l}.eig_v" in keys]
     store_attrs = {}
     if store_path:
-        import zarr
-
         store_attrs = dict(zarr.open_group(store_path, mode="r").attrs)
 
     figs = []
@@ -180,9 +170,6 @@ def widths_section(artifact_path: str, out_dir: str) -> str:
     """`oscar run --widths copy`'s report fragment: each layer's copy-probe NLL change at 3- and 4-bit keys (every other
     layer at 2) and the widths the DP chose, a plot and a table, into out_dir/widths.{md,png}; returns the .md path.
     Reads the artifact's header only (`layer_widths`, `layer_quant`)."""
-    from oscar.artifact_header import read_metadata
-    from oscar.common import OscarError
-
     meta = read_metadata(artifact_path)
     rec = meta.get("layer_widths") or {}
     err, widths = rec.get("copy_err"), rec.get("widths")
@@ -193,7 +180,7 @@ def widths_section(artifact_path: str, out_dir: str) -> str:
     kb = np.array([int(w[0]) for w in widths])
     L = len(kb)
     os.makedirs(out_dir, exist_ok=True)
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.2, 3.6))
     x = np.arange(L)
     ax.bar(x - 0.2, e[:, 1], 0.4, label="layer alone at 3-bit keys", color="tab:blue")

@@ -17,11 +17,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _report(args) -> int:
+    # late: keeps scipy (1.3 s) out of `oscar --help`
     from oscar.reports.build import build_report
 
     r = build_report(args.dir, title=args.title)
     print(f"wrote {r.md_path} and {r.html_path}")
     if args.readme:
+        # late: keeps scipy (1.3 s) out of `oscar --help`
         from oscar.reports.readme import rewrite_readme
 
         changed = rewrite_readme(args.readme, args.dir, f"oscar report {args.dir} --readme {args.readme}")

@@ -7,9 +7,11 @@ import math
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (reports are built headless, on clusters too)."""
+    # late: pyplot (0.8 s) loads after the Agg backend is chosen, and only when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # late: pyplot (0.8 s) loads after the Agg backend is chosen, and only when a figure is drawn
     import matplotlib.pyplot as plt
 
     return plt

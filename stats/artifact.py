@@ -17,14 +17,20 @@ and JSON metadata under the safetensors header key ``oscar``.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+import safetensors
 import torch
+from safetensors.torch import load_file, save_file
 
 from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_L, ARTIFACT_FORMAT_Q, read_metadata
 from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
+from oscar.constraints import quant_problems
 from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
 from oscar.quant import QuantSpec, parts_bits_per_element
 
@@ -241,9 +247,6 @@ class Artifact:
         (`config._name_or_path`). allow_weights_mismatch (default: `oscar --allow-weights-mismatch`,
         $OSCAR_ALLOW_WEIGHTS_MISMATCH): accept other weights of the same config, with a warning.
         """
-        import os
-        import sys
-
         shapes = attention_shapes(config)
         mine = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
         bad = {k: (v, shapes[k]) for k, v in mine.items() if shapes[k] != v}
@@ -281,8 +284,6 @@ def layout_differences(base: QuantConfig, q: QuantConfig) -> list[str]:
 def check_layer_quant(base: QuantConfig, layers: list[QuantConfig], num_layers: int, head_dim: int) -> None:
     """Refuse per-layer formats that do not share the model's layout (sink, window, page, grid kind): only the
     key format and the scale/zero dtypes (LAYER_QUANT_FIELDS) may differ between layers."""
-    from oscar.constraints import quant_problems
-
     if len(layers) != num_layers:
         raise OscarError(f"artifact: layer_quant has {len(layers)} entries for {num_layers} layers")
     for l, q in enumerate(layers):
@@ -298,8 +299,6 @@ def check_layer_quant(base: QuantConfig, layers: list[QuantConfig], num_layers: 
 
 
 def save_artifact(art: Artifact, path: str) -> None:
-    from safetensors.torch import save_file
-
     art.validate()
     tensors: dict[str, torch.Tensor] = {}
     for l in range(art.num_layers):
@@ -323,8 +322,6 @@ def save_artifact(art: Artifact, path: str) -> None:
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """CRC-32 of a tensor's bytes as safetensors stores them (C order, little endian)."""
-    import zlib
-
     return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
 
 
@@ -349,8 +346,6 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(key: str, msg: str) -> None:
-    import sys
-
     if key not in _WARNED:
         _WARNED.add(key)
         print(msg, file=sys.stderr)
@@ -358,8 +353,6 @@ def _warn_once(key: str, msg: str) -> None:
 
 def _check_writable(path: str) -> None:
     """An output path the artifact can be written to (checked before work by the CLIs, again here)."""
-    import os
-
     d = os.path.dirname(os.path.abspath(path)) or "."
     if os.path.isdir(path):
         raise OscarError(f"--out {path} is a directory; give a .safetensors file path")
@@ -370,8 +363,6 @@ def _check_writable(path: str) -> None:
 
 
 def load_artifact(path: str, device: str | torch.device = "cpu") -> Artifact:
-    from safetensors.torch import load_file
-
     meta = read_metadata(path)
     try:
         t = load_file(path, device="cpu")
@@ -434,10 +425,8 @@ def identity_artifact(config: Any, quant: QuantConfig | None = None, clip: float
 
 def describe(path: str) -> str:
     """Human-readable summary of an artifact (`oscar inspect ARTIFACT`): metadata and tensors."""
-    from safetensors import safe_open
-
     meta = read_metadata(path)
-    with safe_open(path, "pt") as f:
+    with safetensors.safe_open(path, "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         check_checksums(path, meta, {k: f.get_tensor(k) for k in f.keys()})  # refuse damaged tensor data
     m = meta.get("model", {})

@@ -1,17 +1,24 @@
-"""`oscar fit`, `oscar variants` and `oscar inspect` (a store or an artifact; export/import live in stats/interop.py)."""
+"""`oscar fit`, `oscar variants`, `oscar inspect` (a store or an artifact), `oscar export` and `oscar import`
+(the converters live in stats/interop.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
-from oscar.cli_options import add_out
-from oscar.common import int_between, nonneg_int, positive_int
+from oscar.cli_options import EXPORT_FORMATS, add_artifact, add_model, add_out
+from oscar.common import (
+    OscarError, attention_shapes, config_fingerprint, int_between, nonneg_int, positional_or_option, positive_int,
+)
 from oscar.defaults import RECENT, SINK
+from oscar.stats.rotations import VARIANTS
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import QuantConfig, save_artifact
     from oscar.stats.fit import FitConfig, fit
     from oscar.stats.reduce import ReduceConfig
@@ -21,7 +28,6 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     cfg = FitConfig(variant=args.variant, quant=quant, partial=args.partial, clip=not args.no_clip,
                     reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
                     fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
-    from oscar.common import positional_or_option
 
     art = fit(positional_or_option(args, "store", "--store"), cfg)
     save_artifact(art, args.out)
@@ -33,24 +39,22 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_variants(args: argparse.Namespace) -> int:
-    from oscar.stats.rotations import VARIANTS
-
     for v in VARIANTS.values():
         print(f"{v.name:18s} {v.doc}")
     return 0
 
 
 def _inspect(args) -> int:
-    from oscar.common import OscarError
-
     path = Path(args.path)
     if not path.exists():
         raise OscarError(f"{path} does not exist")
     if path.suffix == ".safetensors":
+        # late: keeps torch (2.1 s) out of `oscar --help`
         from oscar.stats.artifact import describe
 
         print(describe(str(path)))
         return 0
+    # late: keeps zarr (0.33 s) out of `oscar --help`
     from oscar.pipeline.store import format_summary, summarize
 
     s = summarize(path, top=args.top)
@@ -58,9 +62,83 @@ def _inspect(args) -> int:
     return 0
 
 
-def register(sub) -> None:
-    from oscar.stats.rotations import VARIANTS  # light: numpy + the registry
+def _cmd_export(args: argparse.Namespace) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.stats.artifact import load_artifact
+    from oscar.stats.interop import (
+        GGUF_EXT, SGLANG, SGLANG_EXT, embedded_gguf, export_gguf, export_sglang, unsupported_parts,
+    )
 
+    art = load_artifact(positional_or_option(args, "artifact", "--artifact"))
+    fv = args.format_version
+    ext = SGLANG_EXT if args.format == SGLANG else GGUF_EXT
+    if fv is not None and fv not in ((1, 2, SGLANG_EXT) if args.format == SGLANG else (1, GGUF_EXT)):
+        raise OscarError(f"--format-version {fv}: {args.format} has "
+                         + ("1, 2 and 3" if args.format == SGLANG else "1 and 2"))
+    lost = unsupported_parts(art)
+    if lost and art.rot_q is None and (fv or 1) != ext:  # the extension carries every part; rot_q: refused below
+        print(f"note: {args.format} version {fv or 'default'} carries rotations only; not exported: "
+              f"{', '.join(lost)} (--format-version {ext}: the oscar extension carries them)", file=sys.stderr)
+    if args.format == SGLANG:
+        for p in export_sglang(art, args.out, tag=args.tag, format_version=fv):
+            print(p)
+    else:
+        args.model_gguf = args.model_gguf or embedded_gguf()
+        os.makedirs(args.out, exist_ok=True)
+        out = os.path.join(args.out, os.path.basename(args.model_gguf).replace(".gguf", ".oscar-rot.gguf"))
+        print(export_gguf(art, args.model_gguf, out, format_version=fv))
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.modelconfig import load_model_config
+    from oscar.stats.artifact import save_artifact
+    from oscar.stats.interop import SGLANG, import_gguf, import_sglang
+    art = import_sglang(args.path, tag=args.tag, num_kv_heads=args.num_kv_heads) if args.format == SGLANG else import_gguf(args.path)
+    if args.model:
+        cfg = load_model_config(args.model)  # the config alone: same fingerprint as the resolved model's
+        art.meta["model"] = dict(attention_shapes(cfg), fingerprint=config_fingerprint(cfg), name=args.model)
+        art.check_model(cfg)
+    save_artifact(art, args.out)
+    print(args.out)
+    return 0
+
+
+def _register_interop(sub) -> None:
+    p = sub.add_parser("export", help="export an artifact for a serving engine (sglang-oscar, gguf-rot)",
+                       description="Write an artifact in a format a serving engine loads: the sglang-oscar .pt files "
+                                   "or a copy of a GGUF model with the rotations added (docs/interop.md). The plain "
+                                   "formats carry rotations only; the oscar extension carries the whole recipe.")
+    p.add_argument("artifact_pos", nargs="?", metavar="ARTIFACT", default=None,
+                   help="artifact .safetensors; the same as --artifact (the positional spelling scripts use)")
+    add_artifact(p, "artifact .safetensors to export; required, here or as ARTIFACT")
+    p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
+                   help="sglang-oscar ({k,v}_rotation_TAG.pt) or gguf-rot (GGUF model copy with rotation tensors)")
+    add_out(p, "output directory")
+    p.add_argument("--tag", default="oscar", help="file tag for sglang-oscar ({k,v}_rotation_TAG.pt)")
+    p.add_argument("--format-version", type=int, choices=(1, 2, 3), default=None,
+                   help="sglang-oscar: 1 = one rotation per layer, 2 = per KV head (the published fork's schema, "
+                        "rotations only), 3 = oscar extension (query transform, key mean, clips, quant config); "
+                        "gguf-rot: 1 = rotations only, 2 = oscar extension (default: the extension when the artifact "
+                        "has a query transform, which nothing else can carry, else the smallest rotation-only version)")
+    p.add_argument("--model-gguf", help="gguf-rot: the GGUF model file to copy (default: the embedded SmolLM2)")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("import", help="import rotations calibrated elsewhere into an artifact",
+                       description="Read sglang-oscar .pt files or a gguf-rot GGUF (plain or oscar extension) back into "
+                                   "an artifact that `oscar validate` and OscarCache load.")
+    p.add_argument("path", help="sglang-oscar directory or gguf-rot file")
+    p.add_argument("--format", choices=EXPORT_FORMATS, required=True, help="format of PATH: sglang-oscar or gguf-rot")
+    add_out(p, "artifact .safetensors to write")
+    p.add_argument("--tag", default=None, help="sglang-oscar file tag to read (default: the only {k,v}_rotation_*.pt pair)")
+    p.add_argument("--num-kv-heads", type=positive_int, default=None,
+                   help="KV heads to broadcast a per-layer (format_version 1) rotation to (default: none; v1 needs it)")
+    add_model(p, "record and check this model's fingerprint (default: no check)", default=None)
+    p.set_defaults(func=_cmd_import)
+
+
+def register(sub) -> None:
     p = sub.add_parser("fit", help="fit rotations and clip thresholds from a calibration store into an artifact",
                        description="Eigendecompose the store's accumulated statistics per layer and KV head, build the "
                                    "variant's rotations, search the clip thresholds for the cache format and write a "
@@ -111,3 +189,5 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print a store's summary as JSON (an artifact is always described as text)")
     p.add_argument("--top", type=positive_int, default=3, help="eigenvalues shown per layer (default 3)")
     p.set_defaults(func=_inspect)
+
+    _register_interop(sub)

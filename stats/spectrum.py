@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 def eigh_desc(C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Batched symmetric eigendecomposition (..., D, D) -> w (..., D) descending, U (..., D, D)."""
-    import torch  # LAPACK via torch: its thread count follows torch.set_num_threads (numpy's BLAS pool
     # cannot be limited without extra packages and oversubscribes badly on a shared machine)
 
     C = 0.5 * (np.asarray(C, dtype=np.float64) + np.swapaxes(C, -1, -2))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from oscar.quant import QuantSpec, fake_quant, fake_quant_parts
+from oscar.stats.clip import choose, refine
 from oscar.stats.rotations import importance_scales, mixer
 
 SPLIT_RULES = ("lambda", "lambda*sigma2")
@@ -87,8 +88,6 @@ def part_clips(kr: torch.Tensor, Cq: torch.Tensor, parts: Parts, ratios: np.ndar
 
     kr (H, N, D) rotated centred keys, Cq (H, D, D) rotated query second moment (float64).
     Returns (clip (H, parts) float32, err (H,))."""
-    from oscar.stats.clip import choose, refine
-
     den = ((kr @ Cq) * kr).sum((-1, -2)).clamp_min(1e-30)  # (H,)
 
     def err_of(e):  # e (H, N, D) error in the rotated space -> (H,) relative logit MSE

@@ -178,3 +178,13 @@ def test_variants_points_to_real_docs(capsys):
     assert main(["variants"]) == 0
     out = capsys.readouterr().out
     assert "DESIGN" not in out and "docs/reference-recipe.md" in out
+
+
+def test_help_loads_no_heavy_package():
+    """Building every command's parser (what `oscar --help` and `oscar X --help` do) imports no torch, transformers,
+    ray or the other packages a handler loads when it runs (docs/decisions/0089-imports-at-the-top-late-only-with-a-reason.md)."""
+    heavy = ("torch", "transformers", "ray", "triton", "accelerate", "pandas", "matplotlib", "scipy", "zarr")
+    code = ("import sys; import oscar.__main__ as m; m.build_parser(); "
+            f"print(' '.join(p for p in {heavy!r} if p in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"`oscar --help` imports {out}: import it in the handler, with a `# late:` line"

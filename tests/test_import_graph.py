@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import sys
 import tomllib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class Import:
     line: int
     kind: str     # "top" | "late" | "type"
     ours: bool
+    end: int = 0  # last line of the statement
 
 
 def packages(root: Path) -> dict[str, Path]:
@@ -116,7 +118,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[Import]:
     def add(target: str, node: ast.AST, kind: str):
         dst, ours = resolve(target)
         if dst != name:
-            out.append(Import(name, dst, node.lineno, kind, ours))
+            out.append(Import(name, dst, node.lineno, kind, ours, node.end_lineno))
 
     def visit(node: ast.AST, kind: str):
         if isinstance(node, ast.Import):
@@ -283,6 +285,77 @@ def test_validate_roles_finds_caches_and_writes(tmp_path):
         "validate/a.py:2 class L", "validate/a.py:4 class M", "validate/a.py:6 class C", "validate/b.py:2 class X",
         "validate/c.py:1 writes (imports save_artifact)", "validate/d.py:3 writes (artifact.save_artifact)",
         "validate/ablation/e.py:1 writes (imports save_file)"], validate_roles(root)
+# ----------------------------------------------------------------------------- late imports say why
+
+# Imports sit at the top of their module (docs/decisions/0089-imports-at-the-top-late-only-with-a-reason.md). An
+# import inside a function, of one of our modules or a third-party one, needs a reason on its own line just above it
+# or at the end of the statement: a comment starting `# late:` that says what it costs or which optional dependency
+# it waits for. Standard-library imports are not checked.
+LATE_REASON = "# late:"
+
+def _reason(lines: list[str], line: int, end: int) -> str:
+    """The `# late:` text on the line above the statement at lines [line, end], or in it ("" if none; end < line:
+    the line above only)."""
+    above = lines[line - 2].strip() if line >= 2 else ""
+    own = " ".join(lines[line - 1:end])
+    said = above if above.startswith(LATE_REASON) else own[own.find(LATE_REASON):] if LATE_REASON in own else ""
+    return said[len(LATE_REASON):].strip()
+
+
+def unexplained_late_imports(root: Path) -> dict[str, list[str]]:
+    """{module file: ["file:line imports X", ...]}: late imports of ours or third-party modules without a reason.
+    A reason above a run of import statements (one right after the other) covers the run."""
+    known = set(modules(root))
+    out: dict[str, list[str]] = {}
+    for name, path in modules(root).items():
+        rel = os.path.relpath(path, root)
+        lines = path.read_text().splitlines()
+        late = sorted({(i.line, i.end): i for i in imports(name, path, known) if i.kind == "late"}.values(),
+                      key=lambda i: i.line)
+        said, run, prev_end = {}, "", -1  # run: the reason above the current run of import statements
+        for i in late:
+            above = _reason(lines, i.line, i.line - 1) if i.line >= 2 else ""
+            run = above or (run if i.line == prev_end + 1 else "")
+            said[i.line], prev_end = run or _reason(lines, i.line, i.end), i.end
+        for imp in imports(name, path, known):
+            if imp.kind == "late" and (imp.ours or imp.dst not in sys.stdlib_module_names) and not said[imp.line]:
+                out.setdefault(rel, []).append(f"{rel}:{imp.line} imports {imp.dst}")
+    return out
+
+
+def test_late_imports_say_why():
+    found = unexplained_late_imports(ROOT)
+    bad = [w for f, ws in sorted(found.items()) for w in ws]
+    assert not bad, ("import at the top of the module, or say on the line above why it waits (`# late: ...`: an "
+                     "optional dependency, or a measured import cost on a path that must stay fast; "
+                     "docs/decisions/0089-imports-at-the-top-late-only-with-a-reason.md):\n  " + "\n  ".join(bad))
+
+
+def test_unexplained_late_imports_are_found(tmp_path):
+    root = _tree(tmp_path, {
+        "stats/fit.py": ("import numpy\nfrom oscar.stats import clip\n\n\n"
+                         "def f():\n    from oscar.stats import reduce\n"          # ours, no reason
+                         "    import torch\n"                                       # third party, no reason
+                         "    import json\n"                                        # standard library: not checked
+                         "    # late: optional dependency (triton)\n"
+                         "    import triton\n"                                      # the reason above
+                         "    import ray  # late: optional dependency (ray)\n"      # the reason on the line
+                         "    from oscar.stats import (  # late: keeps torch out of --help\n"
+                         "        split)\n"                                          # a statement over two lines
+                         "    # late:\n    import pandas\n"                         # no reason given
+                         "    # a plain comment\n    import zarr\n"                 # not a reason
+                         "    if TYPE_CHECKING:\n        from oscar.stats import spectrum\n"  # type only
+                         "    # late: keeps torch out of --help\n    import torch\n    from oscar.stats import clip\n"  # a run
+                         "\n    import safetensors\n"                                   # a blank line ends the run
+                         "    import pyarrow  # late: its own reason\n    import scipy\n"),  # ... not the next one's
+        "stats/clip.py": "", "stats/reduce.py": "", "stats/split.py": "", "stats/spectrum.py": "",
+        "kernels/paged.py": "def g():\n    from oscar.stats import clip\n",
+    })
+    found = unexplained_late_imports(root)
+    assert found == {"stats/fit.py": ["stats/fit.py:6 imports oscar.stats.reduce", "stats/fit.py:7 imports torch",
+                                      "stats/fit.py:15 imports pandas", "stats/fit.py:17 imports zarr",
+                                      "stats/fit.py:24 imports safetensors", "stats/fit.py:26 imports scipy"],
+                     "kernels/paged.py": ["kernels/paged.py:2 imports oscar.stats.clip"]}, found
 
 
 # ----------------------------------------------------------------------------- bench/ and lab/ stay outside

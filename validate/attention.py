@@ -36,12 +36,22 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import pandas as pd
 import torch
+from tqdm import tqdm
 
-from oscar.common import OscarError
-from oscar.defaults import SINK
-from oscar.pipeline.store import open_verified
+from oscar.common import OscarError, config_fingerprint, model_mismatch
 from oscar.defaults import DEFAULT_METHODS
+from oscar.defaults import SINK
+from oscar.kernels import cpu_attention
+from oscar.kernels.simulate import LayerQuant, Protocol
+from oscar.pipeline import capture as C
+from oscar.pipeline.store import open_verified, store_fingerprint
+from oscar.stats.artifact import load_artifact
+from oscar.validate import engine
+from oscar.validate.env import load_model, max_context, with_dtype
+from oscar.validate.heldout import check_disjoint, heldout_sequences
+from oscar.validate.methods import NEEDS_ARTIFACT, parse_methods, resolve_methods
 
 # Margin bin edges in nats (exp(0.25) = 1.28x the runner-up's weight, exp(4) = 55x).
 MARGIN_EDGES = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, math.inf)
@@ -76,10 +86,7 @@ class AttnConfig:
 def check_provenance(fitted, store_meta, store_attrs: dict, store_path: str) -> dict:
     """Refuse an artifact not fitted on this store (model, corpus, job config, blocks): the token
     check against the store would then prove nothing about the artifact."""
-    from oscar.pipeline.store import store_fingerprint
-
     prov = fitted.meta.get("provenance") or {}
-    from oscar.common import model_mismatch
 
     why = model_mismatch(fitted.meta.get("model", {}), store_meta.model, "artifact")
     if why:
@@ -184,11 +191,6 @@ def window_keys_int2(Kq: torch.Tensor, Ks: torch.Tensor, a: int, n: int, group: 
 
 def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[int, list[int]], progress: bool = False):
     """Run each sequence through the model once; (k, v per layer: lists (Hkv, T, D); q per layer: {seq: (Hq, n, D)})."""
-    from tqdm import tqdm
-
-    from oscar.kernels import cpu_attention
-    from oscar.pipeline import capture as C
-
     impl = model.config._attn_implementation
     cpu_attention.register()  # the capture's sdpa: the native kernel, as calibration ran it (bit-equal K/V)
     C.install(model, impl if impl in ("eager", "sdpa") else "sdpa")  # q/k/v do not depend on the kernel
@@ -211,17 +213,6 @@ def capture_rows(model, seqs: list[np.ndarray], layers: list[int], q_pos: dict[i
 
 
 def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
-    import pandas as pd
-    from tqdm import tqdm
-
-    from oscar.stats.artifact import load_artifact
-    from oscar.validate.env import load_model, max_context, with_dtype
-    from oscar.validate.heldout import check_disjoint, heldout_sequences
-    from oscar.kernels.simulate import LayerQuant, Protocol
-    from oscar.validate.methods import NEEDS_ARTIFACT, parse_methods, resolve_methods
-
-    from oscar.validate import engine
-
     t0 = time.perf_counter()
     engine.check_engine(cfg.engine)
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
@@ -251,7 +242,6 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
         prov = check_provenance(fitted, st.meta, dict(st.group.attrs), cfg.store)
 
     model, tok, _ = loaded if loaded is not None else load_model(cfg.model or mi.get("source") or mi["name"])
-    from oscar.common import config_fingerprint
 
     if mi.get("fingerprint") and config_fingerprint(model.config) != mi.get("config_fingerprint", mi["fingerprint"]):
         raise OscarError(f"model {cfg.model or mi.get('name')} (fingerprint {config_fingerprint(model.config)}) is not "
@@ -278,6 +268,7 @@ def run_attention(cfg: AttnConfig, progress: bool = True, loaded=None):
     if not methods:
         raise OscarError(f"no method can serve this model: {skipped}")
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before the capture
+
         engine.check_methods({m: arts[m] for m in methods}, [Protocol("attention", sink=0, recent=0)])
     align = math.lcm(*[LayerQuant(arts[m], 0, pages=False).key_group for m in methods])
 

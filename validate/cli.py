@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from oscar.cli_options import add_artifact, add_device, add_methods, add_model, add_out
-from oscar.defaults import SINK
+from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_artifact, add_device, add_methods, add_model, add_out
+from oscar.defaults import SINK, TUNE_OBJECTIVES
 from oscar.host import DTYPES, compute_dtype
 from oscar.common import (length_list, nonneg_float, nonneg_int, nonneg_int_list, positive_float_list,
                           positive_int)
 
 
 def _lengths(s: str) -> list[int]:
+    # late: keeps scipy (1.3 s) out of `oscar --help`
     from oscar.validate.ruler import parse_length
 
     return [parse_length(x) for x in s.split(",") if x.strip()]
@@ -30,8 +31,6 @@ _PROGRESS_HELP = "no progress bars (ours and transformers')"
 
 def _exec_args(parser, engine: bool = True) -> None:
     """--device (and --engine): where and through what the model runs (validate/engine.py)."""
-    from oscar.validate.engine import DEFAULT_ENGINE, ENGINE_HELP, ENGINES
-
     add_device(parser)
     if engine:
         parser.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP)
@@ -100,8 +99,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     p.set_defaults(func=_ppl)
 
-    from oscar.validate.tune import OBJECTIVES
-
     t = vs.add_parser("tune", help="scale the artifact's key clips by the factor with the lowest strict NLL on calibration text",
                       description="Score each factor x the fitted key clips by NLL per token on calibration-split text "
                                   "(float32, so the choice does not depend on thread counts) and write the artifact "
@@ -113,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tokens", type=positive_int, default=2048, help="calibration-split tokens scored per factor")
     t.add_argument("--protocol", default="strict", choices=["strict", "serving"], help="cache protocol the NLL is scored under")
     t.add_argument("--corpus", default="pydoc", help="corpus whose calibration split is scored")
-    t.add_argument("--objective", default="nll", choices=OBJECTIVES,
+    t.add_argument("--objective", default="nll", choices=TUNE_OBJECTIVES,
                    help="nll: lowest NLL per token; copy: lowest NLL of a span copied from the INT2 history (serving "
                         "protocol; a retrieval proxy on calibration text); guarded: lowest copy NLL among factors whose "
                         "NLL is within --nll-slack of the lowest (validate/tune.py)")
@@ -172,6 +169,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _niah(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.validate.niah import NiahConfig, run_niah
 
     cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
@@ -184,6 +182,7 @@ def _niah(args) -> int:
 
 
 def _ppl(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.validate.ppl import PplConfig, run_ppl
 
     cfg = PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
@@ -195,6 +194,7 @@ def _ppl(args) -> int:
 
 
 def _attention(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.validate.attention import AttnConfig, run_attention
 
     cfg = AttnConfig(out=args.out, store=args.store, artifact=args.artifact, methods=_csv(args.methods),

@@ -46,7 +46,8 @@ from oscar.common import TIE_REL, OscarError
 from oscar.kernels.simulate import register_codec
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, hadamard
+from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
+from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, eigbasis, hadamard
 from oscar.validate.ablation.schemes import spec as any_bits_spec
 
 CODECS = ("tq", "sq", "layers")
@@ -192,8 +193,6 @@ def _store_of(art: Artifact, method: str) -> str:
 def store_layers(art: Artifact, method: str):
     """(store path, its view, LayerStats per layer) of the calibration store `art` was fitted from (as partial
     as the fit read it); a clear error naming `method` when the store is gone."""
-    from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
-
     store = _store_of(art, method)
     view = open_store(store, partial=bool((art.meta.get("provenance") or {}).get("partial")))
     return store, view, [LayerStats(view, l, ReduceConfig()) for l in range(view.num_layers)]
@@ -221,8 +220,6 @@ def tq_artifact(fitted: Artifact, seed: int = 0) -> Artifact:
 
 def sq_artifact(fitted: Artifact) -> Artifact:
     """sq-int2 from the calibration store `fitted` came from (eigenbases, stds, means, d_eff)."""
-    from oscar.validate.ablation.schemes import eigbasis
-
     store, view, layers = store_layers(fitted, "sq-int2")
     D, H = view.head_dim, view.num_kv_heads
     rot = {"k": [], "v": []}

@@ -32,15 +32,19 @@ import re
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
 
-from oscar.cli_options import DEFAULT_DEVICE  # noqa: F401 (--device's default, one place)
+from oscar.cli_options import DEFAULT_DEVICE, DEFAULT_ENGINE, ENGINE_HELP, ENGINES  # noqa: F401 (one place each)
 from oscar.common import OscarError
+from oscar.kernels import dispatch
+from oscar.kernels.cache import ATTN_NAME, make_cache, register_attention
+from oscar.kernels.cache import prefill as cache_prefill
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+from oscar.kernels.reference import dequantize_sequence
+from oscar.kernels.simulate import Protocol
+from oscar.validate.codebooks import layer_codecs
 
-ENGINES = ("simulate", "cache")
-DEFAULT_ENGINE = "simulate"  # faster on CPU (several methods batched): docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md
-ENGINE_HELP = ("execution engine: simulate (default: the fake-quant simulator, several methods and samples "
-               "batched) or cache (the product path: OscarCache and the kernel dispatcher, prefill then decode; "
-               "docs/validation.md, 'Engines')")
 DECODE_TOKENS = 16  # per perplexity window, the last tokens teacher-forced one at a time (cache engine)
 
 
@@ -88,7 +92,6 @@ def cache_options(name: str, art, protocol) -> dict:
     Channel-grouped keys (kivi2, oscar-kc-int2) group G tokens per page in the cache, so their pages
     hold G tokens (the simulator releases them in groups of G too). Raises EngineUnsupported for what
     the cache format cannot hold."""
-    from oscar.validate.codebooks import layer_codecs
 
     if not protocol.pages:
         raise EngineUnsupported(f"protocol {protocol.name!r} releases per-token K/V one token at a time, a diagnostic "
@@ -130,7 +133,6 @@ def simulator_protocol(protocol):
 
 def new_cache(model, name: str, art, protocol, max_len: int):
     """An empty OscarCache for method `name` (None: the exact DynamicCache), its kernels chosen by the dispatcher."""
-    from oscar.kernels.cache import make_cache
 
     if art is None:
         return make_cache(None, protocol, backend=None)
@@ -145,7 +147,6 @@ class served:
         self.model = model
 
     def __enter__(self):
-        from oscar.kernels.cache import ATTN_NAME, register_attention
 
         self.prev = self.model.config._attn_implementation
         register_attention()
@@ -168,9 +169,6 @@ def niah_answers(model, samples, groups, names, protocol, eos: set[int], prefill
     prefill="cache": OscarCache's own prefill (decode semantics, the product path); "exact": the haystack
     attends to itself exactly (an SDPA prefill) and its K/V are then stored through the cache's `update`,
     the simulator's needle protocol (bench/engine_speed.py compares the two)."""
-    from transformers import DynamicCache
-
-    from oscar.kernels.cache import prefill as cache_prefill
 
     if prefill not in ("cache", "exact"):
         raise OscarError(f"prefill must be 'cache' or 'exact', got {prefill!r}")
@@ -217,7 +215,6 @@ def _greedy(model, cache, question: list[int], budget: int, eos: set[int], dev) 
 def token_nll(model, name: str, art, protocol, ids: torch.Tensor, decode_tokens: int = DECODE_TOKENS) -> torch.Tensor:
     """(T - 1,) float64 next-token NLL of a (1, T) window fed through the method's cache from empty:
     tokens [0, T - decode_tokens) as one prefill chunk, the rest one decode step each (teacher forced)."""
-    import torch.nn.functional as F
 
     T = ids.shape[1]
     dev = next(model.parameters()).device
@@ -263,10 +260,6 @@ def cache_stream(name: str, art, layer: int, Ks: torch.Tensor, Vs: torch.Tensor,
     (`validate attention --engine cache`): appended to a `PagedLayerCache` with no sink and no recent
     window (pages quantized by the dispatcher: Triton on CUDA), read back un-rotated in float32. Every
     whole page is INT2, the last < page tokens stay exact (`attention.quantize_stream`'s incomplete group)."""
-    from oscar.kernels import dispatch
-    from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
-    from oscar.kernels.reference import dequantize_sequence
-    from oscar.kernels.simulate import Protocol
 
     opts = cache_options(name, art, Protocol("attention", sink=0, recent=0))
     q = replace(art.quant_for(layer), **opts)  # the layer's own format (per-layer widths)

@@ -9,17 +9,21 @@ held-out split only.
 from __future__ import annotations
 
 import functools
+import re
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from oscar.common import OscarError
 from oscar.defaults import EMBEDDED_MODEL
+from oscar.host import compute_dtype
+from oscar.pipeline.corpus import load_corpus
+from oscar.pipeline.models import load_config, load_model as _load
 
 
 def load_model(spec: str = EMBEDDED_MODEL):
     """(model, tokenizer, info) in eval mode, float32 on CPU."""
-    from oscar.pipeline.models import load_model as _load
-
     model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
     return model.eval(), tok, info
 
@@ -31,10 +35,6 @@ def with_dtype(model, dtype: str = "float32"):
     """The model computing in `dtype` (in place); "auto": the host's fast dtype for the model's device
     (oscar.host.compute_dtype: float32 on CPUs without native bfloat16). `bfloat16` changes every activation's
     rounding, so its results are not comparable digit for digit with float32 runs."""
-    import torch
-
-    from oscar.host import compute_dtype
-
     if dtype not in DTYPES:
         raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     dt = getattr(torch, compute_dtype(dtype, str(next(model.parameters()).device)) if dtype == "auto" else dtype)
@@ -45,8 +45,6 @@ def with_dtype(model, dtype: str = "float32"):
 
 def config_max_context(spec: str) -> int:
     """The model's context length from its config alone (no weights loaded)."""
-    from oscar.pipeline.models import load_config
-
     return max_context(SimpleNamespace(config=load_config(spec)))
 
 
@@ -74,8 +72,6 @@ def heldout_text(corpus: str = "pydoc", dedupe: bool = True) -> str:
     split. pydoc topics repeat passages across documents: 114 of 300 random 30-word held-out
     windows occur in the calibration text without this, 0 of 300 with it (docs/validation.md).
     """
-    from oscar.pipeline.corpus import load_corpus
-
     c = load_corpus(corpus)
     held = " ".join(_as_text(c.heldout).split())
     if not dedupe:
@@ -85,15 +81,11 @@ def heldout_text(corpus: str = "pydoc", dedupe: bool = True) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _calibration_text(corpus: str) -> str:
-    from oscar.pipeline.corpus import load_corpus
-
     return " ".join(_as_text(load_corpus(corpus).calibration).split())
 
 
 def drop_calibration_sentences(text: str, corpus: str) -> str:
     """`text` without its sentences (>= 6 words) that occur verbatim in the corpus's calibration split."""
-    import re
-
     cal = _calibration_text(corpus)
     sents = re.split(r"(?<=[.:?!])\s+", text)
     return " ".join(s for s in sents if len(s.split()) < 6 or s not in cal)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from oscar.common import OscarError
+from oscar.pipeline.corpus import make_blocks
+from oscar.validate.env import drop_calibration_sentences, heldout_text
 
 NGRAM = 32
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "pydoc_data", "ensurepip",
@@ -67,8 +69,6 @@ def more_heldout_words(corpus: str = "pydoc"):
     """more(n) for `ruler.Sources`: >= n words of the standard library's docstrings (the attention-level
     test's second held-out source, `stdlib_docstrings`), sentences also found in the
     corpus's calibration split dropped. Read only by corpus haystacks longer than the held-out split."""
-    from oscar.validate.env import drop_calibration_sentences
-
     def more(n: int) -> list[str]:
         words: list[str] = []
         chars = 8 * n  # ~6 characters per word with its space; grow until enough survive the dedupe
@@ -103,9 +103,6 @@ class HeldoutSequences:
 
 def heldout_sequences(tokenizer, num_tokens: int, seq_len: int, corpus: str = "pydoc") -> HeldoutSequences:
     """`num_tokens` tokens of held-out text as whole sequences of `seq_len` (the last one shorter)."""
-    from oscar.pipeline.corpus import make_blocks
-    from oscar.validate.env import heldout_text
-
     if num_tokens < 1 or seq_len < 2:
         raise OscarError(f"need num_tokens >= 1 and seq_len >= 2, got {num_tokens}, {seq_len}")
     held = heldout_text(corpus)

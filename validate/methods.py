@@ -44,6 +44,13 @@ from oscar.kernels.simulate import Protocol
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 from oscar.stats.hadamard import hadamard_tensor
 from oscar.validate import codebooks  # noqa: F401 (registers the codebook formats with the simulator)
+from oscar.constraints import quant_problems
+from oscar.kernels.memory import artifact_bits_per_element
+from oscar.stats.artifact import beyond_calibration
+from oscar.stats.fit import FitConfig, fit
+from oscar.stats.hadamard import HadamardUnsupported
+from oscar.validate import codebooks
+from oscar.validate.codebooks import codec_bits_per_element
 
 # The named protocols validation compares methods under (the type is the cache family's, kernels/simulate.py).
 # Bumped whenever a protocol's meaning changes, so stored results of the old meaning are not resumed
@@ -123,7 +130,6 @@ def _refit(art: Artifact, method: str, how: str, cfg_kw: dict) -> Artifact:
                          f"or pass an artifact fitted that way as --artifact")
     key = (method, os.path.abspath(store), prov.get("store_fingerprint"), repr(sorted(cfg_kw.items())))
     if key not in _REFITS:
-        from oscar.stats.fit import FitConfig, fit
 
         _REFITS[key] = fit(store, FitConfig(partial=bool(prov.get("partial")), progress=False, **cfg_kw))
     return _REFITS[key]
@@ -202,8 +208,6 @@ def codebook_artifact(name: str, art: Artifact) -> Artifact:
     per store."""
     import os
 
-    from oscar.validate import codebooks
-
     prov = art.meta.get("provenance") or {}
     key = (name, os.path.abspath(prov.get("store") or ""), prov.get("store_fingerprint"))
     if key not in _CODEBOOK_ARTS:
@@ -268,7 +272,6 @@ class MethodUnsupported(OscarError):
 
 def method_problems(name: str, config, art: Artifact | None) -> list[str]:
     """Why method `name`'s artifact (its QuantConfig, its rotation) cannot serve `config`'s head_dim."""
-    from oscar.constraints import quant_problems
 
     if art is None:
         return []
@@ -278,7 +281,6 @@ def method_problems(name: str, config, art: Artifact | None) -> list[str]:
 
 def uncalibrated_warning(art: Artifact | None, length: int) -> str | None:
     """A warning when contexts of `length` tokens reach past the positions the artifact was calibrated on."""
-    from oscar.stats.artifact import beyond_calibration
 
     why = beyond_calibration(art, length)
     return f"contexts of {length} tokens reach {why}" if why else None
@@ -294,8 +296,6 @@ def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, chec
     Skips are printed and, with `out`, recorded in out/skipped_methods.json (the report lists them).
     """
     import sys
-
-    from oscar.stats.hadamard import HadamardUnsupported
 
     D = attention_shapes(config)["head_dim"]
     arts, skipped = {}, {}
@@ -331,13 +331,11 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
     """Stored bits per K/V element of the quantized history (metadata included); 16 for the exact cache."""
     if art is None:
         return 16.0
-    from oscar.validate.codebooks import codec_bits_per_element
 
     cb = codec_bits_per_element(art)
     if cb is not None:
         return cb
     if art.layer_quant is not None:  # per-layer widths: layer by layer, by the cache's memory accounting
-        from oscar.kernels.memory import artifact_bits_per_element
 
         return artifact_bits_per_element(art)
     return art.quant.bits_per_element(head_dim)

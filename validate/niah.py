@@ -33,13 +33,29 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+import pandas as pd
 import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from oscar.common import OscarError, attention_shapes, file_fingerprint, fingerprint
 from oscar.defaults import DEFAULT_METHODS
-from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.defaults import EMBEDDED_MODEL
+from oscar.evidence import niah_stats, read_samples
 from oscar.kernels import cpu_attention
-from oscar.evidence import read_samples
+from oscar.kernels.cache import make_cache
+from oscar.ruler_outputs import write_ruler_outputs
+from oscar.stats.artifact import load_artifact
+from oscar.validate import engine, env, rowbatch
+from oscar.validate.heldout import more_heldout_words
+from oscar.validate.methods import (
+    NEEDS_ARTIFACT, PROTOCOL_VERSION, PROTOCOLS, SERVING, bits_per_element, memory_row, method_artifact,
+    parse_methods, resolve_methods, uncalibrated_warning,
+)
+from oscar.validate.ruler import TASKS, Sources, load_qa, make_sample, resolve_tasks, score_one, skipped_line
+from oscar.validate.workers import Workers, default_workers
 
 
 @dataclass
@@ -69,7 +85,6 @@ class NiahConfig:
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
         art = file_fingerprint(self.artifact) if self.artifact else None
-        from oscar.validate.methods import PROTOCOL_VERSION
 
         ident = {"model": self.model, "artifact": art, "seed": self.seed, "protocol": self.protocol, "corpus": self.corpus,
                  "protocol_version": PROTOCOL_VERSION}
@@ -92,9 +107,6 @@ def check_lengths(lengths: list[int], max_ctx: int, model: str) -> None:
 def load_checked(name: str, artifact: str | None, methods: list[str], lengths: list[int], dtype: str, loaded=None):
     """Refuse what cannot run (artifact missing or needed, lengths past the model's context,
     unknown dtype) before loading weights where possible; return (model in `dtype`, tokenizer)."""
-    from oscar.validate import env
-    from oscar.validate.methods import NEEDS_ARTIFACT
-
     if artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
         raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
     if artifact and not os.path.exists(artifact):
@@ -199,8 +211,6 @@ def gqa_attention(module, query, key, value, attention_mask=None, dropout=0.0, s
     transformers' SDPA path copies K/V to every query head (repeat_kv) whenever there is a mask, i.e.
     for the question chunk: (R, Hq, T, D) per layer. Same attention, no copy.
     """
-    import torch.nn.functional as F
-
     Tq, Tk = query.shape[2], key.shape[2]
     if attention_mask is None and Tq > 1:  # causal, aligned to the end of the keys
         attention_mask = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril(Tk - Tq)
@@ -210,9 +220,6 @@ def gqa_attention(module, query, key, value, attention_mask=None, dropout=0.0, s
 
 
 def _register_gqa() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register("oscar_gqa", gqa_attention)
     AttentionMaskInterface.register("oscar_gqa", sdpa_mask)
 
@@ -259,8 +266,6 @@ class PrefillPool:
 
     @torch.no_grad()
     def prefill(self, ids: list[int]):
-        from transformers import DynamicCache
-
         best, n = None, 0
         for e_ids, c in self.entries:
             k = self._lcp(e_ids, ids)
@@ -283,9 +288,6 @@ def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set
     """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
     `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
     decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
-    from oscar.kernels.cache import make_cache
-    from oscar.validate import rowbatch
-
     cap = max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
         max(s.max_new_tokens for s in samples)
     cache = make_cache(groups, protocol, "rows", capacity=cap, num_layers=model.config.get_text_config().num_hidden_layers,
@@ -333,8 +335,6 @@ def eos_ids(model, tok) -> set[int]:
 
 def _niah_init(model, arg) -> dict:
     """A worker's state (validate/workers.py): the model, the methods' artifacts, its own prefill pool."""
-    from oscar.validate.methods import PROTOCOLS
-
     arts, protocol, eos = arg
     return {"model": model, "arts": arts, "protocol": PROTOCOLS[protocol], "eos": eos, "pool": PrefillPool(model)}
 
@@ -368,14 +368,6 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     workers: processes decoding batches in parallel (validate/workers.py; default: one per CPU this process
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process). Batches go round-robin, each worker with its
     own prefill pool; a worker runs one intra-op thread."""
-    from tqdm import tqdm
-
-    from oscar.stats.artifact import load_artifact
-    from oscar.validate import engine, env
-    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods, uncalibrated_warning
-    from oscar.validate.heldout import more_heldout_words
-    from oscar.validate.ruler import TASKS, Sources, load_qa, make_sample, resolve_tasks, score_one, skipped_line
-
     engine.check_engine(cfg.engine)
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
@@ -409,7 +401,6 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     cells = [(t, L, i) for t in tasks for L in cfg.lengths for i in range(cfg.samples)]
     todo = sum(1 for (t, L, i) in cells for m in methods if (t, L, i, m) not in done)
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
-    from oscar.validate.workers import Workers, default_workers
 
     batches = list(_batches(cells, methods, done, cfg.batch_tokens))
     n = workers or default_workers(len(batches))
@@ -450,8 +441,6 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
 
 
 def write_memory(out: str, methods, arts, config, context: int, protocol) -> None:
-    from oscar.validate.methods import SERVING, memory_row
-
     ctxs = sorted({context, 32768, 131072})
     rows = [memory_row(m, arts[m], config, c, p) for m in methods for p in dict.fromkeys([protocol, SERVING]) for c in ctxs]
     path = os.path.join(out, "memory.json")
@@ -463,13 +452,7 @@ def write_memory(out: str, methods, arts, config, context: int, protocol) -> Non
 
 def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
     """Aggregate the per-sample lines of the requested cells into DIR/results.parquet."""
-    import pandas as pd
-
-    from oscar.common import attention_shapes
-    from oscar.validate.methods import bits_per_element
-
     D = attention_shapes(config)["head_dim"]
-    from oscar.evidence import niah_stats
 
     rows = []
     for st in niah_stats(done):  # every sample in OUT (one identity per OUT, see _prepare_out)
@@ -481,7 +464,6 @@ def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
                      **{k: v for k, v in st.items() if k not in ("task", "method", "length", "samples", "score")}})
     df = pd.DataFrame(rows)
     df.to_parquet(os.path.join(cfg.out, "results.parquet"), index=False)
-    from oscar.ruler_outputs import write_ruler_outputs
 
     write_ruler_outputs(cfg.out, done, {"model": cfg.model, "protocol": cfg.protocol, "seed": cfg.seed,
                                         "dtype": cfg.dtype, "engine": cfg.engine, "corpus": cfg.corpus},

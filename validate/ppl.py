@@ -38,15 +38,29 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+import pandas as pd
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from oscar.common import OscarError, attention_shapes, file_fingerprint
 from oscar.defaults import DEFAULT_METHODS
-from oscar.common import OscarError, file_fingerprint
-from oscar.kernels import cpu_attention
 from oscar.defaults import EMBEDDED_MODEL
-
 from oscar.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
+from oscar.evidence import ppl_stats
+from oscar.kernels import cpu_attention
+from oscar.kernels.simulate import LayerQuant
+from oscar.stats.artifact import load_artifact
+from oscar.validate import engine, env
+from oscar.validate.heldout import more_heldout_words
+from oscar.validate.methods import (
+    PROTOCOL_VERSION, PROTOCOLS, bits_per_element, method_artifact, parse_methods, resolve_methods,
+    uncalibrated_warning,
+)
+from oscar.validate.niah import _Inline, load_aware_threads, load_checked
+from oscar.validate.workers import Workers, default_workers
 
 
 @dataclass
@@ -65,7 +79,6 @@ class PplConfig:
 
     def identity(self) -> dict:
         art = file_fingerprint(self.artifact) if self.artifact else None
-        from oscar.validate.methods import PROTOCOL_VERSION
 
         ident = {"model": self.model, "artifact": art, "tokens": self.tokens, "corpus": self.corpus,
                  "protocol_version": PROTOCOL_VERSION}
@@ -267,9 +280,6 @@ def dense_sim_attention(module, query, key, value, attention_mask=None, scaling=
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     for name, fn in (("oscar_sim", sim_attention), ("oscar_sim_dense", dense_sim_attention)):
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, sdpa_mask)  # our functions apply causality themselves
@@ -279,8 +289,6 @@ class simulated:
     """Context manager: the model's attention reads K/V through `art` under `protocol` (dense: the reference)."""
 
     def __init__(self, model, art, protocol, dense: bool = False):
-        from oscar.kernels.simulate import LayerQuant
-
         self.model, self.protocol, self.dense = model, protocol, dense
         self.quant = [LayerQuant(art, l, protocol.pages) for l in range(art.num_layers)]
 
@@ -338,9 +346,6 @@ def heldout_text_ids(tok, corpus: str, n: int) -> tuple[list[int], dict]:
     attention-level test and the needle haystacks read (validate/heldout.py). The split is tokenized on its own, so
     the first tokens never change with n. Returns (ids, {"split_tokens", "docstring_tokens", "python"}); "python"
     (the docstrings' source) is None when none were read."""
-    from oscar.validate import env
-    from oscar.validate.heldout import more_heldout_words
-
     ids = tok(env.heldout_text(corpus), add_special_tokens=False)["input_ids"]
     info = {"split_tokens": min(len(ids), n), "docstring_tokens": 0, "python": None}
     if len(ids) >= n:
@@ -357,8 +362,6 @@ def heldout_text_ids(tok, corpus: str, n: int) -> tuple[list[int], dict]:
 
 def _window(model, art, protocol: str, win: torch.Tensor, cuts: tuple):
     """window_nll of one window under method `art` (None: the plain model) and `protocol`."""
-    from oscar.validate.methods import PROTOCOLS
-
     if art is None:
         with cpu_attention.native_prefill(model):
             return window_nll(model, win, prefixes=cuts)
@@ -383,13 +386,6 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     workers: processes scoring windows in parallel (validate/workers.py; default: one per CPU this process
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process, threads by load). A worker runs one intra-op
     thread; windows are independent, so a window's NLL does not depend on which worker scored it."""
-    from tqdm import tqdm
-
-    from oscar.stats.artifact import load_artifact
-    from oscar.validate.methods import PROTOCOLS, method_artifact, parse_methods, resolve_methods, uncalibrated_warning
-    from oscar.validate import engine
-    from oscar.validate.niah import _Inline, load_aware_threads, load_checked
-
     engine.check_engine(cfg.engine)
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
@@ -455,7 +451,6 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
         cuts = tuple(dict.fromkeys([c2 for c2, _ in short] + segment_cuts(c)))  # + segment ends (intervals)
         plan.append(((m, p, c, w), short, cuts))
         covered.update((m, p, c2, w2) for c2, w2 in short)
-    from oscar.validate.workers import Workers, default_workers
 
     n = workers or default_workers(len(plan))
     if next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
@@ -495,12 +490,6 @@ def _segments(cum: dict, P: int, nll: float, count: int) -> list[list[float]]:
 
 
 def write_ppl(cfg: PplConfig, methods, arts, config, done):
-    import pandas as pd
-
-    from oscar.common import attention_shapes
-    from oscar.evidence import ppl_stats
-    from oscar.validate.methods import bits_per_element
-
     D = attention_shapes(config)["head_dim"]
     rows = ppl_stats(list(done.values()), methods, cfg.protocols, cfg.contexts, cfg.tokens,
                      bf16_key=lambda m, p: "-" if arts[m] is None else p)

@@ -41,10 +41,11 @@ import os
 import random
 import string
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from oscar.common import OscarError
+from oscar.common import OscarError, file_fingerprint
 from oscar.ruler_outputs import postprocess  # RULER's prediction cleanup (shared with the summary files)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -211,8 +212,6 @@ def read_squad(path: str, option: str = "--squad") -> QaData:
     """SQuAD v1.1 / v2.0 JSON: {"data": [{"paragraphs": [{"context", "qas": [{"question", "answers": [{"text"}],
     "is_impossible"?}]}]}]}. Unanswerable questions (v2.0's is_impossible) are left out, as RULER does; a record
     that breaks the layout is refused by its path in the JSON (data[i].paragraphs[j].qas[k])."""
-    from oscar.common import file_fingerprint
-
     top = _load_json(option, path)
     if not isinstance(top, dict) or not isinstance(top.get("data"), list):
         raise OscarError(f"{option} {path}: not SQuAD's layout (expected {{\"data\": [...]}} at the top)")
@@ -255,8 +254,6 @@ def read_squad(path: str, option: str = "--squad") -> QaData:
 def read_hotpotqa(path: str, option: str = "--hotpotqa") -> QaData:
     """HotpotQA JSON: [{"question", "answer", "context": [[title, [sentences]], ...]}, ...]. A document is
     "title\nsentences" (RULER's form); every paragraph of a record's context is one of its gold documents."""
-    from oscar.common import file_fingerprint
-
     top = _load_json(option, path)
     if not isinstance(top, list):
         raise OscarError(f"{option} {path}: not HotpotQA's layout (expected a list of records at the top)")
@@ -686,8 +683,6 @@ def _pad_noise(tokenizer, c_text: str, q_text: str, budget: int):
 
 def hash_seed(seed: int, task: str, length: int, index: int) -> int:
     """A stable per-sample seed (Python's hash() is salted per process; this is not)."""
-    import zlib
-
     return zlib.crc32(f"{seed}/{task}/{length}/{index}".encode())
 
 

@@ -22,16 +22,30 @@ whose strict NLL is within `nll_slack` of the best, so retrieval is bought only 
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar.common import OscarError, tied_best
+from oscar.defaults import TUNE_OBJECTIVES
+from oscar.kernels.simulate import LayerQuant
+from oscar.pipeline.corpus import load_corpus
+from oscar.validate import engine as eng
+from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact, widths_artifact
+from oscar.validate.env import with_dtype
+from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
+from oscar.validate.ppl import fresh_mask, simulated, window_nll
 
-OBJECTIVES = ("nll", "copy", "guarded")
+OBJECTIVES = TUNE_OBJECTIVES  # named in the leaf so the CLI lists them without importing torch
 COPY_SKIP = 2  # the copy's first tokens are not scored: nothing points at the span yet
 
 
@@ -72,8 +86,6 @@ class TuneConfig:
 
 def calibration_ids(tok, corpus: str, n: int) -> list[int]:
     """The first n tokens of the corpus's calibration split (whitespace-normalised, documents joined)."""
-    from oscar.pipeline.corpus import load_corpus
-
     text = " ".join(" ".join(load_corpus(corpus).calibration).split())
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if len(ids) < n:
@@ -138,11 +150,6 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
 
     engine: simulate (the masked fake-quant window) or cache (each factor's artifact served by OscarCache,
     validate/engine.py); device: where the model runs (execution only)."""
-    from oscar.validate import engine as eng
-    from oscar.validate.env import with_dtype
-    from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
-    from oscar.validate.ppl import simulated, window_nll
-
     cfg = cfg or TuneConfig()
     eng.check_engine(engine)
     dev = eng.resolve_device(device)
@@ -168,8 +175,6 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     factors = sorted(set(cfg.factors))
     it = factors
     if progress:
-        from tqdm import tqdm
-
         it = tqdm(factors, desc="tune key clip", unit="factor")
     nll, cnll = {}, {}
     for f in it:
@@ -212,9 +217,6 @@ def _copy_ident(art, options, cfg) -> dict:
 
 
 def _read_log(log: str | None, ident: dict) -> list[dict]:
-    import json
-    import os
-
     if not log or not os.path.exists(log):
         return []
     recs = [json.loads(line) for line in open(log) if line.strip()]
@@ -224,8 +226,6 @@ def _read_log(log: str | None, ident: dict) -> list[dict]:
 
 
 def _append_log(log: str | None, rec: dict) -> None:
-    import json
-
     if log:
         with open(log, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -240,13 +240,6 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     One probe per (layer, wider option), each a forward of every copy window: L (O - 1) + 1 probes. Each probe's
     result is appended to `log` (JSONL) as it finishes; a rerun with the same log skips the probes found there
     and refuses a log written for another artifact, options or config."""
-    import numpy as np
-
-    from oscar.validate.codebooks import widths_artifact
-    from oscar.validate.env import with_dtype
-    from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.ppl import simulated
-
     cfg = cfg or TuneConfig()
     art.check_model(model.config)
     if cfg.copy_protocol not in PROTOCOLS:
@@ -267,8 +260,6 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     probes = [(-1, 0)] + [(l, o) for l in range(L) for o in range(1, len(options))]  # (-1, 0): every layer at the base
     todo = [p for p in probes if p not in done]
     if progress:
-        from tqdm import tqdm
-
         todo = tqdm(todo, desc="layer copy probes", unit="probe", initial=len(probes) - len(todo), total=len(probes))
     for l, o in todo:
         widths = [list(base)] * L
@@ -296,8 +287,6 @@ def _grad_attention(module, query, key, value, attention_mask=None, scaling=None
     for autograd: one flash attention over [K ; K̂] with the fresh mask choosing a half per (i, j). K̂ = K + δ,
     δ the INT2 error as a leaf, so δ's gradient is the copy NLL's total derivative w.r.t. this layer's stored keys
     (the quantizer passes gradients straight through to earlier layers); the same for the stored values."""
-    from oscar.validate.ppl import fresh_mask
-
     l = module.layer_idx
     lq, p = _GRAD["quant"][l], _GRAD["protocol"]
     B, Hq, T, D = query.shape
@@ -329,15 +318,6 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     heads=True: (L, Hkv, O), each KV head's share (the inner product restricted to its keys; they sum to the layer's).
     Each window's sums are appended to `log` (JSONL) as it finishes; a rerun with the same log skips those windows
     (the result is the same sum in the same order) and refuses a log written for another artifact, options or config."""
-    import numpy as np
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from oscar.validate.codebooks import widths_artifact
-    from oscar.validate.env import with_dtype
-    from oscar.kernels.simulate import LayerQuant
-    from oscar.validate.methods import PROTOCOLS
-
     cfg = cfg or TuneConfig()
     art.check_model(model.config)
     base, L = tuple(options[0]), art.num_layers
@@ -360,8 +340,6 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     prev, grads = model.config._attn_implementation, [p.requires_grad for p in model.parameters()]
     todo = [i for i in range(len(wins)) if i not in done]
     if progress:
-        from tqdm import tqdm
-
         todo = tqdm(todo, desc="layer copy gradients", unit="window", initial=len(wins) - len(todo), total=len(wins))
     try:
         model.requires_grad_(False)
@@ -415,8 +393,6 @@ def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log:
     measured (`layer_copy_errors`, 2L + 1 forwards) or to first order (`layer_copy_gradients`, one forward +
     backward per window), each resumable from `log`; the DP's widths at `fitted`'s bits per element, written as
     the cache's per-layer format (`codebooks.native_layer_artifact`). Returns (artifact, the (L, 3) table)."""
-    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
-
     if estimate not in ESTIMATES:
         raise OscarError(f"widths: unknown estimate {estimate!r}; known: {', '.join(ESTIMATES)}")
     if estimate == "probe":

@@ -18,12 +18,18 @@ its prefill pool, sees the same units in every run) or to whichever worker is fr
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import tempfile
 import traceback
 from multiprocessing.connection import wait
 
-from oscar.common import OscarError
+import torch
+import torch.multiprocessing as tmp
+
+from oscar.common import OscarError, usable_cpus
 
 MAX_WORKERS = 4  # each holds a model copy and its batch's cache (~1.5 GB for SmolLM2 at the NIAH defaults)
 
@@ -31,8 +37,6 @@ MAX_WORKERS = 4  # each holds a model copy and its batch's cache (~1.5 GB for Sm
 def default_workers(units: int) -> int:
     """Worker processes worth starting: the CPUs this process may use (affinity, cgroup quota), at most
     MAX_WORKERS and `units`; 1 means run in this process."""
-    from oscar.common import usable_cpus
-
     n = int(usable_cpus()[2])
     env = os.environ.get("OSCAR_WORKERS")
     if env:
@@ -46,10 +50,6 @@ _STATE: dict = {}  # inside a worker: what its init function returned
 def _die_with_parent() -> None:
     """Linux: SIGTERM this worker when its parent dies. A parent killed by a signal never closes the pipe
     politely, and a worker inside a long unit (a 32k prefill) would run on for minutes as an orphan."""
-    import ctypes
-    import signal
-    import sys
-
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
@@ -60,10 +60,6 @@ def _die_with_parent() -> None:
 
 
 def _main(conn, model_path: str, threads: int, init, init_arg) -> None:
-    import signal
-
-    import torch
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops feeding units and closes us
     _die_with_parent()
 
@@ -92,9 +88,6 @@ class Workers:
     each worker's state dict, passed to every unit function. Use as a context manager."""
 
     def __init__(self, n: int, model, init=None, init_arg=None, threads: int = 1):
-        import torch
-        import torch.multiprocessing as tmp
-
         if n < 1:
             raise OscarError(f"workers must be >= 1, got {n}")
         ctx = tmp.get_context("spawn")

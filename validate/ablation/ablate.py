@@ -9,12 +9,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import multiprocessing as mp
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
+import pandas as pd
+import torch
+from tqdm import tqdm
+
 from oscar.common import OscarError, fingerprint
-from oscar.validate.ablation.regimes import REGIMES, RegimeConfig
+from oscar.validate.ablation import stattests
+from oscar.validate.ablation.metrics import compute_metrics
+from oscar.validate.ablation.regimes import REGIMES, RegimeConfig, make_regime
+from oscar.validate.ablation.schemes import SCHEMES, Ctx, UniformCodec, make_scheme, paged_roundtrip
 
 SYNTHETIC = [r for r in REGIMES if r != "real"]
 KS_METRICS = ["relmse_k", "relmse_v", "relmse_o", "d2", "logit_var", "topk"]
@@ -47,8 +56,6 @@ class AblationConfig:
     workers: int = 0  # processes for the (regime, seed) units; 0: min(2, cores)
 
     def __post_init__(self):
-        from oscar.validate.ablation.schemes import SCHEMES
-
         if self.data.store and "real" not in self.regimes:
             self.regimes = [*self.regimes, "real"]
         self.schemes = list(self.schemes or SCHEMES)
@@ -91,14 +98,6 @@ class AblationConfig:
 
 def run_unit(regime: str, seed: int, cfg: AblationConfig) -> list[dict]:
     """All schemes x bits x paths on one regime draw."""
-    import torch
-
-    from oscar.validate.ablation.metrics import compute_metrics
-    from oscar.validate.ablation.regimes import make_regime
-    from oscar.validate.ablation.schemes import Ctx, make_scheme
-
-    from oscar.validate.ablation.schemes import UniformCodec, paged_roundtrip
-
     reg = make_regime(regime, cfg.data, seed)
     rows = []
     paths = list(cfg.paths)
@@ -136,8 +135,6 @@ def _triton_env():
     """Route the paged cache's page quantizer to Triton (the interpreter when there is no GPU),
     restoring the environment after. TRITON_INTERPRET must be set before
     oscar.kernels.triton_quant is first imported (triton.jit reads it then)."""
-    import torch
-
     want = {"OSCAR_KERNELS": "triton"}
     if not torch.cuda.is_available():
         want["TRITON_INTERPRET"] = "1"
@@ -154,9 +151,6 @@ def _triton_env():
 
 
 def _do_unit(regime: str, seed: int, cfg: AblationConfig, path: str) -> None:
-    import pandas as pd
-    import torch
-
     torch.set_num_threads(1)  # many tiny ops: threads only add overhead
     _write(pd.DataFrame(run_unit(regime, seed, cfg)), path)
 
@@ -170,12 +164,6 @@ def _write(df, path: str) -> None:
 def run_ablation(cfg: AblationConfig) -> dict[str, str]:
     """Run (or resume) the ablation; returns the paths of the tables written. The report on them
     (report.md, plots) is `oscar.reports.ablation.build_report(cfg.out)`, which `oscar ablate` calls."""
-    import pandas as pd
-    import torch
-    from tqdm import tqdm
-
-    from oscar.validate.ablation import stattests
-
     torch.set_num_threads(1)
     os.makedirs(os.path.join(cfg.out, "parts"), exist_ok=True)
     cpath = os.path.join(cfg.out, "config.json")
@@ -201,9 +189,6 @@ def run_ablation(cfg: AblationConfig) -> dict[str, str]:
             _do_unit(r, s, cfg, part(r, s))
             bar.update()
     else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
             for f in as_completed([ex.submit(_do_unit, r, s, cfg, part(r, s)) for r, s in todo]):
                 f.result()

@@ -20,6 +20,9 @@ from typing import Callable
 
 import numpy as np
 
+from oscar.common import OscarError
+from oscar.pipeline.store import open_verified
+
 
 @dataclass
 class RegimeConfig:
@@ -176,8 +179,6 @@ def real(cfg, rng):
     queries. Calibration = first half of the blocks, test = a random draw from the rest."""
     if not cfg.store:
         raise ValueError("the real regime needs a calibration store (--store)")
-    from oscar.common import OscarError
-    from oscar.pipeline.store import open_verified
 
     st = open_verified(cfg.store)  # the store format's owner: format, attributes, checksums of done blocks
     layer = st.num_layers // 2 if cfg.layer is None else cfg.layer

@@ -27,8 +27,16 @@ import numpy as np
 import torch
 
 from oscar.defaults import PAGE_SIZE
-from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
+from oscar.kernels.dispatch import dequantize_sequence, quantize_pages
+from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+from oscar.quant import FP8_PARAM, QuantSpec, choose_qparams, dequantize, fake_quant, quantize
+from oscar.stats import reference_recipe as rr
+from oscar.stats.artifact import QuantConfig, split_width
+from oscar.stats.fit import FitConfig
+from oscar.stats.hadamard import bitrev_perm, perm_matrix
 from oscar.stats.hadamard import hadamard_tensor as hadamard  # normalised, float64: Sylvester, or Paley x Sylvester
+from oscar.stats.rotations import compose, importance_scales
+from oscar.stats.split import fit_split_keys
 
 
 # ----------------------------------------------------------------------------- context
@@ -102,8 +110,6 @@ def spec(bits: int, **kw) -> QuantSpec:
 
 def bit_reversal(D: int) -> torch.Tensor:
     """Permutation matrix P (D, D) with (x @ P)[:, j] = x[:, rev(j)] (the fit stage's P_br)."""
-    from oscar.stats.hadamard import bitrev_perm, perm_matrix
-
     return torch.from_numpy(perm_matrix(bitrev_perm(D)))
 
 
@@ -216,16 +222,12 @@ class UniformCodec(Codec):
         return fake_quant(y, self.spec, clip=c) @ self.Rinv + self.mu
 
     def encode(self, x):
-        from oscar.quant import choose_qparams, quantize
-
         y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
         s, z = choose_qparams(y, self.spec, clip=self.c)
         pb = torch.finfo(self.spec.param_dtype).bits  # stored width of scale and zero
         return Code({"codes": (quantize(y, s, z, self.spec), self.bits), "scale": (s, pb), "zero": (z, pb)}, tuple(x.shape))
 
     def decode(self, code):
-        from oscar.quant import dequantize
-
         y = dequantize(code["codes"], code["scale"], code["zero"], self.spec, dtype=self.ctx.dtype)
         return y @ self.Rinv + self.mu
 
@@ -235,10 +237,6 @@ def paged_roundtrip(codec: UniformCodec, x: torch.Tensor, role: str, page_size: 
     with the codec's fitted rotation, key mean and clip ratio. The page quantizer is Triton
     when `oscar.kernels.dispatch.backend` picks it (CUDA, or OSCAR_KERNELS=triton with
     TRITON_INTERPRET=1); bits per element counted from the cache's own tensors."""
-    from oscar.kernels.dispatch import dequantize_sequence, quantize_pages
-    from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
-    from oscar.stats.artifact import QuantConfig
-
     T, D = x.shape
     if codec.axis != "token" or codec.bits not in (1, 2, 4, 8) or T % page_size:
         raise ValueError(f"paged path needs token groups, packable bits and T % {page_size} == 0")
@@ -313,10 +311,6 @@ class MixCodec(Codec):
         self.bits, self.hi_bits, self.param_dtype = bits, hi_bits, param_dtype
 
     def fit(self, calib, role, ctx):
-        from oscar.stats.fit import FitConfig
-        from oscar.stats.artifact import split_width
-        from oscar.stats.split import fit_split_keys
-
         super().fit(calib, role, ctx)
         q, k = calib["q"].double(), calib[role].double()
         D = k.shape[-1]
@@ -335,8 +329,6 @@ class MixCodec(Codec):
         return self
 
     def encode(self, x):
-        from oscar.quant import choose_qparams, quantize
-
         y = (x.to(self.ctx.dtype) - self.mu) @ self.R  # (T, D)
         pb, fields = torch.finfo(self.param_dtype).bits, {}
         for j, (a, b, sp) in enumerate(self.parts):
@@ -346,8 +338,6 @@ class MixCodec(Codec):
         return Code(fields, tuple(x.shape))
 
     def decode(self, code):
-        from oscar.quant import dequantize
-
         y = torch.zeros(code.shape, dtype=self.ctx.dtype)  # (T, D); channels after the last part: not stored
         for j, (a, b, sp) in enumerate(self.parts):
             y[:, a:b] = dequantize(code[f"codes{j}"], code[f"scale{j}"], code[f"zero{j}"], sp, dtype=self.ctx.dtype)
@@ -485,8 +475,6 @@ def _oscar_local(calib, role, ctx, target: str = "attn", br: bool = True, scaled
     The covariance comes from the regime's raw calibration samples; the composite U H P_br
     is the fit stage's (oscar.stats.rotations.compose).
     """
-    from oscar.stats.rotations import compose, importance_scales
-
     q, k, v = (calib[n].double() for n in ("q", "k", "v"))
     D = k.shape[-1]
     if target == "kcov":
@@ -514,8 +502,6 @@ def reference_rotation(calib, role, ctx) -> torch.Tensor:
     """The published recipe's R = U H P (oscar.stats.reference_recipe) on one head's rows:
     keys from C_Q = qᵀq / N, values from Σ w v vᵀ / Σ w with w_t = k_tᵀ C_Q k_t (one head,
     so the per-layer head average is the head itself)."""
-    from oscar.stats import reference_recipe as rr
-
     q, k, v = (calib[n].double() for n in ("q", "k", "v"))
     Cq = q.T @ q / q.shape[0]  # (D, D)
     if role == "k":

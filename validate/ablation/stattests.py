@@ -11,11 +11,18 @@ The two paths of every scheme (validate/ablation/schemes.py `Ctx`):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
+import pandas as pd
+import torch
+from scipy.stats import f
 
 from oscar.intervals import bh, holm  # one home for the multiple-testing corrections (the leaf the verdicts use)
+from oscar.validate.ablation.metrics import compute_metrics
+from oscar.validate.ablation.regimes import make_regime
+from oscar.validate.ablation.schemes import Ctx, SQCodec, d_eff_energy, d_eff_gap
 
 
 # ----------------------------------------------------------------------------- KS
@@ -87,8 +94,6 @@ def ks_table(df, metrics: list[str], alpha: float = 0.05, method: str = "holm", 
     kind="scheme": scheme a vs scheme b (production path) for the given pairs.
     One multiple-testing family per kind.
     """
-    import pandas as pd
-
     rows = []
     d = df[df.metric.isin(metrics)]
     for (reg, sch, bits, met), g in d.groupby(["regime", "scheme", "bits", "metric"]):
@@ -120,8 +125,6 @@ def ks_table(df, metrics: list[str], alpha: float = 0.05, method: str = "holm", 
 def gap_table(df, metric: str = "relmse_o"):
     """Per (regime, scheme, bits): variance over seeds of the oracle - production gap on
     the same data (seed 004: the K-path QJL gap variance is the Jensen signature)."""
-    import pandas as pd
-
     d = df[(df.metric == metric)].pivot_table(index=["regime", "scheme", "bits", "seed"], columns="path", values="value")
     if not {"oracle", "production"} <= set(d.columns):
         return pd.DataFrame()
@@ -131,8 +134,6 @@ def gap_table(df, metric: str = "relmse_o"):
 
 def variance_ratio_test(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """F test for var(x) > var(y): (ratio, one-sided p)."""
-    from scipy.stats import f
-
     vx, vy = np.var(x, ddof=1), np.var(y, ddof=1)
     r = vx / max(vy, 1e-300)
     return float(r), float(f.sf(r, len(x) - 1, len(y) - 1))
@@ -144,15 +145,6 @@ def deff_study(regimes: list[str], budgets: list[int], seeds: int, cfg, gap: flo
     """d_eff (spectral-gap and 95%-energy definitions) vs the number of calibration
     tokens, against the regime's true rank where it has one; plus the output cosine of
     SQU-KV using each definition (a spurious eigenvalue shows up as a collapse)."""
-    import dataclasses
-
-    import pandas as pd
-    import torch
-
-    from oscar.validate.ablation.metrics import compute_metrics
-    from oscar.validate.ablation.regimes import make_regime
-    from oscar.validate.ablation.schemes import Ctx, SQCodec, d_eff_energy, d_eff_gap
-
     rows = []
     for reg in regimes:
         for n in budgets:
