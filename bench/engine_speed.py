@@ -3,7 +3,7 @@
 Same process, same model object (SmolLM2-135M, float32), same artifacts, same windows and samples:
 
 - perplexity: one held-out window of `--context` tokens per (method, protocol), scored by the simulator
-  (`ppl.simulated` + `window_nll`) and through OscarCache (`engine.window_nll`: prefill, then the
+  (`window_attention.simulated` + `window_nll`) and through OscarCache (`engine.window_nll`: prefill, then the
   last 16 tokens one decode step each), under the named protocol (strict, serving) and under the
   simulator protocol matched to the cache (`engine.simulator_protocol`: recent R - 1);
 - needles: `--samples` niah_single_1 samples at `--length`, every method: the simulator's batched rows
@@ -80,7 +80,8 @@ def main() -> None:
     from oscar.validate import engine, env
     from oscar.validate.methods import PROTOCOLS
     from oscar.validate.niah import PrefillPool, decode_batch, eos_ids
-    from oscar.validate.ppl import heldout_ids, simulated, window_nll
+    from oscar.validate.ppl import heldout_ids, window_nll
+    from oscar.kernels.window_attention import simulated
     from oscar.validate.ruler import Sources, make_sample, score_one
 
     model, tok, _ = env.load_model("smollm2-135m")

@@ -45,7 +45,9 @@ from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
 from oscar.kernels.simulate import LayerQuant, MethodBatchCache
 from oscar.validate.methods import PROTOCOLS, method_artifact
+from oscar.kernels import window_attention as W
 from oscar.validate import ppl as P
+from oscar.kernels import window_attention
 from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy
 from oscar.validate.ruler import Sources, make_sample
 
@@ -164,7 +166,7 @@ def quant_timing(model, fitted, methods, T: int = 4032, reps: int = 5) -> list[d
 
 
 def _sim_attention_previous(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    """`oscar.validate.ppl.sim_attention` before this change (the baseline). query (B, Hq, T, D), key/value (B, Hkv, T, D) post-RoPE; a whole window from an empty cache.
+    """`oscar.validate.window_attention.sim_attention` before this change (the baseline). query (B, Hq, T, D), key/value (B, Hkv, T, D) post-RoPE; a whole window from an empty cache.
 
     With W = recent + key_group, every key j <= i - W is read from the stored cache (INT2, or an
     exact sink) by query i: that part is one causal flash attention over the stored keys shifted
@@ -172,8 +174,8 @@ def _sim_attention_previous(module, query, key, value, attention_mask=None, scal
     computed in query blocks, and the two parts are merged through their log-sum-exps. Same
     result as the dense masked softmax (tests compare it with token-by-token decoding).
     """
-    lq = P._SIM["quant"][module.layer_idx]
-    p = P._SIM["protocol"]
+    lq = W._SIM["quant"][module.layer_idx]
+    p = W._SIM["protocol"]
     B, Hq, T, D = query.shape
     sink = min(p.sink, T)
     b = lq.quantized_until(T, sink, 0)  # everything from sink, keys in whole groups
@@ -186,7 +188,7 @@ def _sim_attention_previous(module, query, key, value, attention_mask=None, scal
     far = None
     if T > W:
         Kf, Vf = kh[..., :T - W, :].repeat_interleave(rep, 1), vh[..., :T - W, :].repeat_interleave(rep, 1)
-        far = P._flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
+        far = W._flash_lse(query[:, :, W:], Kf, Vf, scale, causal=True)  # rows: queries W..T-1
     out = torch.empty_like(query)
     pos = torch.arange(T, device=query.device)
     C = 256  # the previous fixed query block
@@ -194,7 +196,7 @@ def _sim_attention_previous(module, query, key, value, attention_mask=None, scal
         q1 = min(T, q0 + C)
         k0 = max(0, q0 - W + 1)
         qi, kj = pos[q0:q1], pos[k0:q1]
-        fr = P._fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
+        fr = W._fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
         band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
         K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
         q = query[:, :, q0:q1]  # (B, Hq, c, D)
@@ -232,19 +234,19 @@ def ppl_windows(model, tok, fitted, configs=(("oscar-int2", "strict"), ("oscar-i
 
 
 
-    AttentionInterface.register("oscar_sim", P.sim_attention)
+    AttentionInterface.register("oscar_sim", W.sim_attention)
     ids = torch.tensor([P.heldout_ids(tok, "pydoc", context)])
     rows = []
     for m, proto in configs:
         art = method_artifact(m, model.config, fitted)
         t, nll = {}, {}
-        for name, fn in (("old", _sim_attention_previous), ("new", P.sim_attention)):
-            with P.simulated(model, art, PROTOCOLS[proto]):
+        for name, fn in (("old", _sim_attention_previous), ("new", W.sim_attention)):
+            with W.simulated(model, art, PROTOCOLS[proto]):
                 AttentionInterface.register("oscar_sim", fn)  # `simulated` registered the current one
                 c = time.process_time()
                 nll[name] = P.window_nll(model, ids, prefixes=(prefix,))
                 t[name] = time.process_time() - c
-            AttentionInterface.register("oscar_sim", P.sim_attention)
+            AttentionInterface.register("oscar_sim", W.sim_attention)
         rows.append({"method": m, "protocol": proto, "context": context, "old_cpu_s": t["old"], "new_cpu_s": t["new"],
                      "cpu_ratio": t["old"] / t["new"], "nll_old": nll["old"][0], "nll_new": nll["new"][0],
                      "nll_rel_diff": abs(nll["new"][0] / nll["old"][0] - 1),

@@ -33,7 +33,8 @@ from oscar.kernels.cache import make_cache
 from oscar.kernels.simulate import MethodBatchCache
 from oscar.validate.methods import PROTOCOLS, method_artifact
 from oscar.validate.niah import PrefillPool, eos_ids, greedy
-from oscar.validate.ppl import heldout_ids, simulated, window_nll
+from oscar.validate.ppl import heldout_ids, window_nll
+from oscar.kernels.window_attention import simulated
 from oscar.validate.ruler import Sources, make_sample
 
 OUT = Path(__file__).with_name("results") / "validate_speed.json"

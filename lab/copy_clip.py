@@ -21,7 +21,7 @@ def main() -> int:
     from oscar.stats.artifact import load_artifact
     from oscar.validate.env import load_model, with_dtype
     from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.ppl import simulated
+    from oscar.kernels.window_attention import simulated
     from oscar.validate.tune import COPY_SKIP, TuneConfig, calibration_ids, copy_nll, copy_windows, scale_key_clips, tune_key_clip
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

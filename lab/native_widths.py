@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     from oscar.validate.codebooks import codec_bits_per_element, native_layer_artifact
     from oscar.validate.env import load_model
     from oscar.validate.methods import SERVING
-    from oscar.validate.ppl import heldout_ids, simulated, window_nll
+    from oscar.validate.ppl import heldout_ids, window_nll
+    from oscar.kernels.window_attention import simulated
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from oscar.kernels import window_attention
 from oscar.quant import FP8_PARAM, QuantSpec, fp8_round
 from oscar.validate import codebooks as cb
 
@@ -88,7 +89,7 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     from oscar.common import OscarError
     from oscar.validate.env import load_model
     from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.ppl import simulated
+    from oscar.kernels.window_attention import simulated
     from oscar.validate.tune import TuneConfig, calibration_ids, copy_windows, layer_copy_errors
 
     model, tok, _ = load_model("tiny-llama")
@@ -213,13 +214,14 @@ def test_simulator_follows_the_model_device(fitted):
 @pytest.mark.parametrize("T,sink,recent", [(200, 16, 32), (701, 64, 256), (333, 64, 256)])
 def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
     """The estimate's autograd attention (validate.tune._grad_attention) computes the simulator's attention
-    (validate.ppl.sim_attention: exact / INT2 per (query, key) by the fresh mask, pages of 16), and the gradient it
+    (kernels.window_attention.sim_attention: exact / INT2 per (query, key) by the fresh mask, pages of 16), and the gradient it
     gives the INT2 error leaves (keys, values) is the directional derivative of a loss on its output: central
     differences of the simulator with the stored keys (values) moved along a random direction (pages and windows not aligned; at T = 333 no
     query reads a stored key yet, so both are 0)."""
     from types import SimpleNamespace
 
-    from oscar.validate import ppl, tune
+    from oscar.validate import tune
+
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import Protocol
 
@@ -230,10 +232,10 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
     lq, p = LayerQuant(fitted, 1), Protocol("t", sink=sink, recent=recent)
     mod = SimpleNamespace(layer_idx=1)
     tune._GRAD.update(quant=[None, lq], protocol=p, deltas=[None] * L, keys=[None] * L, vdeltas=[None] * L, values=[None] * L)
-    ppl._SIM.update(quant=[None, lq], protocol=p)
+    window_attention._SIM.update(quant=[None, lq], protocol=p)
     try:
         out = tune._grad_attention(mod, q, k, v)[0]  # (B, T, Hq, D)
-        torch.testing.assert_close(out, ppl.sim_attention(mod, q, k, v)[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out, window_attention.sim_attention(mod, q, k, v)[0], atol=2e-5, rtol=1e-4)
         R = torch.randn(out.shape, generator=g)
         (out * R).sum().backward()
         reads = T - 1 - recent > sink + lq.key_group  # some query reads a stored key (or value)
@@ -254,8 +256,8 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
                     return lq.values(x) + (self.t * d if side == "values" else 0)
 
             def f(t):
-                ppl._SIM["quant"] = [None, Moved(t)]
-                return float((ppl.sim_attention(mod, q, k, v)[0].double() * R).sum())
+                window_attention._SIM["quant"] = [None, Moved(t)]
+                return float((window_attention.sim_attention(mod, q, k, v)[0].double() * R).sum())
 
             eps = 1e-2
             fd = (f(eps) - f(-eps)) / (2 * eps)
@@ -263,7 +265,7 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
             assert math.isclose(float((delta.grad * d).sum()), fd, rel_tol=1e-2, abs_tol=0 if reads else 1e-9), side
     finally:
         tune._GRAD.update(quant=None, protocol=None, deltas=None, keys=None, vdeltas=None, values=None)
-        ppl._SIM.update(quant=None, protocol=None)
+        window_attention._SIM.update(quant=None, protocol=None)
 
 
 QK_SHARPEN = 8.0
@@ -281,7 +283,7 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     from oscar.validate.env import load_model
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.ppl import simulated
+    from oscar.kernels.window_attention import simulated
     from oscar.validate.tune import (TuneConfig, calibration_ids, copy_widths_artifact, copy_windows,
                                      layer_copy_gradients)
 

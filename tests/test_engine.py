@@ -22,7 +22,8 @@ from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig
 from oscar.validate import engine
 from oscar.validate.methods import PROTOCOLS, Protocol
-from oscar.validate.ppl import simulated, window_nll
+from oscar.validate.ppl import window_nll
+from oscar.kernels.window_attention import simulated
 
 NO_CUDA = not torch.cuda.is_available()
 

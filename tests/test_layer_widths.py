@@ -224,7 +224,7 @@ def test_native_layer_widths_equal_the_codec_and_the_cache(tiny, page):
     reference decode) equals the simulator (its recent window R = P is the protocol's P - 1, as for every format)."""
     from oscar.kernels.cache import OscarCache
     from oscar.validate.methods import Protocol
-    from oscar.validate.ppl import simulated
+    from oscar.kernels.window_attention import simulated
 
     codec, native = widths_artifacts(tiny.config, [[2, 2], [4, 2], [3, 2]], page)
     assert [native.quant_for(l).key_split for l in range(3)] == [0, 16, 16]
@@ -244,7 +244,7 @@ def test_native_layer_widths_equal_the_codec_and_the_cache(tiny, page):
         tiny.set_attn_implementation("sdpa")
     assert torch.allclose(sim, want, atol=1e-5), (sim - want).abs().max()
     assert torch.allclose(got, sim, atol=1e-5), (got - sim).abs().max()
-    from oscar.validate.ppl import simulated
+    from oscar.kernels.window_attention import simulated
 
     with simulated(tiny, widths_artifacts(tiny.config, [[2, 2]] * 3, page)[1], proto):  # widths make a difference
         with torch.no_grad():

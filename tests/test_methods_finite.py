@@ -67,7 +67,7 @@ def test_every_method_finite_logits(setup, dtype):
     from oscar.validate.env import with_dtype
     from oscar.kernels.simulate import MethodBatchCache
     from oscar.validate.methods import METHODS, Protocol, method_artifact
-    from oscar.validate.ppl import simulated
+    from oscar.kernels.window_attention import simulated
 
     spec, model, fitted, ids = setup
     m = with_dtype(model, dtype)  # float32 runs first; the model is converted in place for bfloat16

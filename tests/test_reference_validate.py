@@ -67,7 +67,7 @@ def test_artifact_with_retired_flush_pages_field_loads(tiny, tmp_path):
 
 
 def test_masked_ppl_equals_token_by_token_decode_reference_format(tiny):
-    from oscar.validate.ppl import simulated
+    from oscar.kernels.window_attention import simulated
 
     art = _ref_art(tiny.config)
     proto = Protocol("t", sink=3, recent=5)

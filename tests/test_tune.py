@@ -11,7 +11,7 @@ import torch
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
 from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
-from oscar.validate.ppl import simulated
+from oscar.kernels.window_attention import simulated
 from oscar.validate.tune import COPY_SKIP, TuneConfig, calibration_ids, choose_factor, copy_windows, scale_key_clips, tune_key_clip
 
 

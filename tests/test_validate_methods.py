@@ -17,7 +17,9 @@ from oscar.kernels.simulate import LayerQuant, MethodBatchCache, SimQuantCache
 from oscar.validate.methods import (
     PROTOCOLS, Protocol, bits_per_element, hadamard, method_artifact, parse_methods, uncalibrated_warning,
 )
-from oscar.validate.ppl import fresh_mask, simulated, window_nll
+from oscar.validate.ppl import window_nll
+from oscar.kernels import window_attention
+from oscar.kernels.window_attention import fresh_mask, simulated
 from oscar.common import OscarError
 
 
@@ -74,9 +76,8 @@ def test_masked_ppl_equals_token_by_token_decode(tiny, quant, recent, qchunk, mo
     """The perplexity mask reproduces decoding one token at a time through SimQuantCache.
 
     qchunk < T exercises several query blocks of the band; recent 20 leaves the far part only 5 queries."""
-    from oscar.validate import ppl
 
-    monkeypatch.setitem(ppl._SIM, "qchunk", qchunk)
+    monkeypatch.setitem(window_attention._SIM, "qchunk", qchunk)
     art = rotated_artifact(tiny.config, quant)
     proto = Protocol("t", sink=3, recent=recent)
     ids = torch.randint(0, 97, (1, 29), generator=torch.Generator().manual_seed(3))
@@ -174,12 +175,11 @@ def test_fresh_mask_small():
 
 def test_flash_lse_fallback_matches_aten():
     """The far part's flash attention (aten CPU op) and its explicit fallback agree, lse included."""
-    from oscar.validate import ppl
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 4, 13, 16, generator=g) for _ in range(3))
-    o1, l1 = ppl._flash_lse(q, k, v, 0.25, causal=True)
-    o2, l2 = ppl._flash_lse(q.double(), k.double(), v.double(), 0.25, causal=True)  # float64: the explicit path
+    o1, l1 = window_attention._flash_lse(q, k, v, 0.25, causal=True)
+    o2, l2 = window_attention._flash_lse(q.double(), k.double(), v.double(), 0.25, causal=True)  # float64: the explicit path
     assert torch.allclose(o1.double(), o2, atol=1e-5) and torch.allclose(l1.double(), l2, atol=1e-5)
 
 
@@ -273,15 +273,14 @@ def test_bfloat16_compute_paths(tiny):
 def test_band_batched_equals_band_loop(group, recent, T):
     """The perplexity band in batched blocks (narrow bands) equals the 256-query loop (wide bands), for
     token-granular, paged and per-channel (mixed) keys, T not a multiple of the block."""
-    from oscar.validate import ppl
 
     g = torch.Generator().manual_seed(12)
     q = torch.randn(1, 4, T, 16, generator=g)
     k, v = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g)
     kh, vh = k + 0.1 * torch.randn(k.shape, generator=g), v + 0.1 * torch.randn(v.shape, generator=g)
     W = recent + group
-    a = ppl._band(q, k, v, kh, vh, 3, recent, group, W, 0.25)
-    b = ppl._band_loop(q, k, v, kh, vh, 3, recent, group, W, 0.25)
+    a = window_attention._band(q, k, v, kh, vh, 3, recent, group, W, 0.25)
+    b = window_attention._band_loop(q, k, v, kh, vh, 3, recent, group, W, 0.25)
     assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-5)
 
 

@@ -43,7 +43,8 @@ from oscar.validate import engine as eng
 from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact, widths_artifact
 from oscar.validate.env import with_dtype
 from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
-from oscar.validate.ppl import fresh_mask, simulated, window_nll
+from oscar.validate.ppl import window_nll
+from oscar.kernels.window_attention import fresh_mask, simulated
 
 OBJECTIVES = TUNE_OBJECTIVES  # named in the leaf so the CLI lists them without importing torch
 COPY_SKIP = 2  # the copy's first tokens are not scored: nothing points at the span yet

@@ -51,7 +51,7 @@ def engine_nll_bound(model, art, protocol, ids: torch.Tensor) -> dict:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from oscar.kernels.simulate import LayerQuant
-    from oscar.validate.ppl import fresh_mask
+    from oscar.kernels.window_attention import fresh_mask
 
     assert next(model.parameters()).dtype == torch.float32, "the bound is for a float32 model"
     quant = [LayerQuant(art, l, protocol.pages) for l in range(art.num_layers)]
