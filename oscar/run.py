@@ -27,6 +27,7 @@ from oscar.host import describe, info as host_info
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate.methods import PROTOCOL_VERSION
 from oscar.common import OscarError, file_fingerprint, fingerprint
+from oscar.pipeline.corpus import first_chat_record
 
 # --widths: none; copy = the copy probe measured (2L + 1 forwards); gradient = the same to first order (a forward and
 # backward per window: validate.tune.layer_copy_gradients)
@@ -456,6 +457,11 @@ def run_main(cfg: RunConfig) -> dict:
 
     check_engine(cfg.engine)
     resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
+    chat = first_chat_record(cfg.corpus)
+    if chat:  # validation reads the held-out text without a tokenizer: refused now, not after calibrating
+        raise OscarError(f"oscar run: {chat} is a chat ('messages') record; the run also validates on the corpus's "
+                         "held-out text, read without a chat template: give a 'text' corpus, or calibrate chats "
+                         "with `oscar calibrate --corpus`")
     t_all = time.time()
     os.makedirs(cfg.out, exist_ok=True)
     job = _Job(cfg, Stages(cfg.out))

@@ -196,6 +196,15 @@ def _keyed_docs(spec: str) -> tuple[list[tuple[str, str]], dict[int, tuple[str, 
     return docs, chat, name, source
 
 
+def first_chat_record(spec: str) -> str | None:
+    """Where the first 'messages' record of corpus `spec` is (``path:line``), or None: for the commands that
+    read a corpus without a tokenizer, to refuse a chat corpus before any work."""
+    if spec == "pydoc":
+        return None
+    _, chat, _, _ = _keyed_docs(spec)
+    return chat[min(chat)][0] if chat else None
+
+
 def load_corpus(spec: str = "pydoc", heldout_fraction: float = 0.2, tokenizer=None) -> Corpus:
     """``pydoc`` (CPython's pydoc_data.topics) or a path to .parquet (text / messages columns), .jsonl (text /
     messages fields) or text.

@@ -131,3 +131,17 @@ def test_render_checks_the_manifest_budget_against_the_corpus(tmp_path, capsys):
                           "--tokens", "2097152"]) == 0
     text = (tmp_path / "c" / "rayjob.yaml").read_text()
     assert "64 blocks = 52.5 GiB" in text and "corpus /data/corpus/calib.jsonl: not readable here, so 64 blocks" in text
+
+
+def test_run_refuses_a_chat_corpus_before_any_stage(tmp_path):
+    """`oscar run` validates on the corpus's held-out text, read without a chat template: a chat corpus is
+    refused before calibrating, naming its first chat record."""
+    from oscar.run import RunConfig, run_main
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"text": "prose"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    out = tmp_path / "run"
+    with pytest.raises(OscarError, match=r"oscar run: .*chat\.jsonl:2 is a chat \('messages'\) record"):
+        run_main(RunConfig(out=str(out), corpus=str(path)))
+    assert not out.exists()
+    assert C.first_chat_record("pydoc") is None
