@@ -17,6 +17,7 @@ import numpy as np
 
 from oscar.common import OscarError, set_threads
 from oscar.defaults import EMBEDDED_MODEL, SINK
+from oscar.pipeline.corpus import CorpusTooSmall, load_corpus, make_blocks
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -321,6 +322,7 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
 
 
 def _supply(tokens: int, seqs: int, seq_len: int, seqs_per_block: int) -> str:
+    """What a calibration split gives, in the units a budget is asked in."""
     blocks = -(-seqs // seqs_per_block)
     return (f"{tokens:,} tokens = {seqs} sequence(s) of {seq_len} = {blocks} block(s) of {seqs_per_block} "
             f"sequence(s)")
@@ -330,14 +332,11 @@ def corpus_blocks(cfg: CalibConfig, tokenizer):
     """(corpus, BlockPlan) of `cfg`, or a one-line refusal when the budget asks for more than the
     calibration split gives: --blocks beyond its sequences, --tokens beyond its tokens, --seq-len beyond
     the whole split. Runs before any model weights are loaded or any store is created."""
-    from oscar.pipeline.corpus import CorpusTooSmall, load_corpus, make_blocks
-
     corpus = load_corpus(cfg.corpus, tokenizer=tokenizer)
     if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
         raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
     where = f"corpus {cfg.corpus!r}" + (f" under --tokens {cfg.tokens:,}" if cfg.tokens else "") + " gives"
     more = "pass a larger calibration text with --corpus FILE"
-    spb = cfg.blocking.get("seqs_per_block") or (cfg.blocking.get("block_tokens", cfg.seq_len) // cfg.seq_len)
     try:
         plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
     except CorpusTooSmall as e:
