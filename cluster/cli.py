@@ -47,7 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=int, default=1,
                    help="sequences per forward pass, as `oscar calibrate --batch-size` (--micro-batch: the same)")
     p.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
-    p.add_argument("--blocks", type=int, default=64, help="store blocks (for the store size)")
+    p.add_argument("--blocks", type=int, default=None, help="store blocks (for the store size; default: as many as "
+                   "--corpus gives, estimated without a tokenizer; 64 for a corpus not readable here)")
+    p.add_argument("--corpus", default="pydoc", help="calibration corpus the blocks are checked against: pydoc "
+                   "(default) or a file; more blocks than it gives are refused")
     p.add_argument("--reservoir", type=int, default=256, help="reservoir rows per block, layer and KV head")
     p.add_argument("--dtype", default=None, help="weight/activation dtype (default: the config's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -104,7 +107,8 @@ def _register_render(sub) -> None:
     r.add_argument("--model-config", help="config the plan reads on this machine: config.json, model directory or a "
                    "shipped config such as glm-4.7 (default: --model, when it is readable here)")
     r.add_argument("--store", help=f"calibration store as the nodes see it, below --shared-dir; {req}")
-    r.add_argument("--corpus", default="pydoc", help="calibration corpus: pydoc or a file below a shared mount")
+    r.add_argument("--corpus", default="pydoc", help="calibration corpus: pydoc or a file below a shared mount; the "
+                   "blocks the manifest promises are checked against its size where it is readable here")
     r.add_argument("--shared-dir", default="/data", help="mount point of the volume every node shares (store, corpus)")
     r.add_argument("--pvc", help="kuberay: ReadWriteMany PersistentVolumeClaim mounted at --shared-dir; required for kuberay")
     r.add_argument("--models-pvc", help="kuberay: ReadOnlyMany claim with the weights, mounted at --models-dir "
@@ -125,7 +129,8 @@ def _register_render(sub) -> None:
     r.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
     r.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
                    help="sequences per forward pass (--micro-batch: the same)")
-    r.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole corpus)")
+    r.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole corpus; more than it "
+                   "gives is refused)")
     r.add_argument("--dtype", default="bfloat16", help="weight and activation dtype on the GPUs")
     r.add_argument("--name", default="oscar-calib", help="RayJob / cluster name")
     r.add_argument("--head-cpus", type=int, default=8, help="kuberay: CPUs of the head pod (driver only)")
@@ -151,7 +156,8 @@ def _render(args) -> int:
 
 def _plan(args) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_plan, misfit, plan_placed
+    from oscar.cluster.plan import (PlanConfig, corpus_budget, format_plan, load_model_config, make_plan, misfit,
+                                    plan_placed)
 
     if args.stages is None and args.nodes is None:
         raise OscarError("give --stages N, or --nodes N (with --gpus-per-node) to place the stages")
@@ -162,10 +168,14 @@ def _plan(args) -> int:
             raise OscarError(f"{flag} must be >= 1, got {v}")
     if not 0 < args.utilization <= 1:
         raise OscarError(f"--utilization must be in (0, 1], got {args.utilization:g}")
+    if args.blocks is not None and args.blocks < 1:
+        raise OscarError(f"--blocks must be >= 1, got {args.blocks}")
+    blocks, note = corpus_budget(args.corpus, seq_len=args.seq_len, seqs_per_block=args.seqs_per_block,
+                                 blocks=args.blocks) if args.seq_len > 0 and args.seqs_per_block > 0 else (1, "")
     pc = PlanConfig(stages=1 if args.stages is None else args.stages,
                     gpus_per_stage=1 if args.gpus_per_stage is None else args.gpus_per_stage, gpu_mem_gib=mem,
                     seq_len=args.seq_len, micro_batch=args.micro_batch, seqs_per_block=args.seqs_per_block,
-                    num_blocks=args.blocks, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
+                    num_blocks=blocks, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
                     name=args.model)
     pc.check()  # sizes first: no config is read for a plan that cannot exist
     config = load_model_config(args.model)
@@ -174,6 +184,7 @@ def _plan(args) -> int:
                            stages=args.stages, gpus_per_stage=args.gpus_per_stage, utilization=args.utilization)
     else:
         plan = make_plan(config, pc, gpu=gpu, utilization=args.utilization)
+    plan.notes.append(note)
     # A plan that does not fit is still printed (stdout; JSON with "fits": false): its table shows which
     # stage is too large and by how much, which is what choosing --stages / --gpus-per-stage needs.
     # Then the one-line refusal (stderr, exit 2), so a script or `set -e` never takes it for a plan that fits.

@@ -26,6 +26,7 @@ from oscar.modelconfig import layer_of
 from oscar.modelconfig import load_model_config as _load_model_config
 from oscar.pipeline.models import checkpoint_quantization
 from oscar.pipeline.store import layer_arrays
+from oscar.pipeline.corpus import estimate_size
 
 GiB = 1 << 30
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -186,6 +187,10 @@ class Plan:
         return asdict(self)
 
 
+# Blocks planned when neither --tokens / --blocks nor a corpus readable here says how many.
+DEFAULT_BLOCKS = 64
+
+
 @dataclass
 class PlanConfig:
     """What `make_plan` sizes: the pipeline's shape and the calibration job's block sizes.
@@ -222,6 +227,31 @@ class PlanConfig:
             raise OscarError(f"usable share of GPU memory must be in (0, 1], got {self.usable:g}")
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in _DTYPE_BYTES:
             raise OscarError(f"--dtype {self.dtype!r}: one of {sorted(_DTYPE_BYTES)}")
+
+
+def corpus_budget(corpus: str, *, seq_len: int, seqs_per_block: int, tokens: int | None = None,
+                  blocks: int | None = None, larger: str = "", end: str = "") -> tuple[int, str]:
+    """(blocks to plan, a note saying where they come from): `tokens` or `blocks` as asked, else the whole
+    corpus, checked against the corpus's size estimated without a tokenizer (pipeline/corpus.py
+    `estimate_size`); asking beyond the estimate and its uncertainty is refused in one line. A corpus
+    file not readable here is not checked: `oscar calibrate` checks it before loading the model."""
+    per_block = seqs_per_block * seq_len
+    est = estimate_size(corpus)
+    if est is None:
+        n = blocks or (math.ceil(tokens / per_block) if tokens else DEFAULT_BLOCKS)
+        return n, (f"corpus {corpus}: not readable here, so {n} blocks ({n * per_block:,} tokens) "
+                   "are not checked against it; `oscar calibrate` checks them before loading the model")
+    asked = tokens or (blocks * per_block if blocks else None)
+    if asked and asked > est.most_tokens:
+        flag = (f"--tokens {tokens:,}" if tokens else
+                f"--blocks {blocks} (x {seqs_per_block} sequences x {seq_len} = {asked:,} tokens)")
+        fewer = (f"--tokens {est.tokens} or fewer" if tokens else
+                 f"--blocks {math.ceil(est.tokens / per_block)} or fewer")
+        raise OscarError(f"{flag} asks for more than the corpus gives: {est.describe()}; pass --corpus with a "
+                         f"larger file{larger}, or {fewer}{end}")
+    n = blocks or max(1, math.ceil((tokens or est.tokens) / per_block))
+    return n, (f"{est.describe()}: {n} block(s) of {seqs_per_block} x {seq_len} tokens"
+               + ("" if tokens or blocks else " (the whole split; --corpus FILE for more)"))
 
 
 def make_plan(config, pc: PlanConfig, *, gpu: GpuSpec = H100, utilization: float = UTILIZATION, replicas: int = 1,

@@ -26,7 +26,7 @@ import yaml
 
 from oscar.cluster import plan as planner
 from oscar.cluster.placement import fmt_seconds
-from oscar.cluster.plan import PlanConfig, make_plan, plan_placed
+from oscar.cluster.plan import PlanConfig, corpus_budget, make_plan, plan_placed
 from oscar.common import OscarError
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -150,7 +150,9 @@ def plan_for(cfg: RenderConfig):
                                             "config.json, model directory or shipped config such as glm-4.7)")
         raise OscarError(f"cannot plan the model: {e}{hint}") from None
     notes = positions_notes(cfg, mcfg, spec)  # refuses --positions beyond the model's before any planning
-    blocks = max(1, math.ceil(cfg.tokens / (cfg.seqs_per_block * cfg.seq_len))) if cfg.tokens else 64
+    blocks, note = corpus_budget(cfg.corpus, seq_len=cfg.seq_len, seqs_per_block=cfg.seqs_per_block,
+                                 tokens=cfg.tokens, larger=f" below {cfg.shared_dir}", end="; nothing written")
+    notes.append(note)
     if cfg.stages is None or cfg.gpus_per_stage is None:
         if cfg.gpus_per_stage is not None:
             _layout(cfg)  # the same one-line refusal for a stage size that does not divide a node

@@ -33,6 +33,7 @@ from oscar.kernels import cpu_attention
 from oscar.kernels.memory import artifact_bits_per_element
 from oscar.pipeline import native
 from oscar.pipeline.calibrate import CalibConfig, calibrate
+from oscar.pipeline.corpus import first_chat_record
 from oscar.reports.build import build_report
 from oscar.reports.calibration import calibration_section, widths_section
 from oscar.stats.artifact import load_artifact, save_artifact
@@ -440,6 +441,11 @@ def run_main(cfg: RunConfig) -> dict:
     """Run (or resume) the main job in cfg.out; returns what DIR/run.json records."""
     check_engine(cfg.engine)
     resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
+    chat = first_chat_record(cfg.corpus)
+    if chat:  # validation reads the held-out text without a tokenizer: refused now, not after calibrating
+        raise OscarError(f"oscar run: {chat} is a chat ('messages') record; the run also validates on the corpus's "
+                         "held-out text, read without a chat template: give a 'text' corpus, or calibrate chats "
+                         "with `oscar calibrate --corpus`")
     t_all = time.time()
     os.makedirs(cfg.out, exist_ok=True)
     job = _Job(cfg, Stages(cfg.out))

@@ -21,7 +21,7 @@ from oscar.common import OscarError, set_threads
 from oscar.constraints import check_model
 from oscar.defaults import EMBEDDED_MODEL, SINK
 from oscar.pipeline import capture as C
-from oscar.pipeline.corpus import load_corpus, make_blocks
+from oscar.pipeline.corpus import CorpusTooSmall, load_corpus, make_blocks
 from oscar.pipeline.models import checkpoint_quantization, load_config, load_info, load_model, load_tokenizer
 from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock, reduce
 
@@ -289,16 +289,13 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     Shared by the single-process path and the Ray driver (which must not hold the
     model). Returns (store metadata, ModelInfo); the store's lock is released.
     """
-    corpus = load_corpus(cfg.corpus)
-    if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
-        raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
     info = info or load_info(cfg.model)
     check_servable(info)
     if cfg.positions and info.max_position_embeddings and cfg.positions > info.max_position_embeddings:
         raise OscarError(f"--positions {cfg.positions} is past model {info.name!r}'s max_position_embeddings "
                          f"({info.max_position_embeddings}): it was never trained, and is not served, there")
     tokenizer = tokenizer or load_tokenizer(info.source)
-    plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
+    corpus, plan = corpus_blocks(cfg, tokenizer)
     tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
     if tokens.size == 0 or int(mask.sum()) == 0:
         raise OscarError(f"corpus {cfg.corpus!r} produced no tokens to calibrate on")
@@ -316,6 +313,39 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
     return meta, info
 
 
+def _supply(tokens: int, seqs: int, seq_len: int, seqs_per_block: int) -> str:
+    """What a calibration split gives, in the units a budget is asked in."""
+    blocks = -(-seqs // seqs_per_block)
+    return (f"{tokens:,} tokens = {seqs} sequence(s) of {seq_len} = {blocks} block(s) of {seqs_per_block} "
+            f"sequence(s)")
+
+
+def corpus_blocks(cfg: CalibConfig, tokenizer):
+    """(corpus, BlockPlan) of `cfg`, or a one-line refusal when the budget asks for more than the
+    calibration split gives: --blocks beyond its sequences, --tokens beyond its tokens, --seq-len beyond
+    the whole split. Runs before any model weights are loaded or any store is created."""
+    corpus = load_corpus(cfg.corpus, tokenizer=tokenizer)
+    if not corpus.calibration or not any(t.strip() for t in corpus.calibration):
+        raise OscarError(f"corpus {cfg.corpus!r} has no calibration text (empty corpus)")
+    where = f"corpus {cfg.corpus!r}" + (f" under --tokens {cfg.tokens:,}" if cfg.tokens else "") + " gives"
+    more = "pass a larger calibration text with --corpus FILE"
+    try:
+        plan = make_blocks(tokenizer, corpus.calibration, seq_len=cfg.seq_len, max_tokens=cfg.tokens, **cfg.blocking)
+    except CorpusTooSmall as e:
+        if not e.seqs:
+            raise OscarError(f"{where} {e.tokens:,} tokens, less than one sequence of --seq-len {cfg.seq_len}; "
+                             f"{more}, or a smaller --seq-len") from None
+        raise OscarError(f"--blocks {cfg.blocks} asks for more than the calibration split gives: {where} "
+                         f"{_supply(e.tokens, e.seqs, e.seq_len, 1)}; {more}, or at most --blocks {e.seqs}") from None
+    if cfg.tokens and cfg.tokens > plan.supply_tokens:
+        # Refused rather than quietly capped: the budget a job was sized for (`oscar plan`, `cluster render`)
+        # must be the one it calibrates on.
+        raise OscarError(f"--tokens {cfg.tokens:,} asks for more than the calibration split gives: corpus "
+                         f"{cfg.corpus!r} gives {_supply(plan.supply_tokens, plan.num_seqs, cfg.seq_len, plan.seqs_per_block)}; "
+                         f"{more}, or at most --tokens {plan.supply_tokens}")
+    return corpus, plan
+
+
 def check_servable(info) -> None:
     """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack)
     or no loader reads (a quantized checkpoint other than block FP8): before weights, in the Ray driver too."""
@@ -326,11 +356,12 @@ def check_servable(info) -> None:
 
 def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
-    check_servable(load_info(cfg.model))  # before loading weights or reading the corpus
     set_threads(cfg.threads)
-    model, tokenizer, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
-                                        dtype=_torch_dtype(cfg.dtype), device=cfg.device)
-    prepare_store(cfg, info=info, tokenizer=tokenizer)
+    # The store first (the corpus tokenized, the budget checked, nothing loaded): a job the corpus cannot
+    # supply is refused before the weights are read.
+    _, info = prepare_store(cfg, info=load_info(cfg.model))
+    model, _, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
+                                dtype=_torch_dtype(cfg.dtype), device=cfg.device)
     with WriterLock(cfg.store, range(info.num_layers)):
         store = CalibStore(cfg.store, "r+")
         return run_blocks(model, store, batch_size=cfg.batch_size, progress=progress)

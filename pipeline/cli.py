@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "command resumes; a store made for another model, corpus or config is refused.")
     add_model(p, f"preset ({EMBEDDED_MODEL}, qwen2.5-0.5b once installed, tiny-llama, tiny-qwen3, tiny-glm4-moe), "
                  "HF directory or .gguf file (default: %(default)s)")
-    p.add_argument("--corpus", default="pydoc", help="pydoc (default), or a .parquet / .jsonl / .txt file")
+    p.add_argument("--corpus", default="pydoc", help="pydoc (default, ~90k tokens), or a .parquet / .jsonl / .txt file of "
+                   "'text' or chat 'messages' records (rendered with the model's chat template); docs/calibrate.md")
     p.add_argument("--store", default="runs/calib.zarr", help="zarr store directory (default: %(default)s)")
     p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per calibration sequence (the default of `oscar plan`, "
                    "`cluster render` and `run` too)")
@@ -34,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--blocks", type=positive_int, help="number of blocks (default: as many as --block-tokens gives)")
     g.add_argument("--block-tokens", type=positive_int, help="tokens per block (default 16384)")
     g.add_argument("--seqs-per-block", type=positive_int, help="sequences per block (default: from --block-tokens)")
-    p.add_argument("--tokens", type=positive_int, help="cap on calibration tokens (default: the whole calibration split)")
+    p.add_argument("--tokens", type=positive_int, help="cap on calibration tokens (default: the whole calibration split; "
+                   "more than the split gives is refused)")
     p.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=positive_int, default=1,
                    help="sequences per forward pass (--micro-batch: the same, as `oscar plan` spells it)")
     p.add_argument("--reservoir", type=nonneg_int, default=256, help="seeded sample rows of q/k/v kept per block, layer and KV head")

@@ -35,6 +35,7 @@ class Corpus:
     heldout: list[str]
     heldout_fraction: float = 0.2
     source: str = ""  # path, or "pydoc_data.topics"
+    chat_records: int = 0  # 'messages' records, rendered with the tokenizer's chat template
 
     @property
     def num_chars(self) -> dict:
@@ -45,7 +46,7 @@ class Corpus:
         return {"name": self.name, "fingerprint": self.fingerprint, "split": self.split,
                 "heldout_fraction": self.heldout_fraction, "source": self.source,
                 "num_docs": {"calibration": len(self.calibration), "heldout": len(self.heldout)},
-                "num_chars": self.num_chars}
+                "num_chars": self.num_chars, **({"chat_records": self.chat_records} if self.chat_records else {})}
 
     def part(self, which: str) -> list[str]:
         if which not in ("calibration", "heldout"):
@@ -59,6 +60,14 @@ def _sha(s: str) -> str:
 
 def split_documents(docs: list[tuple[str, str]], heldout_fraction: float) -> tuple[list[str], list[str]]:
     """(key, text) pairs -> (calibration, heldout) texts; each part keeps the input order."""
+    held = heldout_indices(docs, heldout_fraction)
+    cal = [t for i, (_, t) in enumerate(docs) if i not in held]
+    ho = [t for i, (_, t) in enumerate(docs) if i in held]
+    return cal, ho
+
+
+def heldout_indices(docs: list[tuple[str, str]], heldout_fraction: float) -> set[int]:
+    """The indices of `docs` ((key, text) pairs) that `split_documents` puts in the held-out part."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise OscarError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     total = sum(len(t) for _, t in docs)
@@ -71,14 +80,35 @@ def split_documents(docs: list[tuple[str, str]], heldout_fraction: float) -> tup
             chars += len(docs[i][1])
     if not held and heldout_fraction > 0 and len(docs) > 1:  # every document is larger than the target
         held.append(order[0])
-    held = set(held)
-    cal = [t for i, (_, t) in enumerate(docs) if i not in held]
-    ho = [t for i, (_, t) in enumerate(docs) if i in held]
-    return cal, ho
+    return set(held)
 
 
-def _read_docs(path: str) -> list[tuple[str, str]]:
-    """(key, text) documents of a user corpus; key = sha256 of the text (duplicates split together)."""
+def _check_messages(m, where: str) -> list[dict]:
+    """A chat record's messages: a non-empty list of {role, content} string pairs (extra keys are kept)."""
+    if (not isinstance(m, list) or not m
+            or not all(isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str)
+                       for x in m)):
+        raise OscarError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}} objects")
+    return m
+
+
+def _record(obj: dict, where: str):
+    """One record's document: its 'text' (str) or its 'messages' (list); None for a blank record."""
+    text, msgs = obj.get("text"), obj.get("messages")
+    if text is not None and msgs is not None:
+        raise OscarError(f"{where}: a record has either a 'text' or a 'messages' field, not both")
+    if msgs is not None:
+        return _check_messages(msgs, where)
+    if not isinstance(text, str):
+        raise OscarError(f"{where}: each record must be an object with a string 'text' field or a 'messages' list")
+    return text
+
+
+def _read_docs(path: str) -> list[tuple[str, str | list]]:
+    """(where, document) records of a user corpus, in file order: a text (str) or chat messages (list).
+
+    ``where`` names the record in messages: ``path:line`` (JSONL) or ``path row N`` (parquet, 1-based).
+    """
     if not os.path.exists(path):
         raise OscarError(f"corpus file not found: {path}")
     if os.path.isdir(path):
@@ -90,11 +120,18 @@ def _read_docs(path: str) -> list[tuple[str, str]]:
                 schema = pq.read_schema(path)
             except Exception as e:
                 raise OscarError(f"cannot read parquet corpus {path}: {e}") from None
-            if "text" not in schema.names:
-                raise OscarError(f"parquet corpus {path} has no 'text' column (columns: {', '.join(schema.names)})")
-            texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+            cols = [c for c in ("text", "messages") if c in schema.names]
+            if not cols:
+                raise OscarError(f"parquet corpus {path} has no 'text' or 'messages' column "
+                                 f"(columns: {', '.join(schema.names)})")
+            rows = pq.read_table(path, columns=cols).to_pylist()
+            recs = []
+            for n, row in enumerate(rows, 1):
+                if row.get("text") is None and row.get("messages") is None:
+                    continue  # a null row, as a blank line in JSONL
+                recs.append((f"{path} row {n}", _record(row, f"{path} row {n}")))
         elif low.endswith((".jsonl", ".ndjson")):
-            texts = []
+            recs = []
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
@@ -103,42 +140,138 @@ def _read_docs(path: str) -> list[tuple[str, str]]:
                         obj = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise OscarError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-                    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                        raise OscarError(f"{path}:{n}: each line must be an object with a string 'text' field")
-                    texts.append(obj["text"])
+                    if not isinstance(obj, dict):
+                        raise OscarError(f"{path}:{n}: each line must be an object with a string 'text' field "
+                                         "or a 'messages' list")
+                    recs.append((f"{path}:{n}", _record(obj, f"{path}:{n}")))
         elif low.endswith(".json"):
             raise OscarError(f"{path}: JSON corpora must be JSON Lines (.jsonl, one {{\"text\": ...}} per line)")
         else:  # plain text: documents separated by blank lines
             with open(path, encoding="utf-8") as f:
-                texts = re.split(r"\n[ \t]*\n", f.read())
+                recs = [(path, t) for t in re.split(r"\n[ \t]*\n", f.read())]
     except UnicodeDecodeError as e:
         raise OscarError(f"corpus {path} is not UTF-8 text: {e}") from None
     except PermissionError:
         raise OscarError(f"corpus file is not readable: {path}") from None
-    docs = [t.strip() for t in texts if isinstance(t, str)]
-    return [(_sha(t), t) for t in docs if t]
+    return [(w, d.strip() if isinstance(d, str) else d) for w, d in recs if not isinstance(d, str) or d.strip()]
 
 
-def load_corpus(spec: str = "pydoc", heldout_fraction: float = 0.2) -> Corpus:
-    """``pydoc`` (CPython's pydoc_data.topics) or a path to .parquet (text column), .jsonl (text field) or text."""
+def render_chat(tokenizer, messages: list[dict], where: str) -> str:
+    """A chat record as the text the model is served: its tokenizer's chat template, untokenized."""
+    if tokenizer is None:
+        raise OscarError(f"{where}: 'messages' records are rendered with the model's chat template; this command "
+                         "reads the corpus without a tokenizer: give it 'text' records")
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise OscarError(f"{where}: a 'messages' record needs a chat template, and the tokenizer {name!r} has none; "
+                         "give this corpus as 'text' records")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as e:  # a template may refuse a record (e.g. roles that do not alternate)
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OscarError(f"{where}: the chat template refuses this record: {why}") from None
+
+
+def _keyed_docs(spec: str) -> tuple[list[tuple[str, str]], dict[int, tuple[str, list]], str, str]:
+    """(docs as (key, text) pairs, chat records by index in docs -> (where, messages), name, source).
+
+    A chat record's text is its canonical JSON until rendered: what the split sees."""
+    chat: dict[int, tuple[str, list]] = {}
     if spec == "pydoc":
         docs = [(k, topics[k].strip()) for k in sorted(topics)]
         name, source = "pydoc", "pydoc_data.topics"
     else:
         path = os.path.expanduser(spec)
-        docs = _read_docs(path)
+        docs = []
+        for where, d in _read_docs(path):
+            if isinstance(d, list):
+                chat[len(docs)] = (where, d)
+                d = json.dumps(d, sort_keys=True, ensure_ascii=False)
+            docs.append((_sha(d), d))  # key = sha256 of the text: duplicates split together
         name, source = os.path.basename(path), os.path.abspath(path)
-    docs = [(k, t) for k, t in docs if t.strip()]
     if not docs:
         raise OscarError(f"corpus {spec!r} is empty: no non-blank text")
-    cal, ho = split_documents(docs, heldout_fraction)
+    return docs, chat, name, source
+
+
+def first_chat_record(spec: str) -> str | None:
+    """Where the first 'messages' record of corpus `spec` is (``path:line``), or None: for the commands that
+    read a corpus without a tokenizer, to refuse a chat corpus before any work."""
+    if spec == "pydoc":
+        return None
+    _, chat, _, _ = _keyed_docs(spec)
+    return chat[min(chat)][0] if chat else None
+
+
+def load_corpus(spec: str = "pydoc", heldout_fraction: float = 0.2, tokenizer=None) -> Corpus:
+    """``pydoc`` (CPython's pydoc_data.topics) or a path to .parquet (text / messages columns), .jsonl (text /
+    messages fields) or text.
+
+    A chat record (``messages``) is rendered with `tokenizer`'s chat template after the split: the split
+    sees its canonical JSON, so which record is held out does not depend on the model, while the
+    fingerprint covers the rendered text (another template, another corpus fingerprint).
+    """
+    docs, chat, name, source = _keyed_docs(spec)
+    held = heldout_indices(docs, heldout_fraction)
+    texts = [render_chat(tokenizer, chat[i][1], chat[i][0]) if i in chat else t for i, (_, t) in enumerate(docs)]
+    cal = [t for i, t in enumerate(texts) if i not in held]
+    ho = [t for i, t in enumerate(texts) if i in held]
     rule = SPLIT_RULE.format(f=heldout_fraction)
     fp = fingerprint({"calibration": _sha("\x00".join(cal)), "heldout": _sha("\x00".join(ho)), "split": rule})
     return Corpus(name=name, fingerprint=fp, split=rule, calibration=cal, heldout=ho,
-                  heldout_fraction=heldout_fraction, source=source)
+                  heldout_fraction=heldout_fraction, source=source, chat_records=len(chat))
+
+
+# ---------------------------------------------------------------- size without a tokenizer
+
+# Characters per token of pydoc's calibration split under SmolLM2's tokenizer (372,007 characters,
+# 89,817 tokens); a manifest is sized before any tokenizer is at hand. Another tokenizer is assumed to
+# land within TOKENS_UNCERTAINTY of the estimate: a budget is refused only beyond that.
+CHARS_PER_TOKEN = 4.14
+TOKENS_UNCERTAINTY = 0.5
+
+
+@dataclass
+class SizeEstimate:
+    name: str
+    chars: int   # characters of the calibration split
+    tokens: int  # chars / CHARS_PER_TOKEN
+
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens a tokenizer is assumed to get out of it (the estimate plus its uncertainty)."""
+        return int(self.tokens * (1 + TOKENS_UNCERTAINTY))
+
+    def describe(self) -> str:
+        return (f"corpus {self.name!r}: calibration split of {self.chars:,} characters, about {self.tokens:,} tokens "
+                f"({CHARS_PER_TOKEN} characters per token on SmolLM2's tokenizer; another tokenizer assumed "
+                f"within {TOKENS_UNCERTAINTY:.0%})")
+
+
+def estimate_size(spec: str, heldout_fraction: float = 0.2) -> SizeEstimate | None:
+    """The calibration split's size in characters and estimated tokens, without a tokenizer; None for a
+    file not readable here."""
+    if spec != "pydoc" and not os.path.isfile(os.path.expanduser(spec)):
+        return None
+    docs, chat, _, _ = _keyed_docs(spec)
+    held = heldout_indices(docs, heldout_fraction)
+    # A chat record counts its contents only: a lower bound of the rendered text (the template adds role
+    # markers), so the estimate never refuses a budget because of a template.
+    chars = sum(sum(len(m["content"]) for m in chat[i][1]) if i in chat else len(t)
+                for i, (_, t) in enumerate(docs) if i not in held)
+    return SizeEstimate(spec, chars, round(chars / CHARS_PER_TOKEN))
 
 
 # ---------------------------------------------------------------- blocks
+
+
+class CorpusTooSmall(OscarError):
+    """A block plan asks for more than the text gives; `tokens` / `seqs` say what it gives (real tokens,
+    sequences of `seq_len` with at least one), for the caller to word the refusal in its own flags."""
+
+    def __init__(self, msg: str, *, tokens: int, seqs: int, seq_len: int):
+        super().__init__(msg)
+        self.tokens, self.seqs, self.seq_len = tokens, seqs, seq_len
 
 
 @dataclass
@@ -155,6 +288,7 @@ class BlockPlan:
     add_bos: bool = False
     num_seqs: int = 0  # sequences with at least one real token
     corpus_tokens: int = 0  # tokens in the whole (uncapped) stream
+    supply_tokens: int = 0  # real tokens (BOS included) the whole stream gives before max_tokens
     meta: dict = field(default_factory=dict)
 
     @property
@@ -221,8 +355,8 @@ def make_blocks(tokenizer, texts: list[str], *, seq_len: int, seqs_per_block: in
     stream = _token_stream(tokenizer, texts)  # (N,)
     body = seq_len - int(add_bos)
     if len(stream) < body:
-        raise OscarError(f"corpus too small: {len(stream)} tokens, one sequence of seq_len={seq_len} needs {body}"
-                         + (" after BOS" if add_bos else ""))
+        raise CorpusTooSmall(f"corpus too small: {len(stream)} tokens, one sequence of seq_len={seq_len} needs {body}"
+                         + (" after BOS" if add_bos else ""), tokens=len(stream), seqs=0, seq_len=seq_len)
     n_seq = -(-len(stream) // body)
     seqs = np.full((n_seq, seq_len), pad, dtype=np.int64)  # (N_seq, T)
     mask = np.zeros((n_seq, seq_len), dtype=np.uint8)
@@ -235,6 +369,7 @@ def make_blocks(tokenizer, texts: list[str], *, seq_len: int, seqs_per_block: in
     if add_bos:
         seqs[:, 0] = tokenizer.bos_token_id
         mask[:, 0] = 1
+    supply = int(mask.sum())
     if max_tokens is not None:  # cap real tokens in stream order (row-major over sequences)
         keep = np.cumsum(mask.reshape(-1)) <= max_tokens
         mask = (mask.reshape(-1) * keep).reshape(mask.shape).astype(np.uint8)
@@ -249,7 +384,9 @@ def make_blocks(tokenizer, texts: list[str], *, seq_len: int, seqs_per_block: in
     n_seq = len(seqs)
     if num_blocks is not None:
         if num_blocks > n_seq:
-            raise OscarError(f"num_blocks={num_blocks} but the corpus gives only {n_seq} sequences of {seq_len} tokens")
+            raise CorpusTooSmall(f"num_blocks={num_blocks} but the corpus gives only {n_seq} sequences of {seq_len} "
+                                 f"tokens ({int(mask.sum()):,} tokens)", tokens=int(mask.sum()), seqs=n_seq,
+                                 seq_len=seq_len)
         S = n_seq // num_blocks  # exactly num_blocks equal blocks; the < num_blocks leftover sequences are dropped
         seqs, mask = seqs[: S * num_blocks], mask[: S * num_blocks]
         n_seq = len(seqs)
@@ -264,4 +401,4 @@ def make_blocks(tokenizer, texts: list[str], *, seq_len: int, seqs_per_block: in
     return BlockPlan(tokens=tok.reshape(B, S, seq_len), mask=msk.reshape(B, S, seq_len), seq_len=int(seq_len),
                      seqs_per_block=int(S), num_tokens=int(msk.sum()), pad_id=pad,
                      eos_id=tokenizer.eos_token_id, add_bos=bool(add_bos), num_seqs=int(n_seq),
-                     corpus_tokens=int(len(stream)))
+                     corpus_tokens=int(len(stream)), supply_tokens=supply)

@@ -33,10 +33,11 @@ def bad(tmp_path_factory) -> dict[str, str]:
     (d / "junkdir" / "x.txt").write_text("x")
     (d / "junk.zarr").mkdir()
     (d / "junk.zarr" / "zarr.json").write_text("{not json")
+    (d / "chat.jsonl").write_text('{"text": "prose"}\n{"messages": [{"role": "user"}]}\n')
     (d / "other.zarr").mkdir()
     (d / "other.zarr" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {"format": "x"}}')
     return {k: str(d / k) for k in ("junk.bin", "junk.safetensors", "junk.gguf", "junk.parquet", "junk.json",
-                                    "junk.yaml", "junkdir", "junk.zarr", "other.zarr")} | {
+                                    "junk.yaml", "junkdir", "junk.zarr", "other.zarr", "chat.jsonl")} | {
         "missing": str(d / "missing"), "tmp": str(d), "nodir": str(d / "no_such_dir" / "a.safetensors")}
 
 
@@ -48,6 +49,9 @@ CASES = [
     ["calibrate", "--model", "tiny-llama", "--store", "{junk.bin}"],
     ["calibrate", "--model", "tiny-llama", "--store", "{junkdir}"],
     ["calibrate", "--seq-len", "0"],
+    ["calibrate", "--model", "tiny-llama", "--blocks", "999", "--store", "{tmp}/s5.zarr"],  # more than pydoc gives
+    ["calibrate", "--model", "tiny-llama", "--tokens", "99999999", "--store", "{tmp}/s6.zarr"],
+    ["calibrate", "--model", "tiny-llama", "--corpus", "{chat.jsonl}", "--store", "{tmp}/s7.zarr"],
     ["inspect", "{missing}"], ["inspect", "{junk.bin}"], ["inspect", "{junk.safetensors}"], ["inspect", "{junk.zarr}"],
     ["inspect", "{junkdir}"], ["inspect", "{other.zarr}"],
     ["verify", "{missing}"], ["verify", "{junk.zarr}"], ["verify", "{junkdir}"], ["verify", "{junk.bin}"],
@@ -77,6 +81,7 @@ CASES = [
     ["ablate", "--out", "{tmp}/ab", "--smoke", "--regimes", "real", "--store", "{junk.zarr}"],
     ["plan", "--model", "{missing}", "--stages", "1"], ["plan", "--model", "{junk.json}", "--stages", "1"],
     ["plan", "--model", "tiny-llama", "--stages", "0"],
+    ["plan", "--model", "tiny-llama", "--stages", "1", "--blocks", "64"],  # more than pydoc gives
     ["submit", "{missing}"], ["submit", "{junk.yaml}"], ["submit", "{junk.bin}"],
     ["status", "{missing}"], ["status", "{junk.zarr}"], ["status", "{other.zarr}"],
     ["report", "{missing}"], ["report", "{junkdir}"], ["report", "{junk.bin}"],

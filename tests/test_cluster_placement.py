@@ -133,7 +133,7 @@ def test_balance_by_time_respects_memory():
     assert balance_by_time([1, 1, 1, 3], [1, 1, 1, 1], 2, budget=1) is None
 
 
-def test_glm47_on_two_nodes_of_eight_h100_uses_sixteen_stages(capsys):
+def test_glm47_on_two_nodes_of_eight_h100_uses_sixteen_stages(capsys, tmp_path):
     c = load_model_config("glm-4.7")
     p = plan_placed(c, PlanConfig(stages=1, gpu_mem_gib=H100.mem_gib), nodes=2, gpus_per_node=8)
     pl = p.placement
@@ -147,7 +147,10 @@ def test_glm47_on_two_nodes_of_eight_h100_uses_sixteen_stages(capsys):
 
     old = make_plan(c, PlanConfig(stages=2, gpus_per_stage=8, gpu_mem_gib=80)).estimate
     assert old["wall_seconds"] > 6 * e["wall_seconds"]
-    assert main(["plan", "--model", "glm-4.7", "--nodes", "2", "--gpus-per-node", "8", "--gpu", "h100"]) == 0
+    big_corpus = tmp_path / "big.txt"  # about 2 M tokens: the 64 blocks the figures below are for
+    big_corpus.write_text("\n\n".join(f"Paragraph {i}. " + "Some calibration prose here. " * 40 for i in range(9000)))
+    assert main(["plan", "--model", "glm-4.7", "--nodes", "2", "--gpus-per-node", "8", "--gpu", "h100",
+                 "--blocks", "64", "--corpus", str(big_corpus)]) == 0
     out = capsys.readouterr().out
     assert "placement: 1 replica(s) x 16 stage(s) x 1 GPU(s) on 2 node(s) x 8 GPUs (0 idle" in out
     assert "pipeline efficiency 97.2% (M/(M+P-1), M = 512 micro-batches per replica, P = 16)" in out

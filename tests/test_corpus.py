@@ -97,7 +97,7 @@ def test_user_corpus_errors(tmp_path):
     with pytest.raises(OscarError, match="empty"):
         C.load_corpus(str(tmp_path / "blank.txt"))
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
-    with pytest.raises(OscarError, match="no 'text' column.*body"):
+    with pytest.raises(OscarError, match="no 'text' or 'messages' column.*body"):
         C.load_corpus(str(tmp_path / "nocol.parquet"))
     pq.write_table(pa.table({"text": ["", "  ", None]}), tmp_path / "empty.parquet")
     with pytest.raises(OscarError, match="empty"):
