@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-CLOCK = {"seconds", "time_s", "elapsed_s", "wall_s", "host", "created", "created_at", "timestamp"}
+CLOCK = {"seconds", "time_s", "elapsed_s", "wall_s", "cpu_s", "batch_wall_s", "batch_cpu_s", "host", "created", "created_at",
+         "timestamp"}
 
 
 def _strip(x):
