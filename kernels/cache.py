@@ -34,7 +34,6 @@ kernels/rowbatch.py).
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import fields, replace
 from pathlib import Path

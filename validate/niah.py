@@ -51,7 +51,7 @@ from oscar.stats.artifact import load_artifact
 from oscar.validate import engine, env, rowbatch
 from oscar.validate.heldout import more_heldout_words
 from oscar.validate.methods import (
-    NEEDS_ARTIFACT, PROTOCOL_VERSION, PROTOCOLS, SERVING, bits_per_element, memory_row, method_artifact,
+    NEEDS_ARTIFACT, PROTOCOL_VERSION, PROTOCOLS, SERVING, bits_per_element, memory_row,
     parse_methods, resolve_methods, uncalibrated_warning,
 )
 from oscar.validate.ruler import TASKS, Sources, load_qa, make_sample, resolve_tasks, score_one, skipped_line

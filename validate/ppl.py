@@ -43,7 +43,7 @@ from oscar.stats.artifact import load_artifact
 from oscar.validate import engine, env
 from oscar.validate.heldout import more_heldout_words
 from oscar.validate.methods import (
-    PROTOCOL_VERSION, PROTOCOLS, bits_per_element, method_artifact, parse_methods, resolve_methods,
+    PROTOCOL_VERSION, PROTOCOLS, bits_per_element, parse_methods, resolve_methods,
     uncalibrated_warning,
 )
 from oscar.validate.niah import _Inline, load_aware_threads, load_checked
