@@ -3,9 +3,9 @@
 One SmolLM2 calibration store; then, in two processes, the recipe `oscar run` ships (fit --variant scaled, the
 clip tune, the per-layer widths to first order), once with this host's kernels (the native CPU kernels forced)
 and once with other kernels (no native kernel: torch's SDPA and ops; torch's generic vector code instead of the
-host's (`ATEN_CPU_CAPABILITY=default`); MKL held to SSE4.2 GEMMs). The discrete choices must be identical and the
-float64 objectives equal to float64 rounding; the fit's float32 clip errors may differ by reordering, which the
-tie band (oscar.common.TIE_REL) absorbs; the widths' float32 table may move where a code flips (its choice holds here).
+host's (`ATEN_CPU_CAPABILITY=default`); MKL held to SSE4.2 GEMMs). The discrete choices must be identical (clip
+candidates, the tune's factor and its ranking of the factors, the widths); the fit's float32 clip errors may differ by
+reordering, which the tie band (oscar.common.TIE_REL) absorbs; the objectives may move where a code flips.
 """
 
 import json
@@ -69,9 +69,12 @@ def test_same_store_same_recipe_whichever_kernels(store, tmp_path):
     # table rounded to TIE_REL holds here, a guarantee only where no moved entry sits at a decision (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md)
     spread = (host["err"].double() - other["err"].double()).abs()
     assert host["widths"] == other["widths"], spread.max()
-    # float64 scoring: the NLLs agree to float64 rounding through 30 layers (far below TIE_REL), not to float32's ~1 %
-    for f, v in host["nll"].items():
-        assert abs(v - other["nll"][f]) <= 1e-9 * v, (f, v, other["nll"][f])
+    # float64 scoring removes float32's reordering spread (~1 %), not a 2-bit code flipped where the two kernel sets'
+    # rotations (equal only to ~1e-6: different LAPACK paths, checked below) put a value on the other side of a rounding
+    # boundary; the objectives then move by a flip's share (measured 3.8e-5 and 1.8e-3 of 3.0 nats on one AVX2 host).
+    # What the tune uses must hold: its ranking of the factors.
+    rank = lambda nll: sorted(nll, key=lambda f: (nll[f], float(f)))  # noqa: E731  (ties: the smaller factor)
+    assert rank(host["nll"]) == rank(other["nll"]), (host["nll"], other["nll"])
     # rotations: eigenvectors of the same float64 statistics through different LAPACK paths
     for a, b in zip(host["rot_k"], other["rot_k"]):
         assert (a.double() - b.double()).abs().max() < 1e-6
