@@ -353,3 +353,15 @@ def test_atomic_build_concurrent_and_failed(tmp_path):
     os.utime(stale, (time.time() - 7 * 3600,) * 2)
     M._atomic_build(str(tmp_path / "models" / "z"), lambda tmp: M._write_marker(tmp, {"kind": "test"}))
     assert sorted(os.listdir(tmp_path / "models")) == [".tmp-z-new", "x", "z"]
+
+
+def test_load_model_dtype_by_name(monkeypatch):
+    """`dtype="auto"` is the host's compute dtype (oscar.host.compute_dtype); an unknown name is one line, refused
+    before the model is resolved or any weight read."""
+    from oscar.host import compute_dtype
+
+    model, _, _ = M.load_model("tiny-llama", dtype="auto")
+    assert next(model.parameters()).dtype == getattr(torch, compute_dtype("auto"))
+    monkeypatch.setattr(M, "resolve_model", lambda *a, **k: pytest.fail("resolved the model before checking dtype"))
+    with pytest.raises(OscarError, match=r"load_model: unknown dtype 'fp7'; known: auto, float32, bfloat16"):
+        M.load_model("tiny-llama", dtype="fp7")
