@@ -25,7 +25,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     quant = QuantConfig(bits=args.bits, group_size=args.group_size, key_axis=args.key_axis, mode=args.mode,
                         sink=args.sink, recent=args.recent, param_dtype=args.param_dtype)
-    cfg = FitConfig(variant=args.variant, quant=quant, partial=args.partial, clip=not args.no_clip,
+    cfg = FitConfig(variant=args.variant, quant=quant, partial=args.partial, blocks=args.blocks, clip=not args.no_clip,
                     reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
                     fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
 
@@ -155,6 +155,9 @@ def register(sub) -> None:
     p.add_argument("--shrinkage", default="oas", choices=("oas", "lw", "none"),
                    help="eigenvalue shrinkage when rows < 10 x head_dim: oas, lw (Ledoit-Wolf on reservoir rows), none")
     p.add_argument("--partial", action="store_true", help="fit an incomplete store from its fully done blocks only")
+    p.add_argument("--blocks", type=positive_int, default=None,
+                   help="fit the store's first N done blocks only (a budget study's prefixes of one calibration; "
+                        "default: every done block)")
     p.add_argument("--bits", type=int_between(1, 8), default=2, help="bits per stored K/V element")
     p.add_argument("--group-size", type=positive_int, default=None,
                    help="elements per quantization group (default: head_dim for per-token groups, page_size tokens "

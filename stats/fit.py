@@ -44,6 +44,9 @@ class FitConfig:
     stability_min: float = 0.5  # median mean-cos² of the leading subspace across blocks
     fallback: str = "hadamard"  # rotation for an unstable head: hadamard | none
     partial: bool = False
+    # Fit the first N done blocks only (None: all): how a budget study fits prefixes of one calibration
+    # (bench/calib_budget.py); the artifact's provenance lists the blocks used.
+    blocks: int | None = None
     seed: int = 0
     progress: bool = True
     threads: int | None = None  # torch intra-op threads for the clip search (None: leave as is)
@@ -286,6 +289,11 @@ def fit(store_path: str, cfg: FitConfig | None = None) -> Artifact:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     view = open_store(store_path, partial=cfg.partial, log=_log)
+    if cfg.blocks is not None:
+        if not 1 <= cfg.blocks <= len(view.blocks):
+            raise OscarError(f"--blocks {cfg.blocks}: {store_path} has {len(view.blocks)} done block(s); "
+                             f"pass 1..{len(view.blocks)}")
+        view.blocks = view.blocks[:cfg.blocks]
     variant = get_variant(cfg.variant)
     L = view.num_layers
     fmt = _format(store_path, view, variant, cfg)
