@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--corpus", default="pydoc")
     ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--blocks", type=int, default=22, help="largest budget, in blocks of one sequence (pydoc: 22)")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="largest budget, in blocks of one sequence (default: every sequence the corpus gives; pydoc: 22)")
     ap.add_argument("--budgets", default="4,8,16", help="smaller budgets, in blocks")
     ap.add_argument("--ppl-context", type=int, default=1024)
     ap.add_argument("--ppl-tokens", type=int, default=8192)
@@ -66,13 +67,14 @@ def main(argv=None) -> int:
                     "(a rerun resumes: the store, each fit and each result are kept)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    budgets = sorted({int(b) for b in a.budgets.split(",")} | {a.blocks})
     os.makedirs(a.work, exist_ok=True)
     store = os.path.join(a.work, "calib.zarr")
     t0 = time.perf_counter()
     calibrate(CalibConfig(model=a.model, corpus=a.corpus, store=store, seq_len=a.seq_len, seqs_per_block=1,
-                          tokens=a.blocks * a.seq_len), progress=True)  # resumes block by block
+                          tokens=a.blocks * a.seq_len if a.blocks else None), progress=True)  # resumes block by block
     calib_s = time.perf_counter() - t0
+    most = len(open_store(store, log=lambda m: None).blocks)
+    budgets = sorted({int(b) for b in a.budgets.split(",") if int(b) < most} | {most})
 
     arts, fit_s = {}, {}
     for b in budgets:

@@ -22,9 +22,10 @@ def main(argv=None) -> int:
     from scipy.stats import pearsonr, spearmanr
 
     from oscar.stats.artifact import load_artifact
-    from oscar.validate import codebooks as cb
+    from oscar import widths as wd
     from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, layer_copy_errors, layer_copy_gradients
+    from oscar.tune import TuneConfig
+    from oscar.widths import layer_copy_errors, layer_copy_gradients
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
     cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
-    opts = cb.COPY_OPTIONS
+    opts = wd.COPY_OPTIONS
     t0 = time.perf_counter()
     meas = layer_copy_errors(model, tok, art, opts, cfg, log=args.log, progress=not args.no_progress)
     t1 = time.perf_counter()
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
                                     "spearman": round(float(spearmanr(meas[:, o], est[:, o])[0]), 4)}
     picks = {}
     for name, err in (("measured", meas), ("estimated", est)):
-        a = cb.layer_artifact(art, opts, "oscar-layer-copy-int2", err)
+        a = wd.layer_artifact(art, opts, "oscar-layer-copy-int2", err)
         w = [opts.index(tuple(x)) for x in a.meta["codec"]["widths"]]
         picks[name] = w
         res[name + "_widths"] = {"key_bits": [opts[o][0] for o in w],

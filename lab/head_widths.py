@@ -1,7 +1,7 @@
 """Per-layer key widths at head granularity: would key widths per KV head beat widths per layer at the same
 bits? The copy probe to first order (`validate.tune.layer_copy_gradients(heads=True)`) splits each layer's
 copied-span NLL change at 3 / 4 bits into its KV heads' shares at no extra cost. Widths are chosen by the same DP
-(`codebooks.layer_widths`, the same option costs and 2.5-bit budget) over layers or over (layer, head) units on
+(`oscar.widths.layer_widths`, the same option costs and 2.5-bit budget) over layers or over (layer, head) units on
 half of the copy windows and scored on the other half (and the other way round): a finer choice that only fits
 the estimate's noise scores no better on the windows it did not see (per held-out window, heads − layers, with a
 t interval over the windows), and by how many windows the choice read. First order only: a predicted NLL change on
@@ -20,13 +20,13 @@ import time
 
 
 def option_costs(art, opts):
-    """(O,) bits per element of each (key bits, value bits) option, as `codebooks.layer_artifact`'s DP counts them."""
+    """(O,) bits per element of each (key bits, value bits) option, as `oscar.widths.layer_artifact`'s DP counts them."""
     import numpy as np
 
     from oscar.validate import codebooks as cb
 
     D = art.head_dim
-    return np.array([0.5 * (cb._layer_spec(art, kb).bits_per_element(D) + cb._layer_spec(art, vb).bits_per_element(D))
+    return np.array([0.5 * (cb.layer_spec(art, kb).bits_per_element(D) + cb.layer_spec(art, vb).bits_per_element(D))
                      for kb, vb in opts])
 
 
@@ -49,10 +49,12 @@ def _table(recs, idx):
 def main(argv=None) -> int:
     import numpy as np
 
+    from oscar import widths as wd
     from oscar.stats.artifact import load_artifact
     from oscar.validate import codebooks as cb
     from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, layer_copy_gradients
+    from oscar.tune import TuneConfig
+    from oscar.widths import layer_copy_gradients
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     art = load_artifact(args.artifact)
     model, tok, _ = load_model(args.model)
-    opts = cb.COPY_OPTIONS
+    opts = wd.COPY_OPTIONS
     logged = sum(1 for _ in open(args.log)) if os.path.exists(args.log) else 0  # windows a previous run computed
     t0 = time.perf_counter()
     est = layer_copy_gradients(model, tok, art, opts, TuneConfig(copy_windows=args.windows, copy_length=args.length),
@@ -77,11 +79,11 @@ def main(argv=None) -> int:
     budget = cb.oscar_bits(art)
 
     def pick_layers(t):  # (L, H, O) -> (L, H) option per unit, one per layer
-        p = cb.layer_widths(t.sum(1), np.tile(cost, (L, 1)), budget)
+        p = wd.layer_widths(t.sum(1), np.tile(cost, (L, 1)), budget)
         return np.repeat(np.array(p)[:, None], H, 1)
 
     def pick_heads(t):
-        return np.array(cb.layer_widths(t.reshape(L * H, O), np.tile(cost, (L * H, 1)), budget)).reshape(L, H)
+        return np.array(wd.layer_widths(t.reshape(L * H, O), np.tile(cost, (L * H, 1)), budget)).reshape(L, H)
 
     def score(t, p):  # summed NLL change per token of the choice p under table t
         return float(np.take_along_axis(t, p[..., None], 2).sum())

@@ -1,6 +1,6 @@
 """The commands that compose stages with reports: `oscar run` (the main job, oscar/run.py) and `oscar ablate`
-(the synthetic ablation, oscar.validate.ablation, then its report); and the handlers of `oscar validate tune /
-widths`, which write an artifact. Like oscar/run.py this may import every stage."""
+(the synthetic ablation, oscar.validate.ablation, then its report); and the handler of `oscar fit`, whose recipe
+(oscar/recipe.py) reads the model through the INT2 cache. Like oscar/run.py this may import every stage."""
 
 from __future__ import annotations
 
@@ -8,74 +8,69 @@ import argparse
 import dataclasses
 import os
 
-from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out
-from oscar.common import OscarError, nonneg_int, positive_float, positive_int
-from oscar.defaults import TUNE_OBJECTIVES
+from oscar.cli_options import (DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out,
+                                add_recipe)
+from oscar.common import OscarError, nonneg_int, positional_or_option, positive_float, positive_int
 from oscar.validate.cli import _qa_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     _register_run(sub)
     _register_ablate(sub)
-    _attach_validate_writers(sub)
+    _attach_fit_recipe(sub)
 
 
-def _attach_validate_writers(sub: argparse._SubParsersAction) -> None:
-    """`oscar validate tune` and `oscar validate widths` end by writing an artifact: their parsers are validation's
-    (validate/cli.py), their handlers live here, beside the main job, since validate/ writes no artifact."""
-    v = sub.choices.get("validate")
-    if v is None:  # the validate stage's CLI is not registered
-        return
-    vs = next(a for a in v._actions if isinstance(a, argparse._SubParsersAction))
-    vs.choices["tune"].set_defaults(func=_validate_tune)
-    vs.choices["widths"].set_defaults(func=_validate_widths)
+def _attach_fit_recipe(sub: argparse._SubParsersAction) -> None:
+    """`oscar fit` makes the shipped recipe: the fit (stats/), then the tune and the widths, which read the model
+    through the INT2 cache (oscar/recipe.py). Its parser is the fit stage's (stats/cli.py), its handler lives here,
+    beside the main job, since stats/ imports no later stage."""
+    p = sub.choices.get("fit")
+    if p is not None:
+        p.set_defaults(func=_fit)
 
 
-def _validate_tune(args) -> int:
+def _fit(args) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate.cli import _csv
-    from oscar.validate.engine import check_engine, resolve_device
-    from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, tune_key_clip
+    from oscar.stats.cli import fit_command, fit_config
 
-    cfg = TuneConfig(factors=tuple(float(x) for x in _csv(args.factors)), tokens=args.tokens, protocol=args.protocol,
-                     corpus=args.corpus, objective=args.objective, nll_slack=args.nll_slack,
-                     copy_windows=args.copy_windows)
-    check_engine(args.engine)
-    resolve_device(args.device)  # before loading weights
-    art = load_artifact(args.artifact)
-    model, tok, _ = load_model(args.model)
-    tuned, rec = tune_key_clip(model, tok, art, cfg, progress=not args.no_progress, engine=args.engine,
-                               device=args.device)
-    save_artifact(tuned, args.out)
-    copy = rec.get("copy_nll_per_token", {})
-    for f, v in rec["nll_per_token"].items():
-        c = f"  copy NLL/token {copy[f]:.5f}" if f in copy else ""
-        print(f"factor {f}: NLL/token {v:.5f}{c}{'  <- chosen' if float(f) == rec['chosen_factor'] else ''}")
-    print(f"{args.out}: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> {rec['mean_clip_k_after']:.3f})")
-    return 0
-
-
-def _validate_widths(args) -> int:
+    if args.no_tune and args.widths == "none":  # the plain fit: no model read
+        return fit_command(args)
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.kernels.memory import artifact_bits_per_element
-    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.recipe import RecipeConfig, RecipePaths, Stages, run_recipe, store_inputs
+    from oscar.stats.artifact import load_artifact
+    from oscar.validate.engine import check_engine, resolve_device
     from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, copy_widths_artifact
 
-    art = load_artifact(args.artifact)
-    model, tok, _ = load_model(args.model)
-    cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
-    log = args.out + (".probes.jsonl" if args.estimate == "probe" else ".gradients.jsonl")
-    out, err = copy_widths_artifact(model, tok, art, cfg, log=log, progress=not args.no_progress, estimate=args.estimate)
-    save_artifact(out, args.out)
-    for l in range(out.num_layers):
-        q = out.quant_for(l)
-        kb = q.bits + (q.key_top if q.key_split else 0)
-        print(f"layer {l:3d}: {kb}-bit keys  copy NLL change ({args.estimate}) at 3 / 4 bits {err[l, 1]:+.4f} / {err[l, 2]:+.4f}")
-    print(f"{args.out}: {artifact_bits_per_element(out):.3f} bits per element (memory accounting; "
-          f"{artifact_bits_per_element(art):.3f} for {args.artifact})")
+    store = positional_or_option(args, "store", "--store")
+    if args.variant == "split":
+        raise OscarError(f"oscar fit: --widths {args.widths} and the tune work on a one-group fit; --variant split "
+                         "already splits the keys (pass --no-tune --widths none for the split fit alone)")
+    fcfg = fit_config(args)
+    check_engine(args.engine)
+    resolve_device(args.device)  # before loading weights
+    name, corpus, fp_cal = store_inputs(store)  # an unreadable store is refused before any model is loaded
+    rcfg = RecipeConfig(tune=not args.no_tune, objective=args.tune_objective, widths=args.widths, corpus=corpus,
+                        engine=args.engine, device=args.device, progress=not args.no_progress)
+    stem = args.out[:-len(".safetensors")] if args.out.endswith(".safetensors") else args.out
+    work = stem + ".recipe"  # the steps' artifacts, markers and logs: a rerun resumes from them
+    os.makedirs(work, exist_ok=True)
+    paths = RecipePaths(fit=os.path.join(work, "fit.safetensors"),
+                        tuned=os.path.join(work, "tuned.safetensors") if args.widths != "none" else args.out,
+                        out=args.out, logs=work)
+    loaded: list = []
+
+    def model():
+        if not loaded:
+            loaded.append(load_model(args.model or name))
+        return loaded[0]
+
+    run_recipe(store, paths, fcfg, rcfg, Stages(work), fp_cal, model)
+    art = load_artifact(args.out)
+    tuning = art.meta.get("clip_tuning") or {}
+    print(f"{args.out}: variant {art.meta['variant']}, {art.num_layers} layers x {art.num_kv_heads} KV heads x D "
+          f"{art.head_dim}" + (f", key clips x{tuning['chosen_factor']}" if tuning else "") +
+          f", {artifact_bits_per_element(art):.3f} bits per element (steps in {work})")
     return 0
 
 
@@ -104,15 +99,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "at 4k: 12 windows at 1k, 3 at 4k; default 8192; slower)")
     r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default scaled, "
                    "split with --widths none)")
-    r.add_argument("--widths", default="gradient", choices=("none", "copy", "gradient"),
-                   help="per-layer key widths, chosen after the tune by the NLL of spans copied from the INT2 "
-                        "history of calibration text with one layer's keys at 3 / 4 bits, served as a per-layer "
-                        "artifact at the same bits: gradient = that NLL change to first order (default; ~2.5 min for "
-                        "SmolLM2 on 2 CPUs); copy = measured layer by layer (`oscar validate widths`, ~35 min); none = "
-                        "the tuned fit (split keys)")
-    r.add_argument("--no-tune", action="store_true", help="keep the fit's key clips (skip `oscar validate tune`)")
-    r.add_argument("--tune-objective", default="nll", choices=TUNE_OBJECTIVES,
-                   help="what the key-clip tune minimises (`oscar validate tune --objective`; default %(default)s)")
+    add_recipe(r)
     r.add_argument("--tasks", default="niah_single_1,niah_single_2",
                    help="RULER tasks of the needle stage (`oscar validate niah --tasks`): a comma list, or 'all' "
                         "(every task the inputs allow: qa_1 / qa_2 only with --squad / --hotpotqa; the others skipped "

@@ -9,13 +9,14 @@ leaf: argparse and the other leaves only, so every stage may import it.
 
 Where commands differ (kept as they were; tests/test_cli_consistency.py names them):
 - --model: `plan` requires it and reads a config only; `cluster render` has no default (the path the nodes see);
-  `import` has none (the model whose fingerprint is checked); `calibrate` and `bench memory` word their help.
+  `import` has none (the model whose fingerprint is checked); `fit` has none (the store's model); `calibrate` and
+  `bench memory` word their help.
 - --methods: `validate attention` defaults to naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2 (no bf16,
   no oscar-kc-int2); `run` words its help (the methods beyond the default).
 - --device: `calibrate` takes any torch device string (no CUDA check up front), so it has its own help.
 - --stages: `plan` requires it, `plan` and `cluster render` parse a plain int, `calibrate --ray` a positive one.
-- --out: a file for fit, import, validate tune / widths and bench memory (optional there), a directory elsewhere.
-- --artifact: required by validate tune / widths; `export` also takes it as a positional.
+- --out: a file for fit, import and bench memory (optional there), a directory elsewhere.
+- --artifact: `export` also takes it as a positional.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Callable
 
 from oscar.common import positive_int
 from oscar.defaults import DEFAULT_METHODS as _DEFAULT_METHODS
-from oscar.defaults import EMBEDDED_MODEL
+from oscar.defaults import EMBEDDED_MODEL, TUNE_OBJECTIVES
 
 DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)  # --methods' default, as typed on the command line
 # The formats `oscar export` writes and `oscar import` reads (stats/interop.py), named here so their CLI lists
@@ -49,6 +50,9 @@ RAY_HELP = ("run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_
             "else start one on 127.0.0.1; default: no Ray, this process)")
 
 Parser = argparse.ArgumentParser | argparse._ArgumentGroup
+
+# The recipe's steps after the fit (oscar/recipe.py), as `oscar fit` and `oscar run` take them.
+WIDTHS = ("none", "copy", "gradient")
 
 
 def add_model(p: Parser, help: str = MODEL_HELP, *, default: str | None = EMBEDDED_MODEL,
@@ -86,3 +90,19 @@ def add_stages(p: Parser, help: str, *, type: Callable[[str], Any] = positive_in
 def add_ray(p: Parser, help: str = RAY_HELP) -> argparse.Action:
     """--ray ADDRESS: run on a Ray cluster (default: none, this process)."""
     return p.add_argument("--ray", metavar="ADDRESS", default=None, help=help)
+
+
+def add_recipe(p: Parser) -> None:
+    """--no-tune, --tune-objective, --widths: the recipe's steps after the fit (oscar/recipe.py); `--no-tune
+    --widths none` is the plain fit."""
+    p.add_argument("--no-tune", action="store_true",
+                   help="keep the fit's key clips (skip the tune: the factor x the clips with the lowest strict NLL on "
+                        "calibration text)")
+    p.add_argument("--tune-objective", default="nll", choices=TUNE_OBJECTIVES,
+                   help="what the key-clip tune minimises: nll (strict NLL), copy (NLL of a span copied from the INT2 "
+                        "history), guarded (copy among the factors within 0.5 %% of the best NLL) (default %(default)s)")
+    p.add_argument("--widths", default="gradient", choices=WIDTHS,
+                   help="per-layer key widths, chosen after the tune by the NLL of spans copied from the INT2 history "
+                        "of calibration text with one layer's keys at 3 / 4 bits, served as a per-layer artifact at the "
+                        "same bits: gradient = that NLL change to first order (default; ~2.5 min for SmolLM2 on 2 "
+                        "CPUs); copy = measured layer by layer (~35 min); none = the tuned fit itself")

@@ -13,5 +13,5 @@ PAGE_SIZE = 16    # tokens per INT2 page (= the KIVI key token group)
 # The KV-cache methods every validation command compares by default (bf16 first, the shipped recipe last).
 DEFAULT_METHODS = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-kc-int2", "oscar-int2"]
 
-# What `oscar validate tune --objective` (and `oscar run --tune-objective`) can minimise (validate/tune.py).
+# What `oscar fit --tune-objective` (and `oscar run`) can minimise (oscar/tune.py).
 TUNE_OBJECTIVES = ("nll", "copy", "guarded")

@@ -1,8 +1,10 @@
 """`oscar run --out DIR`: the main job on the embedded defaults, resumable stage by stage.
 
     calibrate (local Ray cluster, or this process with --no-ray)  -> DIR/calib.zarr
-    fit                                                            -> DIR/artifact.fit.safetensors
-    tune key clip (strict NLL on calibration text; --no-tune)      -> DIR/artifact.safetensors, DIR/calibration/
+    the recipe, as `oscar fit` makes it (oscar/recipe.py):
+      fit                                                          -> DIR/artifact.fit.safetensors
+      tune key clip (strict NLL on calibration text; --no-tune)    -> DIR/artifact.tuned.safetensors, DIR/calibration/
+      per-layer key widths (copy probe; --widths none)             -> DIR/artifact.safetensors
     validate niah (strict protocol)                                -> DIR/results.parquet, niah_samples.jsonl
     validate ppl (strict + serving)                                -> DIR/ppl.parquet, goal.json
     validate attention (held-out captured q/k/v; not a model run)  -> DIR/attention.parquet, attention.json
@@ -30,26 +32,21 @@ from oscar.defaults import EMBEDDED_MODEL
 from oscar.host import compute_dtype, describe, info as host_info
 from oscar import native_build
 from oscar.kernels import cpu_attention
-from oscar.kernels.memory import artifact_bits_per_element
 from oscar.pipeline import native
 from oscar.pipeline.calibrate import CalibConfig, calibrate
 from oscar.pipeline.corpus import first_chat_record
 from oscar.reports.build import build_report
+from oscar.recipe import WIDTHS, RecipeConfig, RecipePaths, Stages, run_recipe
 from oscar.reports.calibration import calibration_section, widths_section
-from oscar.stats.artifact import load_artifact, save_artifact
-from oscar.stats.fit import FitConfig, fit
+from oscar.stats.fit import FitConfig
 from oscar.validate.attention import AttnConfig, run_attention
 from oscar.validate.engine import check_engine, resolve_device
 from oscar.validate.env import load_model
 from oscar.validate.methods import PROTOCOL_VERSION
+from oscar.tune import TuneConfig
 from oscar.validate.niah import NiahConfig, run_niah
 from oscar.validate.ppl import PplConfig, run_ppl
 from oscar.validate.ruler import load_qa, resolve_tasks, skipped_line
-from oscar.validate.tune import StaleLog, TuneConfig, copy_widths_artifact, tune_key_clip
-
-# --widths: none; copy = the copy probe measured (2L + 1 forwards); gradient = the same to first order (a forward and
-# backward per window: validate.tune.layer_copy_gradients)
-WIDTHS = ("none", "copy", "gradient")
 
 
 @dataclass
@@ -96,16 +93,16 @@ class RunConfig:
     # the tune, each layer's keys at 2, 3 or 4 bits (values at 2) within the fit's bits per element, by the NLL change
     # of spans copied from the INT2 history of calibration text with that layer widened; oscar-int2 becomes the
     # per-layer artifact. "gradient" (the default): the change to first order, a forward + backward per window
-    # (~2.5 min for SmolLM2 at 4 x 2048 on 2 CPUs); "copy": measured, 2L + 1 forwards (`oscar validate widths`,
+    # (~2.5 min for SmolLM2 at 4 x 2048 on 2 CPUs); "copy": measured, 2L + 1 forwards (`oscar fit --widths copy`,
     # ~35 min; needles not distinguishable from the gradient's, docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md); "none": the tuned fit itself (split keys by default).
     widths: str = "gradient"
     widths_windows: int = 4
     widths_length: int | None = None  # None: min(2048, the longest context validated)
     # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
-    # (validate/tune.py; docs/decisions/0034-key-clip-tuned-end-to-end-oscar-validate-tune.md, "Key clip tuned end to end").
+    # (oscar/tune.py; docs/decisions/0034-key-clip-tuned-end-to-end-oscar-validate-tune.md, "Key clip tuned end to end").
     tune: bool = True
     # What the tune minimises: nll (strict NLL), copy (a copied span read from the INT2 history) or guarded
-    # (copy among the factors within 0.5 % of the best NLL); validate/tune.py.
+    # (copy among the factors within 0.5 % of the best NLL); oscar/tune.py.
     tune_objective: str = "nll"
     # NIAH runs on the method's deployed cache (sink 64 + recent 256 in BF16, the rest INT2);
     # "strict" (recent 0: the tokens being generated leave the window with their page) is
@@ -201,41 +198,6 @@ def _say(msg: str) -> None:
     print(f"[oscar run {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-class Stages:
-    """Stage markers under DIR/stages/: skip a stage whose inputs and outputs match."""
-
-    def __init__(self, out: str):
-        self.dir = os.path.join(out, "stages")
-        os.makedirs(self.dir, exist_ok=True)
-        self.seconds: dict[str, float] = {}
-
-    def done(self, name: str, fp: str, outputs: list[str]) -> bool:
-        p = os.path.join(self.dir, f"{name}.json")
-        if not os.path.exists(p):
-            return False
-        m = json.load(open(p))
-        ok = m.get("fingerprint") == fp and all(os.path.exists(o) for o in outputs)
-        if ok:
-            self.seconds[name] = m.get("seconds", 0.0)
-        return ok
-
-    def mark(self, name: str, fp: str, outputs: list[str], seconds: float, extra: dict | None = None) -> None:
-        self.seconds[name] = seconds
-        with open(os.path.join(self.dir, f"{name}.json"), "w") as f:
-            json.dump({"fingerprint": fp, "outputs": outputs, "seconds": seconds, **(extra or {})}, f, indent=1)
-
-    def run(self, name: str, label: str, fp: str, outputs: list[str], work) -> None:
-        """Skip stage `name` if done with fingerprint `fp` and its outputs exist; else run
-        `work()` and mark it done (a dict it returns is kept in the marker)."""
-        if self.done(name, fp, outputs):
-            _say(f"{label}: done (skipped)")
-            return
-        _say(f"{label} ...")
-        t = time.time()
-        extra = work()
-        self.mark(name, fp, outputs, time.time() - t, extra if isinstance(extra, dict) else None)
-
-
 def _calibrate(cfg: RunConfig, store: str) -> dict:
     cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
                      positions=cfg.calib_positions, **(cfg.calibrate or {}))
@@ -285,13 +247,6 @@ class _Job:
         return self.loaded[0]
 
 
-def _save(art, path: str) -> None:
-    """The artifact written whole or not at all (a re-run never reads a half-written one)."""
-    tmp = path + ".tmp"
-    save_artifact(art, tmp)
-    os.replace(tmp, path)
-
-
 def _stage_calibrate(job: _Job) -> str:
     """1. calibrate -> DIR/calib.zarr; returns the stage's fingerprint (the fit's input)."""
     cfg = job.cfg
@@ -302,70 +257,19 @@ def _stage_calibrate(job: _Job) -> str:
     return fp_cal
 
 
-def _stage_fit(job: _Job, fp_cal: str) -> None:
-    """2. fit -> DIR/artifact.fit.safetensors."""
-    def do_fit() -> None:
-        _save(fit(job.store, FitConfig(variant=job.cfg.variant, progress=job.cfg.progress)), job.fit_path)
-
-    job.st.run("fit", "fit", fingerprint({"cal": fp_cal, "fit": job.cfg.variant}), [job.fit_path], do_fit)
-
-
-def _stage_tune(job: _Job) -> None:
-    """3. key clip tuned end to end on calibration text -> DIR/artifact.safetensors (+ the report's
-    calibration section in DIR/calibration/)."""
-    cfg = job.cfg
-    tcfg = TuneConfig(corpus=cfg.corpus, objective=cfg.tune_objective)
-    fp_t = fingerprint({"fit": file_fingerprint(job.fit_path), "tune": asdict(tcfg) if cfg.tune else None,
-                        "protocols": PROTOCOL_VERSION, **({"engine": cfg.engine} if cfg.engine != "simulate" else {})})
-
-    def do_tune() -> dict | None:
-        art, rec = load_artifact(job.fit_path), None
-        if cfg.tune:
-            m, tok, _ = job.model()
-            art, rec = tune_key_clip(m, tok, art, tcfg, progress=cfg.progress, engine=cfg.engine, device=cfg.device)
-            _say(f"tune: key clips x{rec['chosen_factor']} (mean {rec['mean_clip_k_before']:.3f} -> "
-                 f"{rec['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
-                 ", ".join(f"x{f} {v:.4f}" for f, v in rec["nll_per_token"].items()) + ")" +
-                 ("" if cfg.tune_objective == "nll" else f"; objective {cfg.tune_objective}, copy NLL/token " +
-                  ", ".join(f"x{f} {v:.4f}" for f, v in rec["copy_nll_per_token"].items())))
-        _save(art, job.tuned_path)
-        calibration_section(job.tuned_path, job.store, os.path.join(job.dir, "calibration"))
-        return {"clip_tuning": rec} if rec else None
-
-    job.st.run("tune", "tune key clip" if cfg.tune else "tune (skipped: --no-tune)", fp_t, [job.tuned_path], do_tune)
-
-
-def _stage_widths(job: _Job) -> None:
-    """3b. (--widths copy / gradient) per-layer key widths by the copy probe, measured or to first order ->
-    DIR/artifact.safetensors (its log beside it: an interrupted stage resumes probe by probe, or window by window)."""
-    cfg = job.cfg
-    if cfg.widths == "none":
-        return
-    fp_w = fingerprint({"tuned": file_fingerprint(job.tuned_path), "widths": cfg.widths, "windows": cfg.widths_windows,
-                        "length": cfg.widths_length, "corpus": cfg.corpus, "protocols": PROTOCOL_VERSION})
-
-    def do_widths() -> dict:
-        m, tok, _ = job.model()
-        tcfg = TuneConfig(corpus=cfg.corpus, copy_windows=cfg.widths_windows, copy_length=cfg.widths_length)
-        log = os.path.join(job.dir, f"widths.{'probes' if cfg.widths == 'copy' else 'gradients'}.jsonl")
-        try:
-            out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg, log=log, progress=cfg.progress,
-                                          estimate="probe" if cfg.widths == "copy" else "gradient")
-        except StaleLog:  # this stage's inputs changed since the log was written (its fingerprint did): start afresh
-            os.replace(log, log + ".old")
-            _say(f"widths: {log} was written for other inputs; kept as {log}.old, starting afresh")
-            out, _ = copy_widths_artifact(m, tok, load_artifact(job.tuned_path), tcfg, log=log, progress=cfg.progress,
-                                          estimate="probe" if cfg.widths == "copy" else "gradient")
-        _save(out, job.art_path)
-
-        widths_section(job.art_path, os.path.join(job.dir, "calibration"))  # the report's plot of the probe
-        wide = {l: out.quant_for(l).bits + out.quant_for(l).key_top for l in range(out.num_layers) if out.quant_for(l).key_split}
-        bits = artifact_bits_per_element(out)
-        _say(f"widths: keys wider in layers {wide} (key bits), {bits:.3f} bits per element")
-        return {"widths": {"wide_key_layers": wide, "bits_per_element": bits}}
-
-    how = "copy probe" if cfg.widths == "copy" else "copy probe to first order"
-    job.st.run("widths", f"per-layer key widths ({how})", fp_w, [job.art_path], do_widths)
+def _stage_recipe(job: _Job, fp_cal: str) -> None:
+    """2.-3. the recipe (oscar/recipe.py): fit -> DIR/artifact.fit.safetensors, key clip tuned on calibration text ->
+    DIR/artifact.tuned.safetensors (+ the report's calibration section in DIR/calibration/), per-layer key widths ->
+    DIR/artifact.safetensors (its log beside it: an interrupted step resumes window by window)."""
+    cfg, d = job.cfg, job.dir
+    rcfg = RecipeConfig(tune=cfg.tune, objective=cfg.tune_objective, widths=cfg.widths, widths_windows=cfg.widths_windows,
+                        widths_length=cfg.widths_length, corpus=cfg.corpus, engine=cfg.engine, device=cfg.device,
+                        progress=cfg.progress)
+    paths = RecipePaths(fit=job.fit_path, tuned=job.tuned_path, out=job.art_path, logs=d)
+    calib = os.path.join(d, "calibration")
+    run_recipe(job.store, paths, FitConfig(variant=cfg.variant, progress=cfg.progress), rcfg, job.st, fp_cal, job.model,
+               on_tuned=lambda p: calibration_section(p, job.store, calib),
+               on_widths=lambda p: widths_section(p, calib))  # the report's plot of the probe
 
 
 def _stage_validate(job: _Job) -> None:
@@ -453,9 +357,7 @@ def run_main(cfg: RunConfig) -> dict:
     if getattr(cfg, "skipped_tasks", None):
         print(skipped_line(cfg.skipped_tasks), file=sys.stderr, flush=True)
     fp_cal = _stage_calibrate(job)
-    _stage_fit(job, fp_cal)
-    _stage_tune(job)
-    _stage_widths(job)
+    _stage_recipe(job, fp_cal)
     _stage_validate(job)
     return _stage_report(job, time.time() - t_all)
 

@@ -14,9 +14,11 @@ if [ -z "$STORE" ]; then
   STORE="$OUT/calib.zarr"
   "$OSCAR" calibrate --store "$STORE" --tokens 16384 --threads 1 --no-progress
 fi
-"$OSCAR" fit "$STORE" --out "$OUT/oscar.safetensors" --threads 1 --no-progress
-"$OSCAR" fit "$STORE" --out "$OUT/scaled.safetensors" --variant scaled --threads 1 --no-progress
-"$OSCAR" validate tune --artifact "$OUT/scaled.safetensors" --tokens 2048 --out "$OUT/tuned.safetensors" --no-progress
+# the fit alone (--no-tune --widths none), then the fit with its key clips tuned (the recipe's first two steps;
+# before the recipe moved into `oscar fit`, the same artifact came from `oscar validate tune --artifact scaled`)
+"$OSCAR" fit "$STORE" --out "$OUT/oscar.safetensors" --variant oscar --no-tune --widths none --threads 1 --no-progress
+"$OSCAR" fit "$STORE" --out "$OUT/scaled.safetensors" --variant scaled --no-tune --widths none --threads 1 --no-progress
+"$OSCAR" fit "$STORE" --out "$OUT/tuned.safetensors" --variant scaled --widths none --threads 1 --no-progress
 M=bf16,naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-kc-int2,oscar-int2
 "$OSCAR" validate niah --artifact "$OUT/tuned.safetensors" --methods $M --tasks niah_single_1,niah_single_2 \
   --lengths 1k --samples 2 --dtype float32 --out "$OUT/niah" --no-progress

@@ -37,11 +37,12 @@ step calibrate $OSCAR calibrate --model qwen2.5-0.5b --store "$WORK/calib.zarr" 
   --block-tokens 4096 --threads 1 --no-progress
 # fit and tune write timings into the artifact's metadata, so a second run would change its fingerprint and the
 # needle samples already scored for it would be refused: an artifact that exists is kept.
-CMD="oscar fit $WORK/calib.zarr --variant scaled --out $WORK/artifact.fit.safetensors --threads 1"
-SKIP_IF=$WORK/artifact.fit.safetensors step fit $OSCAR fit "$WORK/calib.zarr" --variant scaled --out "$WORK/artifact.fit.safetensors" --threads 1 --no-progress
-CMD="oscar validate tune --model qwen2.5-0.5b --artifact $WORK/artifact.fit.safetensors --out $OUT/artifact.safetensors"
-SKIP_IF=$OUT/artifact.safetensors step tune $OSCAR validate tune --model qwen2.5-0.5b --artifact "$WORK/artifact.fit.safetensors" \
-  --out "$OUT/artifact.safetensors" --no-progress
+CMD="oscar fit $WORK/calib.zarr --variant scaled --no-tune --widths none --out $WORK/artifact.fit.safetensors --threads 1"
+SKIP_IF=$WORK/artifact.fit.safetensors step fit $OSCAR fit "$WORK/calib.zarr" --variant scaled --no-tune --widths none \
+  --out "$WORK/artifact.fit.safetensors" --threads 1 --no-progress
+CMD="oscar fit $WORK/calib.zarr --variant scaled --widths none --out $WORK/artifact.safetensors && cp $WORK/artifact.safetensors $OUT/"
+SKIP_IF=$OUT/artifact.safetensors step tune sh -c "$OSCAR fit '$WORK/calib.zarr' --variant scaled --widths none \
+  --out '$WORK/artifact.safetensors' --threads 1 --no-progress && cp '$WORK/artifact.safetensors' '$OUT/artifact.safetensors'"
 CMD="python -c 'calibration_section(artifact, store, $OUT/calibration)'"
 step calibration-section $PY -c "from oscar.reports.calibration import calibration_section as c; \
 c('$OUT/artifact.safetensors', '$WORK/calib.zarr', '$OUT/calibration')"

@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from oscar.cli_options import EXPORT_FORMATS, add_artifact, add_model, add_out
+from oscar.cli_options import (DEFAULT_ENGINE, ENGINE_HELP, ENGINES, EXPORT_FORMATS, add_artifact, add_device, add_model,
+                               add_out, add_recipe)
 from oscar.common import (
     OscarError, attention_shapes, config_fingerprint, int_between, nonneg_int, positional_or_option, positive_int,
 )
@@ -17,19 +18,28 @@ from oscar.defaults import RECENT, SINK
 from oscar.stats.rotations import VARIANTS
 
 
-def _cmd_fit(args: argparse.Namespace) -> int:
+def fit_config(args: argparse.Namespace):
+    """The FitConfig `oscar fit`'s options describe."""
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.stats.artifact import QuantConfig, save_artifact
-    from oscar.stats.fit import FitConfig, fit
+    from oscar.stats.artifact import QuantConfig
+    from oscar.stats.fit import FitConfig
     from oscar.stats.reduce import ReduceConfig
 
     quant = QuantConfig(bits=args.bits, group_size=args.group_size, key_axis=args.key_axis, mode=args.mode,
                         sink=args.sink, recent=args.recent, param_dtype=args.param_dtype)
-    cfg = FitConfig(variant=args.variant, quant=quant, partial=args.partial, blocks=args.blocks, clip=not args.no_clip,
-                    reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
-                    fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
+    return FitConfig(variant=args.variant, quant=quant, partial=args.partial, blocks=args.blocks, clip=not args.no_clip,
+                     reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
+                     fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
 
-    art = fit(positional_or_option(args, "store", "--store"), cfg)
+
+def fit_command(args: argparse.Namespace) -> int:
+    """`oscar fit --no-tune --widths none`: the rotations and clips alone (the recipe's later steps read the model:
+    oscar/recipe.py, run by the handler the main CLI attaches)."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.stats.artifact import save_artifact
+    from oscar.stats.fit import fit
+
+    art = fit(positional_or_option(args, "store", "--store"), fit_config(args))
     save_artifact(art, args.out)
     m = art.meta
     print(f"{args.out}: variant {m['variant']}, {art.num_layers} layers x {art.num_kv_heads} KV heads x D {art.head_dim}, "
@@ -139,10 +149,15 @@ def _register_interop(sub) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("fit", help="fit rotations and clip thresholds from a calibration store into an artifact",
+    p = sub.add_parser("fit", help="fit the shipped recipe from a calibration store: rotations, clips, tuned key clips "
+                       "and per-layer key widths, into an artifact",
                        description="Eigendecompose the store's accumulated statistics per layer and KV head, build the "
-                                   "variant's rotations, search the clip thresholds for the cache format and write a "
-                                   "versioned .safetensors artifact (docs/artifact-format.md).")
+                                   "variant's rotations and search the clip thresholds for the cache format; then tune "
+                                   "the key clips and choose per-layer key widths through the model on the store's "
+                                   "calibration text (oscar-int2 as `oscar run` ships it), and write a versioned "
+                                   ".safetensors artifact (docs/artifact-format.md). The steps resume from OUT's "
+                                   "sibling directory <OUT without .safetensors>.recipe/. --no-tune --widths none: the "
+                                   "rotations and clips alone, without the model.")
     p.add_argument("store_pos", nargs="?", metavar="STORE", default=None,
                    help="calibration store; the same as --store (the positional spelling scripts use)")
     p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/2; /1 read with a warning); required, "
@@ -178,7 +193,12 @@ def register(sub) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads of the clip search (default: torch's own choice)")
     p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
                    help="no progress bars (--quiet: the same, the older spelling)")
-    p.set_defaults(func=_cmd_fit)
+    add_recipe(p)
+    add_model(p, "model the tune and the widths read: preset, HF directory or .gguf file (default: the store's)",
+              default=None)
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP + "; for the tune")
+    add_device(p, "device the tune and the widths run the model on: cpu (default), cuda or cuda:N")
+    p.set_defaults(func=fit_command)  # the recipe's handler replaces it where the main CLI is built (oscar/cli.py)
 
     p = sub.add_parser("variants", help="list the rotation variants `oscar fit --variant` accepts",
                        description="Print each rotation variant `oscar fit --variant` (and `oscar run --variant`) "

@@ -72,8 +72,8 @@ CASES = [
     ["validate", "niah", "--model", "tiny-llama", "--lengths", "zz", "--out", "{tmp}/n3"],
     ["validate", "ppl", "--model", "{junkdir}", "--out", "{tmp}/p1"],
     ["validate", "ppl", "--model", "tiny-llama", "--artifact", "{missing}", "--methods", "oscar-int2", "--out", "{tmp}/p2"],
-    ["validate", "tune", "--model", "tiny-llama", "--artifact", "{junk.safetensors}", "--out", "{tmp}/t.safetensors"],
-    ["validate", "tune", "--model", "tiny-llama", "--artifact", "{junk.safetensors}", "--out", "{nodir}"],
+    ["fit", "{junk.zarr}", "--widths", "none", "--out", "{tmp}/t.safetensors"],
+    ["fit", "{other.zarr}", "--no-tune", "--out", "{tmp}/t.safetensors"],
     ["validate", "attention", "--store", "{junk.zarr}", "--out", "{tmp}/a1"],
     ["validate", "attention", "--store", "{missing}", "--out", "{tmp}/a2"],
     ["run", "--out", "{junk.bin}"], ["run", "--out", "{tmp}/r1", "--no-ray", "--model", "{missing}"],
@@ -183,13 +183,7 @@ BAD_SIZES = [
     ["validate", "niah", "--lengths", "1k,,2k"], ["validate", "niah", "--lengths", ""], ["validate", "niah", "--lengths", "zz"],
     ["validate", "niah", "--samples", "0"], ["validate", "niah", "--seed", "-3"],
     ["validate", "ppl", "--lengths", "0"], ["validate", "ppl", "--tokens", "0"],
-    ["validate", "tune", "--artifact", "a.safetensors", "--tokens", "-1"],
-    ["validate", "tune", "--artifact", "a.safetensors", "--factors", "1.0,0"],
-    ["validate", "tune", "--artifact", "a.safetensors", "--factors", "1.0,x"],
-    ["validate", "tune", "--artifact", "a.safetensors", "--nll-slack", "-0.1"],
-    ["validate", "tune", "--artifact", "a.safetensors", "--copy-windows", "0"],
-    ["validate", "widths", "--artifact", "a.safetensors", "--windows", "0"],
-    ["validate", "widths", "--artifact", "a.safetensors", "--length", "0"],
+    ["fit", "s.zarr", "--widths", "wide"], ["fit", "s.zarr", "--tune-objective", "loss"], ["fit", "s.zarr", "--blocks", "0"],
     ["validate", "attention", "--store", "s.zarr", "--lengths", "4k,0"],
     ["validate", "attention", "--store", "s.zarr", "--windows", "0"],
     ["validate", "attention", "--store", "s.zarr", "--seq-len", "0"],
@@ -275,7 +269,7 @@ def test_every_size_option_is_typed():
 @pytest.mark.parametrize("case", [
     ["fit", "s.zarr", "--out", "/proc/oscar-x.safetensors"],
     ["import", "p", "--format", "gguf-rot", "--out", "/proc/oscar-x.safetensors"],
-    ["validate", "tune", "--artifact", "a.safetensors", "--out", "/sys/oscar-x.safetensors"],
+    ["fit", "s.zarr", "--no-tune", "--widths", "none", "--out", "/sys/oscar-x.safetensors"],
     ["validate", "niah", "--out", "/proc/oscar-run"],
     ["run", "--out", "/proc/oscar-run/sub"],
     ["bench", "memory", "--out", "/proc/oscar-mem.json"],
@@ -308,8 +302,7 @@ def test_read_only_directory_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("case", [
     ["fit", "s.zarr", "--out", "{d}"], ["import", "p", "--format", "gguf-rot", "--out", "{d}"],
-    ["validate", "tune", "--artifact", "a.safetensors", "--out", "{d}"],
-    ["validate", "widths", "--artifact", "a.safetensors", "--out", "{d}"], ["bench", "memory", "--out", "{d}"],
+    ["fit", "s.zarr", "--widths", "none", "--out", "{d}"], ["bench", "memory", "--out", "{d}"],
 ])
 def test_out_directory_where_a_file_is_expected(case, tmp_path, capsys):
     """A command that writes one file refuses an existing directory as --out, whatever its name."""
@@ -356,7 +349,7 @@ def test_run_config_refuses_bad_sizes_before_any_stage(tmp_path):
     (["validate", "niah", "--corpus", "{t}/missing.txt", "--out", "{o}"], "--corpus {t}/missing.txt: no such file"),
     (["calibrate", "--corpus", "{t}", "--store", "{o}"], "is a directory"),
     (["validate", "niah", "--artifact", "{t}/missing.safetensors", "--out", "{o}"], "no such artifact file"),
-    (["validate", "tune", "--artifact", "{t}/missing.safetensors", "--out", "{o}.safetensors"], "no such artifact file"),
+    (["fit", "{t}/missing.zarr", "--out", "{o}.safetensors"], "calibration store {t}/missing.zarr does not exist"),
     (["bench", "memory", "--artifact", "{t}/missing.safetensors", "--out", "{o}.json"], "no such artifact file"),
     (["export", "{t}/missing.safetensors", "--format", "gguf-rot", "--out", "{o}"], "ARTIFACT {t}/missing.safetensors"),
     (["validate", "attention", "--store", "{t}/missing.zarr", "--artifact", "{t}/a.safetensors", "--out", "{o}"],

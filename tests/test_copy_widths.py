@@ -1,5 +1,5 @@
-"""Per-layer key widths by the copy probe (validate/codebooks.py, validate/tune.py): the DP against brute force,
-the measured and first-order copy tables, and the served per-layer artifact `oscar validate widths` writes."""
+"""Per-layer key widths by the copy probe (oscar/widths.py): the DP against brute force, the measured and first-order
+copy tables, and the served per-layer artifact `oscar fit --widths copy` writes."""
 
 import itertools
 import math
@@ -11,6 +11,7 @@ import torch
 from oscar.kernels import window_attention
 from oscar.quant import FP8_PARAM, QuantSpec, fp8_round
 from oscar.validate import codebooks as cb
+from oscar import widths as wd
 
 
 def test_layer_widths_is_the_brute_force_optimum():
@@ -20,13 +21,13 @@ def test_layer_widths_is_the_brute_force_optimum():
     for trial in range(6):
         errs = np.sort(rng.exponential(1.0, (L, O)), axis=1)[:, ::-1].copy()  # wider = lower error
         budget = [2.25, 2.5, 2.7, 3.0, 3.6, 4.5][trial]
-        got = cb.layer_widths(errs, costs, budget)
+        got = wd.layer_widths(errs, costs, budget)
         best = min((c for c in itertools.product(range(O), repeat=L) if costs[0][list(c)].mean() <= budget + 1e-12),
                    key=lambda c: errs[np.arange(L), list(c)].sum())
         assert math.isclose(errs[np.arange(L), got].sum(), errs[np.arange(L), list(best)].sum(), rel_tol=1e-12)
         assert costs[0][got].mean() <= budget + 1e-12
     with pytest.raises(Exception, match="no width"):
-        cb.layer_widths(errs, costs, 2.0)
+        wd.layer_widths(errs, costs, 2.0)
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +46,16 @@ def test_widths_artifact_is_layer_artifacts_format(fitted):
 
     err = np.zeros((fitted.num_layers, 3))
     err[0, 2] = -1.0  # the first layer's keys widened to 4 bits, the rest at 2
-    la = cb.layer_artifact(fitted, cb.COPY_OPTIONS, "oscar-layer-copy-int2", err)
-    w = cb.widths_artifact(fitted, la.meta["codec"]["widths"])
+    la = wd.layer_artifact(fitted, wd.COPY_OPTIONS, "oscar-layer-copy-int2", err)
+    w = wd.widths_artifact(fitted, la.meta["codec"]["widths"])
     assert w.meta["codec"]["widths"] == la.meta["codec"]["widths"] and w.meta["codec"]["kind"] == "layers"
     for l in range(fitted.num_layers):
         assert torch.equal(w.clip_k[l], la.clip_k[l]) and torch.equal(w.clip_v[l], la.clip_v[l])
         assert torch.equal(w.rot_k[l], la.rot_k[l])
     with pytest.raises(OscarError, match="widths must give"):
-        cb.widths_artifact(fitted, [[2, 2]] * (fitted.num_layers - 1))
+        wd.widths_artifact(fitted, [[2, 2]] * (fitted.num_layers - 1))
     with pytest.raises(OscarError, match="widths must give"):
-        cb.widths_artifact(fitted, [[1, 2]] + [[2, 2]] * (fitted.num_layers - 1))
+        wd.widths_artifact(fitted, [[1, 2]] + [[2, 2]] * (fitted.num_layers - 1))
 
 
 def test_copy_objective_widths_are_the_dp_of_the_given_table(fitted):
@@ -67,14 +68,14 @@ def test_copy_objective_widths_are_the_dp_of_the_given_table(fitted):
     err = np.zeros((L, 3))
     err[:, 1:] = 0.01  # widening hurts everywhere ...
     err[L - 1] = [0.0, -0.5, -0.9]  # ... except in the last layer
-    c = cb.layer_artifact(fitted, opts, "oscar-layer-copy-int2", err).meta["codec"]
-    costs = np.array([[0.5 * (cb._layer_spec(fitted, kb).bits_per_element(D) + cb._layer_spec(fitted, vb).bits_per_element(D))
+    c = wd.layer_artifact(fitted, opts, "oscar-layer-copy-int2", err).meta["codec"]
+    costs = np.array([[0.5 * (cb.layer_spec(fitted, kb).bits_per_element(D) + cb.layer_spec(fitted, vb).bits_per_element(D))
                        for kb, vb in opts]] * L)
-    assert c["widths"] == [list(opts[o]) for o in cb.layer_widths(err, costs, cb.oscar_bits(fitted))]
+    assert c["widths"] == [list(opts[o]) for o in wd.layer_widths(err, costs, cb.oscar_bits(fitted))]
     assert c["widths"][L - 1] == [4, 2] and all(w == [2, 2] for w in c["widths"][:-1]) and c["chosen_by"] == "copy"
     assert c["copy_err"] == err.round(6).tolist()
     with pytest.raises(OscarError, match="copy_err must be"):
-        cb.layer_artifact(fitted, opts, "oscar-layer-copy-int2", err[:, :2])
+        wd.layer_artifact(fitted, opts, "oscar-layer-copy-int2", err[:, :2])
 
 
 @pytest.mark.slow
@@ -90,7 +91,8 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     from oscar.validate.env import load_model
     from oscar.validate.methods import PROTOCOLS
     from oscar.kernels.window_attention import simulated
-    from oscar.validate.tune import TuneConfig, calibration_ids, copy_windows, layer_copy_errors
+    from oscar.tune import TuneConfig, calibration_ids, copy_windows
+    from oscar.widths import layer_copy_errors
 
     model, tok, _ = load_model("tiny-llama")
     opts = ((2, 2), (3, 2), (4, 2))
@@ -141,7 +143,8 @@ def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
 
     from oscar.common import OscarError
     from oscar.validate.env import load_model
-    from oscar.validate.tune import TuneConfig, _copy_ident, layer_copy_gradients
+    from oscar.tune import TuneConfig
+    from oscar.widths import _copy_ident, layer_copy_gradients
 
     model, tok, _ = load_model("tiny-llama")
     opts = ((2, 2), (3, 2), (4, 2))
@@ -174,7 +177,7 @@ def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
 def test_channel_key_baseline_of_per_layer_widths_is_the_fits(fitted):
     """oscar-kc-int2 next to a per-layer artifact is the same baseline as next to the fit it was widened from (the
     `scaled` recipe, keys per channel, fp16 scale/zero: 2.5 bits), not the per-layer base grid's e4m3 (2.25)."""
-    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact
+    from oscar.widths import COPY_OPTIONS, layer_artifact, native_layer_artifact
     from oscar.validate.methods import bits_per_element, channel_keys_artifact
 
     L = fitted.num_layers
@@ -192,7 +195,7 @@ def test_simulator_follows_the_model_device(fitted):
     """LayerQuant moves every tensor it reads to the K/V's device on first use (a model on a GPU: the widths stage
     runs the simulator where the tune put the model); checked on the meta device, where any tensor left on the CPU
     makes the matmul or the codec fail."""
-    from oscar.validate.codebooks import native_layer_artifact, widths_artifact
+    from oscar.widths import native_layer_artifact, widths_artifact
     from oscar.kernels.simulate import LayerQuant
 
     L, H, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
@@ -213,14 +216,14 @@ def test_simulator_follows_the_model_device(fitted):
 
 @pytest.mark.parametrize("T,sink,recent", [(200, 16, 32), (701, 64, 256), (333, 64, 256)])
 def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
-    """The estimate's autograd attention (validate.tune._grad_attention) computes the simulator's attention
+    """The estimate's autograd attention (oscar.widths._grad_attention) computes the simulator's attention
     (kernels.window_attention.sim_attention: exact / INT2 per (query, key) by the fresh mask, pages of 16), and the gradient it
     gives the INT2 error leaves (keys, values) is the directional derivative of a loss on its output: central
     differences of the simulator with the stored keys (values) moved along a random direction (pages and windows not aligned; at T = 333 no
     query reads a stored key yet, so both are 0)."""
     from types import SimpleNamespace
 
-    from oscar.validate import tune
+    from oscar import widths as tune
 
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import Protocol
@@ -279,13 +282,13 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     import torch.nn.functional as F
 
     from oscar.common import OscarError
-    from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, widths_artifact
+    from oscar.widths import COPY_OPTIONS, layer_artifact, widths_artifact
     from oscar.validate.env import load_model
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import PROTOCOLS
     from oscar.kernels.window_attention import simulated
-    from oscar.validate.tune import (TuneConfig, calibration_ids, copy_widths_artifact, copy_windows,
-                                     layer_copy_gradients)
+    from oscar.tune import TuneConfig, calibration_ids, copy_windows
+    from oscar.widths import copy_widths_artifact, layer_copy_gradients
 
     model, tok, _ = load_model("tiny-llama")
     with torch.no_grad():  # sharper attention than the random init's, so the NLL reads the stored keys
@@ -360,20 +363,18 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
 
 
 @pytest.mark.slow
-def test_validate_widths_cli_writes_a_served_per_layer_artifact(fitted, tmp_path, capsys):
-    """`oscar validate widths`: the copy probe's DP written as the cache's per-layer format (oscar-artifact/3) within the
-    artifact's bits by the memory accounting, which OscarCache then serves (generate runs, layer formats as chosen)."""
+def test_fit_widths_cli_writes_a_served_per_layer_artifact(tiny_store, fitted, tmp_path, capsys):
+    """`oscar fit --widths copy`: the copy probe's DP written as the cache's per-layer format (oscar-artifact/3) within the
+    fit's bits by the memory accounting, which OscarCache then serves (generate runs, layer formats as chosen)."""
     from oscar.__main__ import main
     from oscar.artifact_header import read_metadata
     from oscar.kernels.cache import OscarCache
     from oscar.kernels.memory import artifact_bits_per_element
-    from oscar.stats.artifact import load_artifact, save_artifact
+    from oscar.stats.artifact import load_artifact
     from oscar.validate.env import load_model
 
-    src, out = str(tmp_path / "scaled.safetensors"), str(tmp_path / "widths.safetensors")
-    save_artifact(fitted, src)
-    assert main(["validate", "widths", "--model", "tiny-llama", "--artifact", src, "--windows", "2", "--length", "512",
-                 "--out", out, "--no-progress"]) == 0
+    out = str(tmp_path / "widths.safetensors")
+    assert main(["fit", tiny_store, "--no-tune", "--widths", "copy", "--threads", "1", "--out", out, "--no-progress"]) == 0
     assert read_metadata(out)["format"] == "oscar-artifact/3"
     art = load_artifact(out)
     widths = art.meta["layer_widths"]["widths"]

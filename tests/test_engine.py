@@ -94,16 +94,16 @@ def test_cpu_device_and_engines():
 @pytest.mark.parametrize("argv", [
     ["validate", "niah", "--model", "tiny-llama", "--lengths", "1k", "--samples", "1", "--methods", "bf16"],
     ["validate", "ppl", "--model", "tiny-llama", "--lengths", "1k", "--tokens", "1024", "--methods", "bf16"],
-    ["validate", "tune", "--model", "tiny-llama", "--artifact", "missing.safetensors"],
+    ["fit", "missing.zarr", "--model", "tiny-llama"],
     ["validate", "attention", "--store", "missing.zarr"],
     ["run", "--no-ray", "--model", "tiny-llama"],
-], ids=["niah", "ppl", "tune", "attention", "run"])
+], ids=["niah", "ppl", "fit", "attention", "run"])
 def test_cli_device_cuda_without_cuda_refused(argv, tmp_path, capsys):
     """Every entry point refuses --device cuda here before doing any work: a message, no CPU run, no output."""
     from oscar.__main__ import main
 
     out = tmp_path / "out"
-    target = ["--out", str(out if argv[1] != "tune" else tmp_path / "t.safetensors")]
+    target = ["--out", str(out if argv[0] != "fit" else tmp_path / "t.safetensors")]
     try:
         rc = main(argv + target + ["--device", "cuda", "--no-progress"])
     except SystemExit as e:

@@ -385,10 +385,10 @@ def test_cli_fit_and_variants(store, tmp_path, capsys):
     from oscar.__main__ import main
 
     out = str(tmp_path / "c.safetensors")
-    assert main(["fit", store[0], "--out", out, "--variant", "hadamard", "--quiet", "--threads", "1"]) == 0
+    assert main(["fit", store[0], "--out", out, "--variant", "hadamard", "--quiet", "--threads", "1", "--no-tune", "--widths", "none"]) == 0
     assert load_artifact(out).meta["variant"] == "hadamard"
     out8 = str(tmp_path / "c8.safetensors")  # 8-bit scale/zero: the clip search fits that format
-    assert main(["fit", store[0], "--out", out8, "--variant", "hadamard", "--quiet", "--threads", "1",
+    assert main(["fit", store[0], "--out", out8, "--variant", "hadamard", "--quiet", "--threads", "1", "--no-tune", "--widths", "none",
                  "--param-dtype", "float8_e4m3fn"]) == 0
     assert load_artifact(out8).quant.param_dtype == "float8_e4m3fn" and load_artifact(out).quant.param_dtype == "float16"
     assert main(["fit", store[0], "--out", out, "--variant", "bogus"]) == 2

@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LEAVES = {"oscar", "oscar.common", "oscar.quant", "oscar.artifact_header", "oscar.constraints", "oscar.defaults",
           "oscar.modelconfig", "oscar.intervals", "oscar.evidence", "oscar.ruler_outputs", "oscar.host",
           "oscar.cli_options", "oscar.native_build"}
-# The main job, its CLI and the dispatcher: allowed to import every stage, cluster and reports.
-TOP = {"oscar.run", "oscar.cli", "oscar.__main__"}
+# The main job, its CLI, the dispatcher and the recipe's model-driven steps (the tune and the widths read the model
+# through the INT2 cache: kernels and validate's NLLs, which the fit stage may not import): every stage, cluster, reports.
+TOP = {"oscar.run", "oscar.cli", "oscar.__main__", "oscar.recipe", "oscar.tune", "oscar.widths"}
 # reports imports no stage: what it renders is read through shared leaves (the artifact header, the
 # verdict statistics of oscar.evidence / oscar.intervals).
 REPORT_READERS: set[str] = set()

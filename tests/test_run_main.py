@@ -85,7 +85,7 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
     artifact.tuned.safetensors, the widths stage the per-layer artifact (oscar-artifact/3, widths from the copy
     probe to first order) the validation stages then score as oscar-int2; a re-run skips the stage. --widths with
     split keys is refused before any work. (`--widths copy` differs by the estimate only: the measured probe,
-    tested through `oscar validate widths`.)"""
+    tested through `oscar fit --widths copy`.)"""
     from oscar.artifact_header import read_metadata
     from oscar.common import OscarError
     from oscar.kernels.memory import artifact_bits_per_element

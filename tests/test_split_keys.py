@@ -93,7 +93,7 @@ def test_split_bits_through_the_memory_accounting():
     assert memory_row("oscar-int2", art, config, 4096, SERVING)["bits_per_element"] <= 2.5
     # the layer format: every layer's (key, value) widths counted, the budget filled by the DP
     widths = [[3, 2]] * 12 + [[2, 2]] * 18
-    lay = cb._derived(base, "oscar-layer-copy-int2", {"kind": "layers", "widths": widths}, {})
+    lay = cb.derived_artifact(base, "oscar-layer-copy-int2", {"kind": "layers", "widths": widths}, {})
     assert bits_per_element(lay, D) == pytest.approx((12 * 0.5 * (3.5 + 2.25) + 18 * 2.25) / 30) == 2.5
     assert memory_row("oscar-layer-copy-int2", lay, config, 4096, SERVING)["bits_per_element"] <= 2.5
 

@@ -1,15 +1,14 @@
-"""`oscar validate niah|ppl|tune|widths|attention` (the main job `oscar run` is oscar/cli.py, as are the handlers of
-tune and widths: they write an artifact, which validate/ does not)."""
+"""`oscar validate niah|ppl|attention` (the main job `oscar run` is oscar/cli.py; the recipe's tune and widths are
+steps of `oscar fit`, oscar/recipe.py: they write an artifact, which validate/ does not)."""
 
 from __future__ import annotations
 
 import argparse
 
 from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_artifact, add_device, add_methods, add_model, add_out
-from oscar.defaults import SINK, TUNE_OBJECTIVES
+from oscar.defaults import SINK
 from oscar.host import DTYPES, compute_dtype
-from oscar.common import (length_list, nonneg_float, nonneg_int, nonneg_int_list, positive_float_list,
-                          positive_int)
+from oscar.common import length_list, nonneg_int, nonneg_int_list, positive_int
 
 
 def _lengths(s: str) -> list[int]:
@@ -98,48 +97,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     _exec_args(p)
     p.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     p.set_defaults(func=_ppl)
-
-    t = vs.add_parser("tune", help="scale the artifact's key clips by the factor with the lowest strict NLL on calibration text",
-                      description="Score each factor x the fitted key clips by NLL per token on calibration-split text "
-                                  "(float32, so the choice does not depend on thread counts) and write the artifact "
-                                  "with the best factor applied.")
-    add_model(t)
-    add_artifact(t, "fitted artifact to tune", required=True)
-    t.add_argument("--factors", default="1.0,1.1,1.2,1.3,1.4,1.5", type=positive_float_list, help="comma list of factors x the fitted key clip "
-                   "(ratios capped at 1)")
-    t.add_argument("--tokens", type=positive_int, default=2048, help="calibration-split tokens scored per factor")
-    t.add_argument("--protocol", default="strict", choices=["strict", "serving"], help="cache protocol the NLL is scored under")
-    t.add_argument("--corpus", default="pydoc", help="corpus whose calibration split is scored")
-    t.add_argument("--objective", default="nll", choices=TUNE_OBJECTIVES,
-                   help="nll: lowest NLL per token; copy: lowest NLL of a span copied from the INT2 history (serving "
-                        "protocol; a retrieval proxy on calibration text); guarded: lowest copy NLL among factors whose "
-                        "NLL is within --nll-slack of the lowest (validate/tune.py)")
-    t.add_argument("--nll-slack", type=nonneg_float, default=0.005, help="guarded: allowed relative NLL excess (default 0.005)")
-    t.add_argument("--copy-windows", type=positive_int, default=8, help="copy objective: calibration windows of 2048 tokens")
-    add_out(t, "tuned artifact (.safetensors)")
-    _exec_args(t)
-    t.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
-    # its handler writes an artifact: oscar/cli.py attaches it (validate/ writes none)
-
-    w = vs.add_parser("widths", help="per-layer key widths (2 / 3 / 4 bits) chosen by the copy probe within the artifact's "
-                                     "budget; writes a per-layer artifact OscarCache serves",
-                      description="Probe each layer alone at 3- and 4-bit keys (every other layer at 2 bits) by the NLL "
-                                  "of spans copied from the INT2 history of calibration-split text (serving protocol), "
-                                  "choose the widths with the lowest summed NLL change whose bits per element (memory "
-                                  "accounting) stay within the artifact's own, and write them as the cache's per-layer "
-                                  "format (oscar-artifact/3). 2L + 1 probes, each a forward of every copy window; "
-                                  "resumable (OUT.probes.jsonl; --estimate gradient: OUT.gradients.jsonl, by window). docs/decisions/0070-a-b-per-layer-widths-chosen-by-the-copy-probe-on.md, \"per-layer widths chosen "
-                                  "by the copy probe\".")
-    add_model(w)
-    add_artifact(w, "a one-group artifact (`oscar fit --variant scaled`, then tune)", required=True)
-    w.add_argument("--windows", type=positive_int, default=4, help="calibration copy windows per probe (default 4)")
-    w.add_argument("--length", type=positive_int, default=2048, help="tokens per copy window (default 2048)")
-    w.add_argument("--estimate", choices=["probe", "gradient"], default="probe",
-                   help="probe: measure each layer alone (2L + 1 forwards; default); gradient: the same change to first "
-                        "order from one forward + backward per window (SmolLM2 at 4 x 2048 on 2 CPUs: ~2.5 min against ~35 min, separate runs; docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md)")
-    add_out(w, "per-layer artifact (.safetensors); the probe log goes beside it")
-    w.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
-    # its handler writes an artifact: oscar/cli.py attaches it
 
     a = vs.add_parser("attention", help="attention-level retrieval to 128k on held-out captured q/k/v (not a model run)",
                       description="Whole held-out sequences (text the fit never saw) captured at their own positions "

@@ -23,9 +23,8 @@ sq-int2  SpectralQuant with uniform allocation: per KV head, the eigenbasis U of
          No clip search (same reason); centring both K and V is part of its format (means are constants).
 
 Per-layer widths keep oscar-int2's artifact (rotations, key mean, clips) and change each layer's widths:
-codec "layers", oscar-int2's grid at (key, value) widths per layer chosen on a table measured through the
-model (the copy probe, validate/tune.py) within oscar-int2's mean bits (`layer_artifact`, `layer_widths`);
-`native_layer_artifact` converts it to the cache's own per-layer format.
+codec "layers", oscar-int2's grid at (key, value) widths per layer, read here (`layer_codecs`); the widths are
+chosen by the recipe (oscar/widths.py), which builds such artifacts with `derived_artifact` and `layer_spec`.
 
 Artifact layout: rot_k / rot_v / k_mean as usual; meta["codec"] names the format; SQ's per-head
 v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}).
@@ -36,13 +35,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import math
 from dataclasses import replace
 
 import numpy as np
 import torch
 
-from oscar.common import TIE_REL, OscarError
+from oscar.common import OscarError
 from oscar.kernels.simulate import register_codec
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
 from oscar.stats.artifact import Artifact, QuantConfig
@@ -53,7 +51,6 @@ from oscar.validate.ablation.schemes import spec as any_bits_spec
 CODECS = ("tq", "sq", "layers")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
-COPY_OPTIONS = ((2, 2), (3, 2), (4, 2))  # `oscar validate widths`: keys at 2 / 3 / 4 bits, values at 2 (the cache's formats)
 
 
 # ----------------------------------------------------------------- the quantizers (torch references)
@@ -125,7 +122,7 @@ def layer_codecs(art: Artifact, layer: int) -> tuple[LayerCodec, LayerCodec, tor
         return LayerCodec("tq", segments=seg), LayerCodec("tq", segments=seg), None
     if c["kind"] == "layers":  # per-layer widths: oscar-int2's format at each layer's own widths
         kb, vb = c["widths"][layer]
-        side = lambda bits, clip, name: LayerCodec("uniform", spec=_layer_spec(art, bits), clip=_head_clip(clip, name))  # noqa: E731
+        side = lambda bits, clip, name: LayerCodec("uniform", spec=layer_spec(art, bits), clip=_head_clip(clip, name))  # noqa: E731
         return side(kb, art.clip_k[layer], "clip_k"), side(vb, art.clip_v[layer], "clip_v"), None
     x = art.extra
     ck = LayerCodec("sq", widths=x[f"layers.{layer}.widths_k"].long(), std=x[f"layers.{layer}.std_k"].float())
@@ -139,7 +136,7 @@ def _head_clip(c: torch.Tensor, name: str) -> torch.Tensor:
     return c.float().view(-1, 1, 1)
 
 
-def _layer_spec(art: Artifact, bits: int) -> QuantSpec:
+def layer_spec(art: Artifact, bits: int) -> QuantSpec:
     """Per-layer widths' per-token grid at `bits`: fp8 scale/zero at the base width (what pays for the
     wider layers), fp16 above it."""
     vs = art.quant.value_spec(art.head_dim)
@@ -252,7 +249,7 @@ def sq_artifact(fitted: Artifact) -> Artifact:
                           "provenance": {"store": store, "store_fingerprint": view.fingerprint}})
 
 
-def _derived(fitted: Artifact, method: str, codec: dict, extra: dict) -> Artifact:
+def derived_artifact(fitted: Artifact, method: str, codec: dict, extra: dict) -> Artifact:
     """`fitted` (oscar-int2: rotations, key mean, clips, pages) with another key format."""
     if fitted.layer_quant is not None:
         raise OscarError(f"method {method} is built on a one-format oscar-int2 artifact; --artifact already stores "
@@ -266,173 +263,6 @@ def oscar_bits(fitted: Artifact) -> float:
     """oscar-int2's own bits per element (K and V averaged): the budget per-layer widths spend (2.5 at head_dim 64)."""
     D = fitted.head_dim
     return fitted.quant.bits_per_element(D)
-
-
-# ----------------------------------------------------------------- per-layer widths
-
-
-def _rows(ls, max_kv: int = 1024, max_q: int = 128, seed: int = 0):
-    """A layer's reservoir rows (H, N, D) float64 tensors, subsampled as the fit's clip search does."""
-    q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
-    if q is None or k is None or v is None:
-        raise OscarError("per-layer widths record their error tables on the store's reservoir rows; this store has none")
-    rng = np.random.default_rng(seed)
-    pick = lambda n, m: slice(None) if n <= m else np.sort(rng.choice(n, m, replace=False))  # noqa: E731
-    kv = pick(k.shape[1], max_kv)
-    T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))  # noqa: E731
-    return T(q[:, pick(q.shape[1], max_q)]), T(k[:, kv]), T(v[:, kv])
-
-
-def layer_widths(errs: np.ndarray, costs: np.ndarray, budget: float) -> list[int]:
-    """The option per layer minimising the summed error with the mean cost <= budget (exact, by dynamic
-    programming over costs in units of 1/64 bit). errs, costs (L, options) -> option index per layer."""
-    L, O = errs.shape
-    units = np.round(costs * 64).astype(int)  # (L, O)
-    cap = int(math.floor(budget * L * 64 + 1e-6))
-    INF = float("inf")
-    best = np.full(cap + 1, INF)
-    best[0] = 0.0
-    choice = np.zeros((L, cap + 1), dtype=int)
-    for l in range(L):
-        new = np.full(cap + 1, INF)
-        for o in range(O):
-            u = units[l, o]
-            if u > cap:
-                continue
-            cand = np.full(cap + 1, INF)
-            cand[u:] = best[:cap + 1 - u] + errs[l, o]
-            better = cand < new
-            new[better], choice[l, better] = cand[better], o
-        best = new
-    if not np.isfinite(best).any():
-        raise OscarError(f"per-layer widths: no width per layer fits {budget} bits/element")
-    c, out = int(np.argmin(best)), []
-    for l in range(L - 1, -1, -1):  # walk back
-        o = int(choice[l, c])
-        out.append(o)
-        c -= units[l, o]
-    return out[::-1]
-
-
-def layer_artifact(fitted: Artifact, options: tuple[tuple, ...], method: str, copy_err: np.ndarray) -> Artifact:
-    """Per-layer widths from oscar-int2's artifact, its store and a table measured through the model.
-
-    oscar-int2's rotations and grid per layer at one of `options` (key width, value width): the base width
-    with fp8 scale/zero (2.25 bits), wider ones with fp16 (3.5 / 4.5) and no clip. `copy_err` (L, options) is
-    the objective, measured outside this module (`oscar.validate.tune.layer_copy_errors` /
-    `layer_copy_gradients`: each layer alone at each option, the copied-span NLL change on calibration text);
-    the widths minimise its sum at oscar-int2's mean bits per element (`layer_widths`). Recorded beside it,
-    per layer and option, on the store's reservoir rows (S = softmax of the rows' q·k / sqrt(D)): the relative
-    attention-output error ||Ŝ V̂ − S V||² / ||S V||² averaged over KV heads, and the share of query rows
-    whose highest-scoring key changes.
-    """
-    D, H = fitted.head_dim, fitted.num_kv_heads
-    if fitted.quant.key_axis != "token" or fitted.quant.mode != "minmax":
-        raise OscarError(f"{method} re-widths oscar-int2's per-token min/max groups; --artifact groups keys otherwise")
-    _, _, layers = store_layers(fitted, method)
-    base = fitted.quant.bits
-    copy_err = np.asarray(copy_err, dtype=float)
-    if copy_err.shape != (len(layers), len(options)) or not np.isfinite(copy_err).all() or any(
-            not isinstance(kb, int) for kb, _ in options):
-        raise OscarError(f"{method}: copy_err must be a finite (layers {len(layers)}, options {len(options)}) "
-                         f"table over uniform widths, got shape {copy_err.shape}")
-    errs, tops, costs, n_rows = [], [], [], 0
-    for l, ls in enumerate(layers):
-        q, k, v = _rows(ls, seed=l)
-        mu = fitted.k_mean[l].double()[:, None, :] if fitted.k_mean is not None else 0.0
-        qr = q @ (fitted.rot_q or fitted.rot_k)[l].double()
-        kr = (k - mu) @ fitted.rot_k[l].double()
-        vr = v @ fitted.rot_v[l].double()
-        S = torch.softmax(qr @ kr.transpose(-1, -2) / math.sqrt(D), -1)  # (H, Nq, N)
-        o = S @ vr
-        den = (o ** 2).sum((-1, -2))
-        top = S.argmax(-1)  # (H, Nq) the key each query row reads most
-        n_rows = max(n_rows, top.numel())
-        row_e, row_t, row_c = [], [], []
-        for kb, vb in options:
-            vs = _layer_spec(fitted, vb)
-            vh = fake_quant(vr.float(), vs, fitted.clip_v[l].float().view(-1, 1, 1) if vb == base else 1.0).double()
-            ks = _layer_spec(fitted, kb)
-            kh = fake_quant(kr.float(), ks, fitted.clip_k[l].float().view(-1, 1, 1) if kb == base else 1.0).double()
-            Sh = torch.softmax(qr @ kh.transpose(-1, -2) / math.sqrt(D), -1)
-            kbits = ks.bits_per_element(D)
-            row_e.append(float(((((Sh @ vh) - o) ** 2).sum((-1, -2)) / den).mean()))
-            row_t.append(float((Sh.argmax(-1) != top).double().mean()))
-            row_c.append(0.5 * (kbits + vs.bits_per_element(D)))
-        errs.append(row_e), tops.append(row_t), costs.append(row_c)
-    errs, tops, costs = np.array(errs), np.array(tops), np.array(costs)
-    # float32 NLL changes through the model: kernel-level differences are ties (TIE_REL), and on the rounded
-    # table the DP's own rule decides them (the first option, then the lowest cost)
-    obj = np.round(copy_err / (TIE_REL * max(float(np.abs(copy_err).max()), 1e-30)))
-    pick = layer_widths(obj, costs, oscar_bits(fitted))
-    widths = [list(options[o]) for o in pick]
-    rot_k, rot_q = list(fitted.rot_k), list(fitted.rot_q or fitted.rot_k)
-    clip_k, clip_v = _width_clips(fitted, widths)
-    rec = {"kind": "layers", "widths": widths, "options": [list(o) for o in options], "base_params": "fp8",
-           "wide_params": "fp16", "objective": "copied-span NLL change with the layer alone at the width "
-                                                "(calibration text, validate/tune.py)",
-           "err": [[round(float(e), 6) for e in row] for row in errs],
-           "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
-           "err_total_base": round(float(errs[:, 0].sum()), 6), "chosen_by": "copy",
-           "top1_changed": [[round(float(e), 6) for e in row] for row in tops],
-           "top1_total": round(float(tops[np.arange(len(pick)), pick].sum()), 6),
-           "top1_total_base": round(float(tops[:, 0].sum()), 6), "top1_rows": int(n_rows),
-           "copy_err": [[round(float(e), 6) for e in row] for row in copy_err]}
-    out = _derived(fitted, method, rec, {})
-    return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None else None, clip_k=clip_k, clip_v=clip_v)
-
-
-def _width_clips(fitted: Artifact, widths) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer (clip_k, clip_v): the fitted clips at the base width, none (ratio 1) at a wider one."""
-    base, H = fitted.quant.bits, fitted.num_kv_heads
-    return ([fitted.clip_k[l] if kb == base else torch.ones(H) for l, (kb, _) in enumerate(widths)],
-            [fitted.clip_v[l] if vb == base else torch.ones(H) for l, (_, vb) in enumerate(widths)])
-
-
-def widths_artifact(fitted: Artifact, widths, method: str = "oscar-layer-copy-int2", rec: dict | None = None) -> Artifact:
-    """`fitted` with layer l's keys and values at widths[l] = (key bits, value bits): layer_artifact's format
-    (the base width keeps its clips and fp8 scale/zero, a wider one fp16 and no clip) without its search; what
-    a measured objective probes one layer at a time."""
-    base, L = fitted.quant.bits, fitted.num_layers
-    widths = [[int(kb), int(vb)] for kb, vb in widths]
-    if len(widths) != L or any(not (base <= b <= 8) for w in widths for b in w):
-        raise OscarError(f"{method}: widths must give (key, value) bits in {base}..8 for each of {L} layers, got {widths}")
-    clip_k, clip_v = _width_clips(fitted, widths)
-    out = _derived(fitted, method, {"kind": "layers", "widths": widths, "base_params": "fp8", "wide_params": "fp16",
-                                    **(rec or {})}, {})
-    return replace(out, clip_k=clip_k, clip_v=clip_v)
-
-
-def native_layer_artifact(art: Artifact) -> Artifact:
-    """A "layers" codec artifact (the copy-chosen widths) in the cache's own per-layer format
-    (`Artifact.layer_quant`, oscar-artifact/3): a layer's keys at base + 1 or + 2 bits become one wide part
-    (key_split = D, key_top, fp16 key params), the base layers and every value keep the base grid with e4m3 params;
-    the same grids, clips and rounding as the codec (tested: simulator and OscarCache agree). What OscarCache,
-    the Triton kernels and `oscar bench memory --artifact` then serve. Refuses widths the cache has no format for
-    (values wider than the base, keys more than 2 bits wider)."""
-    c = art.meta.get("codec") or {}
-    if c.get("kind") != "layers":
-        raise OscarError(f"native_layer_artifact: the artifact has codec {c.get('kind')!r}, not per-layer widths ('layers')")
-    base, D = art.quant, art.head_dim
-    if base.key_split or base.key_axis != "token" or base.group_size or base.mode != "minmax" or base.clip_rule != "ratio":
-        raise OscarError("native_layer_artifact: per-layer widths are built on one-group per-token min/max keys "
-                         f"(key_split 0, key_axis token, group_size None, ratio clips); got {base}")
-    q0 = replace(base, param_dtype="float8_e4m3fn")  # the codec's base grid: e4m3 scale/zero (_layer_spec)
-    lq = []
-    for l, (kb, vb) in enumerate(c["widths"]):
-        if vb != base.bits or not base.bits <= int(kb) <= base.bits + 2:
-            raise OscarError(f"native_layer_artifact: layer {l} has (key, value) widths ({kb}, {vb}); the cache stores "
-                             f"values at {base.bits} bits and keys at {base.bits}..{base.bits + 2}")
-        kb = int(kb)
-        lq.append(q0 if kb == base.bits else replace(q0, key_split=D, key_top=kb - base.bits, key_param_dtype="float16"))
-    # `variant` names the rotation recipe (refits of other methods read it): the base fit's, as the rotations are
-    meta = {k: v for k, v in art.meta.items() if k not in ("codec", "base_variant")}
-    meta["variant"] = art.meta.get("base_variant") or art.meta.get("variant")
-    meta["layer_widths"] = {"method": art.meta.get("variant"),  # what chose them (probe tables, objective)
-                            **{k: v for k, v in c.items() if k != "kind"}}
-    out = replace(art, quant=q0, layer_quant=lq, meta=meta)
-    out.validate()
-    return out
 
 
 for _kind in CODECS:  # the simulator reads codebook artifacts through these (kernels import nothing from validate)

@@ -1,32 +1,20 @@
-"""`oscar validate tune`: end-to-end tuning of the key clip on calibration text.
+"""The recipe's per-layer key widths: the copy probe through the model, and the artifact it chooses.
 
-The fit searches each layer's key clip on reservoir rows, minimising the q-weighted logit
-MSE. That proxy pairs random queries with random keys of other sequences, so it sees
-almost none of the large logits that real attention concentrates on — and MSE-optimal
-clipping shrinks exactly those. Measured on SmolLM2, the fit's clips (≈ 0.70) were
-too aggressive end to end (docs/decisions/0034-key-clip-tuned-end-to-end-oscar-validate-tune.md, "Key clip tuned end to end").
-
-This stage keeps the fit's per-layer *shape* and scales every key clip by one factor,
-clip = min(1, f · clip_fit), choosing f by the model's next-token NLL on a window of the
-**calibration** split read through the INT2 cache under the strict protocol (every token
-after the sinks from INT2 once its page is complete). Only calibration text is used; validation never sees it.
-
-That NLL is dominated by local prediction, where the recent tokens carry the answer; needles are retrieval
-from far back in the INT2 history. `objective` adds a retrieval proxy from the same calibration text: the NLL
-of a **copied span** (a window whose last S tokens repeat S of its INT2 tokens, read under the serving
-protocol), which the model can only predict by attending back to the span (docs/decisions/0063-diagnostic-the-clip-tune-s-objective-trades.md, "the clip
-tune's objective trades retrieval for next-token NLL"). `guarded` takes the best copy NLL among the factors
-whose strict NLL is within `nll_slack` of the best, so retrieval is bought only with a bounded NLL cost.
+After the key-clip tune (oscar/tune.py), each layer's keys may be stored at 2, 3 or 4 bits (values at 2) within
+the fit's bits per element. What decides it is retrieval from the INT2 history: the NLL of spans copied from
+calibration text (the tune's copy windows), measured with one layer at a time widened (`layer_copy_errors`,
+2L + 1 forwards) or to first order from one forward and backward per window (`layer_copy_gradients`, the
+default). The widths minimise the summed change at the fit's mean bits by an exact DP (`layer_widths`), and the
+chosen artifact is written in the cache's own per-layer format (`native_layer_artifact`): what OscarCache, the
+Triton kernels and `oscar bench memory --artifact` serve (docs/decisions/0072-per-layer-widths-by-the-copy-probe-to-first.md).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,175 +23,17 @@ from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar.common import OscarError, tied_best
-from oscar.defaults import TUNE_OBJECTIVES
+from oscar.common import TIE_REL, OscarError
 from oscar.kernels.simulate import LayerQuant
-from oscar.pipeline.corpus import load_corpus
-from oscar.validate import engine as eng
-from oscar.validate.codebooks import COPY_OPTIONS, layer_artifact, native_layer_artifact, widths_artifact
-from oscar.validate.env import with_dtype
-from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
-from oscar.validate.ppl import window_nll
 from oscar.kernels.window_attention import fresh_mask, simulated
+from oscar.quant import fake_quant
+from oscar.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
+from oscar.stats.artifact import Artifact
+from oscar.validate.codebooks import derived_artifact, layer_spec, oscar_bits, store_layers
+from oscar.validate.env import with_dtype
+from oscar.validate.methods import PROTOCOLS
 
-OBJECTIVES = TUNE_OBJECTIVES  # named in the leaf so the CLI lists them without importing torch
-COPY_SKIP = 2  # the copy's first tokens are not scored: nothing points at the span yet
-
-
-@dataclass
-class TuneConfig:
-    factors: tuple[float, ...] = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5)  # × the fitted key clip, capped at 1
-    tokens: int = 2048  # calibration-split window scored per factor
-    protocol: str = "strict"
-    corpus: str = "pydoc"
-    # float64: the recipe's choices are decided on objectives that no host's kernels round differently. Under INT2 a
-    # float32 rounding difference flips a code, which moves later layers and flips more: float32 NLLs of the same
-    # window differ by up to ~1 % between kernels (tests/test_tune.py), the size of the margins between factors.
-    dtype: str = "float64"
-    # The per-layer widths' copy probe and its gradient: float32. In float64 the gradient's forward + backward ran
-    # 4.5x the float32 time (~9 min of a 15-minute main job on a 2-core AVX2 host); its table is rounded to
-    # TIE_REL instead (validate/codebooks.py), which absorbs reordering but not a flipped code (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
-    widths_dtype: str = "float32"
-    objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
-    nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)
-    copy_windows: int = 8  # copy objective: calibration windows of copy_length tokens, the last copy_span copied
-    copy_length: int = 2048
-    copy_span: int = 48
-    copy_protocol: str = "serving"  # how needles are served
-
-    def __post_init__(self):
-        if not self.factors or any(not (f > 0 and math.isfinite(f)) for f in self.factors):
-            raise OscarError(f"tune: factors must be positive finite numbers, got {self.factors!r}")
-        if self.tokens < 128:
-            raise OscarError(f"tune: --tokens {self.tokens} is too short to read anything from INT2 (sink 64)")
-        if self.objective not in OBJECTIVES:
-            raise OscarError(f"tune: unknown objective {self.objective!r}; known: {', '.join(OBJECTIVES)}")
-        if not (self.nll_slack >= 0 and math.isfinite(self.nll_slack)):
-            raise OscarError(f"tune: nll_slack must be a finite number >= 0, got {self.nll_slack!r}")
-        if self.copy_windows < 1 or not (COPY_SKIP < self.copy_span < self.copy_length):
-            raise OscarError(f"tune: copy objective needs >= 1 window and {COPY_SKIP} < span < length, got "
-                             f"{self.copy_windows} windows, span {self.copy_span}, length {self.copy_length}")
-
-
-def calibration_ids(tok, corpus: str, n: int) -> list[int]:
-    """The first n tokens of the corpus's calibration split (whitespace-normalised, documents joined)."""
-    text = " ".join(" ".join(load_corpus(corpus).calibration).split())
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < n:
-        raise OscarError(f"tune: calibration split has {len(ids)} tokens, fewer than --tokens {n}")
-    return ids[:n]
-
-
-def copy_windows(ids: list[int], n: int, T: int, S: int, sink: int, recent: int, seed: int = 0):
-    """n (window (1, T), scored positions, span start): T - S tokens of text, then a copy of S of them.
-
-    Windows are consecutive slices of `ids`; the span's start is drawn uniformly between the sinks and the
-    last start whose whole span is older than the recent window while the copy is read (so it is INT2).
-    Position i of `pos` holds the logits that predict copy token COPY_SKIP + i."""
-    H, hi = T - S, T - recent - S
-    if hi <= sink:
-        raise OscarError(f"tune: a copy window of {T} tokens with a {S}-token span has no INT2 history "
-                         f"between {sink} sinks and {recent} recent tokens; raise copy_length")
-    if len(ids) < n * H:
-        raise OscarError(f"tune: {n} copy windows need {n * H} tokens, the text has {len(ids)}")
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for w in range(n):
-        hay = ids[w * H:(w + 1) * H]
-        p = int(torch.randint(sink, hi, (1,), generator=g))
-        win = torch.tensor([hay + hay[p:p + S]])  # (1, T)
-        pos = torch.arange(H + COPY_SKIP - 1, T - 1)  # (S - COPY_SKIP,)
-        out.append((win, pos, p))
-    return out
-
-
-@torch.no_grad()
-def copy_nll(model, win: torch.Tensor, pos: torch.Tensor) -> tuple[float, int]:
-    """(sum NLL, top-1 hits) of the copy tokens predicted at `pos`, through whatever simulator is active."""
-    h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
-    logits = model.lm_head(h[0, pos]).float()  # (n, V)
-    tgt = win[0, pos + 1]  # (n,)
-    return F.cross_entropy(logits, tgt, reduction="sum").item(), int((logits.argmax(-1) == tgt).sum())
-
-
-def choose_factor(nll: dict[float, float], cnll: dict[float, float] | None, objective: str, nll_slack: float) -> float:
-    """The tune's rule; objectives within TIE_REL of the best are ties (the host's kernels cannot tell them apart:
-    oscar.common.TIE_REL), won by the smaller factor (the smaller change)."""
-    if objective == "nll":
-        fs = sorted(nll)
-        return fs[tied_best([nll[f] for f in fs])[0]]
-    ok = sorted(nll) if objective == "copy" else sorted(f for f in nll if nll[f] <= min(nll.values()) * (1 + nll_slack))
-    return ok[tied_best([cnll[f] for f in ok])[0]]
-
-
-def scale_key_clips(art, factor: float):
-    """A copy of `art` with clip_k scaled by `factor` (ratios capped at 1 in minmax mode)."""
-    out = copy.copy(art)
-    cap = 1.0 if art.quant.mode == "minmax" else math.inf
-    out.clip_k = [(c * factor).clamp(max=cap) for c in art.clip_k]
-    out.meta = dict(art.meta)
-    return out
-
-
-def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool = True, engine: str = "simulate",
-                  device: str = "cpu"):
-    """Return (tuned artifact, record). The record lists the NLL per token of every factor.
-
-    engine: simulate (the masked fake-quant window) or cache (each factor's artifact served by OscarCache,
-    validate/engine.py); device: where the model runs (execution only)."""
-    cfg = cfg or TuneConfig()
-    eng.check_engine(engine)
-    dev = eng.resolve_device(device)
-    if cfg.protocol not in PROTOCOLS:
-        raise OscarError(f"tune: unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
-    art.check_model(model.config)
-    if cfg.copy_protocol not in PROTOCOLS:
-        raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
-    if engine == "cache":
-        eng.check_methods({"oscar-int2": art}, [PROTOCOLS[cfg.protocol], PROTOCOLS[cfg.copy_protocol]])
-    t0 = time.perf_counter()
-    # the cache engine runs the serving kernels, which take float32 at most: float64 is the simulator's
-    dtype = "float32" if engine == "cache" and cfg.dtype == "float64" else cfg.dtype
-    with_dtype(model, dtype)
-    eng.to_device(model, dev)
-    ids = torch.tensor([calibration_ids(tok, cfg.corpus, cfg.tokens)], device=dev)  # (1, T)
-    wins = []
-    if cfg.objective != "nll":
-        cp = PROTOCOLS[cfg.copy_protocol]
-        text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
-        wins = [(w.to(dev), pos.to(dev)) for w, pos, _ in
-                copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)]
-    factors = sorted(set(cfg.factors))
-    it = factors
-    if progress:
-        it = tqdm(factors, desc="tune key clip", unit="factor")
-    nll, cnll = {}, {}
-    for f in it:
-        a = scale_key_clips(art, f)
-        if engine == "cache":
-            s, n = eng.window_nll(model, "oscar-int2", a, PROTOCOLS[cfg.protocol], ids)
-        else:
-            with simulated(model, a, PROTOCOLS[cfg.protocol]):
-                s, n = window_nll(model, ids)
-        nll[f] = s / n
-        if wins:
-            cs = 0.0
-            for win, pos in wins:
-                if engine == "cache":
-                    cs += float(eng.token_nll(model, "oscar-int2", a, cp, win)[pos.cpu()].sum())
-                else:
-                    with simulated(model, a, cp):
-                        cs += copy_nll(model, win, pos)[0]
-            cnll[f] = cs / sum(len(pos) for _, pos in wins)
-    best = choose_factor(nll, cnll or None, cfg.objective, cfg.nll_slack)
-    tuned = scale_key_clips(art, best)
-    rnd = lambda d: {str(f): round(v, 6) for f, v in d.items()}  # noqa: E731
-    record = {"config": asdict(cfg), **({"engine": engine, "dtype": dtype} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": rnd(nll),
-              **({"copy_nll_per_token": rnd(cnll)} if cnll else {}), "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
-              "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
-              "seconds": round(time.perf_counter() - t0, 2)}
-    tuned.meta["clip_tuning"] = record
-    return tuned, record
+COPY_OPTIONS = ((2, 2), (3, 2), (4, 2))  # keys at 2 / 3 / 4 bits, values at 2 (the cache's formats)
 
 
 class StaleLog(OscarError):
@@ -390,10 +220,10 @@ ESTIMATES = ("probe", "gradient")  # how each layer's copy NLL change is obtaine
 
 def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log: str | None = None,
                          progress: bool = True, estimate: str = "probe"):
-    """`oscar validate widths` / `oscar run --widths copy`: each layer's copied-span NLL change at COPY_OPTIONS,
+    """`oscar fit --widths copy|gradient` (and `oscar run`): each layer's copied-span NLL change at COPY_OPTIONS,
     measured (`layer_copy_errors`, 2L + 1 forwards) or to first order (`layer_copy_gradients`, one forward +
     backward per window), each resumable from `log`; the DP's widths at `fitted`'s bits per element, written as
-    the cache's per-layer format (`codebooks.native_layer_artifact`). Returns (artifact, the (L, 3) table)."""
+    the cache's per-layer format (`native_layer_artifact`). Returns (artifact, the (L, 3) table)."""
     if estimate not in ESTIMATES:
         raise OscarError(f"widths: unknown estimate {estimate!r}; known: {', '.join(ESTIMATES)}")
     if estimate == "probe":
@@ -403,3 +233,169 @@ def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log:
     art = layer_artifact(fitted, COPY_OPTIONS, "oscar-layer-copy-int2", err)
     art.meta["codec"]["estimate"] = estimate
     return native_layer_artifact(art), err
+
+
+# ----------------------------------------------------------------- the widths' artifacts
+
+def _rows(ls, max_kv: int = 1024, max_q: int = 128, seed: int = 0):
+    """A layer's reservoir rows (H, N, D) float64 tensors, subsampled as the fit's clip search does."""
+    q, k, v = ls.rows("q"), ls.rows("k"), ls.rows("v")
+    if q is None or k is None or v is None:
+        raise OscarError("per-layer widths record their error tables on the store's reservoir rows; this store has none")
+    rng = np.random.default_rng(seed)
+    pick = lambda n, m: slice(None) if n <= m else np.sort(rng.choice(n, m, replace=False))  # noqa: E731
+    kv = pick(k.shape[1], max_kv)
+    T = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))  # noqa: E731
+    return T(q[:, pick(q.shape[1], max_q)]), T(k[:, kv]), T(v[:, kv])
+
+
+def layer_widths(errs: np.ndarray, costs: np.ndarray, budget: float) -> list[int]:
+    """The option per layer minimising the summed error with the mean cost <= budget (exact, by dynamic
+    programming over costs in units of 1/64 bit). errs, costs (L, options) -> option index per layer."""
+    L, O = errs.shape
+    units = np.round(costs * 64).astype(int)  # (L, O)
+    cap = int(math.floor(budget * L * 64 + 1e-6))
+    INF = float("inf")
+    best = np.full(cap + 1, INF)
+    best[0] = 0.0
+    choice = np.zeros((L, cap + 1), dtype=int)
+    for l in range(L):
+        new = np.full(cap + 1, INF)
+        for o in range(O):
+            u = units[l, o]
+            if u > cap:
+                continue
+            cand = np.full(cap + 1, INF)
+            cand[u:] = best[:cap + 1 - u] + errs[l, o]
+            better = cand < new
+            new[better], choice[l, better] = cand[better], o
+        best = new
+    if not np.isfinite(best).any():
+        raise OscarError(f"per-layer widths: no width per layer fits {budget} bits/element")
+    c, out = int(np.argmin(best)), []
+    for l in range(L - 1, -1, -1):  # walk back
+        o = int(choice[l, c])
+        out.append(o)
+        c -= units[l, o]
+    return out[::-1]
+
+
+def layer_artifact(fitted: Artifact, options: tuple[tuple, ...], method: str, copy_err: np.ndarray) -> Artifact:
+    """Per-layer widths from oscar-int2's artifact, its store and a table measured through the model.
+
+    oscar-int2's rotations and grid per layer at one of `options` (key width, value width): the base width
+    with fp8 scale/zero (2.25 bits), wider ones with fp16 (3.5 / 4.5) and no clip. `copy_err` (L, options) is
+    the objective, measured outside this module (`layer_copy_errors` /
+    `layer_copy_gradients`: each layer alone at each option, the copied-span NLL change on calibration text);
+    the widths minimise its sum at oscar-int2's mean bits per element (`layer_widths`). Recorded beside it,
+    per layer and option, on the store's reservoir rows (S = softmax of the rows' q·k / sqrt(D)): the relative
+    attention-output error ||Ŝ V̂ − S V||² / ||S V||² averaged over KV heads, and the share of query rows
+    whose highest-scoring key changes.
+    """
+    D = fitted.head_dim
+    if fitted.quant.key_axis != "token" or fitted.quant.mode != "minmax":
+        raise OscarError(f"{method} re-widths oscar-int2's per-token min/max groups; --artifact groups keys otherwise")
+    _, _, layers = store_layers(fitted, method)
+    base = fitted.quant.bits
+    copy_err = np.asarray(copy_err, dtype=float)
+    if copy_err.shape != (len(layers), len(options)) or not np.isfinite(copy_err).all() or any(
+            not isinstance(kb, int) for kb, _ in options):
+        raise OscarError(f"{method}: copy_err must be a finite (layers {len(layers)}, options {len(options)}) "
+                         f"table over uniform widths, got shape {copy_err.shape}")
+    errs, tops, costs, n_rows = [], [], [], 0
+    for l, ls in enumerate(layers):
+        q, k, v = _rows(ls, seed=l)
+        mu = fitted.k_mean[l].double()[:, None, :] if fitted.k_mean is not None else 0.0
+        qr = q @ (fitted.rot_q or fitted.rot_k)[l].double()
+        kr = (k - mu) @ fitted.rot_k[l].double()
+        vr = v @ fitted.rot_v[l].double()
+        S = torch.softmax(qr @ kr.transpose(-1, -2) / math.sqrt(D), -1)  # (H, Nq, N)
+        o = S @ vr
+        den = (o ** 2).sum((-1, -2))
+        top = S.argmax(-1)  # (H, Nq) the key each query row reads most
+        n_rows = max(n_rows, top.numel())
+        row_e, row_t, row_c = [], [], []
+        for kb, vb in options:
+            vs = layer_spec(fitted, vb)
+            vh = fake_quant(vr.float(), vs, fitted.clip_v[l].float().view(-1, 1, 1) if vb == base else 1.0).double()
+            ks = layer_spec(fitted, kb)
+            kh = fake_quant(kr.float(), ks, fitted.clip_k[l].float().view(-1, 1, 1) if kb == base else 1.0).double()
+            Sh = torch.softmax(qr @ kh.transpose(-1, -2) / math.sqrt(D), -1)
+            kbits = ks.bits_per_element(D)
+            row_e.append(float(((((Sh @ vh) - o) ** 2).sum((-1, -2)) / den).mean()))
+            row_t.append(float((Sh.argmax(-1) != top).double().mean()))
+            row_c.append(0.5 * (kbits + vs.bits_per_element(D)))
+        errs.append(row_e), tops.append(row_t), costs.append(row_c)
+    errs, tops, costs = np.array(errs), np.array(tops), np.array(costs)
+    # float32 NLL changes through the model: kernel-level differences are ties (TIE_REL), and on the rounded
+    # table the DP's own rule decides them (the first option, then the lowest cost)
+    obj = np.round(copy_err / (TIE_REL * max(float(np.abs(copy_err).max()), 1e-30)))
+    pick = layer_widths(obj, costs, oscar_bits(fitted))
+    widths = [list(options[o]) for o in pick]
+    rot_k, rot_q = list(fitted.rot_k), list(fitted.rot_q or fitted.rot_k)
+    clip_k, clip_v = _width_clips(fitted, widths)
+    rec = {"kind": "layers", "widths": widths, "options": [list(o) for o in options], "base_params": "fp8",
+           "wide_params": "fp16", "objective": "copied-span NLL change with the layer alone at the width "
+                                                "(calibration text, oscar/widths.py)",
+           "err": [[round(float(e), 6) for e in row] for row in errs],
+           "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
+           "err_total_base": round(float(errs[:, 0].sum()), 6), "chosen_by": "copy",
+           "top1_changed": [[round(float(e), 6) for e in row] for row in tops],
+           "top1_total": round(float(tops[np.arange(len(pick)), pick].sum()), 6),
+           "top1_total_base": round(float(tops[:, 0].sum()), 6), "top1_rows": int(n_rows),
+           "copy_err": [[round(float(e), 6) for e in row] for row in copy_err]}
+    out = derived_artifact(fitted, method, rec, {})
+    return replace(out, rot_k=rot_k, rot_q=rot_q if fitted.rot_q is not None else None, clip_k=clip_k, clip_v=clip_v)
+
+
+def _width_clips(fitted: Artifact, widths) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer (clip_k, clip_v): the fitted clips at the base width, none (ratio 1) at a wider one."""
+    base, H = fitted.quant.bits, fitted.num_kv_heads
+    return ([fitted.clip_k[l] if kb == base else torch.ones(H) for l, (kb, _) in enumerate(widths)],
+            [fitted.clip_v[l] if vb == base else torch.ones(H) for l, (_, vb) in enumerate(widths)])
+
+
+def widths_artifact(fitted: Artifact, widths, method: str = "oscar-layer-copy-int2", rec: dict | None = None) -> Artifact:
+    """`fitted` with layer l's keys and values at widths[l] = (key bits, value bits): layer_artifact's format
+    (the base width keeps its clips and fp8 scale/zero, a wider one fp16 and no clip) without its search; what
+    a measured objective probes one layer at a time."""
+    base, L = fitted.quant.bits, fitted.num_layers
+    widths = [[int(kb), int(vb)] for kb, vb in widths]
+    if len(widths) != L or any(not (base <= b <= 8) for w in widths for b in w):
+        raise OscarError(f"{method}: widths must give (key, value) bits in {base}..8 for each of {L} layers, got {widths}")
+    clip_k, clip_v = _width_clips(fitted, widths)
+    out = derived_artifact(fitted, method, {"kind": "layers", "widths": widths, "base_params": "fp8", "wide_params": "fp16",
+                                    **(rec or {})}, {})
+    return replace(out, clip_k=clip_k, clip_v=clip_v)
+
+
+def native_layer_artifact(art: Artifact) -> Artifact:
+    """A "layers" codec artifact (the copy-chosen widths) in the cache's own per-layer format
+    (`Artifact.layer_quant`, oscar-artifact/3): a layer's keys at base + 1 or + 2 bits become one wide part
+    (key_split = D, key_top, fp16 key params), the base layers and every value keep the base grid with e4m3 params;
+    the same grids, clips and rounding as the codec (tested: simulator and OscarCache agree). What OscarCache,
+    the Triton kernels and `oscar bench memory --artifact` then serve. Refuses widths the cache has no format for
+    (values wider than the base, keys more than 2 bits wider)."""
+    c = art.meta.get("codec") or {}
+    if c.get("kind") != "layers":
+        raise OscarError(f"native_layer_artifact: the artifact has codec {c.get('kind')!r}, not per-layer widths ('layers')")
+    base, D = art.quant, art.head_dim
+    if base.key_split or base.key_axis != "token" or base.group_size or base.mode != "minmax" or base.clip_rule != "ratio":
+        raise OscarError("native_layer_artifact: per-layer widths are built on one-group per-token min/max keys "
+                         f"(key_split 0, key_axis token, group_size None, ratio clips); got {base}")
+    q0 = replace(base, param_dtype="float8_e4m3fn")  # the codec's base grid: e4m3 scale/zero (codebooks.layer_spec)
+    lq = []
+    for l, (kb, vb) in enumerate(c["widths"]):
+        if vb != base.bits or not base.bits <= int(kb) <= base.bits + 2:
+            raise OscarError(f"native_layer_artifact: layer {l} has (key, value) widths ({kb}, {vb}); the cache stores "
+                             f"values at {base.bits} bits and keys at {base.bits}..{base.bits + 2}")
+        kb = int(kb)
+        lq.append(q0 if kb == base.bits else replace(q0, key_split=D, key_top=kb - base.bits, key_param_dtype="float16"))
+    # `variant` names the rotation recipe (refits of other methods read it): the base fit's, as the rotations are
+    meta = {k: v for k, v in art.meta.items() if k not in ("codec", "base_variant")}
+    meta["variant"] = art.meta.get("base_variant") or art.meta.get("variant")
+    meta["layer_widths"] = {"method": art.meta.get("variant"),  # what chose them (probe tables, objective)
+                            **{k: v for k, v in c.items() if k != "kind"}}
+    out = replace(art, quant=q0, layer_quant=lq, meta=meta)
+    out.validate()
+    return out
