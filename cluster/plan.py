@@ -511,8 +511,10 @@ def format_steps(p: Plan) -> list[str]:
            f"{'step':<11} {'tokens':>12} {'time':>9} {'largest stage':>14} {'per GPU':>11}"]
     for r in st["rows"]:
         big = max(r["stage_bytes"])
+        per_gpu = math.ceil(big / p.gpus_per_stage)
+        over = "  over the budget per GPU" if p.budget_bytes and per_gpu > p.budget_bytes else ""
         out.append(f"{r['step']:<11} {r['tokens']:>12,} {fmt_seconds(r['seconds']):>9} {fmt_bytes(big):>14} "
-                   f"{fmt_bytes(math.ceil(big / p.gpus_per_stage)):>11}")
+                   f"{fmt_bytes(per_gpu):>11}{over}")
     out += [f"  {r['step']}: {r['what']}" for r in st["rows"]]
     kv = st["kv_cache"]
     out.append(f"KV cache of one {kv['context']:,}-token sequence ({kv['format']}): "

@@ -128,6 +128,14 @@ def test_needles_and_kv_cache_by_hand():
                                 LAYER + HEAD + working(4096, 1) + kv["stage_bytes"][1]]
     text = format_plan(p)
     assert "KV cache of one 8,192-token sequence (int2-token)" in text and "needles: 20 samples" in text
+    assert "over the budget" not in text  # no GPU size: nothing to check
+    # a GPU that holds the calibration's stages but not the needles' cache: the needles row says so
+    mem = max(s.peak_bytes for s in p.stages) / 0.9 / 2**30 * 1.0001
+    big = make_plan(llama(), PlanConfig(stages=2, seq_len=64, seqs_per_block=8, num_blocks=8, gpu_mem_gib=mem,
+                                        sizes=StepSizes(context=8192)), gpu=GPU, utilization=UTIL)
+    lines = format_plan(big).splitlines()
+    assert big.fits and [l.split()[0] for l in lines if l.endswith("over the budget per GPU")] == [
+        "tune", "widths", "perplexity", "needles"]
 
 
 def test_kv_cache_at_128k_by_hand():
