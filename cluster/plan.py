@@ -499,7 +499,6 @@ def format_placement(p: Plan) -> list[str]:
     return out
 
 
-
 def format_steps(p: Plan) -> list[str]:
     """Memory and time of each step on one replica (cluster/steps.py), with the KV cache per stage and the
     assumptions."""

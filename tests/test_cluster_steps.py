@@ -110,6 +110,17 @@ def test_tune_widths_and_perplexity_by_hand():
     assert r["calibrate"]["stage_bytes"] == [s.peak_bytes for s in p.stages]
 
 
+def test_tied_embeddings_put_the_matrix_on_the_last_stage():
+    """Tied: the checkpoint's head is the final norm alone; a last stage other than stage 0 loads the embedding
+    matrix as its LM head for the steps after calibration."""
+    c = llama()
+    c.tie_word_embeddings = True
+    p = make_plan(c, PlanConfig(stages=2, seq_len=64, seqs_per_block=8, num_blocks=8), gpu=GPU, utilization=UTIL)
+    assert rows(p)["tune"]["stage_bytes"][1] == LAYER + H * 2 + EMBED + working(2048, 2048)
+    one = make_plan(c, PlanConfig(stages=1, seq_len=64, seqs_per_block=8, num_blocks=8), gpu=GPU, utilization=UTIL)
+    assert rows(one)["tune"]["stage_bytes"][0] == 2 * LAYER + EMBED + H * 2 + working(2048, 2048)
+
+
 def test_needles_and_kv_cache_by_hand():
     p = plan(context=8192)
     r = rows(p)["needles"]
