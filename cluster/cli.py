@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from oscar.cli_options import add_model, add_out, add_ray, add_stages
 from oscar.cluster.placement import GPUS, UTILIZATION
+from oscar.cluster.steps import StepSizes
 from oscar.common import OscarError, nonneg_float, positional_or_option, positive_float, positive_int
 from oscar.pipeline.cli import calib_config
 
@@ -22,7 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan a pipeline: memory per stage, activations, store size, stage count",
                        description="From the model config alone (no weights): parameter bytes per stage, float64 "
                                    "accumulators, activations per micro-batch, store size and, with --gpu-mem, the "
-                                   "smallest stage count that fits (docs/scale.md).")
+                                   "smallest stage count that fits; then memory and time of each step on the stages "
+                                   "(calibrate, tune, widths, perplexity, needles) and the INT2 KV cache per stage "
+                                   "at --context (docs/scale.md).")
     add_model(p, "config.json, model directory, shipped config (glm-4.7) or preset", required=True)
     add_stages(p, "pipeline stages (layer ranges) per replica; required without --nodes (with --nodes: the "
                   "placement's choice)", type=int)
@@ -53,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default) or a file; more blocks than it gives are refused")
     p.add_argument("--reservoir", type=int, default=256, help="reservoir rows per block, layer and KV head")
     p.add_argument("--dtype", default=None, help="weight/activation dtype (default: the config's)")
+    p.add_argument("--context", type=int, default=StepSizes.context,
+                   help="tokens of the one-sequence KV cache sized per stage, and the longest needle length of the "
+                        "needle estimate (4k, 8k, ... doubling up to it)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 
@@ -176,7 +182,7 @@ def _plan(args) -> int:
                     gpus_per_stage=1 if args.gpus_per_stage is None else args.gpus_per_stage, gpu_mem_gib=mem,
                     seq_len=args.seq_len, micro_batch=args.micro_batch, seqs_per_block=args.seqs_per_block,
                     num_blocks=blocks, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
-                    name=args.model)
+                    name=args.model, sizes=StepSizes(context=args.context))
     pc.check()  # sizes first: no config is read for a plan that cannot exist
     config = load_model_config(args.model)
     if args.nodes is not None:

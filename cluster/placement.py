@@ -33,16 +33,19 @@ class GpuSpec:
     intra_node_bytes_s: float  # stage boundary within a node: host copy over PCIe Gen5 x16 (Ray's object store)
     inter_node_bytes_s: float  # stage boundary between nodes: one 400 Gb/s NIC per GPU
     source: str
+    hbm_bytes_s: float = 3.35e12  # memory bandwidth: what a decode token's weight and cache reads run at
 
 
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 989 TFLOP/s dense (1,979 with sparsity), FP64 tensor
 # 67 TFLOP/s, 80 GB HBM3. H200 datasheet (SXM): the same compute, 141 GB HBM3e. PCIe Gen5 x16 64 GB/s per
 # direction; DGX H100 / p5 nodes pair each GPU with a 400 Gb/s (50 GB/s) ConnectX-7 NIC. Hidden states go
 # through Ray's object store in host memory, not NVLink, so NVLink's 450 GB/s per direction is not used.
+# Memory bandwidth: H100 SXM 3.35 TB/s (HBM3), H200 SXM 4.8 TB/s (HBM3e).
 H100 = GpuSpec("H100 SXM 80GB", 80.0, 989e12, 67e12, 64e9, 50e9,
-               "NVIDIA H100 datasheet (SXM5, dense); PCIe Gen5 x16; 400 Gb/s NIC per GPU")
+               "NVIDIA H100 datasheet (SXM5, dense); PCIe Gen5 x16; 400 Gb/s NIC per GPU", 3.35e12)
 H200 = GpuSpec("H200 SXM 141GB", 141.0, 989e12, 67e12, 64e9, 50e9,
-               "NVIDIA H200 datasheet (SXM, dense; H100 compute, 141 GB HBM3e); PCIe Gen5 x16; 400 Gb/s NIC per GPU")
+               "NVIDIA H200 datasheet (SXM, dense; H100 compute, 141 GB HBM3e); PCIe Gen5 x16; 400 Gb/s NIC per GPU",
+               4.8e12)
 GPUS = {"h100": H100, "h200": H200}
 # Share of the datasheet FLOP/s a calibration forward reaches: batch-1 4k-token prefills with small
 # expert matmuls and eager capture; 0.4 is a planning figure, not a measurement on GPUs.

@@ -21,6 +21,7 @@ from oscar.cluster.balance import balance_layers  # noqa: F401  (re-exported: pl
 from oscar.cluster.loading import build_skeleton
 from oscar.cluster.placement import (H100, UTILIZATION, GpuSpec, Placement, balance_by_time, estimate, fmt_seconds,
                                      is_moe_layer, layer_flops_per_token, num_experts)
+from oscar.cluster.steps import StepSizes, estimate_steps
 from oscar.common import OscarError, attention_shapes, canonical_json
 from oscar.modelconfig import layer_of
 from oscar.modelconfig import load_model_config as _load_model_config
@@ -182,6 +183,7 @@ class Plan:
     weights_mode: str = ""            # how the loaders hold the weights (block FP8: dequantized at load)
     estimate: dict | None = None      # placement.Estimate: efficiency and wall time of the pipelined part
     placement: dict | None = None     # placement.Placement, when planned for --nodes x --gpus-per-node
+    steps: dict | None = None         # steps.Steps: memory and time of every step on one replica
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -210,6 +212,7 @@ class PlanConfig:
     in_flight: int = 2                # micro-batches in flight per stage
     usable: float = 0.9               # share of GPU memory a stage may plan for
     name: str = ""                    # model name in the plan (default: the config's model_type)
+    sizes: StepSizes = field(default_factory=StepSizes)  # the steps after calibration (cluster/steps.py)
 
     def check(self) -> None:
         """Refuse sizes that cannot describe a job, before any config is read."""
@@ -227,6 +230,7 @@ class PlanConfig:
             raise OscarError(f"usable share of GPU memory must be in (0, 1], got {self.usable:g}")
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in _DTYPE_BYTES:
             raise OscarError(f"--dtype {self.dtype!r}: one of {sorted(_DTYPE_BYTES)}")
+        self.sizes.check()
 
 
 def corpus_budget(corpus: str, *, seq_len: int, seqs_per_block: int, tokens: int | None = None,
@@ -309,9 +313,16 @@ def make_plan(config, pc: PlanConfig, *, gpu: GpuSpec = H100, utilization: float
     est = estimate(config, ranges, replicas=replicas, gpus_per_stage=pc.gpus_per_stage, seq_len=pc.seq_len,
                    micro_batch=pc.micro_batch, seqs_per_block=pc.seqs_per_block, num_blocks=pc.num_blocks,
                    boundary_bytes=act["boundary"], gpu=gpu, utilization=utilization, crosses_nodes=crosses_nodes)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    # tied embeddings: the head holds only the final norm, and a last stage other than stage 0 loads the matrix too
+    tied = pb.head < text.vocab_size * text.hidden_size * nb
+    steps = estimate_steps(config, ranges, stage_params=[s.param_bytes for s in sp],
+                           head_bytes=pb.head + (pb.embed if tied and len(ranges) > 1 else 0), layer_bytes=pb.layers,
+                           dtype_bytes=nb, calibrate=(est.wall_seconds, [s.peak_bytes for s in sp], est.tokens),
+                           sizes=pc.sizes, gpu=gpu, utilization=utilization, crosses_nodes=crosses_nodes)
     return Plan(pc.name or getattr(config, "model_type", ""), nl, pb.total, pb.total - pb.head, sp, pc.gpus_per_stage,
                 act, spb, pc.num_blocks, spb["total"] * pc.num_blocks, suggested, gpu_mem, notes, budget, fits,
-                weights_mode, est.to_dict())
+                weights_mode, est.to_dict(), steps=steps.to_dict())
 
 
 def plan_placed(config, pc: PlanConfig, *, nodes: int, gpus_per_node: int, gpu: GpuSpec = H100,
@@ -466,7 +477,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"suggested stages for {fmt_bytes(p.gpu_mem_bytes)} GPUs x {p.gpus_per_stage} per stage: "
                      f"{p.suggested_stages if p.suggested_stages else 'none fits'}")
     lines += [f"note: {n}" for n in p.notes]
-    return "\n".join(lines + format_placement(p))
+    return "\n".join(lines + format_placement(p) + format_steps(p))
 
 
 def format_placement(p: Plan) -> list[str]:
@@ -487,3 +498,27 @@ def format_placement(p: Plan) -> list[str]:
         out += [f"  {a}" for a in e["assumptions"]]
     return out
 
+
+def format_steps(p: Plan) -> list[str]:
+    """Memory and time of each step on one replica (cluster/steps.py), with the KV cache per stage and the
+    assumptions."""
+    st = p.steps
+    if not st:
+        return []
+    out = ["", f"steps on one replica of {len(p.stages)} stage(s) (calibrate: as estimated above; perplexity and "
+               "needles: per method):",
+           f"{'step':<11} {'tokens':>12} {'time':>9} {'largest stage':>14} {'per GPU':>11}"]
+    for r in st["rows"]:
+        big = max(r["stage_bytes"])
+        per_gpu = math.ceil(big / p.gpus_per_stage)
+        over = "  over the budget per GPU" if p.budget_bytes and per_gpu > p.budget_bytes else ""
+        out.append(f"{r['step']:<11} {r['tokens']:>12,} {fmt_seconds(r['seconds']):>9} {fmt_bytes(big):>14} "
+                   f"{fmt_bytes(per_gpu):>11}{over}")
+    out += [f"  {r['step']}: {r['what']}" for r in st["rows"]]
+    kv = st["kv_cache"]
+    out.append(f"KV cache of one {kv['context']:,}-token sequence ({kv['format']}): "
+               f"{fmt_bytes(max(kv['stage_bytes']))} on the largest stage, {fmt_bytes(kv['total_bytes'])} in all "
+               f"(BF16: {fmt_bytes(max(kv['bf16_stage_bytes']))}, {fmt_bytes(kv['bf16_total_bytes'])})")
+    out.append("assumptions:")
+    out += [f"  {a}" for a in st["assumptions"]]
+    return out
