@@ -20,6 +20,7 @@ from oscar.pipeline.cli import calib_config
 
 def register(sub: argparse._SubParsersAction) -> None:
     add_ray_arguments(sub.choices.get("calibrate"))
+    add_staged_validation(sub.choices.get("validate"))
     p = sub.add_parser("plan", help="plan a pipeline: memory per stage, activations, store size, stage count",
                        description="From the model config alone (no weights): parameter bytes per stage, float64 "
                                    "accumulators, activations per micro-batch, store size and, with --gpu-mem, the "
@@ -262,4 +263,42 @@ def calibrate_dispatch(args, single) -> int:
         print(json.dumps(rep.to_dict(), indent=1))
     else:
         print(format_report(rep))
+    return 0
+
+
+def add_staged_validation(v: argparse.ArgumentParser | None) -> None:
+    """`oscar validate ppl --ray ADDRESS|auto --stages N`: the windows scored by stage actors holding the layer
+    ranges calibration uses (cluster/scoring.py); without --ray the single-process handler runs unchanged.
+    Registered after the validate CLI, so validate never imports the cluster stage."""
+    if v is None:
+        return
+    vs = next(a for a in v._actions if isinstance(a, argparse._SubParsersAction))
+    p = vs.choices["ppl"]
+    g = p.add_argument_group("pipeline stages (Ray)")
+    add_ray(g)
+    add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray); the last also holds "
+                  "the final norm and the LM head")
+    g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
+    single = p.get_default("func")
+    p.set_defaults(func=lambda args: ppl_dispatch(args, single))
+
+
+def ppl_dispatch(args, single) -> int:
+    if getattr(args, "ray", None) is None:
+        if getattr(args, "stages", None):
+            raise OscarError("--stages needs --ray ADDRESS|auto")
+        return single(args)
+    if args.device != "cpu":
+        raise OscarError("--ray scores on CPU stage actors; --device cuda runs in one process")
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.cluster.pipeline import ClusterConfig
+    from oscar.cluster.scoring import StagedScorer
+    from oscar.validate.cli import ppl_config
+    from oscar.validate.ppl import run_ppl
+
+    cfg = ppl_config(args)
+    cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, dtype=cfg.dtype)
+    with StagedScorer(cfg.model, cc, address=args.ray) as sc:
+        df = run_ppl(cfg, progress=not args.no_progress, scorer=sc)
+    print(df.round(3).to_string(index=False))
     return 0

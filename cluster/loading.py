@@ -8,8 +8,9 @@ shard even when the model holds a few layers.
 
 Ownership: stage [start, stop) holds `layers[start:stop]` (MoE experts included);
 the first stage also holds the token embeddings; every stage builds the rotary
-module (it has no parameters, only buffers derived from the config); nobody
-loads the final norm or the LM head (calibration stops at the last attention).
+module (it has no parameters, only buffers derived from the config); the last stage
+loads the final norm and the LM head only when it scores (validation, `head=True`):
+calibration stops at the last attention.
 
 Every checkpoint key of the stage's layers (and, for the first stage, of the embeddings) is accounted for
 before any tensor is read: it is placed into a parameter or buffer, consumed as the scale of a block-FP8
@@ -26,6 +27,7 @@ Ray-free: importable and testable in one process.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import json
 import os
 import re
@@ -174,15 +176,21 @@ def _checkpoint_sources(name: str, ckpt: Checkpoint, num_experts: int | None) ->
 class LayerRange(nn.Module):
     """The modules one stage owns; `forward` runs its decoder layers on hidden states."""
 
-    def __init__(self, config, spec: StageSpec, embed: nn.Module | None, rotary: nn.Module, layers: list[nn.Module]):
+    def __init__(self, config, spec: StageSpec, embed: nn.Module | None, rotary: nn.Module, layers: list[nn.Module],
+                 norm: nn.Module | None = None, lm_head: nn.Module | None = None):
         super().__init__()
         self.config = config
         self.spec = spec
         self.embed_tokens = embed
         self.rotary_emb = rotary
+        self.norm, self.lm_head = norm, lm_head  # the last stage, when it scores (load_layer_range(head=True))
         # Keyed by global layer index so parameter names say which layers a stage holds.
         self.layers = nn.ModuleDict({str(spec.start + i): m for i, m in enumerate(layers)})
         self._rotary: dict[str, nn.Module] = {}  # rotary copies per device (a multi-GPU stage)
+
+    def set_attn_implementation(self, name: str) -> None:
+        """The attention function every layer of the stage calls (and the mask it builds), as on a full model."""
+        self.config._attn_implementation = name
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
@@ -251,14 +259,16 @@ def build_skeleton(config) -> nn.Module:
 
 
 def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu", devices: list[str] | None = None
+                     device: str | torch.device = "cpu", devices: list[str] | None = None, head: bool = False
                      ) -> tuple[LayerRange, LoadReport]:
     """Load decoder layers [start, stop) of the safetensors checkpoint in `model_dir`.
 
     Opens only the shards holding those layers' keys (plus the embeddings' shard for
     the first stage). `devices` (e.g. the GPUs of a multi-GPU stage) spreads the layers
     contiguously over several devices, balanced by parameter bytes; the embeddings go
-    to the first. Returns the stage module (eval mode) and what was read.
+    to the first. head=True: the last stage also holds the final norm and the LM head (tied
+    to the embeddings where the config says so), on the last device: what validation needs
+    and calibration does not. Returns the stage module (eval mode) and what was read.
     """
     config = config if config is not None else load_config(model_dir)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -274,6 +284,13 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
     owned: dict[str, nn.Module] = {f"{pre}layers.{i}": base.layers[i] for i in spec.layers}
     if spec.first:
         owned[f"{pre}embed_tokens"] = base.embed_tokens
+    head = head and spec.last
+    lm_head = skeleton.get_output_embeddings() if head else None
+    head_name = next(n for n, m in skeleton.named_modules() if m is lm_head) if head else ""  # e.g. "lm_head"
+    if head:
+        owned[f"{pre}norm"] = base.norm
+        owned[head_name] = lm_head
+    tied = head and bool(getattr(text_cfg, "tie_word_embeddings", False))
 
     # Plan: module tensor -> checkpoint keys, grouped by shard.
     n_exp = _num_experts(text_cfg)
@@ -284,6 +301,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
         for local in sorted(persistent):
             full = f"{mprefix}.{local}"
             src = _checkpoint_sources(full, ckpt, n_exp)
+            if src is None and tied and mod is lm_head:  # tied: the LM head is the embedding matrix
+                src = _checkpoint_sources(f"{pre}embed_tokens.{local}", ckpt, n_exp)
             if src is None:
                 if local in dict(mod.named_parameters()):
                     raise OscarError(f"{model_dir}: checkpoint has no tensor for {full}")
@@ -298,7 +317,9 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
         if sk is not None and sk in ckpt:
             scales[k] = sk
     mine = {k for k in ckpt.weight_map if (layer_of(k) is not None and start <= layer_of(k) < stop)
-            or (spec.first and layer_of(k) is None and "embed_tokens" in k)}
+            or (spec.first and layer_of(k) is None and "embed_tokens" in k)
+            or (head and layer_of(k) is None and (k.removeprefix(pre) in ("norm.weight", "norm.bias")
+                                                  or k.startswith(f"{head_name}.")))}
     unaccounted = sorted(mine - consumed - set(scales.values()))
     report_ignored = {}
     for k in unaccounted:
@@ -320,6 +341,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
     sizes = [sum(p.numel() for p in base.layers[i].parameters()) for i in spec.layers]
     layer_dev = dict(zip(spec.layers, assign_devices(sizes, devices)))
     dev_of = {f"{pre}layers.{i}": layer_dev[i] for i in spec.layers} | {f"{pre}embed_tokens": devices[0]}
+    if head:
+        dev_of |= {f"{pre}norm": devices[-1], head_name: devices[-1]}
 
     needed = sorted({ckpt.weight_map[k] for k in consumed | set(scales.values())})
     report = LoadReport(shards=needed, ignored=report_ignored)
@@ -332,6 +355,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
                 keys_of.setdefault(ckpt.weight_map[k], []).append(k)
                 if k in scales:
                     keys_of.setdefault(ckpt.weight_map[scales[k]], []).append(scales[k])
+    uses = Counter(k for *_, src in plan for ks in src for k in ks)  # a tied LM head reads the embeddings again
+    keys_of = {sh: list(dict.fromkeys(ks)) for sh, ks in keys_of.items()}
     got: dict[str, torch.Tensor] = {}
     todo = list(plan)
     for shard in needed:
@@ -354,7 +379,8 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
             tdt = torch.float32 if keep_fp32 else dtype
 
             def tensor(k: str) -> torch.Tensor:  # checkpoint tensor k, block-FP8 dequantized (fp32 math) to tdt
-                t = got.pop(k)
+                uses[k] -= 1
+                t = got.pop(k) if not uses[k] else got[k]
                 if k in scales:
                     if not is_float8(t):
                         raise OscarError(f"{model_dir}: {k} has a scale ({scales[k]}) but is {t.dtype}, "
@@ -383,7 +409,7 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
         mod.to(dev_of[mprefix])  # buffers the checkpoint does not carry follow their module
     rotary = base.rotary_emb.to(devices[0])
     stage = LayerRange(config, spec, owned.get(f"{pre}embed_tokens"), rotary,
-                       [base.layers[i] for i in spec.layers]).eval()
+                       [base.layers[i] for i in spec.layers], norm=owned.get(f"{pre}norm"), lm_head=lm_head).eval()
     stage.requires_grad_(False)
     return stage, report
 

@@ -254,13 +254,13 @@ def run_pipeline(store_path: str, model_dir: str | None, cc: ClusterConfig, *, p
         todo = store.todo_blocks()
         skipped = store.num_blocks - len(todo)
 
-        _place(cc, len(ranges), job, into=pgs)
+        place_groups(cc, len(ranges), job, into=pgs)
         _start_stages(store, store_path, model_dir, cc, ranges, job, pgs, into=replicas)
         t_start = time.time()
         # Barrier: every stage has loaded its layers before the first micro-batch, so no stage
         # computes while another is still loading (and the timed window holds no load time).
         for actors in replicas:
-            _wait_alive(actors, timeout=cc.startup_timeout)
+            wait_alive(actors, timeout=cc.startup_timeout)
         startup = time.time() - t_start
 
         masks = store.group["mask"]
@@ -298,7 +298,7 @@ def _bundle(cc: ClusterConfig) -> dict:
     return bundle
 
 
-def _place(cc: ClusterConfig, n_stages: int, job: str, into: list) -> None:
+def place_groups(cc: ClusterConfig, n_stages: int, job: str, into: list) -> None:
     """One placement group per replica (a bundle per stage) into `into`, placed; a clear error when the
     cluster cannot (the caller removes the groups either way). PACK, not STRICT_PACK: a replica of one
     stage per GPU has more stages than a node has GPUs; a bundle (one stage's GPUs) never spans nodes."""
@@ -415,7 +415,7 @@ class _BlockLoop:
         if entry["failed"]:
             self.failures.append(entry["failed"])
             print(f"oscar: {entry['failed']}; redoing block {b}", file=sys.stderr)
-            _wait_alive(self.replicas[entry["replica"]], timeout=self.cc.placement_timeout + self.cc.startup_timeout)
+            wait_alive(self.replicas[entry["replica"]], timeout=self.cc.placement_timeout + self.cc.startup_timeout)
             self.queues[entry["replica"]].appendleft(b)
         else:
             self.done_blocks.append(b)
@@ -494,7 +494,7 @@ def _tensor(a: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def _wait_alive(actors, timeout: float) -> None:
+def wait_alive(actors, timeout: float) -> None:
     """Block until every actor of a replica answers (Ray restarts dead ones up to max_restarts)."""
     # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
     import ray

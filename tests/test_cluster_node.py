@@ -101,7 +101,7 @@ def check_failed_start_is_reported():
     instead of waiting out the timeout."""
     import ray
 
-    from oscar.cluster.pipeline import _wait_alive
+    from oscar.cluster.pipeline import wait_alive
 
     @ray.remote(num_cpus=0, max_restarts=2)
     class Broken:
@@ -113,7 +113,7 @@ def check_failed_start_is_reported():
 
     t0 = time.time()
     with pytest.raises(OscarError, match="failed to start.*no config.json"):
-        _wait_alive([Broken.remote()], timeout=120)
+        wait_alive([Broken.remote()], timeout=120)
     assert time.time() - t0 < 60
 
 

@@ -47,8 +47,8 @@ ALLOWED = {
     "validate": {"leaf", "pipeline", "stats", "kernels", "validate", "ablation"},
     # the synthetic ablation: the quantizers and stores it measures, never the model-level validation
     "ablation": {"leaf", "pipeline", "stats", "kernels", "ablation"},
-    # cluster runs the stages before validation on Ray
-    "cluster": {"leaf", "pipeline", "stats", "kernels", "cluster"},
+    # cluster runs the stages on Ray: calibration, and validation's scoring on the same layer ranges
+    "cluster": {"leaf", "pipeline", "stats", "kernels", "validate", "cluster"},
     "reports": {"leaf", "reports", *REPORT_READERS},
 }
 RAY_ALLOWED = {"cluster", "top"}

@@ -138,14 +138,22 @@ def _niah(args) -> int:
     return 0
 
 
+def ppl_config(args):
+    """The PplConfig `oscar validate ppl`'s options describe."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.validate.ppl import PplConfig
+
+    return PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
+                     contexts=_lengths(args.contexts), protocols=_csv(args.protocols), tokens=args.tokens,
+                     corpus=args.corpus, dtype=compute_dtype(args.dtype, args.device), engine=args.engine,
+                     device=args.device)
+
+
 def _ppl(args) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.validate.ppl import PplConfig, run_ppl
+    from oscar.validate.ppl import run_ppl
 
-    cfg = PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
-                    contexts=_lengths(args.contexts), protocols=_csv(args.protocols), tokens=args.tokens, corpus=args.corpus,
-                    dtype=compute_dtype(args.dtype, args.device), engine=args.engine, device=args.device)
-    df = run_ppl(cfg, progress=not args.no_progress)
+    df = run_ppl(ppl_config(args), progress=not args.no_progress)
     print(df.round(3).to_string(index=False))
     return 0
 

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
@@ -46,7 +47,7 @@ from oscar.validate.methods import (
     PROTOCOL_VERSION, PROTOCOLS, bits_per_element, parse_methods, resolve_methods,
     uncalibrated_warning,
 )
-from oscar.validate.niah import _Inline, load_aware_threads, load_checked
+from oscar.validate.niah import _Inline, check_lengths, load_aware_threads, load_checked
 from oscar.validate.workers import Workers, default_workers
 
 
@@ -85,12 +86,18 @@ def window_nll(model, ids: torch.Tensor, chunk: int = 512, prefixes: tuple[int, 
     this window compute exactly what a window of P tokens starting here computes.
     """
     h = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, T, H)
+    return hidden_nll(model.lm_head, h, ids, chunk, prefixes)
+
+
+def hidden_nll(lm_head, h: torch.Tensor, ids: torch.Tensor, chunk: int = 512, prefixes: tuple[int, ...] = ()):
+    """`window_nll` from the final hidden states h (1, T, H), after the final norm: what the last pipeline stage
+    computes (cluster/scoring.py), in the same chunks and order as one process."""
     T = ids.shape[1]
     cuts = sorted({P - 1 for P in prefixes if 1 < P < T} | {T - 1})  # predicted tokens per part
     tot, sums, a = 0.0, {}, 0
     for a in range(0, T - 1, chunk):
         for lo, hi in _split(a, min(a + chunk, T - 1), cuts):
-            logits = model.lm_head(h[:, lo:hi]).float()  # (1, c, V)
+            logits = lm_head(h[:, lo:hi]).float()  # (1, c, V)
             tot += F.cross_entropy(logits[0], ids[0, lo + 1:hi + 1], reduction="sum").item()
             if hi in cuts:
                 sums[hi] = tot
@@ -152,12 +159,15 @@ def _ppl_unit(st: dict, arg):
     return _window(st["model"], st["arts"][m], p, st["ids"][:, w * c:(w + 1) * c], cuts)
 
 
-def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | None = None):
+def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | None = None, scorer=None):
     """Score every (method, protocol, context, window) not yet in OUT; returns the perplexity table.
 
     workers: processes scoring windows in parallel (validate/workers.py; default: one per CPU this process
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process, threads by load). A worker runs one intra-op
-    thread; windows are independent, so a window's NLL does not depend on which worker scored it."""
+    thread; windows are independent, so a window's NLL does not depend on which worker scored it.
+    scorer: where the windows are scored instead of a model in this process: an object with `config`,
+    `tokenizer`, `load(arts)` and `score(jobs)` -> the results of `_window` for each (method, protocol, window,
+    cuts) in order (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
@@ -167,8 +177,16 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     for c in cfg.contexts:
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
-    model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.contexts, cfg.dtype, loaded)
-    engine.to_device(model, dev)
+    if scorer is None:
+        model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.contexts, cfg.dtype, loaded)
+        engine.to_device(model, dev)
+        config = model.config
+    else:
+        if cfg.engine != "simulate" or cfg.dtype != scorer.dtype:
+            raise OscarError(f"perplexity on the pipeline stages runs the simulator (--engine simulate) in the stages' "
+                             f"dtype {scorer.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
+        model, tok, config = None, scorer.tokenizer, scorer.config
+        check_lengths(cfg.contexts, env.max_context(SimpleNamespace(config=config)), cfg.model)
     text, src = heldout_text_ids(tok, cfg.corpus, cfg.tokens)
     ident = cfg.identity()
     if src["docstring_tokens"]:  # past the split: the docstrings depend on the Python that read them
@@ -184,7 +202,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.contexts))):
         print(f"oscar: WARNING: {warn}", file=sys.stderr)
-    arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
+    arts, skipped = resolve_methods(methods, config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
         engine.check_methods({m: arts[m] for m in methods}, [PROTOCOLS[p] for p in cfg.protocols])
@@ -225,10 +243,14 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
         covered.update((m, p, c2, w2) for c2, w2 in short)
 
     n = workers or default_workers(len(plan))
-    if next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
+    if scorer is not None or next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
         n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
     with open(path, "a") as f, (Workers(n, model, _ppl_init, (arts, ids)) if n > 1 else _Inline()) as W:
-        if n > 1:
+        if scorer is not None:  # every window's chain submitted at once: the stages pipeline the windows
+            scorer.load({m: arts[m] for m in methods})
+            jobs = [(m, p, ids[:, w * c:(w + 1) * c], cuts) for (m, p, c, w), _, cuts in plan]
+            results = enumerate(scorer.score(jobs))
+        elif n > 1:
             results = W.map(_ppl_unit, [(job, cuts) for job, _, cuts in plan])
         else:
             def inline():
@@ -251,7 +273,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
                 record({"method": m, "protocol": p, "context": c2, "window": w2, "nll": nll2, "count": n2,
                         "seg": _segments(cum, c2, nll2, n2), "prefix_of": c})
     bar.close()
-    return write_ppl(cfg, methods, arts, model.config, done)
+    return write_ppl(cfg, methods, arts, config, done)
 
 
 def _segments(cum: dict, P: int, nll: float, count: int) -> list[list[float]]:
