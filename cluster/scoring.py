@@ -48,8 +48,10 @@ class ScoreStage:
         torch.set_grad_enabled(False)
         cpu_attention.register()
         config = load_config(args.model_dir, attn_implementation="sdpa")
-        self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config,
-                                                   dtype=getattr(torch, args.dtype), devices=[args.device], head=True)
+        dtype = getattr(torch, args.dtype)
+        self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config, dtype=dtype,
+                                                   devices=[args.device], head=True)
+        self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `validate.env.with_dtype`
         self.arts: dict = {}
 
     def load(self, arts: dict) -> int:

@@ -33,11 +33,16 @@ def _fit(args) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.cli import fit_command, fit_config
 
+    if args.stages and not args.ray:
+        raise OscarError("--stages needs --ray ADDRESS|auto")
     if args.no_tune and args.widths == "none":  # the plain fit: no model read
         return fit_command(args)
     # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.cluster.pipeline import ClusterConfig
+    from oscar.cluster.scoring import StagedScorer
     from oscar.kernels.memory import artifact_bits_per_element
     from oscar.recipe import RecipeConfig, RecipePaths, Stages, run_recipe, store_inputs
+    from oscar.tune import TuneConfig
     from oscar.stats.artifact import load_artifact
     from oscar.validate.engine import check_engine, resolve_device
     from oscar.validate.env import load_model
@@ -46,6 +51,9 @@ def _fit(args) -> int:
     if args.variant == "split":
         raise OscarError(f"oscar fit: --widths {args.widths} and the tune work on a one-group fit; --variant split "
                          "already splits the keys (pass --no-tune --widths none for the split fit alone)")
+    if args.ray and args.widths != "none":
+        raise OscarError(f"--widths {args.widths} takes a backward pass through the model, which the pipeline stages "
+                         "do not run; with --ray pass --widths none")
     fcfg = fit_config(args)
     check_engine(args.engine)
     resolve_device(args.device)  # before loading weights
@@ -65,7 +73,12 @@ def _fit(args) -> int:
             loaded.append(load_model(args.model or name))
         return loaded[0]
 
-    run_recipe(store, paths, fcfg, rcfg, Stages(work), fp_cal, model)
+    if args.ray:  # the tune's windows through the stage actors; nothing here holds the weights
+        cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, dtype=TuneConfig().dtype)
+        with StagedScorer(args.model or name, cc, address=args.ray) as sc:
+            run_recipe(store, paths, fcfg, rcfg, Stages(work), fp_cal, model, scorer=sc)
+    else:
+        run_recipe(store, paths, fcfg, rcfg, Stages(work), fp_cal, model)
     art = load_artifact(args.out)
     tuning = art.meta.get("clip_tuning") or {}
     print(f"{args.out}: variant {art.meta['variant']}, {art.num_layers} layers x {art.num_kv_heads} KV heads x D "

@@ -121,9 +121,13 @@ def _fit_fingerprint(fp_cal: str, fcfg: FitConfig) -> str:
 
 def run_recipe(store: str, paths: RecipePaths, fcfg: FitConfig, rcfg: RecipeConfig, st: Stages, fp_cal: str,
                model: Callable[[], tuple], on_tuned: Callable[[str], None] | None = None,
-               on_widths: Callable[[str], None] | None = None) -> dict:
+               on_widths: Callable[[str], None] | None = None, scorer=None) -> dict:
     """fit -> tune -> widths, each skipped when its marker matches; `model()` loads the model (once) for the steps
-    that read it. Returns what the steps record (the tune's NLLs, the widths chosen)."""
+    that read it, or `scorer` (the pipeline stages, cluster/scoring.py) scores the tune's windows. Returns what
+    the steps record (the tune's NLLs, the widths chosen)."""
+    if scorer is not None and rcfg.widths != "none":
+        raise OscarError(f"--widths {rcfg.widths} takes a backward pass through the model, which the pipeline stages "
+                         "do not run; with --ray pass --widths none")
     rec: dict = {}
 
     def do_fit() -> None:
@@ -138,8 +142,9 @@ def run_recipe(store: str, paths: RecipePaths, fcfg: FitConfig, rcfg: RecipeConf
     def do_tune() -> dict | None:
         art, r = load_artifact(paths.fit), None
         if rcfg.tune:
-            m, tok, _ = model()
-            art, r = tune_key_clip(m, tok, art, tcfg, progress=rcfg.progress, engine=rcfg.engine, device=rcfg.device)
+            m, tok, _ = model() if scorer is None else (None, None, None)
+            art, r = tune_key_clip(m, tok, art, tcfg, progress=rcfg.progress, engine=rcfg.engine, device=rcfg.device,
+                                   scorer=scorer)
             say(f"tune: key clips x{r['chosen_factor']} (mean {r['mean_clip_k_before']:.3f} -> "
                 f"{r['mean_clip_k_after']:.3f}; strict NLL/token on calibration text " +
                 ", ".join(f"x{f} {v:.4f}" for f, v in r["nll_per_token"].items()) + ")" +

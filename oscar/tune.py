@@ -139,12 +139,15 @@ def scale_key_clips(art, factor: float):
 
 
 def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool = True, engine: str = "simulate",
-                  device: str = "cpu"):
+                  device: str = "cpu", scorer=None):
     """Return (tuned artifact, record). The record lists the NLL per token of every factor.
 
     engine: simulate (the masked fake-quant window) or cache (each factor's artifact served by OscarCache,
-    validate/engine.py); device: where the model runs (execution only)."""
+    validate/engine.py); device: where the model runs (execution only). scorer: the pipeline stages
+    (cluster/scoring.py) score every factor's window instead of `model` (None then), as `run_ppl(scorer=...)`."""
     cfg = cfg or TuneConfig()
+    if scorer is not None:
+        return _tune_on_stages(scorer, art, cfg)
     eng.check_engine(engine)
     dev = eng.resolve_device(device)
     if cfg.protocol not in PROTOCOLS:
@@ -194,6 +197,33 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     record = {"config": asdict(cfg), **({"engine": engine, "dtype": dtype} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": rnd(nll),
               **({"copy_nll_per_token": rnd(cnll)} if cnll else {}), "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
               "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
+              "seconds": round(time.perf_counter() - t0, 2)}
+    tuned.meta["clip_tuning"] = record
+    return tuned, record
+
+
+def _tune_on_stages(scorer, art, cfg: TuneConfig):
+    """`tune_key_clip` with each factor's window scored by the pipeline stages (the strict-NLL objective)."""
+    if cfg.objective != "nll":
+        raise OscarError(f"tune on the pipeline stages: objective {cfg.objective!r} reads the copied span's NLL, which "
+                         "the stages do not score; use the nll objective")
+    if scorer.dtype != cfg.dtype:
+        raise OscarError(f"tune: the stages compute in {scorer.dtype}, the tune scores in {cfg.dtype}")
+    if cfg.protocol not in PROTOCOLS:
+        raise OscarError(f"tune: unknown protocol {cfg.protocol!r}; known: {', '.join(PROTOCOLS)}")
+    art.check_model(scorer.config)
+    t0 = time.perf_counter()
+    ids = torch.tensor([calibration_ids(scorer.tokenizer, cfg.corpus, cfg.tokens)])  # (1, T)
+    factors = sorted(set(cfg.factors))
+    scorer.load({str(f): scale_key_clips(art, f) for f in factors})
+    res = list(scorer.score([(str(f), cfg.protocol, ids, ()) for f in factors]))
+    nll = {f: s / n for f, (s, n) in zip(factors, res)}
+    best = choose_factor(nll, None, cfg.objective, cfg.nll_slack)
+    tuned = scale_key_clips(art, best)
+    mean = lambda a: round(float(torch.stack([c.float().mean() for c in a.clip_k]).mean()), 6)  # noqa: E731
+    record = {"config": asdict(cfg), "stages": len(scorer.ranges), "protocol_version": PROTOCOL_VERSION,
+              "nll_per_token": {str(f): round(v, 6) for f, v in nll.items()}, "chosen_factor": best,
+              "mean_clip_k_before": mean(art), "mean_clip_k_after": mean(tuned),
               "seconds": round(time.perf_counter() - t0, 2)}
     tuned.meta["clip_tuning"] = record
     return tuned, record

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 from oscar.cli_options import (DEFAULT_ENGINE, ENGINE_HELP, ENGINES, EXPORT_FORMATS, add_artifact, add_device, add_model,
-                               add_out, add_recipe)
+                               add_out, add_ray, add_recipe, add_stages)
 from oscar.common import (
-    OscarError, attention_shapes, config_fingerprint, int_between, nonneg_int, positional_or_option, positive_int,
+    OscarError, attention_shapes, config_fingerprint, int_between, nonneg_float, nonneg_int, positional_or_option,
+    positive_int,
 )
 from oscar.defaults import RECENT, SINK
 from oscar.stats.rotations import VARIANTS
@@ -198,6 +199,11 @@ def register(sub) -> None:
               default=None)
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP + "; for the tune")
     add_device(p, "device the tune and the widths run the model on: cpu (default), cuda or cuda:N")
+    g = p.add_argument_group("pipeline stages (Ray)")
+    add_ray(g, "score the tune's windows on stage actors holding the layer ranges calibration uses: ADDRESS "
+               "(ray://..., host:port) or auto (a running local cluster, else one on 127.0.0.1); with --widths none")
+    add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray)")
+    g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
     p.set_defaults(func=fit_command)  # the recipe's handler replaces it where the main CLI is built (oscar/cli.py)
 
     p = sub.add_parser("variants", help="list the rotation variants `oscar fit --variant` accepts",

@@ -104,3 +104,39 @@ def test_stages_without_ray_refused(capsys):
     assert main(["validate", "ppl", "--stages", "2", "--out", "/tmp/oscar-never-written"]) == 2
     err = capsys.readouterr().err
     assert "--stages needs --ray" in err and err.count("\n") == 1 and not os.path.exists("/tmp/oscar-never-written")
+
+
+def test_tune_on_two_stages_equals_one_process(head, tiny_store, artifact, tmp_path):
+    """The recipe's tune with its windows scored on 2 stages (float64, as in one process): the same NLL per factor
+    within float64 summation order and the same factor; `oscar fit --ray` writes that tuned artifact."""
+    from oscar.__main__ import main
+    from oscar.stats.artifact import load_artifact
+    from oscar.tune import TuneConfig, tune_key_clip
+    from oscar.validate.env import load_model
+
+    fitted = load_artifact(artifact)
+    model, tok, _ = load_model("tiny-llama")
+    set_threads(1)
+    _, one = tune_key_clip(model, tok, fitted, TuneConfig(), progress=False)
+    with StagedScorer("tiny-llama", ClusterConfig(stages=2, cpus_per_stage=1, dtype="float64"),
+                      address=head.address) as sc:
+        _, two = tune_key_clip(None, None, fitted, TuneConfig(), progress=False, scorer=sc)
+    assert one["chosen_factor"] == two["chosen_factor"] and two["stages"] == 2
+    assert one["nll_per_token"].keys() == two["nll_per_token"].keys()
+    for f, v in one["nll_per_token"].items():
+        assert abs(v - two["nll_per_token"][f]) <= 1e-9 * abs(v) + 1e-6, f  # both rounded to 6 decimals
+
+    out = str(tmp_path / "t.safetensors")
+    assert main(["fit", tiny_store, "--out", out, "--widths", "none", "--ray", head.address, "--stages", "2",
+                 "--threads", "1", "--quiet"]) == 0
+    rec = load_artifact(out).meta["clip_tuning"]
+    assert rec["stages"] == 2 and rec["chosen_factor"] == one["chosen_factor"]
+
+
+def test_fit_on_stages_refuses_widths_before_any_work(tiny_store, tmp_path, capsys):
+    from oscar.__main__ import main
+
+    out = tmp_path / "w.safetensors"
+    assert main(["fit", tiny_store, "--out", str(out), "--ray", "auto", "--stages", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "with --ray pass --widths none" in err and err.count("\n") == 1 and os.listdir(tmp_path) == []
