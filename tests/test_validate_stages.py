@@ -66,6 +66,7 @@ class Counting(StagedScorer):
 @pytest.mark.parametrize("model,methods", [
     ("tiny-llama", ["bf16", "naive-int2", "oscar-int2"]),
     ("tiny-glm4-moe", ["bf16", "naive-int2", "hadamard-int2"]),
+    pytest.param("smollm2-135m", ["bf16", "kivi2", "hadamard-int2"], marks=pytest.mark.full),  # the real model
 ])
 def test_two_stages_equal_one_process(model, methods, head, artifact, tmp_path):
     kw = dict(model=model, methods=methods, contexts=[128, 256], tokens=512,
