@@ -14,7 +14,8 @@ budgets are nested and differ only in how much text they saw). Per budget:
 
 The same held-out windows and needle samples for every budget: the differences are paired.
 
-    python bench/calib_budget.py --model smollm2-135m --out bench/results/calib_budget_smollm2.json
+    python bench/calib_budget.py --model smollm2-135m --work /tmp/cb-smol --out bench/results/calib_budget_smollm2.json
+    python bench/calib_budget.py --plot docs/calib_budget.png bench/results/calib_budget_*.json
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -36,6 +38,7 @@ from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
 from oscar.stats.spectrum import principal_cos2
 from oscar.validate.niah import NiahConfig, run_niah
 from oscar.validate.ppl import PplConfig, run_ppl
+from oscar.reports.plots import pyplot
 
 
 def query_bases(store: str, blocks: int) -> list[np.ndarray]:
@@ -50,7 +53,41 @@ def subspace_distance(U: np.ndarray, V: np.ndarray, k: np.ndarray) -> np.ndarray
     return np.array([1.0 - principal_cos2(U[h][:, :k[h]], V[h][:, :k[h]]).mean() for h in range(len(U))])
 
 
+def plot(paths: list[str], out: str) -> None:
+    """Both panels per model: the rotations' subspace distance, and the strict NLL / needle differences against
+    the largest budget (95 % intervals), by calibration tokens."""
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    for p in paths:
+        res = json.load(open(p))
+        rows, name = res["rows"], res["config"]["model"]
+        t = [r["tokens"] / 1024 for r in rows]
+        ax[0].plot(t, [r["subspace_distance"]["median"] for r in rows], "o-", label=f"{name} median")
+        ax[0].plot(t, [r["subspace_distance"]["max"] for r in rows], "x--", label=f"{name} max")
+        for i, (k, ci) in enumerate((("strict_nll_diff_vs_top", "strict_nll_diff_ci"),
+                                     ("needle_diff_vs_top", "needle_diff_ci")), start=1):
+            y = [r[k] for r in rows]
+            err = [[r[k] - r[ci][0] for r in rows], [r[ci][1] - r[k] for r in rows]]
+            ax[i].errorbar(t, y, yerr=err, fmt="o-", capsize=3, label=name)
+    ax[0].set(xlabel="calibration tokens (k)", ylabel="1 - mean cos² (U_Q, d_eff dims)", yscale="log",
+              title="rotations vs the largest budget")
+    ax[1].set(xlabel="calibration tokens (k)", ylabel="nats / token", title="strict NLL minus the largest budget's")
+    ax[2].set(xlabel="calibration tokens (k)", ylabel="points", title="needle score minus the largest budget's")
+    for a in ax[1:]:
+        a.axhline(0, color="grey", lw=0.5)
+    for a in ax:
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--plot":
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--plot":
+        plot(argv[2:], argv[1])
+        print(f"-> {argv[1]}")
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--corpus", default="pydoc")

@@ -19,7 +19,7 @@ import math
 import os
 import re
 import shlex
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib.metadata import version
 
 import yaml
@@ -208,9 +208,21 @@ def positions_notes(cfg: RenderConfig, mcfg, spec: str) -> list[str]:
         raise OscarError(f"{flag} {covered} is beyond {spec}'s max_position_embeddings {limit} (positions "
                          f"0..{limit - 1}); nothing written")
     if cfg.positions is None and limit >= FAR_POSITIONS * covered:
-        return [f"positions: the artifact is calibrated for 0..{covered - 1}; {spec} serves up to {limit}; "
-                "pass --positions N to calibrate for longer contexts"]
+        return [f"positions: 0..{limit - 1}, every position {spec} serves (the default: an artifact's key error "
+                f"grows past its calibrated positions); --positions N for a shorter served context"]
     return []
+
+
+def served_positions(cfg: RenderConfig, spec: str) -> int | None:
+    """The positions the calibration covers: --positions, else every position the model serves when that is
+    `FAR_POSITIONS` times the windows or more (windows read at RoPE offsets cost no more attention: decision
+    "Calibrate at positions, not lengths"), else the windows' own (None)."""
+    if cfg.positions is not None:
+        return cfg.positions
+    mcfg = planner.load_model_config(spec)
+    text = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit >= FAR_POSITIONS * cfg.seq_len else None
 
 
 def calibrate_command(cfg: RenderConfig, stages: int, replicas: int, g: int, layers: str | None = None) -> list[str]:
@@ -275,6 +287,8 @@ def render(cfg: RenderConfig) -> Rendered:
     _check_params(cfg)
     plan, stages, replicas, g, notes = plan_for(cfg)
     layers = (plan.placement or {}).get("layers")
+    user = cfg  # what the render command reproduces; the job calibrates at the served positions
+    cfg = replace(cfg, positions=served_positions(cfg, cfg.model_config or cfg.model))
     cmd = calibrate_command(cfg, stages, replicas, g, layers)
     q = json.dumps  # a JSON string is a valid YAML double-quoted scalar
     plan_cmd = (f"oscar plan --model {shlex.quote(cfg.model_config or cfg.model)} --nodes {cfg.nodes} "
@@ -282,7 +296,7 @@ def render(cfg: RenderConfig) -> Rendered:
                 f"--gpu-mem {cfg.gpu_mem:g} --seq-len {cfg.seq_len} --seqs-per-block {cfg.seqs_per_block} "
                 f"--blocks {plan.num_blocks} --dtype {cfg.dtype}" + (f" --stage-layers {layers}" if layers else ""))
     v = {
-        "model": cfg.model, "render_command": shlex.join(["oscar", "cluster", "render", *render_argv(cfg)]),
+        "model": cfg.model, "render_command": shlex.join(["oscar", "cluster", "render", *render_argv(user)]),
         "plan_command": plan_cmd, "plan_comment": _comment(_plan_lines(plan, stages, replicas, g, cfg) + notes),
         "name": q(cfg.name), "image": q(cfg.image), "command": q(shlex.join(cmd)),
         "nodes": str(cfg.nodes), "gpus_per_node": str(cfg.gpus_per_node), "cpus_per_node": str(cfg.cpus_per_node),

@@ -155,7 +155,7 @@ def test_shipped_validation_job(tmp_path):
     kw = jobs.submission(c, "s", 1)
     assert kw["entrypoint_num_gpus"] >= 1 and kw["entrypoint"] == "python -m oscar.run"
     doc = open(os.path.join(HERE, "docs", "validation.md")).read()
-    sec = doc[doc.index("## To 128k with a real model"):doc.index("## Key clip tuning")]
+    sec = doc[doc.index("## To 128k with a real model"):doc.index("## The recipe's tune and widths")]
     assert "oscar submit cluster/job-validate.yaml" in sec and "model: " + rc.model in sec
 
 

@@ -81,7 +81,7 @@ def test_aws_launcher_and_job_config(tmp_path, capsys):
     assert AWS["mount_command"] in cl["initialization_commands"]
     assert not any("pip install" in c for c in cl.get("setup_commands", []))  # the image carries oscar-kv
     job = jobs.normalize_job_config(yaml.safe_load(open(tmp_path / "job.yaml")))
-    assert "positions" not in job["calibrate"]  # not given: the windows' own positions
+    assert job["calibrate"]["positions"] == 202752  # not given: every position GLM-4.7 serves
     assert job["calibrate"]["store"] == AWS["store"] and job["calibrate"]["device"] == "cuda"
     assert job["cluster"]["stages"] * job["cluster"]["replicas"] * job["cluster"]["gpus_per_stage"] == 8  # 1 x 8 x H200
     run = printed.split("runs: ")[1].strip()
@@ -165,20 +165,25 @@ def test_positions_beyond_the_model_are_refused(tmp_path, capsys):
     assert render(RenderConfig(**{**KUBE, "positions": 202752})).command[-1] == "202752"  # the last one it serves
 
 
-def test_default_positions_say_what_the_artifact_covers(tmp_path, capsys):
-    """Without --positions, a model serving far more than the windows cover gets a printed note (and one in the
-    manifest); with --positions, or a model that serves little more, nothing is said."""
+def test_default_positions_are_the_served_context(tmp_path, capsys):
+    """Without --positions, a model serving far more than the windows cover is calibrated at every position it
+    serves (the command says --positions 202752, a printed note and the manifest say why); --positions is kept
+    as given; a model that serves little more keeps the windows' own positions."""
     kw = {k: v for k, v in KUBE.items() if k != "positions"}
+    r = render(RenderConfig(**kw))
+    assert r.command[r.command.index("--positions") + 1] == "202752"
     assert main(["cluster", "render", "--out", str(tmp_path / "a"), *argv_of(kw)]) == 0
-    note = ("positions: the artifact is calibrated for 0..4095; glm-4.7 serves up to 202752; "
-            "pass --positions N to calibrate for longer contexts")
-    assert note in capsys.readouterr().out
+    note = ("positions: 0..202751, every position glm-4.7 serves (the default: an artifact's key error grows past its "
+            "calibrated positions); --positions N for a shorter served context")
+    printed = capsys.readouterr().out
+    assert note in printed and "--positions 202752" in printed
     assert note in (tmp_path / "a" / "rayjob.yaml").read_text()
     assert main(["cluster", "render", "--out", str(tmp_path / "b"), *argv_of(KUBE)]) == 0  # --positions 131072
     assert "positions:" not in capsys.readouterr().out
+    assert "--positions 131072" in (tmp_path / "b" / "rayjob.yaml").read_text()
     small = render(RenderConfig(**{**kw, "model": "/data/m", "model_config": "tiny-llama", "nodes": 1,
                                    "gpus_per_node": 1, "gpu_mem": 1, "seq_len": 6144}))  # 8192 < 2 x 6144
-    assert not any(n.startswith("positions:") for n in small.notes)
+    assert not any(n.startswith("positions:") for n in small.notes) and "--positions" not in small.command
 
 
 @pytest.mark.parametrize("name,value", [("nodes", 0), ("gpus_per_node", 0), ("gpu_mem", 0), ("gpu_mem", -80),
