@@ -15,23 +15,16 @@ import numpy as np
 import pytest
 import yaml
 
-from oscar.cluster.localray import LocalHead
 
-from helpers.cluster import assert_same_store, opts, reference
+from helpers.cluster import attached_head, assert_same_store, opts, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def head():
-    with LocalHead(num_cpus=8, object_store_mb=256).session() as h:  # loopback-only, private token
-        import ray
-
-        ray.init(address=h.address, log_to_driver=False)
-        try:
-            yield h
-        finally:
-            ray.shutdown()
+    with attached_head(num_cpus=8) as h:  # loopback-only, private token
+        yield h
 
 
 def run(o, **cc):

@@ -12,7 +12,6 @@ import os
 
 import pytest
 
-from oscar.cluster.localray import LocalHead
 from oscar.cluster.pipeline import ClusterConfig
 from oscar.cluster.scoring import StagedScorer
 from oscar.common import set_threads
@@ -20,20 +19,16 @@ from oscar.stats.artifact import save_artifact
 from oscar.stats.fit import FitConfig, fit
 from oscar.validate.ppl import PplConfig, run_ppl
 
+from helpers.cluster import attached_head
+
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 REL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def head():
-    with LocalHead(num_cpus=4, object_store_mb=256).session() as h:  # loopback-only, private token
-        import ray
-
-        ray.init(address=h.address, log_to_driver=False)
-        try:
-            yield h
-        finally:
-            ray.shutdown()
+    with attached_head(num_cpus=4) as h:  # loopback-only, private token
+        yield h
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,25 @@ store, and the store equality check (`from helpers.cluster import ...`)."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import numpy as np
+
+
+@contextmanager
+def attached_head(num_cpus: int, object_store_mb: int = 256):
+    """A private loopback-only Ray head (cluster/localray.py) with this process attached as its driver."""
+    from oscar.cluster.localray import LocalHead
+
+    with LocalHead(num_cpus=num_cpus, object_store_mb=object_store_mb).session() as h:
+        # late: ray reads its cluster mode and token when imported; the head's session sets them first
+        import ray
+
+        ray.init(address=h.address, log_to_driver=False)
+        try:
+            yield h
+        finally:
+            ray.shutdown()
 
 
 def opts(model, store, blocks=3, **kw):
