@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# reports/examples/qwen2.5-0.5b: Qwen2.5-0.5B needle tests at 8k, 16k and 32k on CPU (issue 17, point 3).
+# reports/examples/qwen2.5-0.5b: Qwen2.5-0.5B needle tests at 8k, 16k and 32k on CPU.
 #
 #   bash scripts/qwen_long_context.sh            # every step; re-running resumes (store blocks, needle samples)
 #   STEPS="niah-32k report" bash scripts/qwen_long_context.sh   # some steps only
