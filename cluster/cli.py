@@ -14,7 +14,7 @@ from dataclasses import fields
 from oscar.cli_options import add_model, add_out, add_ray, add_stages
 from oscar.cluster.placement import GPUS, UTILIZATION
 from oscar.cluster.steps import StepSizes
-from oscar.common import OscarError, nonneg_float, positional_or_option, positive_float, positive_int
+from oscar.common import OscarError, attention_shapes, nonneg_float, positional_or_option, positive_float, positive_int
 from oscar.pipeline.cli import calib_config
 
 
@@ -51,8 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", "--micro-batch", dest="micro_batch", type=int, default=1,
                    help="sequences per forward pass, as `oscar calibrate --batch-size` (--micro-batch: the same)")
     p.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
-    p.add_argument("--blocks", type=int, default=None, help="store blocks (for the store size; default: as many as "
-                   "--corpus gives, estimated without a tokenizer; 64 for a corpus not readable here)")
+    p.add_argument("--blocks", type=int, default=None, help="store blocks (for the store size; default: the "
+                   "tokens recommended for the model's head_dim, 1,024 per dimension, or all --corpus gives when "
+                   "that is less, estimated without a tokenizer; docs/calibrate.md)")
     p.add_argument("--corpus", default="pydoc", help="calibration corpus the blocks are checked against: pydoc "
                    "(default) or a file; more blocks than it gives are refused")
     p.add_argument("--reservoir", type=int, default=256, help="reservoir rows per block, layer and KV head")
@@ -136,8 +137,9 @@ def _register_render(sub) -> None:
     r.add_argument("--seqs-per-block", type=int, default=8, help="sequences per store block")
     r.add_argument("--batch-size", "--micro-batch", dest="batch_size", type=int, default=1,
                    help="sequences per forward pass (--micro-batch: the same)")
-    r.add_argument("--tokens", type=int, help="cap on calibration tokens (default: the whole corpus; more than it "
-                   "gives is refused)")
+    r.add_argument("--tokens", type=int, help="calibration tokens (default: those recommended for the model's "
+                   "head_dim, 1,024 per dimension, or the whole corpus when it gives less; docs/calibrate.md); more "
+                   "than the corpus gives is refused")
     r.add_argument("--dtype", default="bfloat16", help="weight and activation dtype on the GPUs")
     r.add_argument("--name", default="oscar-calib", help="RayJob / cluster name")
     r.add_argument("--head-cpus", type=int, default=8, help="kuberay: CPUs of the head pod (driver only)")
@@ -177,15 +179,15 @@ def _plan(args) -> int:
         raise OscarError(f"--utilization must be in (0, 1], got {args.utilization:g}")
     if args.blocks is not None and args.blocks < 1:
         raise OscarError(f"--blocks must be >= 1, got {args.blocks}")
-    blocks, note = corpus_budget(args.corpus, seq_len=args.seq_len, seqs_per_block=args.seqs_per_block,
-                                 blocks=args.blocks) if args.seq_len > 0 and args.seqs_per_block > 0 else (1, "")
     pc = PlanConfig(stages=1 if args.stages is None else args.stages,
                     gpus_per_stage=1 if args.gpus_per_stage is None else args.gpus_per_stage, gpu_mem_gib=mem,
                     seq_len=args.seq_len, micro_batch=args.micro_batch, seqs_per_block=args.seqs_per_block,
-                    num_blocks=blocks, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
+                    num_blocks=1, reservoir=args.reservoir, dtype=args.dtype, layers=args.layers,
                     name=args.model, sizes=StepSizes(context=args.context))
     pc.check()  # sizes first: no config is read for a plan that cannot exist
     config = load_model_config(args.model)
+    pc.num_blocks, note = corpus_budget(args.corpus, seq_len=args.seq_len, seqs_per_block=args.seqs_per_block,
+                                        blocks=args.blocks, head_dim=attention_shapes(config)["head_dim"])
     if args.nodes is not None:
         plan = plan_placed(config, pc, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu,
                            stages=args.stages, gpus_per_stage=args.gpus_per_stage, utilization=args.utilization)

@@ -233,16 +233,32 @@ class PlanConfig:
         self.sizes.check()
 
 
+# Calibration tokens recommended per unit of head_dim. Measured (bench/calib_budget.py, docs/calibrate.md "How many
+# calibration tokens"): on SmolLM2-135M and Qwen2.5-0.5B (head_dim 64) the rotations fitted on 16k tokens span the
+# same leading subspaces as on the whole pydoc split (median 1 - mean cos² 4e-4), and strict perplexity and needles
+# do not tell them apart. The recommendation keeps 4x that margin, 65,536 tokens at head_dim 64, and scales it with
+# head_dim (the sampling error of a D-dimensional covariance's eigen-subspace grows as sqrt(D / rows)).
+RECOMMENDED_TOKENS_PER_DIM = 1024
+
+
+def recommended_tokens(head_dim: int) -> int:
+    return RECOMMENDED_TOKENS_PER_DIM * int(head_dim)
+
+
 def corpus_budget(corpus: str, *, seq_len: int, seqs_per_block: int, tokens: int | None = None,
-                  blocks: int | None = None, larger: str = "", end: str = "") -> tuple[int, str]:
-    """(blocks to plan, a note saying where they come from): `tokens` or `blocks` as asked, else the whole
-    corpus, checked against the corpus's size estimated without a tokenizer (pipeline/corpus.py
-    `estimate_size`); asking beyond the estimate and its uncertainty is refused in one line. A corpus
-    file not readable here is not checked: `oscar calibrate` checks it before loading the model."""
+                  blocks: int | None = None, larger: str = "", end: str = "", head_dim: int | None = None
+                  ) -> tuple[int, str]:
+    """(blocks to plan, a note saying where they come from): `tokens` or `blocks` as asked, else the recommended
+    budget for `head_dim` (`recommended_tokens`; the whole corpus when it gives less, or without head_dim),
+    checked against the corpus's size estimated without a tokenizer (pipeline/corpus.py `estimate_size`); asking
+    beyond the estimate and its uncertainty is refused in one line. A corpus file not readable here is not
+    checked: `oscar calibrate` checks it before loading the model."""
     per_block = seqs_per_block * seq_len
+    rec = recommended_tokens(head_dim) if head_dim else None
     est = estimate_size(corpus)
     if est is None:
-        n = blocks or (math.ceil(tokens / per_block) if tokens else DEFAULT_BLOCKS)
+        n = blocks or (math.ceil(tokens / per_block) if tokens else
+                       math.ceil(rec / per_block) if rec else DEFAULT_BLOCKS)
         return n, (f"corpus {corpus}: not readable here, so {n} blocks ({n * per_block:,} tokens) "
                    "are not checked against it; `oscar calibrate` checks them before loading the model")
     asked = tokens or (blocks * per_block if blocks else None)
@@ -253,9 +269,14 @@ def corpus_budget(corpus: str, *, seq_len: int, seqs_per_block: int, tokens: int
                  f"--blocks {math.ceil(est.tokens / per_block)} or fewer")
         raise OscarError(f"{flag} asks for more than the corpus gives: {est.describe()}; pass --corpus with a "
                          f"larger file{larger}, or {fewer}{end}")
-    n = blocks or max(1, math.ceil((tokens or est.tokens) / per_block))
-    return n, (f"{est.describe()}: {n} block(s) of {seqs_per_block} x {seq_len} tokens"
-               + ("" if tokens or blocks else " (the whole split; --corpus FILE for more)"))
+    whole = not (tokens or blocks) and not (rec and rec < est.tokens)
+    n = blocks or max(1, math.ceil((tokens or (est.tokens if whole else rec)) / per_block))
+    why = ("" if tokens or blocks else
+           f" (the recommended {rec:,} tokens for head_dim {head_dim})" if not whole else
+           " (the whole split; --corpus FILE for more)")
+    if rec and n * per_block < rec:
+        why += f"; below the {rec:,} tokens recommended for head_dim {head_dim} (docs/calibrate.md)"
+    return n, f"{est.describe()}: {n} block(s) of {seqs_per_block} x {seq_len} tokens{why}"
 
 
 def make_plan(config, pc: PlanConfig, *, gpu: GpuSpec = H100, utilization: float = UTILIZATION, replicas: int = 1,

@@ -27,7 +27,8 @@ import yaml
 from oscar.cluster import plan as planner
 from oscar.cluster.placement import fmt_seconds
 from oscar.cluster.plan import PlanConfig, corpus_budget, make_plan, plan_placed
-from oscar.common import OscarError
+from oscar.common import OscarError, attention_shapes
+from oscar.pipeline.corpus import estimate_size
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
 TARGETS = {"kuberay": ("rayjob.yaml",), "aws": ("cluster-aws.yaml",)}
@@ -151,7 +152,8 @@ def plan_for(cfg: RenderConfig):
         raise OscarError(f"cannot plan the model: {e}{hint}") from None
     notes = positions_notes(cfg, mcfg, spec)  # refuses --positions beyond the model's before any planning
     blocks, note = corpus_budget(cfg.corpus, seq_len=cfg.seq_len, seqs_per_block=cfg.seqs_per_block,
-                                 tokens=cfg.tokens, larger=f" below {cfg.shared_dir}", end="; nothing written")
+                                 tokens=cfg.tokens, larger=f" below {cfg.shared_dir}", end="; nothing written",
+                                 head_dim=attention_shapes(mcfg)["head_dim"])
     notes.append(note)
     if cfg.stages is None or cfg.gpus_per_stage is None:
         if cfg.gpus_per_stage is not None:
@@ -211,6 +213,16 @@ def positions_notes(cfg: RenderConfig, mcfg, spec: str) -> list[str]:
         return [f"positions: 0..{limit - 1}, every position {spec} serves (the default: an artifact's key error "
                 f"grows past its calibrated positions); --positions N for a shorter served context"]
     return []
+
+
+def budget_tokens(cfg: RenderConfig, spec: str) -> int | None:
+    """--tokens, else the tokens recommended for the model's head_dim (cluster/plan.py `recommended_tokens`) when the
+    corpus gives more or cannot be read here, else None (the whole corpus, as the plan says)."""
+    if cfg.tokens is not None:
+        return cfg.tokens
+    rec = planner.recommended_tokens(attention_shapes(planner.load_model_config(spec))["head_dim"])
+    est = estimate_size(cfg.corpus)
+    return rec if est is None or rec < est.tokens else None
 
 
 def served_positions(cfg: RenderConfig, spec: str) -> int | None:
@@ -287,8 +299,9 @@ def render(cfg: RenderConfig) -> Rendered:
     _check_params(cfg)
     plan, stages, replicas, g, notes = plan_for(cfg)
     layers = (plan.placement or {}).get("layers")
-    user = cfg  # what the render command reproduces; the job calibrates at the served positions
-    cfg = replace(cfg, positions=served_positions(cfg, cfg.model_config or cfg.model))
+    user = cfg  # what the render command reproduces; the job calibrates the recommended budget at the served positions
+    spec = cfg.model_config or cfg.model
+    cfg = replace(cfg, positions=served_positions(cfg, spec), tokens=budget_tokens(cfg, spec))
     cmd = calibrate_command(cfg, stages, replicas, g, layers)
     q = json.dumps  # a JSON string is a valid YAML double-quoted scalar
     plan_cmd = (f"oscar plan --model {shlex.quote(cfg.model_config or cfg.model)} --nodes {cfg.nodes} "

@@ -145,3 +145,26 @@ def test_run_refuses_a_chat_corpus_before_any_stage(tmp_path):
         run_main(RunConfig(out=str(out), corpus=str(path)))
     assert not out.exists()
     assert C.first_chat_record("pydoc") is None
+
+
+def test_plan_and_render_apply_the_recommended_budget(tmp_path, capsys):
+    """Without --blocks / --tokens: the tokens recommended for the model's head_dim (1,024 per dimension) when the
+    corpus gives more, passed to the job as --tokens; the whole corpus, said to be below it, when it gives less."""
+    from oscar.cluster.plan import corpus_budget, recommended_tokens
+
+    assert recommended_tokens(64) == 65_536 and recommended_tokens(128) == 131_072
+    n, note = corpus_budget("pydoc", seq_len=4096, seqs_per_block=8, head_dim=64)  # 65,536 < ~89,857
+    assert n == 2 and note.endswith("2 block(s) of 8 x 4096 tokens (the recommended 65,536 tokens for head_dim 64)")
+    n, note = corpus_budget("pydoc", seq_len=4096, seqs_per_block=8, head_dim=128)  # GLM-4.7: more than pydoc gives
+    assert n == 3 and "(the whole split; --corpus FILE for more); below the 131,072 tokens recommended" in note
+    n, note = corpus_budget("pydoc", seq_len=4096, seqs_per_block=8, blocks=1, head_dim=64)
+    assert n == 1 and note.endswith("below the 65,536 tokens recommended for head_dim 64 (docs/calibrate.md)")
+    n, _ = corpus_budget("/data/not-here.jsonl", seq_len=4096, seqs_per_block=8, head_dim=128)
+    assert n == 4  # unreadable here: the recommendation, 4 blocks of 32k
+
+    tiny = RENDER[:RENDER.index("--model-config") + 1] + ["tiny-llama"] + RENDER[RENDER.index("--model-config") + 2:]
+    assert main(tiny + ["--out", str(tmp_path / "t"), "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem", "1"]) == 0
+    text = (tmp_path / "t" / "rayjob.yaml").read_text()
+    assert "--tokens 32768" in text  # tiny-llama: head_dim 32
+    assert main(RENDER + ["--out", str(tmp_path / "g")]) == 0  # GLM-4.7: the whole pydoc split, no cap
+    assert "--tokens" not in (tmp_path / "g" / "rayjob.yaml").read_text()
