@@ -62,8 +62,8 @@ def plot(paths: list[str], out: str) -> None:
         res = json.load(open(p))
         rows, name = res["rows"], res["config"]["model"]
         t = [r["tokens"] / 1024 for r in rows]
-        ax[0].plot(t, [r["subspace_distance"]["median"] for r in rows], "o-", label=f"{name} median")
-        ax[0].plot(t, [r["subspace_distance"]["max"] for r in rows], "x--", label=f"{name} max")
+        ax[0].plot(t[:-1], [r["subspace_distance"]["median"] for r in rows[:-1]], "o-", label=f"{name} median")
+        ax[0].plot(t[:-1], [r["subspace_distance"]["max"] for r in rows[:-1]], "x--", label=f"{name} max")
         for i, (k, ci) in enumerate((("strict_nll_diff_vs_top", "strict_nll_diff_ci"),
                                      ("needle_diff_vs_top", "needle_diff_ci")), start=1):
             y = [r[k] for r in rows]
