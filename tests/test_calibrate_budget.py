@@ -168,3 +168,20 @@ def test_plan_and_render_apply_the_recommended_budget(tmp_path, capsys):
     assert "--tokens 32768" in text  # tiny-llama: head_dim 32
     assert main(RENDER + ["--out", str(tmp_path / "g")]) == 0  # GLM-4.7: the whole pydoc split, no cap
     assert "--tokens" not in (tmp_path / "g" / "rayjob.yaml").read_text()
+
+
+@pytest.mark.parametrize("what", ["niah", "ppl"])
+def test_validation_refuses_a_chat_corpus_before_loading(what, tmp_path, capsys, monkeypatch):
+    """Needles and perplexity read held-out text without a chat template: a corpus with 'messages' records is
+    refused in one line naming the record, before any weights load and before --out is made."""
+    import oscar.validate.env as env
+
+    monkeypatch.setattr(env, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"text": "plain prose " * 20}) + "\n" +
+                 json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    out = tmp_path / "out"
+    assert main(["validate", what, "--model", "tiny-llama", "--methods", "bf16", "--corpus", str(f), "--lengths", "128",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:2 is a chat ('messages') record" in err and err.count("\n") == 1 and not out.exists()

@@ -18,7 +18,7 @@ import torch
 from oscar.common import OscarError
 from oscar.defaults import EMBEDDED_MODEL
 from oscar.host import compute_dtype
-from oscar.pipeline.corpus import load_corpus
+from oscar.pipeline.corpus import first_chat_record, load_corpus
 from oscar.pipeline.models import load_config, load_model as _load
 
 
@@ -62,6 +62,15 @@ def _as_text(x: Any) -> str:
         if hasattr(x, attr):
             return _as_text(getattr(x, attr))
     raise OscarError(f"cannot read held-out text from {type(x).__name__}")
+
+
+def refuse_chat_corpus(corpus: str) -> None:
+    """Validation reads held-out text without a chat template: a corpus with 'messages' records is refused before
+    any model loads (the recipe's tune renders them: it has the tokenizer)."""
+    where = first_chat_record(corpus)
+    if where:
+        raise OscarError(f"{where} is a chat ('messages') record; validation reads the corpus's held-out text "
+                         "without a chat template: give a 'text' corpus (--corpus)")
 
 
 @functools.lru_cache(maxsize=4)

@@ -369,6 +369,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process). Batches go round-robin, each worker with its
     own prefill pool; a worker runs one intra-op thread."""
     engine.check_engine(cfg.engine)
+    env.refuse_chat_corpus(cfg.corpus)  # before any weights load
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
     qa = load_qa(cfg.squad, cfg.hotpotqa)  # a malformed file is refused before any weight is loaded

@@ -169,6 +169,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     `tokenizer`, `load(arts)` and `score(jobs)` -> the results of `_window` for each (method, protocol, window,
     cuts) in order (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
+    env.refuse_chat_corpus(cfg.corpus)  # before any weights load
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
     methods = parse_methods(cfg.methods)
     bad = [p for p in cfg.protocols if p not in PROTOCOLS]
