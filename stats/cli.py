@@ -201,7 +201,8 @@ def register(sub) -> None:
     add_device(p, "device the tune and the widths run the model on: cpu (default), cuda or cuda:N")
     g = p.add_argument_group("pipeline stages (Ray)")
     add_ray(g, "score the tune's windows on stage actors holding the layer ranges calibration uses: ADDRESS "
-               "(ray://..., host:port) or auto (a running local cluster, else one on 127.0.0.1); with --widths none")
+               "(ray://..., host:port) or auto (a running local cluster, else one on 127.0.0.1); with --widths none "
+               "(default: none, the model in this process)")
     add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray)")
     g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
     p.set_defaults(func=fit_command)  # the recipe's handler replaces it where the main CLI is built (oscar/cli.py)

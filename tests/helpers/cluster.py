@@ -4,6 +4,7 @@ store, and the store equality check (`from helpers.cluster import ...`)."""
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 
 import numpy as np
@@ -19,6 +20,9 @@ def attached_head(num_cpus: int, object_store_mb: int = 256):
         import ray
 
         ray.init(address=h.address, log_to_driver=False)
+        # the state API (list_actors, ...) finds its cluster by address, not by scanning: another test module's head
+        # may be up at the same time on the other worker; the session restores the environment on exit
+        os.environ["RAY_ADDRESS"] = h.address
         try:
             yield h
         finally:
