@@ -250,10 +250,17 @@ def add_ray_arguments(p: argparse.ArgumentParser | None) -> None:
     p.set_defaults(func=lambda args: calibrate_dispatch(args, single))
 
 
+def _without_ray(args, flags: tuple[str, ...]) -> bool:
+    """True when `--ray` is not given (the single-process handler runs); then none of `flags` may be."""
+    if getattr(args, "ray", None) is not None:
+        return False
+    if any(getattr(args, f, None) for f in flags):
+        raise OscarError(f"{'/'.join('--' + f for f in flags)} need{'s' if len(flags) == 1 else ''} --ray ADDRESS|auto")
+    return True
+
+
 def calibrate_dispatch(args, single) -> int:
-    if getattr(args, "ray", None) is None:
-        if getattr(args, "stages", None) or getattr(args, "replicas", None):
-            raise OscarError("--stages/--replicas need --ray ADDRESS|auto")
+    if _without_ray(args, ("stages", "replicas")):
         return single(args)
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.pipeline import calibrate_on_ray, cluster_config_from_args, format_report
@@ -286,9 +293,7 @@ def add_staged_validation(v: argparse.ArgumentParser | None) -> None:
 
 
 def ppl_dispatch(args, single) -> int:
-    if getattr(args, "ray", None) is None:
-        if getattr(args, "stages", None):
-            raise OscarError("--stages needs --ray ADDRESS|auto")
+    if _without_ray(args, ("stages",)):
         return single(args)
     if args.device != "cpu":
         raise OscarError("--ray scores on CPU stage actors; --device cuda runs in one process")

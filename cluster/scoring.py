@@ -53,18 +53,26 @@ class ScoreStage:
                                                    devices=[args.device], head=True)
         self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `validate.env.with_dtype`
         self.arts: dict = {}
+        self._sim: dict = {}  # (method, protocol) -> its simulator, built once (a LayerQuant per layer)
 
     def load(self, arts: dict) -> int:
         """The methods' artifacts (None: the plain model) by name, for the windows that follow."""
-        self.arts = arts
+        self.arts, self._sim = arts, {}
         return os.getpid()
+
+    def _reading(self, method: str, protocol: str):
+        """How the stage's attention reads K/V for `method`: its INT2 simulator, or the plain attention."""
+        if self.arts[method] is None:
+            return cpu_attention.native_prefill(self.stage)
+        if (method, protocol) not in self._sim:
+            self._sim[(method, protocol)] = simulated(self.stage, self.arts[method], PROTOCOLS[protocol])
+        return self._sim[(method, protocol)]
 
     def forward(self, x: torch.Tensor, method: str, protocol: str, ids: torch.Tensor, cuts: tuple):
         """Token ids (first stage) or hidden states in; hidden states out, or on the last stage what
         `validate.ppl.window_nll` returns for the window `ids` (1, T)."""
-        art, spec = self.arts[method], self.stage.spec
-        ctx = simulated(self.stage, art, PROTOCOLS[protocol]) if art is not None else cpu_attention.native_prefill(self.stage)
-        with ctx:
+        spec = self.stage.spec
+        with self._reading(method, protocol):
             h = self.stage.embed(x.to(self.args.device)) if spec.first else x  # (1, T, H)
             h = self.stage(h)  # (1, T, H)
         if not spec.last:

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
+import numpy as np
+
 from oscar.cli_options import WIDTHS  # per-layer key widths: none, measured (copy probe) or to first order
 from oscar.common import OscarError, file_fingerprint, fingerprint
 from oscar.kernels.memory import artifact_bits_per_element
@@ -199,6 +201,6 @@ def store_inputs(store: str) -> tuple[str, str, str]:
     attrs = dict(st.group.attrs)
     c = attrs.get("corpus") or {}
     corpus = "pydoc" if c.get("source") == "pydoc_data.topics" else c.get("source") or "pydoc"
-    done = [int(b) for b in range(st.done().shape[0]) if st.done()[b].all()]
+    done = [int(b) for b in np.flatnonzero(st.done().all(1))]  # (B, L) markers read once
     return attrs["model"]["name"], corpus, fingerprint({"store": os.path.abspath(store),
                                                         "contents": store_fingerprint(attrs, done)})
