@@ -276,36 +276,59 @@ def calibrate_dispatch(args, single) -> int:
 
 
 def add_staged_validation(v: argparse.ArgumentParser | None) -> None:
-    """`oscar validate ppl --ray ADDRESS|auto --stages N`: the windows scored by stage actors holding the layer
-    ranges calibration uses (cluster/scoring.py); without --ray the single-process handler runs unchanged.
-    Registered after the validate CLI, so validate never imports the cluster stage."""
+    """`oscar validate ppl|niah --ray ADDRESS|auto --stages N`: windows scored, needle batches prefilled and decoded
+    by stage actors holding the layer ranges calibration uses (cluster/scoring.py); without --ray the
+    single-process handler runs unchanged. Registered after the validate CLI, so validate never imports the
+    cluster stage."""
     if v is None:
         return
     vs = next(a for a in v._actions if isinstance(a, argparse._SubParsersAction))
-    p = vs.choices["ppl"]
-    g = p.add_argument_group("pipeline stages (Ray)")
-    add_ray(g)
-    add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray); the last also holds "
-                  "the final norm and the LM head")
-    g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
-    single = p.get_default("func")
-    p.set_defaults(func=lambda args: ppl_dispatch(args, single))
+    for name, dispatch in (("ppl", ppl_dispatch), ("niah", niah_dispatch)):
+        p = vs.choices[name]
+        g = p.add_argument_group("pipeline stages (Ray)")
+        add_ray(g)
+        add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray); the last also holds "
+                      "the final norm and the LM head")
+        g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
+        single = p.get_default("func")
+        p.set_defaults(func=lambda args, single=single, dispatch=dispatch: dispatch(args, single))
+
+
+def _staged(args, cfg):
+    """The stage actors for a validation run described by `args` (the CLI's) and `cfg` (its config)."""
+    if args.device != "cpu":
+        raise OscarError("--ray runs on CPU stage actors; --device cuda runs in one process")
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.cluster.pipeline import ClusterConfig
+    from oscar.cluster.scoring import StagedScorer
+
+    cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, dtype=cfg.dtype)
+    return StagedScorer(cfg.model, cc, address=args.ray)
+
+
+def niah_dispatch(args, single) -> int:
+    if _without_ray(args, ("stages",)):
+        return single(args)
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.validate.cli import niah_config, niah_table
+    from oscar.validate.niah import run_niah
+
+    cfg = niah_config(args)
+    with _staged(args, cfg) as sc:
+        df = run_niah(cfg, progress=not args.no_progress, stages=sc)
+    print(niah_table(df))
+    return 0
 
 
 def ppl_dispatch(args, single) -> int:
     if _without_ray(args, ("stages",)):
         return single(args)
-    if args.device != "cpu":
-        raise OscarError("--ray scores on CPU stage actors; --device cuda runs in one process")
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.cluster.pipeline import ClusterConfig
-    from oscar.cluster.scoring import StagedScorer
     from oscar.validate.cli import ppl_config
     from oscar.validate.ppl import run_ppl
 
     cfg = ppl_config(args)
-    cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, dtype=cfg.dtype)
-    with StagedScorer(cfg.model, cc, address=args.ray) as sc:
+    with _staged(args, cfg) as sc:
         df = run_ppl(cfg, progress=not args.no_progress, scorer=sc)
     print(df.round(3).to_string(index=False))
     return 0

@@ -198,28 +198,32 @@ class LayerRange(nn.Module):
         return self.embed_tokens(input_ids)  # (B, T, H)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, cache=None, **kwargs) -> torch.Tensor:
         """Run layers [start, stop) on `hidden` (B, T, H).
 
         Recomputes what the full model computes once before its first layer: default
         position ids, the causal/padding mask (for the configured attention
         implementation) and the rotary embeddings. `attention_mask` is the 2D
-        padding mask (B, T) of 1/0, as the full model receives it.
+        padding mask (B, T) of 1/0, as the full model receives it. `cache`: a transformers
+        Cache indexed by global layer index, holding this stage's layers (the tokens before
+        `hidden`; `position_ids` then say where `hidden` starts); the mask is sized against its
+        first layer here, since the layers before the stage's are not in it.
         """
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
         dev, mask, pos_emb = None, None, None
-        for layer in self.layers.values():
+        for idx, layer in self.layers.items():
             ldev = next(layer.parameters()).device
             if ldev != dev:  # first layer, or the next GPU of a multi-GPU stage: move and rebuild inputs
                 dev = ldev
                 hidden, position_ids = hidden.to(dev), position_ids.to(dev)
                 am = attention_mask.to(dev) if attention_mask is not None else None
                 mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=am,
-                                          cache=None, position_ids=position_ids)
+                                          cache=cache, position_ids=position_ids,
+                                          **({"layer_idx": int(idx)} if cache is not None else {}))
                 pos_emb = self._rotary_on(dev)(hidden, position_ids)  # (cos, sin), each (B|1, T, rot_dim)
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=pos_emb,
-                           position_ids=position_ids, use_cache=False, **kwargs)
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=pos_emb, position_ids=position_ids,
+                           cache=cache, use_cache=cache is not None, **kwargs)
         return hidden  # (B, T, H)
 
 

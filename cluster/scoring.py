@@ -1,5 +1,10 @@
 """Validation on the stage actors: a window's hidden states flow through the same layer ranges as calibration.
 
+Two kinds of work: perplexity windows (`forward`, below) and needle batches (`rows_*`: each sample's haystack
+prefilled exactly through the stages, each stage keeping its own layers' rows of the batch's INT2 cache, then
+greedy decoding with one chain of stage calls per token, driven by the same loop as one process,
+`validate.rowbatch.run_rows`).
+
 Each stage holds its own layers (cluster/loading.py; the first also the embeddings, the last also the final norm
 and the LM head) and reads K/V the way the method under test stores them: the INT2 simulator of
 kernels/window_attention.py over its own layers, or (bf16) the plain attention of one process. The last stage
@@ -14,18 +19,24 @@ chain is submitted at once, so while stage 2 scores window w, stage 1 already ru
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from oscar.cluster.loading import load_config, load_layer_range
 from oscar.cluster.pipeline import ClusterConfig, connect, disconnect, place_groups, stage_ranges, wait_alive
 from oscar.common import OscarError, set_threads
 from oscar.kernels import cpu_attention
+from oscar.kernels import rowbatch as rowbatch_kernels
+from oscar.kernels.cache import make_cache
 from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
 from oscar.validate.methods import PROTOCOLS
+from oscar.validate.niah import PrefillPool, batch_capacity
 from oscar.validate.ppl import hidden_nll
+from oscar.validate.rowbatch import positions, run_rows
 
 
 @dataclass
@@ -54,6 +65,9 @@ class ScoreStage:
         self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `validate.env.with_dtype`
         self.arts: dict = {}
         self._sim: dict = {}  # (method, protocol) -> its simulator, built once (a LayerQuant per layer)
+        rowbatch_kernels.register()  # the needle decode's attention (rows_step)
+        self.pool = PrefillPool(self.stage)  # the needle batches' exact prefills, this stage's layers
+        self.rows = None  # the needle batch's RowBatchCache, this stage's layers
 
     def load(self, arts: dict) -> int:
         """The methods' artifacts (None: the plain model) by name, for the windows that follow."""
@@ -79,8 +93,77 @@ class ScoreStage:
             return h
         return hidden_nll(self.stage.lm_head, self.stage.norm(h), ids.to(h.device), prefixes=cuts)
 
+    # ------------------------------------------------------------------ needles: a row batch's prefill and decode
+
+    def rows_begin(self, groups: list[list[str]], protocol: str, capacity: int) -> float:
+        """A needle batch: this stage's layers of one `RowBatchCache` (kernels/rowbatch.py) whose group g holds
+        sample g's methods `groups[g]` (names of loaded artifacts). Returns this process's CPU seconds so far."""
+        text = self.stage.config.get_text_config() if hasattr(self.stage.config, "get_text_config") else self.stage.config
+        spec = self.stage.spec
+        self.rows = make_cache([[self.arts[m] for m in g] for g in groups], PROTOCOLS[protocol], "rows",
+                               capacity=capacity, num_layers=int(text.num_hidden_layers),
+                               dtype=getattr(torch, self.args.dtype), held=range(spec.start, spec.stop))
+        return time.process_time()
+
+    def rows_prefill(self, g: int, ids: list[int], prev: tuple | None = None):
+        """Sample g's chunk 1 (`ids`), exact, into the batch's group g, as `validate.niah.PrefillPool` prefills it
+        in one process (the longest prefix a kept prefill shares is not recomputed). The first stage embeds
+        ids[n:]; a later one receives (hidden states of ids[n:] (1, T - n, H), n) from the stage before."""
+        spec = self.stage.spec
+        n, cache = self.pool.lookup(ids)
+        if spec.first:
+            x = self.stage.embed(torch.tensor([ids[n:]], device=self.args.device))  # (1, T - n, H)
+        else:
+            x, sent = prev
+            if sent != n:  # every stage keeps the same prompts in the same order, so this is a bug
+                raise OscarError(f"stage {self.args.stage}: prefix of {n} tokens kept, the stage before reused {sent}")
+        pos = torch.arange(n, len(ids), device=self.args.device)[None]  # (1, T - n)
+        with cpu_attention.native_prefill(self.stage):
+            h = self.stage(x, position_ids=pos, cache=cache)  # (1, T - n, H)
+        self.pool.store(ids, n, cache)
+        self.rows.load(g, cache)
+        return None if spec.last else (h, n)
+
+    def rows_step(self, x: torch.Tensor, last: torch.Tensor | None = None):
+        """One step of the active rows: token ids (A, t) in at the first stage, hidden states (A, t, H) from the
+        stage before otherwise; hidden states out, or at the last stage each row's greedy next token, read at
+        its chunk position `last` (A,) as `validate.rowbatch.LocalRows.step` reads it."""
+        spec = self.stage.spec
+        pos = positions(self.rows, x.shape[1]).to(self.args.device)  # (A, t)
+        h = self.stage.embed(x.to(self.args.device)) if spec.first else x  # (A, t, H)
+        impl = self.stage.config._attn_implementation
+        self.stage.set_attn_implementation(rowbatch_kernels.ATTN)
+        try:
+            h = self.stage(h, position_ids=pos, cache=self.rows)  # (A, t, H)
+        finally:
+            self.stage.set_attn_implementation(impl)
+        self.rows.set_chunk(None)
+        if not spec.last:
+            return h
+        h = self.stage.norm(h)
+        return self.stage.lm_head(h[torch.arange(h.shape[0]), last.to(h.device)]).argmax(-1).tolist()  # (A,)
+
+    def rows_chunk(self, lengths: list[int] | None) -> None:
+        self.rows.set_chunk(lengths)
+
+    def rows_keep(self, slots: list[int]) -> list[int]:
+        return self.rows.keep(slots)
+
+    def rows_end(self) -> float:
+        """The batch is done: its cache is freed. Returns this process's CPU seconds so far."""
+        self.rows = None
+        return time.process_time()
+
     def ping(self) -> bool:
         return True
+
+
+def generation_config(model_dir: str, config) -> GenerationConfig:
+    """What `from_pretrained` gives a loaded model: the checkpoint's generation_config.json, else the config's."""
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return GenerationConfig.from_model_config(config)
 
 
 def score_actor_class():
@@ -91,6 +174,40 @@ def score_actor_class():
     return ray.remote(ScoreStage)
 
 
+class StagedRows:
+    """A row batch held by the stage actors, as `validate.rowbatch.run_rows` drives it (its `LocalRows` in one
+    process): every stage keeps the same rows in the same slots; a step is one chain of calls through them."""
+
+    def __init__(self, actors: list, rows: int):
+        self.actors, self.rows = actors, rows
+        self.order = list(range(rows))  # active slot -> row, as RowBatchCache.keep moves them on every stage
+
+    def set_chunk(self, lengths: list[int] | None) -> None:
+        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
+        import ray
+
+        ray.get([a.rows_chunk.remote(lengths) for a in self.actors])
+
+    def keep(self, slots: list[int]) -> list[int]:
+        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
+        import ray
+
+        srcs = ray.get([a.rows_keep.remote(slots) for a in self.actors])
+        if any(s != srcs[0] for s in srcs):
+            raise OscarError(f"the stages moved their rows differently: {srcs}")
+        self.order = [self.order[s] for s in srcs[0]]
+        return srcs[0]
+
+    def step(self, ids: torch.Tensor, last: torch.Tensor) -> list[int]:
+        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
+        import ray
+
+        x = ids
+        for a in self.actors[:-1]:
+            x = a.rows_step.remote(x)
+        return ray.get(self.actors[-1].rows_step.remote(x, last))
+
+
 class StagedScorer:
     """The model as pipeline stages on a Ray cluster, for `run_ppl(scorer=...)`; a context manager (stops the
     actors, and the local cluster it started)."""
@@ -99,6 +216,7 @@ class StagedScorer:
         self.model_dir = resolve_model(model)
         self.config = load_config(self.model_dir)
         self.tokenizer = load_tokenizer(model)
+        self.generation_config = generation_config(self.model_dir, self.config)  # the needles' EOS
         if cc.device != "cpu":
             raise OscarError("perplexity on the pipeline stages runs on CPU stages here (--gpus-per-stage 0)")
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -150,6 +268,30 @@ class StagedScorer:
             self._start()
         ref = ray.put(arts)
         ray.get([a.load.remote(ref) for a in self.actors])
+
+    def needle_batch(self, samples, names: list[list[str]], protocol: str, eos: set[int]) -> tuple[list[list[int]], dict]:
+        """What `validate.niah._decode_timed` returns for one batch, computed by the stages: sample g's chunk 1
+        prefilled exactly through every stage (the samples' chains submitted at once, so the stages pipeline
+        them), each stage keeping its layers of the batch's rows for sample g's methods `names[g]`, then the
+        rows decoded greedily together (`validate.rowbatch.run_rows`, one chain of stage calls per step)."""
+        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
+        import ray
+
+        w0 = time.perf_counter()
+        c0 = ray.get([a.rows_begin.remote(names, protocol, batch_capacity(samples)) for a in self.actors])
+        ends = []
+        for g, s in enumerate(samples):
+            x = None
+            for a in self.actors:
+                x = a.rows_prefill.remote(g, s.context_ids, x)
+            ends.append(x)
+        ray.get(ends)
+        gens = run_rows(StagedRows(self.actors, sum(len(n) for n in names)),
+                        [s.question_ids for s, ms in zip(samples, names) for _ in ms],
+                        [s.max_new_tokens for s, ms in zip(samples, names) for _ in ms], eos)
+        c1 = ray.get([a.rows_end.remote() for a in self.actors])
+        return gens, {"batch_samples": len(samples), "batch_cpu_s": round(sum(c1) - sum(c0), 2),
+                      "batch_wall_s": round(time.perf_counter() - w0, 2), "stages": len(self.actors)}
 
     def score(self, jobs: list[tuple]):
         """For each (method, protocol, window ids (1, T), cuts), in order: what `window_nll` returns."""

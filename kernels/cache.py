@@ -640,7 +640,7 @@ def prefill(model, cache: OscarCache, input_ids: torch.Tensor, chunk: int | None
 
 def make_cache(art, protocol: Protocol, backend: str | None = "simulate", *, prefill: DynamicCache | None = None,
                model=None, max_len: int | None = None, page_size: int | None = None, capacity: int = 0,
-               num_layers: int | None = None, dtype: torch.dtype | None = None) -> Cache:
+               num_layers: int | None = None, dtype: torch.dtype | None = None, held: range | None = None) -> Cache:
     """One entry point to the cache family; `backend` (dispatch.CACHE_BACKENDS) picks the implementation:
 
         simulate   art (None: the exact DynamicCache) -> SimQuantCache: fake-quant K/V, exact attention
@@ -648,7 +648,8 @@ def make_cache(art, protocol: Protocol, backend: str | None = "simulate", *, pre
         batch      art = [artifact or None per row] -> MethodBatchCache over one exact `prefill` (required),
                    `capacity` tokens preallocated
         rows       art = [[artifact or None] per sample] -> RowBatchCache (kernels/rowbatch.py) of `capacity`
-                   slots, `num_layers` layers, model dtype `dtype`; each sample's prefill is `load`ed after
+                   slots, `num_layers` layers (of which a pipeline stage holds `held`), model dtype `dtype`;
+                   each sample's prefill is `load`ed after
         None, reference, triton
                    art (None: DynamicCache) -> the paged OscarCache for `model` (`from_artifact`: sink and recent
                    window from `protocol`, pages of `page_size`, `max_len`); None lets the dispatcher choose
@@ -661,7 +662,7 @@ def make_cache(art, protocol: Protocol, backend: str | None = "simulate", *, pre
             raise OscarError("the batch backend takes over an exact prefill (prefill=DynamicCache)")
         return MethodBatchCache.from_prefill(list(art), protocol, prefill, capacity)
     if backend == "rows":
-        return RowBatchCache(list(art), protocol, num_layers, capacity, dtype)
+        return RowBatchCache(list(art), protocol, num_layers, capacity, dtype, held=held)
     if art is None:  # the exact cache, whatever the backend
         c = DynamicCache()
         for l, src in enumerate(prefill.layers if prefill is not None else ()):

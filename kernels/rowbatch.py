@@ -170,6 +170,17 @@ class RowLayer(DynamicLayer):
         return max(self.n[:self.active]) if self.active else 0
 
 
+class Elsewhere(DynamicLayer):
+    """A layer another pipeline stage holds: reading or writing it here is a bug, never an empty cache."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def update(self, *args, **kwargs):
+        raise OscarError(f"layer {self.index} is held by another pipeline stage")
+
+
 class RowBatchCache(Cache):
     """Rows of several samples: group g holds one sample's methods (`arts[g]`, None: the exact cache).
 
@@ -177,9 +188,15 @@ class RowBatchCache(Cache):
     budget), then `load(g, exact)` each group's exact prefill; `decode_rows` runs the batch.
     """
 
-    def __init__(self, groups: list[list], protocol: Protocol, num_layers: int, capacity: int, dtype: torch.dtype):
+    def __init__(self, groups: list[list], protocol: Protocol, num_layers: int, capacity: int, dtype: torch.dtype,
+                 held: range | None = None):
         self.groups = groups
         self.capacity, self.dtype = capacity, dtype
+        # the layers this cache holds: all of them in one process, a pipeline stage's own range on a stage (the
+        # others are `Elsewhere`: the model's attention indexes the cache by its global layer index)
+        self.held = held if held is not None else range(num_layers)
+        if not self.held or self.held.start < 0 or self.held.stop > num_layers:
+            raise OscarError(f"held layers {self.held} outside the model's {num_layers}")
         self.starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups) + 1)]
         quant: dict[tuple[int, int], LayerQuant] = {}  # one LayerQuant per (method artifact, layer), shared by rows
 
@@ -190,7 +207,8 @@ class RowBatchCache(Cache):
                 quant[(id(art), l)] = LayerQuant(art, l, protocol.pages)
             return quant[(id(art), l)]
 
-        super().__init__(layers=[RowLayer([lq(a, l) for g in groups for a in g], protocol, dtype) for l in range(num_layers)])
+        super().__init__(layers=[RowLayer([lq(a, l) for g in groups for a in g], protocol, dtype) if l in self.held
+                                 else Elsewhere(l) for l in range(num_layers)])
         self.order = list(range(self.starts[-1]))  # active slot -> row (rows numbered group by group)
 
     @property
@@ -199,20 +217,23 @@ class RowBatchCache(Cache):
 
     def load(self, g: int, exact: DynamicCache) -> None:
         rows = range(self.starts[g], self.starts[g + 1])
-        for layer, src in zip(self.layers, exact.layers):
+        if len(exact.layers) < self.held.stop or not all(exact.layers[l].is_initialized for l in self.held):
+            raise OscarError(f"the prefill does not hold every layer of {self.held.start}..{self.held.stop - 1}")
+        for l in self.held:
+            layer, src = self.layers[l], exact.layers[l]
             if not layer.is_initialized:
                 layer.alloc(src.keys.shape[1], self.capacity, src.keys.shape[3], src.keys.device)
             layer.load(rows, src.keys, src.values)
 
     def lengths(self) -> list[int]:
         """Tokens held by each active slot."""
-        l0 = self.layers[0]
+        l0 = self.layers[self.held.start]
         return l0.n[:l0.active]
 
     def set_chunk(self, lengths: list[int] | None) -> None:
         """The next forward writes a right-padded chunk with `lengths[s]` real tokens in slot s (None: all real)."""
-        for layer in self.layers:
-            layer.chunk = lengths
+        for l in self.held:
+            self.layers[l].chunk = lengths
 
     def keep(self, slots: list[int]) -> list[int]:
         """Only the rows in active `slots` (ascending) stay in the batch; the others are done.
@@ -221,7 +242,7 @@ class RowBatchCache(Cache):
         A = len(slots)
         kept = set(slots)
         moves = list(zip([s for s in range(A) if s not in kept], [s for s in slots if s >= A]))  # (to, from)
-        for layer in self.layers:
+        for layer in (self.layers[l] for l in self.held):
             for d, s in moves:
                 layer.move(d, s)
             layer.active = A

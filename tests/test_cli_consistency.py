@@ -111,4 +111,4 @@ def test_shared_options_keep_their_defaults():
     assert set(meth.values()) == {co.DEFAULT_METHODS}, meth
     model = {c: a.default for (c, f), a in seen.items() if f == "--model"}
     assert {c for c, d in model.items() if d != co.EMBEDDED_MODEL} == {"plan", "cluster render", "import", "fit"}, model
-    assert {c for (c, f), a in seen.items() if f == "--ray"} == {"calibrate", "validate ppl", "fit"}
+    assert {c for (c, f), a in seen.items() if f == "--ray"} == {"calibrate", "validate ppl", "validate niah", "fit"}

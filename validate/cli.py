@@ -125,16 +125,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=_attention)
 
 
+def niah_config(args):
+    """The NiahConfig `oscar validate niah`'s options describe."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.validate.niah import NiahConfig
+
+    return NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
+                      tasks=_csv(args.tasks), lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed,
+                      protocol=args.protocol, corpus=args.corpus, dtype=compute_dtype(args.dtype, args.device),
+                      engine=args.engine, device=args.device, squad=args.squad, hotpotqa=args.hotpotqa)
+
+
+def niah_table(df) -> str:
+    return df.pivot_table(index=["task", "method"], columns="length", values="score").round(1).to_string()
+
+
 def _niah(args) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.validate.niah import NiahConfig, run_niah
+    from oscar.validate.niah import run_niah
 
-    cfg = NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
-                     tasks=_csv(args.tasks), lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed,
-                     protocol=args.protocol, corpus=args.corpus, dtype=compute_dtype(args.dtype, args.device),
-                     engine=args.engine, device=args.device, squad=args.squad, hotpotqa=args.hotpotqa)
-    df = run_niah(cfg, progress=not args.no_progress)
-    print(df.pivot_table(index=["task", "method"], columns="length", values="score").round(1).to_string())
+    print(niah_table(run_niah(niah_config(args), progress=not args.no_progress)))
     return 0
 
 

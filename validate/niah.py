@@ -32,6 +32,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
@@ -104,13 +105,18 @@ def check_lengths(lengths: list[int], max_ctx: int, model: str) -> None:
         )
 
 
-def load_checked(name: str, artifact: str | None, methods: list[str], lengths: list[int], dtype: str, loaded=None):
-    """Refuse what cannot run (artifact missing or needed, lengths past the model's context,
-    unknown dtype) before loading weights where possible; return (model in `dtype`, tokenizer)."""
+def check_artifact(artifact: str | None, methods: list[str]) -> None:
+    """Refuse an artifact that is missing, or needed and not given."""
     if artifact is None and any(m in NEEDS_ARTIFACT for m in methods):
         raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
     if artifact and not os.path.exists(artifact):
         raise OscarError(f"artifact {artifact} does not exist")
+
+
+def load_checked(name: str, artifact: str | None, methods: list[str], lengths: list[int], dtype: str, loaded=None):
+    """Refuse what cannot run (artifact missing or needed, lengths past the model's context,
+    unknown dtype) before loading weights where possible; return (model in `dtype`, tokenizer)."""
+    check_artifact(artifact, methods)
     if loaded is None:  # refuse impossible lengths before loading weights
         check_lengths(lengths, env.config_max_context(name) or 0, name)
     if dtype not in env.DTYPES:
@@ -264,33 +270,48 @@ class PrefillPool:
             i += 1
         return i
 
-    @torch.no_grad()
-    def prefill(self, ids: list[int]):
+    def lookup(self, ids: list[int]) -> tuple[int, DynamicCache]:
+        """(n, a cache holding the K/V of ids[:n]): the longest prefix of `ids` a kept prefill shares, at most
+        len(ids) - 1 (at least one token runs through the model). Only the layers the kept cache holds (a pipeline
+        stage's own) are copied."""
         best, n = None, 0
         for e_ids, c in self.entries:
             k = self._lcp(e_ids, ids)
             if k > n:
                 best, n = c, k
-        n = min(n, len(ids) - 1)  # at least one token runs through the model
+        n = min(n, len(ids) - 1)
         cache = DynamicCache()
         if n > 0:
             for l, layer in enumerate(best.layers):
-                cache.update(layer.keys[..., :n, :], layer.values[..., :n, :], l)
-        with load_aware_threads(), cpu_attention.native_prefill(self.model):  # two threads on a busy 2-core machine stall in OpenMP barriers
-            self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache, use_cache=True, logits_to_keep=1)
+                if layer.is_initialized:
+                    cache.update(layer.keys[..., :n, :], layer.values[..., :n, :], l)
+        return n, cache
+
+    def store(self, ids: list[int], n: int, cache: DynamicCache) -> None:
         self.reused += n
         self.computed += len(ids) - n
         self.entries = (self.entries + [(list(ids), cache)])[-self.keep:]
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int]):
+        n, cache = self.lookup(ids)
+        with load_aware_threads(), cpu_attention.native_prefill(self.model):  # two threads on a busy 2-core machine stall in OpenMP barriers
+            self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache, use_cache=True, logits_to_keep=1)
+        self.store(ids, n, cache)
         return cache
+
+
+def batch_capacity(samples) -> int:
+    """Slots a row batch of `samples` needs: the longest context + question + answer budget."""
+    return max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
+        max(s.max_new_tokens for s in samples)
 
 
 def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set[int]) -> list[list[int]]:
     """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
     `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
     decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
-    cap = max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
-        max(s.max_new_tokens for s in samples)
-    cache = make_cache(groups, protocol, "rows", capacity=cap, num_layers=model.config.get_text_config().num_hidden_layers,
+    cache = make_cache(groups, protocol, "rows", capacity=batch_capacity(samples), num_layers=model.config.get_text_config().num_hidden_layers,
                        dtype=next(model.parameters()).dtype)
     for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
         cache.load(g, pool.prefill(s.context_ids))
@@ -362,12 +383,15 @@ def _niah_unit(st: dict, arg) -> tuple[list[list[int]], dict]:
                              st["pool"], st["eos"])
 
 
-def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int | None = None):
+def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int | None = None, stages=None):
     """Score every (task, length, sample, method) not yet in OUT; returns the results table.
 
     workers: processes decoding batches in parallel (validate/workers.py; default: one per CPU this process
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process). Batches go round-robin, each worker with its
-    own prefill pool; a worker runs one intra-op thread."""
+    own prefill pool; a worker runs one intra-op thread.
+    stages: where the batches are decoded instead of a model in this process: an object with `config`,
+    `generation_config`, `tokenizer`, `dtype`, `load(arts)` and `needle_batch(samples, names, protocol, eos)` ->
+    what `_decode_timed` returns (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     env.refuse_chat_corpus(cfg.corpus)  # before any weights load
     dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
@@ -382,20 +406,29 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         raise OscarError("--samples must be >= 1")
     if cfg.batch_tokens < 1:
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
-    model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
-    engine.to_device(model, dev)
+    if stages is None:
+        model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
+        engine.to_device(model, dev)
+        config = model.config
+    else:
+        if cfg.engine != "simulate" or cfg.dtype != stages.dtype:
+            raise OscarError(f"needles on the pipeline stages run the simulator (--engine simulate) in the stages' "
+                             f"dtype {stages.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
+        check_artifact(cfg.artifact, methods)
+        model, tok, config = None, stages.tokenizer, stages.config
+        check_lengths(cfg.lengths, env.max_context(SimpleNamespace(config=config)), cfg.model)
     _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):
         print(f"oscar: WARNING: {warn}", file=sys.stderr)
-    arts, skipped = resolve_methods(methods, model.config, fitted, out=cfg.out)  # unsupported formats: skipped
+    arts, skipped = resolve_methods(methods, config, fitted, out=cfg.out)  # unsupported formats: skipped
     methods = [m for m in methods if m not in skipped]
     protocol = PROTOCOLS[cfg.protocol]
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
         engine.check_methods({m: arts[m] for m in methods}, [protocol])
     src = Sources.from_text(env.heldout_text(cfg.corpus), more=more_heldout_words(cfg.corpus))
     src.qa = qa
-    eos = eos_ids(model, tok)
+    eos = eos_ids(stages or model, tok)  # what reads the model's generation config
 
     path = os.path.join(cfg.out, "niah_samples.jsonl")
     done = read_samples(path)  # a line cut by a kill: that sample is redone
@@ -405,11 +438,15 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
 
     batches = list(_batches(cells, methods, done, cfg.batch_tokens))
     n = workers or default_workers(len(batches))
-    if next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
+    if stages is not None or next(model.parameters()).device.type != "cpu" or cfg.engine == "cache":
         n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
     with open(path, "a") as f, (Workers(n, model, _niah_init, (arts, cfg.protocol, eos)) if n > 1 else _Inline()) as W:
         units = [[make_sample(t, L, i, tok, src, seed=cfg.seed) for t, L, i, _ in batch] for batch in batches]
-        if n > 1:
+        if stages is not None:  # each batch's prefill and decode flow through the stage actors
+            stages.load({m: arts[m] for m in methods})
+            results = ((k, stages.needle_batch(s, [b[3] for b in batch], cfg.protocol, eos))
+                       for k, (s, batch) in enumerate(zip(units, batches)))
+        elif n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
         elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (validate/engine.py)
             results = ((k, _timed(lambda s=s, batch=batch: engine.niah_answers(
@@ -437,8 +474,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
                 os.fsync(f.fileno())
                 bar.update(len(missing))
     bar.close()
-    write_memory(cfg.out, methods, arts, model.config, max(cfg.lengths), protocol)
-    return write_results(cfg, methods, done, arts, model.config)
+    write_memory(cfg.out, methods, arts, config, max(cfg.lengths), protocol)
+    return write_results(cfg, methods, done, arts, config)
 
 
 def write_memory(out: str, methods, arts, config, context: int, protocol) -> None:
