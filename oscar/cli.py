@@ -9,7 +9,7 @@ import dataclasses
 import os
 
 from oscar.cli_options import (DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out,
-                                add_recipe)
+                                add_recipe, add_stages)
 from oscar.common import OscarError, nonneg_int, positional_or_option, positive_float, positive_int
 from oscar.validate.cli import _qa_args
 
@@ -41,7 +41,7 @@ def _fit(args) -> int:
     from oscar.cluster.pipeline import ClusterConfig
     from oscar.cluster.scoring import StagedScorer
     from oscar.kernels.memory import artifact_bits_per_element
-    from oscar.recipe import RecipeConfig, RecipePaths, Stages, run_recipe, store_inputs
+    from oscar.recipe import RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe, store_inputs
     from oscar.tune import TuneConfig
     from oscar.stats.artifact import load_artifact
     from oscar.validate.engine import check_engine, resolve_device
@@ -51,9 +51,8 @@ def _fit(args) -> int:
     if args.variant == "split":
         raise OscarError(f"oscar fit: --widths {args.widths} and the tune work on a one-group fit; --variant split "
                          "already splits the keys (pass --no-tune --widths none for the split fit alone)")
-    if args.ray and args.widths != "none":
-        raise OscarError(f"--widths {args.widths} takes a backward pass through the model, which the pipeline stages "
-                         "do not run; with --ray pass --widths none")
+    if args.ray:
+        check_staged_widths(args.widths)
     fcfg = fit_config(args)
     check_engine(args.engine)
     resolve_device(args.device)  # before loading weights
@@ -129,6 +128,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     add_device(r)
     r.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES,
                    help=ENGINE_HELP + "; for the tune, needle, perplexity and attention stages")
+    add_stages(r, "run the tune, widths, needles and perplexity on this many pipeline stage actors on the local Ray "
+                  "cluster, each holding a layer range as calibration's stages do (CPU, simulator; the attention-level "
+                  "test is then not run); default 1: the model in this process")
     r.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's); "
                    "stage lines are still printed")
     r.set_defaults(func=_run)
@@ -144,7 +146,7 @@ def _run(args) -> int:
                        methods=parse_methods(args.methods), tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
                        squad=args.squad, hotpotqa=args.hotpotqa,
                        variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
-                       engine=args.engine, device=args.device, progress=not args.no_progress))
+                       engine=args.engine, device=args.device, stages=args.stages, progress=not args.no_progress))
     return 0
 
 

@@ -113,6 +113,16 @@ class RecipePaths:
     logs: str
 
 
+STAGED_WIDTHS = ("none",)  # the widths estimates the pipeline stages run
+
+
+def check_staged_widths(widths: str) -> None:
+    """Refuse, before any work, widths the pipeline stages do not compute."""
+    if widths not in STAGED_WIDTHS:
+        raise OscarError(f"--widths {widths} takes a backward pass through the model, which the pipeline stages "
+                         "do not run; with --ray pass --widths none")
+
+
 def _fit_fingerprint(fp_cal: str, fcfg: FitConfig) -> str:
     """The fit step's inputs; settings left at their defaults are left out (markers of the main job stay valid)."""
     base = FitConfig(variant=fcfg.variant)
@@ -127,9 +137,8 @@ def run_recipe(store: str, paths: RecipePaths, fcfg: FitConfig, rcfg: RecipeConf
     """fit -> tune -> widths, each skipped when its marker matches; `model()` loads the model (once) for the steps
     that read it, or `scorer` (the pipeline stages, cluster/scoring.py) scores the tune's windows. Returns what
     the steps record (the tune's NLLs, the widths chosen)."""
-    if scorer is not None and rcfg.widths != "none":
-        raise OscarError(f"--widths {rcfg.widths} takes a backward pass through the model, which the pipeline stages "
-                         "do not run; with --ray pass --widths none")
+    if scorer is not None:
+        check_staged_widths(rcfg.widths)
     rec: dict = {}
 
     def do_fit() -> None:

@@ -10,6 +10,10 @@
     validate attention (held-out captured q/k/v; not a model run)  -> DIR/attention.parquet, attention.json
     report                                                         -> DIR/report.md, DIR/report.html
 
+With --stages N (or a `run:` job's `cluster.stages`) the tune, widths, needles and perplexity run on N pipeline
+stage actors holding the layer ranges calibration uses (cluster/scoring.py), the way a model larger than one
+device is validated; run.json's `placement` and the report say where each step ran.
+
 Each stage records DIR/stages/<stage>.json (its input fingerprint, outputs and
 seconds). A re-run skips a stage whose marker matches and whose outputs exist;
 calibrate, niah and ppl also resume *inside* the stage (blocks, samples,
@@ -22,10 +26,12 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 from oscar.cluster.jobs import driver_config
 from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
+from oscar.cluster.scoring import StagedScorer
 from oscar.common import OscarError, file_fingerprint, fingerprint, parse_token_count
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
@@ -36,7 +42,7 @@ from oscar.pipeline import native
 from oscar.pipeline.calibrate import CalibConfig, calibrate
 from oscar.pipeline.corpus import first_chat_record
 from oscar.reports.build import build_report
-from oscar.recipe import WIDTHS, RecipeConfig, RecipePaths, Stages, run_recipe
+from oscar.recipe import WIDTHS, RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe
 from oscar.reports.calibration import calibration_section, widths_section
 from oscar.stats.fit import FitConfig
 from oscar.validate.attention import AttnConfig, run_attention
@@ -122,6 +128,12 @@ class RunConfig:
     # `run:` job of `oscar submit` (cluster/jobs.py); the stage actors calibrate the model this run validates.
     cluster: dict | None = None
     calibrate: dict | None = None
+    # The model-driven steps (the recipe's tune and widths, needles, perplexity) on this many pipeline stage actors
+    # on the run's Ray cluster, each holding a layer range as calibration's stages do (cluster/scoring.py): how a model
+    # larger than one device is validated. None: the calibration's `cluster.stages` (1 by default); 1: the model in
+    # this process. The stages compute on CPU with the simulator; the attention-level test, which captures q/k/v
+    # through the whole model, is not run on them.
+    stages: int | None = None
     progress: bool = True
 
     def _check_sizes(self) -> None:
@@ -186,6 +198,19 @@ class RunConfig:
             raise OscarError(f"oscar run: --widths {self.widths} chooses per-layer key widths on a one-group fit; --variant "
                              f"{self.variant} already splits the keys (use --variant scaled, the default with --widths)")
 
+        if self.stages is None:
+            self.stages = int((self.cluster or {}).get("stages", 1))
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
+            raise OscarError(f"oscar run: stages must be a positive integer, got {self.stages!r}")
+        if self.stages > 1:  # refused now, not after calibrating
+            if not self.ray:
+                raise OscarError(f"oscar run: --stages {self.stages} runs stage actors on Ray; drop --no-ray")
+            if self.engine != "simulate" or self.device != "cpu":
+                raise OscarError(f"oscar run: the pipeline stages compute on CPU with the simulator; --stages "
+                                 f"{self.stages} takes --engine simulate --device cpu (stages: 1 validates in one "
+                                 "process on the device)")
+            check_staged_widths(self.widths)
+
         TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
         if isinstance(self.tasks, str):
             self.tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
@@ -246,6 +271,32 @@ class _Job:
             self.loaded.append(load_model(self.cfg.model))
         return self.loaded[0]
 
+    def staged(self, dtype: str):
+        """The model as `cfg.stages` stage actors computing in `dtype` (started at their first use), or None when
+        the steps run in this process."""
+        cfg = self.cfg
+        if cfg.stages == 1:
+            return nullcontext()
+        base = {k: v for k, v in (cfg.cluster or {}).items() if k in ("layers", "memory_per_stage", "stage_resources",
+                                                                       "startup_timeout", "placement_timeout")}
+        cpus = float((cfg.cluster or {}).get("cpus_per_stage") or max(1, (os.cpu_count() or 1) // cfg.stages))
+        cc = ClusterConfig(**base, stages=cfg.stages, cpus_per_stage=cpus, dtype=dtype)
+        return StagedScorer(cfg.model, cc, address="auto")
+
+    def placement(self) -> dict:
+        """Where each step runs in this invocation: stages and device (run.json, the report)."""
+        cfg = self.cfg
+        clu = {"stages": 1, "replicas": 1, **(cfg.cluster or {})}
+        cal = ({"stages": int(clu["stages"]), "replicas": int(clu["replicas"]),
+                "device": "cuda" if float(clu.get("gpus_per_stage") or 0) > 0 or (cfg.calibrate or {}).get("device", "cpu")
+                .startswith("cuda") else "cpu", "on": "Ray"} if cfg.ray else {"stages": 1, "device": "cpu", "on": "this process"})
+        model = ({"stages": cfg.stages, "device": "cpu", "on": "Ray stage actors"} if cfg.stages > 1
+                 else {"stages": 1, "device": cfg.device, "on": "this process"})
+        out = {"calibrate": cal, "tune": model, "widths": model, "niah": model, "ppl": model}
+        out["attention"] = ({"stages": 1, "device": cfg.device, "on": "this process"} if cfg.stages == 1
+                            else {"on": "not run", "why": "it captures q/k/v through the whole model in one process"})
+        return out
+
 
 def _stage_calibrate(job: _Job) -> str:
     """1. calibrate -> DIR/calib.zarr; returns the stage's fingerprint (the fit's input)."""
@@ -267,9 +318,10 @@ def _stage_recipe(job: _Job, fp_cal: str) -> None:
                         progress=cfg.progress)
     paths = RecipePaths(fit=job.fit_path, tuned=job.tuned_path, out=job.art_path, logs=d)
     calib = os.path.join(d, "calibration")
-    run_recipe(job.store, paths, FitConfig(variant=cfg.variant, progress=cfg.progress), rcfg, job.st, fp_cal, job.model,
-               on_tuned=lambda p: calibration_section(p, job.store, calib),
-               on_widths=lambda p: widths_section(p, calib))  # the report's plot of the probe
+    with job.staged(TuneConfig().dtype) as sc:  # the tune's objective in float64 on the stages too
+        run_recipe(job.store, paths, FitConfig(variant=cfg.variant, progress=cfg.progress), rcfg, job.st, fp_cal,
+                   job.model, on_tuned=lambda p: calibration_section(p, job.store, calib),
+                   on_widths=lambda p: widths_section(p, calib), scorer=sc)  # the report's plot of the probe
 
 
 def _stage_validate(job: _Job) -> None:
@@ -291,13 +343,22 @@ def _stage_validate(job: _Job) -> None:
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
                       protocol=cfg.niah_protocol, dtype=cfg.compute_dtype, engine=cfg.engine, device=cfg.device,
                       squad=cfg.squad, hotpotqa=cfg.hotpotqa)
-    job.st.run("niah", "validate niah", fp(ncfg), [os.path.join(d, "results.parquet")],
-               lambda: run_niah(ncfg, loaded=job.model(), progress=cfg.progress))
-
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
                      tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.compute_dtype, engine=cfg.engine, device=cfg.device)
-    job.st.run("ppl", "validate ppl", fp(pcfg), [os.path.join(d, "ppl.parquet")],
-               lambda: run_ppl(pcfg, loaded=job.model(), progress=cfg.progress))
+    with job.staged(cfg.compute_dtype) as sc:  # one set of stage actors for both steps (the weights load once)
+        if sc is None:
+            niah, ppl = (lambda: run_niah(ncfg, loaded=job.model(), progress=cfg.progress),
+                         lambda: run_ppl(pcfg, loaded=job.model(), progress=cfg.progress))
+        else:
+            niah, ppl = (lambda: run_niah(ncfg, progress=cfg.progress, stages=sc),
+                         lambda: run_ppl(pcfg, progress=cfg.progress, scorer=sc))
+        job.st.run("niah", "validate niah" + ("" if sc is None else f" ({cfg.stages} stages)"), fp(ncfg),
+                   [os.path.join(d, "results.parquet")], niah)
+        job.st.run("ppl", "validate ppl" + ("" if sc is None else f" ({cfg.stages} stages)"), fp(pcfg),
+                   [os.path.join(d, "ppl.parquet")], ppl)
+    if cfg.stages > 1:
+        _say("validate attention: not run on the pipeline stages (it captures q/k/v through the whole model)")
+        return
 
     acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.compute_dtype,
                       engine=cfg.engine, device=cfg.device)
@@ -329,10 +390,11 @@ def _stage_report(job: _Job, seconds: float) -> dict:
                 + ("" if cfg.widths == "gradient" else f" --widths {cfg.widths}")
                 + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
                 + ("" if cfg.device == "cpu" else f" --device {cfg.device}")
+                + ("" if cfg.stages == 1 or cfg.cluster else f" --stages {cfg.stages}")
                 + ("" if cfg.tasks == ["niah_single_1", "niah_single_2"] else f" --tasks {','.join(cfg.tasks)}")
                 + (f" --squad {cfg.squad}" if cfg.squad else "") + (f" --hotpotqa {cfg.hotpotqa}" if cfg.hotpotqa else ""),
             "model": cfg.model, "host": describe(hinfo), "host_info": hinfo, "compute_dtype": cfg.compute_dtype,
-            "native_paths": native_paths(), "config": asdict(cfg),
+            "native_paths": native_paths(), "placement": job.placement(), "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": seconds}
     with open(os.path.join(d, "run.json"), "w") as f:
         json.dump(info, f, indent=1)
@@ -368,8 +430,9 @@ def run_main(cfg: RunConfig) -> dict:
 RUN_OWNS_CALIBRATE = ("model", "corpus", "store", "seq_len", "positions", "tokens")
 
 
-def check_run_section(run: dict, where: str = "job config") -> RunConfig:
-    """The `run:` section of a job config (cluster/jobs.py shapes it) as a RunConfig, or a clear error."""
+def check_run_section(run: dict, where: str = "job config", cluster: dict | None = None) -> RunConfig:
+    """The `run:` section of a job config (cluster/jobs.py shapes it) as a RunConfig on the job's `cluster:`
+    section, or a clear error."""
     names = {f.name for f in fields(RunConfig) if f.init} - {"ray", "progress", "cluster"}
     bad = set(run) - names
     if bad:
@@ -382,7 +445,7 @@ def check_run_section(run: dict, where: str = "job config") -> RunConfig:
                          f"...); {sorted(owned)} are the run's own (model, corpus, store, seq_len, positions, tokens are "
                          f"set by the run: calib_tokens, seq_len, positions)" if owned else
                          f"{where}: unknown run.calibrate options {sorted(unknown)}")
-    return RunConfig(**run)
+    return RunConfig(**run, cluster=cluster)
 
 
 def job_main(argv: list[str] | None = None) -> int:
@@ -395,8 +458,7 @@ def job_main(argv: list[str] | None = None) -> int:
         cfg = driver_config(argv)
         if "run" not in cfg:
             raise OscarError("not a run config (no `run:` section); a calibration runs python -m oscar.cluster.entrypoint")
-        rc = check_run_section(cfg["run"])
-        rc.ray, rc.cluster = True, cfg["cluster"]
+        rc = check_run_section(cfg["run"], cluster=cfg["cluster"])  # Ray: RunConfig's default
         info = run_main(rc)
     except OscarError as e:
         print(f"oscar job: error: {e}", file=sys.stderr)

@@ -42,6 +42,17 @@ def host_line(info: dict) -> str:
             + (f"; CPU kernels — {kern}" if kern else "") + ".")
 
 
+def placement_line(placement: dict) -> str:
+    """Where each step of the run ran (run.json's `placement`): stages, replicas and device, or why it did not."""
+    def where(p: dict) -> str:
+        if "why" in p:
+            return f"{p['on']} ({p['why']})"
+        n = p.get("stages", 1)
+        rep = f" x {p['replicas']} replicas" if p.get("replicas", 1) > 1 else ""
+        return f"{n} stage{'s' if n > 1 else ''}{rep} on {p['device']} ({p['on']})"
+    return "Steps ran on: " + "; ".join(f"{k} {where(p)}" for k, p in placement.items()) + "."
+
+
 def _order(methods) -> list[str]:
     ms = list(dict.fromkeys(methods))
     return sorted(ms, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m))
@@ -859,6 +870,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         md += [f"Run: `{info.get('command', '')}` — model {info.get('model', '?')}, "
                f"{info.get('total_seconds', 0) / 60:.1f} min on {info.get('host', '?')}.", ""]
         md += [host_line(info), ""] if info.get("compute_dtype") else []
+        md += [placement_line(info["placement"]), ""] if info.get("placement") else []
         md += [info["summary"], ""] if info.get("summary") else []
     md += ["## Headline", ""]
     if goal:

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-reports/examples/qwen2.5-0.5b}
 WORK=${WORK:-runs/qwen}  # the calibration store and the untuned fit (not committed)
-STEPS=${STEPS:-"install calibrate fit tune calibration-section niah-8k niah-16k niah-32k report"}
+STEPS=${STEPS:-"install calibrate fit tune calibration-section niah-8k niah-16k niah-32k niah-32k-stages report"}
 export OMP_NUM_THREADS=1 OSCAR_THREADS=1
 OSCAR=${OSCAR:-.venv/bin/oscar}
 PY=${PY:-.venv/bin/python}
@@ -51,6 +51,25 @@ for L in 8k 16k 32k; do
   step "niah-$L" $OSCAR validate niah --model qwen2.5-0.5b --artifact "$OUT/artifact.safetensors" --methods $METHODS \
     --tasks niah_single_1 --lengths "$L" --samples 5 --protocol serving --dtype bfloat16 --out "$OUT" --no-progress
 done
+
+# The same 32k cell through 2 pipeline stages on a local Ray cluster (the path a model too large for one device
+# takes): bf16 and oscar-int2, 2 samples; every answer must equal the one-process answer above.
+CMD="oscar validate niah --ray auto --stages 2 --model qwen2.5-0.5b --artifact $OUT/artifact.safetensors --methods bf16,oscar-int2 --tasks niah_single_1 --lengths 32k --samples 2 --protocol serving --dtype bfloat16 --out $OUT/two-stages"
+step niah-32k-stages $OSCAR validate niah --ray auto --stages 2 --model qwen2.5-0.5b --artifact "$OUT/artifact.safetensors" \
+  --methods bf16,oscar-int2 --tasks niah_single_1 --lengths 32k --samples 2 --protocol serving --dtype bfloat16 \
+  --out "$OUT/two-stages" --no-progress
+case " $STEPS " in *" niah-32k-stages "*)
+  $PY - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+key = lambda r: (r["task"], r["length"], r["index"], r["method"])  # noqa: E731
+one = {key(r): r["pred"] for r in map(json.loads, open(os.path.join(out, "niah_samples.jsonl")))}
+two = [json.loads(l) for l in open(os.path.join(out, "two-stages", "niah_samples.jsonl"))]
+same = [one[key(r)] == r["pred"] for r in two]
+print(f"2 stages vs one process: {sum(same)} of {len(same)} answers identical")
+sys.exit(0 if all(same) else 1)
+EOF
+;; esac
 
 case " $STEPS " in *" report "*)
   $PY - "$OUT" <<'EOF'

@@ -55,7 +55,8 @@ def test_validation_job_stop_resubmit_resumes_from_scored_samples(head, tmp_path
     out = tmp_path / "val"
     run = {"model": "tiny-llama", "out": str(out), "calib_tokens": 1024, "seq_len": 256,
            "calibrate": {"block_tokens": 512}, "tasks": TASKS, "lengths": LENGTHS, "samples": SAMPLES,
-           "methods": METHODS, "ppl_contexts": [256], "ppl_tokens": 2048, "attn_lengths": [256], "dtype": "float32"}
+           "methods": METHODS, "ppl_contexts": [256], "ppl_tokens": 2048, "attn_lengths": [256], "dtype": "float32",
+           "widths": "none"}  # the job's 2 stages run the tune, needles and perplexity too
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump({"run": run, "cluster": {"stages": 2, "cpus_per_stage": 1},
                                    "job": {"python": sys.executable, "num_gpus": 0}}))
@@ -90,7 +91,10 @@ def test_validation_job_stop_resubmit_resumes_from_scored_samples(head, tmp_path
     keys = _keys(samples)
     assert len(keys) == len(set(keys)) == TOTAL  # every sample scored once
     assert open(samples).read().startswith(before)  # the rows scored before the stop were kept, not redone
-    assert (out / "report.md").exists() and (out / "ppl.parquet").exists() and (out / "attention.parquet").exists()
+    assert (out / "report.md").exists() and (out / "ppl.parquet").exists()
+    placement = json.load(open(out / "run.json"))["placement"]  # the steps ran on the job's 2 stages
+    assert placement["calibrate"]["stages"] == placement["niah"]["stages"] == placement["tune"]["stages"] == 2
+    assert not (out / "attention.parquet").exists() and "Steps ran on:" in open(out / "report.md").read()
     # the model validated is the model calibrated: the run's store and artifact are both of tiny-llama
     from oscar.pipeline.store import CalibStore
 
