@@ -114,7 +114,12 @@ def _register_render(sub) -> None:
     add_model(r, f"model directory (HF safetensors + index) as the nodes see it; {req}", default=None)
     r.add_argument("--model-config", help="config the plan reads on this machine: config.json, model directory or a "
                    "shipped config such as glm-4.7 (default: --model, when it is readable here)")
-    r.add_argument("--store", help=f"calibration store as the nodes see it, below --shared-dir; {req}")
+    r.add_argument("--job", choices=("calibrate", "run"), default="calibrate",
+                   help="calibrate: the calibration alone (`oscar calibrate --ray auto`); run: the whole main job "
+                        "(`python -m oscar.run`: calibrate, the recipe, needles and perplexity on the same stages, "
+                        "report) into --run-dir")
+    r.add_argument("--store", help=f"calibration store as the nodes see it, below --shared-dir; {req} with --job calibrate")
+    r.add_argument("--run-dir", help=f"the run's directory as the nodes see it, below --shared-dir; {req} with --job run")
     r.add_argument("--corpus", default="pydoc", help="calibration corpus: pydoc or a file below a shared mount; the "
                    "blocks the manifest promises are checked against its size where it is readable here")
     r.add_argument("--shared-dir", default="/data", help="mount point of the volume every node shares (store, corpus)")

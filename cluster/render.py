@@ -25,6 +25,7 @@ from importlib.metadata import version
 import yaml
 
 from oscar.cluster import plan as planner
+from oscar.cluster.jobs import CONFIG_ENV
 from oscar.cluster.placement import fmt_seconds
 from oscar.cluster.plan import PlanConfig, corpus_budget, make_plan, plan_placed
 from oscar.common import OscarError, attention_shapes
@@ -37,11 +38,11 @@ GiB = 1 << 30
 
 # Parameters without a default, per target: the render refuses while any is unset.
 REQUIRED = {
-    "kuberay": ("image", "nodes", "gpus_per_node", "gpu_mem", "cpus_per_node", "memory_per_node", "model", "store",
-                "pvc"),
-    "aws": ("image", "nodes", "gpus_per_node", "gpu_mem", "cpus_per_node", "model", "store", "region",
-            "instance_type", "mount_command"),
+    "kuberay": ("image", "nodes", "gpus_per_node", "gpu_mem", "cpus_per_node", "memory_per_node", "model", "pvc"),
+    "aws": ("image", "nodes", "gpus_per_node", "gpu_mem", "cpus_per_node", "model", "region", "instance_type",
+            "mount_command"),
 }
+JOBS = {"calibrate": "store", "run": "run_dir"}  # what the job writes, on the shared volume: a required parameter
 
 # Sizes that must be >= 1 (integers) or positive GiB, when set.
 _COUNTS = ("nodes", "gpus_per_node", "cpus_per_node", "stages", "gpus_per_stage", "seq_len", "positions",
@@ -65,6 +66,10 @@ class RenderConfig:
     model: str | None = None          # model directory as the nodes see it
     model_config: str | None = None   # config the plan reads here (default: --model when readable here)
     store: str | None = None          # calibration store as the nodes see it (on the shared volume)
+    # calibrate: the calibration alone (`oscar calibrate --ray auto`); run: the whole job (`python -m oscar.run`:
+    # calibrate -> the recipe -> needles + perplexity on the stages -> report) into run_dir
+    job: str = "calibrate"
+    run_dir: str | None = None        # job run: the run's directory as the nodes see it (on the shared volume)
     corpus: str = "pydoc"
     shared_dir: str = "/data"         # shared volume mount point: the store (and the corpus, the model) live below
     pvc: str | None = None            # kuberay: ReadWriteMany claim mounted at shared_dir
@@ -101,7 +106,9 @@ class Rendered:
 def _check_params(cfg: RenderConfig) -> None:
     if cfg.target not in TARGETS:
         raise OscarError(f"--target {cfg.target!r}: one of {', '.join(TARGETS)}")
-    unset = [k for k in REQUIRED[cfg.target] if getattr(cfg, k) in (None, "")]
+    if cfg.job not in JOBS:
+        raise OscarError(f"--job {cfg.job!r}: one of {', '.join(JOBS)}")
+    unset = [k for k in (*REQUIRED[cfg.target], JOBS[cfg.job]) if getattr(cfg, k) in (None, "")]
     if unset:
         raise OscarError(f"cannot render the {cfg.target} manifest: parameter(s) unset: "
                          + ", ".join("--" + k.replace("_", "-") for k in unset) + "; nothing written")
@@ -120,13 +127,15 @@ def _check_params(cfg: RenderConfig) -> None:
     if cfg.positions is not None and cfg.positions < cfg.seq_len:
         raise OscarError(f"--positions {cfg.positions} must be at least --seq-len {cfg.seq_len}; nothing written")
     shared = [cfg.shared_dir] + ([cfg.models_dir] if cfg.models_pvc else [])
-    for name, path in (("store", cfg.store), ("model", cfg.model)) + ((("corpus", cfg.corpus),) if cfg.corpus != "pydoc" else ()):
+    out = JOBS[cfg.job]
+    for name, path in ((out, getattr(cfg, out)), ("model", cfg.model)) + ((("corpus", cfg.corpus),) if cfg.corpus != "pydoc" else ()):
+        flag = name.replace("_", "-")
         if not os.path.isabs(path):
-            raise OscarError(f"--{name} {path!r} must be an absolute path as the nodes see it")
-        roots = [cfg.shared_dir] if name == "store" else shared
+            raise OscarError(f"--{flag} {path!r} must be an absolute path as the nodes see it")
+        roots = [cfg.shared_dir] if name == out else shared
         if not any(os.path.normpath(path).startswith(os.path.normpath(r) + os.sep) for r in roots):
-            raise OscarError(f"--{name} {path!r} is not on a volume every node mounts ({' or '.join(roots)}); "
-                             f"every stage must read the {name}" + (" and write its layers there" if name == "store" else ""))
+            raise OscarError(f"--{flag} {path!r} is not on a volume every node mounts ({' or '.join(roots)}); "
+                             f"every stage must read the {name}" + (" and write its layers there" if name == out else ""))
 
 
 def _layout(cfg: RenderConfig) -> tuple[int, int]:
@@ -254,6 +263,25 @@ def calibrate_command(cfg: RenderConfig, stages: int, replicas: int, g: int, lay
     return cmd
 
 
+def run_job(cfg: RenderConfig, stages: int, replicas: int, g: int, cmd: list[str], layers: str | None) -> dict:
+    """The job config of `--job run`: its `run:` section (RunConfig's options: the main job on this model, calibrated
+    as `calibrate_command` would, into run_dir) and the calibration's `cluster:` section, whose stages then run the
+    recipe, needles and perplexity too. The driver holds no weights (job.num_gpus 0) and checks the section when it
+    starts (`oscar.run.check_run_section`)."""
+    run = {"model": cfg.model, "out": cfg.run_dir, "corpus": cfg.corpus, "seq_len": cfg.seq_len,
+           **({"calib_tokens": cfg.tokens} if cfg.tokens else {}), **({"positions": cfg.positions} if cfg.positions else {}),
+           "calibrate": {"device": "cuda", "dtype": cfg.dtype, "seqs_per_block": cfg.seqs_per_block,
+                         "batch_size": cfg.batch_size},
+           "widths": "none"}  # the per-layer widths' backward pass does not run on the stages
+    return {"run": run, "cluster": _cluster_section(stages, replicas, g, cmd, layers),
+            "job": {"python": "python", "num_gpus": 0}}
+
+
+def _cluster_section(stages: int, replicas: int, g: int, cmd: list[str], layers: str | None) -> dict:
+    return {"stages": stages, "replicas": replicas, "gpus_per_stage": g, **({"layers": layers} if layers else {}),
+            "cpus_per_stage": float(cmd[cmd.index("--cpus-per-stage") + 1])}
+
+
 def _comment(lines: list[str]) -> str:
     return "\n".join("#   " + x for x in lines)
 
@@ -303,6 +331,9 @@ def render(cfg: RenderConfig) -> Rendered:
     spec = cfg.model_config or cfg.model
     cfg = replace(cfg, positions=served_positions(cfg, spec), tokens=budget_tokens(cfg, spec))
     cmd = calibrate_command(cfg, stages, replicas, g, layers)
+    job = run_job(cfg, stages, replicas, g, cmd, layers) if cfg.job == "run" else None
+    if job is not None:
+        cmd = ["python", "-m", "oscar.run"]  # the driver: the job config comes from $OSCAR_JOB_CONFIG
     q = json.dumps  # a JSON string is a valid YAML double-quoted scalar
     plan_cmd = (f"oscar plan --model {shlex.quote(cfg.model_config or cfg.model)} --nodes {cfg.nodes} "
                 f"--gpus-per-node {cfg.gpus_per_node} --stages {stages} --gpus-per-stage {g} "
@@ -311,7 +342,13 @@ def render(cfg: RenderConfig) -> Rendered:
     v = {
         "model": cfg.model, "render_command": shlex.join(["oscar", "cluster", "render", *render_argv(user)]),
         "plan_command": plan_cmd, "plan_comment": _comment(_plan_lines(plan, stages, replicas, g, cfg) + notes),
-        "name": q(cfg.name), "image": q(cfg.image), "command": q(shlex.join(cmd)),
+        "name": q(cfg.name), "image": q(cfg.image),
+        "command": q(shlex.join(cmd)),
+        "what": (f"calibrate {cfg.model} into an oscar-calib/1 store" if job is None else
+                 f"the whole oscar run of {cfg.model} (calibrate, the recipe, needles, perplexity, report) into "
+                 f"{cfg.run_dir}"),
+        # the run's job config reaches its driver as $OSCAR_JOB_CONFIG (cluster/jobs.py CONFIG_ENV), a JSON string
+        "job_env": "" if job is None else f"\n      {CONFIG_ENV}: {q(json.dumps(job))}",
         "nodes": str(cfg.nodes), "gpus_per_node": str(cfg.gpus_per_node), "cpus_per_node": str(cfg.cpus_per_node),
         "stages": str(stages), "replicas": str(replicas), "gpus_per_stage": str(g),
         "head_cpus": q(str(cfg.head_cpus)), "head_memory": q(f"{cfg.head_memory:g}Gi"),
@@ -328,13 +365,11 @@ def render(cfg: RenderConfig) -> Rendered:
                  volume_mounts="\n".join(mounts), volumes="\n".join(vols))
         files["rayjob.yaml"] = fill(_read("rayjob.yaml"), v)
     else:
-        job = {"calibrate": {"model": cfg.model, "corpus": cfg.corpus, "store": cfg.store, "seq_len": cfg.seq_len,
-                             "seqs_per_block": cfg.seqs_per_block, "batch_size": cfg.batch_size, "dtype": cfg.dtype,
-                             "device": "cuda", **({"tokens": cfg.tokens} if cfg.tokens else {}),
-                             **({"positions": cfg.positions} if cfg.positions else {})},
-               "cluster": {"stages": stages, "replicas": replicas, "gpus_per_stage": g, **({"layers": layers} if layers else {}),
-                           "cpus_per_stage": float(cmd[cmd.index("--cpus-per-stage") + 1])},
-               "job": {"python": "python"}}
+        job = job or {"calibrate": {"model": cfg.model, "corpus": cfg.corpus, "store": cfg.store, "seq_len": cfg.seq_len,
+                                    "seqs_per_block": cfg.seqs_per_block, "batch_size": cfg.batch_size, "dtype": cfg.dtype,
+                                    "device": "cuda", **({"tokens": cfg.tokens} if cfg.tokens else {}),
+                                    **({"positions": cfg.positions} if cfg.positions else {})},
+                      "cluster": _cluster_section(stages, replicas, g, cmd, layers), "job": {"python": "python"}}
         submit = ["oscar", "submit", "job.yaml", "--address", cfg.dashboard, "--wait"]
         opts = ["--shm-size=16g", "--ulimit nofile=65536:65536", '--entrypoint=""',
                 f"-v {shlex.quote(cfg.shared_dir)}:{shlex.quote(cfg.shared_dir)}"]

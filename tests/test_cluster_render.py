@@ -92,7 +92,7 @@ def test_aws_launcher_and_job_config(tmp_path, capsys):
 
 @pytest.mark.parametrize("target,base", [("kuberay", KUBE), ("aws", AWS)])
 def test_every_required_parameter_unset_is_refused(tmp_path, target, base, capsys):
-    for name in REQUIRED[target]:
+    for name in (*REQUIRED[target], "store"):
         kw = {k: v for k, v in base.items() if k != name}
         out = tmp_path / f"{target}-{name}"
         assert main(["cluster", "render", "--out", str(out), *argv_of(kw)]) == 2
@@ -203,3 +203,32 @@ def test_non_positive_sizes_are_refused_before_anything(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert err.startswith(f"oscar cluster: error: --{name.replace('_', '-')} must be") and err.count("\n") == 1, err
     assert "nothing written" in err and not out.exists()
+
+
+@pytest.mark.parametrize("target,base", [("kuberay", KUBE), ("aws", AWS)])
+def test_run_job_renders_the_whole_job_on_the_plans_stages(tmp_path, target, base, capsys):
+    """`--job run`: the main job (calibrate -> recipe -> needles + perplexity on the stages -> report) with the
+    placement the calibration gets; its config is what the driver checks (`oscar.run.check_run_section`)."""
+    from oscar.run import check_run_section
+
+    kw = {k: v for k, v in base.items() if k != "store"}
+    assert main(["cluster", "render", "--out", str(tmp_path / "x"), *argv_of(kw), "--job", "run"]) == 2
+    assert "parameter(s) unset: --run-dir" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["cluster", "render", "--out", str(tmp_path / "y"), *argv_of(kw), "--job", "run", "--run-dir",
+                 "/tmp/run"]) == 2
+    assert "is not on a volume every node mounts" in capsys.readouterr().err
+    assert main(["cluster", "render", "--out", str(tmp_path), *argv_of(kw), "--job", "run", "--run-dir",
+                 "/data/runs/glm47"]) == 0
+    if target == "kuberay":
+        rayjob = yaml.safe_load(open(tmp_path / "rayjob.yaml"))
+        assert rayjob["spec"]["entrypoint"] == "python -m oscar.run"
+        env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
+        job = jobs.normalize_job_config(yaml.safe_load(env[jobs.CONFIG_ENV]))  # JSON: what the driver reads
+        assert "the whole oscar run" in open(tmp_path / "rayjob.yaml").read().splitlines()[0]
+    else:
+        job = jobs.normalize_job_config(yaml.safe_load(open(tmp_path / "job.yaml")))
+    assert "calibrate" not in job and job["job"]["num_gpus"] == 0  # the driver holds no weights
+    assert job["run"]["out"] == "/data/runs/glm47" and job["run"]["calibrate"]["device"] == "cuda"
+    rc = check_run_section(job["run"], cluster=job["cluster"])
+    assert rc.stages == job["cluster"]["stages"] > 1  # the recipe and validation on the calibration's stages
+    assert rc.widths == "none" or rc.widths in __import__("oscar.recipe").recipe.STAGED_WIDTHS
