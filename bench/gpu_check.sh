@@ -2,11 +2,13 @@
 # GPU check: kernel tests on CUDA, the decode benchmark (batch 1 and 32, 4k-128k, vs BF16 SDPA and
 # FlashInfer when importable), an end-to-end OscarCache decode of a random-init model with GLM-4.7's
 # attention shape at 32k and 128k, a 2-stage calibration on CUDA of GLM-4.7's first layers
-# (3 dense + 1 MoE, 160 experts) against `oscar plan`, and the same in GLM-4.7-FP8's block-FP8 layout
-# against its dequantized BF16 twin (bench/gpu_e2e.py). No weights, no downloads.
+# (3 dense + 1 MoE, 160 experts) against `oscar plan`, the same in GLM-4.7-FP8's block-FP8 layout
+# against its dequantized BF16 twin, and a needle batch decoded by 2 pipeline stages on CUDA, each keeping its
+# layers' INT2 rows, against one process (bench/gpu_e2e.py). No weights, no downloads.
 # Budget < 8 minutes on one H100/H200-class GPU (each step has its own time limit and keeps what it
-# measured when stopped; the limits sum to 470 s); the results land under $OUT in 8 files: env.json,
-# kernel_tests.xml, decode_cuda.{json,png}, e2e_decode.json, e2e_calibrate.json, e2e_calibrate_fp8.json, check.log.
+# measured when stopped; the limits sum to 480 s); the results land under $OUT in 9 files: env.json,
+# kernel_tests.xml, decode_cuda.{json,png}, e2e_decode.json, e2e_calibrate.json, e2e_calibrate_fp8.json,
+# e2e_needles.json, check.log.
 #
 #   bash bench/gpu_prepare.sh     # here: wheels the device image lacks + the tokenizer, into .gpu/
 #   OUT=/some/dir OSCAR_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh   # there, .gpu carried
@@ -53,15 +55,17 @@ cat "$OUT/env.json"
 
 status=0
 # 1. kernel tests (DEV = cuda when available; incl. Triton compilation)
-timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py tests/test_split_cache.py tests/test_layer_widths.py \
+timeout 110 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py tests/test_split_cache.py tests/test_layer_widths.py \
   --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
 # 2. decode benchmark: batch 1 and 32 at 4k..128k vs BF16 SDPA (+ FlashInfer), bandwidth vs peak
-timeout 130 $PY bench/decode.py --device cuda --out "$OUT/decode_cuda.json" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
+timeout 100 $PY bench/decode.py --device cuda --out "$OUT/decode_cuda.json" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
 # 3. end-to-end decode through OscarCache, GLM-4.7 attention shape, 32k and 128k, vs DynamicCache BF16
 timeout 50 $PY bench/gpu_e2e.py decode --out "$OUT/e2e_decode.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 # 4. calibration on CUDA, 2 pipeline stages on the one GPU, vs oscar plan (Ray if importable)
-timeout 90 $PY bench/gpu_e2e.py calibrate --out "$OUT/e2e_calibrate.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
+timeout 80 $PY bench/gpu_e2e.py calibrate --out "$OUT/e2e_calibrate.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 # 5. block-FP8 calibration on CUDA, 2 stages, against its dequantized BF16 twin (16 of 160 experts: disk and time)
 timeout 80 $PY bench/gpu_e2e.py calibrate-fp8 --out "$OUT/e2e_calibrate_fp8.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
+# 6. needles through 2 pipeline stages on CUDA (4 dense layers, 4 samples x 8k, bf16 + INT2) vs one process
+timeout 60 $PY bench/gpu_e2e.py needles --out "$OUT/e2e_needles.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 ls -l "$OUT"
 exit $status

@@ -23,12 +23,21 @@ calibrate-fp8
            stages on CUDA as above. Reports the largest relative difference between the two stores' arrays
            (each stage dequantizes its own layers' FP8 weights at load: 0 expected), and the checkpoint sizes.
 
+needles    The same cut (--layers dense layers, GLM-4.7's attention) decoding a needle batch through two pipeline
+           stages on the device (cluster/scoring.py `StagedScorer`: a local Ray head, half a GPU per stage, each
+           stage keeping its own layers' rows of the batch's INT2 cache), bf16 and an INT2 method (random
+           rotations) for --samples random-token prompts of --context tokens, --new tokens each; the same batch in
+           one process on the same device (`validate.niah.decode_batch`). Reports how many answers agree and the
+           stages' and the process's wall time per batch. Without Ray (the GPU image has none) the same stage
+           objects and driver run in this process (`"ray": false`).
+
 --dry-run runs each on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
 keeps working between GPU sessions.
 
     python bench/gpu_e2e.py decode --out $OUT/e2e_decode.json
     python bench/gpu_e2e.py calibrate --out $OUT/e2e_calibrate.json
     python bench/gpu_e2e.py calibrate-fp8 --out $OUT/e2e_calibrate_fp8.json
+    python bench/gpu_e2e.py needles --out $OUT/e2e_needles.json
 """
 
 from __future__ import annotations
@@ -363,9 +372,80 @@ def bench_calibrate(args, dev: torch.device) -> dict:
             "save_seconds": save_s, "expert_tokens": counts, "unused_experts": unused_experts(s, moe), **run}
 
 
+def bench_needles(args, dev: torch.device) -> dict:
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from oscar.cluster.pipeline import ClusterConfig, stage_ranges
+    from oscar.cluster.scoring import Calls, ScoreArgs, ScoreStage, StagedScorer, needle_batch
+    from oscar.validate.methods import PROTOCOLS
+    from oscar.validate.niah import PrefillPool, decode_batch
+
+    cfg = glm47_cut(args.layers, args.layers, args.dry_run)  # dense layers: the attention is what is checked
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="oscar-gpu-needles-"))
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        save_random_model(cfg, str(model_dir), dev)
+    art = random_artifact(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    haystack = ids(args.context)  # the samples share their haystack up to a per-sample tail: prefixes reused
+    samples = [SimpleNamespace(context_ids=haystack[:-32] + ids(32), question_ids=ids(12), max_new_tokens=args.new)
+               for _ in range(args.samples)]
+    names = [["bf16", "int2"]] * len(samples)
+    eos: set[int] = set()  # random weights: every row decodes its whole budget (the decode time is per token)
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(dev).eval()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        one = decode_batch(model, samples, [[None, art]] * len(samples), PROTOCOLS["serving"], PrefillPool(model), eos)
+    sync(dev)
+    one_s = time.perf_counter() - t0
+    del model
+    cc = ClusterConfig(stages=2, cpus_per_stage=1.0, gpus_per_stage=0.5 if dev.type == "cuda" else 0.0,
+                       dtype="bfloat16")
+    arts = {"bf16": None, "int2": art}
+
+    def timed(run) -> tuple:
+        t1 = time.perf_counter()
+        run(samples[:1], names[:1])  # warm-up: the stages' first kernels, not timed
+        t2 = time.perf_counter()
+        out, cost = run(samples, names)
+        return out, cost, t2 - t1, time.perf_counter() - t2
+
+    try:
+        import ray  # noqa: F401  (late: optional on the GPU image)
+        have_ray = not args.no_ray
+    except ImportError:
+        have_ray = False
+    if have_ray:
+        with StagedScorer(str(model_dir), cc, address=None) as sc:
+            sc.load(arts)
+            two, cost, warm_s, two_s = timed(lambda s_, n_: sc.needle_batch(s_, n_, "serving", eos))
+            ranges = sc.ranges
+    else:  # the same stage objects and driver, called in this process (what Ray transports is checked on CPU)
+        ranges = stage_ranges(str(model_dir), cc, cfg.num_hidden_layers)
+        stages = [ScoreStage(ScoreArgs(str(model_dir), a, b, stage=i, dtype="bfloat16", device=str(dev)))
+                  for i, (a, b) in enumerate(ranges)]
+        for st in stages:
+            st.load(arts)
+        two, cost, warm_s, two_s = timed(lambda s_, n_: needle_batch(stages, s_, n_, "serving", eos, Calls.direct()))
+    rows = len(one)
+    return {"model": "glm-4.7 attention shapes, random init, dense layers", "layers": cfg.num_hidden_layers,
+            "ranges": ranges, "context": args.context, "samples": len(samples), "rows": rows, "new_tokens": args.new,
+            "answers_equal": sum(a == b for a, b in zip(one, two)), "tokens_equal": sum(
+                x == y for a, b in zip(one, two) for x, y in zip(a, b)), "tokens": sum(len(a) for a in one),
+            "one_process_seconds": one_s, "stages_seconds": two_s, "stages_warmup_seconds": warm_s,
+            "stages_cpu_seconds": cost["batch_cpu_s"], "ray": have_ray,
+            "note": "seconds per batch: prefill of every sample + the rows' greedy decode; answers of random weights "
+                    "agree where both sides round alike (bfloat16)"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["decode", "calibrate", "calibrate-fp8"], help="which check to run")
+    ap.add_argument("what", choices=["decode", "calibrate", "calibrate-fp8", "needles"], help="which check to run")
     ap.add_argument("--out", required=True, help="JSON result path")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (the script's own test)")
     ap.add_argument("--layers", type=int, default=None,
@@ -377,10 +457,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs-per-block", type=int, default=4, help="calibrate: sequences per block (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=16384, help="calibrate: corpus tokens (default: %(default)s)")
     ap.add_argument("--micro-batch", type=int, default=1, help="calibrate: sequences per micro-batch (default: %(default)s)")
-    ap.add_argument("--no-ray", action="store_true", help="calibrate: drive the stage workers in-process even if ray imports")
+    ap.add_argument("--no-ray", action="store_true", help="calibrate, needles: drive the stages in-process even if ray imports")
     ap.add_argument("--experts", type=int, default=16,
                     help="calibrate-fp8: routed experts kept of GLM-4.7's 160 (default: %(default)s; bounds the disk)")
-    ap.add_argument("--workdir", default=None, help="calibrate: where the model and store go (default: a temp dir)")
+    ap.add_argument("--workdir", default=None, help="calibrate, needles: where the model (and store) go (default: a temp dir)")
+    ap.add_argument("--context", type=int, default=8192, help="needles: prompt tokens per sample (default: %(default)s)")
+    ap.add_argument("--samples", type=int, default=4, help="needles: samples in the batch (default: %(default)s)")
+    ap.add_argument("--new", type=int, default=16, help="needles: greedy tokens per row (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.dry_run:
         dev = torch.device("cpu")
@@ -389,19 +472,21 @@ def main(argv=None) -> int:
             args.contexts, args.steps, args.chunk = "400,700", 3, 256
         if args.what.startswith("calibrate") and args.tokens == ap.get_default("tokens"):
             args.seq_len, args.seqs_per_block, args.tokens = 128, 2, 512
+        if args.what == "needles" and args.context == ap.get_default("context"):
+            args.context, args.samples, args.new = 300, 2, 4
     else:
         if not torch.cuda.is_available():
             print("no CUDA device (use --dry-run for the CPU smoke run)", file=sys.stderr)
             return 2
         dev = torch.device("cuda")
-        args.layers = args.layers or {"decode": 2, "calibrate": 4, "calibrate-fp8": 2}[args.what]
+        args.layers = args.layers or {"decode": 2, "calibrate": 4, "calibrate-fp8": 2, "needles": 4}[args.what]
     meta = {"commit": commit(), "torch": torch.__version__, "device": torch.cuda.get_device_name(dev)
             if dev.type == "cuda" else "cpu (dry run)", "argv": sys.argv[1:],
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     partial = lambda r: Path(args.out).write_text(json.dumps(dict(meta, **r, partial=True), indent=2, default=str))  # noqa: E731
     run = {"decode": lambda: bench_decode(args, dev, partial), "calibrate": lambda: bench_calibrate(args, dev),
-           "calibrate-fp8": lambda: bench_calibrate_fp8(args, dev)}[args.what]
+           "calibrate-fp8": lambda: bench_calibrate_fp8(args, dev), "needles": lambda: bench_needles(args, dev)}[args.what]
     result = dict(meta, **run())
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")

@@ -295,19 +295,25 @@ def add_staged_validation(v: argparse.ArgumentParser | None) -> None:
         add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray); the last also holds "
                       "the final norm and the LM head")
         g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
+        g.add_argument("--gpus-per-stage", type=nonneg_float, default=None,
+                       help="Ray GPUs per stage actor with --device cuda (default 1; fractions share a GPU)")
         single = p.get_default("func")
         p.set_defaults(func=lambda args, single=single, dispatch=dispatch: dispatch(args, single))
 
 
 def _staged(args, cfg):
     """The stage actors for a validation run described by `args` (the CLI's) and `cfg` (its config)."""
-    if args.device != "cpu":
-        raise OscarError("--ray runs on CPU stage actors; --device cuda runs in one process")
+    cuda = args.device != "cpu"
+    gpus = args.gpus_per_stage if args.gpus_per_stage is not None else float(cuda)
+    if cuda != (gpus > 0) or args.device not in ("cpu", "cuda"):
+        raise OscarError(f"--ray --device {args.device} --gpus-per-stage {gpus:g}: stage actors on GPUs take "
+                         "--device cuda (each sees the GPU Ray gives it) with --gpus-per-stage > 0; on CPU, none")
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.pipeline import ClusterConfig
     from oscar.cluster.scoring import StagedScorer
 
-    cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, dtype=cfg.dtype)
+    cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, gpus_per_stage=gpus,
+                       dtype=cfg.dtype)
     return StagedScorer(cfg.model, cc, address=args.ray)
 
 

@@ -39,6 +39,10 @@ from oscar.validate.ppl import hidden_nll
 from oscar.validate.rowbatch import positions, run_rows
 
 
+# Hidden states go from stage to stage as host tensors: each stage's process sees only the GPU Ray gave it, so a
+# CUDA tensor's device index means nothing in the next one (a one-token decode hop is a few KB).
+
+
 @dataclass
 class ScoreArgs:
     model_dir: str
@@ -86,11 +90,12 @@ class ScoreStage:
         """Token ids (first stage) or hidden states in; hidden states out, or on the last stage what
         `validate.ppl.window_nll` returns for the window `ids` (1, T)."""
         spec = self.stage.spec
+        x = x.to(self.args.device)
         with self._reading(method, protocol):
-            h = self.stage.embed(x.to(self.args.device)) if spec.first else x  # (1, T, H)
+            h = self.stage.embed(x) if spec.first else x  # (1, T, H)
             h = self.stage(h)  # (1, T, H)
         if not spec.last:
-            return h
+            return h.cpu()
         return hidden_nll(self.stage.lm_head, self.stage.norm(h), ids.to(h.device), prefixes=cuts)
 
     # ------------------------------------------------------------------ needles: a row batch's prefill and decode
@@ -115,6 +120,7 @@ class ScoreStage:
             x = self.stage.embed(torch.tensor([ids[n:]], device=self.args.device))  # (1, T - n, H)
         else:
             x, sent = prev
+            x = x.to(self.args.device)
             if sent != n:  # every stage keeps the same prompts in the same order, so this is a bug
                 raise OscarError(f"stage {self.args.stage}: prefix of {n} tokens kept, the stage before reused {sent}")
         pos = torch.arange(n, len(ids), device=self.args.device)[None]  # (1, T - n)
@@ -122,7 +128,7 @@ class ScoreStage:
             h = self.stage(x, position_ids=pos, cache=cache)  # (1, T - n, H)
         self.pool.store(ids, n, cache)
         self.rows.load(g, cache)
-        return None if spec.last else (h, n)
+        return None if spec.last else (h.cpu(), n)
 
     def rows_step(self, x: torch.Tensor, last: torch.Tensor | None = None):
         """One step of the active rows: token ids (A, t) in at the first stage, hidden states (A, t, H) from the
@@ -130,7 +136,8 @@ class ScoreStage:
         its chunk position `last` (A,) as `validate.rowbatch.LocalRows.step` reads it."""
         spec = self.stage.spec
         pos = positions(self.rows, x.shape[1]).to(self.args.device)  # (A, t)
-        h = self.stage.embed(x.to(self.args.device)) if spec.first else x  # (A, t, H)
+        x = x.to(self.args.device)
+        h = self.stage.embed(x) if spec.first else x  # (A, t, H)
         impl = self.stage.config._attn_implementation
         self.stage.set_attn_implementation(rowbatch_kernels.ATTN)
         try:
@@ -139,7 +146,7 @@ class ScoreStage:
             self.stage.set_attn_implementation(impl)
         self.rows.set_chunk(None)
         if not spec.last:
-            return h
+            return h.cpu()
         h = self.stage.norm(h)
         return self.stage.lm_head(h[torch.arange(h.shape[0]), last.to(h.device)]).argmax(-1).tolist()  # (A,)
 
@@ -174,38 +181,73 @@ def score_actor_class():
     return ray.remote(ScoreStage)
 
 
-class StagedRows:
-    """A row batch held by the stage actors, as `validate.rowbatch.run_rows` drives it (its `LocalRows` in one
-    process): every stage keeps the same rows in the same slots; a step is one chain of calls through them."""
+class Calls:
+    """How the driver calls its stages: Ray actors (`call` submits `actor.method.remote(...)`, `get` waits), or
+    `ScoreStage` objects in this process (`Calls.direct()`: where Ray is not installed, e.g. a GPU check)."""
 
-    def __init__(self, actors: list, rows: int):
-        self.actors, self.rows = actors, rows
+    def __init__(self, call=None, get=None):
+        self.call = call or (lambda a, name, *args: getattr(a, name).remote(*args))
+        self.get = get or _ray_get
+
+    @staticmethod
+    def direct() -> "Calls":
+        return Calls(lambda a, name, *args: getattr(a, name)(*args), lambda x: x)
+
+
+def _ray_get(refs):
+    # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
+    import ray
+
+    return ray.get(refs)
+
+
+class StagedRows:
+    """A row batch held by the stages, as `validate.rowbatch.run_rows` drives it (its `LocalRows` in one process):
+    every stage keeps the same rows in the same slots; a step is one chain of calls through them."""
+
+    def __init__(self, stages: list, rows: int, calls: Calls):
+        self.stages, self.rows, self.c = stages, rows, calls
         self.order = list(range(rows))  # active slot -> row, as RowBatchCache.keep moves them on every stage
 
     def set_chunk(self, lengths: list[int] | None) -> None:
-        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
-        import ray
-
-        ray.get([a.rows_chunk.remote(lengths) for a in self.actors])
+        self.c.get([self.c.call(a, "rows_chunk", lengths) for a in self.stages])
 
     def keep(self, slots: list[int]) -> list[int]:
-        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
-        import ray
-
-        srcs = ray.get([a.rows_keep.remote(slots) for a in self.actors])
+        srcs = self.c.get([self.c.call(a, "rows_keep", slots) for a in self.stages])
         if any(s != srcs[0] for s in srcs):
             raise OscarError(f"the stages moved their rows differently: {srcs}")
         self.order = [self.order[s] for s in srcs[0]]
         return srcs[0]
 
     def step(self, ids: torch.Tensor, last: torch.Tensor) -> list[int]:
-        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
-        import ray
-
         x = ids
-        for a in self.actors[:-1]:
-            x = a.rows_step.remote(x)
-        return ray.get(self.actors[-1].rows_step.remote(x, last))
+        for a in self.stages[:-1]:
+            x = self.c.call(a, "rows_step", x)
+        return self.c.get(self.c.call(self.stages[-1], "rows_step", x, last))
+
+
+def needle_batch(stages: list, samples, names: list[list[str]], protocol: str, eos: set[int],
+                 calls: Calls | None = None) -> tuple[list[list[int]], dict]:
+    """What `validate.niah._decode_timed` returns for one batch, computed by `stages` (their artifacts loaded):
+    sample g's chunk 1 prefilled exactly through every stage (the samples' chains submitted at once, so Ray's
+    stages pipeline them), each stage keeping its layers of the batch's rows for sample g's methods `names[g]`,
+    then the rows decoded greedily together (`validate.rowbatch.run_rows`, one chain of stage calls per step)."""
+    c = calls or Calls()
+    w0 = time.perf_counter()
+    c0 = c.get([c.call(a, "rows_begin", names, protocol, batch_capacity(samples)) for a in stages])
+    ends = []
+    for g, s in enumerate(samples):
+        x = None
+        for a in stages:
+            x = c.call(a, "rows_prefill", g, s.context_ids, x)
+        ends.append(x)
+    c.get(ends)
+    gens = run_rows(StagedRows(stages, sum(len(n) for n in names), c),
+                    [s.question_ids for s, ms in zip(samples, names) for _ in ms],
+                    [s.max_new_tokens for s, ms in zip(samples, names) for _ in ms], eos)
+    c1 = c.get([c.call(a, "rows_end") for a in stages])
+    return gens, {"batch_samples": len(samples), "batch_cpu_s": round(sum(c1) - sum(c0), 2),
+                  "batch_wall_s": round(time.perf_counter() - w0, 2), "stages": len(stages)}
 
 
 class StagedScorer:
@@ -217,8 +259,6 @@ class StagedScorer:
         self.config = load_config(self.model_dir)
         self.tokenizer = load_tokenizer(model)
         self.generation_config = generation_config(self.model_dir, self.config)  # the needles' EOS
-        if cc.device != "cpu":
-            raise OscarError("perplexity on the pipeline stages runs on CPU stages here (--gpus-per-stage 0)")
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self.ranges = stage_ranges(self.model_dir, cc, int(text.num_hidden_layers))
         self.cc, self.address, self.started = cc, address, False
@@ -233,14 +273,20 @@ class StagedScorer:
         """Connect and start the stage actors: at the first `load`, after the caller's checks of its inputs."""
         self.started = connect(self.address, num_cpus=max(2, int(self.cc.stages * self.cc.cpus_per_stage))) == "local"
         # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        need, have = self.cc.gpus_per_stage * len(self.ranges), ray.cluster_resources().get("GPU", 0)
+        if need > have:  # refused now, not after the placement's timeout
+            raise OscarError(f"{len(self.ranges)} stages x {self.cc.gpus_per_stage:g} GPU need {need:g} GPUs; the Ray "
+                             f"cluster has {have:g}")
         place_groups(self.cc, len(self.ranges), "score", self.pgs)
         Actor = score_actor_class()
         for i, (a, b) in enumerate(self.ranges):
-            args = ScoreArgs(self.model_dir, a, b, stage=i, dtype=self.cc.dtype, threads=self.cc.threads)
+            args = ScoreArgs(self.model_dir, a, b, stage=i, dtype=self.cc.dtype, device=self.cc.device,
+                             threads=self.cc.threads)
             self.actors.append(Actor.options(
-                num_cpus=self.cc.cpus_per_stage, max_restarts=self.cc.max_restarts,
+                num_cpus=self.cc.cpus_per_stage, num_gpus=self.cc.gpus_per_stage, max_restarts=self.cc.max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pgs[0],
                                                                      placement_group_bundle_index=i)).remote(args))
         wait_alive(self.actors, self.cc.startup_timeout)
@@ -270,28 +316,8 @@ class StagedScorer:
         ray.get([a.load.remote(ref) for a in self.actors])
 
     def needle_batch(self, samples, names: list[list[str]], protocol: str, eos: set[int]) -> tuple[list[list[int]], dict]:
-        """What `validate.niah._decode_timed` returns for one batch, computed by the stages: sample g's chunk 1
-        prefilled exactly through every stage (the samples' chains submitted at once, so the stages pipeline
-        them), each stage keeping its layers of the batch's rows for sample g's methods `names[g]`, then the
-        rows decoded greedily together (`validate.rowbatch.run_rows`, one chain of stage calls per step)."""
-        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
-        import ray
-
-        w0 = time.perf_counter()
-        c0 = ray.get([a.rows_begin.remote(names, protocol, batch_capacity(samples)) for a in self.actors])
-        ends = []
-        for g, s in enumerate(samples):
-            x = None
-            for a in self.actors:
-                x = a.rows_prefill.remote(g, s.context_ids, x)
-            ends.append(x)
-        ray.get(ends)
-        gens = run_rows(StagedRows(self.actors, sum(len(n) for n in names)),
-                        [s.question_ids for s, ms in zip(samples, names) for _ in ms],
-                        [s.max_new_tokens for s, ms in zip(samples, names) for _ in ms], eos)
-        c1 = ray.get([a.rows_end.remote() for a in self.actors])
-        return gens, {"batch_samples": len(samples), "batch_cpu_s": round(sum(c1) - sum(c0), 2),
-                      "batch_wall_s": round(time.perf_counter() - w0, 2), "stages": len(self.actors)}
+        """`needle_batch` on this scorer's stage actors."""
+        return needle_batch(self.actors, samples, names, protocol, eos)
 
     def score(self, jobs: list[tuple]):
         """For each (method, protocol, window ids (1, T), cuts), in order: what `window_nll` returns."""

@@ -154,7 +154,8 @@ def check_inputs(args) -> None:
     if path == ("cluster", "render"):
         return
     device = getattr(args, "device", None)
-    if isinstance(device, str) and device.strip().lower().startswith("cuda"):
+    # with --ray the device is the stage actors' (each on the GPUs Ray gives it): the driver needs none
+    if isinstance(device, str) and device.strip().lower().startswith("cuda") and not getattr(args, "ray", None):
         # late: keeps torch (2.1 s) out of `oscar --help`
         from oscar.validate.engine import resolve_device  # torch: only when a CUDA device is asked for
 

@@ -61,3 +61,13 @@ def test_e2e_calibrate_fp8_dry_run_in_process(tmp_path):
     assert not d["stores"]["only_in_first"] and not d["stores"]["only_in_second"]
     assert d["checkpoint_bytes"]["fp8"] < d["checkpoint_bytes"]["twin_bf16"]
     assert all(r["tokens"] > 0 for r in d["runs"].values())
+
+
+@pytest.mark.parametrize("ray", [pytest.param(True, marks=pytest.mark.ray), False])
+def test_e2e_needles_dry_run(tmp_path, ray):
+    """The 2-stage needle decode: through Ray's stage actors, or (the GPU image has no Ray) the same stage objects
+    called in this process; the stages' answers equal one process's on the same device."""
+    d = _run(["bench/gpu_e2e.py", "needles", "--dry-run", "--workdir", str(tmp_path / "w"), *([] if ray else ["--no-ray"])],
+             tmp_path)
+    assert d["ray"] is ray and d["ranges"] == [[0, 1], [1, 2]] and d["rows"] == 4
+    assert d["answers_equal"] == d["rows"] and d["tokens_equal"] == d["tokens"] == 16

@@ -110,3 +110,17 @@ def test_refusals_before_any_work(capsys, tmp_path):
     assert main(["validate", "niah", "--ray", "auto", "--engine", "cache", "--dtype", "float32", "--out", never]) == 2
     err = capsys.readouterr().err
     assert "run the simulator" in err and err.count("\n") == 1 and not os.path.exists(never)
+
+
+def test_gpu_stages_without_gpus_refused(head, tmp_path, capsys):
+    """`--device cuda` puts each stage on the GPU Ray gives it; a cluster without enough GPUs is refused at once
+    (not after the placement's timeout), and so is a GPU share without --device cuda."""
+    from oscar.__main__ import main
+
+    base = ["validate", "niah", "--model", "tiny-llama", "--methods", "bf16", "--tasks", "niah_single_1", "--lengths",
+            "300", "--samples", "1", "--dtype", "float32", "--ray", head.address, "--stages", "2"]
+    assert main(base + ["--device", "cuda", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "2 stages x 1 GPU need 2 GPUs; the Ray cluster has 0" in err and err.count("\n") == 1
+    assert main(base + ["--gpus-per-stage", "0.5", "--out", str(tmp_path / "b")]) == 2
+    assert "with --gpus-per-stage > 0; on CPU, none" in capsys.readouterr().err and not (tmp_path / "b").exists()

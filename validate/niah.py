@@ -394,7 +394,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     what `_decode_timed` returns (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     env.refuse_chat_corpus(cfg.corpus)  # before any weights load
-    dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
+    # before loading weights: no silent CPU run (the pipeline stages check their own devices)
+    dev = engine.resolve_device(cfg.device) if stages is None else torch.device("cpu")
     methods = parse_methods(cfg.methods)
     qa = load_qa(cfg.squad, cfg.hotpotqa)  # a malformed file is refused before any weight is loaded
     tasks, skipped = resolve_tasks(cfg.tasks, qa)
@@ -434,6 +435,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     done = read_samples(path)  # a line cut by a kill: that sample is redone
     cells = [(t, L, i) for t in tasks for L in cfg.lengths for i in range(cfg.samples)]
     todo = sum(1 for (t, L, i) in cells for m in methods if (t, L, i, m) not in done)
+    if stages is not None and todo:  # the stage actors start (a cluster that cannot hold them is refused) here
+        stages.load({m: arts[m] for m in methods})
     bar = tqdm(total=todo, desc="niah", unit="run", disable=not progress, dynamic_ncols=True)
 
     batches = list(_batches(cells, methods, done, cfg.batch_tokens))
@@ -443,7 +446,6 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     with open(path, "a") as f, (Workers(n, model, _niah_init, (arts, cfg.protocol, eos)) if n > 1 else _Inline()) as W:
         units = [[make_sample(t, L, i, tok, src, seed=cfg.seed) for t, L, i, _ in batch] for batch in batches]
         if stages is not None:  # each batch's prefill and decode flow through the stage actors
-            stages.load({m: arts[m] for m in methods})
             results = ((k, stages.needle_batch(s, [b[3] for b in batch], cfg.protocol, eos))
                        for k, (s, batch) in enumerate(zip(units, batches)))
         elif n > 1:

@@ -170,7 +170,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     cuts) in order (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     env.refuse_chat_corpus(cfg.corpus)  # before any weights load
-    dev = engine.resolve_device(cfg.device)  # before loading weights: no silent CPU run
+    # before loading weights: no silent CPU run (the pipeline stages check their own devices)
+    dev = engine.resolve_device(cfg.device) if scorer is None else torch.device("cpu")
     methods = parse_methods(cfg.methods)
     bad = [p for p in cfg.protocols if p not in PROTOCOLS]
     if bad:
