@@ -18,14 +18,12 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar.common import TIE_REL, OscarError
-from oscar.kernels.simulate import LayerQuant
-from oscar.kernels.window_attention import fresh_mask, simulated
+from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
+                                          window_sums)
+from oscar.kernels.window_attention import simulated
 from oscar.quant import fake_quant
 from oscar.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
 from oscar.stats.artifact import Artifact
@@ -110,37 +108,51 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     return err
 
 
-_GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None, "vdeltas": None, "values": None}
+def _check_gradients(art, options, cfg: TuneConfig, config) -> object:
+    """The estimate's inputs refused before any work; returns the copy protocol."""
+    art.check_model(config)
+    base = tuple(options[0])
+    if base != (art.quant.bits, art.quant.bits) or any(b < art.quant.bits for o in options for b in o):
+        raise OscarError(f"layer copy gradients: options must start at the artifact's own {art.quant.bits} bits and "
+                         f"widen from there, got {options}")
+    if cfg.copy_protocol not in PROTOCOLS:
+        raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[cfg.copy_protocol]
 
 
-def _grad_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    """The simulator's attention (validate/ppl.py: query i reads key j exactly if fresh, else from INT2), written
-    for autograd: one flash attention over [K ; K̂] with the fresh mask choosing a half per (i, j). K̂ = K + δ,
-    δ the INT2 error as a leaf, so δ's gradient is the copy NLL's total derivative w.r.t. this layer's stored keys
-    (the quantizer passes gradients straight through to earlier layers); the same for the stored values."""
-    l = module.layer_idx
-    lq, p = _GRAD["quant"][l], _GRAD["protocol"]
-    B, Hq, T, D = query.shape
-    sink = min(p.sink, T)
-    b = lq.quantized_until(T, sink, 0)
-    k0 = key[..., sink:b, :].detach()  # (B, Hkv, n, D)
-    delta = (lq.keys(k0) - k0).requires_grad_()  # (B, Hkv, n, D): the base width's error, a leaf
-    _GRAD["deltas"][l], _GRAD["keys"][l] = delta, k0
-    kh = torch.cat([key[..., :sink, :], key[..., sink:b, :] + delta, key[..., b:, :]], 2)  # (B, Hkv, T, D)
-    v0 = value[..., sink:b, :].detach()  # (B, Hkv, n, D)
-    vdelta = (lq.values(v0) - v0).requires_grad_()  # the values' INT2 error, a leaf too (value widths)
-    _GRAD["vdeltas"][l], _GRAD["values"][l] = vdelta, v0
-    vh = torch.cat([value[..., :sink, :], value[..., sink:b, :] + vdelta, value[..., b:, :]], 2)
-    fresh = fresh_mask(T, sink, p.recent, lq.key_group, query.device)  # (T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
-    mask = torch.cat([causal & fresh, causal & ~fresh], 1)  # (T, 2T): exact half, stored half
-    out = F.scaled_dot_product_attention(query, torch.cat([key, kh], 2), torch.cat([value, vh], 2), attn_mask=mask,
-                                         scale=scaling, enable_gqa=True)  # (B, Hq, T, D)
-    return out.transpose(1, 2).contiguous(), None
+def gradient_windows(tok, cfg: TuneConfig, cp) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The copy windows the estimate differentiates: (window (1, T), scored positions) each, on CPU."""
+    text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
+    return [(w, pos) for w, pos, _ in copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink,
+                                                   cp.recent)]
+
+
+def _option_artifacts(art, options) -> list:
+    """Per option, `art` with every layer at it: what the estimate's quantizers are built from."""
+    return [widths_artifact(art, [list(o)] * art.num_layers) for o in options]
+
+
+def _gradients_here(model, art, options, cfg: TuneConfig, cp, wins: list, todo: list[int]):
+    """(window, its (L, Hkv, O) sums) for each window in `todo`: a forward and backward through `model` here."""
+    quants = layer_quants(_option_artifacts(art, options), cp)
+    with_dtype(model, cfg.widths_dtype)
+    dev = next(model.parameters()).device  # where the run put the model (the tune's --device)
+    L = art.num_layers
+    with gradient_mode(model, quants[0], cp):
+        try:
+            for i in todo:
+                win, pos = wins[i][0].to(dev), wins[i][1].to(dev)
+                fresh_leaves(L)
+                with torch.enable_grad():
+                    h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
+                    copy_nll_sum(model.lm_head, h, win, pos).backward()
+                yield i, window_sums(range(L), options, quants, art.num_kv_heads)
+        finally:
+            drop_leaves()
 
 
 def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None, log: str | None = None,
-                         progress: bool = True, heads: bool = False):
+                         progress: bool = True, heads: bool = False, scorer=None):
     """`layer_copy_errors` to first order, from one forward and backward per copy window instead of L (O - 1) + 1
     forwards: entry (l, o) = Σ ⟨∂NLL/∂K̂_l, Q_o(K_l) − Q_0(K_l)⟩ per copied token, the gradient taken with every
     layer at options[0] (the probe's base) and Q_o layer l's key quantizer at options[o]; an option that widens the
@@ -148,67 +160,25 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
 
     heads=True: (L, Hkv, O), each KV head's share (the inner product restricted to its keys; they sum to the layer's).
     Each window's sums are appended to `log` (JSONL) as it finishes; a rerun with the same log skips those windows
-    (the result is the same sum in the same order) and refuses a log written for another artifact, options or config."""
+    (the result is the same sum in the same order) and refuses a log written for another artifact, options or config.
+    scorer: the pipeline stages (cluster/scoring.py) run each window's forward and backward, each stage summing its
+    own layers (`model` and `tok` None then); the log is the same, so either resumes the other's."""
     cfg = cfg or TuneConfig()
-    art.check_model(model.config)
-    base, L = tuple(options[0]), art.num_layers
-    if base != (art.quant.bits, art.quant.bits) or any(b < art.quant.bits for o in options for b in o):
-        raise OscarError(f"layer copy gradients: options must start at the artifact's own {art.quant.bits} bits and "
-                         f"widen from there, got {options}")
-    if cfg.copy_protocol not in PROTOCOLS:
-        raise OscarError(f"tune: unknown copy protocol {cfg.copy_protocol!r}; known: {', '.join(PROTOCOLS)}")
-    cp = PROTOCOLS[cfg.copy_protocol]
+    cp = _check_gradients(art, options, cfg, model.config if scorer is None else scorer.config)
     ident = {**_copy_ident(art, options, cfg), "estimate": "gradient"}  # a probe log is not a gradient log
     done = {r["window"]: r for r in _read_log(log, ident)}
-    quants = [[LayerQuant(widths_artifact(art, [list(o)] * L), l, cp.pages) for l in range(L)] for o in options]
-    with_dtype(model, cfg.widths_dtype)
-    text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
-    dev = next(model.parameters()).device  # where the run put the model (the tune's --device)
-    wins = [(w.to(dev), pos.to(dev), p) for w, pos, p in
-            copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink, cp.recent)]
-    AttentionInterface.register("oscar_grad", _grad_attention)
-    AttentionMaskInterface.register("oscar_grad", sdpa_mask)
-    prev, grads = model.config._attn_implementation, [p.requires_grad for p in model.parameters()]
+    wins = gradient_windows(tok if scorer is None else scorer.tokenizer, cfg, cp)
     todo = [i for i in range(len(wins)) if i not in done]
+    if scorer is None:
+        sums = _gradients_here(model, art, options, cfg, cp, wins, todo)
+    else:
+        sums = scorer.copy_gradients(_option_artifacts(art, options), options, cfg, [(i, *wins[i]) for i in todo])
     if progress:
-        todo = tqdm(todo, desc="layer copy gradients", unit="window", initial=len(wins) - len(todo), total=len(wins))
-    try:
-        model.requires_grad_(False)
-        model.set_attn_implementation("oscar_grad")
-        _GRAD.update(quant=quants[0], protocol=cp)
-        for i in todo:
-            win, pos, _ = wins[i]
-            _GRAD.update(deltas=[None] * L, keys=[None] * L, vdeltas=[None] * L, values=[None] * L)
-            with torch.enable_grad():
-                h = model.model(input_ids=win, use_cache=False).last_hidden_state  # (1, T, H)
-                nll = F.cross_entropy(model.lm_head(h[0, pos]).float(), win[0, pos + 1], reduction="sum")
-                nll.backward()
-            w = np.zeros((L, art.num_kv_heads, len(options)))  # (L, Hkv, O): this window's summed NLL change
-            with torch.no_grad():
-                for l in range(L):
-                    g, k0 = _GRAD["deltas"][l].grad, _GRAD["keys"][l]  # (1, Hkv, n, D)
-                    q0 = k0 + _GRAD["deltas"][l].detach()
-                    gv, v0 = _GRAD["vdeltas"][l].grad, _GRAD["values"][l]
-                    p0 = v0 + _GRAD["vdeltas"][l].detach()
-                    kterm, vterm = {}, {}  # per width, once: key x value options share their key and value terms
-                    for o in range(1, len(options)):
-                        kb, vb = options[o]
-                        if kb != base[0]:
-                            if kb not in kterm:
-                                kterm[kb] = (g.double() * (quants[o][l].keys(k0) - q0).double()).sum((0, 2, 3)).cpu().numpy()
-                            w[l, :, o] += kterm[kb]
-                        if vb != base[1]:
-                            if vb not in vterm:
-                                vterm[vb] = (gv.double() * (quants[o][l].values(v0) - p0).double()).sum((0, 2, 3)).cpu().numpy()
-                            w[l, :, o] += vterm[vb]
-            done[i] = {"window": i, "tokens": len(pos), "sums": w.tolist(), "ident": ident}
-            _append_log(log, done[i])
-    finally:
-        model.set_attn_implementation(prev)
-        for p, r in zip(model.parameters(), grads):
-            p.requires_grad_(r)
-        _GRAD.update(quant=None, protocol=None, deltas=None, keys=None, vdeltas=None, values=None)
-    est = np.zeros((L, art.num_kv_heads, len(options)))
+        sums = tqdm(sums, desc="layer copy gradients", unit="window", initial=len(wins) - len(todo), total=len(wins))
+    for i, w in sums:  # w (L, Hkv, O): this window's summed NLL change
+        done[i] = {"window": i, "tokens": len(wins[i][1]), "sums": w.tolist(), "ident": ident}
+        _append_log(log, done[i])
+    est = np.zeros((art.num_layers, art.num_kv_heads, len(options)))
     for i in range(len(wins)):  # window order, so a resumed run sums exactly as an uninterrupted one
         est += np.asarray(done[i]["sums"])
     est /= sum(done[i]["tokens"] for i in range(len(wins)))  # (L, Hkv, O)
@@ -216,20 +186,25 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
 
 
 ESTIMATES = ("probe", "gradient")  # how each layer's copy NLL change is obtained: measured, or to first order
+STAGED_PROBE = ("--widths copy measures each layer's probe in one process; with --ray pass --widths gradient (the "
+                "default) or none")
 
 
 def copy_widths_artifact(model, tok, fitted, cfg: TuneConfig | None = None, log: str | None = None,
-                         progress: bool = True, estimate: str = "probe"):
+                         progress: bool = True, estimate: str = "probe", scorer=None):
     """`oscar fit --widths copy|gradient` (and `oscar run`): each layer's copied-span NLL change at COPY_OPTIONS,
     measured (`layer_copy_errors`, 2L + 1 forwards) or to first order (`layer_copy_gradients`, one forward +
     backward per window), each resumable from `log`; the DP's widths at `fitted`'s bits per element, written as
-    the cache's per-layer format (`native_layer_artifact`). Returns (artifact, the (L, 3) table)."""
+    the cache's per-layer format (`native_layer_artifact`). Returns (artifact, the (L, 3) table).
+    scorer: the gradient's windows on the pipeline stages (cluster/scoring.py), `model` and `tok` None."""
     if estimate not in ESTIMATES:
         raise OscarError(f"widths: unknown estimate {estimate!r}; known: {', '.join(ESTIMATES)}")
+    if estimate == "probe" and scorer is not None:
+        raise OscarError(STAGED_PROBE)
     if estimate == "probe":
         err = layer_copy_errors(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
     else:
-        err = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress)
+        err = layer_copy_gradients(model, tok, fitted, COPY_OPTIONS, cfg, log=log, progress=progress, scorer=scorer)
     art = layer_artifact(fitted, COPY_OPTIONS, "oscar-layer-copy-int2", err)
     art.meta["codec"]["estimate"] = estimate
     return native_layer_artifact(art), err

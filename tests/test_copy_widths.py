@@ -216,14 +216,14 @@ def test_simulator_follows_the_model_device(fitted):
 
 @pytest.mark.parametrize("T,sink,recent", [(200, 16, 32), (701, 64, 256), (333, 64, 256)])
 def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
-    """The estimate's autograd attention (oscar.widths._grad_attention) computes the simulator's attention
+    """The estimate's autograd attention (kernels.grad_attention._grad_attention) computes the simulator's attention
     (kernels.window_attention.sim_attention: exact / INT2 per (query, key) by the fresh mask, pages of 16), and the gradient it
     gives the INT2 error leaves (keys, values) is the directional derivative of a loss on its output: central
     differences of the simulator with the stored keys (values) moved along a random direction (pages and windows not aligned; at T = 333 no
     query reads a stored key yet, so both are 0)."""
     from types import SimpleNamespace
 
-    from oscar import widths as tune
+    from oscar.kernels import grad_attention as ga
 
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import Protocol
@@ -234,16 +234,16 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
     q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))  # (B, H, T, D)
     lq, p = LayerQuant(fitted, 1), Protocol("t", sink=sink, recent=recent)
     mod = SimpleNamespace(layer_idx=1)
-    tune._GRAD.update(quant=[None, lq], protocol=p, deltas=[None] * L, keys=[None] * L, vdeltas=[None] * L, values=[None] * L)
+    ga._GRAD.update(quant=[None, lq], protocol=p, deltas=[None] * L, keys=[None] * L, vdeltas=[None] * L, values=[None] * L)
     window_attention._SIM.update(quant=[None, lq], protocol=p)
     try:
-        out = tune._grad_attention(mod, q, k, v)[0]  # (B, T, Hq, D)
+        out = ga._grad_attention(mod, q, k, v)[0]  # (B, T, Hq, D)
         torch.testing.assert_close(out, window_attention.sim_attention(mod, q, k, v)[0], atol=2e-5, rtol=1e-4)
         R = torch.randn(out.shape, generator=g)
         (out * R).sum().backward()
         reads = T - 1 - recent > sink + lq.key_group  # some query reads a stored key (or value)
         for side in ("keys", "values"):
-            delta = tune._GRAD["deltas" if side == "keys" else "vdeltas"][1]  # (1, Hkv, n, D)
+            delta = ga._GRAD["deltas" if side == "keys" else "vdeltas"][1]  # (1, Hkv, n, D)
             d = torch.randn(delta.shape, generator=g)
 
             class Moved:  # the stored keys (or values) moved by t d
@@ -267,7 +267,7 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
             assert delta.shape[2] > 0 and (abs(fd) > 1.0) == reads, side
             assert math.isclose(float((delta.grad * d).sum()), fd, rel_tol=1e-2, abs_tol=0 if reads else 1e-9), side
     finally:
-        tune._GRAD.update(quant=None, protocol=None, deltas=None, keys=None, vdeltas=None, values=None)
+        ga._GRAD.update(quant=None, protocol=None, deltas=None, keys=None, vdeltas=None, values=None)
         window_attention._SIM.update(quant=None, protocol=None)
 
 
