@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 
@@ -31,6 +32,8 @@ from oscar.common import OscarError, set_threads
 from oscar.kernels import cpu_attention
 from oscar.kernels import rowbatch as rowbatch_kernels
 from oscar.kernels.cache import make_cache
+from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
+                                          window_sums)
 from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
 from oscar.validate.methods import PROTOCOLS
@@ -162,6 +165,56 @@ class ScoreStage:
         return time.process_time()
 
     def ping(self) -> bool:
+        return True
+
+    # The per-layer widths' gradient (oscar/widths.py `layer_copy_gradients`), a window at a time: every stage runs
+    # its layers forward keeping the graph, the last differentiates the copy NLL, each earlier stage backpropagates
+    # the gradient of the hidden states the next one received, then every stage sums its own layers.
+
+    def grad_setup(self, arts: list, options: tuple, protocol: str, dtype: str) -> int:
+        """Quantizers of this stage's layers at each option (arts[o]: every layer at options[o]), the stage in
+        `dtype` (the widths' compute dtype, as one process's `with_dtype` before its estimate; `grad_end` restores
+        the stage's own)."""
+        cp = PROTOCOLS[protocol]
+        self._grad = {"heads": arts[0].num_kv_heads, "options": options, "protocol": cp, "graph": None,
+                      "quants": layer_quants(arts, cp, self.stage.spec.layers)}
+        self.stage.to(getattr(torch, dtype))
+        return os.getpid()
+
+    def grad_forward(self, x: torch.Tensor, win: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+        """Token ids (first stage) or hidden states in; hidden states out, or on the last stage after the backward
+        of the copy NLL summed at `pos` of `win` (1, T): the gradient of its input hidden states (None alone)."""
+        spec, g = self.stage.spec, self._grad
+        fresh_leaves(spec.num_layers)
+        x = x.to(self.args.device)
+        leaf = None if spec.first else x.detach().requires_grad_()  # (1, T, H): what the previous stage backpropagates
+        with gradient_mode(self.stage, g["quants"][0], g["protocol"]), torch.enable_grad():
+            h = self.stage(self.stage.embed(x) if spec.first else leaf)  # (1, T, H)
+            if spec.last:
+                copy_nll_sum(self.stage.lm_head, self.stage.norm(h), win.to(h.device), pos.to(h.device)).backward()
+                return None if leaf is None else leaf.grad
+        g["graph"] = (leaf, h)
+        return h.detach()
+
+    def grad_backward(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The gradient of this stage's output in; its input's out (None on the first stage)."""
+        leaf, h = self._grad["graph"]
+        self._grad["graph"] = None
+        with torch.enable_grad():
+            h.backward(grad.to(h.device))
+        return None if leaf is None else leaf.grad
+
+    def grad_sums(self):
+        """(its layers, Hkv, O): the window's sums over this stage's layers (`window_sums`), its leaves dropped."""
+        g = self._grad
+        try:
+            return window_sums(self.stage.spec.layers, g["options"], g["quants"], g["heads"])
+        finally:
+            drop_leaves()
+
+    def grad_end(self) -> bool:
+        self._grad = {}
+        self.stage.to(getattr(torch, self.args.dtype))
         return True
 
 
@@ -332,3 +385,28 @@ class StagedScorer:
             refs.append(x)
         for r in refs:  # in order: the caller records each as it arrives (resume loses at most what is in flight)
             yield ray.get(r)
+
+    def copy_gradients(self, arts: list, options: tuple, cfg, windows: list[tuple]):
+        """For each (index, window (1, T), scored positions) in order: (index, its (L, Hkv, O) sums), the forward
+        and backward of `oscar.widths.layer_copy_gradients` run through the stages, each summing its own layers
+        (arts[o]: the artifact with every layer at options[o]; cfg: its TuneConfig)."""
+        # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
+        import ray
+
+        if not self.actors:
+            self._start()
+        ref = ray.put(arts)
+        ray.get([a.grad_setup.remote(ref, tuple(options), cfg.copy_protocol, cfg.widths_dtype) for a in self.actors])
+        try:
+            refs = []
+            for i, win, pos in windows:  # every chain at once: an actor runs its calls in order, a window at a time
+                x = win
+                for a in self.actors:
+                    x = a.grad_forward.remote(x, win, pos)
+                for a in self.actors[-2::-1]:
+                    x = a.grad_backward.remote(x)
+                refs.append((i, [a.grad_sums.remote() for a in self.actors]))
+            for i, parts in refs:  # in order: the caller logs each as it arrives
+                yield i, np.concatenate(ray.get(parts))  # (L, Hkv, O)
+        finally:
+            ray.get([a.grad_end.remote() for a in self.actors])

@@ -72,7 +72,7 @@ def _fit(args) -> int:
             loaded.append(load_model(args.model or name))
         return loaded[0]
 
-    if args.ray:  # the tune's windows through the stage actors; nothing here holds the weights
+    if args.ray:  # the tune's windows and the widths' gradient on the stage actors; nothing here holds weights
         cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, dtype=TuneConfig().dtype)
         with StagedScorer(args.model or name, cc, address=args.ray) as sc:
             run_recipe(store, paths, fcfg, rcfg, Stages(work), fp_cal, model, scorer=sc)

@@ -28,7 +28,7 @@ from oscar.stats.artifact import load_artifact, save_artifact
 from oscar.stats.fit import FitConfig, fit
 from oscar.tune import TuneConfig, tune_key_clip
 from oscar.validate.methods import PROTOCOL_VERSION
-from oscar.widths import StaleLog, copy_widths_artifact
+from oscar.widths import STAGED_PROBE, StaleLog, copy_widths_artifact
 
 # ----------------------------------------------------------------- the recipe, step by step
 
@@ -113,14 +113,13 @@ class RecipePaths:
     logs: str
 
 
-STAGED_WIDTHS = ("none",)  # the widths estimates the pipeline stages run
+STAGED_WIDTHS = ("none", "gradient")  # the widths estimates the pipeline stages run (not the probe: 2L + 1 forwards)
 
 
 def check_staged_widths(widths: str) -> None:
     """Refuse, before any work, widths the pipeline stages do not compute."""
     if widths not in STAGED_WIDTHS:
-        raise OscarError(f"--widths {widths} takes a backward pass through the model, which the pipeline stages "
-                         "do not run; with --ray pass --widths none")
+        raise OscarError(STAGED_PROBE)
 
 
 def _fit_fingerprint(fp_cal: str, fcfg: FitConfig) -> str:
@@ -135,8 +134,8 @@ def run_recipe(store: str, paths: RecipePaths, fcfg: FitConfig, rcfg: RecipeConf
                model: Callable[[], tuple], on_tuned: Callable[[str], None] | None = None,
                on_widths: Callable[[str], None] | None = None, scorer=None) -> dict:
     """fit -> tune -> widths, each skipped when its marker matches; `model()` loads the model (once) for the steps
-    that read it, or `scorer` (the pipeline stages, cluster/scoring.py) scores the tune's windows. Returns what
-    the steps record (the tune's NLLs, the widths chosen)."""
+    that read it, or `scorer` (the pipeline stages, cluster/scoring.py) scores the tune's windows and runs the
+    widths' gradient. Returns what the steps record (the tune's NLLs, the widths chosen)."""
     if scorer is not None:
         check_staged_widths(rcfg.widths)
     rec: dict = {}
@@ -176,17 +175,17 @@ def run_recipe(store: str, paths: RecipePaths, fcfg: FitConfig, rcfg: RecipeConf
     estimate = "probe" if rcfg.widths == "copy" else "gradient"
 
     def do_widths() -> dict:
-        m, tok, _ = model()
+        m, tok, _ = model() if scorer is None else (None, None, None)
         tcfg = TuneConfig(corpus=rcfg.corpus, copy_windows=rcfg.widths_windows, copy_length=rcfg.widths_length)
         log = os.path.join(paths.logs, f"widths.{'probes' if rcfg.widths == 'copy' else 'gradients'}.jsonl")
         try:
             out, _ = copy_widths_artifact(m, tok, load_artifact(paths.tuned), tcfg, log=log, progress=rcfg.progress,
-                                          estimate=estimate)
+                                          estimate=estimate, scorer=scorer)
         except StaleLog:  # the step's inputs changed since the log was written (its fingerprint did): start afresh
             os.replace(log, log + ".old")
             say(f"widths: {log} was written for other inputs; kept as {log}.old, starting afresh")
             out, _ = copy_widths_artifact(m, tok, load_artifact(paths.tuned), tcfg, log=log, progress=rcfg.progress,
-                                          estimate=estimate)
+                                          estimate=estimate, scorer=scorer)
         save_whole(out, paths.out)
         if on_widths:
             on_widths(paths.out)

@@ -200,9 +200,9 @@ def register(sub) -> None:
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP + "; for the tune")
     add_device(p, "device the tune and the widths run the model on: cpu (default), cuda or cuda:N")
     g = p.add_argument_group("pipeline stages (Ray)")
-    add_ray(g, "score the tune's windows on stage actors holding the layer ranges calibration uses: ADDRESS "
-               "(ray://..., host:port) or auto (a running local cluster, else one on 127.0.0.1); with --widths none "
-               "(default: none, the model in this process)")
+    add_ray(g, "run the tune's windows and the widths' gradient on stage actors holding the layer ranges "
+               "calibration uses: ADDRESS (ray://..., host:port) or auto (a running local cluster, else one on "
+               "127.0.0.1); --widths gradient or none (default: none, the model in this process)")
     add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray)")
     g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
     p.set_defaults(func=fit_command)  # the recipe's handler replaces it where the main CLI is built (oscar/cli.py)

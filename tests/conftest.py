@@ -22,6 +22,23 @@ def tiny_store(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def stores(tiny_store, tmp_path_factory):
+    """A small calibration store per model (tiny-llama: the shared one): what the tests of the pipeline stages
+    fit from."""
+    from oscar.pipeline.calibrate import CalibConfig, calibrate
+
+    made = {"tiny-llama": tiny_store}
+
+    def get(model: str) -> str:
+        if model not in made:
+            made[model] = str(tmp_path_factory.mktemp("store") / "s.zarr")
+            calibrate(CalibConfig(model=model, corpus="pydoc", store=made[model], seq_len=96, sink=4, seqs_per_block=2,
+                                  tokens=4 * 96, reservoir=32, seed=1, threads=1), progress=False)
+        return made[model]
+    return get
+
+
+@pytest.fixture(scope="session")
 def synthetic_store():
     """tests/helpers/synthetic_store.py as a module."""
     from helpers import synthetic_store

@@ -102,22 +102,6 @@ def test_stages_without_ray_refused(capsys):
     assert "--stages needs --ray" in err and err.count("\n") == 1 and not os.path.exists("/tmp/oscar-never-written")
 
 
-@pytest.fixture(scope="module")
-def stores(tiny_store, tmp_path_factory):
-    """A small calibration store per model (tiny-llama: the shared one)."""
-    from oscar.pipeline.calibrate import CalibConfig, calibrate
-
-    made = {"tiny-llama": tiny_store}
-
-    def get(model: str) -> str:
-        if model not in made:
-            made[model] = str(tmp_path_factory.mktemp("store") / "s.zarr")
-            calibrate(CalibConfig(model=model, corpus="pydoc", store=made[model], seq_len=96, sink=4, seqs_per_block=2,
-                                  tokens=4 * 96, reservoir=32, seed=1, threads=1), progress=False)
-        return made[model]
-    return get
-
-
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-glm4-moe",
                                    pytest.param("smollm2-135m", marks=pytest.mark.full)])
 def test_tune_on_two_stages_equals_one_process(model, head, stores, tmp_path):
@@ -148,10 +132,10 @@ def test_tune_on_two_stages_equals_one_process(model, head, stores, tmp_path):
     assert rec["stages"] == 2 and rec["chosen_factor"] == one["chosen_factor"]
 
 
-def test_fit_on_stages_refuses_widths_before_any_work(tiny_store, tmp_path, capsys):
+def test_fit_on_stages_refuses_the_widths_probe_before_any_work(tiny_store, tmp_path, capsys):
     from oscar.__main__ import main
 
     out = tmp_path / "w.safetensors"
-    assert main(["fit", tiny_store, "--out", str(out), "--ray", "auto", "--stages", "2"]) == 2
+    assert main(["fit", tiny_store, "--out", str(out), "--ray", "auto", "--stages", "2", "--widths", "copy"]) == 2
     err = capsys.readouterr().err
-    assert "with --ray pass --widths none" in err and err.count("\n") == 1 and os.listdir(tmp_path) == []
+    assert "with --ray pass --widths gradient" in err and err.count("\n") == 1 and os.listdir(tmp_path) == []
