@@ -14,6 +14,8 @@ per-window NLLs equal one process's up to float summation order.
 `ScoreStage` is a plain class (usable in one process); `score_actor_class()` wraps it with `ray.remote`.
 `StagedScorer` starts one actor per stage and is what `validate.ppl.run_ppl(scorer=...)` calls: every window's
 chain is submitted at once, so while stage 2 scores window w, stage 1 already runs window w + 1.
+`StagedScorer.copy_gradients` runs the recipe's widths' gradient (oscar/widths.py) a window at a time, forward and
+backward through the stages, each stage summing its own layers (kernels/grad_attention.py, as one process).
 """
 
 from __future__ import annotations
