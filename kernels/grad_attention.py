@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar.kernels.simulate import LayerQuant
+from oscar.kernels.simulate import LayerQuant, Protocol
 from oscar.kernels.window_attention import fresh_mask
 
 _GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None, "vdeltas": None, "values": None}
@@ -47,7 +47,7 @@ def _grad_attention(module, query, key, value, attention_mask=None, scaling=None
     return out.transpose(1, 2).contiguous(), None
 
 
-def layer_quants(arts: list, protocol, layers=None) -> list[list]:
+def layer_quants(arts: list, protocol: Protocol, layers: range | None = None) -> list[list]:
     """quants[o][l]: layer l's quantizer in arts[o] (the artifact with every layer at option o); None for a layer
     outside `layers` (a pipeline stage's: the attention looks its layer up by the model's global index)."""
     return [[LayerQuant(a, l, protocol.pages) if layers is None or l in layers else None for l in range(a.num_layers)]
@@ -58,7 +58,7 @@ class gradient_mode:
     """Context manager: `model` (a whole model or a pipeline stage's `LayerRange`) attends through
     `_grad_attention` at `quant`'s widths (one LayerQuant per layer) with its weights frozen; restored on exit."""
 
-    def __init__(self, model, quant: list, protocol):
+    def __init__(self, model, quant: list, protocol: Protocol):
         self.model, self.quant, self.protocol = model, quant, protocol
 
     def __enter__(self):
@@ -95,7 +95,7 @@ def copy_nll_sum(lm_head, h: torch.Tensor, win: torch.Tensor, pos: torch.Tensor)
 
 
 @torch.no_grad()
-def window_sums(layers, options, quants: list[list], num_kv_heads: int) -> np.ndarray:
+def window_sums(layers: range, options: tuple, quants: list[list], num_kv_heads: int) -> np.ndarray:
     """(len(layers), Hkv, O): per layer l and option o the window's Σ ⟨∂NLL/∂K̂_l, Q_o(K_l) − Q_0(K_l)⟩ (plus the
     values' term where options[o] widens them), per KV head, in float64, from the leaves of the backward just run."""
     base = tuple(options[0])

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from oscar.common import TIE_REL, OscarError
 from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
                                           window_sums)
+from oscar.kernels.simulate import Protocol
 from oscar.kernels.window_attention import simulated
 from oscar.quant import fake_quant
 from oscar.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
@@ -108,7 +109,7 @@ def layer_copy_errors(model, tok, art, options, cfg: TuneConfig | None = None, l
     return err
 
 
-def _check_gradients(art, options, cfg: TuneConfig, config) -> object:
+def _check_gradients(art, options, cfg: TuneConfig, config) -> Protocol:
     """The estimate's inputs refused before any work; returns the copy protocol."""
     art.check_model(config)
     base = tuple(options[0])
@@ -120,7 +121,7 @@ def _check_gradients(art, options, cfg: TuneConfig, config) -> object:
     return PROTOCOLS[cfg.copy_protocol]
 
 
-def gradient_windows(tok, cfg: TuneConfig, cp) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def gradient_windows(tok, cfg: TuneConfig, cp: Protocol) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The copy windows the estimate differentiates: (window (1, T), scored positions) each, on CPU."""
     text = calibration_ids(tok, cfg.corpus, cfg.copy_windows * (cfg.copy_length - cfg.copy_span))
     return [(w, pos) for w, pos, _ in copy_windows(text, cfg.copy_windows, cfg.copy_length, cfg.copy_span, cp.sink,
@@ -132,7 +133,7 @@ def _option_artifacts(art, options) -> list:
     return [widths_artifact(art, [list(o)] * art.num_layers) for o in options]
 
 
-def _gradients_here(model, art, options, cfg: TuneConfig, cp, wins: list, todo: list[int]):
+def _gradients_here(model, art, options, cfg: TuneConfig, cp: Protocol, wins: list, todo: list[int]):
     """(window, its (L, Hkv, O) sums) for each window in `todo`: a forward and backward through `model` here."""
     quants = layer_quants(_option_artifacts(art, options), cp)
     with_dtype(model, cfg.widths_dtype)
@@ -169,7 +170,9 @@ def layer_copy_gradients(model, tok, art, options, cfg: TuneConfig | None = None
     done = {r["window"]: r for r in _read_log(log, ident)}
     wins = gradient_windows(tok if scorer is None else scorer.tokenizer, cfg, cp)
     todo = [i for i in range(len(wins)) if i not in done]
-    if scorer is None:
+    if not todo:  # the log holds every window: nothing runs (no stage is started)
+        sums = []
+    elif scorer is None:
         sums = _gradients_here(model, art, options, cfg, cp, wins, todo)
     else:
         sums = scorer.copy_gradients(_option_artifacts(art, options), options, cfg, [(i, *wins[i]) for i in todo])
