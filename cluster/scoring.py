@@ -185,7 +185,8 @@ class ScoreStage:
 
     def grad_forward(self, x: torch.Tensor, win: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
         """Token ids (first stage) or hidden states in; hidden states out, or on the last stage after the backward
-        of the copy NLL summed at `pos` of `win` (1, T): the gradient of its input hidden states (None alone)."""
+        of the copy NLL summed at `pos` of `win` (1, T): the gradient of its input hidden states (None when it is
+        the only stage)."""
         spec, g = self.stage.spec, self._grad
         fresh_leaves(spec.num_layers)
         x = x.to(self.args.device)
@@ -206,7 +207,7 @@ class ScoreStage:
             h.backward(grad.to(h.device))
         return None if leaf is None else leaf.grad
 
-    def grad_sums(self):
+    def grad_sums(self) -> np.ndarray:
         """(its layers, Hkv, O): the window's sums over this stage's layers (`window_sums`), its leaves dropped."""
         g = self._grad
         try:
@@ -215,6 +216,7 @@ class ScoreStage:
             drop_leaves()
 
     def grad_end(self) -> bool:
+        """The stage back in its own dtype, for the windows it scores next."""
         self._grad = {}
         self.stage.to(getattr(torch, self.args.dtype))
         return True

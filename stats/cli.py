@@ -202,7 +202,7 @@ def register(sub) -> None:
     g = p.add_argument_group("pipeline stages (Ray)")
     add_ray(g, "run the tune's windows and the widths' gradient on stage actors holding the layer ranges "
                "calibration uses: ADDRESS (ray://..., host:port) or auto (a running local cluster, else one on "
-               "127.0.0.1); --widths gradient or none (default: none, the model in this process)")
+               "127.0.0.1); not with --widths copy (default: none, the model in this process)")
     add_stages(g, "stage actors (layer ranges balanced by parameters; default 1 with --ray)")
     g.add_argument("--cpus-per-stage", type=nonneg_float, default=1.0, help="Ray CPUs reserved per stage actor")
     p.set_defaults(func=fit_command)  # the recipe's handler replaces it where the main CLI is built (oscar/cli.py)

@@ -77,6 +77,21 @@ def test_gradient_on_two_stages_equals_one_process(model, head, stores, tmp_path
     assert art_one.meta["layer_widths"]["widths"] == art_two.meta["layer_widths"]["widths"]
 
 
+def test_one_stage_holds_the_whole_model(head, stores):
+    """`--stages 1` (the default with --ray): the one stage embeds, differentiates and sums every layer."""
+    from oscar.validate.env import load_model
+
+    fitted = fit(stores("tiny-llama"), FitConfig(variant="scaled", progress=False, threads=1))
+    m, tok, _ = load_model("tiny-llama")
+    set_threads(1)
+    cfg = TuneConfig(copy_windows=1, copy_length=512, copy_span=16)
+    one = layer_copy_gradients(m, tok, fitted, COPY_OPTIONS, cfg, progress=False, heads=True)
+    with staged("tiny-llama", head, stages=1) as sc:
+        assert [tuple(r) for r in sc.ranges] == [(0, fitted.num_layers)]
+        assert_close_tables(one, layer_copy_gradients(None, None, fitted, COPY_OPTIONS, cfg, progress=False,
+                                                      heads=True, scorer=sc))
+
+
 def test_staged_run_completes_a_log(head, stores, tmp_path):
     """A one-process log that lost its last windows: the stages compute exactly those and append them, and the
     table is the uninterrupted one; a staged log resumed on the stages is equal to the last bit. The stages score
