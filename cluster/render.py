@@ -271,8 +271,7 @@ def run_job(cfg: RenderConfig, stages: int, replicas: int, g: int, cmd: list[str
     run = {"model": cfg.model, "out": cfg.run_dir, "corpus": cfg.corpus, "seq_len": cfg.seq_len,
            **({"calib_tokens": cfg.tokens} if cfg.tokens else {}), **({"positions": cfg.positions} if cfg.positions else {}),
            "calibrate": {"device": "cuda", "dtype": cfg.dtype, "seqs_per_block": cfg.seqs_per_block,
-                         "batch_size": cfg.batch_size},
-           "widths": "none"}  # the per-layer widths' backward pass does not run on the stages
+                         "batch_size": cfg.batch_size}}  # the default widths (gradient) run on the stages too
     return {"run": run, "cluster": _cluster_section(stages, replicas, g, cmd, layers),
             "job": {"python": "python", "num_gpus": 0}}
 

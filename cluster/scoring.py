@@ -195,9 +195,9 @@ class ScoreStage:
             h = self.stage(self.stage.embed(x) if spec.first else leaf)  # (1, T, H)
             if spec.last:
                 copy_nll_sum(self.stage.lm_head, self.stage.norm(h), win.to(h.device), pos.to(h.device)).backward()
-                return None if leaf is None else leaf.grad
+                return None if leaf is None else leaf.grad.cpu()
         g["graph"] = (leaf, h)
-        return h.detach()
+        return h.detach().cpu()  # host tensors between stages, as `forward`'s
 
     def grad_backward(self, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient of this stage's output in; its input's out (None on the first stage)."""
@@ -205,7 +205,7 @@ class ScoreStage:
         self._grad["graph"] = None
         with torch.enable_grad():
             h.backward(grad.to(h.device))
-        return None if leaf is None else leaf.grad
+        return None if leaf is None else leaf.grad.cpu()
 
     def grad_sums(self) -> np.ndarray:
         """(its layers, Hkv, O): the window's sums over this stage's layers (`window_sums`), its leaves dropped."""

@@ -51,7 +51,7 @@ def test_run_on_two_stages_equals_one_process(tmp_path):
 
 def test_staged_run_refusals_before_calibration(tmp_path):
     for kw, msg in [(dict(ray=False), "drop --no-ray"), (dict(engine="cache"), "takes --engine simulate --device cpu"),
-                    (dict(widths="copy", variant="scaled"), "with --ray pass --widths none"),
+                    (dict(widths="copy", variant="scaled"), "with --ray pass --widths gradient"),
                     (dict(stages=0), "stages must be a positive integer")]:
         with pytest.raises(OscarError, match=msg):
             RunConfig(out=str(tmp_path / "r"), stages=kw.pop("stages", 2), **kw)
