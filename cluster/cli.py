@@ -318,28 +318,29 @@ def _staged(args, cfg):
 
 
 def niah_dispatch(args, single) -> int:
-    if _without_ray(args, ("stages",)):
-        return single(args)
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.validate.cli import niah_config, niah_table
+    from oscar.validate import cli as vcli
     from oscar.validate.niah import run_niah
 
-    cfg = niah_config(args)
-    with _staged(args, cfg) as sc:
-        df = run_niah(cfg, progress=not args.no_progress, stages=sc)
-    print(niah_table(df))
-    return 0
+    return _dispatch(args, single, vcli.niah_config, lambda cfg, sc: run_niah(cfg, progress=not args.no_progress,
+                                                                            stages=sc), vcli.niah_table)
 
 
 def ppl_dispatch(args, single) -> int:
-    if _without_ray(args, ("stages",)):
-        return single(args)
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.validate.cli import ppl_config
     from oscar.validate.ppl import run_ppl
 
-    cfg = ppl_config(args)
+    return _dispatch(args, single, ppl_config, lambda cfg, sc: run_ppl(cfg, progress=not args.no_progress, scorer=sc),
+                     lambda df: df.round(3).to_string(index=False))
+
+
+def _dispatch(args, single, config, run, table) -> int:
+    """The single-process handler without --ray; else `run(config(args), stages)` on the stage actors, its table
+    printed."""
+    if _without_ray(args, ("stages",)):
+        return single(args)
+    cfg = config(args)
     with _staged(args, cfg) as sc:
-        df = run_ppl(cfg, progress=not args.no_progress, scorer=sc)
-    print(df.round(3).to_string(index=False))
+        print(table(run(cfg, sc)))
     return 0

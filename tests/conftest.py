@@ -38,6 +38,26 @@ def stores(tiny_store, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def ray_head():
+    """A private loopback-only Ray head for one test module (tests/helpers/cluster.py), this process its driver."""
+    from helpers.cluster import attached_head
+
+    with attached_head(num_cpus=4) as h:
+        yield h
+
+
+@pytest.fixture(scope="session")
+def scaled_artifact(tiny_store, tmp_path_factory) -> str:
+    """The `scaled` fit of `tiny_store`, saved: the oscar-int2 artifact of the pipeline stages' tests."""
+    from oscar.stats.artifact import save_artifact
+    from oscar.stats.fit import FitConfig, fit
+
+    path = str(tmp_path_factory.mktemp("art") / "a.safetensors")
+    save_artifact(fit(tiny_store, FitConfig(variant="scaled", progress=False, threads=1)), path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def synthetic_store():
     """tests/helpers/synthetic_store.py as a module."""

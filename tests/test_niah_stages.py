@@ -16,26 +16,9 @@ import pytest
 from oscar.cluster.pipeline import ClusterConfig
 from oscar.cluster.scoring import StagedScorer
 from oscar.common import set_threads
-from oscar.stats.artifact import save_artifact
-from oscar.stats.fit import FitConfig, fit
 from oscar.validate.niah import NiahConfig, eos_ids, run_niah
 
-from helpers.cluster import attached_head
-
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
-
-
-@pytest.fixture(scope="module")
-def head():
-    with attached_head(num_cpus=4) as h:  # loopback-only, private token
-        yield h
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_store, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("art") / "a.safetensors")
-    save_artifact(fit(tiny_store, FitConfig(variant="scaled", progress=False, threads=1)), path)
-    return path
 
 
 def answers(out: str) -> dict:
@@ -52,14 +35,14 @@ def rows(out: str) -> list[dict]:
     ("tiny-glm4-moe", ["bf16", "naive-int2", "hadamard-int2"]),
     pytest.param("smollm2-135m", ["bf16", "kivi2", "hadamard-int2"], marks=pytest.mark.full),  # the real model
 ])
-def test_needles_on_two_stages_equal_one_process(model, methods, head, artifact, tmp_path):
+def test_needles_on_two_stages_equal_one_process(model, methods, ray_head, scaled_artifact, tmp_path):
     # batches of 2 samples at 300 tokens and of 1 at 600: rows leaving a batch, prefixes reused across samples
     kw = dict(model=model, methods=methods, tasks=["niah_single_1", "niah_multikey_1"], lengths=[300, 600],
               samples=3, protocol="strict", dtype="float32", batch_tokens=700,
-              artifact=artifact if "oscar-int2" in methods else None)
+              artifact=scaled_artifact if "oscar-int2" in methods else None)
     set_threads(1)  # each stage actor runs one thread
     run_niah(NiahConfig(out=str(tmp_path / "one"), **kw), progress=False, workers=1)
-    with StagedScorer(model, ClusterConfig(stages=2, cpus_per_stage=1), address=head.address) as sc:
+    with StagedScorer(model, ClusterConfig(stages=2, cpus_per_stage=1), address=ray_head.address) as sc:
         assert len(sc.ranges) == 2 and all(b > a for a, b in sc.ranges)
         run_niah(NiahConfig(out=str(tmp_path / "two"), **kw), progress=False, stages=sc)
         from oscar.validate.env import load_model
@@ -81,7 +64,7 @@ class Counting(StagedScorer):
         return super().needle_batch(samples, names, protocol, eos)
 
 
-def test_cli_resumes_without_decoding_twice(head, tmp_path, monkeypatch):
+def test_cli_resumes_without_decoding_twice(ray_head, tmp_path, monkeypatch):
     """`oscar validate niah --ray ADDR --stages 2`; a run whose log lost its last samples (killed) decodes exactly
     those again, and the table is the same."""
     import oscar.cluster.scoring as scoring
@@ -90,7 +73,7 @@ def test_cli_resumes_without_decoding_twice(head, tmp_path, monkeypatch):
     out = tmp_path / "n"
     argv = ["validate", "niah", "--model", "tiny-llama", "--methods", "bf16,naive-int2", "--tasks", "niah_single_1",
             "--lengths", "300", "--samples", "4", "--protocol", "strict", "--dtype", "float32", "--out", str(out),
-            "--ray", head.address, "--stages", "2", "--no-progress"]
+            "--ray", ray_head.address, "--stages", "2", "--no-progress"]
     monkeypatch.setattr(scoring, "StagedScorer", Counting)
     assert main(argv) == 0 and Counting.sent == 4
     full = answers(str(out))
@@ -109,16 +92,16 @@ def test_refusals_before_any_work(capsys, tmp_path):
     assert "--stages needs --ray" in capsys.readouterr().err and not os.path.exists(never)
     assert main(["validate", "niah", "--ray", "auto", "--engine", "cache", "--dtype", "float32", "--out", never]) == 2
     err = capsys.readouterr().err
-    assert "run the simulator" in err and err.count("\n") == 1 and not os.path.exists(never)
+    assert "they run the simulator" in err and err.count("\n") == 1 and not os.path.exists(never)
 
 
-def test_gpu_stages_without_gpus_refused(head, tmp_path, capsys):
+def test_gpu_stages_without_gpus_refused(ray_head, tmp_path, capsys):
     """`--device cuda` puts each stage on the GPU Ray gives it; a cluster without enough GPUs is refused at once
     (not after the placement's timeout), and so is a GPU share without --device cuda."""
     from oscar.__main__ import main
 
     base = ["validate", "niah", "--model", "tiny-llama", "--methods", "bf16", "--tasks", "niah_single_1", "--lengths",
-            "300", "--samples", "1", "--dtype", "float32", "--ray", head.address, "--stages", "2"]
+            "300", "--samples", "1", "--dtype", "float32", "--ray", ray_head.address, "--stages", "2"]
     assert main(base + ["--device", "cuda", "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err
     assert "2 stages x 1 GPU need 2 GPUs; the Ray cluster has 0" in err and err.count("\n") == 1

@@ -15,27 +15,11 @@ import pytest
 from oscar.cluster.pipeline import ClusterConfig
 from oscar.cluster.scoring import StagedScorer
 from oscar.common import set_threads
-from oscar.stats.artifact import save_artifact
 from oscar.stats.fit import FitConfig, fit
 from oscar.validate.ppl import PplConfig, run_ppl
 
-from helpers.cluster import attached_head
-
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 REL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def head():
-    with attached_head(num_cpus=4) as h:  # loopback-only, private token
-        yield h
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_store, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("art") / "a.safetensors")
-    save_artifact(fit(tiny_store, FitConfig(variant="scaled", progress=False, threads=1)), path)
-    return path
 
 
 def windows(out: str) -> dict:
@@ -63,18 +47,18 @@ class Counting(StagedScorer):
     ("tiny-glm4-moe", ["bf16", "naive-int2", "hadamard-int2"]),
     pytest.param("smollm2-135m", ["bf16", "kivi2", "hadamard-int2"], marks=pytest.mark.full),  # the real model
 ])
-def test_two_stages_equal_one_process(model, methods, head, artifact, tmp_path):
+def test_two_stages_equal_one_process(model, methods, ray_head, scaled_artifact, tmp_path):
     kw = dict(model=model, methods=methods, contexts=[128, 256], tokens=512,
-              artifact=artifact if "oscar-int2" in methods else None)
+              artifact=scaled_artifact if "oscar-int2" in methods else None)
     set_threads(1)  # each stage actor runs one thread
     run_ppl(PplConfig(out=str(tmp_path / "one"), **kw), progress=False, workers=1)
-    with StagedScorer(model, ClusterConfig(stages=2, cpus_per_stage=1), address=head.address) as sc:
+    with StagedScorer(model, ClusterConfig(stages=2, cpus_per_stage=1), address=ray_head.address) as sc:
         assert [b - a for a, b in sc.ranges] and len(sc.ranges) == 2
         run_ppl(PplConfig(out=str(tmp_path / "two"), **kw), progress=False, scorer=sc)
     assert_equal_windows(windows(str(tmp_path / "one")), windows(str(tmp_path / "two")))
 
 
-def test_cli_resumes_without_scoring_twice(head, tmp_path, capsys, monkeypatch):
+def test_cli_resumes_without_scoring_twice(ray_head, tmp_path, capsys, monkeypatch):
     """`oscar validate ppl --ray ADDR --stages 2`; a run whose log lost its last windows (killed) scores exactly
     those again, and the table is the same."""
     import oscar.cluster.scoring as scoring
@@ -82,7 +66,7 @@ def test_cli_resumes_without_scoring_twice(head, tmp_path, capsys, monkeypatch):
 
     out = tmp_path / "p"
     argv = ["validate", "ppl", "--model", "tiny-llama", "--methods", "bf16,naive-int2", "--lengths", "128",
-            "--tokens", "512", "--protocol", "strict", "--dtype", "float32", "--out", str(out), "--ray", head.address,
+            "--tokens", "512", "--protocol", "strict", "--dtype", "float32", "--out", str(out), "--ray", ray_head.address,
             "--stages", "2", "--no-progress"]
     monkeypatch.setattr(scoring, "StagedScorer", Counting)
     assert main(argv) == 0 and Counting.sent == 8  # 2 methods x 4 windows
@@ -104,7 +88,7 @@ def test_stages_without_ray_refused(capsys):
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-glm4-moe",
                                    pytest.param("smollm2-135m", marks=pytest.mark.full)])
-def test_tune_on_two_stages_equals_one_process(model, head, stores, tmp_path):
+def test_tune_on_two_stages_equals_one_process(model, ray_head, stores, tmp_path):
     """The recipe's tune with its windows scored on 2 stages (float64, as in one process): the same NLL per factor
     within float64 summation order and the same factor; `oscar fit --ray` writes that tuned artifact."""
     from oscar.__main__ import main
@@ -117,7 +101,7 @@ def test_tune_on_two_stages_equals_one_process(model, head, stores, tmp_path):
     m, tok, _ = load_model(model)
     set_threads(1)
     _, one = tune_key_clip(m, tok, fitted, TuneConfig(), progress=False)
-    with StagedScorer(model, ClusterConfig(stages=2, cpus_per_stage=1, dtype="float64"), address=head.address) as sc:
+    with StagedScorer(model, ClusterConfig(stages=2, cpus_per_stage=1, dtype="float64"), address=ray_head.address) as sc:
         _, two = tune_key_clip(None, None, fitted, TuneConfig(), progress=False, scorer=sc)
     assert one["chosen_factor"] == two["chosen_factor"] and two["stages"] == 2
     assert one["nll_per_token"].keys() == two["nll_per_token"].keys()
@@ -126,7 +110,7 @@ def test_tune_on_two_stages_equals_one_process(model, head, stores, tmp_path):
     if model != "tiny-llama":
         return
     out = str(tmp_path / "t.safetensors")
-    assert main(["fit", store, "--out", out, "--widths", "none", "--ray", head.address, "--stages", "2",
+    assert main(["fit", store, "--out", out, "--widths", "none", "--ray", ray_head.address, "--stages", "2",
                  "--threads", "1", "--quiet"]) == 0
     rec = load_artifact(out).meta["clip_tuning"]
     assert rec["stages"] == 2 and rec["chosen_factor"] == one["chosen_factor"]

@@ -113,6 +113,16 @@ def check_artifact(artifact: str | None, methods: list[str]) -> None:
         raise OscarError(f"artifact {artifact} does not exist")
 
 
+def on_stages(stages, cfg, lengths: list[int], what: str):
+    """(None, tokenizer, config) when the model is the pipeline stages' (cluster/scoring.py), which run the simulator
+    in their own dtype; lengths past the model's context are refused."""
+    if cfg.engine != "simulate" or cfg.dtype != stages.dtype:
+        raise OscarError(f"{what} on the pipeline stages: they run the simulator (--engine simulate) in their dtype "
+                         f"{stages.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
+    check_lengths(lengths, env.max_context(SimpleNamespace(config=stages.config)), cfg.model)
+    return None, stages.tokenizer, stages.config
+
+
 def load_checked(name: str, artifact: str | None, methods: list[str], lengths: list[int], dtype: str, loaded=None):
     """Refuse what cannot run (artifact missing or needed, lengths past the model's context,
     unknown dtype) before loading weights where possible; return (model in `dtype`, tokenizer)."""
@@ -412,12 +422,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         engine.to_device(model, dev)
         config = model.config
     else:
-        if cfg.engine != "simulate" or cfg.dtype != stages.dtype:
-            raise OscarError(f"needles on the pipeline stages run the simulator (--engine simulate) in the stages' "
-                             f"dtype {stages.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
         check_artifact(cfg.artifact, methods)
-        model, tok, config = None, stages.tokenizer, stages.config
-        check_lengths(cfg.lengths, env.max_context(SimpleNamespace(config=config)), cfg.model)
+        model, tok, config = on_stages(stages, cfg, cfg.lengths, "needles")
     _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):

@@ -26,7 +26,6 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 
 import pandas as pd
 import torch
@@ -47,7 +46,7 @@ from oscar.validate.methods import (
     PROTOCOL_VERSION, PROTOCOLS, bits_per_element, parse_methods, resolve_methods,
     uncalibrated_warning,
 )
-from oscar.validate.niah import _Inline, check_lengths, load_aware_threads, load_checked
+from oscar.validate.niah import _Inline, load_aware_threads, load_checked, on_stages
 from oscar.validate.workers import Workers, default_workers
 
 
@@ -184,11 +183,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
         engine.to_device(model, dev)
         config = model.config
     else:
-        if cfg.engine != "simulate" or cfg.dtype != scorer.dtype:
-            raise OscarError(f"perplexity on the pipeline stages runs the simulator (--engine simulate) in the stages' "
-                             f"dtype {scorer.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
-        model, tok, config = None, scorer.tokenizer, scorer.config
-        check_lengths(cfg.contexts, env.max_context(SimpleNamespace(config=config)), cfg.model)
+        model, tok, config = on_stages(scorer, cfg, cfg.contexts, "perplexity")
     text, src = heldout_text_ids(tok, cfg.corpus, cfg.tokens)
     ident = cfg.identity()
     if src["docstring_tokens"]:  # past the split: the docstrings depend on the Python that read them
