@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# reports/examples/qwen2.5-0.5b: Qwen2.5-0.5B needle tests at 8k, 16k and 32k on CPU.
+# reports/examples/qwen2.5-0.5b: Qwen2.5-0.5B on CPU: needle tests at 8k, 16k and 32k (one task, 5 samples), the
+# 32k cell through 2 pipeline stages, RULER's needle tasks at 1k-8k (20 samples per cell) and perplexity.
 #
 #   bash scripts/qwen_long_context.sh            # every step; re-running resumes (store blocks, needle samples)
 #   STEPS="niah-32k report" bash scripts/qwen_long_context.sh   # some steps only
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-reports/examples/qwen2.5-0.5b}
 WORK=${WORK:-runs/qwen}  # the calibration store and the untuned fit (not committed)
-STEPS=${STEPS:-"install calibrate fit tune calibration-section niah-8k niah-16k niah-32k niah-32k-stages report"}
+STEPS=${STEPS:-"install calibrate fit tune calibration-section niah-8k niah-16k niah-32k niah-32k-stages ruler-1k ruler-2k ruler-4k ruler-8k ppl report"}
 export OMP_NUM_THREADS=1 OSCAR_THREADS=1
 OSCAR=${OSCAR:-.venv/bin/oscar}
 PY=${PY:-.venv/bin/python}
@@ -51,6 +52,19 @@ for L in 8k 16k 32k; do
   step "niah-$L" $OSCAR validate niah --model qwen2.5-0.5b --artifact "$OUT/artifact.safetensors" --methods $METHODS \
     --tasks niah_single_1 --lengths "$L" --samples 5 --protocol serving --dtype bfloat16 --out "$OUT" --no-progress
 done
+
+# The RULER cells people compare with published tables: four needle tasks at 1k-8k, 20 samples per cell (the 8k
+# niah_single_1 cell above grows from 5 to 20), and perplexity over 8 windows of 1k and of 4k (held-out text,
+# continued into the standard library's docstrings past the pydoc split).
+RULER_TASKS=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1
+for L in 1k 2k 4k 8k; do
+  CMD="oscar validate niah --model qwen2.5-0.5b --artifact $OUT/artifact.safetensors --methods $METHODS --tasks $RULER_TASKS --lengths $L --samples 20 --protocol serving --dtype bfloat16 --out $OUT"
+  step "ruler-$L" $OSCAR validate niah --model qwen2.5-0.5b --artifact "$OUT/artifact.safetensors" --methods $METHODS \
+    --tasks $RULER_TASKS --lengths "$L" --samples 20 --protocol serving --dtype bfloat16 --out "$OUT" --no-progress
+done
+CMD="oscar validate ppl --model qwen2.5-0.5b --artifact $OUT/artifact.safetensors --methods $METHODS --contexts 1k,4k --tokens 32768 --dtype bfloat16 --out $OUT"
+step ppl $OSCAR validate ppl --model qwen2.5-0.5b --artifact "$OUT/artifact.safetensors" --methods $METHODS \
+  --contexts 1k,4k --tokens 32768 --dtype bfloat16 --out "$OUT" --no-progress
 
 # The same 32k cell through 2 pipeline stages on a local Ray cluster (the path a model too large for one device
 # takes): bf16 and oscar-int2, 2 samples; every answer must equal the one-process answer above.
