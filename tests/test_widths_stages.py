@@ -22,17 +22,10 @@ from oscar.stats.fit import FitConfig, fit
 from oscar.tune import TuneConfig
 from oscar.widths import COPY_OPTIONS, copy_widths_artifact, layer_copy_gradients
 
-from helpers.cluster import attached_head
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 REL = 1e-5
 CFG = TuneConfig(copy_windows=3, copy_length=512, copy_span=16)  # the widths' windows, shortened
-
-
-@pytest.fixture(scope="module")
-def head():
-    with attached_head(num_cpus=4) as h:  # loopback-only, private token
-        yield h
 
 
 def assert_close_tables(one: np.ndarray, two: np.ndarray) -> None:
@@ -57,7 +50,7 @@ class Counting(StagedScorer):
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-glm4-moe",
                                    pytest.param("smollm2-135m", marks=pytest.mark.full)])
-def test_gradient_on_two_stages_equals_one_process(model, head, stores, tmp_path):
+def test_gradient_on_two_stages_equals_one_process(model, ray_head, stores, tmp_path):
     """Per layer, KV head and option the same window sums, so the same widths by the DP."""
     from oscar.validate.env import load_model
 
@@ -66,7 +59,7 @@ def test_gradient_on_two_stages_equals_one_process(model, head, stores, tmp_path
     set_threads(1)  # each stage actor runs one thread
     one = layer_copy_gradients(m, tok, fitted, COPY_OPTIONS, CFG, progress=False, heads=True)  # (L, Hkv, O)
     art_one, err_one = copy_widths_artifact(m, tok, fitted, CFG, progress=False, estimate="gradient")
-    with staged(model, head) as sc:
+    with staged(model, ray_head) as sc:
         two = layer_copy_gradients(None, None, fitted, COPY_OPTIONS, CFG, progress=False, heads=True, scorer=sc)
         assert len(sc.ranges) == 2
         art_two, err_two = copy_widths_artifact(None, None, fitted, CFG, progress=False, estimate="gradient", scorer=sc)
@@ -77,7 +70,7 @@ def test_gradient_on_two_stages_equals_one_process(model, head, stores, tmp_path
     assert art_one.meta["layer_widths"]["widths"] == art_two.meta["layer_widths"]["widths"]
 
 
-def test_one_stage_holds_the_whole_model(head, stores):
+def test_one_stage_holds_the_whole_model(ray_head, stores):
     """`--stages 1` (the default with --ray): the one stage embeds, differentiates and sums every layer."""
     from oscar.validate.env import load_model
 
@@ -86,13 +79,13 @@ def test_one_stage_holds_the_whole_model(head, stores):
     set_threads(1)
     cfg = TuneConfig(copy_windows=1, copy_length=512, copy_span=16)
     one = layer_copy_gradients(m, tok, fitted, COPY_OPTIONS, cfg, progress=False, heads=True)
-    with staged("tiny-llama", head, stages=1) as sc:
+    with staged("tiny-llama", ray_head, stages=1) as sc:
         assert [tuple(r) for r in sc.ranges] == [(0, fitted.num_layers)]
         assert_close_tables(one, layer_copy_gradients(None, None, fitted, COPY_OPTIONS, cfg, progress=False,
                                                       heads=True, scorer=sc))
 
 
-def test_staged_run_completes_a_log(head, stores, tmp_path):
+def test_staged_run_completes_a_log(ray_head, stores, tmp_path):
     """A one-process log that lost its last windows: the stages compute exactly those and append them, and the
     table is the uninterrupted one; a staged log resumed on the stages is equal to the last bit. The stages score
     windows in their own dtype afterwards (the widths cast them to theirs and back)."""
@@ -107,7 +100,8 @@ def test_staged_run_completes_a_log(head, stores, tmp_path):
     log.write_text(lines[0])  # as if killed after the first window
     Counting.sent = []
     ids = torch.tensor([list(range(3, 259))])  # (1, 256)
-    with Counting("tiny-llama", ClusterConfig(stages=2, cpus_per_stage=1, dtype="float64"), address=head.address) as sc:
+    cc = ClusterConfig(stages=2, cpus_per_stage=1, dtype="float64")
+    with Counting("tiny-llama", cc, address=ray_head.address) as sc:
         sc.load({"a": fitted})
         before = list(sc.score([("a", "strict", ids, ())]))
         got = layer_copy_gradients(None, None, fitted, COPY_OPTIONS, CFG, log=str(log), progress=False, scorer=sc)
@@ -129,7 +123,7 @@ def test_staged_run_completes_a_log(head, stores, tmp_path):
         assert list(sc.score([("a", "strict", ids, ())])) == before
 
 
-def test_fit_on_two_stages_writes_the_one_process_artifact(head, stores, tmp_path):
+def test_fit_on_two_stages_writes_the_one_process_artifact(ray_head, stores, tmp_path):
     """`oscar fit STORE --ray ADDR --stages 2` with the default widths: the same tuned clips, widths and tensors as
     `oscar fit STORE` in one process."""
     from oscar.__main__ import main
@@ -139,7 +133,7 @@ def test_fit_on_two_stages_writes_the_one_process_artifact(head, stores, tmp_pat
     one, two = str(tmp_path / "one.safetensors"), str(tmp_path / "two.safetensors")
     set_threads(1)
     assert main(["fit", store, "--out", one, "--threads", "1", "--quiet", "--no-progress"]) == 0
-    assert main(["fit", store, "--out", two, "--ray", head.address, "--stages", "2", "--threads", "1", "--quiet",
+    assert main(["fit", store, "--out", two, "--ray", ray_head.address, "--stages", "2", "--threads", "1", "--quiet",
                  "--no-progress"]) == 0
     a, b = load_artifact(one), load_artifact(two)
     assert a.meta["layer_widths"]["widths"] == b.meta["layer_widths"]["widths"]
