@@ -422,8 +422,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         engine.to_device(model, dev)
         config = model.config
     else:
-        check_artifact(cfg.artifact, methods)
         model, tok, config = on_stages(stages, cfg, cfg.lengths, "needles")
+        check_artifact(cfg.artifact, methods)
     _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):
