@@ -204,6 +204,23 @@ def attempts(client, base: str) -> list:
     return sorted(jobs, key=lambda j: int(j.submission_id.rsplit("-", 1)[1]))
 
 
+AGENT_WAIT_S = 120.0  # a head just started: its job agent may not be up yet
+
+
+def _submit_when_ready(client, kw: dict, wait_s: float = AGENT_WAIT_S) -> None:
+    """`client.submit_job(**kw)`, retried while the head answers that no job agent is up yet (a cluster started
+    moments ago, or a loaded head); any other error at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.submit_job(**kw)
+            return
+        except Exception as e:  # noqa: BLE001 - the Jobs API reports it as a generic request failure
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
+
+
 def submit(config_path: str, *, address: str | None = None, wait: bool = False, timeout: float | None = None,
            poll: float = 2.0, progress: bool = True) -> int:
     cfg = load_job_config(config_path)
@@ -222,7 +239,7 @@ def submit(config_path: str, *, address: str | None = None, wait: bool = False, 
         n = int(prev[-1].submission_id.rsplit("-", 1)[1]) + 1 if prev else 1
         sid = f"{base}-{n}"
         try:
-            client.submit_job(**submission(cfg, sid, n))
+            _submit_when_ready(client, submission(cfg, sid, n))
         except Exception as e:  # noqa: BLE001
             if "already exists" in str(e):
                 continue

@@ -192,3 +192,26 @@ def test_bad_run_options_refused_by_the_driver(run, match, tmp_path, capsys):
     p.write_text(yaml.safe_dump({"run": {**run, "out": str(tmp_path / "o")}}))
     assert job_main([str(p)]) == 2
     assert "oscar job: error:" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_submission_waits_for_the_heads_job_agent():
+    """A head started moments ago answers 'No available agent' until its job agent is up: the submission is
+    retried until it is, and any other error is raised at once."""
+    from oscar.cluster.jobs import _submit_when_ready
+
+    class Client:
+        def __init__(self, fails: int, msg: str):
+            self.fails, self.msg, self.calls = fails, msg, 0
+
+        def submit_job(self, **kw):
+            self.calls += 1
+            if self.calls <= self.fails:
+                raise RuntimeError(self.msg)
+
+    c = Client(2, "Request failed with status code 500: No available agent to submit job, please try again later.")
+    _submit_when_ready(c, {})
+    assert c.calls == 3
+    c = Client(1, "Request failed with status code 500: bad runtime env")
+    with pytest.raises(RuntimeError, match="bad runtime env"):
+        _submit_when_ready(c, {})
+    assert c.calls == 1
