@@ -1,4 +1,4 @@
-"""`oscar run --stages 2` (the tune, needles and perplexity on pipeline stage actors of a local Ray cluster) against
+"""`oscar run --stages 2` (the tune, widths, needles and perplexity on pipeline stage actors of a local Ray cluster) against
 the same run in one process: the same artifact, the same needle answers, per-window NLLs within 1e-5 relative;
 run.json and the report say where each step ran; refusals come before calibration."""
 
@@ -19,9 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1500)]
 
 
 def _cfg(out, **kw) -> RunConfig:
-    return RunConfig(out=str(out), model="tiny-llama", calib_tokens=1024, seq_len=256, samples=2,
-                     tasks=["niah_single_1"], lengths=[300], methods=["bf16", "naive-int2", "oscar-int2"],
-                     ppl_tokens=512, ppl_contexts=[256], attn_lengths=[512], widths="none", dtype="float32",
+    # the whole recipe, per-layer widths included (one 1024-token copy window: the needle length bounds it)
+    return RunConfig(out=str(out), model="tiny-llama", calib_tokens=2048, seq_len=512, samples=2,
+                     tasks=["niah_single_1"], lengths=[1024], methods=["bf16", "naive-int2", "oscar-int2"],
+                     ppl_tokens=1024, ppl_contexts=[512], attn_lengths=[512], widths_windows=1, dtype="float32",
                      progress=False, cluster={"cpus_per_stage": 1}, **kw)
 
 
@@ -46,7 +47,8 @@ def test_run_on_two_stages_equals_one_process(tmp_path):
     assert two["placement"]["niah"]["stages"] == 2 and two["placement"]["tune"]["stages"] == 2
     assert "not run" == two["placement"]["attention"]["on"] and not os.path.exists(tmp_path / "two" / "attention.parquet")
     report = open(tmp_path / "two" / "report.md").read()
-    assert "Steps ran on: calibrate 1 stage on cpu (Ray); tune 2 stages on cpu (Ray stage actors)" in report
+    assert "Steps ran on: calibrate 1 stage on cpu (Ray); tune 2 stages on cpu (Ray stage actors); widths 2 stages" in report
+    assert two["stage_seconds"].keys() >= {"tune", "widths", "niah", "ppl"}
 
 
 def test_staged_run_refusals_before_calibration(tmp_path):
