@@ -113,13 +113,18 @@ def check_artifact(artifact: str | None, methods: list[str]) -> None:
         raise OscarError(f"artifact {artifact} does not exist")
 
 
-def on_stages(stages, cfg, lengths: list[int], what: str):
-    """(None, tokenizer, config) when the model is the pipeline stages' (cluster/scoring.py), which run the simulator
-    in their own dtype; lengths past the model's context are refused."""
+def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, stages, what: str):
+    """(model in cfg.dtype on `dev`, tokenizer, config), everything refusable refused before the weights load; or
+    (None, tokenizer, config) when `stages` (cluster/scoring.py) hold the model: they run the simulator in their own
+    dtype, and lengths past the model's context are refused from its config."""
+    if stages is None:
+        model, tok = load_checked(cfg.model, cfg.artifact, methods, lengths, cfg.dtype, loaded)
+        return engine.to_device(model, dev), tok, model.config
     if cfg.engine != "simulate" or cfg.dtype != stages.dtype:
         raise OscarError(f"{what} on the pipeline stages: they run the simulator (--engine simulate) in their dtype "
                          f"{stages.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
     check_lengths(lengths, env.max_context(SimpleNamespace(config=stages.config)), cfg.model)
+    check_artifact(cfg.artifact, methods)
     return None, stages.tokenizer, stages.config
 
 
@@ -417,13 +422,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         raise OscarError("--samples must be >= 1")
     if cfg.batch_tokens < 1:
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
-    if stages is None:
-        model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.lengths, cfg.dtype, loaded)
-        engine.to_device(model, dev)
-        config = model.config
-    else:
-        model, tok, config = on_stages(stages, cfg, cfg.lengths, "needles")
-        check_artifact(cfg.artifact, methods)
+    model, tok, config = model_or_stages(cfg, methods, cfg.lengths, loaded, dev, stages, "needles")
     _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):

@@ -46,7 +46,7 @@ from oscar.validate.methods import (
     PROTOCOL_VERSION, PROTOCOLS, bits_per_element, parse_methods, resolve_methods,
     uncalibrated_warning,
 )
-from oscar.validate.niah import _Inline, load_aware_threads, load_checked, on_stages
+from oscar.validate.niah import _Inline, load_aware_threads, model_or_stages
 from oscar.validate.workers import Workers, default_workers
 
 
@@ -178,12 +178,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     for c in cfg.contexts:
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
-    if scorer is None:
-        model, tok = load_checked(cfg.model, cfg.artifact, methods, cfg.contexts, cfg.dtype, loaded)
-        engine.to_device(model, dev)
-        config = model.config
-    else:
-        model, tok, config = on_stages(scorer, cfg, cfg.contexts, "perplexity")
+    model, tok, config = model_or_stages(cfg, methods, cfg.contexts, loaded, dev, scorer, "perplexity")
     text, src = heldout_text_ids(tok, cfg.corpus, cfg.tokens)
     ident = cfg.identity()
     if src["docstring_tokens"]:  # past the split: the docstrings depend on the Python that read them
