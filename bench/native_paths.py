@@ -104,7 +104,8 @@ def main() -> None:
            "attention": attention(a.reps), "moments": moments(a.reps), "gemm": gemm(a.reps)}
     # what each product path chooses here (measured once per machine and build: oscar/native_build.measured_choice)
     os.environ.pop("OSCAR_NATIVE", None)
-    res["choices"] = {"moments": native.chosen(), "flash_cpu": CA.chosen(), "records": native_build.CHOICES}
+    res["choices"] = {"moments": native.chosen(), "flash_cpu": CA.chosen(), "flash_cpu_bf16": CA.chosen(torch.bfloat16),
+                      "records": native_build.CHOICES}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {a.out}: {res['host']}")

@@ -1,11 +1,14 @@
 """Causal attention on CPU through a native flash kernel (`_flash_cpu.c`): exact prefills and perplexity windows.
 
 The validation stages spend most of their time in exact causal attention over long prompts (the
-needle prefill, the perplexity windows' far part): torch's CPU flash kernel does it at ~40 GFLOP/s
-per core here. The C kernel computes the same softmax attention in float32 (bfloat16 inputs through
-AVX512-BF16 dot products), 3.2x faster on a bf16 4k SmolLM2 prefill's attention and 1.6x in float32
-(bench/cpu_attention.py). It is used where it applies — CPU tensors, float32/bfloat16, no mask other
-than causality, head_dim a multiple of 16 (32 for bf16), no gradient — and torch's SDPA everywhere else.
+needle prefill, the perplexity windows' far part). The C kernel computes the same softmax attention in
+float32 (bfloat16 inputs through AVX512-BF16 dot products). Which is faster depends on the host: on a 2-CPU
+AVX-512 BF16 host without AMX it ran 3.2x faster than torch's SDPA on a bf16 4k SmolLM2 prefill and 1.6x in
+float32 (bench/cpu_attention.py); on an Intel Xeon with AMX, torch's bfloat16 SDPA ran 2.4-3.5x faster than it
+while the C kernel still won in float32 up to 2k tokens (bench/native_paths.py). So each input dtype is measured
+against torch once per machine (`chosen(dtype)`), and the kernel is used where it won and applies — CPU
+tensors, float32/bfloat16, no mask other than causality, head_dim a multiple of 16 (32 for bf16), no gradient —
+and torch's SDPA everywhere else.
 
     out, lse = causal_attention(q, k, v)               # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D), GQA
     with native_prefill(model): model(input_ids=...)   # the model's attention through it (else SDPA)
@@ -60,22 +63,26 @@ def available() -> bool:
     return _LIB is not None
 
 
-_CHOSEN: "bool | None" = None
+# The host choice per input dtype: bfloat16 is probed on its own because torch's bfloat16 SDPA may run on matrix
+# units the C kernel does not use (AMX: 2.4-3.5x faster than the C kernel's AVX512-BF16 path on one such host,
+# bench/native_paths.py), while in float32 the C kernel wins on the same host.
+PROBES = {torch.float32: "flash_cpu", torch.bfloat16: "flash_cpu_bf16"}
+_CHOSEN: dict = {}  # dtype -> bool
 
 
-def chosen() -> bool:
-    """The product uses the kernel: built, and measured no slower than torch's SDPA on this host (float32,
-    one thread, a 512-token causal probe of SmolLM2's heads; `native_build.measured_choice`, kept per machine)."""
-    global _CHOSEN
-    if not available():  # checked each call: the environment may switch it off
+def chosen(dtype: torch.dtype = torch.float32) -> bool:
+    """The product uses the kernel for `dtype` inputs: built, and measured no slower than torch's SDPA on this host
+    in that dtype (one thread, a 512-token causal probe of SmolLM2's heads; `native_build.measured_choice`, kept
+    per machine)."""
+    if not available() or dtype not in PROBES:  # checked each call: the environment may switch it off
         return False
-    if _CHOSEN is None:
+    if dtype not in _CHOSEN:
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, h, 512, 64, generator=g) for h in (9, 3, 3))      # (B, H, T, D)
+        q, k, v = (torch.randn(1, h, 512, 64, generator=g).to(dtype) for h in (9, 3, 3))      # (B, H, T, D)
         K, V = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
-        _CHOSEN = measured_choice("flash_cpu", _LIB, lambda: causal_attention(q, k, v, threads=1),
-                                  lambda: F.scaled_dot_product_attention(q, K, V, is_causal=True))
-    return _CHOSEN
+        _CHOSEN[dtype] = measured_choice(PROBES[dtype], _LIB, lambda: causal_attention(q, k, v, threads=1),
+                                         lambda: F.scaled_dot_product_attention(q, K, V, is_causal=True))
+    return _CHOSEN[dtype]
 
 
 def _applies(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -87,7 +94,7 @@ def _applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the product runs `causal_attention` for these tensors (else callers use torch's SDPA)."""
-    return _applies(q, k) and chosen()
+    return _applies(q, k) and chosen(q.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -186,7 +193,8 @@ class native_prefill:
 
     def __enter__(self):
         m = self.model
-        if m.config._attn_implementation == "sdpa" and next(m.parameters()).device.type == "cpu" and chosen():
+        w = next(m.parameters())
+        if m.config._attn_implementation == "sdpa" and w.device.type == "cpu" and chosen(w.dtype):
             self.prev = "sdpa"
             m.set_attn_implementation(register())
         return self

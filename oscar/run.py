@@ -29,6 +29,8 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
+import torch
+
 from oscar.cluster.jobs import driver_config
 from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
 from oscar.cluster.scoring import StagedScorer
@@ -372,7 +374,9 @@ def native_paths() -> dict:
     against torch by oscar/native_build.py), for run.json."""
     out = {}
     for name, ok, why in (("moments", native.chosen, lambda: native.WHY_NOT),
-                          ("flash_cpu", cpu_attention.chosen, lambda: cpu_attention.WHY_NOT)):
+                          ("flash_cpu", cpu_attention.chosen, lambda: cpu_attention.WHY_NOT),
+                          ("flash_cpu_bf16", lambda: cpu_attention.chosen(torch.bfloat16),
+                           lambda: cpu_attention.WHY_NOT)):
         ok()
         out[name] = native_build.CHOICES.get(name) or {"native": False, "why": why() or "not built"}
     return out

@@ -154,10 +154,11 @@ import json, torch
 from oscar import native_build
 from oscar.kernels import cpu_attention as CA
 from oscar.pipeline import capture as C, native
-ok = (native.chosen(), CA.chosen())
+ok = (native.chosen(), CA.chosen(), CA.chosen(torch.bfloat16))
 x = torch.randn(2, 8, 64)
-print("CHOICE", json.dumps({"moments": ok[0], "flash": ok[1], "native_ok": C._native_ok([x]),
-                            "supports": CA.supports(torch.randn(1, 3, 8, 64), torch.randn(1, 1, 8, 64)),
+q, k = torch.randn(1, 3, 8, 64), torch.randn(1, 1, 8, 64)
+print("CHOICE", json.dumps({"moments": ok[0], "flash": ok[1], "flash_bf16": ok[2], "native_ok": C._native_ok([x]),
+                            "supports": CA.supports(q, k), "supports_bf16": CA.supports(q.bfloat16(), k.bfloat16()),
                             "choices": native_build.CHOICES}))
 """
 
@@ -176,13 +177,14 @@ def test_host_choice_measured_once_and_shared(tmp_path):
     """Unforced, each native path runs only where its probe was no slower than the torch ops it replaces; the
     verdict is measured once per machine and build, and every later process (Ray workers too) reads it."""
     first = _choice(tmp_path, OSCAR_NATIVE="1")
-    for name, key in (("moments", "moments"), ("flash_cpu", "flash")):
+    for name, key in (("moments", "moments"), ("flash_cpu", "flash"), ("flash_cpu_bf16", "flash_bf16")):
         rec = first["choices"][name]
         assert rec["native"] == (rec["native_s"] <= rec["torch_s"]) == first[key]
         assert rec["native_s"] > 0 and rec["torch_s"] > 0 and "chosen" in rec["why"]
     assert first["native_ok"] == first["moments"] and first["supports"] == first["flash"]
+    assert first["supports_bf16"] == first["flash_bf16"]  # each input dtype takes its own verdict
     files = sorted(tmp_path.rglob("*.choice.json"))
-    assert len(files) == 2
+    assert len(files) == 3
     again = _choice(tmp_path, OSCAR_NATIVE="1")
     assert again["choices"] == first["choices"]  # read, not re-measured (same timestamps and times)
 
@@ -199,8 +201,26 @@ def test_host_choice_slower_falls_back_to_torch(tmp_path):
         f.write_text(json.dumps({**rec, "native": False, "native_s": 2 * rec["torch_s"]}))
     slow = _choice(tmp_path, OSCAR_NATIVE="1")
     assert not slow["moments"] and not slow["flash"] and not slow["native_ok"] and not slow["supports"]
+    assert not slow["flash_bf16"] and not slow["supports_bf16"]
     forced = _choice(tmp_path, OSCAR_NATIVE="force")
     assert forced["moments"] and forced["flash"] and forced["native_ok"] and forced["supports"]
+    assert forced["flash_bf16"] and forced["supports_bf16"]
+
+
+@needs_kernel
+def test_host_choice_per_dtype(tmp_path):
+    """A host where the kernel lost in bfloat16 only (torch's bfloat16 SDPA on matrix units) keeps it for float32
+    inputs and hands bfloat16 inputs, and a bfloat16 model's prefill, to torch."""
+    import json
+
+    _choice(tmp_path, OSCAR_NATIVE="1")
+    (f,) = [f for f in tmp_path.rglob("flash_cpu_bf16-*.choice.json")]
+    rec = json.loads(f.read_text())
+    f.write_text(json.dumps({**rec, "native": False}))
+    (g,) = [g for g in tmp_path.rglob("flash_cpu-*.choice.json")]
+    g.write_text(json.dumps({**json.loads(g.read_text()), "native": True}))
+    mixed = _choice(tmp_path, OSCAR_NATIVE="1")
+    assert mixed["flash"] and mixed["supports"] and not mixed["flash_bf16"] and not mixed["supports_bf16"]
 
 
 _SUMS = """

@@ -36,7 +36,7 @@ def test_run_main_small_then_resume(tmp_path, capsys):
     # the host it ran on, the dtype chosen for it and each native kernel's verdict, in run.json and the report
     assert info["compute_dtype"] == host.compute_dtype("auto", "cpu") and info["config"]["dtype"] == "auto"
     assert info["host"] == host.describe(info["host_info"]) and "CPUs" in info["host"]
-    assert set(info["native_paths"]) == {"moments", "flash_cpu"} and all("why" in v for v in info["native_paths"].values())
+    assert set(info["native_paths"]) == {"moments", "flash_cpu", "flash_cpu_bf16"} and all("why" in v for v in info["native_paths"].values())
     for f in ("ppl_config.json", "niah_config.json"):  # the stages ran in it (an identity names it unless float32:
         # float32 results written before the option keep their identity)
         assert json.load(open(os.path.join(d, f)))["identity"].get("dtype", "float32") == info["compute_dtype"]
@@ -114,7 +114,7 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
 
     assert info["compute_dtype"] == host.compute_dtype("auto", "cpu") and info["config"]["dtype"] == "auto"
     assert info["host"] == host.describe(info["host_info"]) and "CPUs" in info["host"]
-    assert set(info["native_paths"]) == {"moments", "flash_cpu"} and all("why" in v for v in info["native_paths"].values())
+    assert set(info["native_paths"]) == {"moments", "flash_cpu", "flash_cpu_bf16"} and all("why" in v for v in info["native_paths"].values())
     for f in ("ppl_config.json", "niah_config.json"):
         assert json.load(open(os.path.join(d, f)))["identity"].get("dtype", "float32") == info["compute_dtype"]
     assert f"Model compute dtype {info['compute_dtype']}" in open(os.path.join(d, "report.md")).read()
