@@ -113,16 +113,19 @@ def check_artifact(artifact: str | None, methods: list[str]) -> None:
         raise OscarError(f"artifact {artifact} does not exist")
 
 
-def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, stages, what: str):
+def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, stages, what: str,
+                    engines: tuple[str, ...] = ("simulate",)):
     """(model in cfg.dtype on `dev`, tokenizer, config), everything refusable refused before the weights load; or
-    (None, tokenizer, config) when `stages` (cluster/scoring.py) hold the model: they run the simulator in their own
-    dtype, and lengths past the model's context are refused from its config."""
+    (None, tokenizer, config) when `stages` (cluster/scoring.py) hold the model: they run `engines` (needles: the
+    simulator and the product cache) in their own dtype, and lengths past the model's context are refused from its
+    config."""
     if stages is None:
         model, tok = load_checked(cfg.model, cfg.artifact, methods, lengths, cfg.dtype, loaded)
         return engine.to_device(model, dev), tok, model.config
-    if cfg.engine != "simulate" or cfg.dtype != stages.dtype:
-        raise OscarError(f"{what} on the pipeline stages: they run the simulator (--engine simulate) in their dtype "
-                         f"{stages.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
+    if cfg.engine not in engines or cfg.dtype != stages.dtype:
+        runs = " or ".join(f"--engine {e}" for e in engines)
+        raise OscarError(f"{what} on the pipeline stages: they run {runs} in their dtype {stages.dtype}; got --engine "
+                         f"{cfg.engine}, dtype {cfg.dtype}")
     check_lengths(lengths, env.max_context(SimpleNamespace(config=stages.config)), cfg.model)
     check_artifact(cfg.artifact, methods)
     return None, stages.tokenizer, stages.config
@@ -422,7 +425,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         raise OscarError("--samples must be >= 1")
     if cfg.batch_tokens < 1:
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
-    model, tok, config = model_or_stages(cfg, methods, cfg.lengths, loaded, dev, stages, "needles")
+    model, tok, config = model_or_stages(cfg, methods, cfg.lengths, loaded, dev, stages, "needles", engine.ENGINES)
     _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):
@@ -450,8 +453,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
     with open(path, "a") as f, (Workers(n, model, _niah_init, (arts, cfg.protocol, eos)) if n > 1 else _Inline()) as W:
         units = [[make_sample(t, L, i, tok, src, seed=cfg.seed) for t, L, i, _ in batch] for batch in batches]
-        if stages is not None:  # each batch's prefill and decode flow through the stage actors
-            results = ((k, stages.needle_batch(s, [b[3] for b in batch], cfg.protocol, eos))
+        if stages is not None:  # each batch's prefill and decode flow through the stage actors, by either engine
+            results = ((k, stages.needle_batch(s, [b[3] for b in batch], cfg.protocol, eos, engine=cfg.engine))
                        for k, (s, batch) in enumerate(zip(units, batches)))
         elif n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)

@@ -178,7 +178,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     for c in cfg.contexts:
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
-    model, tok, config = model_or_stages(cfg, methods, cfg.contexts, loaded, dev, scorer, "perplexity")
+    model, tok, config = model_or_stages(cfg, methods, cfg.contexts, loaded, dev, scorer, "perplexity", engine.ENGINES)
     text, src = heldout_text_ids(tok, cfg.corpus, cfg.tokens)
     ident = cfg.identity()
     if src["docstring_tokens"]:  # past the split: the docstrings depend on the Python that read them
@@ -241,7 +241,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
         if scorer is not None:  # every window's chain submitted at once: the stages pipeline the windows
             scorer.load({m: arts[m] for m in methods})
             jobs = [(m, p, ids[:, w * c:(w + 1) * c], cuts) for (m, p, c, w), _, cuts in plan]
-            results = enumerate(scorer.score(jobs))
+            results = enumerate(scorer.score(jobs, engine=cfg.engine))
         elif n > 1:
             results = W.map(_ppl_unit, [(job, cuts) for job, _, cuts in plan])
         else:
