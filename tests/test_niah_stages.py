@@ -93,8 +93,8 @@ def test_refusals_before_any_work(capsys, tmp_path):
     # the stages compute in their own dtype (nothing connects or starts before the refusal)
     sc = StagedScorer("tiny-llama", ClusterConfig(stages=2, dtype="bfloat16"), address="auto")
     for engine in ("simulate", "cache"):
-        with pytest.raises(OscarError, match=f"run --engine simulate or --engine cache in their dtype bfloat16; got "
-                                             f"--engine {engine}, dtype float32"):
+        with pytest.raises(OscarError, match="needles on the pipeline stages: they compute in their dtype bfloat16; "
+                                             "got dtype float32"):
             run_niah(NiahConfig(out=never, model="tiny-llama", engine=engine, dtype="float32"), stages=sc)
     assert not os.path.exists(never) and not sc.actors
 

@@ -113,19 +113,16 @@ def check_artifact(artifact: str | None, methods: list[str]) -> None:
         raise OscarError(f"artifact {artifact} does not exist")
 
 
-def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, stages, what: str,
-                    engines: tuple[str, ...] = ("simulate",)):
+def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, stages, what: str):
     """(model in cfg.dtype on `dev`, tokenizer, config), everything refusable refused before the weights load; or
-    (None, tokenizer, config) when `stages` (cluster/scoring.py) hold the model: they run `engines` (needles: the
-    simulator and the product cache) in their own dtype, and lengths past the model's context are refused from its
-    config."""
+    (None, tokenizer, config) when `stages` (cluster/scoring.py) hold the model: they run either engine in their own
+    dtype, and lengths past the model's context are refused from its config."""
     if stages is None:
         model, tok = load_checked(cfg.model, cfg.artifact, methods, lengths, cfg.dtype, loaded)
         return engine.to_device(model, dev), tok, model.config
-    if cfg.engine not in engines or cfg.dtype != stages.dtype:
-        runs = " or ".join(f"--engine {e}" for e in engines)
-        raise OscarError(f"{what} on the pipeline stages: they run {runs} in their dtype {stages.dtype}; got --engine "
-                         f"{cfg.engine}, dtype {cfg.dtype}")
+    if cfg.dtype != stages.dtype:
+        raise OscarError(f"{what} on the pipeline stages: they compute in their dtype {stages.dtype}; got dtype "
+                         f"{cfg.dtype}")
     check_lengths(lengths, env.max_context(SimpleNamespace(config=stages.config)), cfg.model)
     check_artifact(cfg.artifact, methods)
     return None, stages.tokenizer, stages.config
@@ -408,8 +405,9 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process). Batches go round-robin, each worker with its
     own prefill pool; a worker runs one intra-op thread.
     stages: where the batches are decoded instead of a model in this process: an object with `config`,
-    `generation_config`, `tokenizer`, `dtype`, `load(arts)` and `needle_batch(samples, names, protocol, eos)` ->
-    what `_decode_timed` returns (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
+    `generation_config`, `tokenizer`, `dtype`, `load(arts)` and `needle_batch(samples, names, protocol, eos, engine=)`
+    -> what `_decode_timed` (engine "simulate") or the timed `engine.niah_answers` ("cache") returns (the pipeline
+    stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     env.refuse_chat_corpus(cfg.corpus)  # before any weights load
     # before loading weights: no silent CPU run (the pipeline stages check their own devices)
@@ -425,7 +423,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         raise OscarError("--samples must be >= 1")
     if cfg.batch_tokens < 1:
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
-    model, tok, config = model_or_stages(cfg, methods, cfg.lengths, loaded, dev, stages, "needles", engine.ENGINES)
+    model, tok, config = model_or_stages(cfg, methods, cfg.lengths, loaded, dev, stages, "needles")
     _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):

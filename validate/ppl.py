@@ -165,8 +165,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process, threads by load). A worker runs one intra-op
     thread; windows are independent, so a window's NLL does not depend on which worker scored it.
     scorer: where the windows are scored instead of a model in this process: an object with `config`,
-    `tokenizer`, `load(arts)` and `score(jobs)` -> the results of `_window` for each (method, protocol, window,
-    cuts) in order (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
+    `tokenizer`, `load(arts)` and `score(jobs, engine=)` -> the results of `_window` (or under the cache engine
+    `engine.window_nll` for a method with an artifact) for each (method, protocol, window, cuts) in order (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     env.refuse_chat_corpus(cfg.corpus)  # before any weights load
     # before loading weights: no silent CPU run (the pipeline stages check their own devices)
@@ -178,7 +178,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     for c in cfg.contexts:
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
-    model, tok, config = model_or_stages(cfg, methods, cfg.contexts, loaded, dev, scorer, "perplexity", engine.ENGINES)
+    model, tok, config = model_or_stages(cfg, methods, cfg.contexts, loaded, dev, scorer, "perplexity")
     text, src = heldout_text_ids(tok, cfg.corpus, cfg.tokens)
     ident = cfg.identity()
     if src["docstring_tokens"]:  # past the split: the docstrings depend on the Python that read them
