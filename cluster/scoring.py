@@ -42,9 +42,9 @@ from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leave
                                           window_sums)
 from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
+from oscar.validate import engine
 from oscar.validate.methods import PROTOCOLS
 from oscar.validate.niah import PrefillPool, batch_capacity
-from oscar.validate import engine
 from oscar.validate.ppl import hidden_nll
 from oscar.validate.rowbatch import positions, run_rows
 
