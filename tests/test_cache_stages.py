@@ -117,6 +117,7 @@ def answers(out) -> dict:
 @pytest.mark.parametrize("model,methods", [
     ("tiny-llama", ["bf16", "oscar-int2", "naive-int2"]),
     ("tiny-glm4-moe", ["bf16", "hadamard-int2", "naive-int2"]),
+    pytest.param("smollm2-135m", ["bf16", "hadamard-int2", "naive-int2"], marks=pytest.mark.full),  # real needles
 ])
 def test_cache_engine_on_two_stages_equals_one_process(model, methods, ray_head, scaled_artifact, tmp_path):
     """`--engine cache` on 2 stages (each its own layers' OscarCache, the torch reference kernels on CPU) against
