@@ -4,11 +4,12 @@
 # attention shape at 32k and 128k, a 2-stage calibration on CUDA of GLM-4.7's first layers
 # (3 dense + 1 MoE, 160 experts) against `oscar plan`, the same in GLM-4.7-FP8's block-FP8 layout
 # against its dequantized BF16 twin, and a needle batch decoded by 2 pipeline stages on CUDA, each keeping its
-# layers' INT2 rows, against one process (bench/gpu_e2e.py). No weights, no downloads.
-# Budget < 8 minutes on one H100/H200-class GPU (each step has its own time limit and keeps what it
-# measured when stopped; the limits sum to 480 s); the results land under $OUT in 9 files: env.json,
+# layers' INT2 rows, against one process, and the same through each stage's own layers' OscarCache (the Triton
+# kernels) against the cache engine in one process (bench/gpu_e2e.py). No weights, no downloads.
+# Budget < 9 minutes on one H100/H200-class GPU (each step has its own time limit and keeps what it
+# measured when stopped; the limits sum to 540 s); the results land under $OUT in 10 files: env.json,
 # kernel_tests.xml, decode_cuda.{json,png}, e2e_decode.json, e2e_calibrate.json, e2e_calibrate_fp8.json,
-# e2e_needles.json, check.log.
+# e2e_needles.json, e2e_needles_cache.json, check.log.
 #
 #   bash bench/gpu_prepare.sh     # here: wheels the device image lacks + the tokenizer, into .gpu/
 #   OUT=/some/dir OSCAR_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh   # there, .gpu carried
@@ -67,5 +68,7 @@ timeout 80 $PY bench/gpu_e2e.py calibrate --out "$OUT/e2e_calibrate.json" 2>&1 |
 timeout 80 $PY bench/gpu_e2e.py calibrate-fp8 --out "$OUT/e2e_calibrate_fp8.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 # 6. needles through 2 pipeline stages on CUDA (4 dense layers, 4 samples x 8k, bf16 + INT2) vs one process
 timeout 60 $PY bench/gpu_e2e.py needles --out "$OUT/e2e_needles.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
+# 7. the same needles through the product cache: each stage its own layers' OscarCache on CUDA (Triton) vs one process
+timeout 60 $PY bench/gpu_e2e.py needles --engine cache --out "$OUT/e2e_needles_cache.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 ls -l "$OUT"
 exit $status

@@ -29,7 +29,9 @@ needles    The same cut (--layers dense layers, GLM-4.7's attention) decoding a 
            rotations) for --samples random-token prompts of --context tokens, --new tokens each; the same batch in
            one process on the same device (`validate.niah.decode_batch`). Reports how many answers agree and the
            stages' and the process's wall time per batch. Without Ray (the GPU image has none) the same stage
-           objects and driver run in this process (`"ray": false`).
+           objects and driver run in this process (`"ray": false`). --engine cache: the product cache instead,
+           each stage keeping its own layers' OscarCache (the Triton kernels on CUDA) per (sample, method) row,
+           against `validate.engine.niah_answers` in one process.
 
 --dry-run runs each on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
 keeps working between GPU sessions.
@@ -38,6 +40,7 @@ keeps working between GPU sessions.
     python bench/gpu_e2e.py calibrate --out $OUT/e2e_calibrate.json
     python bench/gpu_e2e.py calibrate-fp8 --out $OUT/e2e_calibrate_fp8.json
     python bench/gpu_e2e.py needles --out $OUT/e2e_needles.json
+    python bench/gpu_e2e.py needles --engine cache --out $OUT/e2e_needles_cache.json
 """
 
 from __future__ import annotations
@@ -378,7 +381,8 @@ def bench_needles(args, dev: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
 
     from oscar.cluster.pipeline import ClusterConfig, stage_ranges
-    from oscar.cluster.scoring import Calls, ScoreArgs, ScoreStage, StagedScorer, needle_batch
+    from oscar.cluster.scoring import Calls, ScoreArgs, ScoreStage, StagedScorer, cache_needle_batch, needle_batch
+    from oscar.validate import engine
     from oscar.validate.methods import PROTOCOLS
     from oscar.validate.niah import PrefillPool, decode_batch
 
@@ -399,8 +403,10 @@ def bench_needles(args, dev: torch.device) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(dev).eval()
     t0 = time.perf_counter()
+    groups = [[None, art]] * len(samples)
     with torch.no_grad():
-        one = decode_batch(model, samples, [[None, art]] * len(samples), PROTOCOLS["serving"], PrefillPool(model), eos)
+        one = (engine.niah_answers(model, samples, groups, names, PROTOCOLS["serving"], eos) if args.engine == "cache"
+               else decode_batch(model, samples, groups, PROTOCOLS["serving"], PrefillPool(model), eos))
     sync(dev)
     one_s = time.perf_counter() - t0
     del model
@@ -423,7 +429,7 @@ def bench_needles(args, dev: torch.device) -> dict:
     if have_ray:
         with StagedScorer(str(model_dir), cc, address=None) as sc:
             sc.load(arts)
-            two, cost, warm_s, two_s = timed(lambda s_, n_: sc.needle_batch(s_, n_, "serving", eos))
+            two, cost, warm_s, two_s = timed(lambda s_, n_: sc.needle_batch(s_, n_, "serving", eos, engine=args.engine))
             ranges = sc.ranges
     else:  # the same stage objects and driver, called in this process (what Ray transports is checked on CPU)
         ranges = stage_ranges(str(model_dir), cc, cfg.num_hidden_layers)
@@ -431,14 +437,15 @@ def bench_needles(args, dev: torch.device) -> dict:
                   for i, (a, b) in enumerate(ranges)]
         for st in stages:
             st.load(arts)
-        two, cost, warm_s, two_s = timed(lambda s_, n_: needle_batch(stages, s_, n_, "serving", eos, Calls.direct()))
+        run = cache_needle_batch if args.engine == "cache" else needle_batch
+        two, cost, warm_s, two_s = timed(lambda s_, n_: run(stages, s_, n_, "serving", eos, Calls.direct()))
     rows = len(one)
     return {"model": "glm-4.7 attention shapes, random init, dense layers", "layers": cfg.num_hidden_layers,
             "ranges": ranges, "context": args.context, "samples": len(samples), "rows": rows, "new_tokens": args.new,
             "answers_equal": sum(a == b for a, b in zip(one, two)), "tokens_equal": sum(
                 x == y for a, b in zip(one, two) for x, y in zip(a, b)), "tokens": sum(len(a) for a in one),
             "one_process_seconds": one_s, "stages_seconds": two_s, "stages_warmup_seconds": warm_s,
-            "stages_cpu_seconds": cost["batch_cpu_s"], "ray": have_ray,
+            "stages_cpu_seconds": cost["batch_cpu_s"], "ray": have_ray, "engine": args.engine,
             "note": "seconds per batch: prefill of every sample + the rows' greedy decode; answers of random weights "
                     "agree where both sides round alike (bfloat16)"}
 
@@ -464,6 +471,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192, help="needles: prompt tokens per sample (default: %(default)s)")
     ap.add_argument("--samples", type=int, default=4, help="needles: samples in the batch (default: %(default)s)")
     ap.add_argument("--new", type=int, default=16, help="needles: greedy tokens per row (default: %(default)s)")
+    ap.add_argument("--engine", default="simulate", choices=("simulate", "cache"),
+                    help="needles: the simulator's row batch, or the product cache per row (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.dry_run:
         dev = torch.device("cpu")

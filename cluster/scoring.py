@@ -1,9 +1,13 @@
 """Validation on the stage actors: a window's hidden states flow through the same layer ranges as calibration.
 
-Two kinds of work: perplexity windows (`forward`, below) and needle batches (`rows_*`: each sample's haystack
-prefilled exactly through the stages, each stage keeping its own layers' rows of the batch's INT2 cache, then
-greedy decoding with one chain of stage calls per token, driven by the same loop as one process,
-`validate.rowbatch.run_rows`).
+Two kinds of work: perplexity windows (`forward`, below) and needle batches, by either engine (validate/engine.py):
+- simulate (`rows_*`): each sample's haystack prefilled exactly through the stages, each stage keeping its own
+  layers' rows of the batch's INT2 cache, then greedy decoding with one chain of stage calls per token, driven by
+  the same loop as one process, `validate.rowbatch.run_rows`;
+- cache (`cache_*`): the product path, `engine.niah_answers` on the stages: per (sample, method) row every stage
+  builds a fresh OscarCache of its own layers on its device (kernels chosen by the dispatcher: Triton on CUDA, the
+  torch reference on CPU), the haystack and the question go through the stages as chunks, then one chain of stage
+  calls per greedy token (`engine.greedy_tokens`), the last stage picking it.
 
 Each stage holds its own layers (cluster/loading.py; the first also the embeddings, the last also the final norm
 and the LM head) and reads K/V the way the method under test stores them: the INT2 simulator of
@@ -38,6 +42,7 @@ from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leave
                                           window_sums)
 from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
+from oscar.validate import engine
 from oscar.validate.methods import PROTOCOLS
 from oscar.validate.niah import PrefillPool, batch_capacity
 from oscar.validate.ppl import hidden_nll
@@ -77,6 +82,8 @@ class ScoreStage:
         rowbatch_kernels.register()  # the needle decode's attention (rows_step)
         self.pool = PrefillPool(self.stage)  # the needle batches' exact prefills, this stage's layers
         self.rows = None  # the needle batch's RowBatchCache, this stage's layers
+        self.cache = None  # the needle row's or window's cache under --engine cache (OscarCache or exact), its layers
+        self.kept = None  # the last stage: the window's final hidden states under --engine cache
 
     def load(self, arts: dict) -> int:
         """The methods' artifacts (None: the plain model) by name, for the windows that follow."""
@@ -164,6 +171,49 @@ class ScoreStage:
     def rows_end(self) -> float:
         """The batch is done: its cache is freed. Returns this process's CPU seconds so far."""
         self.rows = None
+        return time.process_time()
+
+    # ------------------------------------------------------------------ needles through the product cache (--engine cache)
+
+    def cache_begin(self, method: str, protocol: str, max_len: int, keep: bool = False) -> float:
+        """A fresh cache for one needle row or perplexity window over this stage's layers, as `engine.niah_answers` /
+        `engine.token_nll` build it in one process (`engine.new_cache`: the method's OscarCache, or the exact cache
+        for bf16), on this stage's device. keep: the last stage keeps every chunk's final hidden states (`cache_nll`).
+        Returns this process's CPU seconds so far."""
+        spec = self.stage.spec
+        with engine.served(self.stage):  # from_artifact switches the attention; restored after
+            self.cache = engine.new_cache(self.stage, method, self.arts[method], PROTOCOLS[protocol], max_len,
+                                          held=range(spec.start, spec.stop))
+        self.kept = [] if keep and spec.last else None
+        return time.process_time()
+
+    def cache_forward(self, x: torch.Tensor, pick: bool = False):
+        """One chunk of the row through this stage's layers and its cache: token ids (1, t) in at the first stage,
+        hidden states (1, t, H) from the stage before otherwise; hidden states out, or at the last stage the greedy
+        next token (`engine.next_token`) when `pick`, else None (the haystack chunk)."""
+        spec = self.stage.spec
+        x = x.to(self.args.device)
+        n = self.cache.get_seq_length(spec.start)
+        pos = torch.arange(n, n + x.shape[1], device=self.args.device)[None]  # (1, t): the row's next positions
+        h = self.stage.embed(x) if spec.first else x  # (1, t, H)
+        with engine.served(self.stage):
+            h = self.stage(h, position_ids=pos, cache=self.cache)  # (1, t, H)
+        if not spec.last:
+            return h.cpu()
+        if self.kept is not None:
+            self.kept.append(self.stage.norm(h))  # (1, t, H): what one process's `model.model` returns
+        return engine.next_token(self.stage.lm_head(self.stage.norm(h[:, -1:]))[:, -1]) if pick else None  # (1, V)
+
+    def cache_nll(self, ids: torch.Tensor, prefixes: tuple) -> tuple:
+        """The last stage, after every chunk of the window `ids` (1, T): what `engine.window_nll` returns."""
+        nll = engine.hidden_token_nll(self.stage.lm_head, torch.cat(self.kept, 1), ids.to(self.args.device))
+        self.kept = None
+        return engine.nll_sums(nll, prefixes)
+
+    def cache_end(self) -> float:
+        """The row is done: its pages go back and the cache is dropped. Returns this process's CPU seconds so far."""
+        engine.free_cache(self.cache)
+        self.cache, self.kept = None, None
         return time.process_time()
 
     def ping(self) -> bool:
@@ -277,10 +327,21 @@ class StagedRows:
         return srcs[0]
 
     def step(self, ids: torch.Tensor, last: torch.Tensor) -> list[int]:
-        x = ids
-        for a in self.stages[:-1]:
-            x = self.c.call(a, "rows_step", x)
-        return self.c.get(self.c.call(self.stages[-1], "rows_step", x, last))
+        return chain(self.c, self.stages, "rows_step", ids, last)
+
+
+def chain(c: Calls, stages: list, name: str, x, *last_args):
+    """`x` through method `name` of every stage in order (each stage's output the next one's input; the last one also
+    gets `last_args`); the last stage's result."""
+    for a in stages[:-1]:
+        x = c.call(a, name, x)
+    return c.get(c.call(stages[-1], name, x, *last_args))
+
+
+def batch_cost(samples, cpu_s: float, wall0: float, stages: list) -> dict:
+    """What a needle batch cost on the stages (the fields of `validate.niah._timed`, and the number of stages)."""
+    return {"batch_samples": len(samples), "batch_cpu_s": round(cpu_s, 2),
+            "batch_wall_s": round(time.perf_counter() - wall0, 2), "stages": len(stages)}
 
 
 def needle_batch(stages: list, samples, names: list[list[str]], protocol: str, eos: set[int],
@@ -303,8 +364,43 @@ def needle_batch(stages: list, samples, names: list[list[str]], protocol: str, e
                     [s.question_ids for s, ms in zip(samples, names) for _ in ms],
                     [s.max_new_tokens for s, ms in zip(samples, names) for _ in ms], eos)
     c1 = c.get([c.call(a, "rows_end") for a in stages])
-    return gens, {"batch_samples": len(samples), "batch_cpu_s": round(sum(c1) - sum(c0), 2),
-                  "batch_wall_s": round(time.perf_counter() - w0, 2), "stages": len(stages)}
+    return gens, batch_cost(samples, sum(c1) - sum(c0), w0, stages)
+
+
+def cache_needle_batch(stages: list, samples, names: list[list[str]], protocol: str, eos: set[int],
+                       calls: Calls | None = None) -> tuple[list[list[int]], dict]:
+    """What `engine.niah_answers` returns for one batch (timed as `validate.niah._timed`), computed by `stages` (their
+    artifacts loaded) with the product cache: per (sample, method) row in its order, a fresh cache on every stage over
+    its own layers, the haystack as one chunk through the stages, then the question chunk and one chain of stage
+    calls per greedy token (`engine.greedy_tokens`), the last stage picking it."""
+    c = calls or Calls()
+    w0, cpu, gens = time.perf_counter(), 0.0, []
+    for s, ms in zip(samples, names):
+        ctx = torch.tensor([s.context_ids])  # (1, T)
+        for m in ms:
+            c0 = c.get([c.call(a, "cache_begin", m, protocol, engine.row_length(s)) for a in stages])
+            chain(c, stages, "cache_forward", ctx)
+            step = lambda ids: chain(c, stages, "cache_forward", torch.tensor([ids]), True)  # noqa: E731  (1, t) ids
+            gens.append(engine.greedy_tokens(step, s.question_ids, s.max_new_tokens, eos))
+            cpu += sum(c.get([c.call(a, "cache_end") for a in stages])) - sum(c0)
+    return gens, batch_cost(samples, cpu, w0, stages)
+
+
+def cache_window(actors: list, method: str, protocol: str, win: torch.Tensor, cuts: tuple):
+    """`engine.window_nll` of window `win` (1, T) on Ray stage actors, submitted whole without waiting (an actor runs
+    one caller's calls in order, so the stages pipeline consecutive windows): a fresh cache per stage, the window's
+    chunks (`engine.window_chunks`) through the stages, the NLL on the last. Returns the result's object ref."""
+    T = win.shape[1]
+    for a in actors:
+        a.cache_begin.remote(method, protocol, T, True)
+    for s, e in engine.window_chunks(T):
+        x = win[:, s:e]  # (1, e - s)
+        for a in actors:
+            x = a.cache_forward.remote(x)
+    ref = actors[-1].cache_nll.remote(win, cuts)
+    for a in actors:
+        a.cache_end.remote()
+    return ref
 
 
 class StagedScorer:
@@ -322,6 +418,7 @@ class StagedScorer:
         self.dtype = cc.dtype  # the stages' weights and compute
         self.actors: list = []
         self.pgs: list = []
+        self.exact: set[str] = set()  # the loaded methods without an artifact (bf16)
 
     def __enter__(self):
         return self
@@ -369,20 +466,28 @@ class StagedScorer:
 
         if not self.actors:
             self._start()
+        self.exact = {m for m, a in arts.items() if a is None}  # what --engine cache scores as one process does
         ref = ray.put(arts)
         ray.get([a.load.remote(ref) for a in self.actors])
 
-    def needle_batch(self, samples, names: list[list[str]], protocol: str, eos: set[int]) -> tuple[list[list[int]], dict]:
-        """`needle_batch` on this scorer's stage actors."""
-        return needle_batch(self.actors, samples, names, protocol, eos)
+    def needle_batch(self, samples, names: list[list[str]], protocol: str, eos: set[int],
+                     engine: str = "simulate") -> tuple[list[list[int]], dict]:
+        """`needle_batch` (engine "simulate") or `cache_needle_batch` ("cache") on this scorer's stage actors."""
+        run = cache_needle_batch if engine == "cache" else needle_batch
+        return run(self.actors, samples, names, protocol, eos)
 
-    def score(self, jobs: list[tuple]):
-        """For each (method, protocol, window ids (1, T), cuts), in order: what `window_nll` returns."""
+    def score(self, jobs: list[tuple], engine: str = "simulate"):
+        """For each (method, protocol, window ids (1, T), cuts), in order: what `window_nll` returns (engine
+        "simulate"; bf16 under either engine, as in one process), or `engine.window_nll` (engine "cache": every stage
+        its own layers' OscarCache, `cache_window`)."""
         # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
         import ray
 
         refs = []
         for m, p, win, cuts in jobs:
+            if engine == "cache" and m not in self.exact:
+                refs.append(cache_window(self.actors, m, p, win, cuts))
+                continue
             x = win
             for a in self.actors:
                 x = a.forward.remote(x, m, p, win, cuts)

@@ -51,8 +51,9 @@ from oscar.constraints import SLIDING_WINDOW, check_model
 from oscar.kernels import dispatch
 from oscar.kernels.memory import cache_bytes
 from oscar.kernels.reference import gather_rotated
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, layer_config, layout
-from oscar.kernels.rowbatch import RowBatchCache
+from oscar.kernels.paged import (PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, check_held,
+                                 held_rotations, layer_config, layout)
+from oscar.kernels.rowbatch import Elsewhere, RowBatchCache
 from oscar.kernels.simulate import MethodBatchCache, Protocol, SimQuantCache
 from oscar.stats.artifact import Artifact, QuantConfig, beyond_calibration, load_artifact
 
@@ -137,7 +138,7 @@ class OscarLayer(CacheLayerMixin):
         if not o._warned_len and (why := beyond_calibration(o.artifact if o.format == "int2" else None, n1)):
             o._warned_len = True  # once per cache
             warnings.warn(f"OscarCache: a sequence reaches {n1} tokens, {why}", stacklevel=3)
-        if n1 > o.max_len:  # layer 0 refuses first: no layer holds the chunk
+        if n1 > o.max_len:  # the first layer held refuses first: no layer holds the chunk
             kind = "pass-through " if o.format == "passthrough" else ""
             raise OscarError(f"{kind}OscarCache holds at most max_len={o.max_len} tokens per sequence, "
                              f"this update would make {n1} (nothing was written); build it with a larger max_len, "
@@ -156,16 +157,17 @@ class OscarLayer(CacheLayerMixin):
             raise OscarError(f"this OscarCache is unusable after a refused update: {o.broken}")
         try:
             pc.append_batch(o.seqs, key_states, value_states)  # all-or-nothing (PoolExhausted before any write)
-        except PoolExhausted as e:  # every layer has the same pages: layer 0 refuses first, nothing is written
+        except PoolExhausted as e:  # every layer has the same pages: the first layer held refuses first, nothing is written
             raise PoolExhausted(f"{e}; the cache holds {n0} tokens per sequence, room for {o.capacity()} "
                                 f"(oscar.kernels.cache.generate checks this before decoding and keeps the tokens "
                                 f"generated)") from None
         except ParamRangeError as e:
             # 8-bit params: layer l learns its range only now, after layers < l appended this chunk
-            if self.idx:
-                o.broken = (f"layer {self.idx} refused the chunk that layers 0..{self.idx - 1} already hold "
+            first = o.held.start  # the first layer this cache holds
+            if self.idx > first:
+                o.broken = (f"layer {self.idx} refused the chunk that layers {first}..{self.idx - 1} already hold "
                             "(8-bit scale/zero range); build a new cache with param_dtype='float16'")
-            raise ParamRangeError(f"layer {self.idx}: {e}" + (f"; {o.broken}" if self.idx else "")) from e
+            raise ParamRangeError(f"layer {self.idx}: {e}" + (f"; {o.broken}" if self.idx > first else "")) from e
         self.n = n1
         self._chunk = (n0, key_states, value_states, tail_old)
         key_states._oscar_layer = self
@@ -303,12 +305,14 @@ class OscarCache(Cache):
 
     The pool (`self.pool`, a `PagedKVCache`) is created at the first update, when
     batch size, dtype and device are known; sequences `self.seqs` are its slots.
+    `held`: the layers it holds (a pipeline stage's own range, None: all); the others are `Elsewhere`
+    (writing one is refused) and the pool allocates nothing for them.
     """
 
     def __init__(self, artifact: Artifact, config: Any, quant: QuantConfig, *, format: Format = "int2",
                  max_len: int | None = None, max_pages: int | None = None, max_seqs: int | None = None,
                  backend: str | None = None, dtype: torch.dtype | None = None, pool: PagedKVCache | None = None,
-                 layer_quant: list[QuantConfig] | None = None):
+                 layer_quant: list[QuantConfig] | None = None, held: range | None = None):
         if format not in ("int2", "passthrough"):
             raise OscarError(f"format must be 'int2' or 'passthrough', got {format!r}")
 
@@ -328,13 +332,16 @@ class OscarCache(Cache):
             self.paged_config(1, torch.float32, "cpu")  # validate the format now, not at the first update
             if layer_quant is not None and format == "int2":
                 self.layer_configs(self.paged_config(1, torch.float32, "cpu"))
-        super().__init__(layers=[OscarLayer(self, i) for i in range(self.shapes["num_layers"])])
+        self.held = check_held(held, self.shapes["num_layers"])
+        super().__init__(layers=[OscarLayer(self, i) if i in self.held else Elsewhere(i)
+                                 for i in range(self.shapes["num_layers"])])
 
     @classmethod
     def from_artifact(cls, model, artifact: str | Path | Artifact, *, format: Format = "int2",
                       quant: QuantConfig | None = None, max_len: int | None = None, max_pages: int | None = None,
                       max_seqs: int | None = None, backend: str | None = None, dtype: torch.dtype | None = None,
-                      allow_weights_mismatch: bool | None = None, **overrides) -> "OscarCache":
+                      allow_weights_mismatch: bool | None = None, held: range | None = None,
+                      **overrides) -> "OscarCache":
         """An empty cache for `model` from an artifact (path or `Artifact`).
 
         overrides: any of bits, group_size, key_axis, mode, sink, recent, page_size, clip_rule, param_dtype (replace the
@@ -345,6 +352,7 @@ class OscarCache(Cache):
         dtype: storage dtype of sink / recent window (default: the model's k/v dtype).
         allow_weights_mismatch: accept an artifact fitted on other weights of the same config (a
         deliberate transfer; default: `oscar --allow-weights-mismatch` / $OSCAR_ALLOW_WEIGHTS_MISMATCH).
+        held: the layers the cache holds, for a `model` that runs only them (a pipeline stage); None: all.
         """
         art = load_artifact(str(artifact)) if isinstance(artifact, (str, Path)) else artifact
         if not isinstance(art, Artifact):
@@ -366,7 +374,7 @@ class OscarCache(Cache):
             if hasattr(model, "prepare_inputs_for_generation"):  # generate: the whole prompt vs the cached tokens
                 model.prepare_inputs_for_generation = _guard_prefix(model.prepare_inputs_for_generation)
         return cls(art, model.config, q, format=format, max_len=max_len, max_pages=max_pages, max_seqs=max_seqs,
-                   backend=backend, dtype=dtype, layer_quant=lq)
+                   backend=backend, dtype=dtype, layer_quant=lq, held=held)
 
     # ---- pool
     def paged_config(self, batch: int, dtype: torch.dtype, device) -> PagedConfig:
@@ -401,9 +409,9 @@ class OscarCache(Cache):
         dtype = self.store_dtype or k.dtype
         if self.pool is None:
             cfg = self.paged_config(B, dtype, k.device)
-            rots = [LayerRotation.from_artifact(self.artifact, l, k.device) for l in range(self.artifact.num_layers)]
+            rots = held_rotations(self.artifact, k.device, self.held)
             lq = self.layer_quant if self.format == "int2" else None
-            self.pool = PagedKVCache(cfg, rots, quantizer=dispatch.quantize_pages, layer_quant=lq)
+            self.pool = PagedKVCache(cfg, rots, quantizer=dispatch.quantize_pages, layer_quant=lq, held=self.held)
         self.seqs = [self.pool.new_sequence() for _ in range(B)]
 
     def _check_attn_impl(self) -> None:
@@ -426,6 +434,19 @@ class OscarCache(Cache):
         if getattr(first, "dtype", k.dtype) != k.dtype or k.dtype != v.dtype:
             raise OscarError(f"layer {idx}: k/v dtype {k.dtype}/{v.dtype}, the cache was started with {first.dtype}")
 
+    # ---- layers
+    def own_layers(self) -> list[OscarLayer]:
+        """The layers this cache holds (every layer, or a pipeline stage's own range)."""
+        return [self.layers[l] for l in self.held]
+
+    def get_seq_length(self, layer_idx: int | None = None) -> int:
+        """Tokens held per sequence, read from `layer_idx` (default: the first layer held); another layer is refused."""
+        l = self.held.start if layer_idx is None else layer_idx
+        if l not in self.held:
+            raise OscarError(f"layer {l} is held by another pipeline stage (this cache holds layers "
+                             f"{self.held.start}..{self.held.stop - 1})")
+        return self.layers[l].n
+
     # ---- sequences
     def fork(self) -> "OscarCache":
         """A new cache over the same pool holding a copy of this one's sequences (prefix pages shared)."""
@@ -433,10 +454,10 @@ class OscarCache(Cache):
             raise OscarError("fork() needs a filled cache (run a prefill first)")
         new = OscarCache(self.artifact, self.config, self.quant, format=self.format, max_len=self.max_len,
                          max_pages=self.max_pages, max_seqs=self.max_seqs, backend=self.backend,
-                         dtype=self.store_dtype, pool=self.pool, layer_quant=self.layer_quant)
+                         dtype=self.store_dtype, pool=self.pool, layer_quant=self.layer_quant, held=self.held)
         new.seqs = [self.pool.fork(s) for s in self.seqs]
         new._ids = [t] if (t := self.token_ids()) is not None else None
-        for a, b in zip(new.layers, self.layers):
+        for a, b in zip(new.own_layers(), self.own_layers()):
             a.n, a.is_initialized = b.n, b.is_initialized
             a.dtype, a.device = getattr(b, "dtype", None), getattr(b, "device", None)
         return new
@@ -446,14 +467,14 @@ class OscarCache(Cache):
         for s in self.seqs:
             self.pool.free(s)
         self.seqs = []
-        for layer in self.layers:
+        for layer in self.own_layers():
             layer.n = 0
 
     def reset(self) -> None:
         """Empty the cache for a new prompt: its sequences (and unshared pages) go back to the pool."""
         if self.pool is not None and self.seqs:
             self.release()
-        for layer in self.layers:
+        for layer in self.own_layers():
             layer.n, layer.is_initialized = 0, False  # the next update claims new sequences of the same pool
         self.broken = None
         self._ids = []
@@ -465,8 +486,8 @@ class OscarCache(Cache):
             return self.max_len
         B = len(self.seqs) or batch or 1
         cfg = self.pool.cfg if self.pool is not None else self.paged_config(B, torch.float32, "cpu")
-        n = self.layers[0].n if self.seqs else 0
-        free = len(self.pool[0].free_pages) if self.pool is not None else cfg.num_pages
+        n = self.get_seq_length() if self.seqs else 0
+        free = len(self.pool.layers[0].free_pages) if self.pool is not None else cfg.num_pages
         pages_now = layout(n, cfg).num_pages
         p_max = min(cfg.max_pages_per_seq, pages_now + free // B)  # pages per sequence reachable
         room = cfg.quant.sink + cfg.quant.recent + (p_max + 1) * cfg.quant.page_size - 1  # layout(room).num_pages == p_max
@@ -528,10 +549,12 @@ class OscarCache(Cache):
 
 
 def _check_cache_positions(module, args, kwargs):
-    """Forward pre-hook of a model served with OscarCache: the chunk must continue the cache."""
+    """Forward pre-hook of a model served with OscarCache: the chunk must continue the cache. A pipeline stage
+    is fed hidden states (B, T, H), not token ids: only their positions are checked."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if isinstance(cache, OscarCache):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = None if ids is not None and ids.is_floating_point() else ids
         cache.check_positions(ids, kwargs.get("position_ids"), kwargs.get("attention_mask"))
 
 
@@ -652,8 +675,9 @@ def make_cache(art, protocol: Protocol, backend: str | None = "simulate", *, pre
                    each sample's prefill is `load`ed after
         None, reference, triton
                    art (None: DynamicCache) -> the paged OscarCache for `model` (`from_artifact`: sink and recent
-                   window from `protocol`, pages of `page_size`, `max_len`); None lets the dispatcher choose
-                   per call (Triton on CUDA, the torch reference on CPU; $OSCAR_KERNELS), as kernels do
+                   window from `protocol`, pages of `page_size`, `max_len`; `held`: a pipeline stage's layers,
+                   the only ones it allocates); None lets the dispatcher choose per call (Triton on CUDA, the
+                   torch reference on CPU; $OSCAR_KERNELS), as kernels do
 
     `protocol` says which tokens stay exact (sink, recent window, whole pages or token by token)."""
     backend = dispatch.cache_backend(backend)
@@ -669,10 +693,12 @@ def make_cache(art, protocol: Protocol, backend: str | None = "simulate", *, pre
             c.update(src.keys, src.values, l)
         return c
     if backend == "simulate":
+        if held is not None:
+            raise OscarError("the simulate backend holds every layer; held= is for the rows and paged backends")
         return SimQuantCache(art, protocol) if prefill is None else SimQuantCache.from_prefill(art, protocol, prefill)
     if not protocol.pages:
         raise OscarError(f"protocol {protocol.name!r} releases K/V one token at a time: no paged cache holds that")
     if prefill is not None:
         raise OscarError("the paged cache prefills through the model (kernels.cache.prefill), not from a DynamicCache")
     return OscarCache.from_artifact(model, art, max_len=max_len, backend=backend, sink=protocol.sink,
-                                    recent=protocol.recent, page_size=page_size)
+                                    recent=protocol.recent, page_size=page_size, held=held)

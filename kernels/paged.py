@@ -522,26 +522,32 @@ class PagedKVCache:
 
     `cfg` is the model's layout (sink, window, page, pool sizes) and the format of every layer unless
     `layer_quant` gives layer l its own (`Artifact.layer_quant`: wider keys in some layers); `layer_configs[l]`
-    is what layer l stores. Layers share the layout, so a sequence has the same pages in every layer."""
+    is what layer l stores. Layers share the layout, so a sequence has the same pages in every layer.
 
-    def __init__(self, cfg: PagedConfig, rotations: list[LayerRotation], *, quantizer: PageQuantizer,
-                 layer_quant: list[QuantConfig] | None = None):
+    `held`: the layers this pool holds (a pipeline stage's own range; None: every layer). Only they get pages and
+    buffers (`layers` lists them in order); `pool[l]` of another layer is refused. `rotations[l]` and
+    `layer_quant[l]` are indexed by the model's layer, those of layers outside `held` unused (None allowed)."""
+
+    def __init__(self, cfg: PagedConfig, rotations: list[LayerRotation | None], *, quantizer: PageQuantizer,
+                 layer_quant: list[QuantConfig] | None = None, held: range | None = None):
         self.cfg = cfg
-        if layer_quant is not None and len(layer_quant) != len(rotations):
-            raise OscarError(f"layer_quant has {len(layer_quant)} formats for {len(rotations)} layers")
-        self.layer_configs = [layer_config(cfg, q) for q in layer_quant] if layer_quant is not None else [cfg] * len(rotations)
-        self.layers = [PagedLayerCache(c, r, quantizer=quantizer) for c, r in zip(self.layer_configs, rotations)]
+        L = len(rotations)
+        if layer_quant is not None and len(layer_quant) != L:
+            raise OscarError(f"layer_quant has {len(layer_quant)} formats for {L} layers")
+        self.held = check_held(held, L)
+        self.layer_configs = [layer_config(cfg, q) for q in layer_quant] if layer_quant is not None else [cfg] * L
+        self.layers = [PagedLayerCache(self.layer_configs[l], rotations[l], quantizer=quantizer) for l in self.held]
 
     @classmethod
     def from_artifact(cls, art: Artifact, num_pages: int, *, quantizer: PageQuantizer, max_seqs: int = 8,
-                      dtype=torch.bfloat16, device="cpu", **overrides) -> "PagedKVCache":
-        """The artifact's format (its QuantConfig, fields replaced by `overrides`) with pool sizes from the caller."""
+                      dtype=torch.bfloat16, device="cpu", held: range | None = None, **overrides) -> "PagedKVCache":
+        """The artifact's format (its QuantConfig, fields replaced by `overrides`) with pool sizes from the caller;
+        `held`: the layers it holds (None: all)."""
         art.validate()
         cfg = PagedConfig(replace(art.quant, **overrides), art.num_kv_heads, art.head_dim, num_pages,
                           max_seqs=max_seqs, dtype=dtype, device=device)
         lq = None if art.layer_quant is None else [replace(q, **overrides) for q in art.layer_quant]
-        return cls(cfg, [LayerRotation.from_artifact(art, l, device) for l in range(art.num_layers)], quantizer=quantizer,
-                   layer_quant=lq)
+        return cls(cfg, held_rotations(art, device, held), quantizer=quantizer, layer_quant=lq, held=held)
 
     def new_sequence(self, seq: int | None = None) -> int:
         seq = self.layers[0].new_sequence(seq)
@@ -560,7 +566,24 @@ class PagedKVCache:
             layer.free(seq)
 
     def __getitem__(self, layer: int) -> PagedLayerCache:
-        return self.layers[layer]
+        if layer not in self.held:
+            raise OscarError(f"layer {layer} is not held by this cache (it holds layers {self.held.start}.."
+                             f"{self.held.stop - 1}: a pipeline stage's own)")
+        return self.layers[layer - self.held.start]
 
     def __len__(self) -> int:
         return len(self.layers)
+
+
+def check_held(held: range | None, num_layers: int) -> range:
+    """The layers a cache holds: `held` (a pipeline stage's contiguous range, step 1) or all `num_layers`."""
+    held = range(num_layers) if held is None else held
+    if not isinstance(held, range) or not held or held.step != 1 or held.start < 0 or held.stop > num_layers:
+        raise OscarError(f"held layers {held} are not a non-empty range within the model's {num_layers} layers")
+    return held
+
+
+def held_rotations(art: Artifact, device, held: range | None) -> list[LayerRotation | None]:
+    """Each layer's rotation from the artifact, on `device`, for the layers in `held` (None: all); None elsewhere."""
+    held = check_held(held, art.num_layers)
+    return [LayerRotation.from_artifact(art, l, device) if l in held else None for l in range(art.num_layers)]

@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from oscar.common import OscarError
+from oscar.kernels.paged import check_held
 from oscar.kernels.simulate import LayerQuant, Protocol, commit_row
 
 ATTN = "oscar_rows"
@@ -194,9 +195,7 @@ class RowBatchCache(Cache):
         self.capacity, self.dtype = capacity, dtype
         # the layers this cache holds: all of them in one process, a pipeline stage's own range on a stage (the
         # others are `Elsewhere`: the model's attention indexes the cache by its global layer index)
-        self.held = held if held is not None else range(num_layers)
-        if not self.held or self.held.start < 0 or self.held.stop > num_layers:
-            raise OscarError(f"held layers {self.held} outside the model's {num_layers}")
+        self.held = check_held(held, num_layers)
         self.starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups) + 1)]
         quant: dict[tuple[int, int], LayerQuant] = {}  # one LayerQuant per (method artifact, layer), shared by rows
 

@@ -63,11 +63,13 @@ def test_e2e_calibrate_fp8_dry_run_in_process(tmp_path):
     assert all(r["tokens"] > 0 for r in d["runs"].values())
 
 
-@pytest.mark.parametrize("ray", [pytest.param(True, marks=pytest.mark.ray), False])
-def test_e2e_needles_dry_run(tmp_path, ray):
+@pytest.mark.parametrize("ray,eng", [pytest.param(True, "simulate", marks=pytest.mark.ray), (False, "simulate"),
+                                     (False, "cache")])
+def test_e2e_needles_dry_run(tmp_path, ray, eng):
     """The 2-stage needle decode: through Ray's stage actors, or (the GPU image has no Ray) the same stage objects
-    called in this process; the stages' answers equal one process's on the same device."""
-    d = _run(["bench/gpu_e2e.py", "needles", "--dry-run", "--workdir", str(tmp_path / "w"), *([] if ray else ["--no-ray"])],
-             tmp_path)
-    assert d["ray"] is ray and d["ranges"] == [[0, 1], [1, 2]] and d["rows"] == 4
+    called in this process, by the simulator or the product cache; the stages' answers equal one process's on the
+    same device."""
+    d = _run(["bench/gpu_e2e.py", "needles", "--dry-run", "--engine", eng, "--workdir", str(tmp_path / "w"),
+              *([] if ray else ["--no-ray"])], tmp_path)
+    assert d["ray"] is ray and d["engine"] == eng and d["ranges"] == [[0, 1], [1, 2]] and d["rows"] == 4
     assert d["answers_equal"] == d["rows"] and d["tokens_equal"] == d["tokens"] == 16

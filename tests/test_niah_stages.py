@@ -15,7 +15,7 @@ import pytest
 
 from oscar.cluster.pipeline import ClusterConfig
 from oscar.cluster.scoring import StagedScorer
-from oscar.common import set_threads
+from oscar.common import OscarError, set_threads
 from oscar.validate.niah import NiahConfig, eos_ids, run_niah
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
@@ -59,9 +59,9 @@ class Counting(StagedScorer):
     """The stages, counting the samples sent through them."""
     sent = 0
 
-    def needle_batch(self, samples, names, protocol, eos):
+    def needle_batch(self, samples, names, protocol, eos, **kw):
         type(self).sent += len(samples)
-        return super().needle_batch(samples, names, protocol, eos)
+        return super().needle_batch(samples, names, protocol, eos, **kw)
 
 
 def test_cli_resumes_without_decoding_twice(ray_head, tmp_path, monkeypatch):
@@ -90,9 +90,13 @@ def test_refusals_before_any_work(capsys, tmp_path):
     never = str(tmp_path / "never")
     assert main(["validate", "niah", "--stages", "2", "--out", never]) == 2
     assert "--stages needs --ray" in capsys.readouterr().err and not os.path.exists(never)
-    assert main(["validate", "niah", "--ray", "auto", "--engine", "cache", "--dtype", "float32", "--out", never]) == 2
-    err = capsys.readouterr().err
-    assert "they run the simulator" in err and err.count("\n") == 1 and not os.path.exists(never)
+    # the stages compute in their own dtype (nothing connects or starts before the refusal)
+    sc = StagedScorer("tiny-llama", ClusterConfig(stages=2, dtype="bfloat16"), address="auto")
+    for engine in ("simulate", "cache"):
+        with pytest.raises(OscarError, match="needles on the pipeline stages: they compute in their dtype bfloat16; "
+                                             "got dtype float32"):
+            run_niah(NiahConfig(out=never, model="tiny-llama", engine=engine, dtype="float32"), stages=sc)
+    assert not os.path.exists(never) and not sc.actors
 
 
 def test_gpu_stages_without_gpus_refused(ray_head, tmp_path, capsys):

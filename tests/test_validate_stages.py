@@ -37,9 +37,9 @@ class Counting(StagedScorer):
     """The stages, counting the windows sent through them."""
     sent = 0
 
-    def score(self, jobs):
+    def score(self, jobs, **kw):
         type(self).sent += len(jobs)
-        return super().score(jobs)
+        return super().score(jobs, **kw)
 
 
 @pytest.mark.parametrize("model,methods", [

@@ -131,13 +131,14 @@ def simulator_protocol(protocol):
     return replace(protocol, name=protocol.name + "-matched", recent=protocol.recent - 1)
 
 
-def new_cache(model, name: str, art, protocol, max_len: int):
-    """An empty OscarCache for method `name` (None: the exact DynamicCache), its kernels chosen by the dispatcher."""
+def new_cache(model, name: str, art, protocol, max_len: int, held: range | None = None):
+    """An empty OscarCache for method `name` (None: the exact DynamicCache), its kernels chosen by the dispatcher;
+    `held`: the layers `model` runs (a pipeline stage's own), the only ones the cache holds."""
 
     if art is None:
         return make_cache(None, protocol, backend=None)
     page = cache_options(name, art, protocol)["page_size"]  # refuses what the cache format cannot hold
-    return make_cache(art, protocol, backend=None, model=model, max_len=max_len, page_size=page)
+    return make_cache(art, protocol, backend=None, model=model, max_len=max_len, page_size=page, held=held)
 
 
 class served:
@@ -176,11 +177,10 @@ def niah_answers(model, samples, groups, names, protocol, eos: set[int], prefill
     out: list[list[int]] = []
     with served(model):
         for s, arts, ms in zip(samples, groups, names):
-            need = len(s.context_ids) + len(s.question_ids) + s.max_new_tokens
             ctx = torch.tensor([s.context_ids], device=dev)  # (1, T)
             exact = None
             for m, art in zip(ms, arts):
-                cache = new_cache(model, m, art, protocol, need)
+                cache = new_cache(model, m, art, protocol, row_length(s))
                 if prefill == "cache" or art is None:
                     cache_prefill(model, cache, ctx)
                 else:
@@ -189,23 +189,41 @@ def niah_answers(model, samples, groups, names, protocol, eos: set[int], prefill
                         model(input_ids=ctx, cache=exact, use_cache=True, logits_to_keep=1)
                     for l, layer in enumerate(exact.layers):
                         cache.update(layer.keys, layer.values, l)  # stored as the cache stores a chunk
-                out.append(_greedy(model, cache, s.question_ids, s.max_new_tokens, eos, dev))
-                if hasattr(cache, "release"):
-                    cache.release()
+                step = lambda ids: next_token(model(input_ids=torch.tensor([ids], device=dev), cache=cache,  # noqa: E731
+                                                    use_cache=True, logits_to_keep=1).logits[:, -1])  # (1, V)
+                out.append(greedy_tokens(step, s.question_ids, s.max_new_tokens, eos))
+                free_cache(cache)
     return out
 
 
-def _greedy(model, cache, question: list[int], budget: int, eos: set[int], dev) -> list[int]:
-    ids = torch.tensor([question], device=dev)  # (1, t): the second chunk
-    toks: list[int] = []
+def row_length(sample) -> int:
+    """Tokens a needle row's cache holds at most: context + question + answer budget."""
+    return len(sample.context_ids) + len(sample.question_ids) + sample.max_new_tokens
+
+
+def next_token(logits: torch.Tensor) -> int:
+    """The greedy token of a row's last logits (1, V)."""
+    return int(logits.argmax(-1))
+
+
+def greedy_tokens(step, question: list[int], budget: int, eos: set[int]) -> list[int]:
+    """A needle row's answer: `step(ids)` feeds token ids through the row's cache and returns the next token
+    (`next_token`); the question is the second chunk, then one decode step (the dispatcher's kernel) per token,
+    up to `budget` tokens or the first EOS. One process and the pipeline stages (cluster/scoring.py) share it."""
+    ids, toks = list(question), []
     for _ in range(budget):
-        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (1, V)
-        t = int(logits.argmax(-1))
+        t = step(ids)
         if t in eos:
             break
         toks.append(t)
-        ids = torch.tensor([[t]], device=dev)  # one decode step: the dispatcher's kernel
+        ids = [t]
     return toks
+
+
+def free_cache(cache) -> None:
+    """Give an OscarCache's pages back (the exact DynamicCache holds none)."""
+    if hasattr(cache, "release"):
+        cache.release()
 
 
 # ----------------------------------------------------------------- perplexity
@@ -219,21 +237,30 @@ def token_nll(model, name: str, art, protocol, ids: torch.Tensor, decode_tokens:
     T = ids.shape[1]
     dev = next(model.parameters()).device
     ids = ids.to(dev)
-    k = max(1, T - max(0, decode_tokens))
     hs = []
     with served(model):
         cache = new_cache(model, name, art, protocol, T)
-        hs.append(model.model(input_ids=ids[:, :k], cache=cache, use_cache=True).last_hidden_state)  # (1, k, H)
-        for t in range(k, T):
-            hs.append(model.model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).last_hidden_state)
-        if hasattr(cache, "release"):
-            cache.release()
-    h = torch.cat(hs, 1)[:, :T - 1]  # (1, T - 1, H): the states predicting tokens 1..T-1
+        for a, b in window_chunks(T, decode_tokens):
+            hs.append(model.model(input_ids=ids[:, a:b], cache=cache, use_cache=True).last_hidden_state)  # (1, b - a, H)
+        free_cache(cache)
+    return hidden_token_nll(model.lm_head, torch.cat(hs, 1), ids)
+
+
+def window_chunks(T: int, decode_tokens: int = DECODE_TOKENS) -> list[tuple[int, int]]:
+    """The chunks [a, b) a T-token window is fed in: the first T - decode_tokens tokens at once, then one at a time."""
+    k = max(1, T - max(0, decode_tokens))
+    return [(0, k)] + [(t, t + 1) for t in range(k, T)]
+
+
+def hidden_token_nll(lm_head, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(T - 1,) float64 next-token NLL of the window `ids` (1, T) from its final (normed) hidden states h (1, >= T - 1, H)."""
+    T = ids.shape[1]
+    h = h[:, :T - 1]  # (1, T - 1, H): the states predicting tokens 1..T-1
     nll = torch.empty(T - 1, dtype=torch.float64)
     for a in range(0, T - 1, 512):  # logits in chunks: (512, V) at a time
         b = min(T - 1, a + 512)
-        logits = model.lm_head(h[:, a:b]).float()[0]
-        nll[a:b] = F.cross_entropy(logits, ids[0, a + 1:b + 1], reduction="none").double().cpu()
+        logits = lm_head(h[:, a:b]).float()[0]
+        nll[a:b] = F.cross_entropy(logits, ids[0, a + 1:b + 1].to(logits.device), reduction="none").double().cpu()
     return nll
 
 
@@ -244,12 +271,15 @@ def window_nll(model, name: str, art, protocol, ids: torch.Tensor, prefixes: tup
     A prefix window of P tokens is read from this window's first P positions: under decode semantics
     position p depends only on tokens <= p, so it computes what a P-token window fed the same way does
     (its last tokens then came through the prefill path instead of decode steps: same semantics)."""
-    nll = token_nll(model, name, art, protocol, ids, decode_tokens)
-    T = ids.shape[1]
-    tot = float(nll.sum())
+    return nll_sums(token_nll(model, name, art, protocol, ids, decode_tokens), prefixes)
+
+
+def nll_sums(nll: torch.Tensor, prefixes: tuple[int, ...] = ()):
+    """`window_nll`'s result from a window's per-token NLL (T - 1,)."""
+    tot, n = float(nll.sum()), nll.shape[0]
     if not prefixes:
-        return tot, T - 1
-    return tot, T - 1, [(float(nll[:P - 1].sum()), P - 1) for P in prefixes]
+        return tot, n
+    return tot, n, [(float(nll[:P - 1].sum()), P - 1) for P in prefixes]
 
 
 # ----------------------------------------------------------------- attention-level

@@ -115,14 +115,14 @@ def check_artifact(artifact: str | None, methods: list[str]) -> None:
 
 def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, stages, what: str):
     """(model in cfg.dtype on `dev`, tokenizer, config), everything refusable refused before the weights load; or
-    (None, tokenizer, config) when `stages` (cluster/scoring.py) hold the model: they run the simulator in their own
+    (None, tokenizer, config) when `stages` (cluster/scoring.py) hold the model: they run either engine in their own
     dtype, and lengths past the model's context are refused from its config."""
     if stages is None:
         model, tok = load_checked(cfg.model, cfg.artifact, methods, lengths, cfg.dtype, loaded)
         return engine.to_device(model, dev), tok, model.config
-    if cfg.engine != "simulate" or cfg.dtype != stages.dtype:
-        raise OscarError(f"{what} on the pipeline stages: they run the simulator (--engine simulate) in their dtype "
-                         f"{stages.dtype}; got --engine {cfg.engine}, dtype {cfg.dtype}")
+    if cfg.dtype != stages.dtype:
+        raise OscarError(f"{what} on the pipeline stages: they compute in their dtype {stages.dtype}; got dtype "
+                         f"{cfg.dtype}")
     check_lengths(lengths, env.max_context(SimpleNamespace(config=stages.config)), cfg.model)
     check_artifact(cfg.artifact, methods)
     return None, stages.tokenizer, stages.config
@@ -405,8 +405,9 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process). Batches go round-robin, each worker with its
     own prefill pool; a worker runs one intra-op thread.
     stages: where the batches are decoded instead of a model in this process: an object with `config`,
-    `generation_config`, `tokenizer`, `dtype`, `load(arts)` and `needle_batch(samples, names, protocol, eos)` ->
-    what `_decode_timed` returns (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
+    `generation_config`, `tokenizer`, `dtype`, `load(arts)` and `needle_batch(samples, names, protocol, eos, engine=)`
+    -> what `_decode_timed` (engine "simulate") or the timed `engine.niah_answers` ("cache") returns (the pipeline
+    stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     env.refuse_chat_corpus(cfg.corpus)  # before any weights load
     # before loading weights: no silent CPU run (the pipeline stages check their own devices)
@@ -450,8 +451,8 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         n = 1  # worker processes share a CPU host's cores; an accelerator runs one stream; the cache engine inline
     with open(path, "a") as f, (Workers(n, model, _niah_init, (arts, cfg.protocol, eos)) if n > 1 else _Inline()) as W:
         units = [[make_sample(t, L, i, tok, src, seed=cfg.seed) for t, L, i, _ in batch] for batch in batches]
-        if stages is not None:  # each batch's prefill and decode flow through the stage actors
-            results = ((k, stages.needle_batch(s, [b[3] for b in batch], cfg.protocol, eos))
+        if stages is not None:  # each batch's prefill and decode flow through the stage actors, by either engine
+            results = ((k, stages.needle_batch(s, [b[3] for b in batch], cfg.protocol, eos, engine=cfg.engine))
                        for k, (s, batch) in enumerate(zip(units, batches)))
         elif n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)

@@ -165,8 +165,8 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     may use, up to 4, or $OSCAR_WORKERS; 1: in this process, threads by load). A worker runs one intra-op
     thread; windows are independent, so a window's NLL does not depend on which worker scored it.
     scorer: where the windows are scored instead of a model in this process: an object with `config`,
-    `tokenizer`, `load(arts)` and `score(jobs)` -> the results of `_window` for each (method, protocol, window,
-    cuts) in order (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
+    `tokenizer`, `load(arts)` and `score(jobs, engine=)` -> the results of `_window` (or under the cache engine
+    `engine.window_nll` for a method with an artifact) for each (method, protocol, window, cuts) in order (the pipeline stages of cluster/scoring.py); this process then holds no weights."""
     engine.check_engine(cfg.engine)
     env.refuse_chat_corpus(cfg.corpus)  # before any weights load
     # before loading weights: no silent CPU run (the pipeline stages check their own devices)
@@ -241,7 +241,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
         if scorer is not None:  # every window's chain submitted at once: the stages pipeline the windows
             scorer.load({m: arts[m] for m in methods})
             jobs = [(m, p, ids[:, w * c:(w + 1) * c], cuts) for (m, p, c, w), _, cuts in plan]
-            results = enumerate(scorer.score(jobs))
+            results = enumerate(scorer.score(jobs, engine=cfg.engine))
         elif n > 1:
             results = W.map(_ppl_unit, [(job, cuts) for job, _, cuts in plan])
         else:
