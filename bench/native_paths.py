@@ -9,7 +9,9 @@ Sections (the two sides of each ratio alternate rep by rep, so they see the same
 - gemm:      torch's float32 and bfloat16 matmul (the model's compute dtype: oscar/host.py chooses bfloat16
   only where the CPU multiplies it natively).
 
-One thread (the per-core speed each host choice compares); JSON with the CPU's features and which build ran.
+One thread (the per-core speed each host choice compares). The JSON keeps one record per host and build
+(`hosts`, keyed "CPU / build ISA"): a run replaces its own host's record and keeps the others, so the figures of
+every kind of host stay side by side in one file.
 
     python bench/native_paths.py [--out bench/results/native_paths.json] [--reps 5]
     OSCAR_NATIVE_ISA=avx2 python bench/native_paths.py --out ...   # an AVX-512 host running the AVX2 build
@@ -106,9 +108,23 @@ def main() -> None:
     os.environ.pop("OSCAR_NATIVE", None)
     res["choices"] = {"moments": native.chosen(), "flash_cpu": CA.chosen(), "flash_cpu_bf16": CA.chosen(torch.bfloat16),
                       "records": native_build.CHOICES}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {a.out}: {res['host']}")
+    out = Path(a.out)
+    hosts = _hosts(out)
+    hosts[f"{res['host']} / build {res['isa_build']}"] = res
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"hosts": hosts}, indent=1) + "\n")
+    print(f"wrote {a.out}: {res['host']} ({len(hosts)} host records)")
+
+
+def _hosts(path: Path) -> dict:
+    """The host records already in `path` (a single-host file of the older layout becomes one record)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if "hosts" in old:
+        return old["hosts"]
+    return {f"{old['host']} / build {old.get('isa_build', 'native')}": old}
 
 
 if __name__ == "__main__":
