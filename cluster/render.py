@@ -268,7 +268,8 @@ def run_job(cfg: RenderConfig, stages: int, replicas: int, g: int, cmd: list[str
     as `calibrate_command` would, into run_dir) and the calibration's `cluster:` section, whose stages then run the
     recipe, needles and perplexity too. The driver holds no weights (job.num_gpus 0) and checks the section when it
     starts (`oscar.run.check_run_section`)."""
-    run = {"model": cfg.model, "out": cfg.run_dir, "corpus": cfg.corpus, "seq_len": cfg.seq_len,
+    # full: a rendered cluster job is the evidence run (20 samples per cell, every method), not the 15-minute demo
+    run = {"model": cfg.model, "out": cfg.run_dir, "corpus": cfg.corpus, "seq_len": cfg.seq_len, "full": True,
            **({"calib_tokens": cfg.tokens} if cfg.tokens else {}), **({"positions": cfg.positions} if cfg.positions else {}),
            "calibrate": {"device": "cuda", "dtype": cfg.dtype, "seqs_per_block": cfg.seqs_per_block,
                          "batch_size": cfg.batch_size}}  # the default widths (gradient) run on the stages too

@@ -44,10 +44,10 @@ class StepSizes:
     tune_tokens: int = 2048        # one calibration window per factor (TuneConfig.tokens)
     widths_windows: int = 4        # the widths' gradient: forward + backward per window (RunConfig.widths_windows)
     widths_length: int = 2048      # tokens per window (RunConfig.widths_length: min(2048, longest context))
-    ppl_tokens: int = 8192         # held-out tokens scored per context (RunConfig.ppl_tokens)
+    ppl_tokens: int = 12288        # held-out tokens scored per context (RunConfig.ppl_tokens under `full`)
     ppl_context: int = 4096        # perplexity window length
     context: int = 131072          # the KV cache per stage, and the longest needle length
-    needle_samples: int = 20       # samples per needle length (the evidence standard's cells)
+    needle_samples: int = 20       # samples per needle length (the evidence standard's cells: RunConfig under `full`)
     needle_new_tokens: int = 16    # greedy decode per sample (the answer)
     prefill_chunk: int = 4096      # a needle prompt is prefilled in chunks that flow through the stages
     sink: int = SINK               # tokens of the cache kept in BF16

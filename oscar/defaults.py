@@ -12,6 +12,10 @@ PAGE_SIZE = 16    # tokens per INT2 page (= the KIVI key token group)
 
 # The KV-cache methods every validation command compares by default (bf16 first, the shipped recipe last).
 DEFAULT_METHODS = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-kc-int2", "oscar-int2"]
+# The main job's default comparison (`oscar run`; `--full` compares DEFAULT_METHODS): the reference, the KIVI- and
+# rotation-style (TurboQuant-like) baselines and the shipped recipe, sized to 15 minutes on a 2-core CPU
+# (docs/decisions/0098-the-main-job-s-default-sizes-fit-15-minutes.md).
+MAIN_JOB_METHODS = ["bf16", "kivi2", "hadamard-int2", "oscar-int2"]
 
 # What `oscar fit --tune-objective` (and `oscar run`) can minimise (oscar/tune.py).
 TUNE_OBJECTIVES = ("nll", "copy", "guarded")

@@ -16,6 +16,10 @@ from functools import lru_cache
 DTYPES = ("auto", "float32", "bfloat16")
 BF16_UNITS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matrix arithmetic
 FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")  # the ones the kernels care about
+# Variables that hold a run below what its CPU can do (how an AVX-512 host runs as an AVX2-only one): a run
+# under any of them says so wherever it names its host.
+RESTRICTIONS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OSCAR_NATIVE_ISA",
+                "OSCAR_CPU_BF16")
 
 
 @lru_cache(maxsize=1)
@@ -66,7 +70,12 @@ def info() -> dict:
     return {"cpu": model, "cpus": os.cpu_count(), "machine": platform.machine(),
             "features": [f for f in FEATURES if f in flags], "bf16_units": has_bf16_units(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "node": platform.node()}
+            "node": platform.node(), "restricted": restrictions()}
+
+
+def restrictions() -> dict[str, str]:
+    """The RESTRICTIONS set in this process's environment (empty on an unrestricted run)."""
+    return {k: os.environ[k] for k in RESTRICTIONS if os.environ.get(k, "") not in ("", "native")}
 
 
 def describe(i: dict | None = None) -> str:
@@ -75,4 +84,13 @@ def describe(i: dict | None = None) -> str:
     f = set(i.get("features", []))
     isa = ("AVX-512" + (" BF16" if "avx512_bf16" in f else "") + (" + AMX" if "amx_bf16" in f else "")
            if "avx512f" in f else "AVX2 (no AVX-512)" if "avx2" in f else i.get("machine", "?"))
-    return f"{i.get('cpu', '?')}, {i.get('cpus', '?')} CPUs, {isa}"
+    r = i.get("restricted") or {}
+    held = f", run as {_held_to(r)} ({' '.join(f'{k}={v}' for k, v in r.items())})" if r else ""
+    return f"{i.get('cpu', '?')}, {i.get('cpus', '?')} CPUs, {isa}{held}"
+
+
+def _held_to(r: dict[str, str]) -> str:
+    """What a restricted run emulates, in words: "AVX2 only" when torch is held to AVX2, else "restricted"."""
+    if r.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" or r.get("OSCAR_NATIVE_ISA") == "avx2":
+        return "AVX2 only (emulated)"
+    return "restricted"

@@ -5,10 +5,12 @@
       fit                                                          -> DIR/artifact.fit.safetensors
       tune key clip (strict NLL on calibration text; --no-tune)    -> DIR/artifact.tuned.safetensors, DIR/calibration/
       per-layer key widths (copy probe; --widths none)             -> DIR/artifact.safetensors
-    validate niah (strict protocol)                                -> DIR/results.parquet, niah_samples.jsonl
+    validate niah (serving protocol; --niah-protocol)              -> DIR/results.parquet, niah_samples.jsonl
     validate ppl (strict + serving)                                -> DIR/ppl.parquet, goal.json
     validate attention (held-out captured q/k/v; not a model run)  -> DIR/attention.parquet, attention.json
     report                                                         -> DIR/report.md, DIR/report.html
+
+Sizes the user does not give take the 15-minute defaults (`DEMO`) or, with --full, the evidence sizes (`FULL`).
 
 With --stages N (or a `run:` job's `cluster.stages`) the tune, widths, needles and perplexity run on N pipeline
 stage actors holding the layer ranges calibration uses (cluster/scoring.py), the way a model larger than one
@@ -35,8 +37,7 @@ from oscar.cluster.jobs import driver_config
 from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
 from oscar.cluster.scoring import StagedScorer
 from oscar.common import OscarError, file_fingerprint, fingerprint, parse_token_count
-from oscar.defaults import DEFAULT_METHODS
-from oscar.defaults import EMBEDDED_MODEL
+from oscar.defaults import DEFAULT_METHODS, EMBEDDED_MODEL, MAIN_JOB_METHODS
 from oscar.host import compute_dtype, describe, info as host_info
 from oscar import native_build
 from oscar.kernels import cpu_attention
@@ -57,15 +58,29 @@ from oscar.validate.ppl import PplConfig, run_ppl
 from oscar.validate.ruler import load_qa, resolve_tasks, skipped_line
 
 
+# The sizes `oscar run` fills in (docs/decisions/0098-the-main-job-s-default-sizes-fit-15-minutes.md). DEMO: the
+# main job within 15 minutes on 2 CPUs (AVX2, or AVX-512 BF16 / AMX): 10 samples per needle cell at 1k and 4k, the
+# four methods of MAIN_JOB_METHODS, 4 perplexity windows at 1k and one at 4k (8 segments), 32,768 calibration tokens
+# (2x what the rotations of this model need to converge, docs/calibrate.md "How many calibration tokens").
+# FULL (`--full`): the evidence sizes: >= 20 samples per cell (docs/decisions/0037-main-job-speed-same-computations-cheaper.md), 1k / 2k / 4k, every
+# method of DEFAULT_METHODS, all the held-out split holds at 4k (3 windows), the calibration budget of
+# docs/decisions/0093-calibration-budget-1024-tokens-per-head-dim.md (1,024 tokens per head_dim dimension).
+DEMO = {"samples": 10, "lengths": [1024, 4096], "methods": MAIN_JOB_METHODS, "ppl_tokens": 4096, "calib_tokens": 32768}
+FULL = {"samples": 20, "lengths": [1024, 2048, 4096], "methods": DEFAULT_METHODS, "ppl_tokens": 12288,
+        "calib_tokens": 65536}
+
+
 @dataclass
 class RunConfig:
     out: str
     ray: bool = True
     model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
-    samples: int | None = None  # NIAH samples per cell (20: the issue's acceptance size)
-    full: bool = False  # the acceptance sizes
-    calib_tokens: int = 65536  # calibration tokens (of ~90k in the pydoc calibration split)
+    # The sizes below left at None take the main job's defaults, sized to 15 minutes on a 2-core CPU, or with `full`
+    # the evidence sizes (DEMO / FULL below; docs/decisions/0098-the-main-job-s-default-sizes-fit-15-minutes.md).
+    samples: int | None = None  # NIAH samples per cell
+    full: bool = False  # the evidence sizes: what the committed example and the rendered cluster job run
+    calib_tokens: int | None = None  # calibration tokens (of ~90k in the pydoc calibration split)
     # Calibration sequence length; None: the longest context the job validates (needles, perplexity). The fit
     # then sees queries and keys at every position it is judged on: past the calibration length RoPE's slow
     # pairs turn beyond any calibrated row and the INT2 key error grows (docs/decisions/0065-calibrate-at-the-serving-length-oscar-run.md, "Calibrate at
@@ -79,12 +94,12 @@ class RunConfig:
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2"])
     squad: str | None = None  # SQuAD v1.1 / v2.0 JSON for qa_1
     hotpotqa: str | None = None  # HotpotQA JSON for qa_2
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
-    # Held-out tokens scored per perplexity context: 8 windows at 1k, 2 at 4k (their 16 segments of
-    # 512 tokens carry the 4k interval); the pydoc held-out split holds 12,427 tokens, so 3 windows
-    # of 4k at most (--full). docs/decisions/0046-intervals-on-every-model-level-figure-three.md, "Intervals on every model-level figure".
-    ppl_tokens: int = 8192
+    lengths: list[int] | None = None  # needle lengths
+    methods: list[str] | None = None
+    # Held-out tokens scored per perplexity context: the 4k interval rests on a window's 512-token segments; the
+    # pydoc held-out split holds 12,427 tokens, so 3 windows of 4k at most (the evidence size).
+    # docs/decisions/0046-intervals-on-every-model-level-figure-three.md, "Intervals on every model-level figure".
+    ppl_tokens: int | None = None
     ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     # Attention-level test: every key a distinct held-out row captured through the model, so the
     # capture costs a forward per key; 16k keeps the stage near its old ~30 s here, 128k is
@@ -173,11 +188,10 @@ class RunConfig:
         return max([*self.lengths, *self.ppl_contexts])
 
     def __post_init__(self):
-        if self.samples is None:
-            self.samples = 20  # >= 20 per cell: the acceptance sample size (docs/decisions/0037-main-job-speed-same-computations-cheaper.md)
+        for name, v in (FULL if self.full else DEMO).items():
+            if getattr(self, name) is None:
+                setattr(self, name, list(v) if isinstance(v, list) else v)
         self._check_sizes()
-        if self.full:
-            self.ppl_tokens = max(self.ppl_tokens, 12288)
         if self.seq_len is None:
             self.seq_len = self.longest_context
         if self.positions is None:

@@ -193,7 +193,7 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
             def measured(*ms):  # the contexts where every one of `ms` was scored under this protocol
                 return [int(c) for c in p.index if all(m in p and p.loc[c, m] == p.loc[c, m] for m in ms)]
 
-            for other in ("naive-int2", "hadamard-int2", "oscar-ref-int2"):
+            for other in ("naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2"):
                 ctxs = measured("oscar-int2", other)
                 if not ctxs:
                     continue

@@ -108,6 +108,7 @@ def test_shared_options_keep_their_defaults():
     assert set(dev.values()) == {co.DEFAULT_DEVICE}, dev
     meth = {c: a.default for (c, f), a in seen.items() if f == "--methods"}
     assert meth.pop("validate attention") == "naive-int2,kivi2,hadamard-int2,oscar-ref-int2,oscar-int2"
+    assert meth.pop("run") is None  # the main job's own (RunConfig: MAIN_JOB_METHODS, or --full's DEFAULT_METHODS)
     assert set(meth.values()) == {co.DEFAULT_METHODS}, meth
     model = {c: a.default for (c, f), a in seen.items() if f == "--model"}
     assert {c for c, d in model.items() if d != co.EMBEDDED_MODEL} == {"plan", "cluster render", "import", "fit"}, model

@@ -229,6 +229,7 @@ def test_run_job_renders_the_whole_job_on_the_plans_stages(tmp_path, target, bas
         job = jobs.normalize_job_config(yaml.safe_load(open(tmp_path / "job.yaml")))
     assert "calibrate" not in job and job["job"]["num_gpus"] == 0  # the driver holds no weights
     assert job["run"]["out"] == "/data/runs/glm47" and job["run"]["calibrate"]["device"] == "cuda"
+    assert job["run"]["full"] is True  # the cluster job is the evidence run, not the 15-minute defaults
     rc = check_run_section(job["run"], cluster=job["cluster"])
     assert rc.stages == job["cluster"]["stages"] > 1  # the recipe and validation on the calibration's stages
     assert rc.widths == "none" or rc.widths in __import__("oscar.recipe").recipe.STAGED_WIDTHS

@@ -75,10 +75,11 @@ def rows(p) -> dict:
 
 
 def test_step_sizes_are_the_products(tmp_path):
-    s, tc, rc = StepSizes(), TuneConfig(), RunConfig(out=str(tmp_path))
+    # the plan prices the run a rendered cluster job runs: the evidence sizes (`full`)
+    s, tc, rc = StepSizes(), TuneConfig(), RunConfig(out=str(tmp_path), full=True)
     assert s.tune_factors == len(tc.factors) and s.tune_tokens == tc.tokens
     assert s.widths_windows == rc.widths_windows and s.widths_length == rc.widths_length == 2048
-    assert s.ppl_tokens == rc.ppl_tokens and (s.sink, s.recent) == (SINK, RECENT)
+    assert s.ppl_tokens == rc.ppl_tokens and s.needle_samples == rc.samples and (s.sink, s.recent) == (SINK, RECENT)
     assert StepSizes(context=131072).needle_lengths == [4096, 8192, 16384, 32768, 65536, 131072]
     assert StepSizes(context=6000).needle_lengths == [4096, 6000]
 
@@ -96,9 +97,9 @@ def test_tune_widths_and_perplexity_by_hand():
     # widths: 4 windows, forward + backward = 3 x the forward, hops both ways; every layer's activations kept
     assert math.isclose(r["widths"]["seconds"], 3 * (4 + 1) * t + 2 * hop(2048), rel_tol=1e-12)
     assert r["widths"]["stage_bytes"] == [params[0] + working(2048), params[1] + working(2048, 2048)]
-    # perplexity: 8192 tokens = 2 windows of 4096
+    # perplexity: 12288 tokens = 3 windows of 4096
     t = 4096 * (layer_flops(4096) + HEAD_FLOPS) / RATE
-    assert math.isclose(r["perplexity"]["seconds"], (2 + 1) * t + hop(4096), rel_tol=1e-12)
+    assert math.isclose(r["perplexity"]["seconds"], (3 + 1) * t + hop(4096), rel_tol=1e-12)
     assert r["perplexity"]["stage_bytes"] == [params[0] + working(4096), params[1] + working(4096, 4096)]
     # one stage of both layers: the widths keep both layers' working sets for the backward, the tune one
     one = rows(make_plan(llama(), PlanConfig(stages=1, seq_len=64, seqs_per_block=8, num_blocks=8), gpu=GPU,

@@ -28,6 +28,11 @@ def test_describe_names_the_instruction_set():
     assert host.describe({**base, "features": ["avx2", "fma"]}) == "X, 2 CPUs, AVX2 (no AVX-512)"
     assert host.describe({**base, "features": ["avx2", "avx512f", "avx512_bf16"]}) == "X, 2 CPUs, AVX-512 BF16"
     assert host.describe({**base, "features": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]}) == "X, 2 CPUs, AVX-512 BF16 + AMX"
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert host.describe({**base, "features": ["avx2", "avx512f"], "restricted": avx2}) == (
+        "X, 2 CPUs, AVX-512, run as AVX2 only (emulated) (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)")
+    assert host.describe({**base, "features": ["avx2"], "restricted": {"OSCAR_CPU_BF16": "0"}}).endswith(
+        ", run as restricted (OSCAR_CPU_BF16=0)")
     i = host.info()
     assert i["cpus"] >= 1 and i["torch_cpu_capability"] and set(i["features"]) <= set(host.FEATURES)
 
@@ -43,3 +48,13 @@ def test_model_follows_auto(monkeypatch):
     assert next(with_dtype(m, "auto").parameters()).dtype == torch.bfloat16
     monkeypatch.setenv("OSCAR_CPU_BF16", "0")
     assert next(with_dtype(m, "auto").parameters()).dtype == torch.float32
+
+
+def test_a_restricted_run_names_its_restrictions(monkeypatch):
+    for k in host.RESTRICTIONS:
+        monkeypatch.delenv(k, raising=False)
+    assert host.restrictions() == {} and "emulated" not in host.describe()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("OSCAR_NATIVE_ISA", "native")  # the default build: no restriction
+    assert host.restrictions() == {"ATEN_CPU_CAPABILITY": "avx2"}
+    assert host.describe().endswith("run as AVX2 only (emulated) (ATEN_CPU_CAPABILITY=avx2)")

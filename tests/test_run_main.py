@@ -79,6 +79,30 @@ def test_run_calibrates_at_the_longest_validated_context(tmp_path):
         RunConfig(out=str(tmp_path), seq_len=2048, positions=1024)
 
 
+def test_default_sizes_and_full(tmp_path):
+    """Sizes left unset take the 15-minute defaults, or the evidence sizes under `full`; a size given is kept either
+    way, and the CLI passes None for what the user did not give."""
+    from oscar.__main__ import build_parser
+    from oscar.defaults import DEFAULT_METHODS, MAIN_JOB_METHODS
+    from oscar.run import DEMO, FULL
+
+    demo, full = RunConfig(out=str(tmp_path)), RunConfig(out=str(tmp_path), full=True)
+    for cfg, sizes in ((demo, DEMO), (full, FULL)):
+        assert {k: getattr(cfg, k) for k in sizes} == sizes
+    assert (demo.samples, demo.lengths, demo.methods, demo.ppl_tokens, demo.calib_tokens) == \
+        (10, [1024, 4096], MAIN_JOB_METHODS, 4096, 32768)
+    assert (full.samples, full.lengths, full.methods, full.ppl_tokens, full.calib_tokens) == \
+        (20, [1024, 2048, 4096], DEFAULT_METHODS, 12288, 65536)
+    assert demo.seq_len == full.seq_len == 4096  # both validate to 4k
+    given = RunConfig(out=str(tmp_path), full=True, samples=3, lengths=[512], methods=["bf16"], calib_tokens=8192)
+    assert (given.samples, given.lengths, given.methods, given.calib_tokens, given.ppl_tokens) == \
+        (3, [512], ["bf16"], 8192, 12288)
+    args = build_parser().parse_args(["run", "--out", "x"])
+    assert args.samples is None and args.methods is None and not args.full
+    RunConfig(out=str(tmp_path)).methods.append("naive-int2")  # a run's list is its own, not the module's
+    assert RunConfig(out=str(tmp_path)).methods == MAIN_JOB_METHODS
+
+
 @pytest.mark.slow
 def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsys):
     """`oscar run` with its default `--widths gradient` (tiny-llama, small sizes): the fit is one-group (`scaled`), the tune writes
