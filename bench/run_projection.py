@@ -1,4 +1,4 @@
-"""Projected stage times of `oscar run` at its defaults, from a few measured samples and windows.
+"""Projected stage times of `oscar run --full` (the evidence sizes), from a few measured samples and windows.
 
 Per dtype (float32, bfloat16): one niah_single_2 sample at 1k, 2k, 4k (no prefix reuse: the
 expensive task) timed as the NIAH loop runs it (exact prefill with the default threads, the
