@@ -4,11 +4,15 @@
 
 --as-avx2 runs the job as an AVX2-only host runs it: torch, oneDNN and MKL held to AVX2, the native kernels built
 without AVX-512 (in a cache directory of their own, `as-avx2` under the product's, so their verdicts against torch
-are measured under the same restriction) and no bfloat16 units (float32 compute). The job's run.json then names the host "run as AVX2 only (emulated)".
+are measured under the same restriction) and no bfloat16 units (float32 compute). The job's run.json then names
+the host "run as AVX2 only (emulated)".
 
 The JSON keeps one record per host, sizes and restriction (`runs`, keyed "host / defaults|full"): a run replaces
 its own record and keeps the others. Each record: the host, run.json's stage seconds and total, the wall time
-measured here, the driver process's peak RSS (Ray's workers are not its children), and whether the total is within the goal.
+measured here, the driver process's peak RSS (Ray's workers are not its children), and whether the total is
+within the goal.
+
+It first waits (--settle, 300 s at most) for a quiet host: the job picks its threads by the load it finds.
 
     python bench/main_job_time.py [--full] [--as-avx2] [--out bench/results/main_job_time.json] [--keep DIR]
 """
@@ -39,12 +43,24 @@ def run_job(run_dir: Path, full: bool, env: dict) -> tuple[dict, float]:
     return json.loads((run_dir / "run.json").read_text()), time.perf_counter() - t
 
 
+def settle(limit_s: float, below: float = 0.5) -> float:
+    """Wait (up to limit_s) for the 1-minute load average to fall below `below`, and return the load it starts at.
+
+    The job picks its threads by the load it finds (validate/niah.py `decode_threads`): a run started right after
+    other work would time fewer threads."""
+    t = time.monotonic()
+    while os.getloadavg()[0] >= below and time.monotonic() - t < limit_s:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--full", action="store_true", help="the evidence sizes (`oscar run --full`)")
     ap.add_argument("--as-avx2", action="store_true", help="run as an AVX2-only host (module docstring)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--keep", default=None, help="run directory to keep (default: a temporary one, removed)")
+    ap.add_argument("--settle", type=float, default=300, help="seconds to wait at most for a quiet host (default 300)")
     a = ap.parse_args()
     env = dict(os.environ)
     tmp = tempfile.TemporaryDirectory(prefix="oscar-main-job-")
@@ -55,6 +71,7 @@ def main() -> None:
     run_dir = Path(a.keep) if a.keep else Path(tmp.name) / "run"
     if run_dir.exists() and any(run_dir.iterdir()):
         sys.exit(f"main_job_time: {run_dir} is not empty; a resumed run would time the stages it skips as 0")
+    load0 = settle(a.settle)
     with tmp:
         info, wall = run_job(run_dir, a.full, env)
     rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # the driver's, in KiB on Linux
@@ -62,8 +79,10 @@ def main() -> None:
            "sizes": "full" if a.full else "defaults", "compute_dtype": info.get("compute_dtype"),
            "stage_seconds": {k: round(v, 1) for k, v in info["stage_seconds"].items()},
            "total_seconds": round(info["total_seconds"], 1), "wall_seconds": round(wall, 1),
-           "driver_peak_rss_gib": round(rss_gib, 2), "goal_seconds": GOAL_S, "goal_met": info["total_seconds"] <= GOAL_S,
-           "native_paths": info.get("native_paths"), "date": time.strftime("%Y-%m-%d")}
+           "driver_peak_rss_gib": round(rss_gib, 2), "goal_seconds": GOAL_S,
+           "goal_met": info["total_seconds"] <= GOAL_S,
+           "native_paths": info.get("native_paths"), "load_at_start": round(load0, 2),
+           "date": time.strftime("%Y-%m-%d")}
     out = Path(a.out)
     try:
         runs = json.loads(out.read_text())["runs"]
