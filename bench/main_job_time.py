@@ -7,6 +7,9 @@ without AVX-512 (in a cache directory of their own, `as-avx2` under the product'
 are measured under the same restriction) and no bfloat16 units (float32 compute). The job's run.json then names
 the host "run as AVX2 only (emulated)".
 
+Each record also keeps a one-thread float32 GEMM's speed under the run's environment, measured just before it: the
+same VM runs at different speeds an hour apart, and that figure tells its phases apart.
+
 The JSON keeps one record per host, sizes and restriction (`runs`, keyed "host / defaults|full"): a run replaces
 its own record and keeps the others. Each record: the host, run.json's stage seconds and total, the wall time
 measured here, the driver process's peak RSS (Ray's workers are not its children), and whether the total is
@@ -43,6 +46,30 @@ def run_job(run_dir: Path, full: bool, env: dict) -> tuple[dict, float]:
     return json.loads((run_dir / "run.json").read_text()), time.perf_counter() - t
 
 
+PROBE = """
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(2048, 576), torch.randn(576, 1536)
+a @ b
+
+
+def once():
+    t = time.perf_counter()
+    a @ b
+    return time.perf_counter() - t
+
+
+print(2 * 2048 * 576 * 1536 / min(once() for _ in range(20)) / 1e9)
+"""
+
+
+def gemm_gflops(env: dict) -> float:
+    """One thread's float32 GEMM speed (2048 x 576 x 1536, best of 20) under the run's environment: how fast this
+    VM is right now, so that two records of one host can be told apart by the host's own speed."""
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, check=True, capture_output=True, text=True).stdout
+    return round(float(out.strip().splitlines()[-1]), 1)
+
+
 def settle(limit_s: float, below: float = 0.5) -> float:
     """Wait (up to limit_s) for the 1-minute load average to fall below `below`, and return the load it starts at.
 
@@ -72,6 +99,7 @@ def main() -> None:
     if run_dir.exists() and any(run_dir.iterdir()):
         sys.exit(f"main_job_time: {run_dir} is not empty; a resumed run would time the stages it skips as 0")
     load0 = settle(a.settle)
+    gflops = gemm_gflops(env)
     with tmp:
         info, wall = run_job(run_dir, a.full, env)
     rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # the driver's, in KiB on Linux
@@ -82,6 +110,7 @@ def main() -> None:
            "driver_peak_rss_gib": round(rss_gib, 2), "goal_seconds": GOAL_S,
            "goal_met": info["total_seconds"] <= GOAL_S,
            "native_paths": info.get("native_paths"), "load_at_start": round(load0, 2),
+           "gemm_gflops_1thread": gflops,
            "date": time.strftime("%Y-%m-%d")}
     out = Path(a.out)
     try:
