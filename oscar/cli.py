@@ -10,7 +10,7 @@ import os
 
 from oscar.cli_options import (DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out,
                                 add_recipe, add_stages)
-from oscar.defaults import DEFAULT_METHODS, MAIN_JOB_METHODS
+from oscar.defaults import DEMO_SIZES as DEMO, FULL_SIZES as FULL
 from oscar.common import OscarError, nonneg_int, positional_or_option, positive_float, positive_int
 from oscar.validate.cli import _qa_args
 
@@ -97,7 +97,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     add_out(r, "run directory (everything the job writes; resumes what it holds)")
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
     add_model(r)
-    r.add_argument("--samples", type=positive_int, default=None, help="NIAH samples per cell (default 10; --full: 20)")
+    r.add_argument("--samples", type=positive_int, default=None, help=f"NIAH samples per cell (default {DEMO['samples']}; --full: {FULL['samples']})")
     r.add_argument("--seq-len", "--calib-seq-len", dest="calib_seq_len", type=positive_int, default=None,
                    help="calibration sequence length, as `oscar calibrate --seq-len` (default: the longest context "
                         "validated, 4096: the fit sees every position it is judged on; --calib-seq-len: the older "
@@ -106,14 +106,15 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help="absolute positions the calibration covers, as `oscar calibrate --positions` (default: the "
                         "longest context validated); a shorter --seq-len is read at RoPE offsets up to it "
                         "(--calib-positions: the older spelling)")
-    add_methods(r, f"comma list of KV-cache methods to compare (default: {','.join(MAIN_JOB_METHODS)}; --full: "
-                   f"{','.join(DEFAULT_METHODS)}; also tq-int2, sq-int2, kivi2-clip, hadamard-clip-int2: "
+    add_methods(r, f"comma list of KV-cache methods to compare (default: {','.join(DEMO['methods'])}; --full: "
+                   f"{','.join(FULL['methods'])}; also tq-int2, sq-int2, kivi2-clip, hadamard-clip-int2: "
                    "validate/methods.py)", default=None)
     r.add_argument("--full", action="store_true",
-                   help="the evidence sizes instead of the 15-minute defaults: 20 samples per needle cell at 1k, 2k and "
-                        "4k (default 10 at 1k and 4k), all seven methods, 12288 held-out tokens per perplexity context "
-                        "(12 windows at 1k, 3 at 4k; default 4096), 65536 calibration tokens (default 32768); ~2x "
-                        "the time")
+                   help=f"the evidence sizes instead of the 15-minute defaults: {FULL['samples']} samples per needle "
+                        f"cell at {_lengths(FULL)} (default {DEMO['samples']} at {_lengths(DEMO)}), "
+                        f"{len(FULL['methods'])} methods (default {len(DEMO['methods'])}), {FULL['ppl_tokens']} "
+                        f"held-out tokens per perplexity context (default {DEMO['ppl_tokens']}), {FULL['calib_tokens']} "
+                        f"calibration tokens (default {DEMO['calib_tokens']}); ~2x the time")
     r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default scaled, "
                    "split with --widths none)")
     add_recipe(r)
@@ -139,6 +140,10 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bars (ours, transformers' and Ray's); "
                    "stage lines are still printed")
     r.set_defaults(func=_run)
+
+
+def _lengths(sizes: dict) -> str:
+    return ", ".join(f"{n // 1024}k" for n in sizes["lengths"])
 
 
 def _run(args) -> int:

@@ -10,7 +10,8 @@
     validate attention (held-out captured q/k/v; not a model run)  -> DIR/attention.parquet, attention.json
     report                                                         -> DIR/report.md, DIR/report.html
 
-Sizes the user does not give take the 15-minute defaults (`DEMO`) or, with --full, the evidence sizes (`FULL`).
+Sizes the user does not give take the 15-minute defaults (`DEMO_SIZES`) or, with --full, the evidence
+sizes (`FULL_SIZES`, both in oscar/defaults.py).
 
 With --stages N (or a `run:` job's `cluster.stages`) the tune, widths, needles and perplexity run on N pipeline
 stage actors holding the layer ranges calibration uses (cluster/scoring.py), the way a model larger than one
@@ -37,7 +38,7 @@ from oscar.cluster.jobs import driver_config
 from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
 from oscar.cluster.scoring import StagedScorer
 from oscar.common import OscarError, file_fingerprint, fingerprint, parse_token_count
-from oscar.defaults import DEFAULT_METHODS, EMBEDDED_MODEL, MAIN_JOB_METHODS
+from oscar.defaults import DEMO_SIZES, EMBEDDED_MODEL, FULL_SIZES
 from oscar.host import compute_dtype, describe, info as host_info
 from oscar import native_build
 from oscar.kernels import cpu_attention
@@ -58,18 +59,6 @@ from oscar.validate.ppl import PplConfig, run_ppl
 from oscar.validate.ruler import load_qa, resolve_tasks, skipped_line
 
 
-# The sizes `oscar run` fills in (docs/decisions/0098-the-main-job-s-default-sizes-fit-15-minutes.md). DEMO: the
-# main job within 15 minutes on 2 CPUs (AVX2, or AVX-512 BF16 / AMX): 10 samples per needle cell at 1k and 4k, the
-# four methods of MAIN_JOB_METHODS, 4 perplexity windows at 1k and one at 4k (8 segments), 32,768 calibration tokens
-# (2x what the rotations of this model need to converge, docs/calibrate.md "How many calibration tokens").
-# FULL (`--full`): the evidence sizes: >= 20 samples per cell (docs/decisions/0037-main-job-speed-same-computations-cheaper.md), 1k / 2k / 4k, every
-# method of DEFAULT_METHODS, all the held-out split holds at 4k (3 windows), the calibration budget of
-# docs/decisions/0093-calibration-budget-1024-tokens-per-head-dim.md (1,024 tokens per head_dim dimension).
-DEMO = {"samples": 10, "lengths": [1024, 4096], "methods": MAIN_JOB_METHODS, "ppl_tokens": 4096, "calib_tokens": 32768}
-FULL = {"samples": 20, "lengths": [1024, 2048, 4096], "methods": DEFAULT_METHODS, "ppl_tokens": 12288,
-        "calib_tokens": 65536}
-
-
 @dataclass
 class RunConfig:
     out: str
@@ -77,7 +66,7 @@ class RunConfig:
     model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
     # The sizes below left at None take the main job's defaults, sized to 15 minutes on a 2-core CPU, or with `full`
-    # the evidence sizes (DEMO / FULL below; docs/decisions/0098-the-main-job-s-default-sizes-fit-15-minutes.md).
+    # the evidence sizes (oscar/defaults.py DEMO_SIZES / FULL_SIZES; docs/decisions/0098-the-main-job-s-default-sizes-fit-15-minutes.md).
     samples: int | None = None  # NIAH samples per cell
     full: bool = False  # the evidence sizes: what the committed example and the rendered cluster job run
     calib_tokens: int | None = None  # calibration tokens (of ~90k in the pydoc calibration split)
@@ -188,7 +177,7 @@ class RunConfig:
         return max([*self.lengths, *self.ppl_contexts])
 
     def __post_init__(self):
-        for name, v in (FULL if self.full else DEMO).items():
+        for name, v in (FULL_SIZES if self.full else DEMO_SIZES).items():
             if getattr(self, name) is None:
                 setattr(self, name, list(v) if isinstance(v, list) else v)
         self._check_sizes()

@@ -84,7 +84,7 @@ def test_default_sizes_and_full(tmp_path):
     way, and the CLI passes None for what the user did not give."""
     from oscar.__main__ import build_parser
     from oscar.defaults import DEFAULT_METHODS, MAIN_JOB_METHODS
-    from oscar.run import DEMO, FULL
+    from oscar.defaults import DEMO_SIZES as DEMO, FULL_SIZES as FULL
 
     demo, full = RunConfig(out=str(tmp_path)), RunConfig(out=str(tmp_path), full=True)
     for cfg, sizes in ((demo, DEMO), (full, FULL)):
