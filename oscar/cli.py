@@ -112,9 +112,11 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--full", action="store_true",
                    help=f"the evidence sizes instead of the 15-minute defaults: {FULL['samples']} samples per needle "
                         f"cell at {_lengths(FULL)} (default {DEMO['samples']} at {_lengths(DEMO)}), "
-                        f"{len(FULL['methods'])} methods (default {len(DEMO['methods'])}), {FULL['ppl_tokens']} "
-                        f"held-out tokens per perplexity context (default {DEMO['ppl_tokens']}), {FULL['calib_tokens']} "
-                        f"calibration tokens (default {DEMO['calib_tokens']}); ~2x the time")
+                        f"{len(FULL['methods'])} methods (default {len(DEMO['methods'])}), perplexity at "
+                        f"{_lengths(FULL, 'ppl_contexts')} with {FULL['ppl_tokens']} held-out tokens per context "
+                        f"(default {_lengths(DEMO, 'ppl_contexts')}, {DEMO['ppl_tokens']}), the attention-level test at "
+                        f"{_lengths(FULL, 'attn_lengths')} (default {_lengths(DEMO, 'attn_lengths')}), "
+                        f"{FULL['calib_tokens']} calibration tokens (default {DEMO['calib_tokens']}); ~3x the time")
     r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default scaled, "
                    "split with --widths none)")
     add_recipe(r)
@@ -142,8 +144,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=_run)
 
 
-def _lengths(sizes: dict) -> str:
-    return ", ".join(f"{n // 1024}k" for n in sizes["lengths"])
+def _lengths(sizes: dict, key: str = "lengths") -> str:
+    return ", ".join(f"{n // 1024}k" for n in sizes[key])
 
 
 def _run(args) -> int:

@@ -89,11 +89,11 @@ class RunConfig:
     # pydoc held-out split holds 12,427 tokens, so 3 windows of 4k at most (the evidence size).
     # docs/decisions/0046-intervals-on-every-model-level-figure-three.md, "Intervals on every model-level figure".
     ppl_tokens: int | None = None
-    ppl_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    ppl_contexts: list[int] | None = None
     # Attention-level test: every key a distinct held-out row captured through the model, so the
-    # capture costs a forward per key; 16k keeps the stage near its old ~30 s here, 128k is
+    # capture costs a forward per key: 4k by default, 4k and 16k under `full`, 128k is
     # `oscar validate attention` (docs/decisions/0047-attention-level-test-held-out-text-whole.md, "Attention-level test: held-out text").
-    attn_lengths: list[int] = field(default_factory=lambda: [4096, 16384])
+    attn_lengths: list[int] | None = None
     # The product recipe behind `oscar-int2`: the OSCAR rotation with the calibrated key mean
     # subtracted, keys scaled along the query eigenvectors (queries by the inverse) and searched
     # clips (docs/decisions/0032-main-job-recipe-oscar-int2-oscar-rotation-key.md, "Main job recipe" and "Scaled keys"), one per-token group, then per-layer key
