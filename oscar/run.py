@@ -66,7 +66,7 @@ class RunConfig:
     model: str = EMBEDDED_MODEL
     corpus: str = "pydoc"
     # The sizes below left at None take the main job's defaults, sized to 15 minutes on a 2-core CPU, or with `full`
-    # the evidence sizes (oscar/defaults.py DEMO_SIZES / FULL_SIZES; docs/decisions/0098-the-main-job-s-default-sizes-fit-15-minutes.md).
+    # the evidence sizes (oscar/defaults.py DEMO_SIZES / FULL_SIZES; docs/decisions/0099-the-main-job-s-defaults-measure-at-4k-only.md).
     samples: int | None = None  # NIAH samples per cell
     full: bool = False  # the evidence sizes: what the committed example and the rendered cluster job run
     calib_tokens: int | None = None  # calibration tokens (of ~90k in the pydoc calibration split)
