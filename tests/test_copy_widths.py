@@ -214,16 +214,20 @@ def test_simulator_follows_the_model_device(fitted):
         assert len(ts) >= 5 and all(t.device.type == "meta" for t in ts) and lq.device.type == "meta"
 
 
+@pytest.mark.parametrize("block", [256, 48])
 @pytest.mark.parametrize("T,sink,recent", [(200, 16, 32), (701, 64, 256), (333, 64, 256)])
-def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent):
+def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink, recent, block, monkeypatch):
     """The estimate's autograd attention (kernels.grad_attention._grad_attention) computes the simulator's attention
     (kernels.window_attention.sim_attention: exact / INT2 per (query, key) by the fresh mask, pages of 16), and the gradient it
     gives the INT2 error leaves (keys, values) is the directional derivative of a loss on its output: central
     differences of the simulator with the stored keys (values) moved along a random direction (pages and windows not aligned; at T = 333 no
-    query reads a stored key yet, so both are 0)."""
+    query reads a stored key yet, so both are 0). Query blocks of 256 and 48 (lengths not their multiples: one
+    block at T = 200, a boundary page split between blocks at 48)."""
     from types import SimpleNamespace
 
     from oscar.kernels import grad_attention as ga
+
+    monkeypatch.setattr(ga, "QUERY_BLOCK", block)
 
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import Protocol
