@@ -116,7 +116,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         f"{_lengths(FULL, 'ppl_contexts')} with {FULL['ppl_tokens']} held-out tokens per context "
                         f"(default {_lengths(DEMO, 'ppl_contexts')}, {DEMO['ppl_tokens']}), the attention-level test at "
                         f"{_lengths(FULL, 'attn_lengths')} (default {_lengths(DEMO, 'attn_lengths')}), "
-                        f"{FULL['calib_tokens']} calibration tokens (default {DEMO['calib_tokens']}); ~3x the time")
+                        f"{FULL['calib_tokens']} calibration tokens (default {DEMO['calib_tokens']}); ~3.5x the time")
     r.add_argument("--variant", default=None, help="fit variant behind oscar-int2 (see `oscar variants`; default scaled, "
                    "split with --widths none)")
     add_recipe(r)
