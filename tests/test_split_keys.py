@@ -75,7 +75,7 @@ def test_split_bits_through_the_memory_accounting():
     """2.75 (keys: 16 x 3 + 48 x 2 codes + two fp8 scale/zero pairs) + 2.25 (values, fp8) = 2.5 at head_dim 64."""
     from oscar.pipeline.models import load_config
     from oscar.stats.artifact import QuantConfig, identity_artifact
-    from oscar.validate.methods import SERVING, bits_per_element, memory_row
+    from oscar.validate.methods import METHOD_NOTES, SERVING, bits_per_element, memory_row
 
     config = load_config("smollm2-135m")
     base = identity_artifact(config, QuantConfig(bits=2), clip=1.0)
@@ -96,6 +96,20 @@ def test_split_bits_through_the_memory_accounting():
     lay = cb.derived_artifact(base, "oscar-layer-copy-int2", {"kind": "layers", "widths": widths}, {})
     assert bits_per_element(lay, D) == pytest.approx((12 * 0.5 * (3.5 + 2.25) + 18 * 2.25) / 30) == 2.5
     assert memory_row("oscar-layer-copy-int2", lay, config, 4096, SERVING)["bits_per_element"] <= 2.5
+    # the report's method note says the format the artifact stores, read from the artifact
+    assert memory_row("oscar-int2", art, config, 4096, SERVING)["note"].endswith(
+        "(split keys: 16 channels placed by C_Q at 3 bits, the rest at 2; values at 2 bits; 8-bit scale/zero)")
+    assert memory_row("oscar-int2", lay, config, 4096, SERVING)["note"].endswith(
+        "(the layers codebook format of oscar-layer-copy-int2)")
+    from oscar.widths import native_layer_artifact, widths_artifact
+
+    art_one = identity_artifact(config, QuantConfig(bits=2, param_dtype="float8_e4m3fn"), clip=1.0)
+    wide = native_layer_artifact(widths_artifact(art_one, [[3, 2]] * 4 + [[4, 2]] + [[2, 2]] * 25))
+    assert art_one.layer_quant is None and wide.layer_quant is not None
+    assert memory_row("oscar-int2", wide, config, 4096, SERVING)["note"].endswith(
+        "(per-layer key widths: 5 of 30 layers' keys at 3 or 4 bits, the rest at 2; values at 2 bits; 8-bit scale/zero "
+        "(fp16 for the wider keys))")
+    assert memory_row("kivi2", art, config, 4096, SERVING)["note"] == METHOD_NOTES["kivi2"]  # its format is its name
 
 
 def test_split_format_is_refused_where_it_cannot_be_stored():

@@ -358,13 +358,34 @@ METHOD_NOTES: dict[str, str] = {
                       "fixed row-quantile clips (no search), float32 scale+zero, pages of 8",
     "oscar-kc-int2": "oscar-int2's rotations with keys per channel (64-token groups), clips searched (for a split-key "
                      "artifact: the scaled variant's rotations from the same store, fp16 params)",
-    "oscar-int2": "OSCAR rotation, key-mean centering, scaled keys, searched and tuned clips (the artifact's format: "
-                  "`oscar run` fits --variant split, keys in a 3-bit and a 2-bit part placed by C_Q, 8-bit scale/zero)",
+    "oscar-int2": "OSCAR rotation, key-mean centering, scaled keys, searched and tuned clips",
     "tq-int2": "TurboQuant re-implemented from its paper: random-sign Walsh-Hadamard, fp16 norms, Beta Lloyd-Max codes, "
                "D/4 outlier channels at 3 bits; keys centred; no clip search (a Lloyd-Max codebook has none)",
     "sq-int2": "SpectralQuant (uniform allocation) re-implemented: calibrated eigenbasis, Gaussian Lloyd-Max codes "
                "scaled by the calibrated std, K and V centred, no per-token metadata; no clip search",
 }
+
+
+def artifact_format(art: Artifact) -> str:
+    """The stored format of an artifact's keys and values, in words (the report's method notes)."""
+    codec = art.meta.get("codec")
+    if codec:  # a codebook format of validate/codebooks.py, read through the simulator
+        return f"the {codec.get('kind')} codebook format of {art.meta.get('variant')}"
+    q = art.quant
+    word = {"float8_e4m3fn": "8-bit", "float16": "fp16", "float32": "float32"}
+    params = f"{word.get(q.param_dtype, q.param_dtype)} scale/zero"
+    if art.layer_quant is not None:
+        wide = [lq for lq in art.layer_quant if lq.key_split]
+        bits = " or ".join(str(b) for b in sorted({q.bits + lq.key_top for lq in wide}))
+        keys = f"per-layer key widths: {len(wide)} of {len(art.layer_quant)} layers' keys at {bits} bits, the rest at {q.bits}"
+        kp = {lq.key_param_dtype for lq in wide} - {None, q.param_dtype}
+        if kp:
+            params += f" ({', '.join(word.get(d, d) for d in sorted(kp))} for the wider keys)"
+    elif q.key_split:
+        keys = f"split keys: {q.key_split} channels placed by C_Q at {q.bits + q.key_top} bits, the rest at {q.bits}"
+    else:
+        keys = f"keys in one {q.bits}-bit group per token"
+    return f"{keys}; values at {q.bits} bits; {params}"
 
 
 def memory_row(name: str, art: Artifact | None, config, context: int, protocol: Protocol) -> dict:
@@ -378,5 +399,6 @@ def memory_row(name: str, art: Artifact | None, config, context: int, protocol: 
         "method": name, "bits_per_element": bpe, "bytes_per_token_history": elems * bpe / 8,
         "bytes_per_token_bf16": elems * 2, "context": context, "protocol": protocol.name,
         "sink": protocol.sink, "recent": protocol.recent, "bytes_per_token_avg": elems * avg_bits / 8,
-        "ratio_vs_bf16": avg_bits / 16, "note": METHOD_NOTES.get(name, ""),
+        "ratio_vs_bf16": avg_bits / 16,
+        "note": METHOD_NOTES.get(name, "") + (f" ({artifact_format(art)})" if name == "oscar-int2" and art is not None else ""),
     }
