@@ -102,6 +102,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help="calibration sequence length, as `oscar calibrate --seq-len` (default: the longest context "
                         "validated, 4096: the fit sees every position it is judged on; --calib-seq-len: the older "
                         "spelling)")
+    r.add_argument("--calib-tokens", type=positive_int, default=None,
+                   help=f"calibration tokens (default {DEMO['calib_tokens']}; --full: {FULL['calib_tokens']}; the pydoc "
+                        "calibration split holds ~90k)")
     r.add_argument("--positions", "--calib-positions", dest="calib_positions", type=positive_int, default=None,
                    help="absolute positions the calibration covers, as `oscar calibrate --positions` (default: the "
                         "longest context validated); a shorter --seq-len is read at RoPE offsets up to it "
@@ -154,7 +157,7 @@ def _run(args) -> int:
     from oscar.validate.methods import parse_methods
 
     run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       seq_len=args.calib_seq_len, positions=args.calib_positions,
+                       calib_tokens=args.calib_tokens, seq_len=args.calib_seq_len, positions=args.calib_positions,
                        methods=parse_methods(args.methods) if args.methods else None, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
                        squad=args.squad, hotpotqa=args.hotpotqa,
                        variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,

@@ -19,13 +19,13 @@ MAIN_JOB_METHODS = ["bf16", "kivi2", "hadamard-int2", "oscar-int2"]
 # The sizes `oscar run` fills in where the user gives none (docs/decisions/0099-the-main-job-s-defaults-measure-at-4k-only.md).
 # DEMO_SIZES: within 15 minutes on 2 CPUs, everything measured at the model's long end (4k): 10 samples per needle
 # cell (niah_single_1/2), MAIN_JOB_METHODS, one perplexity window of 4k (8 segments), the attention-level test at 4k,
-# 16,384 calibration tokens (where this model's rotations have converged, docs/calibrate.md "How many calibration
-# tokens"). FULL_SIZES (`--full`): the evidence sizes: >= 20 samples per cell
+# 32,768 calibration tokens (16,384 measured worse through the tune and widths: the same decision record).
+# FULL_SIZES (`--full`): the evidence sizes: >= 20 samples per cell
 # (docs/decisions/0037-main-job-speed-same-computations-cheaper.md), needles at 1k / 2k / 4k, DEFAULT_METHODS,
 # perplexity at 1k and 4k with all the held-out split holds at 4k (3 windows), the attention-level test at 4k and
 # 16k, the budget of docs/decisions/0093-calibration-budget-1024-tokens-per-head-dim.md.
 DEMO_SIZES = {"samples": 10, "lengths": [4096], "methods": MAIN_JOB_METHODS, "ppl_tokens": 4096,
-              "ppl_contexts": [4096], "attn_lengths": [4096], "calib_tokens": 16384}
+              "ppl_contexts": [4096], "attn_lengths": [4096], "calib_tokens": 32768}
 FULL_SIZES = {"samples": 20, "lengths": [1024, 2048, 4096], "methods": DEFAULT_METHODS, "ppl_tokens": 12288,
               "ppl_contexts": [1024, 4096], "attn_lengths": [4096, 16384], "calib_tokens": 65536}
 

@@ -90,7 +90,7 @@ def test_default_sizes_and_full(tmp_path):
     for cfg, sizes in ((demo, DEMO), (full, FULL)):
         assert {k: getattr(cfg, k) for k in sizes} == sizes
     assert (demo.samples, demo.lengths, demo.methods, demo.ppl_tokens, demo.ppl_contexts, demo.attn_lengths,
-            demo.calib_tokens) == (10, [4096], MAIN_JOB_METHODS, 4096, [4096], [4096], 16384)
+            demo.calib_tokens) == (10, [4096], MAIN_JOB_METHODS, 4096, [4096], [4096], 32768)
     assert (full.samples, full.lengths, full.methods, full.ppl_tokens, full.ppl_contexts, full.attn_lengths,
             full.calib_tokens) == (20, [1024, 2048, 4096], DEFAULT_METHODS, 12288, [1024, 4096], [4096, 16384], 65536)
     assert demo.seq_len == full.seq_len == demo.positions == full.positions == 4096  # both validate to 4k
@@ -98,7 +98,8 @@ def test_default_sizes_and_full(tmp_path):
     assert (given.samples, given.lengths, given.methods, given.calib_tokens, given.ppl_tokens) == \
         (3, [512], ["bf16"], 8192, 12288)
     args = build_parser().parse_args(["run", "--out", "x"])
-    assert args.samples is None and args.methods is None and not args.full
+    assert args.samples is None and args.methods is None and args.calib_tokens is None and not args.full
+    assert build_parser().parse_args(["run", "--out", "x", "--calib-tokens", "16384"]).calib_tokens == 16384
     for name in ("methods", "lengths", "ppl_contexts", "attn_lengths"):  # a run's lists are its own, not the module's
         getattr(RunConfig(out=str(tmp_path)), name).append(1)
         assert getattr(RunConfig(out=str(tmp_path)), name) == DEMO[name]
