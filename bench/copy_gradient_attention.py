@@ -1,13 +1,15 @@
 """The per-layer widths' autograd attention: query blocks against one attention over all 2T columns.
 
 The copy probe to first order (oscar/widths.py) runs each window forward and backward through
-`kernels.grad_attention._grad_attention`: every query reads key j exactly or from INT2 by the fresh mask. Written
-as one attention over [K ; K̂] under a dense (T, 2T) mask, it computes every masked pair; by query blocks each call
-reads only the columns its block can see (the code's docstring). Both, forward + backward of one layer on random
-q / k / v and INT2 error leaves at SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), sink 64 + recent 256,
-pages of 16, are timed interleaved in one run (median of --repeats), with the largest difference of the output and
-of each gradient against the dense form relative to its largest entry. One record per host (run.json's host line:
-an AVX2-only run, `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`, is its own).
+`kernels.grad_attention._grad_attention`: every query reads key j exactly or from INT2 by the fresh mask. By query
+blocks (`QUERY_BLOCK`, 256) each call reads only the columns its block can see; one block of the whole window is
+one attention over every column some query reads, exact and stored (~2T), under one dense mask: the form the
+blocks replaced. Both,
+forward + backward of one layer on random q / k / v and INT2 error leaves at SmolLM2's shapes (9 query heads, 3 KV
+heads, head_dim 64), sink 64 + recent 256, pages of 16, are timed interleaved in one run (median of --repeats),
+with the largest difference of the output and of each gradient against the one-block form relative to its largest
+entry. One record per host (run.json's host line: an AVX2-only run, `ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`, is its own).
 
     python bench/copy_gradient_attention.py [--out bench/results/copy_gradient_attention.json] [--threads 2]
 """
@@ -22,11 +24,9 @@ import time
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from oscar.host import describe, info
 from oscar.kernels import grad_attention as ga
-from oscar.kernels.window_attention import fresh_mask
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results", "copy_gradient_attention.json")
@@ -51,34 +51,23 @@ class Quant:
         return x + self.verr[..., :x.shape[2], :]
 
 
-def dense(q, k, v, lq) -> torch.Tensor:
-    """One attention over [K ; K̂] under the dense (T, 2T) mask: the formulation the query blocks replaced."""
-    T = q.shape[2]
-    b = lq.quantized_until(T, SINK, 0)
-    k0, v0 = k[..., SINK:b, :].detach(), v[..., SINK:b, :].detach()
-    delta, vdelta = (lq.keys(k0) - k0).requires_grad_(), (lq.values(v0) - v0).requires_grad_()
-    kh = torch.cat([k[..., :SINK, :], k[..., SINK:b, :] + delta, k[..., b:, :]], 2)  # (B, Hkv, T, D)
-    vh = torch.cat([v[..., :SINK, :], v[..., SINK:b, :] + vdelta, v[..., b:, :]], 2)
-    fresh = fresh_mask(T, SINK, RECENT, GROUP)  # (T, T)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    mask = torch.cat([causal & fresh, causal & ~fresh], 1)  # (T, 2T)
-    out = F.scaled_dot_product_attention(q, torch.cat([k, kh], 2), torch.cat([v, vh], 2), attn_mask=mask,
-                                         enable_gqa=True)  # (B, Hq, T, D)
-    return out, delta, vdelta
-
-
-def blocked(q, k, v, lq):
+def attention(q, k, v, lq, block: int):
+    """`_grad_attention` with queries in blocks of `block`: (output (B, Hq, T, D), key error leaf, value error leaf)."""
     ga._GRAD.update(quant=[lq], protocol=SimpleNamespace(sink=SINK, recent=RECENT), deltas=[None], keys=[None],
                     vdeltas=[None], values=[None])
-    out = ga._grad_attention(SimpleNamespace(layer_idx=0), q, k, v)[0].transpose(1, 2)  # (B, Hq, T, D)
+    prev, ga.QUERY_BLOCK = ga.QUERY_BLOCK, block
+    try:
+        out = ga._grad_attention(SimpleNamespace(layer_idx=0), q, k, v)[0].transpose(1, 2)  # (B, Hq, T, D)
+    finally:
+        ga.QUERY_BLOCK = prev
     return out, ga._GRAD["deltas"][0], ga._GRAD["vdeltas"][0]
 
 
-def step(f, q, k, v, lq, R):
+def step(block: int, q, k, v, lq, R):
     for t in (q, k, v):
         t.grad = None
     t0 = time.perf_counter()
-    out, d, dv = f(q, k, v, lq)
+    out, d, dv = attention(q, k, v, lq, block)
     (out * R).sum().backward()
     s = time.perf_counter() - t0
     return s, [out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone(), d.grad.clone(), dv.grad.clone()]
@@ -101,8 +90,8 @@ def main() -> None:
         R = torch.randn(1, 9, T, 64, generator=g)
         times = {"dense": [], "blocked": []}
         for _ in range(a.repeats):  # interleaved: a drift of the host's speed hits both
-            for name, f in (("dense", dense), ("blocked", blocked)):
-                s, res = step(f, q, k, v, lq, R)
+            for name, block in (("dense", T), ("blocked", ga.QUERY_BLOCK)):
+                s, res = step(block, q, k, v, lq, R)
                 times[name].append(s)
                 if name == "dense":
                     ref = res

@@ -196,7 +196,7 @@ def _sim_attention_previous(module, query, key, value, attention_mask=None, scal
         q1 = min(T, q0 + C)
         k0 = max(0, q0 - W + 1)
         qi, kj = pos[q0:q1], pos[k0:q1]
-        fr = W._fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
+        fr = W.fresh(qi, kj, sink, p.recent, lq.key_group)  # (c, n) exact?
         band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
         K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
         q = query[:, :, q0:q1]  # (B, Hq, c, D)

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar.kernels.simulate import LayerQuant, Protocol
-from oscar.kernels.window_attention import fresh_mask
+from oscar.kernels.window_attention import fresh, group_end
 
 _GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None, "vdeltas": None, "values": None}
 
@@ -33,8 +33,8 @@ def _grad_attention(module, query, key, value, attention_mask=None, scaling=None
     Per block of QUERY_BLOCK queries [a, z), only the columns a query there can read: exact, the sinks and the keys
     still fresh for its first query a (fresh(i, j) only turns false as i grows), and stored, the pages already
     stale for its last query z - 1; the boundary pages sit in both, the mask choosing per (i, j). The softmax is
-    the one over all 2T columns under the dense mask (masked columns add exp(-inf) = 0), at ~0.4x its work
-    at 2048 tokens (docs/speed.md)."""
+    the one over all 2T columns under one dense (T, 2T) mask (masked columns add exp(-inf) = 0), at ~0.4x its work
+    at 2048 tokens and without a (T, T) mask (docs/speed.md)."""
     l = module.layer_idx
     lq, p = _GRAD["quant"][l], _GRAD["protocol"]
     B, Hq, T, D = query.shape
@@ -48,22 +48,20 @@ def _grad_attention(module, query, key, value, attention_mask=None, scaling=None
     vdelta = (lq.values(v0) - v0).requires_grad_()  # the values' INT2 error, a leaf too (value widths)
     _GRAD["vdeltas"][l], _GRAD["values"][l] = vdelta, v0
     vh = torch.cat([value[..., :sink, :], value[..., sink:b, :] + vdelta, value[..., b:, :]], 2)
-    fresh = fresh_mask(T, sink, p.recent, lq.key_group, query.device)  # (T, T), not causal
-    causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()  # (T, T)
-    # Column j is fresh for query i iff j < sink or i - e(j) <= recent, e(j) the last position of j's key group:
-    # nondecreasing in j, so each block's exact and stored columns are ranges found by binary search.
-    j = torch.arange(sink, T, device=query.device)
-    g = max(1, lq.key_group)
-    e = (sink + ((j - sink) // g + 1) * g - 1).contiguous()  # (T - sink,)
+    # Freshness only turns false as the query moves on and group_end(j) is nondecreasing in j, so each block's
+    # exact and stored columns are ranges found by binary search.
+    pos = torch.arange(T, device=query.device)
+    ends = group_end(pos[sink:], sink, lq.key_group).contiguous()  # (T - sink,)
     outs = []
     for a in range(0, T, QUERY_BLOCK):
         z = min(a + QUERY_BLOCK, T)
-        lo = min(z, sink + int(torch.searchsorted(e, a - p.recent)))  # exact columns [0, sink) + [lo, z)
-        hi = min(z, sink + int(torch.searchsorted(e, z - 1 - p.recent)))  # stored columns [sink, hi)
+        lo = min(z, sink + int(torch.searchsorted(ends, a - p.recent)))  # exact columns [0, sink) + [lo, z)
+        hi = min(z, sink + int(torch.searchsorted(ends, z - 1 - p.recent)))  # stored columns [sink, hi)
+        rows, ex, st = pos[a:z], torch.cat([pos[:sink], pos[lo:z]]), pos[sink:hi]
         ks = torch.cat([key[..., :sink, :], key[..., lo:z, :], kh[..., sink:hi, :]], 2)  # (B, Hkv, m, D)
         vs = torch.cat([value[..., :sink, :], value[..., lo:z, :], vh[..., sink:hi, :]], 2)  # (B, Hkv, m, D)
-        f, c = fresh[a:z], causal[a:z]  # (z - a, T)
-        mask = torch.cat([(f & c)[:, :sink], (f & c)[:, lo:z], (~f & c)[:, sink:hi]], 1)  # (z - a, m)
+        mask = torch.cat([fresh(rows, ex, sink, p.recent, lq.key_group) & (ex[None, :] <= rows[:, None]),
+                          ~fresh(rows, st, sink, p.recent, lq.key_group) & (st[None, :] <= rows[:, None])], 1)  # (z - a, m)
         outs.append(F.scaled_dot_product_attention(query[..., a:z, :], ks, vs, attn_mask=mask, scale=scaling,
                                                    enable_gqa=True))  # (B, Hq, z - a, D)
     out = torch.cat(outs, 2)  # (B, Hq, T, D)

@@ -29,21 +29,25 @@ _SIM: dict = {"quant": None, "protocol": None, "qchunk": None}  # qchunk: the ba
 def fresh_mask(T: int, sink: int, recent: int, key_group: int, device=None) -> torch.Tensor:
     """(T, T) bool: query i reads key j exactly (True) or from INT2 (False); causality not applied."""
     j = torch.arange(T, device=device)
-    return _fresh(j, j, sink, recent, key_group)
+    return fresh(j, j, sink, recent, key_group)
 
 
-def _fresh(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: int) -> torch.Tensor:
+def fresh(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: int) -> torch.Tensor:
     """(len(i), len(j)) bool: query position i reads key position j exactly (see the module docstring)."""
     return _fresh_pairs(i[:, None], j[None, :], sink, recent, key_group)
 
 
-def _fresh_pairs(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: int) -> torch.Tensor:
-    """_fresh on broadcastable position tensors i (queries) and j (keys)."""
+def group_end(j: torch.Tensor, sink: int, key_group: int) -> torch.Tensor:
+    """The last position of key j's token group (j itself for a sink or token-granular groups): j is stored once
+    that position is past, so freshness is nondecreasing in it."""
     if key_group > 1:
-        e = torch.where(j >= sink, sink + ((j - sink) // key_group + 1) * key_group - 1, j)
-    else:
-        e = j
-    return (j < sink) | ((i - e) <= recent)
+        return torch.where(j >= sink, sink + ((j - sink) // key_group + 1) * key_group - 1, j)
+    return j
+
+
+def _fresh_pairs(i: torch.Tensor, j: torch.Tensor, sink: int, recent: int, key_group: int) -> torch.Tensor:
+    """`fresh` on broadcastable position tensors i (queries) and j (keys)."""
+    return (j < sink) | ((i - group_end(j, sink, key_group)) <= recent)
 
 
 def _flash_lse(q, k, v, scale: float, causal: bool):
@@ -112,7 +116,7 @@ def _band_loop(query, key, value, kh, vh, sink: int, recent: int, key_group: int
         q1 = min(T, q0 + C)
         k0 = max(0, q0 - W + 1)
         qi, kj = pos[q0:q1], pos[k0:q1]
-        fr = _fresh(qi, kj, sink, recent, key_group)  # (c, n) exact?
+        fr = fresh(qi, kj, sink, recent, key_group)  # (c, n) exact?
         band = (kj[None, :] <= qi[:, None]) & (kj[None, :] > qi[:, None] - W)
         K, V = key[..., k0:q1, :].repeat_interleave(rep, 1), value[..., k0:q1, :].repeat_interleave(rep, 1)
         q = query[:, :, q0:q1]  # (B, Hq, c, D)
