@@ -103,8 +103,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "validated, 4096: the fit sees every position it is judged on; --calib-seq-len: the older "
                         "spelling)")
     r.add_argument("--calib-tokens", type=positive_int, default=None,
-                   help=f"calibration tokens (default {DEMO['calib_tokens']}; --full: {FULL['calib_tokens']}; the pydoc "
-                        "calibration split holds ~90k)")
+                   help=f"calibration tokens, as `oscar calibrate --tokens` (default {DEMO['calib_tokens']}; --full: "
+                        f"{FULL['calib_tokens']}; the pydoc calibration split holds ~90k)")
     r.add_argument("--positions", "--calib-positions", dest="calib_positions", type=positive_int, default=None,
                    help="absolute positions the calibration covers, as `oscar calibrate --positions` (default: the "
                         "longest context validated); a shorter --seq-len is read at RoPE offsets up to it "

@@ -43,7 +43,7 @@ from oscar.host import compute_dtype, describe, info as host_info
 from oscar import native_build
 from oscar.kernels import cpu_attention
 from oscar.pipeline import native
-from oscar.pipeline.calibrate import CalibConfig, calibrate
+from oscar.pipeline.calibrate import CalibConfig, calibrate, check_calibration
 from oscar.pipeline.corpus import first_chat_record
 from oscar.reports.build import build_report
 from oscar.recipe import WIDTHS, RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe
@@ -228,9 +228,13 @@ def _say(msg: str) -> None:
     print(f"[oscar run {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _calib_config(cfg: RunConfig, store: str) -> CalibConfig:
+    return CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
+                       positions=cfg.calib_positions, **(cfg.calibrate or {}))
+
+
 def _calibrate(cfg: RunConfig, store: str) -> dict:
-    cc = CalibConfig(model=cfg.model, corpus=cfg.corpus, store=store, seq_len=cfg.seq_len, tokens=cfg.calib_tokens,
-                     positions=cfg.calib_positions, **(cfg.calibrate or {}))
+    cc = _calib_config(cfg, store)
     cpu_attention.register()  # the capture's attention: the native CPU kernel (pipeline/capture.native_attention)
     if cfg.ray:
         _say("calibrating on a local Ray cluster (127.0.0.1; --no-ray for one process)")
@@ -419,6 +423,9 @@ def run_main(cfg: RunConfig) -> dict:
         raise OscarError(f"oscar run: {chat} is a chat ('messages') record; the run also validates on the corpus's "
                          "held-out text, read without a chat template: give a 'text' corpus, or calibrate chats "
                          "with `oscar calibrate --corpus`")
+    store = os.path.join(cfg.out, "calib.zarr")
+    if not os.path.exists(store):  # what calibration would refuse (a budget the corpus cannot supply, ...): before DIR
+        check_calibration(_calib_config(cfg, store))
     t_all = time.time()
     os.makedirs(cfg.out, exist_ok=True)
     job = _Job(cfg, Stages(cfg.out))

@@ -283,19 +283,25 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
-    """Create (or validate for resume) the store of `cfg` without loading weights.
-
-    Shared by the single-process path and the Ray driver (which must not hold the
-    model). Returns (store metadata, ModelInfo); the store's lock is released.
-    """
+def check_calibration(cfg: CalibConfig, info=None, tokenizer=None):
+    """Everything a calibration refuses before it writes anything or loads weights (a model no stage can serve,
+    positions past the model's, a budget the corpus cannot supply): (ModelInfo, tokenizer, corpus, BlockPlan)."""
     info = info or load_info(cfg.model)
     check_servable(info)
     if cfg.positions and info.max_position_embeddings and cfg.positions > info.max_position_embeddings:
         raise OscarError(f"--positions {cfg.positions} is past model {info.name!r}'s max_position_embeddings "
                          f"({info.max_position_embeddings}): it was never trained, and is not served, there")
     tokenizer = tokenizer or load_tokenizer(info.source)
-    corpus, plan = corpus_blocks(cfg, tokenizer)
+    return (info, tokenizer, *corpus_blocks(cfg, tokenizer))
+
+
+def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
+    """Create (or validate for resume) the store of `cfg` without loading weights.
+
+    Shared by the single-process path and the Ray driver (which must not hold the
+    model). Returns (store metadata, ModelInfo); the store's lock is released.
+    """
+    info, tokenizer, corpus, plan = check_calibration(cfg, info, tokenizer)
     tokens, mask = np.asarray(plan.tokens, dtype=np.int32), np.asarray(plan.mask, dtype=np.uint8)
     if tokens.size == 0 or int(mask.sum()) == 0:
         raise OscarError(f"corpus {cfg.corpus!r} produced no tokens to calibrate on")

@@ -336,7 +336,8 @@ def test_run_config_refuses_bad_sizes_before_any_stage(tmp_path):
 
     assert RunConfig(out=str(tmp_path / "r"), lengths=["1k", 2048]).lengths == [1024, 2048]
     for kw in ({"lengths": [0]}, {"lengths": []}, {"lengths": ["zz"]}, {"ppl_contexts": [-1024]},
-               {"attn_lengths": [0]}, {"samples": 0}, {"ppl_tokens": 0}, {"widths_windows": 0}, {"seq_len": 0}):
+               {"attn_lengths": [0]}, {"samples": 0}, {"ppl_tokens": 0}, {"widths_windows": 0}, {"seq_len": 0},
+               {"calib_tokens": 0}):
         with pytest.raises(OscarError, match="oscar run: "):
             RunConfig(out=str(tmp_path / "r"), **kw)
     assert not (tmp_path / "r").exists()
@@ -344,6 +345,8 @@ def test_run_config_refuses_bad_sizes_before_any_stage(tmp_path):
 
 @pytest.mark.parametrize("case,msg", [
     (["run", "--no-ray", "--model", "no-such-model", "--out", "{o}"], "unknown model 'no-such-model'"),
+    (["run", "--no-ray", "--calib-tokens", "1000000", "--out", "{o}"],
+     "--tokens 1,000,000 asks for more than the calibration split gives"),
     (["validate", "niah", "--model", "tiny-llama@seed=x", "--out", "{o}"], "bad model spec"),
     (["validate", "ppl", "--model", "{t}/missing.gguf", "--out", "{o}"], "GGUF file not found"),
     (["validate", "niah", "--corpus", "{t}/missing.txt", "--out", "{o}"], "--corpus {t}/missing.txt: no such file"),
