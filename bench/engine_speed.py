@@ -77,7 +77,9 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
 
-    from oscar.validate import engine, env
+    from oscar.scoring import engine
+
+    from oscar.validate import env
     from oscar.validate.methods import PROTOCOLS
     from oscar.validate.niah import PrefillPool, decode_batch, eos_ids
     from oscar.validate.ppl import heldout_ids, window_nll

@@ -31,7 +31,7 @@ needles    The same cut (--layers dense layers, GLM-4.7's attention) decoding a 
            stages' and the process's wall time per batch. Without Ray (the GPU image has none) the same stage
            objects and driver run in this process (`"ray": false`). --engine cache: the product cache instead,
            each stage keeping its own layers' OscarCache (the Triton kernels on CUDA) per (sample, method) row,
-           against `validate.engine.niah_answers` in one process.
+           against `scoring.engine.niah_answers` in one process.
 
 --dry-run runs each on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
 keeps working between GPU sessions.
@@ -382,7 +382,7 @@ def bench_needles(args, dev: torch.device) -> dict:
 
     from oscar.cluster.pipeline import ClusterConfig, stage_ranges
     from oscar.cluster.scoring import Calls, ScoreArgs, ScoreStage, StagedScorer, cache_needle_batch, needle_batch
-    from oscar.validate import engine
+    from oscar.scoring import engine
     from oscar.validate.methods import PROTOCOLS
     from oscar.validate.niah import PrefillPool, decode_batch
 

@@ -1,9 +1,9 @@
 """Validation on the stage actors: a window's hidden states flow through the same layer ranges as calibration.
 
-Two kinds of work: perplexity windows (`forward`, below) and needle batches, by either engine (validate/engine.py):
+Two kinds of work: perplexity windows (`forward`, below) and needle batches, by either engine (oscar/scoring/engine.py):
 - simulate (`rows_*`): each sample's haystack prefilled exactly through the stages, each stage keeping its own
   layers' rows of the batch's INT2 cache, then greedy decoding with one chain of stage calls per token, driven by
-  the same loop as one process, `validate.rowbatch.run_rows`;
+  the same loop as one process, `scoring.rows.run_rows`;
 - cache (`cache_*`): the product path, `engine.niah_answers` on the stages: per (sample, method) row every stage
   builds a fresh OscarCache of its own layers on its device (kernels chosen by the dispatcher: Triton on CUDA, the
   torch reference on CPU), the haystack and the question go through the stages as chunks, then one chain of stage
@@ -18,7 +18,7 @@ per-window NLLs equal one process's up to float summation order.
 `ScoreStage` is a plain class (usable in one process); `score_actor_class()` wraps it with `ray.remote`.
 `StagedScorer` starts one actor per stage and is what `validate.ppl.run_ppl(scorer=...)` calls: every window's
 chain is submitted at once, so while stage 2 scores window w, stage 1 already runs window w + 1.
-`StagedScorer.copy_gradients` runs the recipe's widths' gradient (oscar/widths.py) a window at a time, forward and
+`StagedScorer.copy_gradients` runs the recipe's widths' gradient (oscar/recipe/widths.py) a window at a time, forward and
 backward through the stages, each stage summing its own layers (kernels/grad_attention.py, as one process).
 """
 
@@ -42,11 +42,11 @@ from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leave
                                           window_sums)
 from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
-from oscar.validate import engine
+from oscar.scoring import engine
 from oscar.validate.methods import PROTOCOLS
 from oscar.validate.niah import PrefillPool, batch_capacity
 from oscar.validate.ppl import hidden_nll
-from oscar.validate.rowbatch import positions, run_rows
+from oscar.scoring.rows import positions, run_rows
 
 
 # Hidden states go from stage to stage as host tensors: each stage's process sees only the GPU Ray gave it, so a
@@ -145,7 +145,7 @@ class ScoreStage:
     def rows_step(self, x: torch.Tensor, last: torch.Tensor | None = None):
         """One step of the active rows: token ids (A, t) in at the first stage, hidden states (A, t, H) from the
         stage before otherwise; hidden states out, or at the last stage each row's greedy next token, read at
-        its chunk position `last` (A,) as `validate.rowbatch.LocalRows.step` reads it."""
+        its chunk position `last` (A,) as `scoring.rows.LocalRows.step` reads it."""
         spec = self.stage.spec
         pos = positions(self.rows, x.shape[1]).to(self.args.device)  # (A, t)
         x = x.to(self.args.device)
@@ -219,7 +219,7 @@ class ScoreStage:
     def ping(self) -> bool:
         return True
 
-    # The per-layer widths' gradient (oscar/widths.py `layer_copy_gradients`), a window at a time: every stage runs
+    # The per-layer widths' gradient (oscar/recipe/widths.py `layer_copy_gradients`), a window at a time: every stage runs
     # its layers forward keeping the graph, the last differentiates the copy NLL, each earlier stage backpropagates
     # the gradient of the hidden states the next one received, then every stage sums its own layers.
 
@@ -309,7 +309,7 @@ def _ray_get(refs):
 
 
 class StagedRows:
-    """A row batch held by the stages, as `validate.rowbatch.run_rows` drives it (its `LocalRows` in one process):
+    """A row batch held by the stages, as `scoring.rows.run_rows` drives it (its `LocalRows` in one process):
     every stage keeps the same rows in the same slots; a step is one chain of calls through them."""
 
     def __init__(self, stages: list, rows: int, calls: Calls):
@@ -349,7 +349,7 @@ def needle_batch(stages: list, samples, names: list[list[str]], protocol: str, e
     """What `validate.niah._decode_timed` returns for one batch, computed by `stages` (their artifacts loaded):
     sample g's chunk 1 prefilled exactly through every stage (the samples' chains submitted at once, so Ray's
     stages pipeline them), each stage keeping its layers of the batch's rows for sample g's methods `names[g]`,
-    then the rows decoded greedily together (`validate.rowbatch.run_rows`, one chain of stage calls per step)."""
+    then the rows decoded greedily together (`scoring.rows.run_rows`, one chain of stage calls per step)."""
     c = calls or Calls()
     w0 = time.perf_counter()
     c0 = c.get([c.call(a, "rows_begin", names, protocol, batch_capacity(samples)) for a in stages])
@@ -497,7 +497,7 @@ class StagedScorer:
 
     def copy_gradients(self, arts: list, options: tuple, cfg, windows: list[tuple]):
         """For each (index, window (1, T), scored positions) in order: (index, its (L, Hkv, O) sums), the forward
-        and backward of `oscar.widths.layer_copy_gradients` run through the stages, each summing its own layers
+        and backward of `oscar.recipe.widths.layer_copy_gradients` run through the stages, each summing its own layers
         (arts[o]: the artifact with every layer at options[o]; cfg: its TuneConfig)."""
         # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
         import ray

@@ -7,7 +7,7 @@ slot n_r on (a shorter question is right-padded: the pads lie beyond the row's l
 read, and the next token overwrites them), and a query at position p reads slots j <= p. Slot index
 = token position, so RoPE gets each row's own positions (`position_ids`). Row r stores exactly what
 `MethodBatchCache` stores for its method (same quantized ranges, same flush steps); tests check the
-two agree. The decode loop over it is validation's (validate/rowbatch.py `decode_rows`).
+two agree. The decode loop over it is validation's (oscar/scoring/rows.py `decode_rows`).
 
 Why it is faster (docs/decisions/0050-needle-decoding-several-samples-per-batch.md, "Needle decoding: several samples per batch"):
 - attention is `rows_attention`: float32 scores and float32 accumulation, query heads viewed per

@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     from oscar.validate import codebooks as cb
     from oscar.validate.env import load_model
     from oscar.validate.methods import bits_per_element
-    from oscar.tune import TuneConfig
-    from oscar.widths import layer_copy_errors
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import layer_copy_errors
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     from oscar.stats.artifact import load_artifact, save_artifact
     from oscar.validate import codebooks as cb
     from oscar.validate.env import load_model
-    from oscar.tune import TuneConfig
-    from oscar.widths import layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import layer_copy_gradients
 
     from head_widths import option_costs, paired_t  # lab/ is on the path when run as a script
 

@@ -1,4 +1,4 @@
-"""Per-layer key widths by the copy probe (oscar/widths.py): the DP against brute force, the measured and first-order
+"""Per-layer key widths by the copy probe (oscar/recipe/widths.py): the DP against brute force, the measured and first-order
 copy tables, and the served per-layer artifact `oscar fit --widths copy` writes."""
 
 import itertools
@@ -11,7 +11,7 @@ import torch
 from oscar.kernels import window_attention
 from oscar.quant import FP8_PARAM, QuantSpec, fp8_round
 from oscar.validate import codebooks as cb
-from oscar import widths as wd
+from oscar.recipe import widths as wd
 
 
 def test_layer_widths_is_the_brute_force_optimum():
@@ -91,8 +91,8 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
     from oscar.validate.env import load_model
     from oscar.validate.methods import PROTOCOLS
     from oscar.kernels.window_attention import simulated
-    from oscar.tune import TuneConfig, calibration_ids, copy_windows
-    from oscar.widths import layer_copy_errors
+    from oscar.recipe.tune import TuneConfig, calibration_ids, copy_windows
+    from oscar.recipe.widths import layer_copy_errors
 
     model, tok, _ = load_model("tiny-llama")
     opts = ((2, 2), (3, 2), (4, 2))
@@ -143,8 +143,8 @@ def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
 
     from oscar.common import OscarError
     from oscar.validate.env import load_model
-    from oscar.tune import TuneConfig
-    from oscar.widths import _copy_ident, layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import _copy_ident, layer_copy_gradients
 
     model, tok, _ = load_model("tiny-llama")
     opts = ((2, 2), (3, 2), (4, 2))
@@ -177,7 +177,7 @@ def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
 def test_channel_key_baseline_of_per_layer_widths_is_the_fits(fitted):
     """oscar-kc-int2 next to a per-layer artifact is the same baseline as next to the fit it was widened from (the
     `scaled` recipe, keys per channel, fp16 scale/zero: 2.5 bits), not the per-layer base grid's e4m3 (2.25)."""
-    from oscar.widths import COPY_OPTIONS, layer_artifact, native_layer_artifact
+    from oscar.recipe.widths import COPY_OPTIONS, layer_artifact, native_layer_artifact
     from oscar.validate.methods import bits_per_element, channel_keys_artifact
 
     L = fitted.num_layers
@@ -195,7 +195,7 @@ def test_simulator_follows_the_model_device(fitted):
     """LayerQuant moves every tensor it reads to the K/V's device on first use (a model on a GPU: the widths stage
     runs the simulator where the tune put the model); checked on the meta device, where any tensor left on the CPU
     makes the matmul or the codec fail."""
-    from oscar.widths import native_layer_artifact, widths_artifact
+    from oscar.recipe.widths import native_layer_artifact, widths_artifact
     from oscar.kernels.simulate import LayerQuant
 
     L, H, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
@@ -286,13 +286,13 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     import torch.nn.functional as F
 
     from oscar.common import OscarError
-    from oscar.widths import COPY_OPTIONS, layer_artifact, widths_artifact
+    from oscar.recipe.widths import COPY_OPTIONS, layer_artifact, widths_artifact
     from oscar.validate.env import load_model
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import PROTOCOLS
     from oscar.kernels.window_attention import simulated
-    from oscar.tune import TuneConfig, calibration_ids, copy_windows
-    from oscar.widths import copy_widths_artifact, layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig, calibration_ids, copy_windows
+    from oscar.recipe.widths import copy_widths_artifact, layer_copy_gradients
 
     model, tok, _ = load_model("tiny-llama")
     with torch.no_grad():  # sharper attention than the random init's, so the NLL reads the stored keys

@@ -1,5 +1,5 @@
 """The two validation engines agree: `simulate` (the fake-quant simulator) and `cache` (OscarCache + kern's
-dispatcher, validate/engine.py); `--device cuda` without CUDA is refused.
+dispatcher, oscar/scoring/engine.py); `--device cuda` without CUDA is refused.
 
 Parity is checked where both engines compute the same thing: OscarCache(sink S, recent R) reads what the
 simulator's protocol (S, R - 1) reads (`engine.simulator_protocol`: the cache writes the current token
@@ -20,7 +20,7 @@ from helpers.artifacts import rotated_artifact
 from helpers.rounding import engine_nll_bound
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig
-from oscar.validate import engine
+from oscar.scoring import engine
 from oscar.validate.methods import PROTOCOLS, Protocol
 from oscar.validate.ppl import window_nll
 from oscar.kernels.window_attention import simulated

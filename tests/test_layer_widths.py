@@ -207,7 +207,7 @@ def widths_artifacts(config, widths, page):
     """The same per-layer widths as the validation codec ("layers") and as the cache's own format
     (native_layer_artifact), on a scaled rotation with a key mean and searched-looking clips."""
     from helpers.artifacts import rotated_artifact
-    from oscar.widths import native_layer_artifact, widths_artifact
+    from oscar.recipe.widths import native_layer_artifact, widths_artifact
 
     a = rotated_artifact(config, QuantConfig(bits=2, page_size=page), seed=1, scaled=True)
     for l in range(a.num_layers):
@@ -253,7 +253,7 @@ def test_native_layer_widths_equal_the_codec_and_the_cache(tiny, page):
 
 
 def test_native_layer_artifact_refuses_what_the_cache_cannot_store(tiny):
-    from oscar.widths import native_layer_artifact
+    from oscar.recipe.widths import native_layer_artifact
 
     codec, _ = widths_artifacts(tiny.config, [[2, 2], [2, 2], [2, 2]], 4)
     for widths, what in (([[2, 2], [3, 3], [2, 2]], "layer 1 .* \\(3, 3\\)"), ([[2, 2], [2, 2], [5, 2]], "layer 2")):

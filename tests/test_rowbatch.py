@@ -18,7 +18,7 @@ from oscar.kernels.simulate import MethodBatchCache
 from oscar.validate.methods import Protocol
 from oscar.validate.niah import greedy
 from oscar.kernels.rowbatch import ATTN, RowBatchCache, register
-from oscar.validate.rowbatch import decode_rows
+from oscar.scoring.rows import decode_rows
 
 
 @pytest.fixture(scope="module")

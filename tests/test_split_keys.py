@@ -101,7 +101,7 @@ def test_split_bits_through_the_memory_accounting():
         "(split keys: 16 channels placed by C_Q at 3 bits, the rest at 2; values at 2 bits; 8-bit scale/zero)")
     assert memory_row("oscar-int2", lay, config, 4096, SERVING)["note"].endswith(
         "(the layers codebook format of oscar-layer-copy-int2)")
-    from oscar.widths import native_layer_artifact, widths_artifact
+    from oscar.recipe.widths import native_layer_artifact, widths_artifact
 
     art_one = identity_artifact(config, QuantConfig(bits=2, param_dtype="float8_e4m3fn"), clip=1.0)
     wide = native_layer_artifact(widths_artifact(art_one, [[3, 2]] * 4 + [[4, 2]] + [[2, 2]] * 25))

@@ -24,7 +24,7 @@ sq-int2  SpectralQuant with uniform allocation: per KV head, the eigenbasis U of
 
 Per-layer widths keep oscar-int2's artifact (rotations, key mean, clips) and change each layer's widths:
 codec "layers", oscar-int2's grid at (key, value) widths per layer, read here (`layer_codecs`); the widths are
-chosen by the recipe (oscar/widths.py), which builds such artifacts with `derived_artifact` and `layer_spec`.
+chosen by the recipe (oscar/recipe/widths.py), which builds such artifacts with `derived_artifact` and `layer_spec`.
 
 Artifact layout: rot_k / rot_v / k_mean as usual; meta["codec"] names the format; SQ's per-head
 v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}).

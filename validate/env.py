@@ -28,7 +28,7 @@ def load_model(spec: str = EMBEDDED_MODEL):
     return model.eval(), tok, info
 
 
-DTYPES = ("float32", "bfloat16", "auto", "float64")  # float64: the recipe's objectives (oscar/tune.py)
+DTYPES = ("float32", "bfloat16", "auto", "float64")  # float64: the recipe's objectives (oscar/recipe/tune.py)
 
 
 def with_dtype(model, dtype: str = "float32"):

@@ -9,16 +9,16 @@ chunk's own K/V are on chip, only what is *stored* is quantized), so its
 exact prefill is computed once per sample and handed to every method's cache;
 `tests/test_validate_niah.py` checks that this equals prefilling through the
 method's cache. Several samples of a cell decode as one batch of (sample, method)
-rows (`decode_batch`, `oscar.validate.rowbatch`); `greedy` on a `MethodBatchCache`
+rows (`decode_batch`, `oscar.scoring.rows`); `greedy` on a `MethodBatchCache`
 is the per-sample path it is tested against.
 
 Files in OUT:
 - niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
 - niah_samples.jsonl  one line per (task, length, index, method), appended and flushed
 - results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ci_low, ci_high
-                      (95 %), the paired difference to bf16 and its Holm-adjusted test (oscar/evidence.py), ...
+                      (95 %), the paired difference to bf16 and its Holm-adjusted test (validate/evidence.py), ...
 - memory.json         bytes per token per method
-- ruler/<method>/<length>/summary.csv  RULER's summary layout (rows Tasks, Score, Nulls; oscar/ruler_outputs.py)
+- ruler/<method>/<length>/summary.csv  RULER's summary layout (rows Tasks, Score, Nulls; validate/ruler_outputs.py)
 - ruler/<method>/results.json          lm-evaluation-harness's results layout for its `ruler` group
 
 `tasks` may hold "all": every task the inputs allow (qa_1 / qa_2 only with their --squad / --hotpotqa file);
@@ -44,12 +44,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from oscar.common import OscarError, attention_shapes, file_fingerprint, fingerprint
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.evidence import niah_stats, read_samples
+from oscar.validate.evidence import niah_stats, read_samples
 from oscar.kernels import cpu_attention
 from oscar.kernels.cache import make_cache
-from oscar.ruler_outputs import write_ruler_outputs
+from oscar.validate.ruler_outputs import write_ruler_outputs
 from oscar.stats.artifact import load_artifact
-from oscar.validate import engine, env, rowbatch
+from oscar.scoring import engine
+from oscar.scoring import rows as scoring_rows
+from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
 from oscar.validate.methods import (
     NEEDS_ARTIFACT, PROTOCOL_VERSION, PROTOCOLS, SERVING, bits_per_element, memory_row,
@@ -76,7 +78,7 @@ class NiahConfig:
     # their methods as rows of one `RowBatchCache` (4 at 1k, 2 at 2k, 1 at 4k: ~1.4 GB of float32 K/V).
     # Results do not depend on it beyond float summation order, so it is not part of the identity.
     batch_tokens: int = 4096
-    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    engine: str = "simulate"  # oscar/scoring/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
     device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
     # QA files (qa_1: SQuAD v1.1 / v2.0 JSON, qa_2: HotpotQA JSON); their fingerprints are checked per file in
     # niah_config.json ("qa_files"), so adding one to an OUT keeps the samples it holds
@@ -91,7 +93,7 @@ class NiahConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
-        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+        if self.engine != "simulate":  # the cache reads one token less exactly (oscar/scoring/engine.py): never mixed
             ident["engine"] = self.engine
         return ident
 
@@ -331,7 +333,7 @@ def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set
     for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
         cache.load(g, pool.prefill(s.context_ids))
     with load_aware_threads():
-        return rowbatch.decode_rows(model, cache, [s.question_ids for s, ms in zip(samples, groups) for _ in ms],
+        return scoring_rows.decode_rows(model, cache, [s.question_ids for s, ms in zip(samples, groups) for _ in ms],
                                     [s.max_new_tokens for s, ms in zip(samples, groups) for _ in ms], eos)
 
 
@@ -456,7 +458,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
                        for k, (s, batch) in enumerate(zip(units, batches)))
         elif n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
-        elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (validate/engine.py)
+        elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (oscar/scoring/engine.py)
             results = ((k, _timed(lambda s=s, batch=batch: engine.niah_answers(
                                model, s, [[arts[m] for m in b[3]] for b in batch], [b[3] for b in batch], protocol, eos), s))
                        for k, (s, batch) in enumerate(zip(units, batches)))

@@ -17,7 +17,7 @@ Files in OUT: ppl_windows.jsonl (one line per method, protocol, context,
 window, with the NLL of its 512-token segments; resumable), ppl.parquet
 (method, protocol, context, ppl, ppl_ci_low, ppl_ci_high, bits_per_element,
 tokens, windows, blocks, block, ratio, ratio_ci_low, ratio_ci_high,
-ratio_vs_bf16: oscar/evidence.py), goal.json (the product goal, three-valued).
+ratio_vs_bf16: validate/evidence.py), goal.json (the product goal, three-valued).
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from tqdm import tqdm
 from oscar.common import OscarError, attention_shapes, file_fingerprint
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
-from oscar.evidence import ppl_stats
+from oscar.validate.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
+from oscar.validate.evidence import ppl_stats
 from oscar.kernels import cpu_attention
 from oscar.kernels.window_attention import simulated
 from oscar.stats.artifact import load_artifact
-from oscar.validate import engine, env
+from oscar.scoring import engine
+from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
 from oscar.validate.methods import (
     PROTOCOL_VERSION, PROTOCOLS, bits_per_element, parse_methods, resolve_methods,
@@ -61,7 +62,7 @@ class PplConfig:
     tokens: int = 8192  # held-out tokens scored per context
     corpus: str = "pydoc"
     dtype: str = "float32"  # model compute dtype (env.with_dtype)
-    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    engine: str = "simulate"  # oscar/scoring/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
     device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
 
     def identity(self) -> dict:
@@ -71,7 +72,7 @@ class PplConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
-        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+        if self.engine != "simulate":  # the cache reads one token less exactly (oscar/scoring/engine.py): never mixed
             ident["engine"] = self.engine
         return ident
 
@@ -250,7 +251,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
                     bar.set_postfix_str(f"{m} {p} {c}")
                     with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
                         win = ids[:, w * c:(w + 1) * c]
-                        if cfg.engine == "cache" and arts[m] is not None:  # the product path (validate/engine.py)
+                        if cfg.engine == "cache" and arts[m] is not None:  # the product path (oscar/scoring/engine.py)
                             yield k, engine.window_nll(model, m, arts[m], PROTOCOLS[p], win, prefixes=cuts)
                         else:
                             yield k, _window(model, arts[m], p, win, cuts)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from oscar.common import OscarError, tied_best
 from oscar.defaults import TUNE_OBJECTIVES
 from oscar.pipeline.corpus import load_corpus
-from oscar.validate import engine as eng
+from oscar.scoring import engine as eng
 from oscar.validate.env import with_dtype
 from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
 from oscar.validate.ppl import window_nll
@@ -143,7 +143,7 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     """Return (tuned artifact, record). The record lists the NLL per token of every factor.
 
     engine: simulate (the masked fake-quant window) or cache (each factor's artifact served by OscarCache,
-    validate/engine.py); device: where the model runs (execution only). scorer: the pipeline stages
+    oscar/scoring/engine.py); device: where the model runs (execution only). scorer: the pipeline stages
     (cluster/scoring.py) score every factor's window instead of `model` (None then), as `run_ppl(scorer=...)`."""
     cfg = cfg or TuneConfig()
     if scorer is not None:

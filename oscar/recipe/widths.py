@@ -1,6 +1,6 @@
 """The recipe's per-layer key widths: the copy probe through the model, and the artifact it chooses.
 
-After the key-clip tune (oscar/tune.py), each layer's keys may be stored at 2, 3 or 4 bits (values at 2) within
+After the key-clip tune (oscar/recipe/tune.py), each layer's keys may be stored at 2, 3 or 4 bits (values at 2) within
 the fit's bits per element. What decides it is retrieval from the INT2 history: the NLL of spans copied from
 calibration text (the tune's copy windows), measured with one layer at a time widened (`layer_copy_errors`,
 2L + 1 forwards) or to first order from one forward and backward per window (`layer_copy_gradients`, the
@@ -26,7 +26,7 @@ from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leave
 from oscar.kernels.simulate import Protocol
 from oscar.kernels.window_attention import simulated
 from oscar.quant import fake_quant
-from oscar.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
+from oscar.recipe.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
 from oscar.stats.artifact import Artifact
 from oscar.validate.codebooks import derived_artifact, layer_spec, oscar_bits, store_layers
 from oscar.validate.env import with_dtype
@@ -314,7 +314,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...], method: str, co
     clip_k, clip_v = _width_clips(fitted, widths)
     rec = {"kind": "layers", "widths": widths, "options": [list(o) for o in options], "base_params": "fp8",
            "wide_params": "fp16", "objective": "copied-span NLL change with the layer alone at the width "
-                                                "(calibration text, oscar/widths.py)",
+                                                "(calibration text, oscar/recipe/widths.py)",
            "err": [[round(float(e), 6) for e in row] for row in errs],
            "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
            "err_total_base": round(float(errs[:, 0].sum()), 6), "chosen_by": "copy",
