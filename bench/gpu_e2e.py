@@ -383,8 +383,9 @@ def bench_needles(args, dev: torch.device) -> dict:
     from oscar.cluster.pipeline import ClusterConfig, stage_ranges
     from oscar.cluster.scoring import Calls, ScoreArgs, ScoreStage, StagedScorer, cache_needle_batch, needle_batch
     from oscar.scoring import engine
-    from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.niah import PrefillPool, decode_batch
+    from oscar.scoring.protocols import PROTOCOLS
+    from oscar.validate.niah import decode_batch
+    from oscar.scoring.prefill import PrefillPool
 
     cfg = glm47_cut(args.layers, args.layers, args.dry_run)  # dense layers: the attention is what is checked
     work = Path(args.workdir or tempfile.mkdtemp(prefix="oscar-gpu-needles-"))

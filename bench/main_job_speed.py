@@ -43,12 +43,16 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
+from oscar.scoring.dtype import with_dtype
 from oscar.kernels.simulate import LayerQuant, MethodBatchCache
-from oscar.validate.methods import PROTOCOLS, method_artifact
+from oscar.validate.methods import method_artifact
+from oscar.scoring.protocols import PROTOCOLS
 from oscar.kernels import window_attention as W
 from oscar.validate import ppl as P
+from oscar.scoring.nll import window_nll
 from oscar.kernels import window_attention
-from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy
+from oscar.validate.niah import decode_batch, eos_ids, greedy
+from oscar.scoring.prefill import PrefillPool
 from oscar.validate.ruler import Sources, make_sample
 
 OUT = Path(__file__).with_name("results") / "main_job_speed.json"
@@ -244,7 +248,7 @@ def ppl_windows(model, tok, fitted, configs=(("oscar-int2", "strict"), ("oscar-i
             with W.simulated(model, art, PROTOCOLS[proto]):
                 AttentionInterface.register("oscar_sim", fn)  # `simulated` registered the current one
                 c = time.process_time()
-                nll[name] = P.window_nll(model, ids, prefixes=(prefix,))
+                nll[name] = window_nll(model, ids, prefixes=(prefix,))
                 t[name] = time.process_time() - c
             AttentionInterface.register("oscar_sim", W.sim_attention)
         rows.append({"method": m, "protocol": proto, "context": context, "old_cpu_s": t["old"], "new_cpu_s": t["new"],
@@ -284,7 +288,6 @@ def rows_attention_timing(reps: int = 3) -> list[dict]:
 def profile_niah(model, tok, arts, proto, cells=((1024, 4), (4096, 1)), task: str = "niah_single_2") -> dict:
     """Where the current needle loop's CPU time goes (one thread): prefill, cache load (quantization),
     question-chunk and decode-step attention, cache updates; the rest is the linears and Python."""
-    from oscar.validate import niah as N
     from oscar.kernels import rowbatch as RB
 
     T: dict = {}
@@ -301,7 +304,7 @@ def profile_niah(model, tok, arts, proto, cells=((1024, 4), (4096, 1)), task: st
         setattr(obj, name, g)
         return f
 
-    saved = [(N.PrefillPool, "prefill", timed(N.PrefillPool, "prefill", "prefill")),
+    saved = [(PrefillPool, "prefill", timed(PrefillPool, "prefill", "prefill")),
              (RB.RowBatchCache, "load", timed(RB.RowBatchCache, "load", "cache_load")),
              (RB.RowLayer, "update", timed(RB.RowLayer, "update", "cache_update")),
              (RB, "rows_attention", timed(RB, "rows_attention", lambda a: "attn_question" if a[1].shape[2] > 1 else "attn_decode"))]
@@ -427,7 +430,7 @@ def main() -> None:
 
     run = {"host": f"{platform.node()} ({os.cpu_count()} CPUs)", "threads": a.threads, "dtype": a.dtype,
            "artifact": a.artifact, "methods": methods, "protocol": proto.name, "loadavg_start": os.getloadavg()}
-    env.with_dtype(model, a.dtype)
+    with_dtype(model, a.dtype)
     arts = [method_artifact(m, model.config, fitted) for m in methods]
     if "rows_attention" in sections:
         res["rows_attention"] = {**run, "rows": rows_attention_timing()}
@@ -448,20 +451,20 @@ def main() -> None:
 
         rows = niah_cells(model, tok, arts, cells, a.tasks.split(","), proto, save=part)
         if a.check_dtype:
-            env.with_dtype(model, a.check_dtype)
+            with_dtype(model, a.check_dtype)
 
             def part_check(rows):
                 res["niah"]["check"] = {"dtype": a.check_dtype, "cells": rows}
                 save()
 
             niah_cells(model, tok, arts, [(1024, 4)], ["niah_single_2"], proto, save=part_check)
-            env.with_dtype(model, a.dtype)
+            with_dtype(model, a.dtype)
     if "ppl" in sections:
         res["ppl"] = {**run, **ppl_windows(model, tok, fitted, context=a.ppl_context, prefix=a.ppl_context // 4)}
         if a.check_dtype:
-            env.with_dtype(model, a.check_dtype)
+            with_dtype(model, a.check_dtype)
             res["ppl"]["check"] = {"dtype": a.check_dtype, **ppl_windows(model, tok, fitted, context=1024, prefix=256)}
-            env.with_dtype(model, a.dtype)
+            with_dtype(model, a.dtype)
         res["ppl"]["loadavg_end"] = os.getloadavg()
     save()
     print(json.dumps({k: v.get("projection", v.get("ratio"))  for k, v in res.items() if isinstance(v, dict)}, indent=1))

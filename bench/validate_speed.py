@@ -31,9 +31,12 @@ from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
 from oscar.kernels.cache import make_cache
 from oscar.kernels.simulate import MethodBatchCache
-from oscar.validate.methods import PROTOCOLS, method_artifact
-from oscar.validate.niah import PrefillPool, eos_ids, greedy
-from oscar.validate.ppl import heldout_ids, window_nll
+from oscar.validate.methods import method_artifact
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.validate.niah import eos_ids, greedy
+from oscar.scoring.prefill import PrefillPool
+from oscar.validate.ppl import heldout_ids
+from oscar.scoring.nll import window_nll
 from oscar.kernels.window_attention import simulated
 from oscar.validate.ruler import Sources, make_sample
 

@@ -12,7 +12,7 @@ Two kinds of work: perplexity windows (`forward`, below) and needle batches, by 
 Each stage holds its own layers (cluster/loading.py; the first also the embeddings, the last also the final norm
 and the LM head) and reads K/V the way the method under test stores them: the INT2 simulator of
 kernels/window_attention.py over its own layers, or (bf16) the plain attention of one process. The last stage
-turns the final hidden states into the window's NLL exactly as one process does (validate.ppl.hidden_nll), so
+turns the final hidden states into the window's NLL exactly as one process does (scoring.nll.hidden_nll), so
 per-window NLLs equal one process's up to float summation order.
 
 `ScoreStage` is a plain class (usable in one process); `score_actor_class()` wraps it with `ray.remote`.
@@ -38,14 +38,15 @@ from oscar.common import OscarError, set_threads
 from oscar.kernels import cpu_attention
 from oscar.kernels import rowbatch as rowbatch_kernels
 from oscar.kernels.cache import make_cache
+from oscar.kernels.simulate import CODECS, register_codecs
 from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
                                           window_sums)
 from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
 from oscar.scoring import engine
-from oscar.validate.methods import PROTOCOLS
-from oscar.validate.niah import PrefillPool, batch_capacity
-from oscar.validate.ppl import hidden_nll
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.scoring.prefill import PrefillPool, batch_capacity
+from oscar.scoring.nll import hidden_nll
 from oscar.scoring.rows import positions, run_rows
 
 
@@ -76,7 +77,7 @@ class ScoreStage:
         dtype = getattr(torch, args.dtype)
         self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config, dtype=dtype,
                                                    devices=[args.device], head=True)
-        self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `validate.env.with_dtype`
+        self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `scoring.dtype.with_dtype`
         self.arts: dict = {}
         self._sim: dict = {}  # (method, protocol) -> its simulator, built once (a LayerQuant per layer)
         rowbatch_kernels.register()  # the needle decode's attention (rows_step)
@@ -85,8 +86,11 @@ class ScoreStage:
         self.cache = None  # the needle row's or window's cache under --engine cache (OscarCache or exact), its layers
         self.kept = None  # the last stage: the window's final hidden states under --engine cache
 
-    def load(self, arts: dict) -> int:
-        """The methods' artifacts (None: the plain model) by name, for the windows that follow."""
+    def load(self, arts: dict, codecs: dict | None = None) -> int:
+        """The methods' artifacts (None: the plain model) by name, for the windows that follow; `codecs`: the
+        simulator's codec readers the driver registered (`kernels.simulate.CODECS`: codebook formats, per-layer
+        widths), so this process reads the same artifacts without importing the modules that define them."""
+        register_codecs(codecs or {})
         self.arts, self._sim = arts, {}
         return os.getpid()
 
@@ -100,7 +104,7 @@ class ScoreStage:
 
     def forward(self, x: torch.Tensor, method: str, protocol: str, ids: torch.Tensor, cuts: tuple):
         """Token ids (first stage) or hidden states in; hidden states out, or on the last stage what
-        `validate.ppl.window_nll` returns for the window `ids` (1, T)."""
+        `scoring.nll.window_nll` returns for the window `ids` (1, T)."""
         spec = self.stage.spec
         x = x.to(self.args.device)
         with self._reading(method, protocol):
@@ -123,7 +127,7 @@ class ScoreStage:
         return time.process_time()
 
     def rows_prefill(self, g: int, ids: list[int], prev: tuple | None = None):
-        """Sample g's chunk 1 (`ids`), exact, into the batch's group g, as `validate.niah.PrefillPool` prefills it
+        """Sample g's chunk 1 (`ids`), exact, into the batch's group g, as `scoring.prefill.PrefillPool` prefills it
         in one process (the longest prefix a kept prefill shares is not recomputed). The first stage embeds
         ids[n:]; a later one receives (hidden states of ids[n:] (1, T - n, H), n) from the stage before."""
         spec = self.stage.spec
@@ -223,10 +227,11 @@ class ScoreStage:
     # its layers forward keeping the graph, the last differentiates the copy NLL, each earlier stage backpropagates
     # the gradient of the hidden states the next one received, then every stage sums its own layers.
 
-    def grad_setup(self, arts: list, options: tuple, protocol: str, dtype: str) -> int:
+    def grad_setup(self, arts: list, options: tuple, protocol: str, dtype: str, codecs: dict | None = None) -> int:
         """Quantizers of this stage's layers at each option (arts[o]: every layer at options[o]), the stage in
         `dtype` (the widths' compute dtype, as one process's `with_dtype` before its estimate; `grad_end` restores
-        the stage's own)."""
+        the stage's own); `codecs` as `load`'s (the options' artifacts are per-layer widths)."""
+        register_codecs(codecs or {})
         cp = PROTOCOLS[protocol]
         self._grad = {"heads": arts[0].num_kv_heads, "options": options, "protocol": cp, "graph": None,
                       "quants": layer_quants(arts, cp, self.stage.spec.layers)}
@@ -467,8 +472,8 @@ class StagedScorer:
         if not self.actors:
             self._start()
         self.exact = {m for m, a in arts.items() if a is None}  # what --engine cache scores as one process does
-        ref = ray.put(arts)
-        ray.get([a.load.remote(ref) for a in self.actors])
+        ref, codecs = ray.put(arts), ray.put(dict(CODECS))
+        ray.get([a.load.remote(ref, codecs) for a in self.actors])
 
     def needle_batch(self, samples, names: list[list[str]], protocol: str, eos: set[int],
                      engine: str = "simulate") -> tuple[list[list[int]], dict]:
@@ -504,8 +509,9 @@ class StagedScorer:
 
         if not self.actors:
             self._start()
-        ref = ray.put(arts)
-        ray.get([a.grad_setup.remote(ref, tuple(options), cfg.copy_protocol, cfg.widths_dtype) for a in self.actors])
+        ref, codecs = ray.put(arts), ray.put(dict(CODECS))
+        ray.get([a.grad_setup.remote(ref, tuple(options), cfg.copy_protocol, cfg.widths_dtype, codecs)
+                 for a in self.actors])
         try:
             refs = []
             for i, win, pos in windows:  # every chain at once: an actor runs its calls in order, a window at a time

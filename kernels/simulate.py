@@ -13,9 +13,9 @@ float rounding. On it:
 paged OscarCache's "reference" and "triton".) Which tokens stay exact is a `Protocol`; the named
 protocols the validation runs (strict, serving, ...) are validation's (validate/methods.py).
 
-Codebook formats (Lloyd-Max codes instead of the uniform grid: tq-int2, sq-int2, per-layer widths) are
-built by validation (validate/codebooks.py) and reach LayerQuant through `register_codec`: the artifact's
-meta["codec"]["kind"] names the reader, so kernels import nothing from validate.
+Codebook formats (Lloyd-Max codes instead of the uniform grid: tq-int2, sq-int2, validate/codebooks.py) and the
+recipe's per-layer widths (oscar/scoring/layer_formats.py) reach LayerQuant through `register_codec`: the
+artifact's meta["codec"]["kind"] names the reader, so kernels import nothing above them.
 """
 
 from __future__ import annotations
@@ -57,13 +57,19 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 # ----------------------------------------------------------------- codebook formats
 
 # meta["codec"]["kind"] -> reader(art, layer) -> (key codec, value codec, value mean (1, Hkv, 1, D) or None);
-# a codec is a callable on rotated rows (B, Hkv, T, D) returning their round trip (validate/codebooks.py)
+# a codec is a callable on rotated rows (B, Hkv, T, D) returning their round trip
 CodecReader = Callable[[Artifact, int], "tuple[Callable, Callable, torch.Tensor | None] | None"]
 CODECS: dict[str, CodecReader] = {}
 
 
 def register_codec(kind: str, reader: CodecReader) -> None:
     CODECS[kind] = reader
+
+
+def register_codecs(readers: dict[str, CodecReader]) -> None:
+    """Register every reader of `readers` (another process's CODECS: a pipeline stage reads what its driver
+    registered, cluster/scoring.py)."""
+    CODECS.update(readers)
 
 
 def layer_codecs(art: Artifact, layer: int):
@@ -74,7 +80,7 @@ def layer_codecs(art: Artifact, layer: int):
     reader = CODECS.get(c.get("kind"))
     if reader is None:
         raise OscarError(f"artifact codec {c.get('kind')!r} has no registered reader (known: {', '.join(CODECS) or 'none'}; "
-                         f"validate/codebooks.py registers tq, sq and layers when imported)")
+                         f"validate/codebooks.py registers tq and sq, oscar/scoring/layer_formats.py layers, when imported)")
     return reader(art, layer)
 
 
@@ -104,7 +110,7 @@ class LayerQuant:
         self.kspec, self.vspec = q.key_spec(D), q.value_spec(D)
         flush = q.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
-        # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token
+        # codebook formats (tq-int2, sq-int2, per-layer widths: register_codec) replace the uniform grid, per token
         cb = layer_codecs(art, layer)
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
         self.kparts = q.key_parts(D)  # split keys (QuantConfig.key_split): a per-token group per part

@@ -23,7 +23,7 @@ def option_costs(art, opts):
     """(O,) bits per element of each (key bits, value bits) option, as `oscar.recipe.widths.layer_artifact`'s DP counts them."""
     import numpy as np
 
-    from oscar.validate import codebooks as cb
+    from oscar.scoring import layer_formats as cb
 
     D = art.head_dim
     return np.array([0.5 * (cb.layer_spec(art, kb).bits_per_element(D) + cb.layer_spec(art, vb).bits_per_element(D))
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 
     from oscar.recipe import widths as wd
     from oscar.stats.artifact import load_artifact
-    from oscar.validate import codebooks as cb
+    from oscar.scoring import layer_formats as cb
     from oscar.validate.env import load_model
     from oscar.recipe.tune import TuneConfig
     from oscar.recipe.widths import layer_copy_gradients

@@ -52,7 +52,7 @@ from oscar.stats.fit import FitConfig
 from oscar.validate.attention import AttnConfig, run_attention
 from oscar.scoring.engine import check_engine, resolve_device
 from oscar.validate.env import load_model
-from oscar.validate.methods import PROTOCOL_VERSION
+from oscar.scoring.protocols import PROTOCOL_VERSION
 from oscar.recipe.tune import TuneConfig
 from oscar.validate.niah import NiahConfig, run_niah
 from oscar.validate.ppl import PplConfig, run_ppl

@@ -10,7 +10,7 @@ import torch
 
 from oscar.kernels import window_attention
 from oscar.quant import FP8_PARAM, QuantSpec, fp8_round
-from oscar.validate import codebooks as cb
+from oscar.scoring import layer_formats as lf
 from oscar.recipe import widths as wd
 
 
@@ -69,9 +69,9 @@ def test_copy_objective_widths_are_the_dp_of_the_given_table(fitted):
     err[:, 1:] = 0.01  # widening hurts everywhere ...
     err[L - 1] = [0.0, -0.5, -0.9]  # ... except in the last layer
     c = wd.layer_artifact(fitted, opts, "oscar-layer-copy-int2", err).meta["codec"]
-    costs = np.array([[0.5 * (cb.layer_spec(fitted, kb).bits_per_element(D) + cb.layer_spec(fitted, vb).bits_per_element(D))
+    costs = np.array([[0.5 * (lf.layer_spec(fitted, kb).bits_per_element(D) + lf.layer_spec(fitted, vb).bits_per_element(D))
                        for kb, vb in opts]] * L)
-    assert c["widths"] == [list(opts[o]) for o in wd.layer_widths(err, costs, cb.oscar_bits(fitted))]
+    assert c["widths"] == [list(opts[o]) for o in wd.layer_widths(err, costs, lf.oscar_bits(fitted))]
     assert c["widths"][L - 1] == [4, 2] and all(w == [2, 2] for w in c["widths"][:-1]) and c["chosen_by"] == "copy"
     assert c["copy_err"] == err.round(6).tolist()
     with pytest.raises(OscarError, match="copy_err must be"):
@@ -89,7 +89,7 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
 
     from oscar.common import OscarError
     from oscar.validate.env import load_model
-    from oscar.validate.methods import PROTOCOLS
+    from oscar.scoring.protocols import PROTOCOLS
     from oscar.kernels.window_attention import simulated
     from oscar.recipe.tune import TuneConfig, calibration_ids, copy_windows
     from oscar.recipe.widths import layer_copy_errors
@@ -230,7 +230,7 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
     monkeypatch.setattr(ga, "QUERY_BLOCK", block)
 
     from oscar.kernels.simulate import LayerQuant
-    from oscar.validate.methods import Protocol
+    from oscar.kernels.simulate import Protocol
 
     L, Hkv, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
     Hq = 2 * Hkv
@@ -289,7 +289,7 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     from oscar.recipe.widths import COPY_OPTIONS, layer_artifact, widths_artifact
     from oscar.validate.env import load_model
     from oscar.kernels.simulate import LayerQuant
-    from oscar.validate.methods import PROTOCOLS
+    from oscar.scoring.protocols import PROTOCOLS
     from oscar.kernels.window_attention import simulated
     from oscar.recipe.tune import TuneConfig, calibration_ids, copy_windows
     from oscar.recipe.widths import copy_widths_artifact, layer_copy_gradients

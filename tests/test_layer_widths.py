@@ -223,7 +223,7 @@ def test_native_layer_widths_equal_the_codec_and_the_cache(tiny, page):
     equals the simulator on the "layers" codec it was converted from (the A/Bs' arm), and OscarCache (pages, fused
     reference decode) equals the simulator (its recent window R = P is the protocol's P - 1, as for every format)."""
     from oscar.kernels.cache import OscarCache
-    from oscar.validate.methods import Protocol
+    from oscar.kernels.simulate import Protocol
     from oscar.kernels.window_attention import simulated
 
     codec, native = widths_artifacts(tiny.config, [[2, 2], [4, 2], [3, 2]], page)

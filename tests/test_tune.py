@@ -10,7 +10,7 @@ import torch
 
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
-from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
+from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
 from oscar.kernels.window_attention import simulated
 from oscar.recipe.tune import COPY_SKIP, TuneConfig, calibration_ids, choose_factor, copy_windows, scale_key_clips, tune_key_clip
 
@@ -111,7 +111,7 @@ def test_tune_through_the_cache_engine(smollm2):
     _, sim = tune_key_clip(model, tok, art, cfg, progress=False)
     assert rec["engine"] == "cache" and "engine" not in sim and rec["chosen_factor"] in (1.0, 1.3)
     assert rec["dtype"] == "float32" and sim["config"]["dtype"] == "float64"  # the kernels take float32 at most
-    from oscar.validate.env import with_dtype
+    from oscar.scoring.dtype import with_dtype
 
     with_dtype(model, "float32")
     ids = torch.tensor([calibration_ids(tok, "pydoc", 256)])

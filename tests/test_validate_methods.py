@@ -14,10 +14,10 @@ from oscar.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
 from oscar.kernels.cache import make_cache
 from oscar.kernels.simulate import LayerQuant, MethodBatchCache, SimQuantCache
-from oscar.validate.methods import (
-    PROTOCOLS, Protocol, bits_per_element, hadamard, method_artifact, parse_methods, uncalibrated_warning,
-)
-from oscar.validate.ppl import window_nll
+from oscar.validate.methods import bits_per_element, hadamard, method_artifact, parse_methods, uncalibrated_warning
+from oscar.kernels.simulate import Protocol
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.scoring.nll import window_nll
 from oscar.kernels import window_attention
 from oscar.kernels.window_attention import fresh_mask, simulated
 from oscar.common import OscarError
@@ -148,7 +148,7 @@ def test_method_batch_equals_each_method_cache(tiny, recent):
 
 
 def test_prefill_pool_equals_one_shot_prefill(tiny):
-    from oscar.validate.niah import PrefillPool
+    from oscar.scoring.prefill import PrefillPool
 
     g = torch.Generator().manual_seed(10)
     base = torch.randint(0, 97, (60,), generator=g).tolist()
@@ -245,7 +245,7 @@ def test_bfloat16_compute_paths(tiny):
     cache matches each method's own cache, both computing in bf16 (bf16 tolerances)."""
     import copy
 
-    from oscar.validate.env import with_dtype
+    from oscar.scoring.dtype import with_dtype
 
     m = with_dtype(copy.deepcopy(tiny), "bfloat16")
     assert next(m.parameters()).dtype == torch.bfloat16

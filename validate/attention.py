@@ -49,7 +49,8 @@ from oscar.pipeline import capture as C
 from oscar.pipeline.store import open_verified, store_fingerprint
 from oscar.stats.artifact import load_artifact
 from oscar.scoring import engine
-from oscar.validate.env import load_model, max_context, with_dtype
+from oscar.validate.env import load_model, max_context
+from oscar.scoring.dtype import with_dtype
 from oscar.validate.heldout import check_disjoint, heldout_sequences
 from oscar.validate.methods import NEEDS_ARTIFACT, parse_methods, resolve_methods
 

@@ -39,7 +39,6 @@ from typing import Any, Callable
 import torch
 
 from oscar.common import OscarError, attention_shapes
-from oscar.defaults import RECENT, SINK
 from oscar.kernels.simulate import Protocol
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 from oscar.stats.hadamard import hadamard_tensor
@@ -51,16 +50,6 @@ from oscar.stats.fit import FitConfig, fit
 from oscar.stats.hadamard import HadamardUnsupported
 from oscar.validate import codebooks
 from oscar.validate.codebooks import codec_bits_per_element
-
-# The named protocols validation compares methods under (the type is the cache family's, kernels/simulate.py).
-# Bumped whenever a protocol's meaning changes, so stored results of the old meaning are not resumed
-# into new tables (NIAH/perplexity identities, `oscar run` stage fingerprints). 2: per-token K/V leave
-# the exact window in whole pages (was: one token at a time).
-PROTOCOL_VERSION = 2
-STRICT = Protocol("strict", sink=SINK, recent=0)
-SERVING = Protocol("serving", sink=SINK, recent=RECENT)
-STRICT_TOKEN = Protocol("strict-token", sink=SINK, recent=0, pages=False)
-PROTOCOLS = {p.name: p for p in (STRICT, SERVING, STRICT_TOKEN)}
 
 
 def hadamard(n: int) -> torch.Tensor:

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from oscar.common import OscarError, attention_shapes, file_fingerprint
@@ -41,13 +40,13 @@ from oscar.kernels import cpu_attention
 from oscar.kernels.window_attention import simulated
 from oscar.stats.artifact import load_artifact
 from oscar.scoring import engine
+from oscar.scoring.nll import window_nll
 from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
-from oscar.validate.methods import (
-    PROTOCOL_VERSION, PROTOCOLS, bits_per_element, parse_methods, resolve_methods,
-    uncalibrated_warning,
-)
-from oscar.validate.niah import _Inline, load_aware_threads, model_or_stages
+from oscar.validate.methods import bits_per_element, parse_methods, resolve_methods, uncalibrated_warning
+from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
+from oscar.validate.niah import _Inline, model_or_stages
+from oscar.scoring.prefill import load_aware_threads
 from oscar.validate.workers import Workers, default_workers
 
 
@@ -61,7 +60,7 @@ class PplConfig:
     protocols: list[str] = field(default_factory=lambda: ["strict", "serving"])
     tokens: int = 8192  # held-out tokens scored per context
     corpus: str = "pydoc"
-    dtype: str = "float32"  # model compute dtype (env.with_dtype)
+    dtype: str = "float32"  # model compute dtype (oscar.scoring.dtype.with_dtype)
     engine: str = "simulate"  # oscar/scoring/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
     device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
 
@@ -75,41 +74,6 @@ class PplConfig:
         if self.engine != "simulate":  # the cache reads one token less exactly (oscar/scoring/engine.py): never mixed
             ident["engine"] = self.engine
         return ident
-
-
-@torch.no_grad()
-def window_nll(model, ids: torch.Tensor, chunk: int = 512, prefixes: tuple[int, ...] = ()):
-    """Sum of next-token NLL over a (1, T) window and the count T-1 (logits computed in chunks).
-
-    prefixes: window lengths P < T whose (nll, P-1) are returned too, as a list after the pair: under
-    a causal model (and the position mask above, which only looks back) the first P positions of
-    this window compute exactly what a window of P tokens starting here computes.
-    """
-    h = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, T, H)
-    return hidden_nll(model.lm_head, h, ids, chunk, prefixes)
-
-
-def hidden_nll(lm_head, h: torch.Tensor, ids: torch.Tensor, chunk: int = 512, prefixes: tuple[int, ...] = ()):
-    """`window_nll` from the final hidden states h (1, T, H), after the final norm: what the last pipeline stage
-    computes (cluster/scoring.py), in the same chunks and order as one process."""
-    T = ids.shape[1]
-    cuts = sorted({P - 1 for P in prefixes if 1 < P < T} | {T - 1})  # predicted tokens per part
-    tot, sums, a = 0.0, {}, 0
-    for a in range(0, T - 1, chunk):
-        for lo, hi in _split(a, min(a + chunk, T - 1), cuts):
-            logits = lm_head(h[:, lo:hi]).float()  # (1, c, V)
-            tot += F.cross_entropy(logits[0], ids[0, lo + 1:hi + 1], reduction="sum").item()
-            if hi in cuts:
-                sums[hi] = tot
-    if not prefixes:
-        return tot, T - 1
-    return tot, T - 1, [(sums[P - 1], P - 1) for P in prefixes]
-
-
-def _split(a: int, b: int, cuts: list[int]) -> list[tuple[int, int]]:
-    """[a, b) cut at every cut point strictly inside it."""
-    pts = [a] + [c for c in cuts if a < c < b] + [b]
-    return list(zip(pts[:-1], pts[1:]))
 
 
 def heldout_ids(tok, corpus: str, n: int) -> list[int]:

@@ -27,7 +27,7 @@ from oscar.pipeline.store import CalibStore, store_fingerprint
 from oscar.stats.artifact import load_artifact, save_artifact
 from oscar.stats.fit import FitConfig, fit
 from oscar.recipe.tune import TuneConfig, tune_key_clip
-from oscar.validate.methods import PROTOCOL_VERSION
+from oscar.scoring.protocols import PROTOCOL_VERSION
 from oscar.recipe.widths import STAGED_PROBE, StaleLog, copy_widths_artifact
 
 # ----------------------------------------------------------------- the recipe, step by step

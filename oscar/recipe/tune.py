@@ -34,9 +34,9 @@ from oscar.common import OscarError, tied_best
 from oscar.defaults import TUNE_OBJECTIVES
 from oscar.pipeline.corpus import load_corpus
 from oscar.scoring import engine as eng
-from oscar.validate.env import with_dtype
-from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
-from oscar.validate.ppl import window_nll
+from oscar.scoring.dtype import with_dtype
+from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
+from oscar.scoring.nll import window_nll
 from oscar.kernels.window_attention import simulated
 
 OBJECTIVES = TUNE_OBJECTIVES  # named in the leaf so the CLI lists them without importing torch

@@ -28,9 +28,9 @@ from oscar.kernels.window_attention import simulated
 from oscar.quant import fake_quant
 from oscar.recipe.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
 from oscar.stats.artifact import Artifact
-from oscar.validate.codebooks import derived_artifact, layer_spec, oscar_bits, store_layers
-from oscar.validate.env import with_dtype
-from oscar.validate.methods import PROTOCOLS
+from oscar.scoring.layer_formats import derived_artifact, layer_spec, oscar_bits, store_layers
+from oscar.scoring.dtype import with_dtype
+from oscar.scoring.protocols import PROTOCOLS
 
 COPY_OPTIONS = ((2, 2), (3, 2), (4, 2))  # keys at 2 / 3 / 4 bits, values at 2 (the cache's formats)
 

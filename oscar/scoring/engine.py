@@ -43,7 +43,6 @@ from oscar.kernels.cache import prefill as cache_prefill
 from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
 from oscar.kernels.reference import dequantize_sequence
 from oscar.kernels.simulate import Protocol
-from oscar.validate.codebooks import layer_codecs
 
 DECODE_TOKENS = 16  # per perplexity window, the last tokens teacher-forced one at a time (cache engine)
 
@@ -96,7 +95,7 @@ def cache_options(name: str, art, protocol) -> dict:
     if not protocol.pages:
         raise EngineUnsupported(f"protocol {protocol.name!r} releases per-token K/V one token at a time, a diagnostic "
                                 f"no paged cache runs; use --engine simulate for it")
-    if art.meta.get("codec") or layer_codecs(art, 0):
+    if art.meta.get("codec"):
         raise EngineUnsupported(f"method {name} stores Lloyd-Max codebook codes (validate/codebooks.py), not a format "
                                 f"OscarCache holds (uniform INT2 grids); use --engine simulate for it")
     q = art.quant
@@ -266,7 +265,7 @@ def hidden_token_nll(lm_head, h: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
 
 def window_nll(model, name: str, art, protocol, ids: torch.Tensor, prefixes: tuple[int, ...] = (),
                decode_tokens: int = DECODE_TOKENS):
-    """`ppl.window_nll`'s result (sum, count[, [(sum, count) of each prefix window P]]) through the cache.
+    """`scoring.nll.window_nll`'s result (sum, count[, [(sum, count) of each prefix window P]]) through the cache.
 
     A prefix window of P tokens is read from this window's first P positions: under decode semantics
     position p depends only on tokens <= p, so it computes what a P-token window fed the same way does
