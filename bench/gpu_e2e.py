@@ -33,7 +33,7 @@ needles    The same cut (--layers dense layers, GLM-4.7's attention) decoding a 
            each stage keeping its own layers' OscarCache (the Triton kernels on CUDA) per (sample, method) row,
            against `scoring.engine.niah_answers` in one process.
 
---dry-run runs each on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
+--dry-run runs each on CPU with tiny sizes (what tests/test_gpu_scripts.py does), so the script
 keeps working between GPU sessions.
 
     python bench/gpu_e2e.py decode --out $OUT/e2e_decode.json
@@ -113,7 +113,7 @@ def decode_steps(model, cache, token: torch.Tensor, steps: int, dev: torch.devic
 
 def timed_run(model, cache, ids: torch.Tensor, args, dev: torch.device, tag: str) -> dict:
     """Chunked prefill of ids (1, n) into `cache`, then args.steps timed greedy decode steps."""
-    from oscar.kernels.cache import prefill
+    from oscar.kernels.generation import prefill
 
     sync(dev)
     t0 = time.perf_counter()

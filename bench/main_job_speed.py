@@ -20,8 +20,7 @@ Sections beyond those: `profile` (the current needle loop's CPU time by phase, o
 thread), `rows_attention` (question-chunk scores in one block vs cache-sized row chunks) and `workers` (the
 NIAH and perplexity stage loops in this process vs on worker processes, validate/workers.py):
 
-    python bench/main_job_speed.py --artifact A --sections profile,rows_attention,workers --check-dtype '' \
-        --out bench/results/main_job_speed_workers.json
+    python bench/main_job_speed.py --artifact A --sections profile,rows_attention,workers --check-dtype ''
 
 Writes bench/results/main_job_speed.json: CPU (process) and wall seconds per path and cell, their
 ratios, the prediction agreement, and a projection of the NIAH stage at the defaults (20 samples per
@@ -146,10 +145,12 @@ def quant_timing(model, fitted, methods, T: int = 4032, reps: int = 5) -> list[d
         x = torch.randn(1, art.num_kv_heads, T, art.head_dim, generator=g).to(next(model.parameters()).dtype)
 
         def old():
-            xk = x.float() - lq.k_mean if lq.k_mean is not None else x.float()
-            k = _fake_quant_previous(xk @ lq.rot_k, lq.kspec, lq.clip_k) @ lq.unrot_k
-            k = (k + lq.k_mean if lq.k_mean is not None else k).to(x.dtype)
-            v = (_fake_quant_previous(x.float() @ lq.rot_v, lq.vspec, lq.clip_v) @ lq.rot_v.transpose(-1, -2)).to(x.dtype)
+            r = lq.rot  # the layer's LayerRotation
+            mu = r.k_mean[None, :, None, :] if r.k_mean is not None else None  # (1, Hkv, 1, D)
+            xk = x.float() - mu if mu is not None else x.float()
+            k = _fake_quant_previous(xk @ r.rot_k, lq.kspec, lq.clip_k) @ r.rot_q.transpose(-1, -2)
+            k = (k + mu if mu is not None else k).to(x.dtype)
+            v = (_fake_quant_previous(x.float() @ r.rot_v, lq.vspec, lq.clip_v) @ r.rot_v.transpose(-1, -2)).to(x.dtype)
             return k, v
 
         def new():

@@ -37,7 +37,7 @@ from oscar.cluster.pipeline import ClusterConfig, connect, disconnect, place_gro
 from oscar.common import OscarError, set_threads
 from oscar.kernels import cpu_attention
 from oscar.kernels import rowbatch as rowbatch_kernels
-from oscar.kernels.cache import make_cache
+from oscar.kernels.backends import CacheSpec, make_cache
 from oscar.kernels.simulate import CODECS, register_codecs
 from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
                                           window_sums)
@@ -121,9 +121,10 @@ class ScoreStage:
         sample g's methods `groups[g]` (names of loaded artifacts). Returns this process's CPU seconds so far."""
         text = self.stage.config.get_text_config() if hasattr(self.stage.config, "get_text_config") else self.stage.config
         spec = self.stage.spec
-        self.rows = make_cache([[self.arts[m] for m in g] for g in groups], PROTOCOLS[protocol], "rows",
-                               capacity=capacity, num_layers=int(text.num_hidden_layers),
-                               dtype=getattr(torch, self.args.dtype), held=range(spec.start, spec.stop))
+        self.rows = make_cache(CacheSpec.rows([[self.arts[m] for m in g] for g in groups], PROTOCOLS[protocol],
+                                              capacity=capacity, num_layers=int(text.num_hidden_layers),
+                                              dtype=getattr(torch, self.args.dtype), held=range(spec.start, spec.stop)),
+                               "rows")
         return time.process_time()
 
     def rows_prefill(self, g: int, ids: list[int], prev: tuple | None = None):

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar.kernels.simulate import LayerQuant, Protocol
+from oscar.kernels.simulate import LayerQuant
+from oscar.kernels.protocol import Protocol
 from oscar.kernels.window_attention import fresh, group_end
 
 _GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None, "vdeltas": None, "values": None}

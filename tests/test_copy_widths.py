@@ -230,7 +230,7 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
     monkeypatch.setattr(ga, "QUERY_BLOCK", block)
 
     from oscar.kernels.simulate import LayerQuant
-    from oscar.kernels.simulate import Protocol
+    from oscar.kernels.protocol import Protocol
 
     L, Hkv, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
     Hq = 2 * Hkv

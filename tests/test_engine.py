@@ -18,10 +18,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers.artifacts import rotated_artifact
 from helpers.rounding import engine_nll_bound
+from oscar.cli_options import DEFAULT_ENGINE
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig
 from oscar.scoring import engine
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 from oscar.scoring.protocols import PROTOCOLS
 from oscar.scoring.nll import window_nll
 from oscar.kernels.window_attention import simulated
@@ -86,7 +87,7 @@ def test_unknown_device_is_an_error(spec):
 
 def test_cpu_device_and_engines():
     assert engine.resolve_device("cpu") == torch.device("cpu") == engine.resolve_device(None)
-    assert engine.DEFAULT_ENGINE == "simulate" and engine.DEFAULT_DEVICE == "cpu"
+    assert DEFAULT_ENGINE == "simulate" and engine.DEFAULT_DEVICE == "cpu"
     with pytest.raises(OscarError, match="unknown engine"):
         engine.check_engine("fast")
 

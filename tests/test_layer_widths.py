@@ -13,7 +13,8 @@ import torch
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, PagedLayerCache
+from oscar.kernels.paged import PagedConfig, PagedKVCache, PagedLayerCache
+from oscar.kernels.rotation import LayerRotation
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant, pack_planes, unpack_planes
 from oscar.stats.artifact import QuantConfig
 
@@ -223,7 +224,7 @@ def test_native_layer_widths_equal_the_codec_and_the_cache(tiny, page):
     equals the simulator on the "layers" codec it was converted from (the A/Bs' arm), and OscarCache (pages, fused
     reference decode) equals the simulator (its recent window R = P is the protocol's P - 1, as for every format)."""
     from oscar.kernels.cache import OscarCache
-    from oscar.kernels.simulate import Protocol
+    from oscar.kernels.protocol import Protocol
     from oscar.kernels.window_attention import simulated
 
     codec, native = widths_artifacts(tiny.config, [[2, 2], [4, 2], [3, 2]], page)

@@ -67,7 +67,7 @@ def test_every_method_finite_logits(setup, dtype):
     from oscar.scoring.dtype import with_dtype
     from oscar.kernels.simulate import MethodBatchCache
     from oscar.validate.methods import METHODS, method_artifact
-    from oscar.kernels.simulate import Protocol
+    from oscar.kernels.protocol import Protocol
     from oscar.kernels.window_attention import simulated
 
     spec, model, fitted, ids = setup

@@ -16,7 +16,7 @@ from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import identity_artifact, save_artifact, load_artifact
 from oscar.kernels.simulate import LayerQuant, SimQuantCache
 from oscar.validate.methods import method_artifact, reference_artifact
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 
 from helpers.synthetic_store import SynthSpec, write_synthetic_store
 

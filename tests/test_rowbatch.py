@@ -15,7 +15,7 @@ from oscar.common import OscarError
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig
 from oscar.kernels.simulate import MethodBatchCache
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 from oscar.validate.niah import greedy
 from oscar.kernels.rowbatch import ATTN, RowBatchCache, register
 from oscar.scoring.rows import decode_rows

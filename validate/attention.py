@@ -44,7 +44,8 @@ from oscar.common import OscarError, config_fingerprint, model_mismatch
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import SINK
 from oscar.kernels import cpu_attention
-from oscar.kernels.simulate import LayerQuant, Protocol
+from oscar.kernels.simulate import LayerQuant
+from oscar.kernels.protocol import Protocol
 from oscar.pipeline import capture as C
 from oscar.pipeline.store import open_verified, store_fingerprint
 from oscar.stats.artifact import load_artifact

@@ -25,7 +25,7 @@
 Other helpers add methods with `register_method(name, factory)`.
 
 Execution. A method is an artifact; the caches that run it are the kernels' cache family
-(`oscar.kernels.cache.make_cache`): the fake-quant simulator (`kernels/simulate.py`: `LayerQuant`,
+(`oscar.kernels.backends.make_cache`): the fake-quant simulator (`kernels/simulate.py`: `LayerQuant`,
 `SimQuantCache`, `MethodBatchCache`), the rows backend (`kernels/rowbatch.py`) and the paged
 OscarCache. This module keeps what validation decides: which methods exist and how each one's
 artifact is built, and the named protocols (which tokens stay exact) they are compared under.
@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from oscar.common import OscarError, attention_shapes
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 from oscar.stats.hadamard import hadamard_tensor
 from oscar.validate import codebooks  # noqa: F401 (registers the codebook formats with the simulator)

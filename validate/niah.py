@@ -45,7 +45,7 @@ from oscar.common import OscarError, attention_shapes, file_fingerprint, fingerp
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate.evidence import niah_stats, read_samples
-from oscar.kernels.cache import make_cache
+from oscar.kernels.backends import CacheSpec, make_cache
 from oscar.validate.ruler_outputs import write_ruler_outputs
 from oscar.stats.artifact import load_artifact
 from oscar.scoring import engine
@@ -241,8 +241,8 @@ def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set
     """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
     `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
     decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
-    cache = make_cache(groups, protocol, "rows", capacity=batch_capacity(samples), num_layers=model.config.get_text_config().num_hidden_layers,
-                       dtype=next(model.parameters()).dtype)
+    cache = make_cache(CacheSpec.rows(groups, protocol, capacity=batch_capacity(samples), dtype=next(model.parameters()).dtype,
+                                      num_layers=model.config.get_text_config().num_hidden_layers), "rows")
     for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
         cache.load(g, pool.prefill(s.context_ids))
     with load_aware_threads():

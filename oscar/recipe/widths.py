@@ -23,7 +23,7 @@ from tqdm import tqdm
 from oscar.common import TIE_REL, OscarError
 from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
                                           window_sums)
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 from oscar.kernels.window_attention import simulated
 from oscar.quant import fake_quant
 from oscar.recipe.tune import TuneConfig, calibration_ids, copy_nll, copy_windows

@@ -7,7 +7,7 @@ tune's strict NLL, the widths' serving copy probe) and by validation (docs/valid
 from __future__ import annotations
 
 from oscar.defaults import RECENT, SINK
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 
 # Bumped whenever a protocol's meaning changes, so stored results of the old meaning are not resumed
 # into new tables (NIAH/perplexity identities, `oscar run` stage fingerprints). 2: per-token K/V leave
