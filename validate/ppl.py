@@ -34,7 +34,7 @@ from tqdm import tqdm
 from oscar.common import OscarError, attention_shapes, file_fingerprint
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.validate.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
+from oscar.validate.evidence import product_goal, segment_cuts
 from oscar.validate.evidence import ppl_stats
 from oscar.kernels import cpu_attention
 from oscar.kernels.window_attention import simulated

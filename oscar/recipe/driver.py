@@ -1,12 +1,12 @@
 """The shipped recipe, the steps of `oscar fit` after the rotations: the key-clip tune, then per-layer key widths.
 
-    fit (stats/fit.py: rotations, clips)          -> the fitted artifact
-    tune key clip (oscar/recipe/tune.py)                 -> the tuned artifact
-    per-layer key widths (oscar/recipe/widths.py)        -> oscar-int2's artifact (the cache's per-layer format)
+    fit (stats/fit.py: rotations, clips)            -> the fitted artifact
+    tune key clip (oscar/recipe/tune.py)            -> the tuned artifact
+    per-layer key widths (oscar/recipe/widths.py)   -> oscar-int2's artifact (the cache's per-layer format)
 
 Each step is resumable (`Stages`: a marker of its input fingerprint beside its output; the widths also log each
 window), and `--no-tune --widths none` leaves the plain fit. The tune and the widths read the model through the
-INT2 cache (the simulator of kernels/, the NLLs of validate/), so they sit above the stages, beside the main job.
+INT2 cache (the simulator of kernels/, the engines and NLLs of oscar/scoring/); nothing here imports validate/.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class TuneConfig:
     dtype: str = "float64"
     # The per-layer widths' copy probe and its gradient: float32. In float64 the gradient's forward + backward ran
     # 4.5x the float32 time (~9 min of a 15-minute main job on a 2-core AVX2 host); its table is rounded to
-    # TIE_REL instead (validate/codebooks.py), which absorbs reordering but not a flipped code (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
+    # TIE_REL instead (oscar/recipe/widths.py), which absorbs reordering but not a flipped code (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
     widths_dtype: str = "float32"
     objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
     nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)
