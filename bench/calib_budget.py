@@ -28,9 +28,9 @@ import time
 
 import numpy as np
 
-from oscar.evidence import paired_diff, read_samples, read_windows
+from oscar.validate.evidence import paired_diff, read_samples, read_windows
 from oscar.host import describe
-from oscar.intervals import paired_bootstrap_diff
+from oscar.validate.intervals import paired_bootstrap_diff
 from oscar.pipeline.calibrate import CalibConfig, calibrate
 from oscar.stats.artifact import load_artifact, save_artifact
 from oscar.stats.fit import FitConfig, fit

@@ -1,6 +1,6 @@
 """The per-layer widths' autograd attention: query blocks against one attention over all 2T columns.
 
-The copy probe to first order (oscar/widths.py) runs each window forward and backward through
+The copy probe to first order (oscar/recipe/widths.py) runs each window forward and backward through
 `kernels.grad_attention._grad_attention`: every query reads key j exactly or from INT2 by the fresh mask. By query
 blocks (`QUERY_BLOCK`, 256) each call reads only the columns its block can see; one block of the whole window is
 one attention over every column some query reads, exact and stored (~2T), under one dense mask: the form the

@@ -122,8 +122,10 @@ def prefill(model, reps: int) -> list[dict]:
 def niah(model, cells=((1024, 4), (4096, 2))) -> dict:
     from oscar.pipeline.models import load_tokenizer
     from oscar.validate import env
-    from oscar.validate.methods import PROTOCOLS, method_artifact
-    from oscar.validate.niah import PrefillPool, decode_batch, eos_ids
+    from oscar.validate.methods import method_artifact
+    from oscar.scoring.protocols import PROTOCOLS
+    from oscar.validate.niah import decode_batch, eos_ids
+    from oscar.scoring.prefill import PrefillPool
     from oscar.validate.ruler import Sources, make_sample
 
     tok = load_tokenizer("smollm2-135m")

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
+from oscar.kernels.paged import PagedConfig, PagedLayerCache, layout
+from oscar.kernels.rotation import LayerRotation
 from oscar.stats.artifact import QuantConfig
 
 HERE = Path(__file__).resolve().parent

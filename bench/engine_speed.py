@@ -77,10 +77,14 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
 
-    from oscar.validate import engine, env
-    from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.niah import PrefillPool, decode_batch, eos_ids
-    from oscar.validate.ppl import heldout_ids, window_nll
+    from oscar.scoring import engine
+
+    from oscar.validate import env
+    from oscar.scoring.protocols import PROTOCOLS
+    from oscar.validate.niah import decode_batch, eos_ids
+    from oscar.scoring.prefill import PrefillPool
+    from oscar.validate.ppl import heldout_ids
+    from oscar.scoring.nll import window_nll
     from oscar.kernels.window_attention import simulated
     from oscar.validate.ruler import Sources, make_sample, score_one
 

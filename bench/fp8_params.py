@@ -120,8 +120,9 @@ def reservoir_part(store: str, art, refit=None) -> dict:
 
 def ppl_part(art, tokens: int, context: int, refit=None) -> dict:
     from oscar.validate import env
-    from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.ppl import heldout_ids, window_nll
+    from oscar.scoring.protocols import PROTOCOLS
+    from oscar.validate.ppl import heldout_ids
+    from oscar.scoring.nll import window_nll
     from oscar.kernels.window_attention import simulated
 
     model, tok, _ = env.load_model("smollm2-135m")

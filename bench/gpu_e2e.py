@@ -31,9 +31,9 @@ needles    The same cut (--layers dense layers, GLM-4.7's attention) decoding a 
            stages' and the process's wall time per batch. Without Ray (the GPU image has none) the same stage
            objects and driver run in this process (`"ray": false`). --engine cache: the product cache instead,
            each stage keeping its own layers' OscarCache (the Triton kernels on CUDA) per (sample, method) row,
-           against `validate.engine.niah_answers` in one process.
+           against `scoring.engine.niah_answers` in one process.
 
---dry-run runs each on CPU with tiny sizes (what tests/test_gpu_e2e.py does), so the script
+--dry-run runs each on CPU with tiny sizes (what tests/test_gpu_scripts.py does), so the script
 keeps working between GPU sessions.
 
     python bench/gpu_e2e.py decode --out $OUT/e2e_decode.json
@@ -113,7 +113,7 @@ def decode_steps(model, cache, token: torch.Tensor, steps: int, dev: torch.devic
 
 def timed_run(model, cache, ids: torch.Tensor, args, dev: torch.device, tag: str) -> dict:
     """Chunked prefill of ids (1, n) into `cache`, then args.steps timed greedy decode steps."""
-    from oscar.kernels.cache import prefill
+    from oscar.kernels.generation import prefill
 
     sync(dev)
     t0 = time.perf_counter()
@@ -382,9 +382,10 @@ def bench_needles(args, dev: torch.device) -> dict:
 
     from oscar.cluster.pipeline import ClusterConfig, stage_ranges
     from oscar.cluster.scoring import Calls, ScoreArgs, ScoreStage, StagedScorer, cache_needle_batch, needle_batch
-    from oscar.validate import engine
-    from oscar.validate.methods import PROTOCOLS
-    from oscar.validate.niah import PrefillPool, decode_batch
+    from oscar.scoring import engine
+    from oscar.scoring.protocols import PROTOCOLS
+    from oscar.validate.niah import decode_batch
+    from oscar.scoring.prefill import PrefillPool
 
     cfg = glm47_cut(args.layers, args.layers, args.dry_run)  # dense layers: the attention is what is checked
     work = Path(args.workdir or tempfile.mkdtemp(prefix="oscar-gpu-needles-"))

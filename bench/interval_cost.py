@@ -5,7 +5,7 @@ in the order 4096, 8192, 4096 (the ratio is to the mean of the two 4096 runs).
 
     python bench/interval_cost.py [--example reports/examples/smollm2] [--out bench/results/interval_cost.json]
 
-(1) times every statistic the main job computes (oscar/evidence.py: NIAH cell intervals + paired tests
+(1) times every statistic the main job computes (validate/evidence.py: NIAH cell intervals + paired tests
 + Holm, perplexity block bootstrap, the product goal, the report's checks) on the committed example's
 per-sample and per-window files, plus the same perplexity statistics on this run's 8192-token windows
 scaled to the example's number of rows; the ratio is to the example's recorded run time (run.json) and
@@ -26,7 +26,7 @@ def _stats_seconds(d: str, reps: int = 3) -> dict:
     import pandas as pd
 
     from oscar.reports.build import acceptance, load_results
-    from oscar import evidence as ev
+    from oscar.validate import evidence as ev
 
     t = {"niah": [], "ppl": [], "goal_and_checks": []}
     cfg = json.load(open(os.path.join(d, "ppl_config.json")))["config"]
@@ -59,7 +59,7 @@ def main() -> None:
 
     import pandas as pd
 
-    from oscar import evidence as ev
+    from oscar.validate import evidence as ev
     from oscar.validate.env import load_model
     from oscar.validate.ppl import PplConfig, run_ppl
 

@@ -20,8 +20,7 @@ Sections beyond those: `profile` (the current needle loop's CPU time by phase, o
 thread), `rows_attention` (question-chunk scores in one block vs cache-sized row chunks) and `workers` (the
 NIAH and perplexity stage loops in this process vs on worker processes, validate/workers.py):
 
-    python bench/main_job_speed.py --artifact A --sections profile,rows_attention,workers --check-dtype '' \
-        --out bench/results/main_job_speed_workers.json
+    python bench/main_job_speed.py --artifact A --sections profile,rows_attention,workers --check-dtype ''
 
 Writes bench/results/main_job_speed.json: CPU (process) and wall seconds per path and cell, their
 ratios, the prediction agreement, and a projection of the NIAH stage at the defaults (20 samples per
@@ -43,12 +42,16 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
+from oscar.scoring.dtype import with_dtype
 from oscar.kernels.simulate import LayerQuant, MethodBatchCache
-from oscar.validate.methods import PROTOCOLS, method_artifact
+from oscar.validate.methods import method_artifact
+from oscar.scoring.protocols import PROTOCOLS
 from oscar.kernels import window_attention as W
 from oscar.validate import ppl as P
+from oscar.scoring.nll import window_nll
 from oscar.kernels import window_attention
-from oscar.validate.niah import PrefillPool, decode_batch, eos_ids, greedy
+from oscar.validate.niah import decode_batch, eos_ids, greedy
+from oscar.scoring.prefill import PrefillPool
 from oscar.validate.ruler import Sources, make_sample
 
 OUT = Path(__file__).with_name("results") / "main_job_speed.json"
@@ -142,10 +145,12 @@ def quant_timing(model, fitted, methods, T: int = 4032, reps: int = 5) -> list[d
         x = torch.randn(1, art.num_kv_heads, T, art.head_dim, generator=g).to(next(model.parameters()).dtype)
 
         def old():
-            xk = x.float() - lq.k_mean if lq.k_mean is not None else x.float()
-            k = _fake_quant_previous(xk @ lq.rot_k, lq.kspec, lq.clip_k) @ lq.unrot_k
-            k = (k + lq.k_mean if lq.k_mean is not None else k).to(x.dtype)
-            v = (_fake_quant_previous(x.float() @ lq.rot_v, lq.vspec, lq.clip_v) @ lq.rot_v.transpose(-1, -2)).to(x.dtype)
+            r = lq.rot  # the layer's LayerRotation
+            mu = r.k_mean[None, :, None, :] if r.k_mean is not None else None  # (1, Hkv, 1, D)
+            xk = x.float() - mu if mu is not None else x.float()
+            k = _fake_quant_previous(xk @ r.rot_k, lq.kspec, lq.clip_k) @ r.rot_q.transpose(-1, -2)
+            k = (k + mu if mu is not None else k).to(x.dtype)
+            v = (_fake_quant_previous(x.float() @ r.rot_v, lq.vspec, lq.clip_v) @ r.rot_v.transpose(-1, -2)).to(x.dtype)
             return k, v
 
         def new():
@@ -244,7 +249,7 @@ def ppl_windows(model, tok, fitted, configs=(("oscar-int2", "strict"), ("oscar-i
             with W.simulated(model, art, PROTOCOLS[proto]):
                 AttentionInterface.register("oscar_sim", fn)  # `simulated` registered the current one
                 c = time.process_time()
-                nll[name] = P.window_nll(model, ids, prefixes=(prefix,))
+                nll[name] = window_nll(model, ids, prefixes=(prefix,))
                 t[name] = time.process_time() - c
             AttentionInterface.register("oscar_sim", W.sim_attention)
         rows.append({"method": m, "protocol": proto, "context": context, "old_cpu_s": t["old"], "new_cpu_s": t["new"],
@@ -284,7 +289,6 @@ def rows_attention_timing(reps: int = 3) -> list[dict]:
 def profile_niah(model, tok, arts, proto, cells=((1024, 4), (4096, 1)), task: str = "niah_single_2") -> dict:
     """Where the current needle loop's CPU time goes (one thread): prefill, cache load (quantization),
     question-chunk and decode-step attention, cache updates; the rest is the linears and Python."""
-    from oscar.validate import niah as N
     from oscar.kernels import rowbatch as RB
 
     T: dict = {}
@@ -301,7 +305,7 @@ def profile_niah(model, tok, arts, proto, cells=((1024, 4), (4096, 1)), task: st
         setattr(obj, name, g)
         return f
 
-    saved = [(N.PrefillPool, "prefill", timed(N.PrefillPool, "prefill", "prefill")),
+    saved = [(PrefillPool, "prefill", timed(PrefillPool, "prefill", "prefill")),
              (RB.RowBatchCache, "load", timed(RB.RowBatchCache, "load", "cache_load")),
              (RB.RowLayer, "update", timed(RB.RowLayer, "update", "cache_update")),
              (RB, "rows_attention", timed(RB, "rows_attention", lambda a: "attn_question" if a[1].shape[2] > 1 else "attn_decode"))]
@@ -427,7 +431,7 @@ def main() -> None:
 
     run = {"host": f"{platform.node()} ({os.cpu_count()} CPUs)", "threads": a.threads, "dtype": a.dtype,
            "artifact": a.artifact, "methods": methods, "protocol": proto.name, "loadavg_start": os.getloadavg()}
-    env.with_dtype(model, a.dtype)
+    with_dtype(model, a.dtype)
     arts = [method_artifact(m, model.config, fitted) for m in methods]
     if "rows_attention" in sections:
         res["rows_attention"] = {**run, "rows": rows_attention_timing()}
@@ -448,20 +452,20 @@ def main() -> None:
 
         rows = niah_cells(model, tok, arts, cells, a.tasks.split(","), proto, save=part)
         if a.check_dtype:
-            env.with_dtype(model, a.check_dtype)
+            with_dtype(model, a.check_dtype)
 
             def part_check(rows):
                 res["niah"]["check"] = {"dtype": a.check_dtype, "cells": rows}
                 save()
 
             niah_cells(model, tok, arts, [(1024, 4)], ["niah_single_2"], proto, save=part_check)
-            env.with_dtype(model, a.dtype)
+            with_dtype(model, a.dtype)
     if "ppl" in sections:
         res["ppl"] = {**run, **ppl_windows(model, tok, fitted, context=a.ppl_context, prefix=a.ppl_context // 4)}
         if a.check_dtype:
-            env.with_dtype(model, a.check_dtype)
+            with_dtype(model, a.check_dtype)
             res["ppl"]["check"] = {"dtype": a.check_dtype, **ppl_windows(model, tok, fitted, context=1024, prefix=256)}
-            env.with_dtype(model, a.dtype)
+            with_dtype(model, a.dtype)
         res["ppl"]["loadavg_end"] = os.getloadavg()
     save()
     print(json.dumps({k: v.get("projection", v.get("ratio"))  for k, v in res.items() if isinstance(v, dict)}, indent=1))

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oscar import evidence as ev
+from oscar.validate import evidence as ev
 from oscar.common import set_threads
 from oscar.stats.artifact import load_artifact
 from oscar.kernels import simulate as S

@@ -30,7 +30,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import DynamicCache
 
-    from oscar.kernels.cache import OscarCache, prefill
+    from oscar.kernels.cache import OscarCache
+    from oscar.kernels.generation import prefill
     from oscar.pipeline.models import load_model
     from oscar.stats.artifact import identity_artifact
 

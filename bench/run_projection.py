@@ -29,9 +29,12 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
+from oscar.scoring.dtype import with_dtype
 from oscar.kernels.simulate import MethodBatchCache
-from oscar.validate.methods import PROTOCOLS, method_artifact
-from oscar.validate.niah import PrefillPool, decode_threads, eos_ids, greedy
+from oscar.validate.methods import method_artifact
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.validate.niah import eos_ids, greedy
+from oscar.scoring.prefill import PrefillPool, decode_threads
 from oscar.validate.ppl import PplConfig, run_ppl
 from oscar.validate.ruler import Sources, make_sample
 
@@ -72,7 +75,7 @@ def main() -> None:
            "samples": a.samples, "fixed_stages_s": fixed, "dtypes": {}}
     for dt in a.dtypes.split(","):
         model, tok, _ = env.load_model("smollm2-135m")
-        env.with_dtype(model, dt)
+        with_dtype(model, dt)
         fitted = load_artifact(a.artifact)
         arts = [method_artifact(m, model.config, fitted) for m in DEFAULT_METHODS]
         niah = niah_times(model, tok, arts, [1024, 2048, 4096])

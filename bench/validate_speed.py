@@ -29,11 +29,14 @@ import torch
 from oscar.stats.artifact import load_artifact
 from oscar.defaults import DEFAULT_METHODS
 from oscar.validate import env
-from oscar.kernels.cache import make_cache
+from oscar.kernels.backends import CacheSpec, make_cache
 from oscar.kernels.simulate import MethodBatchCache
-from oscar.validate.methods import PROTOCOLS, method_artifact
-from oscar.validate.niah import PrefillPool, eos_ids, greedy
-from oscar.validate.ppl import heldout_ids, window_nll
+from oscar.validate.methods import method_artifact
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.validate.niah import eos_ids, greedy
+from oscar.scoring.prefill import PrefillPool
+from oscar.validate.ppl import heldout_ids
+from oscar.scoring.nll import window_nll
 from oscar.kernels.window_attention import simulated
 from oscar.validate.ruler import Sources, make_sample
 
@@ -77,7 +80,7 @@ def main() -> None:
         with Clock() as base:
             exact = DynamicCache()
             model(input_ids=torch.tensor([s.context_ids]), cache=exact, use_cache=True, logits_to_keep=1)
-            old = [greedy(model, make_cache(art, proto, prefill=exact), s.question_ids, s.max_new_tokens, eos)[0]
+            old = [greedy(model, make_cache(CacheSpec.one(art, proto, prefill=exact)), s.question_ids, s.max_new_tokens, eos)[0]
                    for art in arts]
         with Clock() as new:
             ex2 = PrefillPool(model).prefill(s.context_ids)

@@ -1,9 +1,9 @@
 """Validation on the stage actors: a window's hidden states flow through the same layer ranges as calibration.
 
-Two kinds of work: perplexity windows (`forward`, below) and needle batches, by either engine (validate/engine.py):
+Two kinds of work: perplexity windows (`forward`, below) and needle batches, by either engine (oscar/scoring/engine.py):
 - simulate (`rows_*`): each sample's haystack prefilled exactly through the stages, each stage keeping its own
   layers' rows of the batch's INT2 cache, then greedy decoding with one chain of stage calls per token, driven by
-  the same loop as one process, `validate.rowbatch.run_rows`;
+  the same loop as one process, `scoring.rows.run_rows`;
 - cache (`cache_*`): the product path, `engine.niah_answers` on the stages: per (sample, method) row every stage
   builds a fresh OscarCache of its own layers on its device (kernels chosen by the dispatcher: Triton on CUDA, the
   torch reference on CPU), the haystack and the question go through the stages as chunks, then one chain of stage
@@ -12,13 +12,13 @@ Two kinds of work: perplexity windows (`forward`, below) and needle batches, by 
 Each stage holds its own layers (cluster/loading.py; the first also the embeddings, the last also the final norm
 and the LM head) and reads K/V the way the method under test stores them: the INT2 simulator of
 kernels/window_attention.py over its own layers, or (bf16) the plain attention of one process. The last stage
-turns the final hidden states into the window's NLL exactly as one process does (validate.ppl.hidden_nll), so
+turns the final hidden states into the window's NLL exactly as one process does (scoring.nll.hidden_nll), so
 per-window NLLs equal one process's up to float summation order.
 
 `ScoreStage` is a plain class (usable in one process); `score_actor_class()` wraps it with `ray.remote`.
 `StagedScorer` starts one actor per stage and is what `validate.ppl.run_ppl(scorer=...)` calls: every window's
 chain is submitted at once, so while stage 2 scores window w, stage 1 already runs window w + 1.
-`StagedScorer.copy_gradients` runs the recipe's widths' gradient (oscar/widths.py) a window at a time, forward and
+`StagedScorer.copy_gradients` runs the recipe's widths' gradient (oscar/recipe/widths.py) a window at a time, forward and
 backward through the stages, each stage summing its own layers (kernels/grad_attention.py, as one process).
 """
 
@@ -37,16 +37,17 @@ from oscar.cluster.pipeline import ClusterConfig, connect, disconnect, place_gro
 from oscar.common import OscarError, set_threads
 from oscar.kernels import cpu_attention
 from oscar.kernels import rowbatch as rowbatch_kernels
-from oscar.kernels.cache import make_cache
+from oscar.kernels.backends import CacheSpec, make_cache
+from oscar.kernels.simulate import CODECS, register_codecs
 from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
                                           window_sums)
 from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
-from oscar.validate import engine
-from oscar.validate.methods import PROTOCOLS
-from oscar.validate.niah import PrefillPool, batch_capacity
-from oscar.validate.ppl import hidden_nll
-from oscar.validate.rowbatch import positions, run_rows
+from oscar.scoring import engine
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.scoring.prefill import PrefillPool, batch_capacity
+from oscar.scoring.nll import hidden_nll
+from oscar.scoring.rows import positions, run_rows
 
 
 # Hidden states go from stage to stage as host tensors: each stage's process sees only the GPU Ray gave it, so a
@@ -76,7 +77,7 @@ class ScoreStage:
         dtype = getattr(torch, args.dtype)
         self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config, dtype=dtype,
                                                    devices=[args.device], head=True)
-        self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `validate.env.with_dtype`
+        self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `scoring.dtype.with_dtype`
         self.arts: dict = {}
         self._sim: dict = {}  # (method, protocol) -> its simulator, built once (a LayerQuant per layer)
         rowbatch_kernels.register()  # the needle decode's attention (rows_step)
@@ -85,8 +86,11 @@ class ScoreStage:
         self.cache = None  # the needle row's or window's cache under --engine cache (OscarCache or exact), its layers
         self.kept = None  # the last stage: the window's final hidden states under --engine cache
 
-    def load(self, arts: dict) -> int:
-        """The methods' artifacts (None: the plain model) by name, for the windows that follow."""
+    def load(self, arts: dict, codecs: dict | None = None) -> int:
+        """The methods' artifacts (None: the plain model) by name, for the windows that follow; `codecs`: the
+        simulator's codec readers the driver registered (`kernels.simulate.CODECS`: codebook formats, per-layer
+        widths), so this process reads the same artifacts without importing the modules that define them."""
+        register_codecs(codecs or {})
         self.arts, self._sim = arts, {}
         return os.getpid()
 
@@ -100,7 +104,7 @@ class ScoreStage:
 
     def forward(self, x: torch.Tensor, method: str, protocol: str, ids: torch.Tensor, cuts: tuple):
         """Token ids (first stage) or hidden states in; hidden states out, or on the last stage what
-        `validate.ppl.window_nll` returns for the window `ids` (1, T)."""
+        `scoring.nll.window_nll` returns for the window `ids` (1, T)."""
         spec = self.stage.spec
         x = x.to(self.args.device)
         with self._reading(method, protocol):
@@ -117,13 +121,14 @@ class ScoreStage:
         sample g's methods `groups[g]` (names of loaded artifacts). Returns this process's CPU seconds so far."""
         text = self.stage.config.get_text_config() if hasattr(self.stage.config, "get_text_config") else self.stage.config
         spec = self.stage.spec
-        self.rows = make_cache([[self.arts[m] for m in g] for g in groups], PROTOCOLS[protocol], "rows",
-                               capacity=capacity, num_layers=int(text.num_hidden_layers),
-                               dtype=getattr(torch, self.args.dtype), held=range(spec.start, spec.stop))
+        self.rows = make_cache(CacheSpec.rows([[self.arts[m] for m in g] for g in groups], PROTOCOLS[protocol],
+                                              capacity=capacity, num_layers=int(text.num_hidden_layers),
+                                              dtype=getattr(torch, self.args.dtype), held=range(spec.start, spec.stop)),
+                               "rows")
         return time.process_time()
 
     def rows_prefill(self, g: int, ids: list[int], prev: tuple | None = None):
-        """Sample g's chunk 1 (`ids`), exact, into the batch's group g, as `validate.niah.PrefillPool` prefills it
+        """Sample g's chunk 1 (`ids`), exact, into the batch's group g, as `scoring.prefill.PrefillPool` prefills it
         in one process (the longest prefix a kept prefill shares is not recomputed). The first stage embeds
         ids[n:]; a later one receives (hidden states of ids[n:] (1, T - n, H), n) from the stage before."""
         spec = self.stage.spec
@@ -145,7 +150,7 @@ class ScoreStage:
     def rows_step(self, x: torch.Tensor, last: torch.Tensor | None = None):
         """One step of the active rows: token ids (A, t) in at the first stage, hidden states (A, t, H) from the
         stage before otherwise; hidden states out, or at the last stage each row's greedy next token, read at
-        its chunk position `last` (A,) as `validate.rowbatch.LocalRows.step` reads it."""
+        its chunk position `last` (A,) as `scoring.rows.LocalRows.step` reads it."""
         spec = self.stage.spec
         pos = positions(self.rows, x.shape[1]).to(self.args.device)  # (A, t)
         x = x.to(self.args.device)
@@ -219,14 +224,15 @@ class ScoreStage:
     def ping(self) -> bool:
         return True
 
-    # The per-layer widths' gradient (oscar/widths.py `layer_copy_gradients`), a window at a time: every stage runs
+    # The per-layer widths' gradient (oscar/recipe/widths.py `layer_copy_gradients`), a window at a time: every stage runs
     # its layers forward keeping the graph, the last differentiates the copy NLL, each earlier stage backpropagates
     # the gradient of the hidden states the next one received, then every stage sums its own layers.
 
-    def grad_setup(self, arts: list, options: tuple, protocol: str, dtype: str) -> int:
+    def grad_setup(self, arts: list, options: tuple, protocol: str, dtype: str, codecs: dict | None = None) -> int:
         """Quantizers of this stage's layers at each option (arts[o]: every layer at options[o]), the stage in
         `dtype` (the widths' compute dtype, as one process's `with_dtype` before its estimate; `grad_end` restores
-        the stage's own)."""
+        the stage's own); `codecs` as `load`'s (the options' artifacts are per-layer widths)."""
+        register_codecs(codecs or {})
         cp = PROTOCOLS[protocol]
         self._grad = {"heads": arts[0].num_kv_heads, "options": options, "protocol": cp, "graph": None,
                       "quants": layer_quants(arts, cp, self.stage.spec.layers)}
@@ -309,7 +315,7 @@ def _ray_get(refs):
 
 
 class StagedRows:
-    """A row batch held by the stages, as `validate.rowbatch.run_rows` drives it (its `LocalRows` in one process):
+    """A row batch held by the stages, as `scoring.rows.run_rows` drives it (its `LocalRows` in one process):
     every stage keeps the same rows in the same slots; a step is one chain of calls through them."""
 
     def __init__(self, stages: list, rows: int, calls: Calls):
@@ -349,7 +355,7 @@ def needle_batch(stages: list, samples, names: list[list[str]], protocol: str, e
     """What `validate.niah._decode_timed` returns for one batch, computed by `stages` (their artifacts loaded):
     sample g's chunk 1 prefilled exactly through every stage (the samples' chains submitted at once, so Ray's
     stages pipeline them), each stage keeping its layers of the batch's rows for sample g's methods `names[g]`,
-    then the rows decoded greedily together (`validate.rowbatch.run_rows`, one chain of stage calls per step)."""
+    then the rows decoded greedily together (`scoring.rows.run_rows`, one chain of stage calls per step)."""
     c = calls or Calls()
     w0 = time.perf_counter()
     c0 = c.get([c.call(a, "rows_begin", names, protocol, batch_capacity(samples)) for a in stages])
@@ -467,8 +473,8 @@ class StagedScorer:
         if not self.actors:
             self._start()
         self.exact = {m for m, a in arts.items() if a is None}  # what --engine cache scores as one process does
-        ref = ray.put(arts)
-        ray.get([a.load.remote(ref) for a in self.actors])
+        ref, codecs = ray.put(arts), ray.put(dict(CODECS))
+        ray.get([a.load.remote(ref, codecs) for a in self.actors])
 
     def needle_batch(self, samples, names: list[list[str]], protocol: str, eos: set[int],
                      engine: str = "simulate") -> tuple[list[list[int]], dict]:
@@ -497,15 +503,16 @@ class StagedScorer:
 
     def copy_gradients(self, arts: list, options: tuple, cfg, windows: list[tuple]):
         """For each (index, window (1, T), scored positions) in order: (index, its (L, Hkv, O) sums), the forward
-        and backward of `oscar.widths.layer_copy_gradients` run through the stages, each summing its own layers
+        and backward of `oscar.recipe.widths.layer_copy_gradients` run through the stages, each summing its own layers
         (arts[o]: the artifact with every layer at options[o]; cfg: its TuneConfig)."""
         # late: ray reads its cluster mode when imported; connect() sets LOOPBACK_ENV first (cluster/localray.py)
         import ray
 
         if not self.actors:
             self._start()
-        ref = ray.put(arts)
-        ray.get([a.grad_setup.remote(ref, tuple(options), cfg.copy_protocol, cfg.widths_dtype) for a in self.actors])
+        ref, codecs = ray.put(arts), ray.put(dict(CODECS))
+        ray.get([a.grad_setup.remote(ref, tuple(options), cfg.copy_protocol, cfg.widths_dtype, codecs)
+                 for a in self.actors])
         try:
             refs = []
             for i, win, pos in windows:  # every chain at once: an actor runs its calls in order, a window at a time

@@ -14,7 +14,7 @@ arithmetic on the config as calibration's:
   x the same utilization, and passes P hops (one per stage, the last back to the driver);
 - the INT2 KV cache a stage holds at a context is kernels/memory.py's accounting of the stage's layers.
 
-`StepSizes` holds the sizes; their defaults are the product's (oscar/tune.py TuneConfig, oscar/run.py
+`StepSizes` holds the sizes; their defaults are the product's (oscar/recipe/tune.py TuneConfig, oscar/run.py
 RunConfig; tests/test_cluster_steps.py checks they agree).
 """
 

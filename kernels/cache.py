@@ -1,10 +1,10 @@
-"""OscarCache: the paged INT2 KV cache as a transformers `Cache`, plus its attention function.
+"""OscarCache: the paged INT2 KV cache as a transformers `Cache` (the serving cache).
 
     cache = OscarCache.from_artifact(model, "artifact.safetensors")
     out = model.generate(ids, cache=cache, max_new_tokens=32)
 
 `from_artifact` checks the artifact against the model, registers the ``"oscar"``
-attention function *and* its mask function (a custom attention name without a
+attention function *and* its mask function (kernels/cache_attention.py: a custom attention name without a
 registered mask function silently gets no padding mask in transformers 5.x) and
 switches the model to it. For a cache that is not an OscarCache the function
 falls back to transformers' SDPA, so the same model still runs with DynamicCache.
@@ -26,10 +26,9 @@ the layer; the attention function finds the layer through that tag and attends:
   attention is transformers' SDPA on the un-rotated cache, so with identity
   rotations generation matches DynamicCache token for token.
 
-OscarCache is the product's member of one cache family; `make_cache(art, protocol, backend)` at the end
-of this module builds any member: the paged cache on the dispatcher's kernels ("reference", "triton"),
-and the validation's simulators of the same format ("simulate", "batch": kernels/simulate.py; "rows":
-kernels/rowbatch.py).
+OscarCache is the product's member of one cache family; kernels/backends.py `make_cache(spec, backend)` builds any
+member (this cache, or the simulators of the same format, which this module never imports). `prefill` and
+`generate` (which never loses work) are kernels/generation.py's.
 """
 
 from __future__ import annotations
@@ -40,58 +39,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
 from oscar.common import OscarError, attention_shapes
-from oscar.constraints import SLIDING_WINDOW, check_model
+from oscar.constraints import check_model
 from oscar.kernels import dispatch
+from oscar.kernels.cache_attention import ATTN_NAME, register_attention
+from oscar.kernels.generation import CacheRoom
 from oscar.kernels.memory import cache_bytes
 from oscar.kernels.reference import gather_rotated
-from oscar.kernels.paged import (PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, check_held,
+from oscar.kernels.paged import (Elsewhere, PagedConfig, PagedKVCache, ParamRangeError, PoolExhausted, check_held,
                                  held_rotations, layer_config, layout)
-from oscar.kernels.rowbatch import Elsewhere, RowBatchCache
-from oscar.kernels.simulate import MethodBatchCache, Protocol, SimQuantCache
 from oscar.stats.artifact import Artifact, QuantConfig, beyond_calibration, load_artifact
 
-ATTN_NAME = "oscar"
 Format = Literal["int2", "passthrough"]
 # the QuantConfig fields from_artifact may override (value_axis has one value)
 _QUANT_FIELDS = tuple(f.name for f in fields(QuantConfig) if f.name != "value_axis")
-
-
-# --------------------------------------------------------------------------- registration
-def oscar_mask(*args, **kwargs):
-    """Mask function paired with the "oscar" attention: SDPA's boolean (B, 1, Tq, Tk) mask (True = attend),
-    None when it is a plain causal mask without padding."""
-
-    return sdpa_mask(*args, **kwargs)
-
-
-def register_attention() -> None:
-    """Register the "oscar" attention function and its mask function (idempotent)."""
-
-    AttentionInterface.register(ATTN_NAME, oscar_attention)
-    AttentionMaskInterface.register(ATTN_NAME, oscar_mask)
-
-
-def oscar_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                    **kwargs):
-    """transformers attention function: (B, Hq, Tq, D) post-RoPE q -> ((B, Tq, Hq, D), None)."""
-    layer = getattr(key, "_oscar_layer", None)
-    if layer is None:  # not an OscarCache (e.g. DynamicCache, or no cache): plain SDPA
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    key._oscar_layer = None  # one attention call per update
-    if kwargs.get("sliding_window"):
-
-        raise OscarError(f"layer {layer.idx} uses sliding-window attention: {SLIDING_WINDOW}")
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return layer.attend(module, query, attention_mask, scaling), None
 
 
 def _decode(q: torch.Tensor, pc, seqs: list[int], scale: float, backend: str | None) -> torch.Tensor:
@@ -142,7 +106,7 @@ class OscarLayer(CacheLayerMixin):
             kind = "pass-through " if o.format == "passthrough" else ""
             raise OscarError(f"{kind}OscarCache holds at most max_len={o.max_len} tokens per sequence, "
                              f"this update would make {n1} (nothing was written); build it with a larger max_len, "
-                             f"or use oscar.kernels.cache.generate, which checks the length before decoding")
+                             f"or use oscar.kernels.generation.generate, which checks the length before decoding")
         # A multi-token chunk needs the 16-bit values of the tokens it flushes into pages (queries of the
         # chunk that precede the flush still see them unquantized): snapshot the old ring tail first.
         tail_old = None
@@ -159,7 +123,7 @@ class OscarLayer(CacheLayerMixin):
             pc.append_batch(o.seqs, key_states, value_states)  # all-or-nothing (PoolExhausted before any write)
         except PoolExhausted as e:  # every layer has the same pages: the first layer held refuses first, nothing is written
             raise PoolExhausted(f"{e}; the cache holds {n0} tokens per sequence, room for {o.capacity()} "
-                                f"(oscar.kernels.cache.generate checks this before decoding and keeps the tokens "
+                                f"(oscar.kernels.generation.generate checks this before decoding and keeps the tokens "
                                 f"generated)") from None
         except ParamRangeError as e:
             # 8-bit params: layer l learns its range only now, after layers < l appended this chunk
@@ -570,135 +534,3 @@ def _guard_prefix(prepare):
         return prepare(input_ids, *args, **kwargs)
 
     return guarded
-
-
-try:
-    from transformers.generation.stopping_criteria import StoppingCriteria as _StoppingCriteria
-except ImportError:  # pragma: no cover - transformers always ships it
-    _StoppingCriteria = object
-
-
-class CacheRoom(_StoppingCriteria):
-    """Stops generation when the next decode step would not fit in the cache; `hit` says it did."""
-
-    def __init__(self, cache: OscarCache):
-        self.cache, self.hit = cache, False
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        full = self.cache.get_seq_length() + 1 > self.cache.capacity()  # the newest token is not cached yet
-        self.hit = self.hit or full
-        return torch.full((input_ids.shape[0],), full, dtype=torch.bool, device=input_ids.device)
-
-
-class CacheFull(OscarError):
-    """The cache ran out during `generate`: `.sequences` (B, T) holds the prompt and every token generated."""
-
-    def __init__(self, message: str, sequences: torch.Tensor):
-        super().__init__(message)
-        self.sequences = sequences
-
-
-def generate(model, cache: OscarCache, input_ids: torch.Tensor, *, max_new_tokens: int, allow_partial: bool = False,
-             **kwargs) -> torch.Tensor:
-    """`model.generate` with an OscarCache that never loses work.
-
-    Before decoding: the prompt must continue what the cache holds (else refused: `cache.reset()`),
-    and prompt + max_new_tokens must fit in the cache (max_len, free pages): else refused at once,
-    nothing computed. allow_partial=True decodes as far as the cache allows instead and then raises
-    `CacheFull` carrying the sequences generated so far. A pool shared with forks that runs out
-    mid-decode also ends in `CacheFull` with the tokens produced.
-    """
-
-    B, T = input_ids.shape
-    n = cache.get_seq_length()
-    cache.check_prefix(input_ids)
-    if n and T <= n:
-        raise OscarError(f"this OscarCache already holds {n} tokens per sequence and the prompt has {T}: it is being "
-                         f"reused for another prompt; call cache.reset() first, or build a new cache")
-    room, want = cache.capacity(B), T + max_new_tokens
-    if T > room or (want > room and not allow_partial):
-        raise OscarError(f"the OscarCache can hold {room} tokens per sequence (max_len={cache.max_len}, free pages), "
-                         f"but the prompt ({T}) + max_new_tokens ({max_new_tokens}) = {want}; nothing was generated: "
-                         f"build the cache with a larger max_len / max_pages, ask for fewer tokens, or pass "
-                         f"allow_partial=True to keep what fits")
-    stop = CacheRoom(cache)
-    crit = StoppingCriteriaList([stop, *(kwargs.pop("stopping_criteria", None) or [])])
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens, stopping_criteria=crit,
-                         **kwargs)
-    seqs = out if isinstance(out, torch.Tensor) else out.sequences
-    if stop.hit and seqs.shape[1] < want:
-        raise CacheFull(f"the OscarCache is full after {seqs.shape[1]} tokens per sequence ({seqs.shape[1] - T} "
-                        f"generated of {max_new_tokens} asked; room {cache.capacity()}): the tokens generated are in "
-                        f"this error's .sequences", seqs)
-    return out
-
-
-def prefill(model, cache: OscarCache, input_ids: torch.Tensor, chunk: int | None = None,
-            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Run input_ids (B, T) through the model into `cache` (in chunks of `chunk` tokens); last logits (B, V).
-
-    The needle-test protocol: prefill the haystack, then `model.generate(cat(haystack, question),
-    past_key_values=cache)`: generate feeds only the uncached question tokens, which attend to the
-    quantized haystack exactly as a decode step would.
-    """
-    import inspect
-
-    T = input_ids.shape[1]
-    chunk = chunk or T
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x renamed it
-    start = cache.get_seq_length()
-    logits = None
-    with torch.no_grad():
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            am = attention_mask[:, : start + e] if attention_mask is not None else None
-            out = model(input_ids=input_ids[:, s:e], attention_mask=am, use_cache=True, logits_to_keep=1,
-                        **{name: cache})
-            logits = out.logits[:, -1]
-    return logits
-
-
-# --------------------------------------------------------------------------- the cache family
-
-
-def make_cache(art, protocol: Protocol, backend: str | None = "simulate", *, prefill: DynamicCache | None = None,
-               model=None, max_len: int | None = None, page_size: int | None = None, capacity: int = 0,
-               num_layers: int | None = None, dtype: torch.dtype | None = None, held: range | None = None) -> Cache:
-    """One entry point to the cache family; `backend` (dispatch.CACHE_BACKENDS) picks the implementation:
-
-        simulate   art (None: the exact DynamicCache) -> SimQuantCache: fake-quant K/V, exact attention
-                   (kernels/simulate.py); `prefill`: an exact DynamicCache of the first chunk taken over
-        batch      art = [artifact or None per row] -> MethodBatchCache over one exact `prefill` (required),
-                   `capacity` tokens preallocated
-        rows       art = [[artifact or None] per sample] -> RowBatchCache (kernels/rowbatch.py) of `capacity`
-                   slots, `num_layers` layers (of which a pipeline stage holds `held`), model dtype `dtype`;
-                   each sample's prefill is `load`ed after
-        None, reference, triton
-                   art (None: DynamicCache) -> the paged OscarCache for `model` (`from_artifact`: sink and recent
-                   window from `protocol`, pages of `page_size`, `max_len`; `held`: a pipeline stage's layers,
-                   the only ones it allocates); None lets the dispatcher choose per call (Triton on CUDA, the
-                   torch reference on CPU; $OSCAR_KERNELS), as kernels do
-
-    `protocol` says which tokens stay exact (sink, recent window, whole pages or token by token)."""
-    backend = dispatch.cache_backend(backend)
-    if backend == "batch":
-        if prefill is None:
-            raise OscarError("the batch backend takes over an exact prefill (prefill=DynamicCache)")
-        return MethodBatchCache.from_prefill(list(art), protocol, prefill, capacity)
-    if backend == "rows":
-        return RowBatchCache(list(art), protocol, num_layers, capacity, dtype, held=held)
-    if art is None:  # the exact cache, whatever the backend
-        c = DynamicCache()
-        for l, src in enumerate(prefill.layers if prefill is not None else ()):
-            c.update(src.keys, src.values, l)
-        return c
-    if backend == "simulate":
-        if held is not None:
-            raise OscarError("the simulate backend holds every layer; held= is for the rows and paged backends")
-        return SimQuantCache(art, protocol) if prefill is None else SimQuantCache.from_prefill(art, protocol, prefill)
-    if not protocol.pages:
-        raise OscarError(f"protocol {protocol.name!r} releases K/V one token at a time: no paged cache holds that")
-    if prefill is not None:
-        raise OscarError("the paged cache prefills through the model (kernels.cache.prefill), not from a DynamicCache")
-    return OscarCache.from_artifact(model, art, max_len=max_len, backend=backend, sink=protocol.sink,
-                                    recent=protocol.recent, page_size=page_size, held=held)

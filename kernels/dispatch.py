@@ -51,18 +51,6 @@ def backend(device: torch.device | str, want: str | None = None) -> str:
     return "triton" if torch.device(device).type == "cuda" and triton_usable(device) else "reference"
 
 
-# The cache family's members (kernels/cache.py `make_cache`): the validation's fake-quant simulators (one method,
-# methods per row of one prompt, rows of several prompts) and the paged cache on either kernel backend.
-CACHE_BACKENDS = ("simulate", "batch", "rows", "reference", "triton")
-
-
-def cache_backend(want: str | None) -> str | None:
-    """`want` checked against CACHE_BACKENDS; None (the paged cache, its kernels chosen per call by `backend`)."""
-    if want is not None and want not in CACHE_BACKENDS:
-        raise OscarError(f"unknown cache backend {want!r}; known: {', '.join(CACHE_BACKENDS)}")
-    return want
-
-
 def check_query(q: torch.Tensor, cache: PagedLayerCache, seqs) -> None:
     cfg = cache.cfg
     if not isinstance(q, torch.Tensor) or q.dim() != 3:

@@ -1,4 +1,4 @@
-"""The copy probe to first order through a model (oscar/widths.py `layer_copy_gradients`): the simulator's
+"""The copy probe to first order through a model (oscar/recipe/widths.py `layer_copy_gradients`): the simulator's
 attention written for autograd, with each layer's INT2 error of its stored keys and values as leaves, and each
 layer's inner products of their gradients with a wider width's change. The same code runs in one process on the
 whole model and on the pipeline stages on their layer ranges (cluster/scoring.py).
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar.kernels.simulate import LayerQuant, Protocol
+from oscar.kernels.simulate import LayerQuant
+from oscar.kernels.protocol import Protocol
 from oscar.kernels.window_attention import fresh, group_end
 
 _GRAD: dict = {"quant": None, "protocol": None, "deltas": None, "keys": None, "vdeltas": None, "values": None}

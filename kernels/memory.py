@@ -29,7 +29,8 @@ import torch
 from oscar.common import OscarError, attention_shapes
 from oscar.defaults import PAGE_SIZE, RECENT, SINK
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, layout
+from oscar.kernels.paged import PagedConfig, PagedKVCache, layout
+from oscar.kernels.rotation import LayerRotation
 from oscar.modelconfig import load_model_config as load
 from oscar.stats.artifact import QuantConfig, split_width
 

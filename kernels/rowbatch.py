@@ -7,7 +7,7 @@ slot n_r on (a shorter question is right-padded: the pads lie beyond the row's l
 read, and the next token overwrites them), and a query at position p reads slots j <= p. Slot index
 = token position, so RoPE gets each row's own positions (`position_ids`). Row r stores exactly what
 `MethodBatchCache` stores for its method (same quantized ranges, same flush steps); tests check the
-two agree. The decode loop over it is validation's (validate/rowbatch.py `decode_rows`).
+two agree. The decode loop over it is scoring's (oscar/scoring/rows.py `decode_rows`).
 
 Why it is faster (docs/decisions/0050-needle-decoding-several-samples-per-batch.md, "Needle decoding: several samples per batch"):
 - attention is `rows_attention`: float32 scores and float32 accumulation, query heads viewed per
@@ -29,8 +29,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from oscar.common import OscarError
-from oscar.kernels.paged import check_held
-from oscar.kernels.simulate import LayerQuant, Protocol, commit_row
+from oscar.kernels.paged import Elsewhere, check_held
+from oscar.kernels.protocol import Protocol
+from oscar.kernels.simulate import LayerQuant, commit_row
 
 ATTN = "oscar_rows"
 # Scores held at once by rows_attention (4 MiB of float32: a few L2-sized chunks); rows are chunked beyond.
@@ -169,17 +170,6 @@ class RowLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return max(self.n[:self.active]) if self.active else 0
-
-
-class Elsewhere(DynamicLayer):
-    """A layer another pipeline stage holds: reading or writing it here is a bug, never an empty cache."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.index = index
-
-    def update(self, *args, **kwargs):
-        raise OscarError(f"layer {self.index} is held by another pipeline stage")
 
 
 class RowBatchCache(Cache):

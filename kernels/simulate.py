@@ -9,44 +9,28 @@ float rounding. On it:
     SimQuantCache     one method's cache (sink and recent window kept exact): backend "simulate"
     MethodBatchCache  several methods over one prompt, one method per batch row: backend "batch"
 
-(kernels/rowbatch.py holds the "rows" backend; kernels/cache.py `make_cache` chooses among them and the
-paged OscarCache's "reference" and "triton".) Which tokens stay exact is a `Protocol`; the named
-protocols the validation runs (strict, serving, ...) are validation's (validate/methods.py).
+(kernels/rowbatch.py holds the "rows" backend; kernels/backends.py `make_cache` builds any of them or the
+paged OscarCache, kernels/cache.py.) Which tokens stay exact is a `Protocol`; the named
+protocols methods are scored under (strict, serving, ...) are scoring's (oscar/scoring/protocols.py).
 
-Codebook formats (Lloyd-Max codes instead of the uniform grid: tq-int2, sq-int2, per-layer widths) are
-built by validation (validate/codebooks.py) and reach LayerQuant through `register_codec`: the artifact's
-meta["codec"]["kind"] names the reader, so kernels import nothing from validate.
+Codebook formats (Lloyd-Max codes instead of the uniform grid: tq-int2, sq-int2, validate/codebooks.py) and the
+recipe's per-layer widths (oscar/scoring/layer_formats.py) reach LayerQuant through `register_codec`: the
+artifact's meta["codec"]["kind"] names the reader, so kernels import nothing above them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from oscar.common import OscarError
-from oscar.defaults import SINK
+from oscar.kernels.protocol import Protocol
+from oscar.kernels.rotation import LayerRotation
 from oscar.quant import QuantSpec, fake_quant, fake_quant_parts
 from oscar.stats.artifact import Artifact
-
-
-@dataclass(frozen=True)
-class Protocol:
-    """Which tokens the cache keeps exact: the first `sink` and the last `recent` (docs/validation.md lists the named ones).
-
-    pages: per-token K/V leave the exact window in whole pages of the artifact's `page_size`, as the
-    paged cache stores them (< 1 page stays exact beyond `recent`); False: one token at a time, a
-    stricter reading than any cache runs (`strict-token`, a diagnostic). Per-channel key groups are
-    always released whole (an incomplete group cannot be quantized).
-    """
-
-    name: str
-    sink: int = SINK
-    recent: int = 0
-    pages: bool = True
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -57,13 +41,19 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 # ----------------------------------------------------------------- codebook formats
 
 # meta["codec"]["kind"] -> reader(art, layer) -> (key codec, value codec, value mean (1, Hkv, 1, D) or None);
-# a codec is a callable on rotated rows (B, Hkv, T, D) returning their round trip (validate/codebooks.py)
+# a codec is a callable on rotated rows (B, Hkv, T, D) returning their round trip
 CodecReader = Callable[[Artifact, int], "tuple[Callable, Callable, torch.Tensor | None] | None"]
 CODECS: dict[str, CodecReader] = {}
 
 
 def register_codec(kind: str, reader: CodecReader) -> None:
     CODECS[kind] = reader
+
+
+def register_codecs(readers: dict[str, CodecReader]) -> None:
+    """Register every reader of `readers` (another process's CODECS: a pipeline stage reads what its driver
+    registered, cluster/scoring.py)."""
+    CODECS.update(readers)
 
 
 def layer_codecs(art: Artifact, layer: int):
@@ -74,7 +64,7 @@ def layer_codecs(art: Artifact, layer: int):
     reader = CODECS.get(c.get("kind"))
     if reader is None:
         raise OscarError(f"artifact codec {c.get('kind')!r} has no registered reader (known: {', '.join(CODECS) or 'none'}; "
-                         f"validate/codebooks.py registers tq, sq and layers when imported)")
+                         f"validate/codebooks.py registers tq and sq, oscar/scoring/layer_formats.py layers, when imported)")
     return reader(art, layer)
 
 
@@ -95,16 +85,13 @@ class LayerQuant:
 
     def __init__(self, art: Artifact, layer: int, pages: bool = True):
         D = art.head_dim
-        self.rot_k = art.rot_k[layer].float()  # (Hkv, D, D)
-        self.rot_v = art.rot_v[layer].float()
-        # rot_k^{-1} = rot_qᵀ (= rot_kᵀ when orthogonal): the dequantized keys go back to the model's space
-        self.unrot_k = (art.rot_q[layer] if art.rot_q is not None else art.rot_k[layer]).float().transpose(-1, -2)
-        self.k_mean = art.k_mean[layer].float()[None, :, None, :] if art.k_mean is not None else None  # (1, Hkv, 1, D)
+        # the layer's rotations, key mean and clips as the paged cache holds them (kernels/rotation.py)
+        self.rot = LayerRotation.from_artifact(art, layer)
         q = art.quant_for(layer)  # per-layer widths (Artifact.layer_quant): this layer's own format
         self.kspec, self.vspec = q.key_spec(D), q.value_spec(D)
         flush = q.page_size if pages else 1  # whole pages leave the exact window (Protocol.pages)
         self.key_group = self.kspec.group_size if self.kspec.axis == "channel" else flush  # tokens quantized together
-        # codebook formats (tq-int2, sq-int2: validate/codebooks.py) replace the uniform grid, per token
+        # codebook formats (tq-int2, sq-int2, per-layer widths: register_codec) replace the uniform grid, per token
         cb = layer_codecs(art, layer)
         self.codec_k, self.codec_v, self.v_mean = cb if cb else (None, None, None)
         self.kparts = q.key_parts(D)  # split keys (QuantConfig.key_split): a per-token group per part
@@ -112,22 +99,23 @@ class LayerQuant:
             self.key_group = flush
             self.clip_k = self.clip_v = None
         elif self.kparts:
-            self.clip_k = art.clip_k[layer].float().reshape(art.num_kv_heads, -1)  # (Hkv, parts): a ratio per head and part
-            self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
+            self.clip_k = self.rot.clip_k.reshape(art.num_kv_heads, -1)  # (Hkv, parts): a ratio per head and part
+            self.clip_v = _clip_view(self.rot.clip_v, self.vspec, D)
         else:
-            self.clip_k = _clip_view(art.clip_k[layer].float(), self.kspec, D)
-            self.clip_v = _clip_view(art.clip_v[layer].float(), self.vspec, D)
+            self.clip_k = _clip_view(self.rot.clip_k, self.kspec, D)
+            self.clip_v = _clip_view(self.rot.clip_v, self.vspec, D)
         # Identity rotations (naive-int2, kivi2) skip their matmuls: x @ I == x exactly in float32.
         eye = torch.eye(D)
-        self.k_eye = bool((self.rot_k == eye).all() and (self.unrot_k == eye).all())
-        self.v_eye = bool((self.rot_v == eye).all())
+        self.k_eye = bool((self.rot.rot_k == eye).all() and (self.rot.rot_q == eye).all())
+        self.v_eye = bool((self.rot.rot_v == eye).all())
         self.device = torch.device("cpu")
 
     def _on(self, dev: torch.device) -> None:
         """Every tensor this layer's fake-quantization reads on `dev` (once per device: a model on a GPU)."""
         if dev == self.device:
             return
-        for name in ("rot_k", "rot_v", "unrot_k", "k_mean", "clip_k", "clip_v", "v_mean"):
+        self.rot = self.rot.to(dev)
+        for name in ("clip_k", "clip_v", "v_mean"):
             t = getattr(self, name)
             if isinstance(t, torch.Tensor):
                 setattr(self, name, t.to(dev))
@@ -142,9 +130,10 @@ class LayerQuant:
         """k (B, Hkv, T, D) -> dequantized k̂, same shape; T a multiple of key_group."""
         self._on(k.device)
         x = k.to(_acc(k))  # float32; float64 for a float64 model (the tune: no float32 rounding to flip a code)
-        if self.k_mean is not None:
-            x = x - self.k_mean.to(x.dtype)
-        xr = x if self.k_eye else x @ self.rot_k.to(x.dtype)  # (B, Hkv, T, D)
+        mu = self.rot.k_mean[None, :, None, :] if self.rot.k_mean is not None else None  # (1, Hkv, 1, D)
+        if mu is not None:
+            x = x - mu.to(x.dtype)
+        xr = x if self.k_eye else x @ self.rot.rot_k.to(x.dtype)  # (B, Hkv, T, D)
         if self.codec_k:
             xq = self.codec_k(xr)
         elif self.kparts:  # split keys: part j under its clip ratio per head (stats/split.py split_fake_quant)
@@ -152,10 +141,10 @@ class LayerQuant:
         else:
             xq = fake_quant(xr, self.kspec, self.clip_k)
         xq = xq.to(x.dtype)  # the codes are float32 arithmetic on float64-exact inputs: the same on every host
-        if not self.k_eye:
-            xq = xq @ self.unrot_k.to(x.dtype)
-        if self.k_mean is not None:
-            xq = xq + self.k_mean.to(x.dtype)
+        if not self.k_eye:  # rot_k^{-1} = rot_qᵀ (= rot_kᵀ when orthogonal): back to the model's space
+            xq = xq @ self.rot.rot_q.transpose(-1, -2).to(x.dtype)
+        if mu is not None:
+            xq = xq + mu.to(x.dtype)
         return xq.to(k.dtype)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
@@ -163,10 +152,10 @@ class LayerQuant:
         x = v.to(_acc(v))
         if self.v_mean is not None:
             x = x - self.v_mean.to(x.dtype)
-        vr = x if self.v_eye else x @ self.rot_v.to(x.dtype)  # (B, Hkv, T, D)
+        vr = x if self.v_eye else x @ self.rot.rot_v.to(x.dtype)  # (B, Hkv, T, D)
         xq = (self.codec_v(vr) if self.codec_v else fake_quant(vr, self.vspec, self.clip_v)).to(x.dtype)
         if not self.v_eye:
-            xq = xq @ self.rot_v.to(x.dtype).transpose(-1, -2)
+            xq = xq @ self.rot.rot_v.to(x.dtype).transpose(-1, -2)
         if self.v_mean is not None:
             xq = xq + self.v_mean.to(x.dtype)
         return xq.to(v.dtype)

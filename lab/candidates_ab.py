@@ -2,7 +2,7 @@
 `oscar validate niah` (one or more needle seeds, pooled) / `oscar validate ppl` (and optionally `oscar validate attention`, `oscar ablate`).
 
 Every comparison is paired (the same needle samples, the same perplexity windows / segments) with its 95 %
-interval from oscar/evidence.py; a difference whose interval straddles 0 (needles) or 1 (perplexity
+interval from validate/evidence.py; a difference whose interval straddles 0 (needles) or 1 (perplexity
 ratios) is UNRESOLVED.
 
     python lab/candidates_ab.py --niah runs/i16/niah [runs/i16/niah_seed1 ...] --ppl runs/i16/ppl [--attention runs/i16/attn]
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from oscar import evidence as ev
+from oscar.validate import evidence as ev
 
 BASE = "oscar-int2"
 CANDIDATES = ("oscar-lm-int2", "oscar-sparse-int2", "oscar-mix-int2", "oscar-layer-int2", "oscar-mix-layer-int2",

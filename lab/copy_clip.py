@@ -19,10 +19,11 @@ import time
 
 def main() -> int:
     from oscar.stats.artifact import load_artifact
-    from oscar.validate.env import load_model, with_dtype
-    from oscar.validate.methods import PROTOCOLS
+    from oscar.validate.env import load_model
+    from oscar.scoring.dtype import with_dtype
+    from oscar.scoring.protocols import PROTOCOLS
     from oscar.kernels.window_attention import simulated
-    from oscar.tune import COPY_SKIP, TuneConfig, calibration_ids, copy_nll, copy_windows, scale_key_clips, tune_key_clip
+    from oscar.recipe.tune import COPY_SKIP, TuneConfig, calibration_ids, copy_nll, copy_windows, scale_key_clips, tune_key_clip
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifact", required=True)

@@ -22,10 +22,10 @@ def main(argv=None) -> int:
     from scipy.stats import pearsonr, spearmanr
 
     from oscar.stats.artifact import load_artifact
-    from oscar import widths as wd
+    from oscar.recipe import widths as wd
     from oscar.validate.env import load_model
-    from oscar.tune import TuneConfig
-    from oscar.widths import layer_copy_errors, layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import layer_copy_errors, layer_copy_gradients
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

@@ -1,5 +1,5 @@
 """The accuracy goal, checked cell by cell: oscar-int2 against bf16 on the goal's grid, with the verdict rule of the
-evidence issue (oscar/intervals.py: PASS when every cell's 95 % interval clears the limit, MISSED when one cell's
+evidence issue (validate/intervals.py: PASS when every cell's 95 % interval clears the limit, MISSED when one cell's
 interval at level 1 - 0.05/m lies beyond it, else UNRESOLVED, with the samples that would resolve it).
 
     qwen2.5-0.5b: needles within 2 points of bf16 at 1k-16k on niah_single_1/2/3 + niah_multikey_1 (the paired
@@ -22,10 +22,10 @@ import argparse
 import json
 import os
 
-from oscar import evidence as ev
-from oscar import intervals as iv
+from oscar.validate import evidence as ev
+from oscar.validate import intervals as iv
 
-GOALS = {"qwen": ev.ACCURACY_GOALS["qwen2.5-0.5b"], "smollm2": ev.ACCURACY_GOALS["smollm2-135m"]}  # one owner: oscar.evidence
+GOALS = {"qwen": ev.ACCURACY_GOALS["qwen2.5-0.5b"], "smollm2": ev.ACCURACY_GOALS["smollm2-135m"]}  # one owner: oscar.validate.evidence
 
 
 def _seed(d: str) -> int:

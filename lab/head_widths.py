@@ -1,7 +1,7 @@
 """Per-layer key widths at head granularity: would key widths per KV head beat widths per layer at the same
 bits? The copy probe to first order (`validate.tune.layer_copy_gradients(heads=True)`) splits each layer's
 copied-span NLL change at 3 / 4 bits into its KV heads' shares at no extra cost. Widths are chosen by the same DP
-(`oscar.widths.layer_widths`, the same option costs and 2.5-bit budget) over layers or over (layer, head) units on
+(`oscar.recipe.widths.layer_widths`, the same option costs and 2.5-bit budget) over layers or over (layer, head) units on
 half of the copy windows and scored on the other half (and the other way round): a finer choice that only fits
 the estimate's noise scores no better on the windows it did not see (per held-out window, heads − layers, with a
 t interval over the windows), and by how many windows the choice read. First order only: a predicted NLL change on
@@ -20,10 +20,10 @@ import time
 
 
 def option_costs(art, opts):
-    """(O,) bits per element of each (key bits, value bits) option, as `oscar.widths.layer_artifact`'s DP counts them."""
+    """(O,) bits per element of each (key bits, value bits) option, as `oscar.recipe.widths.layer_artifact`'s DP counts them."""
     import numpy as np
 
-    from oscar.validate import codebooks as cb
+    from oscar.scoring import layer_formats as cb
 
     D = art.head_dim
     return np.array([0.5 * (cb.layer_spec(art, kb).bits_per_element(D) + cb.layer_spec(art, vb).bits_per_element(D))
@@ -49,12 +49,12 @@ def _table(recs, idx):
 def main(argv=None) -> int:
     import numpy as np
 
-    from oscar import widths as wd
+    from oscar.recipe import widths as wd
     from oscar.stats.artifact import load_artifact
-    from oscar.validate import codebooks as cb
+    from oscar.scoring import layer_formats as cb
     from oscar.validate.env import load_model
-    from oscar.tune import TuneConfig
-    from oscar.widths import layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import layer_copy_gradients
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

@@ -33,8 +33,9 @@ def main(argv=None) -> int:
     import torch
 
     from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.widths import _rows, native_layer_artifact, widths_artifact
-    from oscar.validate.codebooks import lm_artifact, sparse_artifact, store_layers
+    from oscar.recipe.widths import _rows, native_layer_artifact, widths_artifact
+    from oscar.validate.codebooks import lm_artifact, sparse_artifact
+    from oscar.scoring.layer_formats import store_layers
     from oscar.kernels.simulate import LayerQuant
     from oscar.validate.methods import bits_per_element
 

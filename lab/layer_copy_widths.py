@@ -24,11 +24,11 @@ OPTIONS = ((2, 2), (3, 2), (4, 2))  # values stay at 2 bits: the DP never widene
 
 def main(argv=None) -> int:
     from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate import codebooks as cb
+    from oscar.recipe import widths as wd
     from oscar.validate.env import load_model
     from oscar.validate.methods import bits_per_element
-    from oscar.tune import TuneConfig
-    from oscar.widths import layer_copy_errors
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import layer_copy_errors
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     cfg = TuneConfig(copy_windows=args.windows, copy_length=args.length)
     log = args.out_artifact + ".probes.jsonl"
     err = layer_copy_errors(model, tok, art, OPTIONS, cfg, log=log, progress=not args.no_progress)
-    d = cb.layer_artifact(art, OPTIONS, "oscar-layer-copy-int2", err)
-    out = cb.layer_artifact(art, OPTIONS, "oscar-layer-int2")  # the output-error DP on the same options
+    d = wd.layer_artifact(art, OPTIONS, "oscar-layer-copy-int2", err)
+    out = wd.layer_artifact(art, OPTIONS, "oscar-layer-int2")  # the output-error DP on the same options
     save_artifact(d, args.out_artifact)
     res = {"artifact": args.artifact, "model": args.model, "options": [list(o) for o in OPTIONS],
            "copy_windows": cfg.copy_windows, "copy_length": cfg.copy_length, "copy_span": cfg.copy_span,

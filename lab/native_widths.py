@@ -27,12 +27,13 @@ def main(argv=None) -> int:
 
     from oscar.kernels.memory import artifact_row
     from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate import engine
-    from oscar.widths import native_layer_artifact
+    from oscar.scoring import engine
+    from oscar.recipe.widths import native_layer_artifact
     from oscar.validate.codebooks import codec_bits_per_element
     from oscar.validate.env import load_model
-    from oscar.validate.methods import SERVING
-    from oscar.validate.ppl import heldout_ids, window_nll
+    from oscar.scoring.protocols import SERVING
+    from oscar.validate.ppl import heldout_ids
+    from oscar.scoring.nll import window_nll
     from oscar.kernels.window_attention import simulated
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from difflib import SequenceMatcher
 
-from oscar import evidence as ev
+from oscar.validate import evidence as ev
 
 
 def classify(pred: str, answer: str, context: str) -> str:

@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     from oscar.stats.artifact import load_artifact
     from oscar.stats.fit import FitConfig
     from oscar.stats.split import fit_split_keys, layer_inputs
-    from oscar.validate import codebooks as cb
+    from oscar.scoring import layer_formats as cb
+    from oscar.recipe import widths as wd
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", required=True, help="oscar-int2 artifact (scaled variant) whose store still exists")
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     for l, ls in enumerate(layers):
         mu = art.k_mean[l].double().numpy()
         U, lam, sig2 = layer_inputs(ls, mu)
-        _, k, _ = cb._rows(ls, seed=l)
+        _, k, _ = wd._rows(ls, seed=l)
         kc = k - torch.from_numpy(mu)[:, None, :]
         rules = {"lambda": lam, "lambda*sigma2": lam * sig2, "smallest lambda": -lam}
         rng = np.random.default_rng(1000 + l)

@@ -26,10 +26,11 @@ def main(argv=None) -> int:
     import numpy as np
 
     from oscar.stats.artifact import load_artifact, save_artifact
-    from oscar.validate import codebooks as cb
+    from oscar.scoring import layer_formats as cb
+    from oscar.recipe import widths as wd
     from oscar.validate.env import load_model
-    from oscar.tune import TuneConfig
-    from oscar.widths import layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import layer_copy_gradients
 
     from head_widths import option_costs, paired_t  # lab/ is on the path when run as a script
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         return sum(np.asarray(recs[i]["sums"]).sum(1) for i in idx) / sum(recs[i]["tokens"] for i in idx)  # (L, O)
 
     def pick(t, n):  # the DP over the first n options
-        return np.array(cb.layer_widths(t[:, :n], np.tile(cost[:n], (L, 1)), budget))
+        return np.array(wd.layer_widths(t[:, :n], np.tile(cost[:n], (L, 1)), budget))
 
     def score(t, p):
         return float(t[np.arange(L), p].sum())
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         pk, pkv = pick(ts, nk), pick(ts, len(KV))
         diffs += [score(table([i]), pkv) - score(table([i]), pk) for i in ev]
         folds.append({"choose_on": sel, "keys": round(score(te, pk), 6), "keys_values": round(score(te, pkv), 6)})
-    out = cb.layer_artifact(art, KV, "oscar-layer-kv-int2", est)
+    out = wd.layer_artifact(art, KV, "oscar-layer-kv-int2", est)
     save_artifact(out, args.out_artifact)
     wk, wkv = pick(est, nk), pick(est, len(KV))
     assert out.meta["codec"]["widths"] == [list(KV[o]) for o in wkv]  # the artifact's DP is this one

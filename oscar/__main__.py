@@ -157,7 +157,7 @@ def check_inputs(args) -> None:
     # with --ray the device is the stage actors' (each on the GPUs Ray gives it): the driver needs none
     if isinstance(device, str) and device.strip().lower().startswith("cuda") and not getattr(args, "ray", None):
         # late: keeps torch (2.1 s) out of `oscar --help`
-        from oscar.validate.engine import resolve_device  # torch: only when a CUDA device is asked for
+        from oscar.scoring.engine import resolve_device  # torch: only when a CUDA device is asked for
 
         resolve_device(device)  # a CUDA device this machine lacks is refused first, whatever else is wrong
     if path == ("calibrate",) and _resumes(args):

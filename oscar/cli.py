@@ -1,6 +1,6 @@
 """The commands that compose stages with reports: `oscar run` (the main job, oscar/run.py) and `oscar ablate`
 (the synthetic ablation, oscar.validate.ablation, then its report); and the handler of `oscar fit`, whose recipe
-(oscar/recipe.py) reads the model through the INT2 cache. Like oscar/run.py this may import every stage."""
+(oscar/recipe/driver.py) reads the model through the INT2 cache. Like oscar/run.py this may import every stage."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _attach_fit_recipe(sub: argparse._SubParsersAction) -> None:
     """`oscar fit` makes the shipped recipe: the fit (stats/), then the tune and the widths, which read the model
-    through the INT2 cache (oscar/recipe.py). Its parser is the fit stage's (stats/cli.py), its handler lives here,
+    through the INT2 cache (oscar/recipe/driver.py). Its parser is the fit stage's (stats/cli.py), its handler lives here,
     beside the main job, since stats/ imports no later stage."""
     p = sub.choices.get("fit")
     if p is not None:
@@ -42,10 +42,10 @@ def _fit(args) -> int:
     from oscar.cluster.pipeline import ClusterConfig
     from oscar.cluster.scoring import StagedScorer
     from oscar.kernels.memory import artifact_bits_per_element
-    from oscar.recipe import RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe, store_inputs
-    from oscar.tune import TuneConfig
+    from oscar.recipe.driver import RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe, store_inputs
+    from oscar.recipe.tune import TuneConfig
     from oscar.stats.artifact import load_artifact
-    from oscar.validate.engine import check_engine, resolve_device
+    from oscar.scoring.engine import check_engine, resolve_device
     from oscar.validate.env import load_model
 
     store = positional_or_option(args, "store", "--store")

@@ -32,8 +32,8 @@ DEFAULT_METHODS = ",".join(_DEFAULT_METHODS)  # --methods' default, as typed on 
 # The formats `oscar export` writes and `oscar import` reads (stats/interop.py), named here so their CLI lists
 # them without importing the converters (torch).
 EXPORT_FORMATS = ("sglang-oscar", "gguf-rot")
-# --engine (validate/engine.py runs them), named here so `oscar validate ... --help` lists them without importing torch.
-# validate/engine.py still defines its own copies; tests/test_cli_consistency.py checks they agree.
+# --engine (oscar/scoring/engine.py runs them), named here so `oscar validate ... --help` lists them without importing torch.
+# oscar/scoring/engine.py still defines its own copies; tests/test_cli_consistency.py checks they agree.
 ENGINES = ("simulate", "cache")
 DEFAULT_ENGINE = "simulate"  # faster on CPU (several methods batched): docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md
 ENGINE_HELP = ("execution engine: simulate (default: the fake-quant simulator, several methods and samples "
@@ -51,7 +51,7 @@ RAY_HELP = ("run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_
 
 Parser = argparse.ArgumentParser | argparse._ArgumentGroup
 
-# The recipe's steps after the fit (oscar/recipe.py), as `oscar fit` and `oscar run` take them.
+# The recipe's steps after the fit (oscar/recipe/driver.py), as `oscar fit` and `oscar run` take them.
 WIDTHS = ("none", "copy", "gradient")
 
 
@@ -93,7 +93,7 @@ def add_ray(p: Parser, help: str = RAY_HELP) -> argparse.Action:
 
 
 def add_recipe(p: Parser) -> None:
-    """--no-tune, --tune-objective, --widths: the recipe's steps after the fit (oscar/recipe.py); `--no-tune
+    """--no-tune, --tune-objective, --widths: the recipe's steps after the fit (oscar/recipe/driver.py); `--no-tune
     --widths none` is the plain fit."""
     p.add_argument("--no-tune", action="store_true",
                    help="keep the fit's key clips (skip the tune: the factor x the clips with the lowest strict NLL on "

@@ -29,5 +29,5 @@ DEMO_SIZES = {"samples": 10, "lengths": [4096], "methods": MAIN_JOB_METHODS, "pp
 FULL_SIZES = {"samples": 20, "lengths": [1024, 2048, 4096], "methods": DEFAULT_METHODS, "ppl_tokens": 12288,
               "ppl_contexts": [1024, 4096], "attn_lengths": [4096, 16384], "calib_tokens": 65536}
 
-# What `oscar fit --tune-objective` (and `oscar run`) can minimise (oscar/tune.py).
+# What `oscar fit --tune-objective` (and `oscar run`) can minimise (oscar/recipe/tune.py).
 TUNE_OBJECTIVES = ("nll", "copy", "guarded")

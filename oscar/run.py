@@ -1,7 +1,7 @@
 """`oscar run --out DIR`: the main job on the embedded defaults, resumable stage by stage.
 
     calibrate (local Ray cluster, or this process with --no-ray)  -> DIR/calib.zarr
-    the recipe, as `oscar fit` makes it (oscar/recipe.py):
+    the recipe, as `oscar fit` makes it (oscar/recipe/driver.py):
       fit                                                          -> DIR/artifact.fit.safetensors
       tune key clip (strict NLL on calibration text; --no-tune)    -> DIR/artifact.tuned.safetensors, DIR/calibration/
       per-layer key widths (copy probe; --widths none)             -> DIR/artifact.safetensors
@@ -46,14 +46,14 @@ from oscar.pipeline import native
 from oscar.pipeline.calibrate import CalibConfig, calibrate, check_calibration
 from oscar.pipeline.corpus import first_chat_record
 from oscar.reports.build import build_report
-from oscar.recipe import WIDTHS, RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe
+from oscar.recipe.driver import WIDTHS, RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe
 from oscar.reports.calibration import calibration_section, widths_section
 from oscar.stats.fit import FitConfig
 from oscar.validate.attention import AttnConfig, run_attention
-from oscar.validate.engine import check_engine, resolve_device
+from oscar.scoring.engine import check_engine, resolve_device
 from oscar.validate.env import load_model
-from oscar.validate.methods import PROTOCOL_VERSION
-from oscar.tune import TuneConfig
+from oscar.scoring.protocols import PROTOCOL_VERSION
+from oscar.recipe.tune import TuneConfig
 from oscar.validate.niah import NiahConfig, run_niah
 from oscar.validate.ppl import PplConfig, run_ppl
 from oscar.validate.ruler import load_qa, resolve_tasks, skipped_line
@@ -111,10 +111,10 @@ class RunConfig:
     widths_windows: int = 4
     widths_length: int | None = None  # None: min(2048, the longest context validated)
     # Scale the fit's key clips by the factor with the lowest strict NLL on calibration text
-    # (oscar/tune.py; docs/decisions/0034-key-clip-tuned-end-to-end-oscar-validate-tune.md, "Key clip tuned end to end").
+    # (oscar/recipe/tune.py; docs/decisions/0034-key-clip-tuned-end-to-end-oscar-validate-tune.md, "Key clip tuned end to end").
     tune: bool = True
     # What the tune minimises: nll (strict NLL), copy (a copied span read from the INT2 history) or guarded
-    # (copy among the factors within 0.5 % of the best NLL); oscar/tune.py.
+    # (copy among the factors within 0.5 % of the best NLL); oscar/recipe/tune.py.
     tune_objective: str = "nll"
     # NIAH runs on the method's deployed cache (sink 64 + recent 256 in BF16, the rest INT2);
     # "strict" (recent 0: the tokens being generated leave the window with their page) is
@@ -124,7 +124,7 @@ class RunConfig:
     # multiply it natively, AVX-512 BF16 or AMX; float32 on other CPUs, where torch's bfloat16 GEMMs run ~6x slower:
     # oscar/host.py), bfloat16 or float32. Calibration, the tune and the widths compute in float32 either way.
     dtype: str = "auto"
-    # validate/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md
+    # oscar/scoring/engine.py: simulate (the fake-quant simulator, the default: faster on CPU, docs/decisions/0057-engines-engine-simulate-stays-the-default-engine.md
     # "Engines") or cache (OscarCache + the kernel dispatcher) for tune, NIAH, perplexity, attention; device: cpu, cuda[:N]
     engine: str = "simulate"
     device: str = "cpu"
@@ -318,7 +318,7 @@ def _stage_calibrate(job: _Job) -> str:
 
 
 def _stage_recipe(job: _Job, fp_cal: str) -> None:
-    """2.-3. the recipe (oscar/recipe.py): fit -> DIR/artifact.fit.safetensors, key clip tuned on calibration text ->
+    """2.-3. the recipe (oscar/recipe/driver.py): fit -> DIR/artifact.fit.safetensors, key clip tuned on calibration text ->
     DIR/artifact.tuned.safetensors (+ the report's calibration section in DIR/calibration/), per-layer key widths ->
     DIR/artifact.safetensors (its log beside it: an interrupted step resumes window by window)."""
     cfg, d = job.cfg, job.dir

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from oscar import evidence as ev, ruler_outputs as ro
+from oscar.validate import evidence as ev, ruler_outputs as ro
 from oscar.common import OscarError
-from oscar.evidence import ACCURACY_GOALS, MIN_BLOCKS, SEGMENT, needle_goal, niah_check, ppl_pair_check, score_interval
-from oscar.intervals import wilson
+from oscar.validate.evidence import ACCURACY_GOALS, MIN_BLOCKS, SEGMENT, needle_goal, niah_check, ppl_pair_check, score_interval
+from oscar.validate.intervals import wilson
 from oscar.reports import ablation
 from oscar.reports.plots import panels, save
-from oscar.ruler_outputs import task_order
+from oscar.validate.ruler_outputs import task_order
 
 METHOD_ORDER = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-int2"]
 
@@ -130,8 +130,8 @@ def _resolve(c: dict, unit: str) -> str:
 def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, tokens: int | None = None,
                model: str | None = None) -> list[tuple[str, str, str]]:
     """(check, status, detail) for the validation targets; status is PASS, MISSED or UNRESOLVED by the
-    interval rule (oscar.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
-    at 1 - 0.05/m over the m cells for MISSED. With `model` one with an accuracy goal (oscar.evidence.ACCURACY_GOALS),
+    interval rule (oscar.validate.intervals.verdict / combine): per-cell 95 % intervals for PASS, intervals
+    at 1 - 0.05/m over the m cells for MISSED. With `model` one with an accuracy goal (oscar.validate.evidence.ACCURACY_GOALS),
     also that goal: its needle rule (tasks pooled per length, the run's samples) and its perplexity limits
     (oscar-int2 vs bf16, strict and serving)."""
     out = []
@@ -375,7 +375,7 @@ def _ruler_niah_config(d: str) -> dict:
 def ruler_main_table(r, done: dict | None, methods=None) -> tuple[list[str], list[list]]:
     """(header, rows) of RULER's paper layout: methods x lengths, each cell the mean over the tasks run of their
     scores (%) with its 95 % interval, then the mean over every (task, length) cell. From the per-sample rows
-    (oscar/ruler_outputs.py: the rows summary.csv and results.json are written from); without them, from
+    (validate/ruler_outputs.py: the rows summary.csv and results.json are written from); without them, from
     results.parquet (pooled Wilson interval)."""
     lengths = sorted(int(L) for L in r.length.unique())
     cs = ro.cells({k: v for k, v in done.items() if k[0] in set(r.task)}) if done else None
@@ -790,7 +790,7 @@ class Report:
 @dataclass
 class Results:
     """A run's result files, with the intervals recomputed from the per-sample / per-window lines
-    when the tables predate them (oscar/evidence.py)."""
+    when the tables predate them (validate/evidence.py)."""
 
     res: object = None  # results.parquet (+ ci_low, ci_high, paired columns)
     done: dict | None = None  # niah_samples.jsonl

@@ -176,7 +176,7 @@ def widths_section(artifact_path: str, out_dir: str) -> str:
     if not err or not widths:
         raise OscarError(f"{artifact_path}: no per-layer widths chosen by the copy probe (layer_widths.copy_err)")
     e = np.asarray(err, dtype=float)  # (L, 3): options (2, 2), (3, 2), (4, 2)
-    grad = rec.get("estimate") == "gradient"  # the probe to first order (oscar.widths.layer_copy_gradients)
+    grad = rec.get("estimate") == "gradient"  # the probe to first order (oscar.recipe.widths.layer_copy_gradients)
     kb = np.array([int(w[0]) for w in widths])
     L = len(kb)
     os.makedirs(out_dir, exist_ok=True)

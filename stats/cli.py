@@ -35,7 +35,7 @@ def fit_config(args: argparse.Namespace):
 
 def fit_command(args: argparse.Namespace) -> int:
     """`oscar fit --no-tune --widths none`: the rotations and clips alone (the recipe's later steps read the model:
-    oscar/recipe.py, run by the handler the main CLI attaches)."""
+    oscar/recipe/driver.py, run by the handler the main CLI attaches)."""
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import save_artifact
     from oscar.stats.fit import fit

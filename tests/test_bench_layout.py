@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-MAX_RESULTS = 43
+MAX_RESULTS = 40
 MAX_BYTES = 64 * 1024  # the largest figure's data is ~23 kB; a sample dump is megabytes (plots are not data)
 PLOTS = {".png", ".svg"}
 BRACES = re.compile(r"([\w./-]*)\{([\w,.-]+)\}([\w./-]*)")

@@ -11,7 +11,8 @@ import torch
 
 from helpers.artifacts import SMALL, random_artifact, tiny_config, tiny_model
 from oscar.common import OscarError
-from oscar.kernels.cache import OscarCache, prefill
+from oscar.kernels.cache import OscarCache
+from oscar.kernels.generation import prefill
 from oscar.kernels.memory import Format, cache_bytes, report, total
 from oscar.stats.artifact import identity_artifact
 
@@ -394,15 +395,15 @@ def test_a_sequence_past_the_calibration_length_warns_once():
 
 
 def test_make_cache_builds_every_member_of_the_family():
-    """kernels.cache.make_cache is the one entry point: each backend its cache class, the protocol's sink and
-    recent window carried into the paged cache, the exact cache for no artifact; unknown names and a protocol no
-    paged cache holds are refused."""
+    """kernels.backends.make_cache is the one entry point: every backend built from one CacheSpec, each its cache
+    class, the protocol's sink and recent window carried into the paged cache, the exact cache for no artifact;
+    unknown names, a protocol no paged cache holds and a spec of the wrong shape are refused."""
     from transformers import DynamicCache
 
-    from oscar.kernels import dispatch
-    from oscar.kernels.cache import make_cache
+    from oscar.kernels.backends import BACKENDS, CacheBackend, CacheSpec, make_cache
     from oscar.kernels.rowbatch import RowBatchCache
-    from oscar.kernels.simulate import MethodBatchCache, Protocol, SimQuantCache
+    from oscar.kernels.simulate import MethodBatchCache, SimQuantCache
+    from oscar.kernels.protocol import Protocol
 
     model = tiny_model("llama")
     art = random_artifact(model.config)
@@ -412,22 +413,29 @@ def test_make_cache_builds_every_member_of_the_family():
     with torch.no_grad():
         model(input_ids=ids, cache=exact, use_cache=True)
     L = model.config.num_hidden_layers
-    assert dispatch.CACHE_BACKENDS == ("simulate", "batch", "rows", "reference", "triton")
-    assert isinstance(make_cache(art, p), SimQuantCache) and isinstance(make_cache(art, p, prefill=exact), SimQuantCache)
-    assert type(make_cache(None, p)) is DynamicCache
-    copy = make_cache(None, p, prefill=exact)
+    assert tuple(BACKENDS) == ("simulate", "batch", "rows", "reference", "triton")
+    assert all(issubclass(b, CacheBackend) for b in BACKENDS.values())
+    one = CacheSpec.one(art, p)
+    assert isinstance(make_cache(one), SimQuantCache) and isinstance(make_cache(CacheSpec.one(art, p, prefill=exact)),
+                                                                     SimQuantCache)
+    assert type(make_cache(CacheSpec.one(None, p))) is DynamicCache
+    copy = make_cache(CacheSpec.one(None, p, prefill=exact))
     assert type(copy) is DynamicCache and torch.equal(copy.layers[0].keys, exact.layers[0].keys)
-    assert isinstance(make_cache([art, None], p, "batch", prefill=exact, capacity=40), MethodBatchCache)
-    rows = make_cache([[art, None]], p, "rows", capacity=40, num_layers=L, dtype=torch.float32)
+    assert isinstance(make_cache(CacheSpec.batch([art, None], p, prefill=exact, capacity=40), "batch"), MethodBatchCache)
+    rows = make_cache(CacheSpec.rows([[art, None]], p, capacity=40, num_layers=L, dtype=torch.float32), "rows")
     assert isinstance(rows, RowBatchCache) and rows.rows == 2
     for b in (None, "reference"):
-        c = make_cache(art, p, b, model=model, max_len=64, page_size=SMALL["page_size"])
+        c = make_cache(CacheSpec.one(art, p, model=model, max_len=64, page_size=SMALL["page_size"]), b)
         assert isinstance(c, OscarCache) and c.backend == b
         assert (c.quant.sink, c.quant.recent, c.quant.page_size) == (p.sink, p.recent, SMALL["page_size"])
     model.set_attn_implementation("sdpa")
     with pytest.raises(OscarError, match="unknown cache backend"):
-        make_cache(art, p, "fast")
+        make_cache(one, "fast")
     with pytest.raises(OscarError, match="one token at a time"):
-        make_cache(art, Protocol("x", pages=False), None, model=model)
+        make_cache(CacheSpec.one(art, Protocol("x", pages=False), model=model), None)
     with pytest.raises(OscarError, match="exact prefill"):
-        make_cache([art], p, "batch")
+        make_cache(CacheSpec.batch([art], p), "batch")
+    with pytest.raises(OscarError, match="holds one method of one prompt"):  # the one-row backends take one row
+        make_cache(CacheSpec.batch([art, None], p))
+    with pytest.raises(OscarError, match="methods of one prompt"):
+        make_cache(CacheSpec.rows([[art], [None]], p, prefill=exact), "batch")

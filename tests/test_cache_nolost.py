@@ -10,7 +10,8 @@ import torch
 
 from helpers.artifacts import SMALL, random_artifact, tiny_model  # SMALL: sink 4, recent 16, pages of 4
 from oscar.common import OscarError
-from oscar.kernels.cache import CacheFull, OscarCache, generate
+from oscar.kernels.cache import OscarCache
+from oscar.kernels.generation import CacheFull, generate
 from oscar.kernels.paged import PoolExhausted
 
 if not torch.cuda.is_available():  # the Triton path runs under the interpreter on CPU (as tests/test_cache.py sets it)
@@ -58,7 +59,7 @@ def test_shared_pool_running_out_mid_decode_keeps_the_tokens(setup):
     """A fork shares the pool: what it takes is only known during decoding; the tokens produced survive."""
     m, art = setup
     a = OscarCache.from_artifact(m, art, max_pages=8, max_seqs=2, **SMALL)
-    from oscar.kernels.cache import prefill
+    from oscar.kernels.generation import prefill
 
     prefill(m, a, _ids(24))
     b = a.fork()

@@ -17,8 +17,9 @@ from helpers.artifacts import SMALL, random_artifact, tiny_model
 from oscar.cluster.pipeline import ClusterConfig
 from oscar.cluster.scoring import Calls, ScoreArgs, ScoreStage, StagedScorer, chain
 from oscar.common import OscarError, set_threads
-from oscar.kernels.cache import OscarCache, make_cache
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.cache import OscarCache
+from oscar.kernels.backends import CacheSpec, make_cache
+from oscar.kernels.protocol import Protocol
 from oscar.pipeline.models import resolve_model
 from oscar.stats.artifact import load_artifact
 from oscar.validate.niah import NiahConfig, run_niah
@@ -74,10 +75,10 @@ def test_a_stage_cache_refuses_other_layers():
     with pytest.raises(OscarError, match="not a non-empty range"):
         OscarCache.from_artifact(m, art, max_len=64, held=range(1, 3), **SMALL)
     p = Protocol("strict", sink=4, recent=16)
-    c = make_cache(art, p, backend=None, model=m, max_len=64, page_size=4, held=range(0, 1))
+    c = make_cache(CacheSpec.one(art, p, model=m, max_len=64, page_size=4, held=range(0, 1)), backend=None)
     assert isinstance(c, OscarCache) and c.held == range(0, 1)  # passed through to the paged backends
     with pytest.raises(OscarError, match="simulate backend holds every layer"):
-        make_cache(art, p, backend="simulate", held=range(0, 1))
+        make_cache(CacheSpec.one(art, p, held=range(0, 1)), backend="simulate")
 
 
 def test_stage_actors_keep_their_own_layers_caches(scaled_artifact):

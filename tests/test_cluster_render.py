@@ -232,4 +232,4 @@ def test_run_job_renders_the_whole_job_on_the_plans_stages(tmp_path, target, bas
     assert job["run"]["full"] is True  # the cluster job is the evidence run, not the 15-minute defaults
     rc = check_run_section(job["run"], cluster=job["cluster"])
     assert rc.stages == job["cluster"]["stages"] > 1  # the recipe and validation on the calibration's stages
-    assert rc.widths == "none" or rc.widths in __import__("oscar.recipe").recipe.STAGED_WIDTHS
+    assert rc.widths == "none" or rc.widths in __import__("oscar.recipe.driver").recipe.driver.STAGED_WIDTHS

@@ -15,7 +15,7 @@ from oscar.cluster.plan import PlanConfig, format_plan, load_model_config, make_
 from oscar.cluster.steps import STAGE_HOP_S, StepSizes, active_weight_bytes
 from oscar.defaults import RECENT, SINK
 from oscar.run import RunConfig
-from oscar.tune import TuneConfig
+from oscar.recipe.tune import TuneConfig
 
 # Round figures, so that every time below is arithmetic on the config.
 GPU = GpuSpec("test", 80.0, 1e12, 1e11, 1e9, 1e9, "test", hbm_bytes_s=1e11)

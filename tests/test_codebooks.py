@@ -176,7 +176,8 @@ def test_every_method_has_a_note_the_report_lists():
     from oscar.pipeline.models import load_config
     from oscar.reports.build import _memory_section
     from oscar.stats.artifact import identity_artifact
-    from oscar.validate.methods import METHOD_NOTES, METHODS, SERVING, memory_row
+    from oscar.validate.methods import METHOD_NOTES, METHODS, memory_row
+    from oscar.scoring.protocols import SERVING
 
     assert set(METHODS) <= set(METHOD_NOTES) and all(METHOD_NOTES[m] for m in METHODS)
     assert "re-implementation" in METHOD_NOTES["oscar-ref-int2"]

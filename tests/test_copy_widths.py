@@ -1,4 +1,4 @@
-"""Per-layer key widths by the copy probe (oscar/widths.py): the DP against brute force, the measured and first-order
+"""Per-layer key widths by the copy probe (oscar/recipe/widths.py): the DP against brute force, the measured and first-order
 copy tables, and the served per-layer artifact `oscar fit --widths copy` writes."""
 
 import itertools
@@ -10,8 +10,8 @@ import torch
 
 from oscar.kernels import window_attention
 from oscar.quant import FP8_PARAM, QuantSpec, fp8_round
-from oscar.validate import codebooks as cb
-from oscar import widths as wd
+from oscar.scoring import layer_formats as lf
+from oscar.recipe import widths as wd
 
 
 def test_layer_widths_is_the_brute_force_optimum():
@@ -69,9 +69,9 @@ def test_copy_objective_widths_are_the_dp_of_the_given_table(fitted):
     err[:, 1:] = 0.01  # widening hurts everywhere ...
     err[L - 1] = [0.0, -0.5, -0.9]  # ... except in the last layer
     c = wd.layer_artifact(fitted, opts, "oscar-layer-copy-int2", err).meta["codec"]
-    costs = np.array([[0.5 * (cb.layer_spec(fitted, kb).bits_per_element(D) + cb.layer_spec(fitted, vb).bits_per_element(D))
+    costs = np.array([[0.5 * (lf.layer_spec(fitted, kb).bits_per_element(D) + lf.layer_spec(fitted, vb).bits_per_element(D))
                        for kb, vb in opts]] * L)
-    assert c["widths"] == [list(opts[o]) for o in wd.layer_widths(err, costs, cb.oscar_bits(fitted))]
+    assert c["widths"] == [list(opts[o]) for o in wd.layer_widths(err, costs, lf.oscar_bits(fitted))]
     assert c["widths"][L - 1] == [4, 2] and all(w == [2, 2] for w in c["widths"][:-1]) and c["chosen_by"] == "copy"
     assert c["copy_err"] == err.round(6).tolist()
     with pytest.raises(OscarError, match="copy_err must be"):
@@ -89,10 +89,10 @@ def test_layer_copy_errors_against_plain_probes(fitted, tmp_path):
 
     from oscar.common import OscarError
     from oscar.validate.env import load_model
-    from oscar.validate.methods import PROTOCOLS
+    from oscar.scoring.protocols import PROTOCOLS
     from oscar.kernels.window_attention import simulated
-    from oscar.tune import TuneConfig, calibration_ids, copy_windows
-    from oscar.widths import layer_copy_errors
+    from oscar.recipe.tune import TuneConfig, calibration_ids, copy_windows
+    from oscar.recipe.widths import layer_copy_errors
 
     model, tok, _ = load_model("tiny-llama")
     opts = ((2, 2), (3, 2), (4, 2))
@@ -143,8 +143,8 @@ def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
 
     from oscar.common import OscarError
     from oscar.validate.env import load_model
-    from oscar.tune import TuneConfig
-    from oscar.widths import _copy_ident, layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig
+    from oscar.recipe.widths import _copy_ident, layer_copy_gradients
 
     model, tok, _ = load_model("tiny-llama")
     opts = ((2, 2), (3, 2), (4, 2))
@@ -177,7 +177,7 @@ def test_layer_copy_gradients_resume_window_by_window(fitted, tmp_path):
 def test_channel_key_baseline_of_per_layer_widths_is_the_fits(fitted):
     """oscar-kc-int2 next to a per-layer artifact is the same baseline as next to the fit it was widened from (the
     `scaled` recipe, keys per channel, fp16 scale/zero: 2.5 bits), not the per-layer base grid's e4m3 (2.25)."""
-    from oscar.widths import COPY_OPTIONS, layer_artifact, native_layer_artifact
+    from oscar.recipe.widths import COPY_OPTIONS, layer_artifact, native_layer_artifact
     from oscar.validate.methods import bits_per_element, channel_keys_artifact
 
     L = fitted.num_layers
@@ -195,7 +195,7 @@ def test_simulator_follows_the_model_device(fitted):
     """LayerQuant moves every tensor it reads to the K/V's device on first use (a model on a GPU: the widths stage
     runs the simulator where the tune put the model); checked on the meta device, where any tensor left on the CPU
     makes the matmul or the codec fail."""
-    from oscar.widths import native_layer_artifact, widths_artifact
+    from oscar.recipe.widths import native_layer_artifact, widths_artifact
     from oscar.kernels.simulate import LayerQuant
 
     L, H, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
@@ -230,7 +230,7 @@ def test_gradient_attention_is_the_simulator_and_its_derivative(fitted, T, sink,
     monkeypatch.setattr(ga, "QUERY_BLOCK", block)
 
     from oscar.kernels.simulate import LayerQuant
-    from oscar.validate.methods import Protocol
+    from oscar.kernels.protocol import Protocol
 
     L, Hkv, D = fitted.num_layers, fitted.num_kv_heads, fitted.head_dim
     Hq = 2 * Hkv
@@ -286,13 +286,13 @@ def test_layer_copy_gradients_are_the_directional_derivative(fitted):
     import torch.nn.functional as F
 
     from oscar.common import OscarError
-    from oscar.widths import COPY_OPTIONS, layer_artifact, widths_artifact
+    from oscar.recipe.widths import COPY_OPTIONS, layer_artifact, widths_artifact
     from oscar.validate.env import load_model
     from oscar.kernels.simulate import LayerQuant
-    from oscar.validate.methods import PROTOCOLS
+    from oscar.scoring.protocols import PROTOCOLS
     from oscar.kernels.window_attention import simulated
-    from oscar.tune import TuneConfig, calibration_ids, copy_windows
-    from oscar.widths import copy_widths_artifact, layer_copy_gradients
+    from oscar.recipe.tune import TuneConfig, calibration_ids, copy_windows
+    from oscar.recipe.widths import copy_widths_artifact, layer_copy_gradients
 
     model, tok, _ = load_model("tiny-llama")
     with torch.no_grad():  # sharper attention than the random init's, so the NLL reads the stored keys

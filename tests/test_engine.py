@@ -1,5 +1,5 @@
 """The two validation engines agree: `simulate` (the fake-quant simulator) and `cache` (OscarCache + kern's
-dispatcher, validate/engine.py); `--device cuda` without CUDA is refused.
+dispatcher, oscar/scoring/engine.py); `--device cuda` without CUDA is refused.
 
 Parity is checked where both engines compute the same thing: OscarCache(sink S, recent R) reads what the
 simulator's protocol (S, R - 1) reads (`engine.simulator_protocol`: the cache writes the current token
@@ -18,11 +18,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers.artifacts import rotated_artifact
 from helpers.rounding import engine_nll_bound
+from oscar.cli_options import DEFAULT_ENGINE
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig
-from oscar.validate import engine
-from oscar.validate.methods import PROTOCOLS, Protocol
-from oscar.validate.ppl import window_nll
+from oscar.scoring import engine
+from oscar.kernels.protocol import Protocol
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.scoring.nll import window_nll
 from oscar.kernels.window_attention import simulated
 
 NO_CUDA = not torch.cuda.is_available()
@@ -85,7 +87,7 @@ def test_unknown_device_is_an_error(spec):
 
 def test_cpu_device_and_engines():
     assert engine.resolve_device("cpu") == torch.device("cpu") == engine.resolve_device(None)
-    assert engine.DEFAULT_ENGINE == "simulate" and engine.DEFAULT_DEVICE == "cpu"
+    assert DEFAULT_ENGINE == "simulate" and engine.DEFAULT_DEVICE == "cpu"
     with pytest.raises(OscarError, match="unknown engine"):
         engine.check_engine("fast")
 
@@ -283,7 +285,7 @@ def test_smollm2_ppl_engines_agree_for_every_int2_method(smol):
     order in the second (inside the cloud, nearer the other order), for the others <= 0.18 %. A semantic
     mistake (a page released early or late, a wrong sink) moves the NLL by tens of percent at R = 64.
     tq-int2 / sq-int2 (codebooks) are refused by name."""
-    from oscar.validate.env import with_dtype
+    from oscar.scoring.dtype import with_dtype
     from oscar.validate.methods import codebook_artifact
     from oscar.validate.ppl import heldout_ids
 
@@ -359,7 +361,8 @@ def test_tiny_exact_prefill_cache_equals_the_simulate_engine(tiny):
     """With the simulator's needle protocol (the haystack prefilled exactly, then stored), the cache engine's
     answers are the simulate engine's (`niah.decode_batch`) at the matched protocol, for questions shorter and
     longer than a page."""
-    from oscar.validate.niah import PrefillPool, decode_batch
+    from oscar.validate.niah import decode_batch
+    from oscar.scoring.prefill import PrefillPool
 
     art = rotated_artifact(tiny.config, QUANTS["token"], scaled=True)
     g = torch.Generator().manual_seed(7)

@@ -13,8 +13,8 @@ from collections import defaultdict
 import pandas as pd
 import pytest
 
-from oscar.evidence import read_samples
-from oscar.intervals import wilson
+from oscar.validate.evidence import read_samples
+from oscar.validate.intervals import wilson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EX = os.path.join(ROOT, "reports", "examples", "qwen2.5-0.5b")

@@ -1,4 +1,4 @@
-"""`oscar fit` makes the shipped recipe (oscar/recipe.py): fit -> key-clip tune -> per-layer key widths, each step
+"""`oscar fit` makes the shipped recipe (oscar/recipe/driver.py): fit -> key-clip tune -> per-layer key widths, each step
 skipped on a rerun whose inputs match; `--no-tune --widths none` is the plain fit, without the model."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from oscar.__main__ import main
-from oscar.recipe import RecipeConfig, RecipePaths, Stages, run_recipe, store_inputs
+from oscar.recipe.driver import RecipeConfig, RecipePaths, Stages, run_recipe, store_inputs
 from oscar.stats.artifact import load_artifact
 from oscar.stats.fit import FitConfig, fit
-from oscar.tune import TuneConfig, tune_key_clip
+from oscar.recipe.tune import TuneConfig, tune_key_clip
 from oscar.validate.env import load_model
-from oscar.widths import copy_widths_artifact
+from oscar.recipe.widths import copy_widths_artifact
 
 
 def _tensors(art) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 import pandas as pd
 
-from oscar.validate.ppl import product_goal
+from oscar.validate.evidence import product_goal
 
 
 def _df(rows):

@@ -41,7 +41,7 @@ def test_model_follows_auto(monkeypatch):
     """validate's with_dtype resolves "auto" for the model's device."""
     import torch
 
-    from oscar.validate.env import with_dtype
+    from oscar.scoring.dtype import with_dtype
 
     m = torch.nn.Linear(2, 2)
     monkeypatch.setenv("OSCAR_CPU_BF16", "1")

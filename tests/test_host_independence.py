@@ -21,8 +21,8 @@ _RECIPE = r"""
 import json, sys, torch
 from oscar.stats.fit import FitConfig, fit
 from oscar.validate.env import load_model
-from oscar.tune import TuneConfig, tune_key_clip
-from oscar.widths import copy_widths_artifact
+from oscar.recipe.tune import TuneConfig, tune_key_clip
+from oscar.recipe.widths import copy_widths_artifact
 store, out = sys.argv[1], sys.argv[2]
 art = fit(store, FitConfig(variant="scaled", progress=False))
 m, tok, _ = load_model("smollm2-135m")

@@ -30,28 +30,41 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Shared leaves: import nothing but each other (and third-party code).
 LEAVES = {"oscar", "oscar.common", "oscar.quant", "oscar.artifact_header", "oscar.constraints", "oscar.defaults",
-          "oscar.modelconfig", "oscar.intervals", "oscar.evidence", "oscar.ruler_outputs", "oscar.host",
-          "oscar.cli_options", "oscar.native_build"}
-# The main job, its CLI, the dispatcher and the recipe's model-driven steps (the tune and the widths read the model
-# through the INT2 cache: kernels and validate's NLLs, which the fit stage may not import): every stage, cluster, reports.
-TOP = {"oscar.run", "oscar.cli", "oscar.__main__", "oscar.recipe", "oscar.tune", "oscar.widths"}
-# reports imports no stage: what it renders is read through shared leaves (the artifact header, the
-# verdict statistics of oscar.evidence / oscar.intervals).
-REPORT_READERS: set[str] = set()
-# Who may import what, by component (a component is a stage package; a name with a dot is one module).
+          "oscar.modelconfig", "oscar.host", "oscar.cli_options", "oscar.native_build"}
+# The entry points: the main job, the `oscar` CLI and its dispatcher import any stage.
+TOP = {"oscar.run", "oscar.cli", "oscar.__main__"}
+# validate's result schemas and verdict statistics: what reports reads of validation (the rows of its result files,
+# the intervals and the goals), importing nothing of the stage that runs the model.
+RESULTS = {"oscar.validate.evidence", "oscar.validate.intervals", "oscar.validate.ruler_outputs"}
+# The CLI glue of the cluster: it hands `oscar validate`'s configs to the stage actors (the only cluster module that
+# may read validate/).
+CLUSTER_CLI = "oscar.cluster.cli"
+# Who may import what, by component (a component is a stage package; a name with a dot is one module). The floors:
+# pipeline -> stats -> kernels -> scoring -> recipe -> validate -> reports, cluster beside the recipe.
 ALLOWED = {
     "leaf": {"leaf"},
     "pipeline": {"leaf", "pipeline"},
     "stats": {"leaf", "stats", "oscar.pipeline.store"},
     "kernels": {"leaf", "kernels", "oscar.stats.artifact"},
-    "validate": {"leaf", "pipeline", "stats", "kernels", "validate", "ablation"},
+    # the engines, protocols, window NLL and needle loops: model + INT2 cache + text -> NLLs, answers, gradients
+    "scoring": {"leaf", "pipeline", "stats", "kernels", "scoring"},
+    # the fit stage's model-driven steps (clip tune, per-layer widths): they read the model through scoring only
+    "recipe": {"leaf", "pipeline", "stats", "kernels", "scoring", "recipe"},
+    "validate": {"leaf", "pipeline", "stats", "kernels", "scoring", "recipe", "validate", "ablation", "results"},
+    "results": {"leaf", "results"},
     # the synthetic ablation: the quantizers and stores it measures, never the model-level validation
-    "ablation": {"leaf", "pipeline", "stats", "kernels", "ablation"},
-    # cluster runs the stages on Ray: calibration, and validation's scoring on the same layer ranges
-    "cluster": {"leaf", "pipeline", "stats", "kernels", "validate", "cluster"},
-    "reports": {"leaf", "reports", *REPORT_READERS},
+    "ablation": {"leaf", "pipeline", "stats", "kernels", "ablation", "results"},
+    # cluster runs calibration, scoring and the recipe's gradient on the stage actors, through their public functions
+    "cluster": {"leaf", "pipeline", "stats", "kernels", "scoring", "recipe", "cluster"},
+    "cluster-cli": {"leaf", "pipeline", "stats", "kernels", "scoring", "recipe", "validate", "results", "cluster"},
+    "reports": {"leaf", "reports", "results"},
 }
-RAY_ALLOWED = {"cluster", "top"}
+# The serving cache (the product's transformers Cache) and what it may never load, directly or through another module:
+# the simulators of the cache family sit beside it (kernels/backends.py builds either).
+SERVING_CACHE = "oscar.kernels.cache"
+SIMULATORS = {"oscar.kernels.simulate", "oscar.kernels.rowbatch", "oscar.kernels.window_attention",
+              "oscar.kernels.grad_attention"}
+RAY_ALLOWED = {"cluster", "cluster-cli", "top"}
 
 # Violations tolerated while a change that removes them is under way: {violation: what removes it}.
 # The test fails on any violation not listed here AND on a listed one that no longer occurs, so the
@@ -153,6 +166,10 @@ def component(mod: str) -> str:
         return "leaf"
     if mod in TOP:
         return "top"
+    if mod in RESULTS:
+        return "results"
+    if mod == CLUSTER_CLI:
+        return "cluster-cli"
     parts = mod.split(".")
     if parts[:3] == ["oscar", "validate", "ablation"]:
         return "ablation"
@@ -203,6 +220,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` loads, directly or through others (executed imports: type-only ones are left out)."""
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
 def violations(root: Path) -> dict[str, str]:
     """Every rule broken under root: {violation: where}. A violation names the rule and the modules."""
     mods = modules(root)
@@ -221,6 +249,9 @@ def violations(root: Path) -> dict[str, str]:
                 found.setdefault(f"ray: {imp.src}", where)
     for comp in cycles(graph):
         found[f"cycle: {' <-> '.join(comp)}"] = "modules importing each other (late imports included)"
+    for sim in sorted(reachable(graph, SERVING_CACHE) & SIMULATORS):
+        found[f"serving cache: {SERVING_CACHE} -> {sim}"] = ("the serving cache loads a simulator (directly or through "
+                                                            "another module); kernels/backends.py builds either")
     for d in unlisted_packages(root):
         found[f"unlisted package: {d}"] = "pyproject's [tool.setuptools] packages does not list it"
     return found
@@ -267,7 +298,7 @@ def validate_roles(root: Path) -> list[str]:
 def test_validate_defines_no_cache_and_writes_no_artifact():
     bad = validate_roles(ROOT)
     assert not bad, ("validate/ keeps recipes-to-methods and the protocols: caches belong to the kernels' cache family "
-                     "(kernels/cache.py make_cache), artifacts are written by fit or the commands beside the main job "
+                     "(kernels/backends.py make_cache), artifacts are written by fit or the commands beside the main job "
                      "(oscar/cli.py):\n  " + "\n  ".join(bad))
 
 
@@ -279,7 +310,7 @@ def test_validate_roles_finds_caches_and_writes(tmp_path):
         "validate/c.py": "from oscar.stats.artifact import save_artifact\n",
         "validate/d.py": "from oscar.stats import artifact\ndef f(a):\n    artifact.save_artifact(a, 'x')\n",
         "validate/ablation/e.py": "from safetensors.torch import save_file\n",
-        "validate/ok.py": "from oscar.kernels.cache import make_cache\nfrom oscar.stats.artifact import load_artifact\n",
+        "validate/ok.py": "from oscar.kernels.backends import make_cache\nfrom oscar.stats.artifact import load_artifact\n",
         "kernels/cache.py": "from transformers.cache_utils import Cache\nclass OscarCache(Cache):\n    pass\n",
     })
     assert validate_roles(root) == [
@@ -460,7 +491,8 @@ def test_every_module_is_seen():
     mods = modules(ROOT)
     for m in ("oscar.common", "oscar.run", "oscar.pipeline.store", "oscar.stats.artifact", "oscar.kernels.paged",
               "oscar.validate.methods", "oscar.validate.ablation.schemes", "oscar.cluster.pipeline",
-              "oscar.reports.calibration"):
+              "oscar.reports.calibration", "oscar.scoring.engine", "oscar.recipe.widths", "oscar.kernels.backends",
+              "oscar.validate.evidence"):
         assert m in mods, m
     assert mods["oscar.kernels.paged"] == ROOT / "kernels" / "paged.py"
 
@@ -479,12 +511,13 @@ def test_dependency_rules():
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools]\npackages = ["oscar", "oscar.pipeline", "oscar.stats", "oscar.kernels", "oscar.cluster", '
+        '[tool.setuptools]\npackages = ["oscar", "oscar.scoring", "oscar.recipe", "oscar.pipeline", "oscar.stats", "oscar.kernels", "oscar.cluster", '
         '"oscar.reports", "oscar.validate", "oscar.validate.ablation"]\n'
         '[tool.setuptools.package-dir]\n"oscar" = "oscar"\n"oscar.pipeline" = "pipeline"\n"oscar.stats" = "stats"\n'
         '"oscar.kernels" = "kernels"\n"oscar.cluster" = "cluster"\n"oscar.reports" = "reports"\n'
         '"oscar.validate" = "validate"\n')
-    for d in ("oscar", "pipeline", "stats", "kernels", "cluster", "reports", "validate", "validate/ablation"):
+    for d in ("oscar", "oscar/scoring", "oscar/recipe", "pipeline", "stats", "kernels", "cluster", "reports", "validate",
+              "validate/ablation"):
         (tmp_path / d).mkdir(parents=True, exist_ok=True)
         (tmp_path / d / "__init__.py").write_text("")
     for rel, src in files.items():
@@ -507,6 +540,16 @@ def test_clean_tree_has_no_violation(tmp_path):
         "oscar/artifact_header.py": "from oscar.common import OscarError\n",
         "reports/calibration.py": "from oscar.artifact_header import read_metadata\n",
         "oscar/run.py": "import ray\nfrom oscar.reports import calibration\nfrom oscar.cluster import actors\n",
+        # the floors above kernels: scoring, the recipe, validate's result schemas, reports reading them
+        "oscar/scoring/engine.py": "from oscar.kernels.backends import make_cache\nfrom oscar.pipeline import store\n",
+        "kernels/backends.py": "from oscar.kernels.cache import OscarCache\nfrom oscar.kernels.simulate import S\n",
+        "kernels/cache.py": "from oscar.kernels.paged import P\n", "kernels/simulate.py": "",
+        "oscar/recipe/tune.py": "from oscar.scoring import engine\nfrom oscar.stats.artifact import save_artifact\n",
+        "validate/niah.py": "from oscar.recipe.tune import t\nfrom oscar.validate.evidence import e\n",
+        "validate/evidence.py": "from oscar.validate.intervals import wilson\n", "validate/intervals.py": "",
+        "reports/build.py": "from oscar.validate.evidence import niah_stats\n",
+        "cluster/scoring.py": "from oscar.scoring.engine import served\nfrom oscar.recipe import tune\n",
+        "cluster/cli.py": "from oscar.validate.niah import run_niah\nfrom oscar.cluster import scoring\n",
     })
     assert violations(root) == {}
     assert modules(root)["oscar.validate.ablation.schemes"] == root / "validate" / "ablation" / "schemes.py"
@@ -543,6 +586,45 @@ def test_each_rule_fails(tmp_path):
         "unlisted package: validate/sub",
     }, found
     assert found["layer: oscar.pipeline.cli -> oscar.stats.artifact"] == "pipeline/cli.py:2 (late)"
+
+
+def test_each_floor_rule_fails(tmp_path):
+    """The floors pipeline -> stats -> kernels -> scoring -> recipe -> validate -> reports, cluster beside the recipe:
+    each rule fails on a synthetic violation of it."""
+    root = _tree(tmp_path, {
+        "oscar/recipe/tune.py": "from oscar.validate.ppl import window_nll\n",                 # the recipe -> validate
+        "oscar/recipe/widths.py": "def f():\n    from oscar.validate import methods\n",        # ... late, too
+        "oscar/scoring/engine.py": "from oscar.validate.codebooks import layer_codecs\n",     # scoring -> validate
+        "oscar/scoring/nll.py": "from oscar.recipe.tune import t\n",                           # scoring -> the recipe
+        "oscar/recipe/driver.py": "from oscar.cluster.scoring import StagedScorer\n",          # the recipe -> cluster
+        "cluster/scoring.py": "from oscar.validate.niah import PrefillPool\n",                 # cluster -> validate
+        "cluster/cli.py": "from oscar.validate.niah import run_niah\n",                        # its CLI glue may
+        "kernels/cache.py": "from oscar.kernels.paged import P\n",                             # the serving cache ->
+        "kernels/paged.py": "def f():\n    from oscar.kernels import simulate\n",              # ... a simulator, through
+        "kernels/memory.py": "from oscar.kernels.rowbatch import RowBatchCache\n",             # another module (not:
+        "kernels/backends.py": "from oscar.kernels.cache import OscarCache\nfrom oscar.kernels import simulate\n",
+        "kernels/simulate.py": "", "kernels/rowbatch.py": "",                                     # the factory may)
+        "validate/evidence.py": "from oscar.validate.niah import x\n",                         # a result schema -> the stage
+        "reports/build.py": "from oscar.validate.evidence import e\nfrom oscar.scoring.engine import s\n",  # reports -> scoring
+        "validate/ppl.py": "", "validate/methods.py": "", "validate/codebooks.py": "", "validate/niah.py": "",
+        "cluster/cli_b.py": "", "oscar/scoring/__init__.py": "",
+    })
+    found = violations(root)
+    assert set(found) == {
+        "layer: oscar.recipe.tune -> oscar.validate.ppl",
+        "layer: oscar.recipe.widths -> oscar.validate.methods",
+        "layer: oscar.scoring.engine -> oscar.validate.codebooks",
+        "layer: oscar.scoring.nll -> oscar.recipe.tune",
+        "layer: oscar.recipe.driver -> oscar.cluster.scoring",
+        "layer: oscar.cluster.scoring -> oscar.validate.niah",
+        "layer: oscar.validate.evidence -> oscar.validate.niah",
+        "layer: oscar.reports.build -> oscar.scoring.engine",
+        "serving cache: oscar.kernels.cache -> oscar.kernels.simulate",
+    }, found
+    # the serving cache importing a simulator itself, and through a module it imports
+    (root / "kernels/paged.py").write_text("")
+    (root / "kernels/cache.py").write_text("from oscar.kernels.memory import cache_bytes\n")
+    assert "serving cache: oscar.kernels.cache -> oscar.kernels.rowbatch" in violations(root)
 
 
 def test_type_only_cycle_is_not_a_cycle_but_still_a_layer_rule(tmp_path):

@@ -173,7 +173,7 @@ def shipped_recipes(tmp_path_factory):
     from oscar.stats.artifact import QuantConfig
     from oscar.stats.fit import FitConfig, fit
     from oscar.stats.rotations import VARIANTS
-    from oscar.tune import scale_key_clips
+    from oscar.recipe.tune import scale_key_clips
 
     store = str(tmp_path_factory.mktemp("ext") / "store")
     write_synthetic_store(store, SynthSpec(num_layers=2, num_kv_heads=2, head_dim=16, num_q_heads=4, num_blocks=2,
@@ -188,7 +188,7 @@ def shipped_recipes(tmp_path_factory):
     out["scaled/fp8-params"] = fit(store, FitConfig(variant="scaled", quant=QuantConfig(param_dtype="float8_e4m3fn"),
                                                     progress=False, threads=1))
     assert out["scaled"].rot_q is not None and out["scaled"].k_mean is not None  # the main job's recipe
-    from oscar.widths import native_layer_artifact, widths_artifact
+    from oscar.recipe.widths import native_layer_artifact, widths_artifact
 
     # per-layer widths (oscar-artifact/3): layer 1's keys at 4 bits
     out["scaled/layer-widths"] = native_layer_artifact(widths_artifact(out["scaled"], [[2, 2], [4, 2]]))

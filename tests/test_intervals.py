@@ -1,5 +1,5 @@
-"""Intervals and paired tests (oscar/intervals.py) against scipy, brute force and simulation;
-three-valued verdicts on constructed results (oscar/evidence.py)."""
+"""Intervals and paired tests (validate/intervals.py) against scipy, brute force and simulation;
+three-valued verdicts on constructed results (validate/evidence.py)."""
 
 import itertools
 import math
@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from scipy.stats import binomtest
 
-from oscar import evidence as ev
-from oscar import intervals as iv
+from oscar.validate import evidence as ev
+from oscar.validate import intervals as iv
 
 
 # ----------------------------------------------------------------- Wilson

@@ -13,7 +13,8 @@ import torch
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, PagedLayerCache
+from oscar.kernels.paged import PagedConfig, PagedKVCache, PagedLayerCache
+from oscar.kernels.rotation import LayerRotation
 from oscar.quant import FP8_PARAM, QuantSpec, fake_quant, pack_planes, unpack_planes
 from oscar.stats.artifact import QuantConfig
 
@@ -207,7 +208,7 @@ def widths_artifacts(config, widths, page):
     """The same per-layer widths as the validation codec ("layers") and as the cache's own format
     (native_layer_artifact), on a scaled rotation with a key mean and searched-looking clips."""
     from helpers.artifacts import rotated_artifact
-    from oscar.widths import native_layer_artifact, widths_artifact
+    from oscar.recipe.widths import native_layer_artifact, widths_artifact
 
     a = rotated_artifact(config, QuantConfig(bits=2, page_size=page), seed=1, scaled=True)
     for l in range(a.num_layers):
@@ -223,7 +224,7 @@ def test_native_layer_widths_equal_the_codec_and_the_cache(tiny, page):
     equals the simulator on the "layers" codec it was converted from (the A/Bs' arm), and OscarCache (pages, fused
     reference decode) equals the simulator (its recent window R = P is the protocol's P - 1, as for every format)."""
     from oscar.kernels.cache import OscarCache
-    from oscar.validate.methods import Protocol
+    from oscar.kernels.protocol import Protocol
     from oscar.kernels.window_attention import simulated
 
     codec, native = widths_artifacts(tiny.config, [[2, 2], [4, 2], [3, 2]], page)
@@ -253,7 +254,7 @@ def test_native_layer_widths_equal_the_codec_and_the_cache(tiny, page):
 
 
 def test_native_layer_artifact_refuses_what_the_cache_cannot_store(tiny):
-    from oscar.widths import native_layer_artifact
+    from oscar.recipe.widths import native_layer_artifact
 
     codec, _ = widths_artifacts(tiny.config, [[2, 2], [2, 2], [2, 2]], 4)
     for widths, what in (([[2, 2], [3, 3], [2, 2]], "layer 1 .* \\(3, 3\\)"), ([[2, 2], [2, 2], [5, 2]], "layer 2")):

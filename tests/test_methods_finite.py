@@ -64,9 +64,10 @@ def test_every_method_finite_logits(setup, dtype):
     if dtype == "bfloat16" and setup[0] == "qwen2.5-0.5b" and not _fast_bf16():
         pytest.skip("Qwen2.5 in bfloat16 takes ~20 min on a CPU without AVX-512 BF16 (bf16 GEMMs ~6x slower than "
                     "float32 there): OSCAR_SLOW_BF16=1 runs it; SmolLM2's bfloat16 run and Qwen's float32 run still do")
-    from oscar.validate.env import with_dtype
+    from oscar.scoring.dtype import with_dtype
     from oscar.kernels.simulate import MethodBatchCache
-    from oscar.validate.methods import METHODS, Protocol, method_artifact
+    from oscar.validate.methods import METHODS, method_artifact
+    from oscar.kernels.protocol import Protocol
     from oscar.kernels.window_attention import simulated
 
     spec, model, fitted, ids = setup

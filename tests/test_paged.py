@@ -7,7 +7,8 @@ import torch
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedKVCache, PagedLayerCache, PoolExhausted, layout
+from oscar.kernels.paged import PagedConfig, PagedKVCache, PagedLayerCache, PoolExhausted, layout
+from oscar.kernels.rotation import LayerRotation
 from oscar.quant import QuantSpec, fake_quant, pack, unpack
 from oscar.stats.artifact import QuantConfig
 

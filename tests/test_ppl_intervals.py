@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from oscar.validate.ppl import PplConfig, heldout_ids, heldout_text_ids, run_ppl, window_nll
+from oscar.validate.ppl import PplConfig, heldout_ids, heldout_text_ids, run_ppl
+from oscar.scoring.nll import window_nll
 
 pytestmark = pytest.mark.slow
 

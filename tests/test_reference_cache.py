@@ -17,7 +17,8 @@ import torch
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
+from oscar.kernels.paged import PagedConfig, PagedLayerCache, layout
+from oscar.kernels.rotation import LayerRotation
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig
 
@@ -142,7 +143,8 @@ def test_oscar_cache_from_reference_artifact():
     """OscarCache (transformers) built from an oscar-ref artifact stores the published format."""
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-    from oscar.kernels.cache import OscarCache, prefill
+    from oscar.kernels.cache import OscarCache
+    from oscar.kernels.generation import prefill
     from oscar.kernels.memory import Format, cache_bytes, total
     from oscar.common import attention_shapes
     from oscar.stats.artifact import identity_artifact

@@ -15,7 +15,8 @@ from oscar.common import OscarError, config_fingerprint
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import identity_artifact, save_artifact, load_artifact
 from oscar.kernels.simulate import LayerQuant, SimQuantCache
-from oscar.validate.methods import Protocol, method_artifact, reference_artifact
+from oscar.validate.methods import method_artifact, reference_artifact
+from oscar.kernels.protocol import Protocol
 
 from helpers.synthetic_store import SynthSpec, write_synthetic_store
 

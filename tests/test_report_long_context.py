@@ -88,7 +88,7 @@ def test_paired_checks_use_only_cells_both_methods_measured(tmp_path):
     for L in (1024, 2048):
         rows += _rows("niah_single_1", L, "bf16", [1] * 20, [1.0] * 20, [1.0] * 20)
     rows += _rows("niah_single_1", 1024, "oscar-int2", [1] * 19 + [0], [1.0] * 20, [1.0] * 20)
-    from oscar.evidence import niah_stats
+    from oscar.validate.evidence import niah_stats
 
     done = {(r["task"], r["length"], r["index"], r["method"]): r for r in rows}
     res = pd.DataFrame([{"suite": "ruler", **{k: s[k] for k in ("task", "length", "method", "samples", "score")}}

@@ -15,10 +15,10 @@ from oscar.common import OscarError
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig
 from oscar.kernels.simulate import MethodBatchCache
-from oscar.validate.methods import Protocol
+from oscar.kernels.protocol import Protocol
 from oscar.validate.niah import greedy
 from oscar.kernels.rowbatch import ATTN, RowBatchCache, register
-from oscar.validate.rowbatch import decode_rows
+from oscar.scoring.rows import decode_rows
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import os
 import pandas as pd
 import pytest
 
-from oscar import ruler_outputs as ro
+from oscar.validate import ruler_outputs as ro
 
 
 def _row(t, L, i, m, score, pred="x"):
@@ -95,7 +95,7 @@ def test_average_intervals():
     est, lo, hi, k = ro.average(cs, "bf16", 1024)
     assert k == 3 and est == pytest.approx((2 / 3 + 0.6 + 1 / 3) / 3) and 0 <= lo < est < hi <= 1
     # equal 0/1 samples: the pooled Wilson interval of one cell
-    from oscar.intervals import wilson
+    from oscar.validate.intervals import wilson
 
     est, lo, hi, k = ro.average(cs, "bf16", 2048)
     assert (lo, hi) == pytest.approx(wilson(1, 4)) and est == 0.25
@@ -106,7 +106,7 @@ def test_average_intervals():
 
 
 def _report_dir(tmp_path, skipped=None):
-    from oscar.evidence import niah_stats
+    from oscar.validate.evidence import niah_stats
 
     done = _done()
     with open(tmp_path / "niah_samples.jsonl", "w") as f:

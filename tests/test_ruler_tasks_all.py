@@ -59,7 +59,7 @@ def test_tasks_all_runs_what_the_inputs_allow(tmp_path, capsys):
     import torch
 
     from oscar.reports.build import build_report
-    from oscar.ruler_outputs import read_summary_csv
+    from oscar.validate.ruler_outputs import read_summary_csv
     from oscar.validate.env import load_model
     from oscar.validate.niah import NiahConfig, run_niah
     from oscar.validate.ruler import TASKS

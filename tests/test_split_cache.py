@@ -9,7 +9,8 @@ import torch
 
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+from oscar.kernels.paged import PagedConfig, PagedLayerCache
+from oscar.kernels.rotation import LayerRotation
 from oscar.quant import FP8_PARAM, pack_planes, unpack_planes
 from oscar.stats.artifact import QuantConfig
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oscar.quant import FP8_PARAM, QuantSpec, fp8_round
-from oscar.validate import codebooks as cb
+from oscar.scoring import layer_formats as lf
 
 
 def _orthogonal(D: int, seed: int) -> np.ndarray:
@@ -75,7 +75,8 @@ def test_split_bits_through_the_memory_accounting():
     """2.75 (keys: 16 x 3 + 48 x 2 codes + two fp8 scale/zero pairs) + 2.25 (values, fp8) = 2.5 at head_dim 64."""
     from oscar.pipeline.models import load_config
     from oscar.stats.artifact import QuantConfig, identity_artifact
-    from oscar.validate.methods import METHOD_NOTES, SERVING, bits_per_element, memory_row
+    from oscar.validate.methods import METHOD_NOTES, bits_per_element, memory_row
+    from oscar.scoring.protocols import SERVING
 
     config = load_config("smollm2-135m")
     base = identity_artifact(config, QuantConfig(bits=2), clip=1.0)
@@ -93,7 +94,7 @@ def test_split_bits_through_the_memory_accounting():
     assert memory_row("oscar-int2", art, config, 4096, SERVING)["bits_per_element"] <= 2.5
     # the layer format: every layer's (key, value) widths counted, the budget filled by the DP
     widths = [[3, 2]] * 12 + [[2, 2]] * 18
-    lay = cb.derived_artifact(base, "oscar-layer-copy-int2", {"kind": "layers", "widths": widths}, {})
+    lay = lf.derived_artifact(base, "oscar-layer-copy-int2", {"kind": "layers", "widths": widths}, {})
     assert bits_per_element(lay, D) == pytest.approx((12 * 0.5 * (3.5 + 2.25) + 18 * 2.25) / 30) == 2.5
     assert memory_row("oscar-layer-copy-int2", lay, config, 4096, SERVING)["bits_per_element"] <= 2.5
     # the report's method note says the format the artifact stores, read from the artifact
@@ -101,7 +102,7 @@ def test_split_bits_through_the_memory_accounting():
         "(split keys: 16 channels placed by C_Q at 3 bits, the rest at 2; values at 2 bits; 8-bit scale/zero)")
     assert memory_row("oscar-int2", lay, config, 4096, SERVING)["note"].endswith(
         "(the layers codebook format of oscar-layer-copy-int2)")
-    from oscar.widths import native_layer_artifact, widths_artifact
+    from oscar.recipe.widths import native_layer_artifact, widths_artifact
 
     art_one = identity_artifact(config, QuantConfig(bits=2, param_dtype="float8_e4m3fn"), clip=1.0)
     wide = native_layer_artifact(widths_artifact(art_one, [[3, 2]] * 4 + [[4, 2]] + [[2, 2]] * 25))

@@ -15,7 +15,8 @@ import torch
 from oscar.common import OscarError
 from oscar.kernels import reference as ref
 from oscar.kernels.dispatch import quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache, layout
+from oscar.kernels.paged import PagedConfig, PagedLayerCache, layout
+from oscar.kernels.rotation import LayerRotation
 from oscar.stats.artifact import QuantConfig
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""End-to-end key-clip tuning (oscar/tune.py, a step of `oscar fit`) on the real SmolLM2 and calibration text.
+"""End-to-end key-clip tuning (oscar/recipe/tune.py, a step of `oscar fit`) on the real SmolLM2 and calibration text.
 
 The chosen factor must be the argmin of NLLs that an independent path (the dense reference
 simulator, token-by-token masks instead of the flash path) reproduces; the window must be
@@ -10,9 +10,9 @@ import torch
 
 from oscar.common import OscarError
 from oscar.stats.artifact import QuantConfig, identity_artifact, load_artifact, save_artifact
-from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
+from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
 from oscar.kernels.window_attention import simulated
-from oscar.tune import COPY_SKIP, TuneConfig, calibration_ids, choose_factor, copy_windows, scale_key_clips, tune_key_clip
+from oscar.recipe.tune import COPY_SKIP, TuneConfig, calibration_ids, choose_factor, copy_windows, scale_key_clips, tune_key_clip
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_bad_input_is_refused(smollm2):
 def test_tune_through_the_cache_engine(smollm2):
     """The tune with engine="cache": each factor's NLL is the window read through OscarCache (strict =
     recent 0, one token stricter than the simulator's strict: close, not equal); bad engine/device refused."""
-    from oscar.validate import engine
+    from oscar.scoring import engine
 
     model, tok, _ = smollm2
     art = _artifact(model.config)
@@ -111,7 +111,7 @@ def test_tune_through_the_cache_engine(smollm2):
     _, sim = tune_key_clip(model, tok, art, cfg, progress=False)
     assert rec["engine"] == "cache" and "engine" not in sim and rec["chosen_factor"] in (1.0, 1.3)
     assert rec["dtype"] == "float32" and sim["config"]["dtype"] == "float64"  # the kernels take float32 at most
-    from oscar.validate.env import with_dtype
+    from oscar.scoring.dtype import with_dtype
 
     with_dtype(model, "float32")
     ids = torch.tensor([calibration_ids(tok, "pydoc", 256)])
@@ -198,7 +198,7 @@ def test_a_log_for_other_inputs_is_refused_by_its_own_error(tmp_path):
     for `oscar validate widths`), which `oscar run` catches to set the log aside when its stage's inputs changed."""
     import json
 
-    from oscar.widths import StaleLog, _read_log
+    from oscar.recipe.widths import StaleLog, _read_log
 
     log = tmp_path / "w.jsonl"
     log.write_text(json.dumps({"ident": {"a": 1}, "window": 0}) + "\n")

@@ -12,12 +12,12 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from helpers.artifacts import rotated_artifact
 from oscar.quant import fake_quant
 from oscar.stats.artifact import QuantConfig, identity_artifact
-from oscar.kernels.cache import make_cache
+from oscar.kernels.backends import CacheSpec, make_cache
 from oscar.kernels.simulate import LayerQuant, MethodBatchCache, SimQuantCache
-from oscar.validate.methods import (
-    PROTOCOLS, Protocol, bits_per_element, hadamard, method_artifact, parse_methods, uncalibrated_warning,
-)
-from oscar.validate.ppl import window_nll
+from oscar.validate.methods import bits_per_element, hadamard, method_artifact, parse_methods, uncalibrated_warning
+from oscar.kernels.protocol import Protocol
+from oscar.scoring.protocols import PROTOCOLS
+from oscar.scoring.nll import window_nll
 from oscar.kernels import window_attention
 from oscar.kernels.window_attention import fresh_mask, simulated
 from oscar.common import OscarError
@@ -108,10 +108,10 @@ def test_prefill_takeover_equals_prefill_through_cache(tiny):
         a = tiny(input_ids=q, cache=direct, use_cache=True).logits
         exact = DynamicCache()
         tiny(input_ids=ctx, cache=exact, use_cache=True)
-        taken = make_cache(art, proto, prefill=exact)
+        taken = make_cache(CacheSpec.one(art, proto, prefill=exact))
         b = tiny(input_ids=q, cache=taken, use_cache=True).logits
         # the exact prefill is untouched, so a bf16 cache built from it is the plain continuation
-        c = tiny(input_ids=q, cache=make_cache(None, proto, prefill=exact), use_cache=True).logits
+        c = tiny(input_ids=q, cache=make_cache(CacheSpec.one(None, proto, prefill=exact)), use_cache=True).logits
         ref = tiny(input_ids=torch.cat([ctx, q], 1), use_cache=False).logits[:, -7:]
     assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(c, ref, atol=1e-4)
@@ -139,7 +139,7 @@ def test_method_batch_equals_each_method_cache(tiny, recent):
         got += [tiny(input_ids=steps[:, t:t + 1], cache=batch, use_cache=True).logits[:, -1] for t in range(12)]
         got = torch.stack(got, 1)  # (R, 13, V)
         for r, art in enumerate(arts):
-            one = make_cache(art, proto, prefill=exact)
+            one = make_cache(CacheSpec.one(art, proto, prefill=exact))
             want = [tiny(input_ids=q, cache=one, use_cache=True).logits[:, -1]]
             want += [tiny(input_ids=steps[r:r + 1, t:t + 1], cache=one, use_cache=True).logits[:, -1] for t in range(12)]
             want = torch.stack(want, 1)[0]
@@ -148,7 +148,7 @@ def test_method_batch_equals_each_method_cache(tiny, recent):
 
 
 def test_prefill_pool_equals_one_shot_prefill(tiny):
-    from oscar.validate.niah import PrefillPool
+    from oscar.scoring.prefill import PrefillPool
 
     g = torch.Generator().manual_seed(10)
     base = torch.randint(0, 97, (60,), generator=g).tolist()
@@ -245,7 +245,7 @@ def test_bfloat16_compute_paths(tiny):
     cache matches each method's own cache, both computing in bf16 (bf16 tolerances)."""
     import copy
 
-    from oscar.validate.env import with_dtype
+    from oscar.scoring.dtype import with_dtype
 
     m = with_dtype(copy.deepcopy(tiny), "bfloat16")
     assert next(m.parameters()).dtype == torch.bfloat16
@@ -263,7 +263,7 @@ def test_bfloat16_compute_paths(tiny):
         batch = MethodBatchCache.from_prefill([None, art], proto, exact, capacity=40)
         got = m(input_ids=ids[:, 30:].expand(2, -1), cache=batch, use_cache=True).logits.float()
         for r, a in enumerate([None, art]):
-            want = m(input_ids=ids[:, 30:], cache=make_cache(a, proto, prefill=exact), use_cache=True).logits.float()
+            want = m(input_ids=ids[:, 30:], cache=make_cache(CacheSpec.one(a, proto, prefill=exact)), use_cache=True).logits.float()
             assert (got[r] - want[0]).abs().max() < 5e-2
     with pytest.raises(OscarError, match="unknown dtype"):
         with_dtype(tiny, "float16")

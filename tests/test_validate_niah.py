@@ -40,10 +40,10 @@ def test_niah_resume_and_report(smollm2, tmp_path, monkeypatch):
 
     # 2. the same run, one sample per batch (part 1 decoded both samples in one batch), interrupted after
     # its first sample (both methods decode it together), then resumed
-    from oscar.validate import rowbatch
+    from oscar.scoring import rows as scoring_rows
 
     calls = {"n": 0}
-    real = rowbatch.decode_rows
+    real = scoring_rows.decode_rows
 
     def interrupting(*a, **k):
         if calls["n"] == 1:
@@ -51,12 +51,12 @@ def test_niah_resume_and_report(smollm2, tmp_path, monkeypatch):
         calls["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(rowbatch, "decode_rows", interrupting)
+    monkeypatch.setattr(scoring_rows, "decode_rows", interrupting)
     with pytest.raises(KeyboardInterrupt):  # workers=1: the patched decode runs in this process
         run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False, workers=1)
     lines = open(tmp_path / "b" / "niah_samples.jsonl").read().splitlines()
     assert len(lines) == 2
-    monkeypatch.setattr(rowbatch, "decode_rows", real)
+    monkeypatch.setattr(scoring_rows, "decode_rows", real)
     calls["n"] = 0
     resumed = run_niah(_cfg(tmp_path / "b", batch_tokens=400), loaded=smollm2, progress=False, workers=1)
     lines2 = open(tmp_path / "b" / "niah_samples.jsonl").read().splitlines()

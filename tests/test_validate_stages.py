@@ -93,7 +93,7 @@ def test_tune_on_two_stages_equals_one_process(model, ray_head, stores, tmp_path
     within float64 summation order and the same factor; `oscar fit --ray` writes that tuned artifact."""
     from oscar.__main__ import main
     from oscar.stats.artifact import load_artifact
-    from oscar.tune import TuneConfig, tune_key_clip
+    from oscar.recipe.tune import TuneConfig, tune_key_clip
     from oscar.validate.env import load_model
 
     store = stores(model)

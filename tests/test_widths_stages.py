@@ -1,5 +1,5 @@
 """The per-layer widths' gradient on the pipeline stages (cluster/scoring.py) equals one process
-(`oscar.widths.layer_copy_gradients`): on a real local Ray cluster with 2 stages, the (L, Hkv, O) table and the
+(`oscar.recipe.widths.layer_copy_gradients`): on a real local Ray cluster with 2 stages, the (L, Hkv, O) table and the
 chosen widths; `oscar fit --ray ADDR --stages 2` (default widths) writes the single-process recipe's artifact; a
 log that lost its last windows is completed on the stages by computing exactly those.
 
@@ -19,8 +19,8 @@ from oscar.cluster.pipeline import ClusterConfig
 from oscar.cluster.scoring import StagedScorer
 from oscar.common import set_threads
 from oscar.stats.fit import FitConfig, fit
-from oscar.tune import TuneConfig
-from oscar.widths import COPY_OPTIONS, copy_widths_artifact, layer_copy_gradients
+from oscar.recipe.tune import TuneConfig
+from oscar.recipe.widths import COPY_OPTIONS, copy_widths_artifact, layer_copy_gradients
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]

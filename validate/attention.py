@@ -44,12 +44,14 @@ from oscar.common import OscarError, config_fingerprint, model_mismatch
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import SINK
 from oscar.kernels import cpu_attention
-from oscar.kernels.simulate import LayerQuant, Protocol
+from oscar.kernels.simulate import LayerQuant
+from oscar.kernels.protocol import Protocol
 from oscar.pipeline import capture as C
 from oscar.pipeline.store import open_verified, store_fingerprint
 from oscar.stats.artifact import load_artifact
-from oscar.validate import engine
-from oscar.validate.env import load_model, max_context, with_dtype
+from oscar.scoring import engine
+from oscar.validate.env import load_model, max_context
+from oscar.scoring.dtype import with_dtype
 from oscar.validate.heldout import check_disjoint, heldout_sequences
 from oscar.validate.methods import NEEDS_ARTIFACT, parse_methods, resolve_methods
 
@@ -79,7 +81,7 @@ class AttnConfig:
     corpus: str = "pydoc"  # whose held-out split comes first (then standard-library docstrings)
     dtype: str = "float32"  # model compute dtype of the capture
     seed: int = 0
-    engine: str = "simulate"  # INT2 reading: simulate (LayerQuant) or cache (the paged cache: validate/engine.py)
+    engine: str = "simulate"  # INT2 reading: simulate (LayerQuant) or cache (the paged cache: oscar/scoring/engine.py)
     device: str = "cpu"  # where the capture runs (cpu, cuda, cuda:N)
 
 

@@ -1,5 +1,5 @@
 """`oscar validate niah|ppl|attention` (the main job `oscar run` is oscar/cli.py; the recipe's tune and widths are
-steps of `oscar fit`, oscar/recipe.py: they write an artifact, which validate/ does not)."""
+steps of `oscar fit`, oscar/recipe/driver.py: they write an artifact, which validate/ does not)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ _PROGRESS_HELP = "no progress bars (ours and transformers')"
 
 
 def _exec_args(parser, engine: bool = True) -> None:
-    """--device (and --engine): where and through what the model runs (validate/engine.py)."""
+    """--device (and --engine): where and through what the model runs (oscar/scoring/engine.py)."""
     add_device(parser)
     if engine:
         parser.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help=ENGINE_HELP)

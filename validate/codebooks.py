@@ -22,9 +22,8 @@ sq-int2  SpectralQuant with uniform allocation: per KV head, the eigenbasis U of
          Lloyd–Max codes scaled by the calibrated std; no per-token metadata: exactly 2 bits/element.
          No clip search (same reason); centring both K and V is part of its format (means are constants).
 
-Per-layer widths keep oscar-int2's artifact (rotations, key mean, clips) and change each layer's widths:
-codec "layers", oscar-int2's grid at (key, value) widths per layer, read here (`layer_codecs`); the widths are
-chosen by the recipe (oscar/widths.py), which builds such artifacts with `derived_artifact` and `layer_spec`.
+Per-layer widths (codec "layers", the recipe's) are read by scoring (oscar/scoring/layer_formats.py), which also
+holds the store reader both use (`store_layers`).
 
 Artifact layout: rot_k / rot_v / k_mean as usual; meta["codec"] names the format; SQ's per-head
 v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,widths_v}).
@@ -32,23 +31,19 @@ v_mean, std and widths go to `extra` (layers.{l}.{v_mean,std_k,std_v,widths_k,wi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from oscar.common import OscarError
+from oscar.kernels.simulate import layer_codecs as read_codecs
 from oscar.kernels.simulate import register_codec
-from oscar.quant import FP8_PARAM, QuantSpec, fake_quant
+from oscar.scoring.layer_formats import store_layers
 from oscar.stats.artifact import Artifact, QuantConfig
-from oscar.stats.reduce import LayerStats, ReduceConfig, open_store
 from oscar.validate.ablation.schemes import allocate, codebook_quant, d_eff_gap, eigbasis, hadamard
-from oscar.validate.ablation.schemes import spec as any_bits_spec
 
-CODECS = ("tq", "sq", "layers")
+CODECS = ("tq", "sq")
 TQ_HI_BITS, TQ_LO_BITS = 3, 2
 SQ_BITS, SQ_TAIL_BITS, SQ_GAP = 2, 1, 4.0
 
@@ -87,26 +82,19 @@ def sq_fake_quant(y: torch.Tensor, widths: torch.Tensor, std: torch.Tensor) -> t
 class LayerCodec:
     """One layer's codebook format for keys or values, applied in the rotated space (B, Hkv, T, D)."""
 
-    kind: str  # tq | sq | uniform (oscar.quant's grid under `spec`)
+    kind: str  # tq | sq
     segments: list[tuple[int, int, int]] | None = None  # tq
     widths: torch.Tensor | None = None  # sq (Hkv, D) int64
     std: torch.Tensor | None = None  # sq (Hkv, D)
-    spec: QuantSpec | None = None  # uniform
-    clip: torch.Tensor | None = None  # uniform: (Hkv, 1, 1) ratio per head
-
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         if self.kind == "tq":
             return tq_fake_quant(y, self.segments)
-        if self.kind == "uniform":
-            return fake_quant(y, self.spec, self.clip)
         return sq_fake_quant(y, self.widths, self.std)
 
     def bits_per_element(self, D: int) -> float:
         if self.kind == "tq":
             return (sum((b - a) * bits for a, b, bits in self.segments) + 16 * len(self.segments)) / D
-        if self.kind == "uniform":
-            return self.spec.bits_per_element(D)
         return float(self.widths.double().mean())
 
 
@@ -120,37 +108,20 @@ def layer_codecs(art: Artifact, layer: int) -> tuple[LayerCodec, LayerCodec, tor
     if c["kind"] == "tq":
         seg = [tuple(s) for s in c["segments"]]
         return LayerCodec("tq", segments=seg), LayerCodec("tq", segments=seg), None
-    if c["kind"] == "layers":  # per-layer widths: oscar-int2's format at each layer's own widths
-        kb, vb = c["widths"][layer]
-        side = lambda bits, clip, name: LayerCodec("uniform", spec=layer_spec(art, bits), clip=_head_clip(clip, name))  # noqa: E731
-        return side(kb, art.clip_k[layer], "clip_k"), side(vb, art.clip_v[layer], "clip_v"), None
     x = art.extra
     ck = LayerCodec("sq", widths=x[f"layers.{layer}.widths_k"].long(), std=x[f"layers.{layer}.std_k"].float())
     cv = LayerCodec("sq", widths=x[f"layers.{layer}.widths_v"].long(), std=x[f"layers.{layer}.std_v"].float())
     return ck, cv, x[f"layers.{layer}.v_mean"].float()[None, :, None, :]
 
 
-def _head_clip(c: torch.Tensor, name: str) -> torch.Tensor:
-    if c.dim() != 1:
-        raise OscarError(f"per-layer widths take per-head clip ratios; {name} has shape {tuple(c.shape)}")
-    return c.float().view(-1, 1, 1)
-
-
-def layer_spec(art: Artifact, bits: int) -> QuantSpec:
-    """Per-layer widths' per-token grid at `bits`: fp8 scale/zero at the base width (what pays for the
-    wider layers), fp16 above it."""
-    vs = art.quant.value_spec(art.head_dim)
-    return replace(vs, bits=bits, param_dtype=FP8_PARAM) if bits == art.quant.bits else any_bits_spec(
-        bits, group_size=vs.group_size, param_dtype=torch.float16, clip_rule=vs.clip_rule)
-
-
 def codec_bits_per_element(art: Artifact) -> float | None:
-    """Stored bits per K/V element of a codebook artifact (average over layers and heads); None otherwise."""
+    """Stored bits per K/V element of a codebook artifact (average over layers and heads; per-layer widths too,
+    through the simulator's readers); None otherwise."""
     if not art.meta.get("codec"):
         return None
     D, tot = art.head_dim, 0.0
     for l in range(art.num_layers):
-        ck, cv, _ = layer_codecs(art, l)
+        ck, cv, _ = read_codecs(art, l)
         tot += 0.5 * (ck.bits_per_element(D) + cv.bits_per_element(D))  # every token's codes, norms, side lists
     return tot / art.num_layers
 
@@ -176,23 +147,6 @@ def tq_rotation(energy: np.ndarray, g: torch.Generator) -> torch.Tensor:
         s = torch.randint(0, 2, (b - a,), generator=g).double() * 2 - 1
         B[a:b, a:b] = s[:, None] * hadamard(b - a)  # random-sign Walsh–Hadamard
     return P @ B
-
-
-def _store_of(art: Artifact, method: str) -> str:
-    prov = art.meta.get("provenance") or {}
-    store = prov.get("store")
-    if not store or not os.path.isdir(store):
-        raise OscarError(f"method {method} reads its calibration statistics from the store of --artifact, but "
-                         f"{'it records none' if not store else f'{store!r} does not exist'}; keep the store")
-    return store
-
-
-def store_layers(art: Artifact, method: str):
-    """(store path, its view, LayerStats per layer) of the calibration store `art` was fitted from (as partial
-    as the fit read it); a clear error naming `method` when the store is gone."""
-    store = _store_of(art, method)
-    view = open_store(store, partial=bool((art.meta.get("provenance") or {}).get("partial")))
-    return store, view, [LayerStats(view, l, ReduceConfig()) for l in range(view.num_layers)]
 
 
 def tq_artifact(fitted: Artifact, seed: int = 0) -> Artifact:
@@ -249,21 +203,5 @@ def sq_artifact(fitted: Artifact) -> Artifact:
                           "provenance": {"store": store, "store_fingerprint": view.fingerprint}})
 
 
-def derived_artifact(fitted: Artifact, method: str, codec: dict, extra: dict) -> Artifact:
-    """`fitted` (oscar-int2: rotations, key mean, clips, pages) with another key format."""
-    if fitted.layer_quant is not None:
-        raise OscarError(f"method {method} is built on a one-format oscar-int2 artifact; --artifact already stores "
-                         f"per-layer widths (layer_quant)")
-    prov = dict(fitted.meta.get("provenance") or {})
-    return replace(fitted, meta={**fitted.meta, "variant": method, "base_variant": fitted.meta.get("variant"),
-                                 "codec": codec, "provenance": prov}, extra={**fitted.extra, **extra})
-
-
-def oscar_bits(fitted: Artifact) -> float:
-    """oscar-int2's own bits per element (K and V averaged): the budget per-layer widths spend (2.5 at head_dim 64)."""
-    D = fitted.head_dim
-    return fitted.quant.bits_per_element(D)
-
-
-for _kind in CODECS:  # the simulator reads codebook artifacts through these (kernels import nothing from validate)
+for _kind in CODECS:  # the simulator reads codebook artifacts through these (kernels import nothing above them)
     register_codec(_kind, layer_codecs)

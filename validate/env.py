@@ -13,11 +13,8 @@ import re
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from oscar.common import OscarError
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.host import compute_dtype
 from oscar.pipeline.corpus import first_chat_record, load_corpus
 from oscar.pipeline.models import load_config, load_model as _load
 
@@ -26,21 +23,6 @@ def load_model(spec: str = EMBEDDED_MODEL):
     """(model, tokenizer, info) in eval mode, float32 on CPU."""
     model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
     return model.eval(), tok, info
-
-
-DTYPES = ("float32", "bfloat16", "auto", "float64")  # float64: the recipe's objectives (oscar/tune.py)
-
-
-def with_dtype(model, dtype: str = "float32"):
-    """The model computing in `dtype` (in place); "auto": the host's fast dtype for the model's device
-    (oscar.host.compute_dtype: float32 on CPUs without native bfloat16). `bfloat16` changes every activation's
-    rounding, so its results are not comparable digit for digit with float32 runs."""
-    if dtype not in DTYPES:
-        raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    dt = getattr(torch, compute_dtype(dtype, str(next(model.parameters()).device)) if dtype == "auto" else dtype)
-    if next(model.parameters()).dtype != dt:
-        model.to(dt)
-    return model
 
 
 def config_max_context(spec: str) -> int:

@@ -25,7 +25,7 @@
 Other helpers add methods with `register_method(name, factory)`.
 
 Execution. A method is an artifact; the caches that run it are the kernels' cache family
-(`oscar.kernels.cache.make_cache`): the fake-quant simulator (`kernels/simulate.py`: `LayerQuant`,
+(`oscar.kernels.backends.make_cache`): the fake-quant simulator (`kernels/simulate.py`: `LayerQuant`,
 `SimQuantCache`, `MethodBatchCache`), the rows backend (`kernels/rowbatch.py`) and the paged
 OscarCache. This module keeps what validation decides: which methods exist and how each one's
 artifact is built, and the named protocols (which tokens stay exact) they are compared under.
@@ -39,8 +39,7 @@ from typing import Any, Callable
 import torch
 
 from oscar.common import OscarError, attention_shapes
-from oscar.defaults import RECENT, SINK
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 from oscar.stats.hadamard import hadamard_tensor
 from oscar.validate import codebooks  # noqa: F401 (registers the codebook formats with the simulator)
@@ -51,16 +50,6 @@ from oscar.stats.fit import FitConfig, fit
 from oscar.stats.hadamard import HadamardUnsupported
 from oscar.validate import codebooks
 from oscar.validate.codebooks import codec_bits_per_element
-
-# The named protocols validation compares methods under (the type is the cache family's, kernels/simulate.py).
-# Bumped whenever a protocol's meaning changes, so stored results of the old meaning are not resumed
-# into new tables (NIAH/perplexity identities, `oscar run` stage fingerprints). 2: per-token K/V leave
-# the exact window in whole pages (was: one token at a time).
-PROTOCOL_VERSION = 2
-STRICT = Protocol("strict", sink=SINK, recent=0)
-SERVING = Protocol("serving", sink=SINK, recent=RECENT)
-STRICT_TOKEN = Protocol("strict-token", sink=SINK, recent=0, pages=False)
-PROTOCOLS = {p.name: p for p in (STRICT, SERVING, STRICT_TOKEN)}
 
 
 def hadamard(n: int) -> torch.Tensor:

@@ -9,16 +9,16 @@ chunk's own K/V are on chip, only what is *stored* is quantized), so its
 exact prefill is computed once per sample and handed to every method's cache;
 `tests/test_validate_niah.py` checks that this equals prefilling through the
 method's cache. Several samples of a cell decode as one batch of (sample, method)
-rows (`decode_batch`, `oscar.validate.rowbatch`); `greedy` on a `MethodBatchCache`
+rows (`decode_batch`, `oscar.scoring.rows`); `greedy` on a `MethodBatchCache`
 is the per-sample path it is tested against.
 
 Files in OUT:
 - niah_config.json    what the samples depend on (model, artifact, seed, protocol, corpus)
 - niah_samples.jsonl  one line per (task, length, index, method), appended and flushed
 - results.parquet     suite, task, method, length, samples, score (% string_match_all/part), ci_low, ci_high
-                      (95 %), the paired difference to bf16 and its Holm-adjusted test (oscar/evidence.py), ...
+                      (95 %), the paired difference to bf16 and its Holm-adjusted test (validate/evidence.py), ...
 - memory.json         bytes per token per method
-- ruler/<method>/<length>/summary.csv  RULER's summary layout (rows Tasks, Score, Nulls; oscar/ruler_outputs.py)
+- ruler/<method>/<length>/summary.csv  RULER's summary layout (rows Tasks, Score, Nulls; validate/ruler_outputs.py)
 - ruler/<method>/results.json          lm-evaluation-harness's results layout for its `ruler` group
 
 `tasks` may hold "all": every task the inputs allow (qa_1 / qa_2 only with their --squad / --hotpotqa file);
@@ -38,23 +38,25 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar.common import OscarError, attention_shapes, file_fingerprint, fingerprint
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.evidence import niah_stats, read_samples
-from oscar.kernels import cpu_attention
-from oscar.kernels.cache import make_cache
-from oscar.ruler_outputs import write_ruler_outputs
+from oscar.validate.evidence import niah_stats, read_samples
+from oscar.kernels.backends import CacheSpec, make_cache
+from oscar.validate.ruler_outputs import write_ruler_outputs
 from oscar.stats.artifact import load_artifact
-from oscar.validate import engine, env, rowbatch
+from oscar.scoring import engine
+from oscar.scoring.dtype import DTYPES, with_dtype
+from oscar.scoring.prefill import PrefillPool, batch_capacity, decode_threads, load_aware_threads
+from oscar.scoring import rows as scoring_rows
+from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
 from oscar.validate.methods import (
-    NEEDS_ARTIFACT, PROTOCOL_VERSION, PROTOCOLS, SERVING, bits_per_element, memory_row,
-    parse_methods, resolve_methods, uncalibrated_warning,
-)
+    NEEDS_ARTIFACT, bits_per_element, memory_row, parse_methods, resolve_methods, uncalibrated_warning)
+from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS, SERVING
 from oscar.validate.ruler import TASKS, Sources, load_qa, make_sample, resolve_tasks, score_one, skipped_line
 from oscar.validate.workers import Workers, default_workers
 
@@ -71,12 +73,12 @@ class NiahConfig:
     seed: int = 0
     protocol: str = "strict"
     corpus: str = "pydoc"
-    dtype: str = "float32"  # model compute dtype (env.with_dtype)
+    dtype: str = "float32"  # model compute dtype (oscar.scoring.dtype.with_dtype)
     # Samples of one (task, length) cell decoded together: max(1, batch_tokens // length) of them, all
     # their methods as rows of one `RowBatchCache` (4 at 1k, 2 at 2k, 1 at 4k: ~1.4 GB of float32 K/V).
     # Results do not depend on it beyond float summation order, so it is not part of the identity.
     batch_tokens: int = 4096
-    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    engine: str = "simulate"  # oscar/scoring/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
     device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
     # QA files (qa_1: SQuAD v1.1 / v2.0 JSON, qa_2: HotpotQA JSON); their fingerprints are checked per file in
     # niah_config.json ("qa_files"), so adding one to an OUT keeps the samples it holds
@@ -91,7 +93,7 @@ class NiahConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
-        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+        if self.engine != "simulate":  # the cache reads one token less exactly (oscar/scoring/engine.py): never mixed
             ident["engine"] = self.engine
         return ident
 
@@ -134,10 +136,10 @@ def load_checked(name: str, artifact: str | None, methods: list[str], lengths: l
     check_artifact(artifact, methods)
     if loaded is None:  # refuse impossible lengths before loading weights
         check_lengths(lengths, env.config_max_context(name) or 0, name)
-    if dtype not in env.DTYPES:
-        raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(env.DTYPES)}")
+    if dtype not in DTYPES:
+        raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     model, tok, _ = loaded or env.load_model(name)
-    model = env.with_dtype(model, dtype)
+    model = with_dtype(model, dtype)
     check_lengths(lengths, env.max_context(model), name)
     return model, tok
 
@@ -170,35 +172,6 @@ def _prepare_out(cfg: NiahConfig, qa: dict | None = None, skipped: dict | None =
         rec["skipped_tasks"] = skipped
     with open(p, "w") as f:
         json.dump(rec, f, indent=1)
-
-
-def decode_threads() -> int:
-    """Intra-op threads for decoding: all of them on a quiet machine, one on a busy one.
-
-    Decode steps are thousands of small, memory-bound ops. On a quiet 2-core machine two threads
-    halve a 6-row SmolLM2 decode (1k: 4.75 -> 2.76 s, 4k: 10.1 -> 5.9 s per sample); with another
-    process on the cores, OpenMP barriers stall (measured 2.4 s -> 0.12 s per step with one thread).
-    Quiet = 1-minute load average below cores + 0.5 (this process's own threads count). Thread
-    counts change float summation order only (logits within 3e-5).
-    """
-    n = torch.get_num_threads()
-    try:
-        busy = os.getloadavg()[0] >= (os.cpu_count() or 1) + 0.5
-    except OSError:
-        busy = True
-    return 1 if busy else n
-
-
-class load_aware_threads:
-    """Context manager: intra-op threads = `decode_threads()` inside, restored after."""
-
-    def __enter__(self):
-        self.prev = torch.get_num_threads()
-        torch.set_num_threads(decode_threads())
-        return self
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.prev)
 
 
 @torch.no_grad()
@@ -264,74 +237,16 @@ def _greedy_loop(model, cache, ids, max_new_tokens: int, eos: set[int]) -> list[
     return out
 
 
-class PrefillPool:
-    """Exact prefills of the last few prompts; a new prompt continues the one it shares most tokens with.
-
-    Causal attention: the K/V of a shared token prefix do not depend on what follows, so the
-    prompt is prefilled from the end of that prefix (noise haystacks share everything before the
-    needle). The result equals a one-shot prefill up to float summation order.
-    """
-
-    def __init__(self, model, keep: int = 4):
-        self.model, self.keep = model, keep
-        self.entries: list[tuple[list[int], object]] = []
-        self.reused = self.computed = 0  # tokens
-
-    @staticmethod
-    def _lcp(a: list[int], b: list[int]) -> int:
-        n = min(len(a), len(b))
-        i = 0
-        while i < n and a[i] == b[i]:
-            i += 1
-        return i
-
-    def lookup(self, ids: list[int]) -> tuple[int, DynamicCache]:
-        """(n, a cache holding the K/V of ids[:n]): the longest prefix of `ids` a kept prefill shares, at most
-        len(ids) - 1 (at least one token runs through the model). Only the layers the kept cache holds (a pipeline
-        stage's own) are copied."""
-        best, n = None, 0
-        for e_ids, c in self.entries:
-            k = self._lcp(e_ids, ids)
-            if k > n:
-                best, n = c, k
-        n = min(n, len(ids) - 1)
-        cache = DynamicCache()
-        if n > 0:
-            for l, layer in enumerate(best.layers):
-                if layer.is_initialized:
-                    cache.update(layer.keys[..., :n, :], layer.values[..., :n, :], l)
-        return n, cache
-
-    def store(self, ids: list[int], n: int, cache: DynamicCache) -> None:
-        self.reused += n
-        self.computed += len(ids) - n
-        self.entries = (self.entries + [(list(ids), cache)])[-self.keep:]
-
-    @torch.no_grad()
-    def prefill(self, ids: list[int]):
-        n, cache = self.lookup(ids)
-        with load_aware_threads(), cpu_attention.native_prefill(self.model):  # two threads on a busy 2-core machine stall in OpenMP barriers
-            self.model(input_ids=torch.tensor([ids[n:]], device=self.model.device), cache=cache, use_cache=True, logits_to_keep=1)
-        self.store(ids, n, cache)
-        return cache
-
-
-def batch_capacity(samples) -> int:
-    """Slots a row batch of `samples` needs: the longest context + question + answer budget."""
-    return max(len(s.context_ids) for s in samples) + max(len(s.question_ids) for s in samples) + \
-        max(s.max_new_tokens for s in samples)
-
-
 def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set[int]) -> list[list[int]]:
     """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
     `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
     decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
-    cache = make_cache(groups, protocol, "rows", capacity=batch_capacity(samples), num_layers=model.config.get_text_config().num_hidden_layers,
-                       dtype=next(model.parameters()).dtype)
+    cache = make_cache(CacheSpec.rows(groups, protocol, capacity=batch_capacity(samples), dtype=next(model.parameters()).dtype,
+                                      num_layers=model.config.get_text_config().num_hidden_layers), "rows")
     for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
         cache.load(g, pool.prefill(s.context_ids))
     with load_aware_threads():
-        return rowbatch.decode_rows(model, cache, [s.question_ids for s, ms in zip(samples, groups) for _ in ms],
+        return scoring_rows.decode_rows(model, cache, [s.question_ids for s, ms in zip(samples, groups) for _ in ms],
                                     [s.max_new_tokens for s, ms in zip(samples, groups) for _ in ms], eos)
 
 
@@ -456,7 +371,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
                        for k, (s, batch) in enumerate(zip(units, batches)))
         elif n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
-        elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (validate/engine.py)
+        elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (oscar/scoring/engine.py)
             results = ((k, _timed(lambda s=s, batch=batch: engine.niah_answers(
                                model, s, [[arts[m] for m in b[3]] for b in batch], [b[3] for b in batch], protocol, eos), s))
                        for k, (s, batch) in enumerate(zip(units, batches)))

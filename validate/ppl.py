@@ -17,7 +17,7 @@ Files in OUT: ppl_windows.jsonl (one line per method, protocol, context,
 window, with the NLL of its 512-token segments; resumable), ppl.parquet
 (method, protocol, context, ppl, ppl_ci_low, ppl_ci_high, bits_per_element,
 tokens, windows, blocks, block, ratio, ratio_ci_low, ratio_ci_high,
-ratio_vs_bf16: oscar/evidence.py), goal.json (the product goal, three-valued).
+ratio_vs_bf16: validate/evidence.py), goal.json (the product goal, three-valued).
 """
 
 from __future__ import annotations
@@ -29,24 +29,24 @@ from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from oscar.common import OscarError, attention_shapes, file_fingerprint
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
-from oscar.evidence import GOAL_BITS, GOAL_RATIO, GOAL_THIN, product_goal, segment_cuts  # noqa: F401 (re-exported)
-from oscar.evidence import ppl_stats
+from oscar.validate.evidence import product_goal, segment_cuts
+from oscar.validate.evidence import ppl_stats
 from oscar.kernels import cpu_attention
 from oscar.kernels.window_attention import simulated
 from oscar.stats.artifact import load_artifact
-from oscar.validate import engine, env
+from oscar.scoring import engine
+from oscar.scoring.nll import window_nll
+from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
-from oscar.validate.methods import (
-    PROTOCOL_VERSION, PROTOCOLS, bits_per_element, parse_methods, resolve_methods,
-    uncalibrated_warning,
-)
-from oscar.validate.niah import _Inline, load_aware_threads, model_or_stages
+from oscar.validate.methods import bits_per_element, parse_methods, resolve_methods, uncalibrated_warning
+from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
+from oscar.validate.niah import _Inline, model_or_stages
+from oscar.scoring.prefill import load_aware_threads
 from oscar.validate.workers import Workers, default_workers
 
 
@@ -60,8 +60,8 @@ class PplConfig:
     protocols: list[str] = field(default_factory=lambda: ["strict", "serving"])
     tokens: int = 8192  # held-out tokens scored per context
     corpus: str = "pydoc"
-    dtype: str = "float32"  # model compute dtype (env.with_dtype)
-    engine: str = "simulate"  # validate/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
+    dtype: str = "float32"  # model compute dtype (oscar.scoring.dtype.with_dtype)
+    engine: str = "simulate"  # oscar/scoring/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
     device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
 
     def identity(self) -> dict:
@@ -71,44 +71,9 @@ class PplConfig:
                  "protocol_version": PROTOCOL_VERSION}
         if self.dtype != "float32":  # float32 outputs written before the option keep their identity
             ident["dtype"] = self.dtype
-        if self.engine != "simulate":  # the cache reads one token less exactly (validate/engine.py): never mixed
+        if self.engine != "simulate":  # the cache reads one token less exactly (oscar/scoring/engine.py): never mixed
             ident["engine"] = self.engine
         return ident
-
-
-@torch.no_grad()
-def window_nll(model, ids: torch.Tensor, chunk: int = 512, prefixes: tuple[int, ...] = ()):
-    """Sum of next-token NLL over a (1, T) window and the count T-1 (logits computed in chunks).
-
-    prefixes: window lengths P < T whose (nll, P-1) are returned too, as a list after the pair: under
-    a causal model (and the position mask above, which only looks back) the first P positions of
-    this window compute exactly what a window of P tokens starting here computes.
-    """
-    h = model.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, T, H)
-    return hidden_nll(model.lm_head, h, ids, chunk, prefixes)
-
-
-def hidden_nll(lm_head, h: torch.Tensor, ids: torch.Tensor, chunk: int = 512, prefixes: tuple[int, ...] = ()):
-    """`window_nll` from the final hidden states h (1, T, H), after the final norm: what the last pipeline stage
-    computes (cluster/scoring.py), in the same chunks and order as one process."""
-    T = ids.shape[1]
-    cuts = sorted({P - 1 for P in prefixes if 1 < P < T} | {T - 1})  # predicted tokens per part
-    tot, sums, a = 0.0, {}, 0
-    for a in range(0, T - 1, chunk):
-        for lo, hi in _split(a, min(a + chunk, T - 1), cuts):
-            logits = lm_head(h[:, lo:hi]).float()  # (1, c, V)
-            tot += F.cross_entropy(logits[0], ids[0, lo + 1:hi + 1], reduction="sum").item()
-            if hi in cuts:
-                sums[hi] = tot
-    if not prefixes:
-        return tot, T - 1
-    return tot, T - 1, [(sums[P - 1], P - 1) for P in prefixes]
-
-
-def _split(a: int, b: int, cuts: list[int]) -> list[tuple[int, int]]:
-    """[a, b) cut at every cut point strictly inside it."""
-    pts = [a] + [c for c in cuts if a < c < b] + [b]
-    return list(zip(pts[:-1], pts[1:]))
 
 
 def heldout_ids(tok, corpus: str, n: int) -> list[int]:
@@ -250,7 +215,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
                     bar.set_postfix_str(f"{m} {p} {c}")
                     with load_aware_threads():  # all cores when idle, one when shared (see niah.decode_threads)
                         win = ids[:, w * c:(w + 1) * c]
-                        if cfg.engine == "cache" and arts[m] is not None:  # the product path (validate/engine.py)
+                        if cfg.engine == "cache" and arts[m] is not None:  # the product path (oscar/scoring/engine.py)
                             yield k, engine.window_nll(model, m, arts[m], PROTOCOLS[p], win, prefixes=cuts)
                         else:
                             yield k, _window(model, arts[m], p, win, cuts)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from oscar.common import OscarError, file_fingerprint
-from oscar.ruler_outputs import postprocess  # RULER's prediction cleanup (shared with the summary files)
+from oscar.validate.ruler_outputs import postprocess  # RULER's prediction cleanup (shared with the summary files)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oscar import intervals as iv
+from oscar.validate import intervals as iv
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ import torch
 
 from oscar.defaults import PAGE_SIZE
 from oscar.kernels.dispatch import dequantize_sequence, quantize_pages
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+from oscar.kernels.paged import PagedConfig, PagedLayerCache
+from oscar.kernels.rotation import LayerRotation
 from oscar.quant import FP8_PARAM, QuantSpec, choose_qparams, dequantize, fake_quant, quantize
 from oscar.stats import reference_recipe as rr
 from oscar.stats.artifact import QuantConfig, split_width

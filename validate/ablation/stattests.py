@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from scipy.stats import f
 
-from oscar.intervals import bh, holm  # one home for the multiple-testing corrections (the leaf the verdicts use)
+from oscar.validate.intervals import bh, holm  # one home for the multiple-testing corrections (the leaf the verdicts use)
 from oscar.validate.ablation.metrics import compute_metrics
 from oscar.validate.ablation.regimes import make_regime
 from oscar.validate.ablation.schemes import Ctx, SQCodec, d_eff_energy, d_eff_gap
@@ -72,7 +72,7 @@ def ks_2samp(a, b) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------- multiple testing
-# holm / bh live in oscar.intervals (imported above), beside the verdict intervals that use them.
+# holm / bh live in oscar.validate.intervals (imported above), beside the verdict intervals that use them.
 
 def adjust(p, method: str = "holm") -> np.ndarray:
     if method not in ("holm", "bh"):

@@ -2,10 +2,11 @@
 
 `decode_rows` runs a `RowBatchCache` (kernels/rowbatch.py: several samples x methods as one batch, each
 row its own length and positions) to every row's greedy answer; the cache and its attention function are
-the kernels' rows backend, the loop (questions, budgets, EOS, rows leaving the batch) is validation's.
+the kernels' rows backend, the loop (questions, budgets, EOS, rows leaving the batch) is scoring's, run alike by
+validation's needles (validate/niah.py) and the pipeline stages.
 
 The loop drives a *runner*: `LocalRows` (the model and its cache in this process) or the pipeline stages'
-(cluster/needles.py: each stage holds its layers' rows of the same cache). A runner has `rows`, `order`
+(cluster/scoring.py `StagedRows`: each stage holds its layers' rows of the same cache). A runner has `rows`, `order`
 (active slot -> row), `set_chunk(lengths)`, `keep(slots)` (-> each new slot's old slot) and
 `step(ids (A, t), last (A,))` -> each active row's next token (the logits at its `last` chunk position).
 """

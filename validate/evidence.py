@@ -24,8 +24,8 @@ import os
 import numpy as np
 import pandas as pd
 
-from oscar import intervals as iv
-from oscar.intervals import holm
+from oscar.validate import intervals as iv
+from oscar.validate.intervals import holm
 
 GOAL_RATIO = 1.25  # oscar-int2 strict ppl <= 1.25x bf16 ...
 GOAL_BITS = 2.5  # ... at <= 2.5 bits per element

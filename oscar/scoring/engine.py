@@ -1,7 +1,7 @@
 """Execution engines of the model-level checks, and the device they run on.
 
     simulate  the fake-quant simulator (the cache family's simulate / batch / rows backends, kernels/simulate.py
-              and kernels/rowbatch.py; validate/ppl.py's attention over `LayerQuant`): every method's INT2
+              and kernels/rowbatch.py; kernels/window_attention.py's attention over `LayerQuant`): every method's INT2
               reading computed by `LayerQuant`, several methods and samples batched; the default.
     cache     the product path: the model's attention goes through `OscarCache` (kernels/cache.py,
               `from_artifact` installs its attention function) and kern's dispatcher (Triton on CUDA, the
@@ -9,7 +9,7 @@
 
 What the cache engine runs (docs/validation.md, "Engines"):
 
-- needles: the haystack (chunk 1) prefilled into the method's OscarCache (`kernels.cache.prefill`,
+- needles: the haystack (chunk 1) prefilled into the method's OscarCache (`kernels.generation.prefill`,
   OscarCache's prefill path: decode semantics, so later haystack tokens already read the INT2
   history), the question as a second chunk, then greedy decoding one token at a time through the
   dispatcher's decode kernel;
@@ -35,15 +35,16 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from oscar.cli_options import DEFAULT_DEVICE, DEFAULT_ENGINE, ENGINE_HELP, ENGINES  # noqa: F401 (one place each)
+from oscar.cli_options import DEFAULT_DEVICE, ENGINES
 from oscar.common import OscarError
 from oscar.kernels import dispatch
-from oscar.kernels.cache import ATTN_NAME, make_cache, register_attention
-from oscar.kernels.cache import prefill as cache_prefill
-from oscar.kernels.paged import LayerRotation, PagedConfig, PagedLayerCache
+from oscar.kernels.backends import CacheSpec, make_cache
+from oscar.kernels.cache_attention import ATTN_NAME, register_attention
+from oscar.kernels.generation import prefill as cache_prefill
+from oscar.kernels.paged import PagedConfig, PagedLayerCache
+from oscar.kernels.rotation import LayerRotation
 from oscar.kernels.reference import dequantize_sequence
-from oscar.kernels.simulate import Protocol
-from oscar.validate.codebooks import layer_codecs
+from oscar.kernels.protocol import Protocol
 
 DECODE_TOKENS = 16  # per perplexity window, the last tokens teacher-forced one at a time (cache engine)
 
@@ -96,7 +97,7 @@ def cache_options(name: str, art, protocol) -> dict:
     if not protocol.pages:
         raise EngineUnsupported(f"protocol {protocol.name!r} releases per-token K/V one token at a time, a diagnostic "
                                 f"no paged cache runs; use --engine simulate for it")
-    if art.meta.get("codec") or layer_codecs(art, 0):
+    if art.meta.get("codec"):
         raise EngineUnsupported(f"method {name} stores Lloyd-Max codebook codes (validate/codebooks.py), not a format "
                                 f"OscarCache holds (uniform INT2 grids); use --engine simulate for it")
     q = art.quant
@@ -136,9 +137,9 @@ def new_cache(model, name: str, art, protocol, max_len: int, held: range | None 
     `held`: the layers `model` runs (a pipeline stage's own), the only ones the cache holds."""
 
     if art is None:
-        return make_cache(None, protocol, backend=None)
+        return make_cache(CacheSpec.one(None, protocol), backend=None)
     page = cache_options(name, art, protocol)["page_size"]  # refuses what the cache format cannot hold
-    return make_cache(art, protocol, backend=None, model=model, max_len=max_len, page_size=page, held=held)
+    return make_cache(CacheSpec.one(art, protocol, model=model, max_len=max_len, page_size=page, held=held), backend=None)
 
 
 class served:
@@ -266,7 +267,7 @@ def hidden_token_nll(lm_head, h: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
 
 def window_nll(model, name: str, art, protocol, ids: torch.Tensor, prefixes: tuple[int, ...] = (),
                decode_tokens: int = DECODE_TOKENS):
-    """`ppl.window_nll`'s result (sum, count[, [(sum, count) of each prefix window P]]) through the cache.
+    """`scoring.nll.window_nll`'s result (sum, count[, [(sum, count) of each prefix window P]]) through the cache.
 
     A prefix window of P tokens is read from this window's first P positions: under decode semantics
     position p depends only on tokens <= p, so it computes what a P-token window fed the same way does

@@ -33,10 +33,10 @@ from tqdm import tqdm
 from oscar.common import OscarError, tied_best
 from oscar.defaults import TUNE_OBJECTIVES
 from oscar.pipeline.corpus import load_corpus
-from oscar.validate import engine as eng
-from oscar.validate.env import with_dtype
-from oscar.validate.methods import PROTOCOL_VERSION, PROTOCOLS
-from oscar.validate.ppl import window_nll
+from oscar.scoring import engine as eng
+from oscar.scoring.dtype import with_dtype
+from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
+from oscar.scoring.nll import window_nll
 from oscar.kernels.window_attention import simulated
 
 OBJECTIVES = TUNE_OBJECTIVES  # named in the leaf so the CLI lists them without importing torch
@@ -55,7 +55,7 @@ class TuneConfig:
     dtype: str = "float64"
     # The per-layer widths' copy probe and its gradient: float32. In float64 the gradient's forward + backward ran
     # 4.5x the float32 time (~9 min of a 15-minute main job on a 2-core AVX2 host); its table is rounded to
-    # TIE_REL instead (validate/codebooks.py), which absorbs reordering but not a flipped code (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
+    # TIE_REL instead (oscar/recipe/widths.py), which absorbs reordering but not a flipped code (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
     widths_dtype: str = "float32"
     objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
     nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)
@@ -143,7 +143,7 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     """Return (tuned artifact, record). The record lists the NLL per token of every factor.
 
     engine: simulate (the masked fake-quant window) or cache (each factor's artifact served by OscarCache,
-    validate/engine.py); device: where the model runs (execution only). scorer: the pipeline stages
+    oscar/scoring/engine.py); device: where the model runs (execution only). scorer: the pipeline stages
     (cluster/scoring.py) score every factor's window instead of `model` (None then), as `run_ppl(scorer=...)`."""
     cfg = cfg or TuneConfig()
     if scorer is not None:

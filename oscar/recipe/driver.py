@@ -1,12 +1,12 @@
 """The shipped recipe, the steps of `oscar fit` after the rotations: the key-clip tune, then per-layer key widths.
 
-    fit (stats/fit.py: rotations, clips)          -> the fitted artifact
-    tune key clip (oscar/tune.py)                 -> the tuned artifact
-    per-layer key widths (oscar/widths.py)        -> oscar-int2's artifact (the cache's per-layer format)
+    fit (stats/fit.py: rotations, clips)            -> the fitted artifact
+    tune key clip (oscar/recipe/tune.py)            -> the tuned artifact
+    per-layer key widths (oscar/recipe/widths.py)   -> oscar-int2's artifact (the cache's per-layer format)
 
 Each step is resumable (`Stages`: a marker of its input fingerprint beside its output; the widths also log each
 window), and `--no-tune --widths none` leaves the plain fit. The tune and the widths read the model through the
-INT2 cache (the simulator of kernels/, the NLLs of validate/), so they sit above the stages, beside the main job.
+INT2 cache (the simulator of kernels/, the engines and NLLs of oscar/scoring/); nothing here imports validate/.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from oscar.kernels.memory import artifact_bits_per_element
 from oscar.pipeline.store import CalibStore, store_fingerprint
 from oscar.stats.artifact import load_artifact, save_artifact
 from oscar.stats.fit import FitConfig, fit
-from oscar.tune import TuneConfig, tune_key_clip
-from oscar.validate.methods import PROTOCOL_VERSION
-from oscar.widths import STAGED_PROBE, StaleLog, copy_widths_artifact
+from oscar.recipe.tune import TuneConfig, tune_key_clip
+from oscar.scoring.protocols import PROTOCOL_VERSION
+from oscar.recipe.widths import STAGED_PROBE, StaleLog, copy_widths_artifact
 
 # ----------------------------------------------------------------- the recipe, step by step
 
@@ -90,7 +90,7 @@ class RecipeConfig:
     widths_windows: int = 4  # copy windows the widths are chosen on
     widths_length: int = 2048  # tokens per copy window
     corpus: str = "pydoc"  # calibration text of the tune and the widths (the store's)
-    engine: str = "simulate"  # the tune's engine (validate/engine.py)
+    engine: str = "simulate"  # the tune's engine (oscar/scoring/engine.py)
     device: str = "cpu"
     progress: bool = True
 

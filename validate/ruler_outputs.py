@@ -1,6 +1,6 @@
 """RULER tables people can put beside published ones, from the per-sample needle rows (no torch).
 
-One source, three renderings: the rows of niah_samples.jsonl (`oscar.evidence.read_samples`) give
+One source, three renderings: the rows of niah_samples.jsonl (`oscar.validate.evidence.read_samples`) give
 
 - OUT/ruler/<method>/<length>/summary.csv — RULER's `pred/summary.csv` (NVIDIA/RULER
   `scripts/eval/evaluate.py`): pandas' default header line of column numbers, then the rows `Tasks`,
@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from oscar.evidence import score_interval
+from oscar.validate.evidence import score_interval
 
 # RULER's task order (scripts/synthetic.yaml): the columns of summary.csv and the rows of the report.
 RULER_ORDER = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -89,7 +89,7 @@ def mean_over(strata: list[dict], level: float = 0.95, boot: int = 2000, seed: i
     """(mean of the cells' scores, lo, hi) on the 0-1 scale: RULER's average over tasks (or over task x length).
 
     The interval: with the same number of samples in every cell the mean over cells is the mean of the pooled
-    samples, and its interval is that of one cell (oscar.evidence.score_interval: Wilson for 0/1 scores,
+    samples, and its interval is that of one cell (oscar.validate.evidence.score_interval: Wilson for 0/1 scores,
     bootstrap otherwise); with unequal counts, a percentile bootstrap resampling each cell's samples on its own."""
     if not strata:
         return float("nan"), float("nan"), float("nan")

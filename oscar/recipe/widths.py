@@ -1,6 +1,6 @@
 """The recipe's per-layer key widths: the copy probe through the model, and the artifact it chooses.
 
-After the key-clip tune (oscar/tune.py), each layer's keys may be stored at 2, 3 or 4 bits (values at 2) within
+After the key-clip tune (oscar/recipe/tune.py), each layer's keys may be stored at 2, 3 or 4 bits (values at 2) within
 the fit's bits per element. What decides it is retrieval from the INT2 history: the NLL of spans copied from
 calibration text (the tune's copy windows), measured with one layer at a time widened (`layer_copy_errors`,
 2L + 1 forwards) or to first order from one forward and backward per window (`layer_copy_gradients`, the
@@ -23,14 +23,14 @@ from tqdm import tqdm
 from oscar.common import TIE_REL, OscarError
 from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
                                           window_sums)
-from oscar.kernels.simulate import Protocol
+from oscar.kernels.protocol import Protocol
 from oscar.kernels.window_attention import simulated
 from oscar.quant import fake_quant
-from oscar.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
+from oscar.recipe.tune import TuneConfig, calibration_ids, copy_nll, copy_windows
 from oscar.stats.artifact import Artifact
-from oscar.validate.codebooks import derived_artifact, layer_spec, oscar_bits, store_layers
-from oscar.validate.env import with_dtype
-from oscar.validate.methods import PROTOCOLS
+from oscar.scoring.layer_formats import derived_artifact, layer_spec, oscar_bits, store_layers
+from oscar.scoring.dtype import with_dtype
+from oscar.scoring.protocols import PROTOCOLS
 
 COPY_OPTIONS = ((2, 2), (3, 2), (4, 2))  # keys at 2 / 3 / 4 bits, values at 2 (the cache's formats)
 
@@ -314,7 +314,7 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...], method: str, co
     clip_k, clip_v = _width_clips(fitted, widths)
     rec = {"kind": "layers", "widths": widths, "options": [list(o) for o in options], "base_params": "fp8",
            "wide_params": "fp16", "objective": "copied-span NLL change with the layer alone at the width "
-                                                "(calibration text, oscar/widths.py)",
+                                                "(calibration text, oscar/recipe/widths.py)",
            "err": [[round(float(e), 6) for e in row] for row in errs],
            "err_total": round(float(errs[np.arange(len(pick)), pick].sum()), 6),
            "err_total_base": round(float(errs[:, 0].sum()), 6), "chosen_by": "copy",
