@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Shared leaves: import nothing but each other (and third-party code).
 LEAVES = {"oscar", "oscar.common", "oscar.quant", "oscar.artifact_header", "oscar.constraints", "oscar.defaults",
           "oscar.modelconfig", "oscar.intervals", "oscar.evidence", "oscar.ruler_outputs", "oscar.host",
-          "oscar.cli_options", "oscar.native_build"}
+          "oscar.cli_options", "oscar.native_build", "oscar.dirlock"}
 # The main job, its CLI, the dispatcher and the recipe's model-driven steps (the tune and the widths read the model
 # through the INT2 cache: kernels and validate's NLLs, which the fit stage may not import): every stage, cluster, reports.
 TOP = {"oscar.run", "oscar.cli", "oscar.__main__", "oscar.recipe", "oscar.tune", "oscar.widths"}

@@ -125,6 +125,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=_attention)
 
 
+def _default_methods(args) -> bool:
+    """--methods left out: its default list, from which a method the model cannot serve is left out (and said)
+    instead of refused."""
+    given = getattr(args, "_given", None)
+    return given is not None and "methods" not in given
+
+
 def niah_config(args):
     """The NiahConfig `oscar validate niah`'s options describe."""
     # late: keeps torch (2.1 s) out of `oscar --help`
@@ -133,7 +140,8 @@ def niah_config(args):
     return NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
                       tasks=_csv(args.tasks), lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed,
                       protocol=args.protocol, corpus=args.corpus, dtype=compute_dtype(args.dtype, args.device),
-                      engine=args.engine, device=args.device, squad=args.squad, hotpotqa=args.hotpotqa)
+                      engine=args.engine, device=args.device, squad=args.squad, hotpotqa=args.hotpotqa,
+                      default_methods=_default_methods(args))
 
 
 def niah_table(df) -> str:
@@ -156,7 +164,7 @@ def ppl_config(args):
     return PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
                      contexts=_lengths(args.contexts), protocols=_csv(args.protocols), tokens=args.tokens,
                      corpus=args.corpus, dtype=compute_dtype(args.dtype, args.device), engine=args.engine,
-                     device=args.device)
+                     device=args.device, default_methods=_default_methods(args))
 
 
 def _ppl(args) -> int:
