@@ -226,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.allow_weights_mismatch:
         os.environ["OSCAR_ALLOW_WEIGHTS_MISMATCH"] = "1"  # read by Artifact.check_model in every stage
     interruptible()
-    if getattr(args, "no_progress", False):
-        silence_progress()
     try:
-        check_outputs(args)
+        check_outputs(args)  # first: a directory another process writes is refused before anything is imported
+        if getattr(args, "no_progress", False):
+            silence_progress()
         check_inputs(args)
         native_attention(args)
         rc = args.func(args)

@@ -71,7 +71,7 @@ def this_command() -> str:
     head = os.path.basename(argv[0])
     if head in ("__main__.py", "-m", "-c"):
         head = "python " + head
-    return " ".join([head, *argv[1:]])[:300]
+    return " ".join([head, *argv[1:]]).replace("\n", " ")[:300]  # one line: the refusal is one line
 
 
 def holder_record(command: str | None = None) -> dict:
