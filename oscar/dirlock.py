@@ -196,6 +196,7 @@ class DirLock:
         self.depth = 0
         self.rec: dict = {}
         self.made: list[str] = []  # folders the lock itself created, innermost first
+        self.mu = threading.Lock()  # the heartbeat's renewal and the release never interleave
 
     # ------------------------------------------------------------ checks without taking it
     def refusal(self, rec: dict) -> OscarError:
@@ -291,9 +292,10 @@ class DirLock:
         return self
 
     def _renew(self, until: float) -> None:
-        if self.fd is not None:
-            self.rec = {**self.rec, "lease_until": until}
-            self._write(self.rec)
+        with self.mu:
+            if self.fd is not None:
+                self.rec = {**self.rec, "lease_until": until}
+                self._write(self.rec)
 
     def release(self) -> None:
         shared = getattr(self, "_shared", None)
@@ -309,12 +311,13 @@ class DirLock:
         HEARTBEAT.remove(id(self))
         with _HELD_MU:
             _HELD.pop(os.path.realpath(self.path), None)
-        try:
-            os.unlink(self.path)  # before unlocking: a waiter that opened this inode sees it replaced
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd = None
+        with self.mu:
+            try:
+                os.unlink(self.path)  # before unlocking: a waiter that opened this inode sees it replaced
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
         self._remove_made()
         if self.store:
             try:

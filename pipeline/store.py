@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import uuid
 import zlib
@@ -210,6 +211,7 @@ class WriterLock:
         self.host = socket.gethostname()
         self.job = job or f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.owned: list[Path] = []
+        self.mu = threading.Lock()  # the heartbeat's lease renewal and the release never interleave
         self.info = {"job": self.job, **holder_record()}
 
     def _write_new(self, path: Path) -> bool:
@@ -258,18 +260,20 @@ class WriterLock:
         return self
 
     def _renew(self, until: float) -> None:
-        for path in list(self.owned):
-            renew_file(path, "job", self.job)(until)
+        with self.mu:  # never after release has removed a file: that would bring the lock back
+            for path in self.owned:
+                renew_file(path, "job", self.job)(until)
 
     def release(self) -> None:
         HEARTBEAT.remove(id(self))
-        for path in self.owned:
-            try:
-                if json.loads(path.read_text()).get("job") == self.job:
-                    path.unlink()
-            except (OSError, ValueError):
-                pass
-        self.owned = []
+        with self.mu:
+            for path in self.owned:
+                try:
+                    if json.loads(path.read_text()).get("job") == self.job:
+                        path.unlink()
+                except (OSError, ValueError):
+                    pass
+            self.owned = []
         try:
             self.dir.rmdir()  # only when empty
         except OSError:
