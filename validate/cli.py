@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_artifact, add_device, add_methods, add_model, add_out
+from oscar.cli_options import (
+    DEFAULT_ENGINE, ENGINE_HELP, ENGINES, METHODS_HELP, METHODS_RULE, add_artifact, add_device, add_methods, add_model,
+    add_out,
+)
 from oscar.defaults import SINK
 from oscar.host import DTYPES, compute_dtype
 from oscar.common import length_list, nonneg_int, nonneg_int_list, positive_int
@@ -56,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "same samples; writes DIR/results.parquet and DIR/niah_samples.jsonl.")
     add_model(n)
     add_artifact(n)
-    add_methods(n)
+    add_methods(n, METHODS_HELP + METHODS_RULE)
     n.add_argument("--tasks", default="niah_single_1,niah_single_2",
                    help="comma list of RULER tasks, or 'all' (every task the inputs allow: qa_1 / qa_2 only with "
                         "--squad / --hotpotqa; the others skipped are named on stderr and in the report)")
@@ -82,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "DIR/ppl.parquet and DIR/goal.json.")
     add_model(p)
     add_artifact(p)
-    add_methods(p)
+    add_methods(p, METHODS_HELP + METHODS_RULE)
     p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k", type=length_list,
                    help="comma list of context lengths scored (1k = 1024 tokens; --contexts: the older spelling)")
     p.add_argument("--protocol", "--protocols", dest="protocols", default="strict,serving",
