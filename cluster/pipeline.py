@@ -44,6 +44,7 @@ from oscar.cluster.placement import lookahead_blocks
 from oscar.cluster.plan import balance_layers, _is_moe_layer, param_bytes, parse_ranges
 from oscar.common import OscarError, fingerprint
 from oscar.pipeline.calibrate import prepare_store as _prepare
+from oscar.dirlock import DirLock
 from oscar.pipeline.store import CalibStore, WriterLock
 
 _LOCAL_RAY: bool = False  # True when this module started the Ray runtime itself
@@ -576,10 +577,13 @@ def calibrate_on_ray(cfg, cc: ClusterConfig, address: str | None = "auto", progr
         raise OscarError("--device cuda on Ray: give --gpus-per-stage (each stage actor gets its own GPUs)")
     cc.micro_batch = cfg.batch_size  # one notion of micro-batch: the summation order must match the single path
     cc.dtype = cfg.dtype
-    store, model_dir = prepare_store(cfg)
-    connect(address, num_cpus=max(2, int(math.ceil(cc.stages * cc.replicas * cc.cpus_per_stage))))
-    try:
-        return run_pipeline(store, model_dir, cc, progress=progress, on_block=on_block)
-    finally:
-        if _LOCAL_RAY:
-            disconnect()
+    lock = DirLock(cfg.store, store=True)
+    lock.check_free()  # a second writer of the store: refused before any work (the driver holds it throughout)
+    with lock:
+        store, model_dir = prepare_store(cfg)
+        connect(address, num_cpus=max(2, int(math.ceil(cc.stages * cc.replicas * cc.cpus_per_stage))))
+        try:
+            return run_pipeline(store, model_dir, cc, progress=progress, on_block=on_block)
+        finally:
+            if _LOCAL_RAY:
+                disconnect()

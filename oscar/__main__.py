@@ -15,6 +15,7 @@ import sys
 
 from oscar import __version__
 from oscar.common import OscarError, check_output_path, silence_progress
+from oscar.dirlock import DirLock
 
 STAGE_CLIS = [
     "oscar.pipeline.cli",   # calibrate, verify, models
@@ -187,13 +188,22 @@ def check_inputs(args) -> None:
                              else f"{st} is not a calibration store (not a directory)")
 
 
+# Commands that write a directory with one owner (oscar/dirlock.py): the option naming it; a store's lock is beside it.
+LOCKED_OUTPUTS = {("run",): ("out", "run directory"), ("validate", "niah"): ("out", "output directory"),
+                  ("validate", "ppl"): ("out", "output directory"), ("calibrate",): ("store", "calibration store")}
+
+
 def check_outputs(args) -> None:
     """Output paths checked before any work: a command must not compute for minutes and then fail to write.
-    Writability is probed (a temporary file created and removed), so nothing is left behind on refusal."""
+    Writability is probed (a temporary file created and removed), so nothing is left behind on refusal. A directory
+    another live process writes is refused here, in one line naming it, before anything is imported or loaded."""
     if getattr(args, "out", None):
         check_output_path(args.out, file=command_path(args) in FILE_OUTPUTS)
     if args.command == "calibrate" and getattr(args, "store", None):
         check_output_path(args.store, file=False, flag="--store")
+    dest, what = LOCKED_OUTPUTS.get(command_path(args), (None, None))
+    if dest and getattr(args, dest, None):
+        DirLock(getattr(args, dest), store=dest == "store", what=what).check_free()
     if args.command == "report" and getattr(args, "dir", None) and os.path.isdir(args.dir):
         check_output_path(args.dir, file=False, flag="DIR")  # report.md and report.html are written into it
         if getattr(args, "readme", None):
@@ -216,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.allow_weights_mismatch:
         os.environ["OSCAR_ALLOW_WEIGHTS_MISMATCH"] = "1"  # read by Artifact.check_model in every stage
     interruptible()
-    if getattr(args, "no_progress", False):
-        silence_progress()
     try:
-        check_outputs(args)
+        check_outputs(args)  # first: a directory another process writes is refused before anything is imported
+        if getattr(args, "no_progress", False):
+            silence_progress()
         check_inputs(args)
         native_attention(args)
         rc = args.func(args)

@@ -111,7 +111,8 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                         "(--calib-positions: the older spelling)")
     add_methods(r, f"comma list of KV-cache methods to compare (default: {','.join(DEMO['methods'])}; --full: "
                    f"{','.join(FULL['methods'])}; also tq-int2, sq-int2, kivi2-clip, hadamard-clip-int2: "
-                   "validate/methods.py)", default=None)
+                   "validate/methods.py; named ones the model cannot serve are refused before calibrating, while from the "
+                   "sizes' list they are left out and said)", default=None)
     r.add_argument("--full", action="store_true",
                    help=f"the evidence sizes instead of the 15-minute defaults: {FULL['samples']} samples per needle "
                         f"cell at {_lengths(FULL)} (default {DEMO['samples']} at {_lengths(DEMO)}), "

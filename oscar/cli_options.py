@@ -45,6 +45,9 @@ MODEL_HELP = "model preset, HF directory or .gguf file"
 ARTIFACT_HELP = "fitted artifact (default: none; needed by oscar-int2 and oscar-kc-int2)"
 METHODS_HELP = ("comma list of cache methods (docs/validation.md: bf16, naive-int2, kivi2, hadamard-int2, "
                 "oscar-ref-int2, oscar-kc-int2, oscar-int2, ...)")
+# How a command that judges every method against the model treats one it cannot serve (validate/methods.py).
+METHODS_RULE = ("; a method named here that cannot serve the model is refused; without --methods, one the model "
+                "cannot serve is left out, said and recorded")
 DEVICE_HELP = "device the model runs on: cpu (default), cuda or cuda:N (refused when CUDA is not available)"
 RAY_HELP = ("run on a Ray cluster: ADDRESS (ray://..., host:port) or auto ($RAY_ADDRESS, a running local cluster, "
             "else start one on 127.0.0.1; default: no Ray, this process)")

@@ -39,12 +39,14 @@ from oscar.cluster.pipeline import ClusterConfig, calibrate_on_ray
 from oscar.cluster.scoring import StagedScorer
 from oscar.common import OscarError, file_fingerprint, fingerprint, parse_token_count
 from oscar.defaults import DEMO_SIZES, EMBEDDED_MODEL, FULL_SIZES
+from oscar.dirlock import DirLock
 from oscar.host import compute_dtype, describe, info as host_info
 from oscar import native_build
 from oscar.kernels import cpu_attention
 from oscar.pipeline import native
 from oscar.pipeline.calibrate import CalibConfig, calibrate, check_calibration
 from oscar.pipeline.corpus import first_chat_record
+from oscar.pipeline.models import load_config
 from oscar.reports.build import build_report
 from oscar.recipe.driver import WIDTHS, RecipeConfig, RecipePaths, Stages, check_staged_widths, run_recipe
 from oscar.reports.calibration import calibration_section, widths_section
@@ -54,6 +56,7 @@ from oscar.scoring.engine import check_engine, resolve_device
 from oscar.validate.env import load_model
 from oscar.scoring.protocols import PROTOCOL_VERSION
 from oscar.recipe.tune import TuneConfig
+from oscar.validate.methods import NEEDS_ARTIFACT, choose_methods
 from oscar.validate.niah import NiahConfig, run_niah
 from oscar.validate.ppl import PplConfig, run_ppl
 from oscar.validate.ruler import load_qa, resolve_tasks, skipped_line
@@ -177,6 +180,9 @@ class RunConfig:
         return max([*self.lengths, *self.ppl_contexts])
 
     def __post_init__(self):
+        # no methods given: the sizes' default list, from which a method the model cannot serve is left out (said in
+        # run.json and the report) instead of refused (validate/methods.py choose_methods); not a field
+        self.default_methods = self.methods is None
         for name, v in (FULL_SIZES if self.full else DEMO_SIZES).items():
             if getattr(self, name) is None:
                 setattr(self, name, list(v) if isinstance(v, list) else v)
@@ -340,7 +346,8 @@ def _stage_validate(job: _Job) -> None:
     art_fp = file_fingerprint(art_path)
 
     def fp(c) -> str:  # the device is execution only; the default engine is left out (older markers stay valid)
-        d = {k: v for k, v in asdict(c).items() if k != "device" and not (k == "engine" and v == "simulate")}
+        d = {k: v for k, v in asdict(c).items() if k not in ("device", "default_methods")
+             and not (k == "engine" and v == "simulate")}
         for k in ("squad", "hotpotqa"):  # QA files by content; none given: left out (older markers stay valid)
             if d.get(k):
                 d[k] = file_fingerprint(d[k])
@@ -351,9 +358,10 @@ def _stage_validate(job: _Job) -> None:
     ncfg = NiahConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, tasks=cfg.tasks,
                       lengths=cfg.lengths, samples=cfg.samples, corpus=cfg.corpus,
                       protocol=cfg.niah_protocol, dtype=cfg.compute_dtype, engine=cfg.engine, device=cfg.device,
-                      squad=cfg.squad, hotpotqa=cfg.hotpotqa)
+                      squad=cfg.squad, hotpotqa=cfg.hotpotqa, default_methods=cfg.default_methods)
     pcfg = PplConfig(out=d, model=cfg.model, artifact=art_path, methods=cfg.methods, contexts=cfg.ppl_contexts,
-                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.compute_dtype, engine=cfg.engine, device=cfg.device)
+                     tokens=cfg.ppl_tokens, corpus=cfg.corpus, dtype=cfg.compute_dtype, engine=cfg.engine, device=cfg.device,
+                     default_methods=cfg.default_methods)
     with job.staged(cfg.compute_dtype) as sc:  # one set of stage actors for both steps (the weights load once)
         if sc is None:
             niah, ppl = (lambda: run_niah(ncfg, loaded=job.model(), progress=cfg.progress),
@@ -407,6 +415,9 @@ def _stage_report(job: _Job, seconds: float) -> dict:
             "model": cfg.model, "host": describe(hinfo), "host_info": hinfo, "compute_dtype": cfg.compute_dtype,
             "native_paths": native_paths(), "placement": job.placement(), "config": asdict(cfg),
             "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": seconds}
+    skipped = os.path.join(d, "skipped_methods.json")
+    if os.path.exists(skipped):  # methods of the default list this model cannot serve (the report's header too)
+        info["skipped_methods"] = json.load(open(skipped))
     with open(os.path.join(d, "run.json"), "w") as f:
         json.dump(info, f, indent=1)
     r = build_report(d)
@@ -423,19 +434,24 @@ def run_main(cfg: RunConfig) -> dict:
         raise OscarError(f"oscar run: {chat} is a chat ('messages') record; the run also validates on the corpus's "
                          "held-out text, read without a chat template: give a 'text' corpus, or calibrate chats "
                          "with `oscar calibrate --corpus`")
+    lock = DirLock(cfg.out, what="run directory")
+    lock.check_free()  # a second `oscar run` on DIR: refused in one line before any work
     store = os.path.join(cfg.out, "calib.zarr")
     if not os.path.exists(store):  # what calibration would refuse (a budget the corpus cannot supply, ...): before DIR
         check_calibration(_calib_config(cfg, store))
+    if not cfg.default_methods:  # a named method the model's head_dim cannot serve: refused now, not after the fit
+        data_free = [m for m in cfg.methods if m not in NEEDS_ARTIFACT]
+        choose_methods(data_free, load_config(cfg.model), None, default=False, model=cfg.model)
     t_all = time.time()
-    os.makedirs(cfg.out, exist_ok=True)
-    job = _Job(cfg, Stages(cfg.out))
-    _say(f"output in {cfg.out}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
-    if getattr(cfg, "skipped_tasks", None):
-        print(skipped_line(cfg.skipped_tasks), file=sys.stderr, flush=True)
-    fp_cal = _stage_calibrate(job)
-    _stage_recipe(job, fp_cal)
-    _stage_validate(job)
-    return _stage_report(job, time.time() - t_all)
+    with lock:  # DIR has one writer for the whole job (its stages take the same lock, shared)
+        job = _Job(cfg, Stages(cfg.out))
+        _say(f"output in {cfg.out}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
+        if getattr(cfg, "skipped_tasks", None):
+            print(skipped_line(cfg.skipped_tasks), file=sys.stderr, flush=True)
+        fp_cal = _stage_calibrate(job)
+        _stage_recipe(job, fp_cal)
+        _stage_validate(job)
+        return _stage_report(job, time.time() - t_all)
 
 
 # --------------------------------------------------------------------------- as a Ray job (`oscar submit`)

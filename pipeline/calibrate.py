@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from oscar.common import OscarError, set_threads
 from oscar.constraints import check_model
 from oscar.defaults import EMBEDDED_MODEL, SINK
+from oscar.dirlock import DirLock
 from oscar.pipeline import capture as C
 from oscar.pipeline.corpus import CorpusTooSmall, load_corpus, make_blocks
 from oscar.pipeline.models import checkpoint_quantization, load_config, load_info, load_model, load_tokenizer
@@ -363,11 +364,14 @@ def check_servable(info) -> None:
 def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
     set_threads(cfg.threads)
-    # The store first (the corpus tokenized, the budget checked, nothing loaded): a job the corpus cannot
-    # supply is refused before the weights are read.
-    _, info = prepare_store(cfg, info=load_info(cfg.model))
-    model, _, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
-                                dtype=_torch_dtype(cfg.dtype), device=cfg.device)
-    with WriterLock(cfg.store, range(info.num_layers)):
-        store = CalibStore(cfg.store, "r+")
-        return run_blocks(model, store, batch_size=cfg.batch_size, progress=progress)
+    lock = DirLock(cfg.store, store=True)
+    lock.check_free()  # a second writer of the store: refused before any work
+    with lock:  # one writer for the whole calibration (the per-layer WriterLock below is the stages' share of it)
+        # The store first (the corpus tokenized, the budget checked, nothing loaded): a job the corpus cannot
+        # supply is refused before the weights are read.
+        _, info = prepare_store(cfg, info=load_info(cfg.model))
+        model, _, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
+                                    dtype=_torch_dtype(cfg.dtype), device=cfg.device)
+        with WriterLock(cfg.store, range(info.num_layers)):
+            store = CalibStore(cfg.store, "r+")
+            return run_blocks(model, store, batch_size=cfg.batch_size, progress=progress)

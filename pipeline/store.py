@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import uuid
 import zlib
@@ -31,6 +32,7 @@ import numpy as np
 import zarr
 
 from oscar.common import OscarError, canonical_json, fingerprint, model_mismatch
+from oscar.dirlock import HEARTBEAT, describe_holder, holder_alive, holder_record, renew_file
 
 
 def _load_syncfs():
@@ -194,37 +196,13 @@ def _mismatch(path: str, old: StoreMeta, new: StoreMeta) -> str | None:
 
 # --------------------------------------------------------------------------- writer lock
 
-def _proc_start(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            parts = f.read().rsplit(")", 1)[1].split()
-        return None if parts[0] == "Z" else parts[19]  # state, starttime (field 22)
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(info: dict) -> bool:
-    pid = int(info.get("pid", -1))
-    if pid <= 0:
-        return False
-    if os.path.isdir("/proc"):
-        start = _proc_start(pid)
-        return start is not None and (info.get("start") in (None, start))  # pid reuse -> dead
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class WriterLock:
     """Per-layer lock files in `<store>.lock/` refusing a second concurrent writer.
 
     Several processes of one job (a Ray driver and its stage actors) pass the same `job` id:
-    a lock held by the same job is shared, not refused. A lock whose holder is a dead process
-    on this host is taken over (and said so on stderr); a live holder is refused.
+    a lock held by the same job is shared, not refused. A lock whose holder is stale by the run directory's rules
+    (oscar/dirlock.py: a dead process on this host, an expired lease on another) is taken over (and said so on
+    stderr); a live holder is refused. The holder's heartbeat renews the lease of every layer file it owns.
     """
 
     def __init__(self, store_path: str | os.PathLike, layers: Iterable[int], *, job: str | None = None):
@@ -233,9 +211,8 @@ class WriterLock:
         self.host = socket.gethostname()
         self.job = job or f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.owned: list[Path] = []
-        self.info = {"job": self.job, "pid": os.getpid(), "host": self.host,
-                     "start": _proc_start(os.getpid()), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                     "argv": " ".join(sys.argv)[:300]}
+        self.mu = threading.Lock()  # the heartbeat's lease renewal and the release never interleave
+        self.info = {"job": self.job, **holder_record()}
 
     def _write_new(self, path: Path) -> bool:
         try:
@@ -258,13 +235,14 @@ class WriterLock:
                         held = {}
                     if held.get("job") == self.job:
                         break  # same job (driver / stage actors): shared
-                    if held and (held.get("host") != self.host or _alive(held)):
+                    if held and holder_alive(held, self.host):
                         raise OscarError(
-                            f"store {str(self.dir)[:-5]} is being written by pid {held.get('pid')} on "
-                            f"{held.get('host')} since {held.get('since')} (layer {l}: {path}); wait for it to "
-                            f"finish, or delete that lock file if the process is gone")
-                    # Stale: its holder died. Replace atomically, then check we won the race.
-                    print(f"oscar: taking over stale lock {path} of dead pid {held.get('pid')} "
+                            f"store {str(self.dir)[:-5]} is being written by {describe_holder(held)} (layer {l}: "
+                            f"{path}); wait for it to finish, or delete that lock file if the process is gone")
+                    # Stale: its holder died (or its node: the lease expired). Replace atomically, then check we
+                    # won the race.
+                    why = "dead pid" if held.get("host") == self.host else "expired lease of pid"
+                    print(f"oscar: taking over stale lock {path} of {why} {held.get('pid')} on {held.get('host')} "
                           f"(job {held.get('job')}, since {held.get('since')})", file=sys.stderr)
                     tmp = path.with_suffix(f".{os.getpid()}.tmp")
                     tmp.write_text(json.dumps(self.info))
@@ -278,16 +256,24 @@ class WriterLock:
         except BaseException:
             self.release()
             raise
+        HEARTBEAT.add(id(self), self._renew)
         return self
 
+    def _renew(self, until: float) -> None:
+        with self.mu:  # never after release has removed a file: that would bring the lock back
+            for path in self.owned:
+                renew_file(path, "job", self.job)(until)
+
     def release(self) -> None:
-        for path in self.owned:
-            try:
-                if json.loads(path.read_text()).get("job") == self.job:
-                    path.unlink()
-            except (OSError, ValueError):
-                pass
-        self.owned = []
+        HEARTBEAT.remove(id(self))
+        with self.mu:
+            for path in self.owned:
+                try:
+                    if json.loads(path.read_text()).get("job") == self.job:
+                        path.unlink()
+                except (OSError, ValueError):
+                    pass
+            self.owned = []
         try:
             self.dir.rmdir()  # only when empty
         except OSError:

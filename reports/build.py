@@ -323,14 +323,30 @@ def _read(d: str, name: str):
     return pd.read_parquet(p) if os.path.exists(p) else None
 
 
-def _skipped_section(d: str) -> list[str]:
-    """Methods validation skipped because their cache format cannot serve the model (skipped_methods.json)."""
+def _skipped(d: str) -> dict[str, str]:
+    """{method: reason} of the methods validation left out of a default list because their cache format cannot
+    serve the model (skipped_methods.json, in DIR or one level down)."""
     skipped: dict[str, str] = {}
     for p in sorted(glob.glob(os.path.join(d, "skipped_methods.json")) + glob.glob(os.path.join(d, "*", "skipped_methods.json"))):
         try:
             skipped.update(json.load(open(p)))
         except (OSError, ValueError):
             continue
+    return skipped
+
+
+def skipped_line(d: str) -> list[str]:
+    """The header's line naming the methods of the default list this run did not measure (empty when none)."""
+    skipped = _skipped(d)
+    if not skipped:
+        return []
+    return [f"Not measured: {', '.join(f'`{m}`' for m in sorted(skipped))}, left out of the default method list "
+            "because the cache format cannot serve this model (Methods skipped, below).", ""]
+
+
+def _skipped_section(d: str) -> list[str]:
+    """Methods validation skipped because their cache format cannot serve the model (skipped_methods.json)."""
+    skipped = _skipped(d)
     if not skipped:
         return []
     return ["## Methods skipped", "", md_table(["method", "reason"], [[m, r] for m, r in sorted(skipped.items())]), ""]
@@ -872,6 +888,7 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
         md += [host_line(info), ""] if info.get("compute_dtype") else []
         md += [placement_line(info["placement"]), ""] if info.get("placement") else []
         md += [info["summary"], ""] if info.get("summary") else []
+    md += skipped_line(d)
     md += ["## Headline", ""]
     if goal:
         md += goal_lines(goal)

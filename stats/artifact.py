@@ -271,6 +271,18 @@ class Artifact:
         raise OscarError(f"{why}{hint}")
 
 
+def check_pairing(art: Artifact, config: Any, artifact: str, model: str) -> None:
+    """`Artifact.check_model` as a command's first refusal: one line naming both sides (the artifact file and the
+    model it was fitted for; the model the command was given), from the model's config alone, before any method
+    is judged, any weight is loaded or any output is made."""
+    try:
+        art.check_model(config)
+    except OscarError as e:
+        made = (art.meta.get("model") or {}).get("name")
+        raise OscarError(f"--artifact {artifact}{f' (fitted for {made})' if made else ''} cannot serve model "
+                         f"{model}: {e}") from None
+
+
 LAYER_QUANT_FIELDS = ("key_split", "key_top", "key_drop", "param_dtype", "key_param_dtype")
 
 

@@ -75,12 +75,14 @@ def _inspect(args) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.stats.artifact import load_artifact
+    from oscar.modelconfig import load_model_config
+    from oscar.stats.artifact import check_pairing, load_artifact
     from oscar.stats.interop import (
         GGUF_EXT, SGLANG, SGLANG_EXT, embedded_gguf, export_gguf, export_sglang, unsupported_parts,
     )
 
-    art = load_artifact(positional_or_option(args, "artifact", "--artifact"))
+    path = positional_or_option(args, "artifact", "--artifact")
+    art = load_artifact(path)
     fv = args.format_version
     ext = SGLANG_EXT if args.format == SGLANG else GGUF_EXT
     if fv is not None and fv not in ((1, 2, SGLANG_EXT) if args.format == SGLANG else (1, GGUF_EXT)):
@@ -95,6 +97,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             print(p)
     else:
         args.model_gguf = args.model_gguf or embedded_gguf()
+        # the artifact against the GGUF's model (its config read from the file's metadata), before OUT is made
+        check_pairing(art, load_model_config(args.model_gguf), path, args.model_gguf)
         os.makedirs(args.out, exist_ok=True)
         out = os.path.join(args.out, os.path.basename(args.model_gguf).replace(".gguf", ".oscar-rot.gguf"))
         print(export_gguf(art, args.model_gguf, out, format_version=fv))

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Shared leaves: import nothing but each other (and third-party code).
 LEAVES = {"oscar", "oscar.common", "oscar.quant", "oscar.artifact_header", "oscar.constraints", "oscar.defaults",
-          "oscar.modelconfig", "oscar.host", "oscar.cli_options", "oscar.native_build"}
+          "oscar.modelconfig", "oscar.host", "oscar.cli_options", "oscar.native_build",
+          "oscar.dirlock"}
 # The entry points: the main job, the `oscar` CLI and its dispatcher import any stage.
 TOP = {"oscar.run", "oscar.cli", "oscar.__main__"}
 # validate's result schemas and verdict statistics: what reports reads of validation (the rows of its result files,

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from oscar.cli_options import DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_artifact, add_device, add_methods, add_model, add_out
+from oscar.cli_options import (
+    DEFAULT_ENGINE, ENGINE_HELP, ENGINES, METHODS_HELP, METHODS_RULE, add_artifact, add_device, add_methods, add_model,
+    add_out,
+)
 from oscar.defaults import SINK
 from oscar.host import DTYPES, compute_dtype
 from oscar.common import length_list, nonneg_int, nonneg_int_list, positive_int
@@ -56,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "same samples; writes DIR/results.parquet and DIR/niah_samples.jsonl.")
     add_model(n)
     add_artifact(n)
-    add_methods(n)
+    add_methods(n, METHODS_HELP + METHODS_RULE)
     n.add_argument("--tasks", default="niah_single_1,niah_single_2",
                    help="comma list of RULER tasks, or 'all' (every task the inputs allow: qa_1 / qa_2 only with "
                         "--squad / --hotpotqa; the others skipped are named on stderr and in the report)")
@@ -82,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "DIR/ppl.parquet and DIR/goal.json.")
     add_model(p)
     add_artifact(p)
-    add_methods(p)
+    add_methods(p, METHODS_HELP + METHODS_RULE)
     p.add_argument("--lengths", "--contexts", dest="contexts", default="1k,4k", type=length_list,
                    help="comma list of context lengths scored (1k = 1024 tokens; --contexts: the older spelling)")
     p.add_argument("--protocol", "--protocols", dest="protocols", default="strict,serving",
@@ -125,6 +128,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=_attention)
 
 
+def _default_methods(args) -> bool:
+    """--methods left out: its default list, from which a method the model cannot serve is left out (and said)
+    instead of refused."""
+    given = getattr(args, "_given", None)
+    return given is not None and "methods" not in given
+
+
 def niah_config(args):
     """The NiahConfig `oscar validate niah`'s options describe."""
     # late: keeps torch (2.1 s) out of `oscar --help`
@@ -133,7 +143,8 @@ def niah_config(args):
     return NiahConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
                       tasks=_csv(args.tasks), lengths=_lengths(args.lengths), samples=args.samples, seed=args.seed,
                       protocol=args.protocol, corpus=args.corpus, dtype=compute_dtype(args.dtype, args.device),
-                      engine=args.engine, device=args.device, squad=args.squad, hotpotqa=args.hotpotqa)
+                      engine=args.engine, device=args.device, squad=args.squad, hotpotqa=args.hotpotqa,
+                      default_methods=_default_methods(args))
 
 
 def niah_table(df) -> str:
@@ -156,7 +167,7 @@ def ppl_config(args):
     return PplConfig(out=args.out, model=args.model, artifact=args.artifact, methods=_csv(args.methods),
                      contexts=_lengths(args.contexts), protocols=_csv(args.protocols), tokens=args.tokens,
                      corpus=args.corpus, dtype=compute_dtype(args.dtype, args.device), engine=args.engine,
-                     device=args.device)
+                     device=args.device, default_methods=_default_methods(args))
 
 
 def _ppl(args) -> int:

@@ -42,7 +42,6 @@ from oscar.common import OscarError, attention_shapes
 from oscar.kernels.protocol import Protocol
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 from oscar.stats.hadamard import hadamard_tensor
-from oscar.validate import codebooks  # noqa: F401 (registers the codebook formats with the simulator)
 from oscar.constraints import quant_problems
 from oscar.kernels.memory import artifact_bits_per_element
 from oscar.stats.artifact import beyond_calibration
@@ -276,13 +275,14 @@ def uncalibrated_warning(art: Artifact | None, length: int) -> str | None:
 
 
 def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, checked: bool = True,
-                    out: str | None = None) -> tuple[dict[str, Artifact | None], dict[str, str]]:
+                    out: str | None = None, say: bool = True) -> tuple[dict[str, Artifact | None], dict[str, str]]:
     """({method: artifact} of the methods that can serve `config`, {method: reason} of those skipped).
 
     A method is skipped (not crashed on) when its format cannot store this head_dim: packing
     (head_dim * bits whole bytes), group size, pages, a Hadamard of that order. checked=False builds
     NEEDS_ARTIFACT methods without a model check (`fitted_for`, as the attention test does).
-    Skips are printed and, with `out`, recorded in out/skipped_methods.json (the report lists them).
+    Skips are printed (unless `say` is False) and, with `out`, recorded in out/skipped_methods.json (the report
+    lists them).
     """
     import sys
 
@@ -301,18 +301,47 @@ def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, chec
         probs = pre or method_problems(m, config, art)
         if probs:
             skipped[m] = f"cannot serve head_dim {D}: " + "; ".join(probs)
-            print(f"oscar validate: skipping method {m}: {skipped[m]}", file=sys.stderr)
+            if say:
+                print(f"oscar validate: skipping method {m}: {skipped[m]}", file=sys.stderr)
         else:
             arts[m] = art
     if out and skipped:
-        import json
-        import os
+        record_skipped(out, skipped)
+    return arts, skipped
 
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, "skipped_methods.json")
-        old = json.load(open(path)) if os.path.exists(path) else {}
-        with open(path, "w") as f:
-            json.dump({**old, **skipped}, f, indent=1, sort_keys=True)
+
+def record_skipped(out: str, skipped: dict[str, str]) -> None:
+    """Add `skipped` ({method: reason}) to out/skipped_methods.json (the report's header and table list them)."""
+    import json
+    import os
+
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "skipped_methods.json")
+    old = json.load(open(path)) if os.path.exists(path) else {}
+    with open(path, "w") as f:
+        json.dump({**old, **skipped}, f, indent=1, sort_keys=True)
+
+
+def choose_methods(methods: list[str], config, fitted: Artifact | None, *, default: bool,
+                   model: str) -> tuple[dict[str, Artifact | None], dict[str, str]]:
+    """resolve_methods under the rule of every validation command: each method the user named runs, or the command
+    refuses in one line naming each that cannot and why; from a `default` list a method whose format cannot serve
+    this model's head_dim (a property of the model: the artifact was checked against it first) is dropped, said on
+    stderr, and at least one method reading the artifact must remain. Nothing is written here (the caller records
+    the drops once it owns its directory: `record_skipped`)."""
+    import sys
+
+    arts, skipped = resolve_methods(methods, config, fitted, say=False)
+    why = "; ".join(f"{m}: {r}" for m, r in skipped.items())
+    if skipped and not default:
+        raise OscarError(f"method(s) {', '.join(skipped)} cannot run on model {model} ({why}); leave "
+                         f"{'it' if len(skipped) == 1 else 'them'} out of --methods")
+    needs = [m for m in methods if m in NEEDS_ARTIFACT]
+    if skipped and (not arts or (needs and not set(needs) & set(arts))):
+        raise OscarError(f"no method reading the artifact can run on model {model}: every one of the default list "
+                         f"is left out ({why}); nothing would measure the artifact")
+    for m, r in skipped.items():
+        print(f"oscar validate: leaving method {m} out of the default list: {r}", file=sys.stderr)
     return arts, skipped
 
 

@@ -44,10 +44,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from oscar.common import OscarError, attention_shapes, file_fingerprint, fingerprint
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
+from oscar.dirlock import DirLock
 from oscar.validate.evidence import niah_stats, read_samples
 from oscar.kernels.backends import CacheSpec, make_cache
 from oscar.validate.ruler_outputs import write_ruler_outputs
-from oscar.stats.artifact import load_artifact
+from oscar.stats.artifact import check_pairing, load_artifact
 from oscar.scoring import engine
 from oscar.scoring.dtype import DTYPES, with_dtype
 from oscar.scoring.prefill import PrefillPool, batch_capacity, decode_threads, load_aware_threads
@@ -55,7 +56,7 @@ from oscar.scoring import rows as scoring_rows
 from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
 from oscar.validate.methods import (
-    NEEDS_ARTIFACT, bits_per_element, memory_row, parse_methods, resolve_methods, uncalibrated_warning)
+    NEEDS_ARTIFACT, bits_per_element, choose_methods, memory_row, parse_methods, record_skipped, uncalibrated_warning)
 from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS, SERVING
 from oscar.validate.ruler import TASKS, Sources, load_qa, make_sample, resolve_tasks, score_one, skipped_line
 from oscar.validate.workers import Workers, default_workers
@@ -84,6 +85,9 @@ class NiahConfig:
     # niah_config.json ("qa_files"), so adding one to an OUT keeps the samples it holds
     squad: str | None = None
     hotpotqa: str | None = None
+    # `methods` is the command's default list (the user named none): a method this model's head_dim cannot serve
+    # is left out, said and recorded, instead of refused (validate/methods.py choose_methods); not an identity
+    default_methods: bool = False
 
     def identity(self) -> dict:
         """What a stored sample depends on besides its row key; a mismatch refuses to mix results."""
@@ -113,6 +117,23 @@ def check_artifact(artifact: str | None, methods: list[str]) -> None:
         raise OscarError(f"method(s) {', '.join(m for m in methods if m in NEEDS_ARTIFACT)} need --artifact")
     if artifact and not os.path.exists(artifact):
         raise OscarError(f"artifact {artifact} does not exist")
+
+
+def checked_artifact(cfg, methods: list[str], loaded=None, stages=None):
+    """(the model's config, the fitted artifact or None), the artifact refused in one line naming both sides when it
+    was fitted for another model (layers, KV heads, head_dim, fingerprint): from the config alone, before any
+    method is judged, any weight is loaded or OUT is made."""
+    check_artifact(cfg.artifact, methods)
+    config = (loaded[0].config if loaded else stages.config if stages is not None else env.load_config(cfg.model))
+    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
+    if fitted is not None:
+        check_pairing(fitted, config, cfg.artifact, cfg.model)
+    return config, fitted
+
+
+def locked_out(cfg):
+    """The exclusive lock of cfg.out (oscar/dirlock.py), held for the command's lifetime."""
+    return DirLock(cfg.out, what="output directory")
 
 
 def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, stages, what: str):
@@ -338,16 +359,26 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
         raise OscarError("--samples must be >= 1")
     if cfg.batch_tokens < 1:
         raise OscarError(f"batch_tokens must be >= 1, got {cfg.batch_tokens}")
+    lock = locked_out(cfg)
+    lock.check_free()  # another writer of OUT: refused before anything loads
+    config, fitted = checked_artifact(cfg, methods, loaded, stages)
+    arts, dropped = choose_methods(methods, config, fitted, default=cfg.default_methods, model=cfg.model)
+    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
+        engine.check_methods({m: arts[m] for m in methods if m not in dropped}, [PROTOCOLS[cfg.protocol]])
+    with lock:
+        return _run_niah(cfg, loaded, progress, workers, stages, dev, methods, qa, tasks, skipped, fitted, arts, dropped)
+
+
+def _run_niah(cfg, loaded, progress, workers, stages, dev, methods, qa, tasks, skipped, fitted, arts, dropped):
+    """run_niah once OUT is locked and every refusal is behind: load, score, write."""
     model, tok, config = model_or_stages(cfg, methods, cfg.lengths, loaded, dev, stages, "needles")
     _prepare_out(cfg, {k: qa[k] for k in sorted(qa) if any(TASKS[t].dataset == k for t in tasks)}, skipped)
-    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.lengths))):
         print(f"oscar: WARNING: {warn}", file=sys.stderr)
-    arts, skipped = resolve_methods(methods, config, fitted, out=cfg.out)  # unsupported formats: skipped
-    methods = [m for m in methods if m not in skipped]
+    if dropped:
+        record_skipped(cfg.out, dropped)
+    methods = [m for m in methods if m not in dropped]
     protocol = PROTOCOLS[cfg.protocol]
-    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
-        engine.check_methods({m: arts[m] for m in methods}, [protocol])
     src = Sources.from_text(env.heldout_text(cfg.corpus), more=more_heldout_words(cfg.corpus))
     src.qa = qa
     eos = eos_ids(stages or model, tok)  # what reads the model's generation config

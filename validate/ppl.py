@@ -38,14 +38,15 @@ from oscar.validate.evidence import product_goal, segment_cuts
 from oscar.validate.evidence import ppl_stats
 from oscar.kernels import cpu_attention
 from oscar.kernels.window_attention import simulated
-from oscar.stats.artifact import load_artifact
 from oscar.scoring import engine
 from oscar.scoring.nll import window_nll
 from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
-from oscar.validate.methods import bits_per_element, parse_methods, resolve_methods, uncalibrated_warning
+from oscar.validate.methods import (
+    bits_per_element, choose_methods, parse_methods, record_skipped, uncalibrated_warning,
+)
 from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
-from oscar.validate.niah import _Inline, model_or_stages
+from oscar.validate.niah import _Inline, checked_artifact, locked_out, model_or_stages
 from oscar.scoring.prefill import load_aware_threads
 from oscar.validate.workers import Workers, default_workers
 
@@ -63,6 +64,9 @@ class PplConfig:
     dtype: str = "float32"  # model compute dtype (oscar.scoring.dtype.with_dtype)
     engine: str = "simulate"  # oscar/scoring/engine.py: simulate (fake-quant simulator) or cache (OscarCache + kernels)
     device: str = "cpu"  # cpu, cuda, cuda:N (execution only: not part of the identity)
+    # `methods` is the command's default list: a method this model cannot serve is left out, said and recorded,
+    # instead of refused (validate/methods.py choose_methods); not an identity
+    default_methods: bool = False
 
     def identity(self) -> dict:
         art = file_fingerprint(self.artifact) if self.artifact else None
@@ -143,6 +147,18 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
     for c in cfg.contexts:
         if cfg.tokens < c:
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
+    lock = locked_out(cfg)
+    lock.check_free()  # another writer of OUT: refused before anything loads
+    config, fitted = checked_artifact(cfg, methods, loaded, scorer)
+    arts, dropped = choose_methods(methods, config, fitted, default=cfg.default_methods, model=cfg.model)
+    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
+        engine.check_methods({m: arts[m] for m in methods if m not in dropped}, [PROTOCOLS[p] for p in cfg.protocols])
+    with lock:
+        return _run_ppl(cfg, loaded, progress, workers, scorer, dev, methods, fitted, arts, dropped)
+
+
+def _run_ppl(cfg, loaded, progress, workers, scorer, dev, methods, fitted, arts, dropped):
+    """run_ppl once OUT is locked and every refusal is behind: load, score, write."""
     model, tok, config = model_or_stages(cfg, methods, cfg.contexts, loaded, dev, scorer, "perplexity")
     text, src = heldout_text_ids(tok, cfg.corpus, cfg.tokens)
     ident = cfg.identity()
@@ -156,13 +172,11 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
         raise OscarError(f"{cfg.out} holds perplexities for another model/artifact/token budget/text; use another --out")
     json.dump({"identity": ident, "config": asdict(cfg), "text": src}, open(cpath, "w"), indent=1)
 
-    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
     if (warn := uncalibrated_warning(fitted, max(cfg.contexts))):
         print(f"oscar: WARNING: {warn}", file=sys.stderr)
-    arts, skipped = resolve_methods(methods, config, fitted, out=cfg.out)  # unsupported formats: skipped
-    methods = [m for m in methods if m not in skipped]
-    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
-        engine.check_methods({m: arts[m] for m in methods}, [PROTOCOLS[p] for p in cfg.protocols])
+    if dropped:
+        record_skipped(cfg.out, dropped)
+    methods = [m for m in methods if m not in dropped]
     ids = torch.tensor([text], device=dev)
     path = os.path.join(cfg.out, "ppl_windows.jsonl")
     done: dict[tuple, dict] = {}
