@@ -11,9 +11,10 @@ Each record also keeps a one-thread float32 GEMM's speed under the run's environ
 same VM runs at different speeds an hour apart, and that figure tells its phases apart.
 
 The JSON keeps one record per host, sizes and restriction (`runs`, keyed "host / defaults|full"): a run replaces
-its own record and keeps the others. Each record: the host, run.json's stage seconds and total, the wall time
-measured here, the driver process's peak RSS (Ray's workers are not its children), and whether the total is
-within the goal.
+its own record and keeps the others. Each record: the host, run.json's stage seconds and their total, the wall
+time the report states (the command's start to the report), the wall time measured here around the command,
+the driver process's peak RSS (Ray's workers are not its children), and whether that wall time is within the
+goal.
 
 It first waits (--settle, 300 s at most) for a quiet host: the job picks its threads by the load it finds.
 
@@ -107,8 +108,9 @@ def main() -> None:
            "sizes": "full" if a.full else "defaults", "compute_dtype": info.get("compute_dtype"),
            "stage_seconds": {k: round(v, 1) for k, v in info["stage_seconds"].items()},
            "total_seconds": round(info["total_seconds"], 1), "wall_seconds": round(wall, 1),
+           "report_wall_seconds": info.get("wall_seconds") and round(info["wall_seconds"], 1),
            "driver_peak_rss_gib": round(rss_gib, 2), "goal_seconds": GOAL_S,
-           "goal_met": info["total_seconds"] <= GOAL_S,
+           "goal_met": wall <= GOAL_S,  # the command's wall time, as its user waits for it
            "native_paths": info.get("native_paths"), "load_at_start": round(load0, 2),
            "gemm_gflops_1thread": gflops,
            "date": time.strftime("%Y-%m-%d")}
@@ -120,7 +122,7 @@ def main() -> None:
     runs[f"{rec['host']} / {rec['sizes']}"] = rec
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    print(f"wrote {out}: {rec['host']}, {rec['sizes']}: {rec['total_seconds'] / 60:.1f} min "
+    print(f"wrote {out}: {rec['host']}, {rec['sizes']}: {rec['wall_seconds'] / 60:.1f} min wall "
           f"(goal {'met' if rec['goal_met'] else 'not met'}; {len(runs)} records)")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from functools import lru_cache
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -20,6 +21,21 @@ FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")
 # under any of them says so wherever it names its host.
 RESTRICTIONS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OSCAR_NATIVE_ISA",
                 "OSCAR_CPU_BF16")
+
+
+_IMPORTED = time.monotonic()  # where /proc is missing: the command's clock starts when oscar is first imported
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (the command's wall time so far: interpreter start-up, imports, kernel
+    builds and Ray's start included). Linux: CLOCK_BOOTTIME now minus the process's start in /proc/self/stat
+    (clock ticks since boot, 10 ms); elsewhere, since oscar was first imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime (after the comm field)
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
 
 
 @lru_cache(maxsize=1)

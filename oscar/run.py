@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
@@ -40,7 +41,7 @@ from oscar.cluster.scoring import StagedScorer
 from oscar.common import OscarError, file_fingerprint, fingerprint, parse_token_count
 from oscar.defaults import DEMO_SIZES, EMBEDDED_MODEL, FULL_SIZES
 from oscar.dirlock import DirLock
-from oscar.host import compute_dtype, describe, info as host_info
+from oscar.host import compute_dtype, describe, info as host_info, process_seconds
 from oscar import native_build
 from oscar.kernels import cpu_attention
 from oscar.pipeline import native
@@ -397,8 +398,10 @@ def native_paths() -> dict:
     return out
 
 
-def _stage_report(job: _Job, seconds: float) -> dict:
-    """7. DIR/run.json, then the report (always rebuilt: cheap, reads files only); returns run.json's content."""
+def _stage_report(job: _Job, elapsed: Callable[[], float]) -> dict:
+    """7. DIR/run.json, then the report (always rebuilt: cheap, reads files only); returns run.json's content.
+    `elapsed()`: the command's wall time so far; the report states it as of its own writing, and run.json keeps
+    the same figure (`wall_seconds`) beside the per-stage times."""
     cfg, d, st = job.cfg, job.dir, job.st
     hinfo = host_info()
     info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
@@ -414,19 +417,32 @@ def _stage_report(job: _Job, seconds: float) -> dict:
                 + (f" --squad {cfg.squad}" if cfg.squad else "") + (f" --hotpotqa {cfg.hotpotqa}" if cfg.hotpotqa else ""),
             "model": cfg.model, "host": describe(hinfo), "host_info": hinfo, "compute_dtype": cfg.compute_dtype,
             "native_paths": native_paths(), "placement": job.placement(), "config": asdict(cfg),
-            "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "this_invocation_seconds": seconds}
+            "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "wall_seconds": elapsed()}
     skipped = os.path.join(d, "skipped_methods.json")
     if os.path.exists(skipped):  # methods of the default list this model cannot serve (the report's header too)
         info["skipped_methods"] = json.load(open(skipped))
-    with open(os.path.join(d, "run.json"), "w") as f:
-        json.dump(info, f, indent=1)
-    r = build_report(d)
-    _say(f"report: {r.md_path}, {r.html_path}  (stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in st.seconds.items()) + ")")
+    _write_json(os.path.join(d, "run.json"), info)  # a record even if the report fails
+    r = build_report(d, wall_clock=elapsed)
+    info["wall_seconds"] = r.wall_seconds  # the figure the report states: the command's start to the report
+    _write_json(os.path.join(d, "run.json"), info)
+    _say(f"report: {r.md_path}, {r.html_path}  ({r.wall_seconds / 60:.1f} min wall; stages: "
+         + ", ".join(f"{k} {v:.0f}s" for k, v in st.seconds.items()) + ")")
     return info
 
 
-def run_main(cfg: RunConfig) -> dict:
-    """Run (or resume) the main job in cfg.out; returns what DIR/run.json records."""
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run_main(cfg: RunConfig, elapsed: Callable[[], float] | None = None) -> dict:
+    """Run (or resume) the main job in cfg.out; returns what DIR/run.json records. `elapsed()`: the command's wall
+    time so far (`oscar run` and the Ray job pass oscar.host.process_seconds: from the process's start, imports,
+    kernel builds and Ray's start-up included); default: from this call."""
+    t_call = time.monotonic()
+    elapsed = elapsed or (lambda: time.monotonic() - t_call)
     check_engine(cfg.engine)
     resolve_device(cfg.device)  # --device cuda without CUDA: refused before any stage runs
     chat = first_chat_record(cfg.corpus)
@@ -442,7 +458,6 @@ def run_main(cfg: RunConfig) -> dict:
     if not cfg.default_methods:  # a named method the model's head_dim cannot serve: refused now, not after the fit
         data_free = [m for m in cfg.methods if m not in NEEDS_ARTIFACT]
         choose_methods(data_free, load_config(cfg.model), None, default=False, model=cfg.model)
-    t_all = time.time()
     with lock:  # DIR has one writer for the whole job (its stages take the same lock, shared)
         job = _Job(cfg, Stages(cfg.out))
         _say(f"output in {cfg.out}; samples/cell {cfg.samples}, lengths {cfg.lengths}, methods {','.join(cfg.methods)}")
@@ -451,7 +466,7 @@ def run_main(cfg: RunConfig) -> dict:
         fp_cal = _stage_calibrate(job)
         _stage_recipe(job, fp_cal)
         _stage_validate(job)
-        return _stage_report(job, time.time() - t_all)
+        return _stage_report(job, elapsed)
 
 
 # --------------------------------------------------------------------------- as a Ray job (`oscar submit`)
@@ -489,11 +504,11 @@ def job_main(argv: list[str] | None = None) -> int:
         if "run" not in cfg:
             raise OscarError("not a run config (no `run:` section); a calibration runs python -m oscar.cluster.entrypoint")
         rc = check_run_section(cfg["run"], cluster=cfg["cluster"])  # Ray: RunConfig's default
-        info = run_main(rc)
+        info = run_main(rc, elapsed=process_seconds)
     except OscarError as e:
         print(f"oscar job: error: {e}", file=sys.stderr)
         return 2
-    print("OSCAR_RUN " + json.dumps({k: info[k] for k in ("stage_seconds", "total_seconds")}))
+    print("OSCAR_RUN " + json.dumps({k: info[k] for k in ("stage_seconds", "total_seconds", "wall_seconds")}))
     return 0
 
 

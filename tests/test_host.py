@@ -58,3 +58,18 @@ def test_a_restricted_run_names_its_restrictions(monkeypatch):
     monkeypatch.setenv("OSCAR_NATIVE_ISA", "native")  # the default build: no restriction
     assert host.restrictions() == {"ATEN_CPU_CAPABILITY": "avx2"}
     assert host.describe().endswith("run as AVX2 only (emulated) (ATEN_CPU_CAPABILITY=avx2)")
+
+
+def test_process_seconds_counts_from_the_process_start():
+    """The command's clock (oscar run's wall time) starts with its process, not when oscar is imported."""
+    import subprocess
+    import sys
+    import time
+
+    code = "import time; time.sleep(1.0); from oscar.host import process_seconds; print(process_seconds())"
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    outer = time.monotonic() - t
+    s = float(r.stdout)
+    assert 1.0 <= s <= outer, (s, outer)  # the sleep before the import is counted
+    assert 0 <= host.process_seconds() < 1e6  # this process's clock too

@@ -5,10 +5,16 @@ import json
 import math
 import os
 
+import glob
+
 import pandas as pd
 import pytest
+from lm_eval.utils import make_table  # lm-evaluation-harness's own table code (installed --no-deps for the tests)
 
 from oscar.validate import ruler_outputs as ro
+from oscar.validate.evidence import read_samples
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row(t, L, i, m, score, pred="x"):
@@ -62,7 +68,16 @@ def test_results_json_is_lm_eval_layout(tmp_path):
     assert res["niah_single_1"]["1024,none"] == pytest.approx(2 / 3, abs=1e-6)
     assert res["niah_single_1"]["2048,none"] == pytest.approx(0.25)
     assert res["ruler_vt"]["1024,none"] == pytest.approx(0.6) and res["ruler_vt"]["2048,none"] == -1
-    assert res["ruler_qa_squad"]["2048,none"] == -1 and res["ruler_qa_squad"]["1024_stderr,none"] == "N/A"
+    assert res["ruler_qa_squad"]["2048,none"] == -1 and res["ruler_qa_squad"]["2048_stderr,none"] == "N/A"
+    # the stderr of each cell's mean from its sample lines (sample sd over sqrt(n), as lm-eval's mean_stderr)
+    assert res["niah_single_1"]["1024_stderr,none"] == pytest.approx(math.sqrt(1 / 3) / math.sqrt(3), abs=1e-6)
+    assert res["ruler_vt"]["1024_stderr,none"] == pytest.approx(0.4 / math.sqrt(3), abs=1e-6)  # 0.6, 0.2, 1.0: sd 0.4
+    se = [res[t]["1024_stderr,none"] for t in ("niah_single_1", "ruler_vt", "ruler_qa_squad")]
+    assert res["ruler"]["1024_stderr,none"] == pytest.approx(math.sqrt(sum(x * x for x in se)) / 3, abs=1e-6)
+    # plain aliases (the harness indents subtasks itself), the group also under `groups`, zero-shot, versions
+    assert res["niah_single_1"]["alias"] == "niah_single_1" and res["ruler"]["alias"] == "ruler"
+    assert j["groups"] == {"ruler": res["ruler"]} and j["n-shot"]["ruler"] == 0 and j["versions"]["ruler_vt"] == 1.0
+    assert set(j["configs"]) == set(j["n-samples"]) == set(res) - {"ruler"}
     assert res["ruler"]["1024,none"] == pytest.approx((2 / 3 + 0.6 + 1 / 3) / 3, abs=1e-6)
     assert res["ruler"]["2048,none"] == pytest.approx(0.25)  # the tasks run at that length
     assert j["group_subtasks"]["ruler"] == ["niah_single_1", "ruler_vt", "ruler_qa_squad"]
@@ -72,6 +87,51 @@ def test_results_json_is_lm_eval_layout(tmp_path):
     assert kivi["ruler"]["2048,none"] == -1 and kivi["ruler"]["1024,none"] == pytest.approx((1 / 3 + 0) / 2, abs=1e-6)
     lo, hi = j["oscar_intervals"]["ruler"]["1024"]
     assert lo <= res["ruler"]["1024,none"] <= hi
+
+
+def _results_jsons(tmp_path) -> list[str]:
+    """Every results.json the product writes: the synthetic run's here and the committed examples'."""
+    ro.write_ruler_outputs(str(tmp_path), _done(), {"model": "smollm2-135m"})
+    mine = sorted(glob.glob(str(tmp_path / "ruler" / "*" / "results.json")))
+    examples = sorted(glob.glob(os.path.join(ROOT, "reports", "examples", "**", "ruler", "*", "results.json"),
+                                recursive=True))
+    assert len(mine) == 2 and len(examples) >= 10
+    return mine + examples
+
+
+def _rows(table: str) -> list[list[str]]:
+    return [[c.strip() for c in l.strip().strip("|").split("|")] for l in table.splitlines()[2:] if l.strip()]
+
+
+def test_lm_eval_make_table_reads_every_results_json(tmp_path):
+    """lm-evaluation-harness prints our results.json as it prints its own: its make_table reads both the `results`
+    and the `groups` sections; subtasks indented once under the group; a stderr on every cell with 2+ samples."""
+    for p in _results_jsons(tmp_path):
+        j = json.load(open(p))
+        table, groups = make_table(j), make_table(j, "groups")
+        rows, grows = _rows(table), _rows(groups)
+        names = [r[0] for r in rows if r[0]]
+        assert names[0] == "ruler", (p, names)
+        # one " - " level per subtask: an alias carrying its own " - " would print " -  - niah_single_1"
+        assert set(names) == {"ruler"} | {f"- {t}" for t in j["group_subtasks"]["ruler"]}, (p, names)
+        assert [r[0] for r in grows if r[0]] == ["ruler"], p
+        lengths = j["config"]["lengths"]
+        assert len(rows) == len(lengths) * len(j["results"]) and len(grows) == len(lengths), p
+        for r in rows + grows:
+            # Tasks | Version | Filter | n-shot | Metric | | Value | | Stderr
+            assert r[2] == "none" and r[3] == "0" and r[4] in {str(L) for L in lengths} and r[5] == "↑", (p, r)
+            if float(r[6]) != -1:  # -1: no samples at that length (stderr N/A, as the harness writes it)
+                assert 0 <= float(r[6]) <= 1 and r[7] == "±" and r[8] != "N/A" and float(r[8]) >= 0, (p, r)
+
+
+def test_committed_results_json_follow_from_their_sample_lines():
+    """The committed examples' results.json are what the writer gives from their niah_samples.jsonl today."""
+    for p in glob.glob(os.path.join(ROOT, "reports", "examples", "**", "ruler", "*", "results.json"), recursive=True):
+        j = json.load(open(p))
+        out = os.path.dirname(os.path.dirname(os.path.dirname(p)))
+        cs = ro.cells(read_samples(os.path.join(out, "niah_samples.jsonl")))
+        cfg = {k: v for k, v in j["config"].items() if k not in ("method", "lengths")}
+        assert j == json.loads(json.dumps(ro.results_json(cs, j["config"]["method"], cfg, j["config"]["lengths"]))), p
 
 
 def test_one_recomputed_from_the_other(tmp_path):

@@ -5,6 +5,7 @@ before any model is loaded."""
 import json
 
 import pytest
+from lm_eval.utils import make_table
 
 from helpers.ruler_files import hotpot_file, squad_file
 from oscar.__main__ import main
@@ -79,8 +80,12 @@ def test_tasks_all_runs_what_the_inputs_allow(tmp_path, capsys):
     assert list(rec["skipped_tasks"]) == ["qa_2"] and rec["qa_files"]["squad"]["path"] == squad
     summ = read_summary_csv(str(out / "ruler" / "bf16" / "1024" / "summary.csv"))
     assert list(summ) == ran  # RULER's task order
-    res = json.load(open(out / "ruler" / "bf16" / "results.json"))["results"]
+    lm = json.load(open(out / "ruler" / "bf16" / "results.json"))
+    res = lm["results"]
     assert "ruler_qa_squad" in res and "ruler_qa_hotpot" not in res and "ruler" in res
+    # lm-evaluation-harness's own table code prints it: the group, then each task run one level under it
+    table = make_table(lm)
+    assert table.count("| - ") == len(ran) and "| - ruler_qa_squad" in table and "|ruler " in table
     md = build_report(str(out)).markdown
     assert "Skipped: qa_2 — no --hotpotqa file" in md and "(12 of RULER's 13)" in md
     # the QA file's samples stay tied to that file: another one on the same OUT is refused

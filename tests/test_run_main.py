@@ -3,6 +3,9 @@ re-run that skips every stage (the main job resumes instead of redoing work)."""
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pandas as pd
 import pytest
@@ -158,3 +161,25 @@ def test_run_main_with_copy_widths_serves_the_per_layer_artifact(tmp_path, capsy
     with pytest.raises(OscarError, match="--widths must be one of none, copy, gradient"):
         RunConfig(out=str(tmp_path / "x"), widths="grad")
     assert RunConfig(out=str(tmp_path / "x"), widths="none").variant == "split"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_report_states_the_commands_wall_time(tmp_path):
+    """`oscar run`'s report and run.json give the command's wall time, from its process's start to the report
+    (imports, kernel checks, model loading and the report included), beside the per-stage times: at least their sum,
+    and what a clock around the command reads when the report is written."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "oscar", "run", "--out", str(out), "--no-ray", "--model", "tiny-llama", "--samples", "1",
+           "--calib-tokens", "4096", "--methods", "bf16,oscar-int2", "--tasks", "niah_single_1", "--no-progress"]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    outer = time.time() - t0
+    info = json.load(open(out / "run.json"))
+    wall, stages = info["wall_seconds"], info["stage_seconds"]
+    assert wall >= sum(stages.values()) == pytest.approx(info["total_seconds"])
+    to_report = os.path.getmtime(out / "report.md") - t0  # the clock around the command, read at the report
+    assert to_report - 1.0 <= wall <= min(to_report, outer) + 0.05, (wall, to_report, outer)
+    head = open(out / "report.md").read().splitlines()[2]
+    assert f"{wall / 60:.1f} min wall from the command's start to the report" in head, head
+    assert all(f"{k} {v:.0f} s" in head for k, v in stages.items()), head

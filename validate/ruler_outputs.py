@@ -6,11 +6,12 @@ One source, three renderings: the rows of niah_samples.jsonl (`oscar.validate.ev
   `scripts/eval/evaluate.py`): pandas' default header line of column numbers, then the rows `Tasks`,
   `Score` (the task's metric in %, rounded to 2 decimals as RULER's metric functions do) and `Nulls`
   ("empty/total" predictions after RULER's cleanup), one column per task in RULER's task order;
-- OUT/ruler/<method>/results.json — lm-evaluation-harness's results layout for its `ruler` group
-  (`lm_eval/tasks/ruler`): {"results": {"ruler": {"4096,none": mean over tasks, ...}, "niah_single_1":
-  {"4096,none": ...}, "ruler_vt": ...}}, 0-1 scale, a length without samples -1, task names as the
-  harness spells them (vt, cwe, fwe, qa_1, qa_2 -> ruler_vt, ruler_cwe, ruler_fwe, ruler_qa_squad,
-  ruler_qa_hotpot);
+- OUT/ruler/<method>/results.json — lm-evaluation-harness's results.json for its `ruler` group task
+  (`lm_eval/tasks/ruler`), readable by `lm_eval.utils.make_table`: {"results": {"ruler": {"4096,none": mean
+  over tasks, "4096_stderr,none": ...}, "niah_single_1": {...}, "ruler_vt": ...}, "groups", "group_subtasks",
+  "versions", "n-shot", "higher_is_better", "n-samples", "configs"}, 0-1 scale, a stderr from the sample
+  lines, a length without samples -1, task names as the harness spells them (vt, cwe, fwe, qa_1, qa_2 ->
+  ruler_vt, ruler_cwe, ruler_fwe, ruler_qa_squad, ruler_qa_hotpot);
 - the report's main RULER table (reports/build.py): methods x lengths, the mean over the tasks run
   (RULER's paper layout) with a 95 % interval.
 """
@@ -150,35 +151,77 @@ def read_summary_csv(path: str) -> dict[str, tuple[float, str]]:
 # ----------------------------------------------------------------- lm-evaluation-harness results.json
 
 
+# lm-evaluation-harness's task versions for its ruler tasks (lm_eval/tasks/ruler/*.yaml `metadata.version`) and group.
+LM_EVAL_TASK_VERSION = 1.0
+LM_EVAL_GROUP_VERSION = 1
+
+
+def mean_stderr(scores: list[float]) -> float | str:
+    """The standard error of a mean of per-sample scores, as lm-evaluation-harness's `mean_stderr` computes it
+    (sample standard deviation, n - 1, over sqrt(n); for 0/1 scores the binomial one); "N/A" below 2 samples,
+    as the harness writes it."""
+    n = len(scores)
+    return float(np.std(scores, ddof=1) / np.sqrt(n)) if n > 1 else "N/A"
+
+
+def group_stderr(stderrs: list) -> float | str:
+    """The standard error of an unweighted mean over tasks (the `ruler` group: weight_by_size false), from the
+    tasks' own: sqrt(sum se_i^2) / k. With equal samples per task it equals the harness's pooled_sample_stderr;
+    "N/A" where a task has none, as the harness writes it."""
+    if not stderrs or any(isinstance(s, str) for s in stderrs):
+        return "N/A"
+    return float(np.sqrt(np.sum(np.square(stderrs))) / len(stderrs))
+
+
+def _cell(value: float, stderr) -> tuple:
+    """(value, stderr) as the harness writes a ruler metric: -1 and "N/A" for a length without samples."""
+    if value != value:
+        return -1, "N/A"
+    return round(value, 6), stderr if isinstance(stderr, str) else round(stderr, 6)
+
+
 def results_json(cs: dict, method: str, config: dict | None = None, lengths: list[int] | None = None) -> dict:
-    """lm-evaluation-harness's results layout for one method: per task and for the `ruler` group, one
-    "<length>,none" metric per length on the 0-1 scale (-1: no samples at that length, as the harness writes)."""
+    """lm-evaluation-harness's results.json for its `ruler` group task (the layout lm_eval 0.4.12+ writes and
+    `lm_eval.utils.make_table` reads): per task and for the group one "<length>,none" metric per length on the
+    0-1 scale with its "<length>_stderr,none" from the sample lines (-1 and "N/A": no samples at that length);
+    plain aliases (the harness indents subtasks from `group_subtasks`); `groups`, `versions`, `n-shot` (0:
+    zero-shot), `higher_is_better`, `n-samples` and `configs` as the harness writes them."""
     lengths = lengths or lengths_of(cs, method)
-    tasks = tasks_of(cs, method)
-
-    def metrics(score_at) -> dict:
-        d: dict = {}
+    tasks = [lm_eval_name(t) for t in tasks_of(cs, method)]
+    raw = {lm_eval_name(t): t for t in tasks_of(cs, method)}
+    res: dict = {}
+    for name in tasks:
+        d: dict = {"name": name, "alias": name, "sample_len": sum(c["n"] for (m, _, t), c in cs.items()
+                                                                   if m == method and t == raw[name])}
         for L in lengths:
-            v = score_at(L)
-            d[f"{L},none"] = -1 if v != v else round(v, 6)
-            d[f"{L}_stderr,none"] = "N/A"
-        return d
-
-    res = {"ruler": {"alias": "ruler", **metrics(lambda L: average(cs, method, L)[0])}}
-    for t in tasks:
-        res[lm_eval_name(t)] = {"alias": f" - {lm_eval_name(t)}", **metrics(
-            lambda L, t=t: task_score(cs[(method, L, t)]) if (method, L, t) in cs else float("nan"))}
+            c = cs.get((method, L, raw[name]))
+            d[f"{L},none"], d[f"{L}_stderr,none"] = _cell(task_score(c), mean_stderr(c["scores"])) if c else (-1, "N/A")
+        res[name] = d
+    group: dict = {"alias": "ruler", "name": "ruler", "sample_len": sum(res[t]["sample_len"] for t in tasks)}
+    counts = {}
+    for L in lengths:
+        per = [cs[(method, L, t)] for t in tasks_of(cs, method, L)]
+        se = group_stderr([mean_stderr(c["scores"]) for c in per])
+        group[f"{L},none"], group[f"{L}_stderr,none"] = _cell(average(cs, method, L)[0], se)
+        counts[f"{L},none"] = sum(c["n"] for c in per)
+    group["sample_count"] = counts
+    res = {"ruler": group, **res}
     intervals = {}
     for L in lengths:
         est, lo, hi, k = average(cs, method, L)
         if k:
             intervals.setdefault("ruler", {})[str(L)] = [round(lo, 6), round(hi, 6)]
-    n = {lm_eval_name(t): sum(cs[(method, L, t)]["n"] for L in lengths if (method, L, t) in cs) for t in tasks}
+    metric_list = [{"metric": str(L), "aggregation": "mean", "higher_is_better": True} for L in lengths]
     return {
         "results": res,
-        "group_subtasks": {"ruler": [lm_eval_name(t) for t in tasks]},
-        "higher_is_better": {k: {str(L): True for L in lengths} for k in res},
-        "n-samples": {k: {"original": v, "effective": v} for k, v in n.items()},
+        "groups": {"ruler": group},
+        "group_subtasks": {"ruler": tasks},
+        "configs": {t: {"task": t, "output_type": "generate_until", "num_fewshot": 0, "metric_list": metric_list,
+                        "metadata": {"version": LM_EVAL_TASK_VERSION}} for t in sorted(tasks)},
+        "versions": dict(sorted({**{t: LM_EVAL_TASK_VERSION for t in tasks}, "ruler": LM_EVAL_GROUP_VERSION}.items())),
+        "n-shot": {k: 0 for k in sorted(res)},
+        "higher_is_better": {k: {str(L): True for L in lengths} for k in sorted(res)},
+        "n-samples": {t: {"original": res[t]["sample_len"], "effective": res[t]["sample_len"]} for t in tasks},
         "config": {"method": method, "lengths": lengths, **(config or {})},
         # not in the harness's layout: the 95 % interval of the `ruler` mean (reports/build.py's main table)
         "oscar_intervals": intervals,
