@@ -105,7 +105,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
                    help=f"needle haystack lengths, e.g. 1k,2k,4k,8k (default {_lengths(DEMO)}; --full: {_lengths(FULL)})")
     r.add_argument("--long-lengths", type=length_list, default=None,
                    help="the long end: needle cells at these lengths too (e.g. 16k,32k), for the first task only, bf16 "
-                        "and oscar-int2, --long-samples each; the calibration positions cover them (one artifact)")
+                        "and oscar-int2, --long-samples each; the calibration positions cover them (one artifact); default: none")
     r.add_argument("--long-samples", type=positive_int, default=5, help="samples per long-end cell (default 5)")
     r.add_argument("--ppl-contexts", type=length_list, default=None,
                    help=f"perplexity context lengths (default {_lengths(DEMO, 'ppl_contexts')}; --full: "
@@ -170,21 +170,28 @@ def _lengths(sizes: dict, key: str = "lengths") -> str:
     return ", ".join(f"{n // 1024}k" for n in sizes[key])
 
 
-def _run(args) -> int:
+def run_config(args):
+    """`oscar run`'s arguments as the RunConfig they ask for (sizes not given: None, filled by RunConfig)."""
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.run import RunConfig, run_main
+    from oscar.run import RunConfig
     from oscar.validate.methods import parse_methods
+
+    return RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
+                     calib_tokens=args.calib_tokens, seq_len=args.calib_seq_len, positions=args.calib_positions,
+                     lengths=args.lengths, ppl_contexts=args.ppl_contexts, ppl_tokens=args.ppl_tokens,
+                     attn_lengths=args.attn_lengths, long_lengths=args.long_lengths, long_samples=args.long_samples,
+                     methods=parse_methods(args.methods) if args.methods else None, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+                     squad=args.squad, hotpotqa=args.hotpotqa,
+                     variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
+                     engine=args.engine, device=args.device, stages=args.stages, progress=not args.no_progress)
+
+
+def _run(args) -> int:
+    from oscar.run import run_main  # late: torch (above)
 
     # a kill (SIGTERM) unwinds like Ctrl-C: the step in progress records the time it spent before the next run resumes it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       calib_tokens=args.calib_tokens, seq_len=args.calib_seq_len, positions=args.calib_positions,
-                       lengths=args.lengths, ppl_contexts=args.ppl_contexts, ppl_tokens=args.ppl_tokens,
-                       attn_lengths=args.attn_lengths, long_lengths=args.long_lengths, long_samples=args.long_samples,
-                       methods=parse_methods(args.methods) if args.methods else None, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
-                       squad=args.squad, hotpotqa=args.hotpotqa,
-                       variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
-                       engine=args.engine, device=args.device, stages=args.stages, progress=not args.no_progress))
+    run_main(run_config(args))
     return 0
 
 

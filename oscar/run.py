@@ -430,11 +430,11 @@ def _ks(v: list[int]) -> str:
 
 
 def run_command(cfg: RunConfig) -> str:
-    """The `oscar run` command that makes this run: every option that differs from its default (run.json)."""
+    """The `oscar run` command that makes this run: every option that differs from its default (run.json). What only a
+    `run:` job config sets (corpus, widths windows and length, cluster) is in run.json's config."""
     sizes = FULL_SIZES if cfg.full else DEMO_SIZES
     c = [f"oscar run --out {cfg.out}"] + (["--no-ray"] if not cfg.ray else []) + (["--full"] if cfg.full else [])
     c += [] if cfg.model == EMBEDDED_MODEL else [f"--model {cfg.model}"]
-    c += [] if cfg.corpus == "pydoc" else [f"--corpus {cfg.corpus}"]
     for opt, name in (("--samples", "samples"), ("--calib-tokens", "calib_tokens"), ("--ppl-tokens", "ppl_tokens")):
         c += [] if getattr(cfg, name) == sizes[name] else [f"{opt} {getattr(cfg, name)}"]
     for opt, name in (("--lengths", "lengths"), ("--ppl-contexts", "ppl_contexts"), ("--attn-lengths", "attn_lengths")):
