@@ -85,7 +85,7 @@ class RunConfig:
     hotpotqa: str | None = None  # HotpotQA JSON for qa_2
     lengths: list[int] | None = None  # needle lengths
     # The long end: needle cells at these lengths too, for the first task only, bf16 and oscar-int2 of `methods`,
-    # `long_samples` each (a 32k prefill costs what ~60 of 1k do). The calibration's positions cover them, so one
+    # `long_samples` each (a long prefill is costly: fewer samples). The calibration's positions cover them, so one
     # artifact serves every cell; the calibration length (and the tune's, the widths') stays that of the rest.
     long_lengths: list[int] | None = None
     long_samples: int = 5
@@ -461,7 +461,7 @@ def run_command(cfg: RunConfig) -> str:
 
 def step_commands(job: _Job) -> list[dict]:
     """Each step this run holds as the product command that computes it on its own, with the wall and CPU seconds
-    it took here (summed over the invocations an interrupted step took; run.json's "steps")."""
+    it took here (summed over the invocations an interrupted step took; run.json's "steps", the report's Commands)."""
     cfg, d, st = job.cfg, job.dir, job.st
     art, dt = job.art_path, cfg.compute_dtype
     common = f"--model {cfg.model} --artifact {art}" + ("" if cfg.corpus == "pydoc" else f" --corpus {cfg.corpus}")
@@ -485,8 +485,9 @@ def step_commands(job: _Job) -> list[dict]:
         lc = long_niah_config(NiahConfig(out=d), cfg)
         cmds["niah-long"] = (f"{niah} --methods {','.join(lc.methods)} --tasks {lc.tasks[0]} --lengths "
                              f"{_ks(lc.lengths)} --samples {lc.samples}")
-    return [{"stage": k, "command": cmds.get(k, "oscar run"), "seconds": v, "cpu_seconds": st.cpu_seconds.get(k)}
-            for k, v in st.seconds.items()]
+    notes = {"tune": "a step of the oscar fit above", "widths": "a step of the oscar fit above"}
+    return [{"stage": k, "command": cmds.get(k, "oscar run"), "wall_s": v, "cpu_s": st.cpu_seconds.get(k),
+             **({"note": notes[k]} if k in notes else {})} for k, v in st.seconds.items()]
 
 
 def _stage_report(job: _Job, seconds: float) -> dict:

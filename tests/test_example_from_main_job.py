@@ -48,7 +48,9 @@ def test_the_checks_pass_on_a_real_run_and_fail_on_each_gap(small_run, tmp_path)
     assert example_problems(small_run, SMALL) == []
     info = json.load(open(os.path.join(small_run, "run.json")))
     assert [s["stage"] for s in info["steps"]][-1] == "niah-long" and "--long-lengths 1k" in info["command"]
-    assert info["total_cpu_seconds"] == pytest.approx(sum(s["cpu_seconds"] for s in info["steps"]))
+    assert info["total_cpu_seconds"] == pytest.approx(sum(s["cpu_s"] for s in info["steps"]))
+    report = open(os.path.join(small_run, "report.md")).read()  # the report lists each step's command and time
+    assert "## Commands" in report and "`oscar calibrate --model tiny-llama --corpus pydoc --store " in report
     # asking for more than the run holds
     more = Sizes(**{**SMALL.__dict__, "samples": 3, "windows": 3, "long_samples": 2, "min_positions": 2048})
     got = example_problems(small_run, more)
@@ -80,7 +82,7 @@ def test_the_checks_pass_on_a_real_run_and_fail_on_each_gap(small_run, tmp_path)
     d = _copy(small_run, tmp_path / "c")
     info = json.load(open(os.path.join(d, "run.json")))
     info["steps"][0]["command"] = "python -c 'calibrate()'"
-    info["steps"][1]["cpu_seconds"] = None
+    info["steps"][1]["cpu_s"] = None
     info["command"] = "bash scripts/make_example.sh"
     json.dump(info, open(os.path.join(d, "run.json"), "w"))
     got = run_json_problems(d, SMALL)

@@ -94,7 +94,7 @@ def run_json_problems(d: str, s: Sizes) -> list[str]:
                 args[name] = parser.parse_args(words[1:])
         except SystemExit:
             out.append(f"run.json's {name} step is not a product command: {st.get('command')!r}")
-        if not isinstance(st.get("cpu_seconds"), (int, float)) or st["cpu_seconds"] <= 0:
+        if not isinstance(st.get("cpu_s"), (int, float)) or st["cpu_s"] <= 0:
             out.append(f"run.json's {name} step records no CPU seconds")
     served = max([*s.lengths, *s.contexts, *s.long_lengths])
     if "calibrate" in args:
