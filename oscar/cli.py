@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
+import sys
 
 from oscar.cli_options import (DEFAULT_ENGINE, ENGINE_HELP, ENGINES, add_device, add_methods, add_model, add_out,
                                 add_recipe, add_stages)
 from oscar.defaults import DEMO_SIZES as DEMO, FULL_SIZES as FULL
-from oscar.common import OscarError, nonneg_int, positional_or_option, positive_float, positive_int
+from oscar.common import (OscarError, length_list, nonneg_int, positional_or_option, positive_float, positive_int,
+                          token_count)
 from oscar.validate.cli import _qa_args
 
 
@@ -98,14 +101,30 @@ def _register_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-ray", action="store_true", help="calibrate in this process instead of a local Ray cluster")
     add_model(r)
     r.add_argument("--samples", type=positive_int, default=None, help=f"NIAH samples per cell (default {DEMO['samples']}; --full: {FULL['samples']})")
-    r.add_argument("--seq-len", "--calib-seq-len", dest="calib_seq_len", type=positive_int, default=None,
+    r.add_argument("--lengths", type=length_list, default=None,
+                   help=f"needle haystack lengths, e.g. 1k,2k,4k,8k (default {_lengths(DEMO)}; --full: {_lengths(FULL)})")
+    r.add_argument("--long-lengths", type=length_list, default=None,
+                   help="the long end: needle cells at these lengths too (e.g. 16k,32k), for the first task only, bf16 "
+                        "and oscar-int2, --long-samples each; the calibration positions cover them (one artifact); default: none")
+    r.add_argument("--long-samples", type=positive_int, default=5, help="samples per long-end cell (default 5)")
+    r.add_argument("--ppl-contexts", type=length_list, default=None,
+                   help=f"perplexity context lengths (default {_lengths(DEMO, 'ppl_contexts')}; --full: "
+                        f"{_lengths(FULL, 'ppl_contexts')})")
+    r.add_argument("--ppl-tokens", type=token_count, default=None,
+                   help=f"held-out tokens scored per perplexity context, as `oscar validate ppl --tokens`: windows = "
+                        f"tokens // context (default {DEMO['ppl_tokens']}; --full: {FULL['ppl_tokens']}; past the "
+                        "held-out split the text continues with the standard library's docstrings)")
+    r.add_argument("--attn-lengths", type=length_list, default=None,
+                   help=f"lengths of the attention-level test (default {_lengths(DEMO, 'attn_lengths')}; --full: "
+                        f"{_lengths(FULL, 'attn_lengths')})")
+    r.add_argument("--seq-len", "--calib-seq-len", dest="calib_seq_len", type=token_count, default=None,
                    help="calibration sequence length, as `oscar calibrate --seq-len` (default: the longest context "
                         "validated, 4096: the fit sees every position it is judged on; --calib-seq-len: the older "
                         "spelling)")
     r.add_argument("--calib-tokens", type=positive_int, default=None,
                    help=f"calibration tokens, as `oscar calibrate --tokens` (default {DEMO['calib_tokens']}; --full: "
                         f"{FULL['calib_tokens']}; the pydoc calibration split holds ~90k)")
-    r.add_argument("--positions", "--calib-positions", dest="calib_positions", type=positive_int, default=None,
+    r.add_argument("--positions", "--calib-positions", dest="calib_positions", type=token_count, default=None,
                    help="absolute positions the calibration covers, as `oscar calibrate --positions` (default: the "
                         "longest context validated); a shorter --seq-len is read at RoPE offsets up to it "
                         "(--calib-positions: the older spelling)")
@@ -152,19 +171,29 @@ def _lengths(sizes: dict, key: str = "lengths") -> str:
     return ", ".join(f"{n // 1024}k" for n in sizes[key])
 
 
-def _run(args) -> int:
+def run_config(args):
+    """`oscar run`'s arguments as the RunConfig they ask for (sizes not given: None, filled by RunConfig)."""
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.host import process_seconds
-    from oscar.run import RunConfig, run_main
+    from oscar.run import RunConfig
     from oscar.validate.methods import parse_methods
 
-    run_main(RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
-                       calib_tokens=args.calib_tokens, seq_len=args.calib_seq_len, positions=args.calib_positions,
-                       methods=parse_methods(args.methods) if args.methods else None, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
-                       squad=args.squad, hotpotqa=args.hotpotqa,
-                       variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
-                       engine=args.engine, device=args.device, stages=args.stages, progress=not args.no_progress),
-             elapsed=process_seconds)  # the report's time: the command's, from its process's start
+    return RunConfig(out=args.out, ray=not args.no_ray, model=args.model, samples=args.samples, full=args.full,
+                     calib_tokens=args.calib_tokens, seq_len=args.calib_seq_len, positions=args.calib_positions,
+                     lengths=args.lengths, ppl_contexts=args.ppl_contexts, ppl_tokens=args.ppl_tokens,
+                     attn_lengths=args.attn_lengths, long_lengths=args.long_lengths, long_samples=args.long_samples,
+                     methods=parse_methods(args.methods) if args.methods else None, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+                     squad=args.squad, hotpotqa=args.hotpotqa,
+                     variant=args.variant, widths=args.widths, tune=not args.no_tune, tune_objective=args.tune_objective, niah_protocol=args.niah_protocol, dtype=args.dtype,
+                     engine=args.engine, device=args.device, stages=args.stages, progress=not args.no_progress)
+
+
+def _run(args) -> int:
+    from oscar.host import process_seconds
+    from oscar.run import run_main  # late: torch (above)
+
+    # a kill (SIGTERM) unwinds like Ctrl-C: the step in progress records the time it spent before the next run resumes it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    run_main(run_config(args), elapsed=process_seconds)  # the report's time: the command's, from its process's start
     return 0
 
 

@@ -378,6 +378,11 @@ def length_list(s: str) -> str:
     return s
 
 
+def token_count(s: str) -> int:
+    """`type=` for one token count, as tokens or k-units (1k = 1024): a positive whole number of tokens."""
+    return parse_token_count(length_list(s))
+
+
 def nonneg_int_list(s: str) -> str:
     """`type=` for a comma list of integers >= 0 (layer indices); the empty string (the default) is allowed.
     Returns the string unchanged."""

@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -88,6 +88,11 @@ class RunConfig:
     squad: str | None = None  # SQuAD v1.1 / v2.0 JSON for qa_1
     hotpotqa: str | None = None  # HotpotQA JSON for qa_2
     lengths: list[int] | None = None  # needle lengths
+    # The long end: needle cells at these lengths too, for the first task only, bf16 and oscar-int2 of `methods`,
+    # `long_samples` each (a long prefill is costly: fewer samples). The calibration's positions cover them, so one
+    # artifact serves every cell; the calibration length (and the tune's, the widths') stays that of the rest.
+    long_lengths: list[int] | None = None
+    long_samples: int = 5
     methods: list[str] | None = None
     # Held-out tokens scored per perplexity context: the 4k interval rests on a window's 512-token segments; the
     # pydoc held-out split holds 12,427 tokens, so 3 windows of 4k at most (the evidence size).
@@ -149,8 +154,10 @@ class RunConfig:
     def _check_sizes(self) -> None:
         """Sizes and length lists checked before any stage runs (a `run:` job config reaches here unparsed by argparse):
         lengths may be written as tokens or k-units ("4k"); every size must be at least 1."""
-        for name in ("lengths", "ppl_contexts", "attn_lengths"):
+        for name in ("lengths", "ppl_contexts", "attn_lengths", "long_lengths"):
             v = getattr(self, name)
+            if v is None and name == "long_lengths":  # none asked for
+                continue
             if isinstance(v, (str, int)):
                 v = str(v).split(",")
             try:
@@ -160,7 +167,8 @@ class RunConfig:
             if not out or min(out) < 1:
                 raise OscarError(f"oscar run: {name} must be a non-empty list of lengths of at least 1 token, got {v!r}")
             setattr(self, name, out)
-        for name in ("samples", "calib_tokens", "ppl_tokens", "widths_windows", "seq_len", "positions", "widths_length"):
+        for name in ("samples", "calib_tokens", "ppl_tokens", "widths_windows", "seq_len", "positions", "widths_length",
+                     "long_samples"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise OscarError(f"oscar run: {name} must be a positive integer, got {v!r}")
@@ -169,6 +177,11 @@ class RunConfig:
     def calib_positions(self) -> int | None:
         """`positions` as the calibration takes it: None when the windows already span it (no offsets)."""
         return self.positions if self.positions > self.seq_len else None
+
+    @property
+    def long_methods(self) -> list[str]:
+        """The methods the long-end cells score: bf16 (the paired reference) and oscar-int2, those of `methods`."""
+        return [m for m in self.methods if m in ("bf16", "oscar-int2")]
 
     @property
     def compute_dtype(self) -> str:
@@ -191,7 +204,7 @@ class RunConfig:
         if self.seq_len is None:
             self.seq_len = self.longest_context
         if self.positions is None:
-            self.positions = max(self.seq_len, self.longest_context)
+            self.positions = max(self.seq_len, self.longest_context, *(self.long_lengths or []))
         if self.positions < self.seq_len:
             raise OscarError(f"oscar run: calibration positions {self.positions} must be at least the calibration "
                              f"length {self.seq_len}")
@@ -224,6 +237,12 @@ class RunConfig:
             check_staged_widths(self.widths)
 
         TuneConfig(objective=self.tune_objective)  # an unknown objective fails before calibration, not after
+        if self.long_lengths and not self.long_methods:
+            raise OscarError(f"oscar run: the long-end needle cells ({', '.join(map(str, self.long_lengths))}) score bf16 "
+                             f"and oscar-int2; --methods {','.join(self.methods)} has neither")
+        if self.long_lengths and max(self.long_lengths) > self.positions:
+            raise OscarError(f"oscar run: long-end needle cells of {max(self.long_lengths)} tokens reach past the "
+                             f"calibration positions {self.positions}; raise --positions (one artifact serves every cell)")
         if isinstance(self.tasks, str):
             self.tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
 
@@ -376,13 +395,26 @@ def _stage_validate(job: _Job) -> None:
                    [os.path.join(d, "ppl.parquet")], ppl)
     if cfg.stages > 1:
         _say("validate attention: not run on the pipeline stages (it captures q/k/v through the whole model)")
-        return
+    else:
+        acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.compute_dtype,
+                          engine=cfg.engine, device=cfg.device)
+        job.st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)",
+                   fp(acfg), [os.path.join(d, "attention.parquet")],
+                   lambda: run_attention(acfg, progress=cfg.progress, loaded=job.model()))
+    if cfg.long_lengths:  # the same samples file and artifact: results.parquet then holds every cell
+        lcfg = long_niah_config(ncfg, cfg)
+        with job.staged(cfg.compute_dtype) as sc:
+            job.st.run("niah-long", "validate niah, the long end" + ("" if sc is None else f" ({cfg.stages} stages)"),
+                       fp(lcfg), [os.path.join(d, "results.parquet")],
+                       (lambda: run_niah(lcfg, loaded=job.model(), progress=cfg.progress)) if sc is None else
+                       (lambda: run_niah(lcfg, progress=cfg.progress, stages=sc)))
 
-    acfg = AttnConfig(out=d, store=job.store, artifact=art_path, lengths=cfg.attn_lengths, dtype=cfg.compute_dtype,
-                      engine=cfg.engine, device=cfg.device)
-    job.st.run("attention", "validate attention (held-out captured q/k/v; attention-level, not a model run)", fp(acfg),
-               [os.path.join(d, "attention.parquet")],
-               lambda: run_attention(acfg, progress=cfg.progress, loaded=job.model()))
+
+def long_niah_config(ncfg: NiahConfig, cfg: RunConfig) -> NiahConfig:
+    """The long-end needle cells: the first task, cfg.long_lengths, cfg.long_samples, bf16 and oscar-int2."""
+    task = resolve_tasks(cfg.tasks, load_qa(cfg.squad, cfg.hotpotqa))[0][0]
+    return replace(ncfg, tasks=[task], lengths=list(cfg.long_lengths), samples=cfg.long_samples,
+                   methods=cfg.long_methods)
 
 
 def native_paths() -> dict:
@@ -398,26 +430,87 @@ def native_paths() -> dict:
     return out
 
 
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _ks(v: list[int]) -> str:
+    return ",".join(map(_k, v))
+
+
+def run_command(cfg: RunConfig) -> str:
+    """The `oscar run` command that makes this run: every option that differs from its default (run.json). What only a
+    `run:` job config sets (corpus, widths windows and length, cluster) is in run.json's config."""
+    sizes = FULL_SIZES if cfg.full else DEMO_SIZES
+    c = [f"oscar run --out {cfg.out}"] + (["--no-ray"] if not cfg.ray else []) + (["--full"] if cfg.full else [])
+    c += [] if cfg.model == EMBEDDED_MODEL else [f"--model {cfg.model}"]
+    for opt, name in (("--samples", "samples"), ("--calib-tokens", "calib_tokens"), ("--ppl-tokens", "ppl_tokens")):
+        c += [] if getattr(cfg, name) == sizes[name] else [f"{opt} {getattr(cfg, name)}"]
+    for opt, name in (("--lengths", "lengths"), ("--ppl-contexts", "ppl_contexts"), ("--attn-lengths", "attn_lengths")):
+        c += [] if getattr(cfg, name) == sizes[name] else [f"{opt} {_ks(getattr(cfg, name))}"]
+    c += [] if cfg.methods == sizes["methods"] else [f"--methods {','.join(cfg.methods)}"]
+    c += [] if cfg.tasks == ["niah_single_1", "niah_single_2"] else [f"--tasks {','.join(cfg.tasks)}"]
+    if cfg.long_lengths:
+        c += [f"--long-lengths {_ks(cfg.long_lengths)}", f"--long-samples {cfg.long_samples}"]
+    c += [] if cfg.seq_len == cfg.longest_context else [f"--seq-len {cfg.seq_len}"]
+    c += [] if cfg.positions == max(cfg.seq_len, cfg.longest_context, *(cfg.long_lengths or [])) else \
+        [f"--positions {cfg.positions}"]
+    c += [] if cfg.variant == ("split" if cfg.widths == "none" else "scaled") else [f"--variant {cfg.variant}"]
+    c += [] if cfg.tune else ["--no-tune"]
+    c += [] if cfg.tune_objective == "nll" else [f"--tune-objective {cfg.tune_objective}"]
+    c += [] if cfg.widths == "gradient" else [f"--widths {cfg.widths}"]
+    c += [] if cfg.niah_protocol == "serving" else [f"--niah-protocol {cfg.niah_protocol}"]
+    c += [] if cfg.dtype == "auto" else [f"--dtype {cfg.dtype}"]
+    c += [] if cfg.engine == "simulate" else [f"--engine {cfg.engine}"]
+    c += [] if cfg.device == "cpu" else [f"--device {cfg.device}"]
+    c += [] if cfg.stages == 1 or cfg.cluster else [f"--stages {cfg.stages}"]
+    c += ([f"--squad {cfg.squad}"] if cfg.squad else []) + ([f"--hotpotqa {cfg.hotpotqa}"] if cfg.hotpotqa else [])
+    return " ".join(c)
+
+
+def step_commands(job: _Job) -> list[dict]:
+    """Each step this run holds as the product command that computes it on its own, with the wall and CPU seconds
+    it took here (summed over the invocations an interrupted step took; run.json's "steps", the report's Commands)."""
+    cfg, d, st = job.cfg, job.dir, job.st
+    art, dt = job.art_path, cfg.compute_dtype
+    common = f"--model {cfg.model} --artifact {art}" + ("" if cfg.corpus == "pydoc" else f" --corpus {cfg.corpus}")
+    recipe = (f"oscar fit {job.store} --variant {cfg.variant}" + ("" if cfg.tune else " --no-tune")
+              + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
+              + f" --widths {cfg.widths} --model {cfg.model} --out {art}")
+    niah = (f"oscar validate niah {common} --protocol {cfg.niah_protocol} --dtype {dt} --out {d}"
+            + (f" --squad {cfg.squad}" if cfg.squad else "") + (f" --hotpotqa {cfg.hotpotqa}" if cfg.hotpotqa else ""))
+    cmds = {
+        "calibrate": (f"oscar calibrate --model {cfg.model} --corpus {cfg.corpus} --store {job.store} --seq-len "
+                      f"{cfg.seq_len} --positions {cfg.positions} --tokens {cfg.calib_tokens}"),
+        "fit": recipe, "tune": recipe, "widths": recipe,
+        "niah": (f"{niah} --methods {','.join(cfg.methods)} --tasks {','.join(cfg.tasks)} --lengths {_ks(cfg.lengths)} "
+                 f"--samples {cfg.samples}"),
+        "ppl": (f"oscar validate ppl {common} --methods {','.join(cfg.methods)} --lengths {_ks(cfg.ppl_contexts)} "
+                f"--tokens {cfg.ppl_tokens} --dtype {dt} --out {d}"),
+        "attention": (f"oscar validate attention --store {job.store} --artifact {art} --lengths {_ks(cfg.attn_lengths)} "
+                      f"--dtype {dt} --out {d}"),
+    }
+    if cfg.long_lengths:
+        lc = long_niah_config(NiahConfig(out=d), cfg)
+        cmds["niah-long"] = (f"{niah} --methods {','.join(lc.methods)} --tasks {lc.tasks[0]} --lengths "
+                             f"{_ks(lc.lengths)} --samples {lc.samples}")
+    notes = {"tune": "a step of the oscar fit above", "widths": "a step of the oscar fit above"}
+    return [{"stage": k, "command": cmds.get(k, "oscar run"), "wall_s": v, "cpu_s": st.cpu_seconds.get(k),
+             **({"note": notes[k]} if k in notes else {})} for k, v in st.seconds.items()]
+
+
 def _stage_report(job: _Job, elapsed: Callable[[], float]) -> dict:
     """7. DIR/run.json, then the report (always rebuilt: cheap, reads files only); returns run.json's content.
     `elapsed()`: the command's wall time so far; the report states it as of its own writing, and run.json keeps
     the same figure (`wall_seconds`) beside the per-stage times."""
     cfg, d, st = job.cfg, job.dir, job.st
     hinfo = host_info()
-    info = {"command": "oscar run --out " + d + ("" if cfg.ray else " --no-ray") + (" --full" if cfg.full else "")
-                + ("" if cfg.seq_len == cfg.longest_context else f" --seq-len {cfg.seq_len}")
-                + ("" if cfg.positions == max(cfg.seq_len, cfg.longest_context) else f" --positions {cfg.positions}")
-                + ("" if cfg.dtype == "auto" else f" --dtype {cfg.dtype}") + ("" if cfg.tune else " --no-tune")
-                + ("" if cfg.tune_objective == "nll" else f" --tune-objective {cfg.tune_objective}")
-                + ("" if cfg.widths == "gradient" else f" --widths {cfg.widths}")
-                + ("" if cfg.engine == "simulate" else f" --engine {cfg.engine}")
-                + ("" if cfg.device == "cpu" else f" --device {cfg.device}")
-                + ("" if cfg.stages == 1 or cfg.cluster else f" --stages {cfg.stages}")
-                + ("" if cfg.tasks == ["niah_single_1", "niah_single_2"] else f" --tasks {','.join(cfg.tasks)}")
-                + (f" --squad {cfg.squad}" if cfg.squad else "") + (f" --hotpotqa {cfg.hotpotqa}" if cfg.hotpotqa else ""),
+    info = {"command": run_command(cfg), "steps": step_commands(job),
             "model": cfg.model, "host": describe(hinfo), "host_info": hinfo, "compute_dtype": cfg.compute_dtype,
             "native_paths": native_paths(), "placement": job.placement(), "config": asdict(cfg),
-            "stage_seconds": st.seconds, "total_seconds": sum(st.seconds.values()), "wall_seconds": elapsed()}
+            "stage_seconds": st.seconds, "stage_cpu_seconds": st.cpu_seconds,
+            "total_seconds": sum(st.seconds.values()), "total_cpu_seconds": sum(st.cpu_seconds.values()),
+            "wall_seconds": elapsed()}
     skipped = os.path.join(d, "skipped_methods.json")
     if os.path.exists(skipped):  # methods of the default list this model cannot serve (the report's header too)
         info["skipped_methods"] = json.load(open(skipped))

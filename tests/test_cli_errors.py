@@ -190,6 +190,8 @@ BAD_SIZES = [
     ["validate", "attention", "--store", "s.zarr", "--layers", "0,-1"],
     ["validate", "attention", "--store", "s.zarr", "--sink", "-1"],
     ["run", "--samples", "0"], ["run", "--calib-seq-len", "0"], ["run", "--calib-positions", "-1"],
+    ["run", "--lengths", "1k,0"], ["run", "--long-lengths", "x"], ["run", "--long-samples", "0"],
+    ["run", "--ppl-contexts", ""], ["run", "--ppl-tokens", "0"], ["run", "--attn-lengths", "4k,"], ["run", "--positions", "2q"],
     ["ablate", "--seeds", "0"], ["ablate", "--bits", "2", "0"], ["ablate", "--nu", "0"], ["ablate", "--nu", "nan"],
     ["ablate", "--layer", "-1"], ["ablate", "--head", "-1"], ["ablate", "--triton-seeds", "-1"],
     ["bench", "memory", "--context", "0"], ["bench", "memory", "--sink", "-1"], ["bench", "memory", "--page-size", "0"],
@@ -337,7 +339,7 @@ def test_run_config_refuses_bad_sizes_before_any_stage(tmp_path):
     assert RunConfig(out=str(tmp_path / "r"), lengths=["1k", 2048]).lengths == [1024, 2048]
     for kw in ({"lengths": [0]}, {"lengths": []}, {"lengths": ["zz"]}, {"ppl_contexts": [-1024]},
                {"attn_lengths": [0]}, {"samples": 0}, {"ppl_tokens": 0}, {"widths_windows": 0}, {"seq_len": 0},
-               {"calib_tokens": 0}):
+               {"calib_tokens": 0}, {"long_lengths": [0]}, {"long_samples": 0}):
         with pytest.raises(OscarError, match="oscar run: "):
             RunConfig(out=str(tmp_path / "r"), **kw)
     assert not (tmp_path / "r").exists()
@@ -347,6 +349,10 @@ def test_run_config_refuses_bad_sizes_before_any_stage(tmp_path):
     (["run", "--no-ray", "--model", "no-such-model", "--out", "{o}"], "unknown model 'no-such-model'"),
     (["run", "--no-ray", "--calib-tokens", "1000000", "--out", "{o}"],
      "--tokens 1,000,000 asks for more than the calibration split gives"),
+    (["run", "--no-ray", "--long-lengths", "16k", "--positions", "8k", "--out", "{o}"],
+     "long-end needle cells of 16384 tokens reach past the calibration positions 8192; raise --positions"),
+    (["run", "--no-ray", "--long-lengths", "16k", "--methods", "kivi2,tq-int2", "--out", "{o}"],
+     "the long-end needle cells (16384) score bf16 and oscar-int2; --methods kivi2,tq-int2 has neither"),
     (["validate", "niah", "--model", "tiny-llama@seed=x", "--out", "{o}"], "bad model spec"),
     (["validate", "ppl", "--model", "{t}/missing.gguf", "--out", "{o}"], "GGUF file not found"),
     (["validate", "niah", "--corpus", "{t}/missing.txt", "--out", "{o}"], "--corpus {t}/missing.txt: no such file"),

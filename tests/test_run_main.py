@@ -183,3 +183,61 @@ def test_the_report_states_the_commands_wall_time(tmp_path):
     head = open(out / "report.md").read().splitlines()[2]
     assert f"{wall / 60:.1f} min wall from the command's start to the report" in head, head
     assert all(f"{k} {v:.0f} s" in head for k, v in stages.items()), head
+
+
+def test_run_command_reproduces_the_config(tmp_path):
+    """run.json's command, parsed again, asks for the same run (every size the user gave, the long end, the
+    calibration positions), and the new lengths read k-units."""
+    import shlex
+    from dataclasses import asdict
+
+    from oscar.__main__ import build_parser
+    from oscar.cli import run_config
+    from oscar.run import run_command
+
+    out = str(tmp_path / "r")
+    for argv in (["--model", "qwen2.5-0.5b", "--full", "--no-ray", "--methods", "bf16,oscar-int2,kivi2,tq-int2", "--tasks",
+                  "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1", "--lengths", "1k,2k,4k,8k",
+                  "--ppl-contexts", "1k,4k,8k", "--ppl-tokens", "64k", "--attn-lengths", "4k", "--long-lengths",
+                  "16k,32k", "--long-samples", "5", "--positions", "32k"],
+                 ["--samples", "3", "--seq-len", "1k", "--positions", "3k", "--widths", "none", "--no-tune"], []):
+        cfg = run_config(build_parser().parse_args(["run", "--out", out, *argv]))
+        cmd = run_command(cfg)
+        again = run_config(build_parser().parse_args(shlex.split(cmd)[1:]))
+        assert asdict(again) == asdict(cfg), cmd
+    assert (cfg.positions, cfg.long_lengths) == (4096, None)
+    full = run_config(build_parser().parse_args(["run", "--out", out, "--full", "--lengths", "1k,8k", "--ppl-tokens", "64k",
+                                                 "--long-lengths", "32k", "--methods", "bf16,kivi2,oscar-int2"]))
+    assert (full.lengths, full.ppl_tokens, full.seq_len, full.positions, full.long_methods) == \
+        ([1024, 8192], 65536, 8192, 32768, ["bf16", "oscar-int2"])
+
+
+def test_stages_record_cpu_time_summed_over_interrupted_invocations(tmp_path):
+    """A step's marker holds its wall and CPU seconds; an invocation interrupted inside the step (Ctrl-C, or a
+    SIGTERM, which `oscar run` turns into SystemExit) leaves what it spent, and the invocation that finishes adds it."""
+    import time
+
+    from oscar.recipe.driver import Stages
+
+    def burn(seconds: float, then=None):
+        t = time.process_time()
+        while time.process_time() - t < seconds:
+            pass
+        if then:
+            raise then
+
+    st = Stages(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        st.run("x", "x", "fp1", [], lambda: burn(0.2, KeyboardInterrupt()))
+    spent = json.load(open(tmp_path / "stages" / "x.spent.json"))
+    assert spent["cpu_seconds"] >= 0.2 and spent["fingerprint"] == "fp1" and "x" not in st.cpu_seconds
+    assert st.run("x", "x", "fp1", [], lambda: burn(0.1))
+    mark = json.load(open(tmp_path / "stages" / "x.json"))
+    assert mark["cpu_seconds"] >= 0.3 and mark["seconds"] >= 0.3 and st.cpu_seconds["x"] == mark["cpu_seconds"]
+    assert not (tmp_path / "stages" / "x.spent.json").exists()
+    again = Stages(str(tmp_path))
+    assert not again.run("x", "x", "fp1", [], lambda: burn(5)) and again.cpu_seconds == {"x": mark["cpu_seconds"]}
+    with pytest.raises(SystemExit):  # another input's interrupted time is not this step's
+        again.run("y", "y", "fp1", [], lambda: burn(0.2, SystemExit(143)))
+    assert again.run("y", "y", "fp2", [], lambda: burn(0.05))
+    assert json.load(open(tmp_path / "stages" / "y.json"))["cpu_seconds"] < 0.2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -38,13 +39,22 @@ def say(msg: str) -> None:
     print(f"[oscar {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of the children it has waited for (worker processes)."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
 class Stages:
-    """Step markers under DIR/stages/: skip a step whose inputs and outputs match."""
+    """Step markers under DIR/stages/: skip a step whose inputs and outputs match. Each marker records the step's
+    wall and CPU seconds, summed over the invocations an interrupted step took (DIR/stages/<step>.spent.json holds
+    what the interrupted ones spent; a kill -9 loses its invocation's share)."""
 
     def __init__(self, out: str):
         self.dir = os.path.join(out, "stages")
         os.makedirs(self.dir, exist_ok=True)
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
 
     def done(self, name: str, fp: str, outputs: list[str]) -> bool:
         p = os.path.join(self.dir, f"{name}.json")
@@ -54,12 +64,18 @@ class Stages:
         ok = m.get("fingerprint") == fp and all(os.path.exists(o) for o in outputs)
         if ok:
             self.seconds[name] = m.get("seconds", 0.0)
+            if "cpu_seconds" in m:  # markers written before CPU time was recorded have none
+                self.cpu_seconds[name] = m["cpu_seconds"]
         return ok
 
-    def mark(self, name: str, fp: str, outputs: list[str], seconds: float, extra: dict | None = None) -> None:
+    def mark(self, name: str, fp: str, outputs: list[str], seconds: float, extra: dict | None = None,
+             cpu: float | None = None) -> None:
         self.seconds[name] = seconds
+        rec = {"fingerprint": fp, "outputs": outputs, "seconds": seconds}
+        if cpu is not None:
+            self.cpu_seconds[name] = rec["cpu_seconds"] = cpu
         with open(os.path.join(self.dir, f"{name}.json"), "w") as f:
-            json.dump({"fingerprint": fp, "outputs": outputs, "seconds": seconds, **(extra or {})}, f, indent=1)
+            json.dump({**rec, **(extra or {})}, f, indent=1)
 
     def run(self, name: str, label: str, fp: str, outputs: list[str], work) -> bool:
         """Skip step `name` if done with fingerprint `fp` and its outputs exist; else run `work()` and mark it done
@@ -68,9 +84,22 @@ class Stages:
             say(f"{label}: done (skipped)")
             return False
         say(f"{label} ...")
-        t = time.time()
-        extra = work()
-        self.mark(name, fp, outputs, time.time() - t, extra if isinstance(extra, dict) else None)
+        spent_path = os.path.join(self.dir, f"{name}.spent.json")
+        spent = json.load(open(spent_path)) if os.path.exists(spent_path) else {}
+        if spent.get("fingerprint") != fp:  # what an interrupted run of other inputs spent is not this step's
+            spent = {"fingerprint": fp, "seconds": 0.0, "cpu_seconds": 0.0}
+        t, c = time.time(), cpu_seconds()
+        try:
+            extra = work()
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM as SystemExit) or failed: keep what it spent
+            with open(spent_path, "w") as f:
+                json.dump({**spent, "seconds": spent["seconds"] + time.time() - t,
+                           "cpu_seconds": spent["cpu_seconds"] + cpu_seconds() - c}, f)
+            raise
+        self.mark(name, fp, outputs, spent["seconds"] + time.time() - t, extra if isinstance(extra, dict) else None,
+                  cpu=spent["cpu_seconds"] + cpu_seconds() - c)
+        if os.path.exists(spent_path):
+            os.remove(spent_path)
         return True
 
 
