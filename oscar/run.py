@@ -425,7 +425,7 @@ def run_main(cfg: RunConfig) -> dict:
                          "with `oscar calibrate --corpus`")
     store = os.path.join(cfg.out, "calib.zarr")
     if not os.path.exists(store):  # what calibration would refuse (a budget the corpus cannot supply, ...): before DIR
-        check_calibration(_calib_config(cfg, store))
+        check_calibration(_calib_config(cfg, store), latent=False)  # the run's recipe and validation are per-head
     t_all = time.time()
     os.makedirs(cfg.out, exist_ok=True)
     job = _Job(cfg, Stages(cfg.out))
