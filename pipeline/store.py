@@ -350,6 +350,11 @@ def _attrs(path: Path) -> dict:
         return {}
 
 
+def store_format(path: str | os.PathLike) -> str | None:
+    """The format a store directory records (None: no store of ours there); reads its root attributes only."""
+    return _attrs(Path(path)).get("format")
+
+
 def _is_store(path: Path) -> bool:
     return _attrs(path).get("format") in READS
 
