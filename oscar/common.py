@@ -207,6 +207,12 @@ def num_layers(config: Any) -> int:
     return c.num_hidden_layers
 
 
+def fit_dim(config: Any) -> int:
+    """The width a fitted rotation acts on: head_dim (per-head K/V), or kv_lora_rank (an MLA latent); the
+    calibration budget is counted per such dimension (docs/decisions/0093-calibration-budget-1024-tokens-per-head-dim.md)."""
+    return latent_shapes(config)["kv_lora_rank"] if is_latent(config) else attention_shapes(config)["head_dim"]
+
+
 def attention_shapes(config: Any) -> dict:
     """num_layers, num_q_heads, num_kv_heads, head_dim of a transformers text config (per-head K/V caches; an MLA
     config is refused: its `head_dim` is the RoPE key's, and its cache is `latent_shapes`)."""

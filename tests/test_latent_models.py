@@ -5,6 +5,7 @@ rule), block-FP8 as its dequantized twin; every per-head step refuses them in on
 from __future__ import annotations
 
 import json
+import numpy as np
 import os
 import shutil
 import subprocess
@@ -179,3 +180,79 @@ def test_bench_memory_prints_the_latent_table(tmp_path):
     assert rows["int2-latent"]["bytes_per_token_layer"] == 144 and rows["bf16"]["bytes_per_token_layer"] == 576
     assert rows["int2-latent"]["bits_per_element"] == 2.5
     assert "144.0 B per token and layer" in p.stdout
+
+
+# ------------------------------------------------------------------ planning GLM-5.2
+
+def test_glm52_config_is_transformers_glm5_shape():
+    from oscar.cluster.plan import load_model_config
+
+    c = load_model_config("glm-5.2")
+    m = latent_shapes(c)
+    assert (m["num_layers"], m["num_heads"], m["kv_lora_rank"], m["rope_dim"], m["nope_dim"], m["v_dim"]) == \
+        (78, 64, 512, 64, 192, 256)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.first_k_dense_replace, c.index_topk) == (256, 8, 3, 2048)
+    assert m["mtp_layers"] == 1 and set(c.indexer_types) == {"full"}
+
+
+def test_latent_store_bytes_by_hand_and_against_a_real_store(tmp_path):
+    from oscar.cluster.plan import load_model_config, store_bytes_per_block
+
+    c = load_model_config("glm-5.2")
+    est = store_bytes_per_block(c, seq_len=4096, seqs_per_block=8, reservoir=256)
+    r, R = 512, 256
+    # four r x r float64 Grams, four r-vectors (sum, x^3, x^4, absmax), two float32 (R, r) reservoirs, five int64
+    assert est["per_layer"] == 4 * r * r * 8 + 4 * r * 8 + 2 * R * r * 4 + 5 * 8
+    # and the chunks the store itself writes for one block of a tiny latent model
+    from oscar.pipeline.store import CalibStore, FORMAT_LATENT, StoreMeta, latent_layer_arrays
+
+    t = load_model_config("tiny-glm5")
+    lat = latent_shapes(t)
+    S, T, Rr, B = 2, 16, 5, 3
+    meta = StoreMeta(model={"name": "tiny-glm5", "fingerprint": "x", "num_layers": 3, "num_q_heads": 4,
+                            "num_kv_heads": 4, "head_dim": 64, "latent": lat},
+                     corpus={"name": "c", "fingerprint": "y", "split": {}}, seq_len=T, sink=1, num_blocks=B,
+                     seqs_per_block=S, reservoir=Rr, config={}, format=FORMAT_LATENT)
+    st = CalibStore.create(tmp_path / "s.zarr", meta, np.ones((B, S, T), np.int32), np.ones((B, S, T), np.uint8))
+    for l in range(3):
+        st.write_layer(1, l, {n: np.ones(tail, dtype) for n, (dtype, tail) in latent_layer_arrays(256, Rr).items()})
+    on_disk = 0
+    for root, _, files in os.walk(tmp_path / "s.zarr"):
+        for f in files:
+            parts = os.path.relpath(os.path.join(root, f), tmp_path / "s.zarr").split(os.sep)
+            if parts[0] in ("layers", "done") and "c" in parts and parts[parts.index("c") + 1] == "1":
+                on_disk += os.path.getsize(os.path.join(root, f))
+    est = store_bytes_per_block(t, seq_len=T, seqs_per_block=S, reservoir=Rr)
+    assert on_disk == est["layers"] + est["done"]
+
+
+def test_plan_places_glm52(capsys):
+    from oscar.__main__ import main
+
+    assert main(["plan", "--model", "glm-5.2", "--nodes", "4", "--gpus-per-node", "8", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["num_layers"] == 78 and p["fits"]
+    kv = p["steps"]["kv_cache"]
+    ctx = kv["context"]
+    hist = 16 * ((ctx - 64 - 256) // 16)
+    # 288 B per history token and layer (+ the int32 page table: 4 B per 16 tokens), 1,152 B per 16-bit token
+    want = 78 * (288 * hist + 4 / 16 * hist + 1152 * (ctx - hist))
+    assert abs(kv["total_bytes"] - want) <= len(kv["stage_bytes"])  # each stage's bytes rounded down
+    assert kv["bf16_total_bytes"] == 78 * 1152 * ctx
+    assert [r["step"] for r in p["steps"]["rows"]] == ["calibrate"]  # nothing scores through a latent cache yet
+
+
+def test_render_glm52_calibration_and_refuse_its_run(tmp_path, capsys):
+    from oscar.__main__ import main
+
+    kw = ["--target", "kuberay", "--image", "oscar:1", "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "80",
+          "--cpus-per-node", "96", "--memory-per-node", "1024", "--model", "/data/models/GLM-5.2",
+          "--model-config", "glm-5.2", "--pvc", "data"]
+    assert main(["cluster", "render", "--out", str(tmp_path / "c"), *kw, "--store", "/data/glm52.zarr"]) == 0
+    text = (tmp_path / "c" / "rayjob.yaml").read_text()
+    assert "oscar calibrate --ray auto --model /data/models/GLM-5.2" in text and "--stage-layers 0:" in text
+    capsys.readouterr()
+    assert main(["cluster", "render", "--out", str(tmp_path / "r"), *kw, "--job", "run", "--run-dir", "/data/run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--job run: glm-5.2 is GlmMoeDsaForCausalLM, a Multi-head Latent" in err[0]
+    assert not (tmp_path / "r").exists()
