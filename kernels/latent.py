@@ -106,17 +106,20 @@ def up_projections(kv_b_proj: torch.Tensor, num_heads: int, nope: int, v_dim: in
 
 def absorbed_attention(q: torch.Tensor, c_rot: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor,
                        w_uv: torch.Tensor, rot: torch.Tensor, mean: torch.Tensor, scale: float,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
+                       mask: torch.Tensor | None = None, probs_from: torch.Tensor | None = None) -> torch.Tensor:
     """The attention output of an MLA layer read in the absorbed form from a rotated latent cache (float32).
 
     q (B, H, Tq, nope + rope) the layer's queries (RoPE applied to the last rope dims); c_rot (B, Tk, r) the cached
     rotated centred latents (dequantized, or exact); k_pe (B, Tk, rope); w_uk (H, nope, r), w_uv (H, v, r); rot (r, r)
     orthogonal, mean (r,); mask: None (causal: query i reads keys j <= Tk - Tq + i), or additive / boolean
-    (B|1, 1, Tq, Tk) as transformers builds it (the DSA top-k applied). Returns (B, Tq, H, v), the o_proj input."""
+    (B|1, 1, Tq, Tk) as transformers builds it (the DSA top-k applied); probs_from: the latents the scores read when
+    they are not `c_rot` (the value path alone: exact scores over other values). Returns (B, Tq, H, v), the o_proj
+    input."""
     nope = w_uk.shape[1]
     qf, cr, kp = q.float(), c_rot.float(), k_pe.float()
+    ck = cr if probs_from is None else probs_from.float()
     qa = torch.einsum("bhtd,hdr->bhtr", qf[..., :nope], w_uk.float())               # (B, H, Tq, r) absorbed queries
-    s = (torch.einsum("bhtr,bsr->bhts", qa @ rot.float(), cr)                       # rotated query · rotated latent
+    s = (torch.einsum("bhtr,bsr->bhts", qa @ rot.float(), ck)                       # rotated query · rotated latent
          + (qa @ mean.float())[..., None]                                            # the mean's logit, per query
          + torch.einsum("bhtd,bsd->bhts", qf[..., nope:], kp)) * scale               # (B, H, Tq, Tk)
     Tq, Tk = s.shape[-2:]

@@ -68,7 +68,8 @@ def _make_capture_fn(impl: str) -> Callable:
         if ctx is not None:
             # attend(values): the same attention (scores, mask, DSA top-k) over other values: a latent capture's õ = S C
             attend = lambda v: inner(module, query, key, v, attention_mask, **kwargs)[0]  # noqa: E731
-            ctx.capture.record(module.layer_idx, query, key, value, out, ctx, module=module, attend=attend)
+            ctx.capture.record(module.layer_idx, query, key, value, out, ctx, module=module, attend=attend,
+                               mask=attention_mask, scale=kwargs.get("scaling"))
         return out, weights
 
     oscar_capture_attention.__name__ = f"{PREFIX}{impl}"
@@ -493,7 +494,7 @@ class Capture:
         finally:
             _ACTIVE.reset(token)
 
-    def record(self, layer, q, k, v, out, ctx: _BatchContext, module=None, attend=None) -> None:
+    def record(self, layer, q, k, v, out, ctx: _BatchContext, module=None, attend=None, **_) -> None:
         """q: (B, Hq, T, D), k/v: (B, Hkv, T, D) as passed to attention; out: (B, T, Hq, D) its output. A latent
         capture (`LatentSpec`) reads the layer's latent from `ctx`, its up-projections from `module` and õ through
         `attend`."""
@@ -589,3 +590,33 @@ class RowCapture:
         self.q[layer].append(q[0, :, e - 1::e].detach().cpu().clone())                # (Hq, T // e, D)
         if layer == self.stop_after:
             raise StopForward
+
+
+class LatentRowCapture:
+    """Keeps what an MLA model's attention reads, per layer, unreduced (one unpadded sequence per forward): the
+    queries (1, H, T, nope + rope) with RoPE applied, the latents (1, T, r), the RoPE keys (1, T, rope), the mask as
+    the attention applies it (GLM-5's DSA top-k included) and the logit scale; `rows` lists them by layer. The same
+    registered attention function and latent hooks as `Capture` (`install` the model first)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    @contextlib.contextmanager
+    def batch(self, mask: torch.Tensor, seq_offset: int = 0) -> Iterator[None]:
+        if mask.shape[0] != 1 or not bool(mask.bool().all()):
+            raise OscarError("LatentRowCapture takes one unpadded sequence per forward")
+        token = _ACTIVE.set(_BatchContext(self, mask.bool(), int(seq_offset)))
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def record(self, layer, q, k, v, out, ctx: _BatchContext, module=None, mask=None, scale=None, **_) -> None:
+        c = ctx.latent.pop(layer, None)
+        if c is None or module is None or not latent.is_latent_attention(module):
+            raise OscarError(f"capture: layer {layer} gave no latent (LatentRowCapture reads MLA models)")
+        nope = module.qk_nope_head_dim
+        self.rows.append({"layer": int(layer), "q": q.detach().cpu(), "c": c.cpu(),
+                          "k_pe": k[:, 0, :, nope:].detach().cpu(), "mask": None if mask is None else mask.cpu(),
+                          "scale": float(scale), "module": module})
