@@ -118,7 +118,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         GGUF_EXT, SGLANG, SGLANG_EXT, embedded_gguf, export_gguf, export_sglang, unsupported_parts,
     )
 
-    art = load_artifact(positional_or_option(args, "artifact", "--artifact"))
+    path = positional_or_option(args, "artifact", "--artifact")
+    if _is_latent_artifact(path):
+        return _export_latent(args, path)
+    art = load_artifact(path)
     fv = args.format_version
     ext = SGLANG_EXT if args.format == SGLANG else GGUF_EXT
     if fv is not None and fv not in ((1, 2, SGLANG_EXT) if args.format == SGLANG else (1, GGUF_EXT)):
@@ -139,11 +142,44 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_latent_artifact(path: str) -> bool:
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.artifact_header import ARTIFACT_FORMAT_LATENT
+    from oscar.stats.artifact import artifact_format
+
+    return os.path.isfile(path) and artifact_format(path) == ARTIFACT_FORMAT_LATENT
+
+
+def _export_latent(args: argparse.Namespace, path: str) -> int:
+    """`oscar export` of a latent (MLA) artifact: sglang-oscar's latent_rotation_TAG.pt."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.stats.artifact import load_latent_artifact
+    from oscar.stats.interop import SGLANG, export_sglang_latent
+
+    if args.format != SGLANG or args.format_version not in (None, 1):
+        raise OscarError(f"{path} is a latent (MLA) artifact: it exports as --format {SGLANG} (latent_rotation_TAG.pt, "
+                         "format version 1) only")
+    print(export_sglang_latent(load_latent_artifact(path), args.out, tag=args.tag))
+    return 0
+
+
 def _cmd_import(args: argparse.Namespace) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.modelconfig import load_model_config
     from oscar.stats.artifact import save_artifact
-    from oscar.stats.interop import SGLANG, import_gguf, import_sglang
+    from oscar.stats.interop import SGLANG, import_gguf, import_sglang, import_sglang_latent, latent_file
+
+    lat = latent_file(args.path, args.tag) if args.format == SGLANG and os.path.isdir(args.path) else None
+    if lat is not None:  # an MLA model's latent rotations
+        # late: keeps torch (2.1 s) out of `oscar --help`
+        from oscar.stats.artifact import save_latent_artifact
+
+        art = import_sglang_latent(lat)
+        if args.model:
+            art.check_model(load_model_config(args.model))
+        save_latent_artifact(art, args.out)
+        print(args.out)
+        return 0
     art = import_sglang(args.path, tag=args.tag, num_kv_heads=args.num_kv_heads) if args.format == SGLANG else import_gguf(args.path)
     if args.model:
         cfg = load_model_config(args.model)  # the config alone: same fingerprint as the resolved model's

@@ -136,3 +136,26 @@ def test_per_head_fit_refuses_a_latent_store(store):
 
     with pytest.raises(OscarError, match="is a latent store .oscar-calib-latent/1"):
         fit(store)
+
+
+def test_export_import_latent_rotations_bit_for_bit(store, tmp_path):
+    art = fit_latent(store, LatentFitConfig())
+    a = str(tmp_path / "a.safetensors")
+    save_latent_artifact(art, a)
+    run = lambda *x: subprocess.run([sys.executable, "-m", "oscar", *x], capture_output=True, text=True)  # noqa: E731
+    p = run("export", a, "--format", "sglang-oscar", "--out", str(tmp_path / "sg"))
+    assert p.returncode == 0, p.stderr
+    obj = torch.load(tmp_path / "sg" / "latent_rotation_oscar.pt", weights_only=True)
+    assert obj["kind"] == "mla_latent" and obj["group_size"] == 128 and obj["layers"][0]["rotation"].shape == (256, 256)
+    p = run("import", str(tmp_path / "sg"), "--format", "sglang-oscar", "--out", str(tmp_path / "b.safetensors"),
+            "--model", "tiny-deepseek-v3")
+    assert p.returncode == 0, p.stderr
+    back = load_latent_artifact(str(tmp_path / "b.safetensors"))
+    assert all(torch.equal(x, y) for x, y in zip(art.rot + art.mean + art.clip, back.rot + back.mean + back.clip))
+    assert back.quant == art.quant and back.meta["variant"] == art.meta["variant"]
+    p = run("export", a, "--format", "gguf-rot", "--out", str(tmp_path / "g"))
+    assert p.returncode == 2 and "exports as --format sglang-oscar" in p.stderr and not (tmp_path / "g").exists()
+    p = run("import", str(tmp_path / "sg"), "--format", "sglang-oscar", "--out", str(tmp_path / "c.safetensors"),
+            "--model", "tiny-glm5")  # another model's shapes / config: refused, nothing written
+    assert p.returncode == 2 and "latent artifact does not match the model" in p.stderr
+    assert not (tmp_path / "c.safetensors").exists()
