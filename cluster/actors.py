@@ -31,11 +31,12 @@ import numpy as np
 import torch
 
 from oscar.cluster.loading import load_config, load_layer_range
-from oscar.common import OscarError, attention_shapes, set_threads
+from oscar.common import OscarError, attention_shapes, is_latent, latent_shapes, set_threads
 from oscar.kernels import cpu_attention
 from oscar.pipeline import capture
 from oscar.pipeline.calibrate import store_offsets
 from oscar.pipeline.capture import StopForward
+from oscar.pipeline.latent import LatentSpec
 from oscar.pipeline.store import CalibStore, WriterLock
 
 EXPERT_ARRAY = "expert_tokens"  # layers/{l}/expert_tokens: int64 (B, E), MoE layers only
@@ -120,12 +121,16 @@ class StageWorker:
                    else [args.device])
         self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config,
                                                    dtype=getattr(torch, args.dtype), devices=devices)
-        sh = attention_shapes(config)
         self.layers = tuple(range(args.start, args.stop))
-        self.cap = capture.Capture(capture.CaptureSpec(
-            num_q_heads=sh["num_q_heads"], num_kv_heads=sh["num_kv_heads"], head_dim=sh["head_dim"],
-            layers=self.layers, sink=args.sink, reservoir=args.reservoir, seed=args.seed,
-            seqs_per_block=args.seqs_per_block))
+        kw = dict(layers=self.layers, sink=args.sink, reservoir=args.reservoir, seed=args.seed,
+                  seqs_per_block=args.seqs_per_block)
+        if is_latent(config):  # an MLA model: the latent statistics, its layers' latents handed over by hooks
+            spec = LatentSpec.of(latent_shapes(config), **kw)
+            capture.hook_latents(self.stage)
+        else:
+            sh = attention_shapes(config)
+            spec = capture.CaptureSpec(sh["num_q_heads"], sh["num_kv_heads"], sh["head_dim"], **kw)
+        self.cap = capture.Capture(spec)
         self.store = CalibStore(args.store, mode="r+")
 
         self.offsets = store_offsets(self.store.meta)  # (B, S) RoPE start of every window (`--positions`; zeros)

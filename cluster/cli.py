@@ -14,7 +14,7 @@ from dataclasses import fields
 from oscar.cli_options import add_model, add_out, add_ray, add_stages
 from oscar.cluster.placement import GPUS, UTILIZATION
 from oscar.cluster.steps import StepSizes
-from oscar.common import OscarError, attention_shapes, nonneg_float, positional_or_option, positive_float, positive_int
+from oscar.common import OscarError, fit_dim, nonneg_float, positional_or_option, positive_float, positive_int
 from oscar.pipeline.cli import calib_config
 
 
@@ -192,7 +192,7 @@ def _plan(args) -> int:
     pc.check()  # sizes first: no config is read for a plan that cannot exist
     config = load_model_config(args.model)
     pc.num_blocks, note = corpus_budget(args.corpus, seq_len=args.seq_len, seqs_per_block=args.seqs_per_block,
-                                        blocks=args.blocks, head_dim=attention_shapes(config)["head_dim"])
+                                        blocks=args.blocks, head_dim=fit_dim(config))
     if args.nodes is not None:
         plan = plan_placed(config, pc, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu,
                            stages=args.stages, gpus_per_stage=args.gpus_per_stage, utilization=args.utilization)

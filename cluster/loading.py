@@ -16,7 +16,8 @@ Every checkpoint key of the stage's layers (and, for the first stage, of the emb
 before any tensor is read: it is placed into a parameter or buffer, consumed as the scale of a block-FP8
 weight (`<name>.weight_scale_inv`, dequantized with its weight by
 `oscar.pipeline.models.dequantize_block_fp8`, the one rule every loader follows), or ignored by a named
-rule (`IGNORED_KEYS`); any other key is an error naming it, so a tensor can never be dropped silently.
+rule (`IGNORED_KEYS`; the MTP layers past the last decoder layer, which the last stage accounts for, by
+`oscar.modelconfig.MTP_RULE`); any other key is an error naming it, so a tensor can never be dropped silently.
 A checkpoint quantized any other way is refused by `checkpoint_quantization` before a weight is read.
 Block-FP8 weights are dequantized at load, on CPU, tensor by tensor as their shard is read, to the
 stage's compute dtype: on CUDA too FP8 is not kept (transformers' fine-grained FP8 layers are not used).
@@ -44,7 +45,7 @@ from transformers.masking_utils import create_causal_mask
 from oscar.cluster.balance import balance_layers
 from oscar.cluster.placement import num_experts as _num_experts  # the name the cluster modules import
 from oscar.common import OscarError
-from oscar.modelconfig import layer_of, read_config
+from oscar.modelconfig import MTP_RULE, check_layer_keys, layer_of, read_config
 from oscar.pipeline.models import (SCALE_SUFFIX, checkpoint_quantization, dequantize_block_fp8, is_float8,
                                    scale_key)
 
@@ -212,6 +213,10 @@ class LayerRange(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
         dev, mask, pos_emb = None, None, None
+        # DSA (GLM-5): the indexer needs the full mask (as the model builds it), and a "shared" layer reuses the
+        # previous layer's top-k, which the stage carries from layer to layer (a stage never starts on one)
+        indexed = bool(getattr(self.config, "indexer_types", None))
+        extra: dict = {"prev_topk_indices": None} if indexed else {}
         for idx, layer in self.layers.items():
             ldev = next(layer.parameters()).device
             if ldev != dev:  # first layer, or the next GPU of a multi-GPU stage: move and rebuild inputs
@@ -220,10 +225,17 @@ class LayerRange(nn.Module):
                 am = attention_mask.to(dev) if attention_mask is not None else None
                 mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=am,
                                           cache=cache, position_ids=position_ids,
-                                          **({"layer_idx": int(idx)} if cache is not None else {}))
+                                          **({"layer_idx": int(idx)} if cache is not None else {}),
+                                          **({"allow_is_causal_skip": False} if indexed else {}))
                 pos_emb = self._rotary_on(dev)(hidden, position_ids)  # (cos, sin), each (B|1, T, rot_dim)
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=pos_emb, position_ids=position_ids,
-                           cache=cache, use_cache=cache is not None, **kwargs)
+                if extra.get("prev_topk_indices") is not None:
+                    extra["prev_topk_indices"] = extra["prev_topk_indices"].to(dev)
+            out = layer(hidden, attention_mask=mask, position_embeddings=pos_emb, position_ids=position_ids,
+                        cache=cache, use_cache=cache is not None, **extra, **kwargs)
+            if indexed:  # GLM-5's decoder layer returns (hidden, the top-k its attention used)
+                hidden, extra["prev_topk_indices"] = out
+            else:
+                hidden = out
         return hidden  # (B, T, H)
 
 
@@ -277,6 +289,12 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
     config = config if config is not None else load_config(model_dir)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     spec = StageSpec(start, stop, text_cfg.num_hidden_layers)
+    shared = [i for i, t in enumerate(getattr(text_cfg, "indexer_types", None) or []) if t == "shared"]
+    if start in shared:
+        raise OscarError(f"stage [{start}, {stop}) starts at layer {start}, whose DSA indexer reuses layer "
+                         f"{start - 1}'s top-k (indexer_types[{start}] = 'shared'): a stage boundary must fall "
+                         f"before a layer with its own indexer (layers with one: "
+                         f"{[i for i in range(spec.num_layers) if i not in shared][:12]})")
     # before any weight is read: another quantization method is refused by name; block FP8 gives its block size
     block = checkpoint_quantization(config, os.path.join(model_dir, "config.json"))
     ckpt = Checkpoint(model_dir)
@@ -325,7 +343,9 @@ def load_layer_range(model_dir: str, start: int, stop: int, *, config=None, dtyp
             or (head and layer_of(k) is None and (k.removeprefix(pre) in ("norm.weight", "norm.bias")
                                                   or k.startswith(f"{head_name}.")))}
     unaccounted = sorted(mine - consumed - set(scales.values()))
-    report_ignored = {}
+    # MTP layers sit past the last decoder layer: the last stage accounts for them, ignored by their rule
+    mtp = check_layer_keys(ckpt.weight_map, text_cfg, model_dir)
+    report_ignored = dict.fromkeys(mtp, MTP_RULE) if spec.last else {}
     for k in unaccounted:
         rule = ignored_by(k)
         if rule is not None:

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from oscar.cluster.balance import balance
-from oscar.common import OscarError, attention_shapes
+from oscar.common import OscarError, attention_shapes, is_latent, latent_shapes, num_layers
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,27 @@ def layer_flops_per_token(config, layer: int, seq_len: int) -> dict:
     attention: q/k/v/o projections + causal scores and weighted sum over (seq_len + 1) / 2 keys on average;
     mlp: the dense MLP, or the router + the top-k routed experts + the shared experts (active only);
     capture: the float64 Grams the capture adds, (2 Hq + 3 Hkv) D x D outer products per token
-    (q, o per query head; k, v and the value-weighted Gram per KV head; moments are O(D), left out)."""
+    (q, o per query head; k, v and the value-weighted Gram per KV head; moments are O(D), left out); an MLA
+    layer's are its latent's (below)."""
     c = _text(config)
-    sh = attention_shapes(c)
-    h, hq, hkv, d = c.hidden_size, sh["num_q_heads"], sh["num_kv_heads"], sh["head_dim"]
-    proj = 2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h
-    scores = 2 * 2 * hq * d * (seq_len + 1) / 2
+    ctx = (seq_len + 1) / 2  # keys a query reads on average
+    if is_latent(c):
+        # MLA: q_a / q_b, kv_a (latent + RoPE key), kv_b (every head's k_nope and v from the latent), o; scores over
+        # nope + RoPE dims, the weighted sum over v dims. Capture: the absorbed queries q̃ = q_nope W_UK (H nope r),
+        # the attention-weighted latent (a second weighted sum over r dims) and three r x r Grams (c, q̃ and õ per head)
+        m = latent_shapes(c)
+        h, H, r, dr, dn, dv = c.hidden_size, m["num_heads"], m["kv_lora_rank"], m["rope_dim"], m["nope_dim"], m["v_dim"]
+        qr = m["q_lora_rank"]
+        qproj = 2 * (h * qr + qr * H * (dn + dr)) if qr else 2 * h * H * (dn + dr)
+        proj = qproj + 2 * h * (r + dr) + 2 * r * H * (dn + dv) + 2 * H * dv * h
+        scores = 2 * H * (dn + dr + dv) * ctx
+        capture = 2 * H * dn * r + 2 * H * r * ctx + 2 * r * r * (1 + 2 * H)
+    else:
+        sh = attention_shapes(c)
+        h, hq, hkv, d = c.hidden_size, sh["num_q_heads"], sh["num_kv_heads"], sh["head_dim"]
+        proj = 2 * h * (hq + 2 * hkv) * d + 2 * hq * d * h
+        scores = 2 * 2 * hq * d * ctx
+        capture = 2 * d * d * (2 * hq + 3 * hkv)
     e = num_experts(c)
     if e and is_moe_layer(c, layer):
         inter = c.moe_intermediate_size
@@ -106,13 +121,12 @@ def layer_flops_per_token(config, layer: int, seq_len: int) -> dict:
         mlp = 2 * h * e + 2 * 3 * h * (k * inter + shared)
     else:
         mlp = 2 * 3 * h * c.intermediate_size
-    capture = 2 * d * d * (2 * hq + 3 * hkv)
     return {"attention": proj + scores, "mlp": mlp, "capture": capture}
 
 
 def flops_per_token(config, seq_len: int, layers: tuple[int, int] | None = None) -> dict:
     """Sums of `layer_flops_per_token` over `layers` [a, b) (default: every layer); the LM head is not run."""
-    a, b = layers or (0, attention_shapes(_text(config))["num_layers"])
+    a, b = layers or (0, num_layers(config))
     per = [layer_flops_per_token(config, l, seq_len) for l in range(a, b)]
     out = {k: sum(p[k] for p in per) for k in ("attention", "mlp", "capture")}
     out["matmul"] = out["attention"] + out["mlp"]

@@ -22,11 +22,11 @@ from oscar.cluster.loading import build_skeleton
 from oscar.cluster.placement import (H100, UTILIZATION, GpuSpec, Placement, balance_by_time, estimate, fmt_seconds,
                                      is_moe_layer, layer_flops_per_token, num_experts)
 from oscar.cluster.steps import StepSizes, estimate_steps
-from oscar.common import OscarError, attention_shapes, canonical_json
+from oscar.common import OscarError, attention_shapes, canonical_json, is_latent, latent_shapes, num_layers
 from oscar.modelconfig import layer_of
 from oscar.modelconfig import load_model_config as _load_model_config
 from oscar.pipeline.models import checkpoint_quantization
-from oscar.pipeline.store import layer_arrays
+from oscar.pipeline.store import latent_layer_arrays, layer_arrays
 from oscar.pipeline.corpus import estimate_size
 
 GiB = 1 << 30
@@ -72,7 +72,7 @@ def _param_counts(config_json: str) -> ParamBytes:
     model = build_skeleton(config)
     tied = bool(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                         "tie_word_embeddings", False))
-    nl = attention_shapes(config)["num_layers"]
+    nl = num_layers(config)
     layers = [0] * nl
     embed = head = 0
     for name, p in model.named_parameters():
@@ -109,11 +109,13 @@ def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------- store
 
 def store_bytes_per_block(config, *, seq_len: int, seqs_per_block: int, reservoir: int) -> dict:
-    """Uncompressed bytes one block adds to an `oscar-calib/1` store (docs/store-format.md)."""
-    sh = attention_shapes(config)
-    L, H, D = sh["num_layers"], sh["num_kv_heads"], sh["head_dim"]
-
-    per_layer = sum(np.dtype(dt).itemsize * int(np.prod(tail)) for dt, tail in layer_arrays(H, D, reservoir).values())
+    """Uncompressed bytes one block adds to a store (docs/store-format.md): per-head arrays, or a latent store's."""
+    if is_latent(config):
+        L, arrays = num_layers(config), latent_layer_arrays(latent_shapes(config)["kv_lora_rank"], reservoir)
+    else:
+        sh = attention_shapes(config)
+        L, arrays = sh["num_layers"], layer_arrays(sh["num_kv_heads"], sh["head_dim"], reservoir)
+    per_layer = sum(np.dtype(dt).itemsize * int(np.prod(tail)) for dt, tail in arrays.values())
     n_exp = _num_experts(config)
     moe_layers = [l for l in range(L) if _is_moe_layer(config, l)] if n_exp else []
     experts = len(moe_layers) * n_exp * 8  # layers/{l}/expert_tokens, int64
@@ -135,17 +137,27 @@ _is_moe_layer = is_moe_layer  # the name cluster/pipeline.py imports
 def activation_bytes(config, *, micro_batch: int, seq_len: int, act_bytes: int) -> dict:
     """Bytes per micro-batch: what crosses a stage boundary, and the working set of one layer."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    sh = attention_shapes(c)
-    hq, hkv, d, hid = sh["num_q_heads"], sh["num_kv_heads"], sh["head_dim"], c.hidden_size
     tok = micro_batch * seq_len
+    hid = c.hidden_size
     boundary = tok * hid * act_bytes + tok * (8 + 8)  # hidden states + position ids + padding mask
-    attn = tok * (2 * hq + 2 * hkv) * d * act_bytes    # q, o and k, v
+    if is_latent(c):
+        # MLA: q and the expanded k (nope + RoPE), v and o per head, the latent; the capture's attention-weighted
+        # latent (H x r) in the compute dtype, and its float64 latent, absorbed queries and õ rows of a sequence
+        m = latent_shapes(c)
+        H, r, qk = m["num_heads"], m["kv_lora_rank"], m["nope_dim"] + m["rope_dim"]
+        attn = tok * (2 * H * qk + 2 * H * m["v_dim"] + r + m["rope_dim"] + H * r) * act_bytes
+        capture = tok * (r + 2 * H * r) * 8
+    else:
+        sh = attention_shapes(c)
+        hq, hkv, d = sh["num_q_heads"], sh["num_kv_heads"], sh["head_dim"]
+        attn = tok * (2 * hq + 2 * hkv) * d * act_bytes    # q, o and k, v
+        capture = tok * (2 * hq + 2 * hkv) * d * 8          # float64 copies of q/o/k/v for the statistics
+        H = hq
     inter = c.intermediate_size
     if _num_experts(c):
         inter = max(inter, c.moe_intermediate_size * (1 + getattr(c, "n_shared_experts", 0) or 0))
     mlp = tok * 3 * inter * act_bytes                  # gate, up, act(gate)*up
-    scores = micro_batch * hq * seq_len * seq_len * act_bytes  # only if the implementation materialises S
-    capture = tok * (2 * hq + 2 * hkv) * d * 8          # float64 copies of q/o/k/v for the statistics
+    scores = micro_batch * H * seq_len * seq_len * act_bytes  # only if the implementation materialises S
     return {"boundary": boundary, "layer_working_set": 2 * tok * hid * act_bytes + attn + mlp + capture,
             "scores_if_materialised": scores}
 
@@ -410,7 +422,7 @@ def place(config, pc, *, nodes: int, gpus_per_node: int, gpu: GpuSpec = H100, st
     if gpus_per_stage is not None and gpus_per_node % gpus_per_stage:
         raise OscarError(f"--gpus-per-stage {gpus_per_stage} must divide --gpus-per-node {gpus_per_node} (a stage's "
                          "GPUs are in one node)")
-    nl = attention_shapes(config)["num_layers"]
+    nl = num_layers(config)
     why = []
     for g in [gpus_per_stage] if gpus_per_stage else _divisors(gpus_per_node):
         slots = nodes * gpus_per_node // g

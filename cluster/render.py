@@ -28,7 +28,7 @@ from oscar.cluster import plan as planner
 from oscar.cluster.jobs import CONFIG_ENV
 from oscar.cluster.placement import fmt_seconds
 from oscar.cluster.plan import PlanConfig, corpus_budget, make_plan, plan_placed
-from oscar.common import OscarError, attention_shapes
+from oscar.common import OscarError, fit_dim, is_latent, latent_refusal
 from oscar.pipeline.corpus import estimate_size
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -159,10 +159,13 @@ def plan_for(cfg: RenderConfig):
         hint = "" if cfg.model_config else (" (--model names the path on the nodes; give --model-config: a local "
                                             "config.json, model directory or shipped config such as glm-4.7)")
         raise OscarError(f"cannot plan the model: {e}{hint}") from None
+    if cfg.job == "run" and is_latent(mcfg):  # `oscar run`'s recipe and validation are per-head
+        raise OscarError(f"--job run: {latent_refusal(mcfg, spec)}; render --job calibrate, then `oscar fit STORE "
+                         "--no-tune --widths none`; nothing written")
     notes = positions_notes(cfg, mcfg, spec)  # refuses --positions beyond the model's before any planning
     blocks, note = corpus_budget(cfg.corpus, seq_len=cfg.seq_len, seqs_per_block=cfg.seqs_per_block,
                                  tokens=cfg.tokens, larger=f" below {cfg.shared_dir}", end="; nothing written",
-                                 head_dim=attention_shapes(mcfg)["head_dim"])
+                                 head_dim=fit_dim(mcfg))
     notes.append(note)
     if cfg.stages is None or cfg.gpus_per_stage is None:
         if cfg.gpus_per_stage is not None:
@@ -229,7 +232,7 @@ def budget_tokens(cfg: RenderConfig, spec: str) -> int | None:
     corpus gives more or cannot be read here, else None (the whole corpus, as the plan says)."""
     if cfg.tokens is not None:
         return cfg.tokens
-    rec = planner.recommended_tokens(attention_shapes(planner.load_model_config(spec))["head_dim"])
+    rec = planner.recommended_tokens(fit_dim(planner.load_model_config(spec)))
     est = estimate_size(cfg.corpus)
     return rec if est is None or rec < est.tokens else None
 
@@ -344,7 +347,7 @@ def render(cfg: RenderConfig) -> Rendered:
         "plan_command": plan_cmd, "plan_comment": _comment(_plan_lines(plan, stages, replicas, g, cfg) + notes),
         "name": q(cfg.name), "image": q(cfg.image),
         "command": q(shlex.join(cmd)),
-        "what": (f"calibrate {cfg.model} into an oscar-calib/1 store" if job is None else
+        "what": (f"calibrate {cfg.model} into a calibration store" if job is None else
                  f"the whole oscar run of {cfg.model} (calibrate, the recipe, needles, perplexity, report) into "
                  f"{cfg.run_dir}"),
         # the run's job config reaches its driver as $OSCAR_JOB_CONFIG (cluster/jobs.py CONFIG_ENV), a JSON string

@@ -24,7 +24,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from oscar.cluster.placement import H100, UTILIZATION, GpuSpec, flops_per_token, is_moe_layer, num_experts
-from oscar.common import OscarError, attention_shapes
+from oscar.common import OscarError, attention_shapes, is_latent, latent_shapes
 from oscar.defaults import RECENT, SINK
 
 # Latency one more stage adds to a round trip through the stages (driver -> A -> B, A's ObjectRef passed to B, as
@@ -91,9 +91,14 @@ def cache_format(sizes: StepSizes, bits: int = 2):
 def kv_cache_bytes(config, ranges: list[tuple[int, int]], context: int, fmt) -> list[int]:
     """Bytes of one sequence's KV cache of `context` tokens held by each stage (kernels/memory.py `total`)."""
     # late: keeps torch (2.1 s) out of `oscar --help` (the plan's CLI imports this module)
-    from oscar.kernels.memory import total
+    from oscar.kernels.memory import LatentFormat, latent_total, total
 
-    sh = attention_shapes(_text(config))
+    c = _text(config)
+    if is_latent(c):  # the INT2 latent cache (c_kv in groups of 128, the RoPE key 16-bit)
+        lf = LatentFormat(fmt.name, bits=fmt.bits, sink=fmt.sink, recent=fmt.recent)
+        sh = latent_shapes(c)
+        return [int(sum(latent_total(dict(sh, num_layers=b - a), lf, context).values())) for a, b in ranges]
+    sh = attention_shapes(c)
     return [int(sum(total(dict(sh, num_layers=b - a), fmt, context).values())) for a, b in ranges]
 
 
@@ -148,7 +153,7 @@ def estimate_steps(config, ranges: list[tuple[int, int]], *, stage_params: list[
     s = sizes or StepSizes()
     s.check()
     c = _text(config)
-    sh = attention_shapes(c)
+    sh = None if is_latent(c) else attention_shapes(c)
     hid, vocab, p = c.hidden_size, c.vocab_size, len(ranges)
     rate = gpu.bf16_flops * utilization
     link = gpu.inter_node_bytes_s if crosses_nodes else gpu.intra_node_bytes_s
@@ -181,6 +186,14 @@ def estimate_steps(config, ranges: list[tuple[int, int]], *, stage_params: list[
     kv16 = kv_cache_bytes(config, ranges, s.context, cache_format(s, bits=16))
     rows = [StepEstimate("calibrate", calibrate[2], calibrate[0], list(calibrate[1]),
                          "the calibration estimate above (capture, float64 accumulators, no LM head)")]
+    if sh is None:  # an MLA model: its latent fit reads the store alone; what scores the model is not built for it
+        kv_cache = {"context": s.context, "format": "int2-latent", "stage_bytes": kv, "bf16_stage_bytes": kv16,
+                    "total_bytes": sum(kv), "bf16_total_bytes": sum(kv16)}
+        return Steps(rows, kv_cache, asdict(s), [
+            "MLA model: calibration and the latent fit (rotations and clips, no model read) only; the tune, the "
+            "widths, perplexity and needles score through an INT2 latent cache, which is not built yet",
+            f"KV cache: the latent c_kv at {fmt.bits} bits in groups of 128 with fp32 scale + zero, the RoPE key and "
+            f"sink {fmt.sink} + recent {fmt.recent} tokens 16-bit, one sequence (kernels/memory.py latent_total)"])
 
     t = steps(s.tune_tokens, s.tune_tokens, True)
     rows.append(StepEstimate(

@@ -55,6 +55,11 @@ def memory_cmd(args: argparse.Namespace) -> int:
             print(f"{r['format']:14s} {r['bits_per_element']:9.3f} {r['history_bytes_per_token_total']:10.1f} "
                   f"1/{1 / r['history_ratio_vs_bf16']:<6.2f} {r['context_bytes_total'] / 2**20:9.2f} "
                   f"1/{1 / r['context_ratio_vs_bf16']:<6.2f}")
+        if rep.get("kind") == "latent":
+            print("  (MLA latent cache: c_kv quantized in groups with fp32 scale + zero, k_pe and the sink / recent "
+                  "windows 16-bit; bits/elem per latent value, k_pe apart)")
+            for r in rep["rows"]:
+                print(f"  {r['format']:14s} {r['bytes_per_token_layer']:8.1f} B per token and layer")
         if "artifact" in rep:
             a = rep["artifact"]
             print(f"{'artifact':14s} {a['bits_per_element']:9.3f} {sum(a['history_bytes_per_token'].values()):10.1f} "

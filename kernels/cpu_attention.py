@@ -167,8 +167,10 @@ def is_causal_mask(mask: torch.Tensor | None, Tq: int, Tk: int) -> bool:
 
 def attention_forward(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kwargs):
     """A transformers attention function: the native kernel for a causal attention (no mask, or one that
-    is plain causality), torch's SDPA otherwise (padding, sliding windows, dropout, other devices)."""
+    is plain causality) with values as wide as the keys, torch's SDPA otherwise (padding, sliding windows, dropout,
+    other devices, MLA's value widths)."""
     if (dropout == 0.0 and kwargs.get("sliding_window") is None and supports(query, key)
+            and value.shape == key.shape  # MLA values are narrower than its keys (and a latent capture's wider)
             and is_causal_mask(attention_mask, query.shape[2], key.shape[2])):
         out, _ = causal_attention(query, key, value, scaling)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None

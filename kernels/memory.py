@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from oscar.common import OscarError, attention_shapes
-from oscar.defaults import PAGE_SIZE, RECENT, SINK
+from oscar.common import OscarError, attention_shapes, is_latent, latent_shapes
+from oscar.defaults import LATENT_GROUP, PAGE_SIZE, RECENT, SINK
 from oscar.kernels.dispatch import quantize_pages
 from oscar.kernels.paged import PagedConfig, PagedKVCache, layout
 from oscar.kernels.rotation import LayerRotation
@@ -181,7 +181,11 @@ def artifact_row(art, config: Any | None = None) -> dict:
 
 
 def report(config: Any, context: int = 32768, formats: list[Format] | None = None) -> dict:
-    """The memory table for a model config: per history token and whole-context bytes, ratios vs BF16."""
+    """The memory table for a model config: per history token and whole-context bytes, ratios vs BF16 (an MLA
+    model's is its latent cache's: `latent_report`)."""
+    if is_latent(config):
+        f = formats[0] if formats else Format("bf16")
+        return latent_report(config, context, latent_formats(f.sink, f.recent, f.page_size))
     shapes = attention_shapes(config)
     formats = formats or default_formats()
     base = per_history_token(shapes, Format("bf16", bits=16))["codes"]
@@ -233,6 +237,85 @@ def _targets(shapes: dict, rows: list[dict]) -> dict:
                                      "ratio_with_page_table": r["history_ratio_vs_bf16"],
                                      "met": abs(r["history_ratio_codes_scales_vs_bf16"] - 1 / 8) < 1e-12}
     return out
+
+
+# --------------------------------------------------------------------------- MLA latent caches
+# An MLA engine caches per token and layer the latent c_kv (kv_lora_rank values) and one shared RoPE key k_pe
+# (qk_rope_head_dim values), not per-head K/V. The INT2 latent format quantizes c_kv only, per token in groups of
+# `group` values with a scale and a zero each (fp32 in the public MLA pool); k_pe, the sinks and the recent window
+# stay 16-bit. At kv_lora_rank 512, group 128, fp32 scale + zero and a 64-value k_pe: 128 B of codes + 32 B of
+# scales + 128 B of k_pe = 288 B per token and layer, against (512 + 64) x 2 = 1,152 B in BF16.
+
+
+@dataclass
+class LatentFormat:
+    """A latent cache format for accounting."""
+
+    name: str
+    bits: int = 2  # 16: the BF16 latent
+    group: int = LATENT_GROUP  # latent values per scale/zero pair
+    param_bytes: int = 4  # bytes of each scale and zero (fp32)
+    dtype_bytes: int = 2  # k_pe, sinks, recent window
+    page_size: int = PAGE_SIZE
+    sink: int = SINK
+    recent: int = RECENT
+
+
+def latent_formats(sink: int = SINK, recent: int = RECENT, page_size: int = PAGE_SIZE) -> list[LatentFormat]:
+    kw = dict(sink=sink, recent=recent, page_size=page_size)
+    return [LatentFormat("bf16", bits=16, **kw), LatentFormat("int2-latent", **kw)]
+
+
+def latent_per_history_token(shapes: dict, f: LatentFormat) -> dict[str, float]:
+    """Bytes one history token costs across all layers, by component (codes and scales: c_kv; rope_key: k_pe)."""
+    L, r, p = shapes["num_layers"], shapes["kv_lora_rank"], shapes["rope_dim"]
+    rope = float(L * p * f.dtype_bytes)
+    if f.bits >= 16:
+        return {"codes": float(L * r * f.dtype_bytes), "scales": 0.0, "rope_key": rope, "page_table": 0.0}
+    if r % f.group:
+        raise OscarError(f"kv_lora_rank {r} is not a whole number of {f.group}-value groups")
+    return {"codes": L * r * f.bits / 8, "scales": float(L * (r // f.group) * 2 * f.param_bytes), "rope_key": rope,
+            "page_table": L * PAGE_TABLE_BYTES / f.page_size}
+
+
+def latent_total(shapes: dict, f: LatentFormat, context: int, batch: int = 1) -> dict[str, float]:
+    """Bytes held for `batch` sequences of `context` tokens, by component (sinks and recent window 16-bit)."""
+    L, r, p = shapes["num_layers"], shapes["kv_lora_rank"], shapes["rope_dim"]
+    tok16 = L * (r + p) * f.dtype_bytes
+    if f.bits >= 16:
+        return {"codes": float(batch * context * L * r * f.dtype_bytes), "scales": 0.0,
+                "rope_key": float(batch * context * L * p * f.dtype_bytes), "sinks": 0.0, "recent": 0.0,
+                "page_table": 0.0}
+    S, R, P = f.sink, f.recent, f.page_size
+    m = max(context - S, 0)
+    hist = P * ((m - R) // P) if m >= R else 0
+    h = latent_per_history_token(shapes, f)
+    return {"codes": batch * hist * h["codes"], "scales": batch * hist * h["scales"],
+            "rope_key": batch * hist * h["rope_key"], "sinks": float(batch * min(context, S) * tok16),
+            "recent": float(batch * (m - hist) * tok16), "page_table": batch * hist * h["page_table"]}
+
+
+def latent_report(config: Any, context: int = 32768, formats: list[LatentFormat] | None = None) -> dict:
+    """The memory table of an MLA model's latent cache: per history token and whole-context bytes, ratios vs BF16;
+    bits per element count c_kv's codes and scales per latent value (k_pe is reported apart)."""
+    shapes = latent_shapes(config)
+    formats = formats or latent_formats()
+    bf16 = LatentFormat("bf16", bits=16)
+    base = sum(latent_per_history_token(shapes, bf16).values())
+    base_total = sum(latent_total(shapes, bf16, context).values())
+    L, r = shapes["num_layers"], shapes["kv_lora_rank"]
+    rows = []
+    for f in formats:
+        h, t = latent_per_history_token(shapes, f), latent_total(shapes, f, context)
+        rows.append({"format": f.name, **{k: v for k, v in asdict(f).items() if k != "name"},
+                     "bits_per_element": 8 * (h["codes"] + h["scales"]) / (L * r),
+                     "bytes_per_token_layer": (h["codes"] + h["scales"] + h["rope_key"]) / L,
+                     "history_bytes_per_token": h, "history_bytes_per_token_total": sum(h.values()),
+                     "history_ratio_vs_bf16": sum(h.values()) / base,
+                     "context_bytes": t, "context_bytes_total": sum(t.values()),
+                     "context_ratio_vs_bf16": sum(t.values()) / base_total})
+    return {"kind": "latent", "shapes": shapes, "context": context, "bf16_bytes_per_token": base, "rows": rows,
+            "targets": {}}
 
 
 def cache_bytes(cache) -> dict:

@@ -21,6 +21,9 @@ ARTIFACT_FORMAT_Q = "oscar-artifact/2"
 # would store every layer in the base format, so it must refuse them
 ARTIFACT_FORMAT_L = "oscar-artifact/3"
 READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, ARTIFACT_FORMAT_L)
+# An MLA model's artifact: one r x r rotation per layer for the latent c_kv, its mean and per-group clips
+# (oscar.stats.artifact.LatentArtifact); per-head readers refuse it by name, latent readers read only it
+ARTIFACT_FORMAT_LATENT = "oscar-latent-artifact/1"
 
 
 def read_metadata(path: str) -> dict[str, Any]:
@@ -33,6 +36,26 @@ def read_metadata(path: str) -> dict[str, Any]:
     if raw is None:
         raise OscarError(f"{path}: safetensors file has no 'oscar' metadata; not an oscar artifact")
     meta = json.loads(raw)
+    if meta.get("format") == ARTIFACT_FORMAT_LATENT:
+        raise OscarError(f"{path} is a latent (MLA) artifact ({ARTIFACT_FORMAT_LATENT}, model "
+                         f"{(meta.get('model') or {}).get('name')!r}): it rotates the latent c_kv, not per-head K/V")
     if meta.get("format") not in READS:
         raise OscarError(f"{path}: artifact format {meta.get('format')!r}, this version reads {' and '.join(map(repr, READS))}")
+    return meta
+
+
+def read_latent_metadata(path: str) -> dict[str, Any]:
+    """A latent artifact's metadata; OscarError for any other file (a per-head artifact named as such)."""
+    try:
+        with safetensors.safe_open(path, "pt") as f:
+            raw = (f.metadata() or {}).get("oscar")
+    except Exception as e:  # safetensors raises its own error types
+        raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e
+    meta = json.loads(raw) if raw is not None else {}
+    if meta.get("format") in READS:
+        raise OscarError(f"{path} is a per-head artifact ({meta['format']}): a latent (MLA) cache needs "
+                         f"{ARTIFACT_FORMAT_LATENT}")
+    if meta.get("format") != ARTIFACT_FORMAT_LATENT:
+        raise OscarError(f"{path}: artifact format {meta.get('format')!r}, a latent artifact is "
+                         f"{ARTIFACT_FORMAT_LATENT!r}")
     return meta

@@ -35,12 +35,16 @@ def _attach_fit_recipe(sub: argparse._SubParsersAction) -> None:
 
 def _fit(args) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
-    from oscar.stats.cli import fit_command, fit_config
+    from oscar.stats.cli import fit_command, fit_config, is_latent_store
 
     if args.stages and not args.ray:
         raise OscarError("--stages needs --ray ADDRESS|auto")
     if args.no_tune and args.widths == "none":  # the plain fit: no model read
         return fit_command(args)
+    if is_latent_store(positional_or_option(args, "store", "--store")):
+        raise OscarError("oscar fit: a latent store (MLA model) has no tune or per-layer widths yet (they score through "
+                         "an INT2 cache, and the latent cache is not built): pass --no-tune --widths none for the latent "
+                         "rotations and clips")
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.pipeline import ClusterConfig
     from oscar.cluster.scoring import StagedScorer

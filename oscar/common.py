@@ -159,9 +159,66 @@ def config_fingerprint(config: Any) -> str:
     return fingerprint({k: v for k, v in sorted(d.items()) if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")})
 
 
-def attention_shapes(config: Any) -> dict:
-    """num_layers, num_q_heads, num_kv_heads, head_dim of a transformers text config."""
+# Multi-head Latent Attention models whose latent cache oscar-kv knows, by model_type (transformers' class names).
+LATENT_ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def is_latent(config: Any) -> bool:
+    """An MLA model: its serving cache is a compressed latent (`kv_lora_rank`) plus one shared RoPE key per token,
+    not per-head K/V."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(c, "kv_lora_rank", None))
+
+
+def latent_shapes(config: Any) -> dict:
+    """The cache and attention shapes of an MLA config: num_layers, num_heads, kv_lora_rank (r, the latent's width),
+    rope_dim (the shared RoPE key), nope_dim / v_dim (per head, the up-projections' outputs), the DSA indexer's
+    heads / head_dim / top-k (0 when the model has none) and the MTP layers its checkpoints carry."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not is_latent(c):
+        raise OscarError(f"{getattr(c, 'model_type', 'this model')} has no latent cache (no kv_lora_rank)")
+    return {
+        "num_layers": c.num_hidden_layers,
+        "num_heads": c.num_attention_heads,
+        "kv_lora_rank": c.kv_lora_rank,
+        "rope_dim": c.qk_rope_head_dim,
+        "nope_dim": c.qk_nope_head_dim,
+        "v_dim": c.v_head_dim,
+        "q_lora_rank": getattr(c, "q_lora_rank", None) or 0,
+        "index_heads": getattr(c, "index_n_heads", 0) or 0,
+        "index_dim": getattr(c, "index_head_dim", 0) or 0,
+        "index_topk": getattr(c, "index_topk", 0) or 0,
+        "mtp_layers": getattr(c, "num_nextn_predict_layers", 0) or 0,
+    }
+
+
+def latent_refusal(config: Any, what: str = "this model") -> str:
+    """Why a per-head (GQA) K/V step cannot take an MLA model: one line naming the architecture."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    arch = LATENT_ARCHITECTURES.get(getattr(c, "model_type", ""), getattr(c, "model_type", "?"))
+    return (f"{what} is {arch}, a Multi-head Latent Attention model: its cache is the {c.kv_lora_rank}-value "
+            f"latent c_kv plus a {c.qk_rope_head_dim}-value RoPE key per token and layer, not per-head K/V, so "
+            "this per-head step cannot take it (its per-head head_dim would be read from the wrong tensors)")
+
+
+def num_layers(config: Any) -> int:
+    """Decoder layers of a transformers config (GQA or MLA)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return c.num_hidden_layers
+
+
+def fit_dim(config: Any) -> int:
+    """The width a fitted rotation acts on: head_dim (per-head K/V), or kv_lora_rank (an MLA latent); the
+    calibration budget is counted per such dimension (docs/decisions/0093-calibration-budget-1024-tokens-per-head-dim.md)."""
+    return latent_shapes(config)["kv_lora_rank"] if is_latent(config) else attention_shapes(config)["head_dim"]
+
+
+def attention_shapes(config: Any) -> dict:
+    """num_layers, num_q_heads, num_kv_heads, head_dim of a transformers text config (per-head K/V caches; an MLA
+    config is refused: its `head_dim` is the RoPE key's, and its cache is `latent_shapes`)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if is_latent(c):
+        raise OscarError(latent_refusal(c))
     nq = c.num_attention_heads
     return {
         "num_layers": c.num_hidden_layers,

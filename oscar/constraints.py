@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from oscar.common import OscarError
-from oscar.defaults import PAGE_SIZE, RECENT
+from oscar.common import LATENT_ARCHITECTURES, OscarError, is_latent, latent_refusal
+from oscar.defaults import LATENT_GROUP, PAGE_SIZE, RECENT
 
 SLIDING_WINDOW = ("sliding-window attention layers are not supported by oscar-kv: the INT2 cache, its kernels and "
                   "the validation simulator attend over the whole history, so every stage (calibrate, validate, "
@@ -77,13 +77,37 @@ def sliding_layers(config: Any) -> list[int]:
     return []
 
 
-def check_model(config: Any, head_dim: int | None = None, *, what: str = "this model") -> None:
+def latent_problems(config: Any, group: int = LATENT_GROUP) -> list[str]:
+    """Why the INT2 latent cache (c_kv in `group`-value groups, the RoPE key in the model dtype) cannot serve an MLA
+    config (empty: it can)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out = []
+    mt = getattr(c, "model_type", "")
+    if mt not in LATENT_ARCHITECTURES:
+        out.append(f"model_type {mt!r} is a latent-attention architecture oscar-kv does not know (known: "
+                   f"{', '.join(f'{v} ({k})' for k, v in LATENT_ARCHITECTURES.items())})")
+    r = int(c.kv_lora_rank)
+    if group < 1 or r % group:
+        out.append(f"kv_lora_rank {r} is not a whole number of {group}-value groups (the latent is quantized per "
+                   f"token in groups of {group})")
+    return out
+
+
+def check_model(config: Any, head_dim: int | None = None, *, what: str = "this model", latent: bool = False) -> None:
     """Refuse, before any work, a model no stage can serve: sliding-window layers, or a head_dim that the
-    default INT2 cache format (2 bits, token groups of head_dim, pages of 16) cannot pack."""
+    default INT2 cache format (2 bits, token groups of head_dim, pages of 16) cannot pack. An MLA model is refused
+    by a per-head step (`latent=False`) and checked against the latent cache format by a latent one."""
     sw = sliding_layers(config)
     if sw:
         raise OscarError(f"{what} has sliding-window attention in layers {sw[:8]}{'...' if len(sw) > 8 else ''}: "
                          f"{SLIDING_WINDOW}")
+    if is_latent(config):
+        if not latent:
+            raise OscarError(latent_refusal(config, what))
+        probs = latent_problems(config)
+        if probs:
+            raise OscarError(f"{what}: no INT2 latent cache can serve it ({'; '.join(probs)}); refused before any work")
+        return
     if head_dim is not None:
         probs = format_problems(head_dim)
         if probs:

@@ -9,6 +9,7 @@ EMBEDDED_MODEL = "smollm2-135m"  # the default model of every stage (embedded in
 SINK = 64         # first tokens of every sequence kept in the model dtype (and left out of calibration)
 RECENT = 256      # latest tokens kept in the model dtype (a multiple of PAGE_SIZE)
 PAGE_SIZE = 16    # tokens per INT2 page (= the KIVI key token group)
+LATENT_GROUP = 128  # values per quantization group of an MLA latent (c_kv), one fp32 scale and zero each
 
 # The KV-cache methods every validation command compares by default (bf16 first, the shipped recipe last).
 DEFAULT_METHODS = ["bf16", "naive-int2", "kivi2", "hadamard-int2", "oscar-ref-int2", "oscar-kc-int2", "oscar-int2"]

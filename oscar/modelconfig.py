@@ -51,6 +51,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=64, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         num_nextn_predict_layers=0,
     ),
+    # Multi-head Latent Attention (the cache is a kv_lora_rank latent + one RoPE key): two 128-value groups of
+    # latent, a DSA indexer whose top-k (64) binds past 64 tokens, one layer reusing the previous layer's top-k,
+    # and an MTP layer in the checkpoint as published ones carry it
+    "tiny-glm5": dict(  # GLM-5/5.1/5.2 (GlmMoeDsaForCausalLM) features at toy size
+        model_type="glm_moe_dsa", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=256, q_lora_rank=64,
+        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], index_topk=64, index_head_dim=32, index_n_heads=2,
+        indexer_types=["full", "shared", "full"], num_nextn_predict_layers=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+    ),
+    "tiny-deepseek-v3": dict(  # DeepSeek-V3 (DeepseekV3ForCausalLM): MLA without the indexer, interleaved RoPE
+        model_type="deepseek_v3", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=256, q_lora_rank=64,
+        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, num_nextn_predict_layers=1,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+    ),
 }
 
 
@@ -102,6 +122,33 @@ def layer_of(key: str) -> int | None:
     `layers.3.mlp.w` -> 3; None for embeddings, final norm, lm_head (and `foo_layers.3.` names)."""
     m = _LAYER.search(key)
     return int(m.group(1)) if m else None
+
+
+MTP_RULE = "multi-token-prediction layer (speculative decoding's draft layer: not part of the served model)"
+
+
+def mtp_layers(config: Any) -> range:
+    """The layer indices a checkpoint's MTP layers take (`num_nextn_predict_layers` past the decoder layers, as
+    DeepSeek-V3, GLM-4.5+ and GLM-5 publish them); transformers builds none of them."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    L = c.num_hidden_layers
+    return range(L, L + int(getattr(c, "num_nextn_predict_layers", 0) or 0))
+
+
+def check_layer_keys(keys, config: Any, where: str) -> list[str]:
+    """The checkpoint keys of MTP layers (ignored by MTP_RULE); a key of any other layer past the decoder layers is
+    an OscarError naming it (a tensor is never dropped silently)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    mtp, out = mtp_layers(c), []
+    for k in keys:
+        li = layer_of(k)
+        if li is None or li < c.num_hidden_layers:
+            continue
+        if li not in mtp:
+            raise OscarError(f"{where}: checkpoint key {k} is in layer {li}, past the {c.num_hidden_layers} decoder "
+                             f"layers and not an MTP layer (num_nextn_predict_layers={len(mtp)})")
+        out.append(k)
+    return out
 
 
 def embedded_gguf_path() -> str:

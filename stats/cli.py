@@ -15,8 +15,8 @@ from oscar.common import (
     OscarError, attention_shapes, config_fingerprint, int_between, nonneg_float, nonneg_int, positional_or_option,
     positive_int,
 )
-from oscar.defaults import RECENT, SINK
-from oscar.stats.rotations import VARIANTS
+from oscar.defaults import LATENT_GROUP, RECENT, SINK
+from oscar.stats.rotations import LATENT_VARIANTS, VARIANTS
 
 
 def fit_config(args: argparse.Namespace):
@@ -28,7 +28,7 @@ def fit_config(args: argparse.Namespace):
 
     quant = QuantConfig(bits=args.bits, group_size=args.group_size, key_axis=args.key_axis, mode=args.mode,
                         sink=args.sink, recent=args.recent, param_dtype=args.param_dtype)
-    return FitConfig(variant=args.variant, quant=quant, partial=args.partial, blocks=args.blocks, clip=not args.no_clip,
+    return FitConfig(variant=args.variant or "scaled", quant=quant, partial=args.partial, blocks=args.blocks, clip=not args.no_clip,
                      reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
                      fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
 
@@ -36,11 +36,14 @@ def fit_config(args: argparse.Namespace):
 def fit_command(args: argparse.Namespace) -> int:
     """`oscar fit --no-tune --widths none`: the rotations and clips alone (the recipe's later steps read the model:
     oscar/recipe/driver.py, run by the handler the main CLI attaches)."""
+    store = positional_or_option(args, "store", "--store")
+    if is_latent_store(store):
+        return _fit_latent(args, store)
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.stats.artifact import save_artifact
     from oscar.stats.fit import fit
 
-    art = fit(positional_or_option(args, "store", "--store"), fit_config(args))
+    art = fit(store, fit_config(args))
     save_artifact(art, args.out)
     m = art.meta
     print(f"{args.out}: variant {m['variant']}, {art.num_layers} layers x {art.num_kv_heads} KV heads x D {art.head_dim}, "
@@ -49,9 +52,44 @@ def fit_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_latent_store(path: str) -> bool:
+    """A latent (MLA) store: fitted by the latent fit (its root attributes only are read)."""
+    # late: keeps zarr (0.33 s) out of `oscar --help`
+    from oscar.pipeline.store import FORMAT_LATENT, store_format
+
+    return store_format(path) == FORMAT_LATENT
+
+
+def _fit_latent(args: argparse.Namespace, store: str) -> int:
+    """`oscar fit` of a latent store: the latent rotation, mean and per-group clips (stats/latent.py)."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.stats.artifact import LatentQuant, save_latent_artifact
+    from oscar.stats.latent import LatentFitConfig, fit_latent
+
+    if args.variant is not None and args.variant not in LATENT_VARIANTS:
+        raise OscarError(f"{store} is a latent store (MLA model): --variant {args.variant} is a per-head recipe; "
+                         f"latent variants: {', '.join(LATENT_VARIANTS)}")
+    if args.bits != 2 or args.group_size not in (None, LATENT_GROUP) or args.key_axis != "token" or args.mode != "minmax":
+        raise OscarError(f"{store} is a latent store: the latent cache stores 2-bit minmax groups of {LATENT_GROUP} "
+                         "(--bits, --group-size, --key-axis and --mode are the per-head format's)")
+    quant = LatentQuant(sink=args.sink, recent=args.recent)
+    estimator = "plain" if args.estimator == "auto" else args.estimator
+    art = fit_latent(store, LatentFitConfig(variant=args.variant or "attention", quant=quant, estimator=estimator,
+                                            clip=not args.no_clip, seed=args.seed), partial=args.partial)
+    save_latent_artifact(art, args.out)
+    m = art.meta
+    print(f"{args.out}: latent variant {m['variant']}, {art.num_layers} layers x kv_lora_rank "
+          f"{art.rot[0].shape[0]}, blocks {len(m['provenance']['blocks'])}"
+          f"{' (PARTIAL store)' if m['provenance']['partial'] else ''}, {m['fit']['seconds']} s")
+    return 0
+
+
 def _cmd_variants(args: argparse.Namespace) -> int:
     for v in VARIANTS.values():
         print(f"{v.name:18s} {v.doc}")
+    print("latent stores (MLA models):")
+    for name, doc in LATENT_VARIANTS.items():
+        print(f"  {name:16s} {doc}")
     return 0
 
 
@@ -82,6 +120,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     )
 
     path = positional_or_option(args, "artifact", "--artifact")
+    if _is_latent_artifact(path):
+        return _export_latent(args, path)
     art = load_artifact(path)
     fv = args.format_version
     ext = SGLANG_EXT if args.format == SGLANG else GGUF_EXT
@@ -105,11 +145,44 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_latent_artifact(path: str) -> bool:
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.artifact_header import ARTIFACT_FORMAT_LATENT
+    from oscar.stats.artifact import artifact_format
+
+    return os.path.isfile(path) and artifact_format(path) == ARTIFACT_FORMAT_LATENT
+
+
+def _export_latent(args: argparse.Namespace, path: str) -> int:
+    """`oscar export` of a latent (MLA) artifact: sglang-oscar's latent_rotation_TAG.pt."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.stats.artifact import load_latent_artifact
+    from oscar.stats.interop import SGLANG, export_sglang_latent
+
+    if args.format != SGLANG or args.format_version not in (None, 1):
+        raise OscarError(f"{path} is a latent (MLA) artifact: it exports as --format {SGLANG} (latent_rotation_TAG.pt, "
+                         "format version 1) only")
+    print(export_sglang_latent(load_latent_artifact(path), args.out, tag=args.tag))
+    return 0
+
+
 def _cmd_import(args: argparse.Namespace) -> int:
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.modelconfig import load_model_config
     from oscar.stats.artifact import save_artifact
-    from oscar.stats.interop import SGLANG, import_gguf, import_sglang
+    from oscar.stats.interop import SGLANG, import_gguf, import_sglang, import_sglang_latent, latent_file
+
+    lat = latent_file(args.path, args.tag) if args.format == SGLANG and os.path.isdir(args.path) else None
+    if lat is not None:  # an MLA model's latent rotations
+        # late: keeps torch (2.1 s) out of `oscar --help`
+        from oscar.stats.artifact import save_latent_artifact
+
+        art = import_sglang_latent(lat)
+        if args.model:
+            art.check_model(load_model_config(args.model))
+        save_latent_artifact(art, args.out)
+        print(args.out)
+        return 0
     art = import_sglang(args.path, tag=args.tag, num_kv_heads=args.num_kv_heads) if args.format == SGLANG else import_gguf(args.path)
     if args.model:
         cfg = load_model_config(args.model)  # the config alone: same fingerprint as the resolved model's
@@ -168,8 +241,9 @@ def register(sub) -> None:
     p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/2; /1 read with a warning); required, "
                    "here or as STORE (no default)")
     add_out(p, "artifact .safetensors to write")
-    p.add_argument("--variant", default="scaled", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default scaled, "
-                   "the rotations `oscar run` ships; oscar: the published recipe; `oscar variants` describes each)")
+    p.add_argument("--variant", default=None, help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default scaled, "
+                   "the rotations `oscar run` ships; oscar: the published recipe; `oscar variants` describes each); a "
+                   f"latent store (MLA model): {', '.join(LATENT_VARIANTS)} (default attention)")
     p.add_argument("--estimator", default="auto", help="covariance estimator across blocks: auto (robust where tails "
                    "are heavy) | plain | mom (median of means) | trimmed")
     p.add_argument("--shrinkage", default="oas", choices=("oas", "lw", "none"),

@@ -36,7 +36,7 @@ import torch
 from oscar.cli_options import EXPORT_FORMATS
 from oscar.common import OscarError
 from oscar.modelconfig import embedded_gguf_path
-from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, QuantConfig
+from oscar.stats.artifact import _RETIRED_QUANT_FIELDS, Artifact, LatentArtifact, LatentQuant, QuantConfig
 
 FORMATS = EXPORT_FORMATS
 SGLANG, GGUF = FORMATS
@@ -440,3 +440,63 @@ def _import_gguf_ext(path, reader, ts, rk, rv, mat) -> Artifact:
     )
     art.validate()
     return art
+
+
+# --------------------------------------------------------------------------- MLA latent rotations (sglang-oscar)
+# One file, latent_rotation_TAG.pt, in the family's layout: per layer the r x r rotation applied to the latent c_kv as
+# (c - mean) @ R before its 2-bit groups, the mean and one clip per group, with the group layout of the packed pool.
+LATENT_FILE = "latent_rotation_{tag}.pt"
+LATENT_VERSION = 1
+_LATENT_OBJECTIVES = {"attention": "absorbed_query_second_moment", "reference": "latent_second_moment",
+                      "hadamard": "none", "identity": "none"}
+
+
+def export_sglang_latent(art: LatentArtifact, out_dir: str, tag: str = "oscar") -> str:
+    """Write latent_rotation_TAG.pt (a plain dict: `torch.load(path, weights_only=True)`)."""
+    os.makedirs(out_dir, exist_ok=True)
+    q = art.quant
+    obj = {
+        "format_version": LATENT_VERSION, "kind": "mla_latent",
+        "objective": _LATENT_OBJECTIVES.get(art.meta.get("variant"), "imported"), "source_grouping": "per_layer",
+        "kv_lora_rank": int(art.rot[0].shape[0]), "group_size": q.group, "bits": q.bits, "param_dtype": q.param_dtype,
+        "sink": q.sink, "recent": q.recent, "page_size": q.page_size,
+        "oscar_meta": json.dumps(art.meta, sort_keys=True, default=str),
+        "layers": {l: {"layer_id": l, "rotation": art.rot[l].float().contiguous().clone(),
+                       "mean": art.mean[l].float().contiguous().clone(), "clip": art.clip[l].float().contiguous().clone()}
+                   for l in range(art.num_layers)},
+    }
+    p = os.path.join(out_dir, LATENT_FILE.format(tag=tag))
+    torch.save(obj, p)
+    return p
+
+
+def latent_file(in_dir: str, tag: str | None = None) -> str | None:
+    """The one latent_rotation_*.pt in `in_dir` (None: there is none); several without --tag: an error."""
+    hits = sorted(glob.glob(os.path.join(in_dir, LATENT_FILE.format(tag=tag or "*"))))
+    if len(hits) > 1:
+        raise OscarError(f"{in_dir}: {len(hits)} latent rotation files; pass --tag")
+    return hits[0] if hits else None
+
+
+def import_sglang_latent(path: str) -> LatentArtifact:
+    """Read latent_rotation_TAG.pt back into the latent artifact it was written from (tensors bit for bit)."""
+    o = torch.load(path, weights_only=True)
+    missing = [k for k in ("format_version", "kind", "layers", "group_size", "bits", "param_dtype") if k not in o]
+    if missing or o.get("kind") != "mla_latent":
+        raise OscarError(f"{path}: not an sglang-oscar latent rotation file (missing {missing or 'kind mla_latent'})")
+    if o["format_version"] != LATENT_VERSION:
+        raise OscarError(f"{path}: latent format_version {o['format_version']}; this version reads {LATENT_VERSION}")
+    ids = sorted(int(i) for i in o["layers"])
+    if ids != list(range(len(ids))):
+        raise OscarError(f"{path}: layer ids {ids[:5]}... are not 0..L-1")
+    layers = [o["layers"][l] for l in ids]
+    meta = json.loads(o["oscar_meta"]) if o.get("oscar_meta") else {"variant": "imported"}
+    meta.setdefault("provenance", {})["imported_from"] = path
+    art = LatentArtifact(rot=[x["rotation"] for x in layers], mean=[x["mean"] for x in layers],
+                         clip=[x["clip"] for x in layers],
+                         quant=LatentQuant(bits=o["bits"], group=o["group_size"], param_dtype=o["param_dtype"],
+                                           **{k: o[k] for k in ("sink", "recent", "page_size") if k in o}),
+                         meta=meta)
+    art.validate()
+    return art
+

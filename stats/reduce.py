@@ -99,6 +99,9 @@ def open_store(path: str, partial: bool = False, log=None) -> StoreView:
     """Open and check a store; refuse an incomplete one unless ``partial`` (then use fully done blocks)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     st = open_verified(path)  # the store format's owner: format, attributes, every done block's checksums
+    if st.meta.latent:
+        raise OscarError(f"{path} is a latent store ({st.meta.format}, MLA model {st.meta.model.get('name')!r}): it "
+                         "holds the latent c_kv's statistics, not per-head K/V, so the per-head fit cannot read it")
     done = st.done()  # (B, L)
     full = [int(b) for b in np.flatnonzero(done.all(1))]
     if not done.all():

@@ -227,3 +227,12 @@ def _oscar_ref(ls, rng) -> Rotations:
     rep = lambda x: np.broadcast_to(x.numpy(), (ls.H,) + tuple(x.shape)).copy()  # noqa: E731
     return Rotations(rep(ref.rot_k), rep(ref.rot_v),
                      notes={"eig_k": rep(ref.eig_k), "eig_v": rep(ref.eig_v), "eig_order": "ascending"})
+
+
+# The latent (MLA) fit's rotations (stats/latent.py), listed here with the per-head variants (`oscar variants`).
+LATENT_VARIANTS = {
+    "attention": "R = U_Q̃ P_br H_blk from the absorbed queries' second moment, the calibrated latent mean subtracted",
+    "reference": "R = U_c P_br H_blk from the latent's own second moment, no centring (the public OSCAR MLA recipe)",
+    "hadamard": "R = H_blk, the block Hadamard alone",
+    "identity": "R = I",
+}

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from oscar.common import OscarError, config_fingerprint
 from oscar.pipeline import models as M
+from oscar.modelconfig import mtp_layers
 
 PRESET_NAMES = list(M.PRESETS)
 
@@ -80,7 +81,8 @@ def test_preset_sharded_with_valid_index(name):
             assert set(f.keys()) == {k for k, v in wm.items() if v == shard}
     info = M.load_info(name)
     layer_shards = index["metadata"]["layer_shards"]
-    assert sorted(map(int, layer_shards)) == list(range(info.num_layers))
+    # decoder layers, then the MTP layers the latent presets' checkpoints carry (as DeepSeek-V3 / GLM-5 publish them)
+    assert sorted(map(int, layer_shards)) == list(range(info.num_layers + len(mtp_layers(M.load_config(d)))))
     assert len(set(layer_shards.values())) >= 2  # layer ranges can be loaded from separate files
     for k, v in wm.items():  # each layer's tensors live in its one shard
         if (l := M.layer_of(k)) is not None:
@@ -90,17 +92,20 @@ def test_preset_sharded_with_valid_index(name):
     assert not [f for f in os.listdir(os.path.dirname(d)) if f.startswith(".tmp-")]
 
 
-EXPECTED = {  # name: (layers, q heads, kv heads, head_dim)
+EXPECTED = {  # name: (layers, q heads, kv heads, head_dim); latent models: K/V as transformers expands them per head
     "tiny-llama": (4, 4, 2, 32),
     "tiny-qwen3": (4, 8, 2, 64),
     "tiny-glm4-moe": (3, 12, 2, 64),
+    "tiny-glm5": (3, 4, 4, 64),
+    "tiny-deepseek-v3": (3, 4, 4, 64),
 }
+GQA_PRESETS = [n for n in PRESET_NAMES if not M.PRESETS[n].get("kv_lora_rank")]
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_preset_loads_and_runs_forward(name, attn):
-    model, tok, info = M.load_model(name, attn_implementation=attn)
+    model, tok, info = M.load_model(name, attn_implementation=attn, latent=name not in GQA_PRESETS)
     assert not model.training and info.attn_implementation == attn
     assert (info.num_layers, info.num_q_heads, info.num_kv_heads, info.head_dim) == EXPECTED[name]
     assert info.head_dim & (info.head_dim - 1) == 0 and info.vocab_size == len(tok) == 49152
@@ -115,8 +120,8 @@ def test_preset_loads_and_runs_forward(name, attn):
 
 
 def test_presets_differ_in_gqa_ratio():
-    ratios = {M.load_info(n).gqa_ratio for n in PRESET_NAMES}
-    assert len(ratios) == len(PRESET_NAMES)
+    ratios = {M.load_info(n).gqa_ratio for n in GQA_PRESETS}
+    assert len(ratios) == len(GQA_PRESETS)
 
 
 def test_sdpa_matches_eager():
