@@ -5,11 +5,12 @@
 # (3 dense + 1 MoE, 160 experts) against `oscar plan`, the same in GLM-4.7-FP8's block-FP8 layout
 # against its dequantized BF16 twin, and a needle batch decoded by 2 pipeline stages on CUDA, each keeping its
 # layers' INT2 rows, against one process, and the same through each stage's own layers' OscarCache (the Triton
-# kernels) against the cache engine in one process (bench/gpu_e2e.py). No weights, no downloads.
+# kernels) against the cache engine in one process, and one decode step of the Triton latent kernel with GLM-5's
+# MLA shapes against its torch reference (bench/gpu_e2e.py). No weights, no downloads.
 # Budget < 9 minutes on one H100/H200-class GPU (each step has its own time limit and keeps what it
-# measured when stopped; the limits sum to 540 s); the results land under $OUT in 10 files: env.json,
+# measured when stopped; the limits sum to 540 s); the results land under $OUT in 11 files: env.json,
 # kernel_tests.xml, decode_cuda.{json,png}, e2e_decode.json, e2e_calibrate.json, e2e_calibrate_fp8.json,
-# e2e_needles.json, e2e_needles_cache.json, check.log.
+# e2e_needles.json, e2e_needles_cache.json, e2e_latent.json, check.log.
 #
 #   bash bench/gpu_prepare.sh     # here: wheels the device image lacks + the tokenizer, into .gpu/
 #   OUT=/some/dir OSCAR_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh   # there, .gpu carried
@@ -56,10 +57,10 @@ cat "$OUT/env.json"
 
 status=0
 # 1. kernel tests (DEV = cuda when available; incl. Triton compilation)
-timeout 110 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py tests/test_split_cache.py tests/test_layer_widths.py \
+timeout 100 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_paged.py tests/test_split_cache.py tests/test_layer_widths.py tests/test_triton_latent.py \
   --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
 # 2. decode benchmark: batch 1 and 32 at 4k..128k vs BF16 SDPA (+ FlashInfer), bandwidth vs peak
-timeout 100 $PY bench/decode.py --device cuda --out "$OUT/decode_cuda.json" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
+timeout 90 $PY bench/decode.py --device cuda --out "$OUT/decode_cuda.json" 2>&1 | tee -a "$OUT/check.log" | tail -15 || status=1
 # 3. end-to-end decode through OscarCache, GLM-4.7 attention shape, 32k and 128k, vs DynamicCache BF16
 timeout 50 $PY bench/gpu_e2e.py decode --out "$OUT/e2e_decode.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 # 4. calibration on CUDA, 2 pipeline stages on the one GPU, vs oscar plan (Ray if importable)
@@ -70,5 +71,7 @@ timeout 80 $PY bench/gpu_e2e.py calibrate-fp8 --out "$OUT/e2e_calibrate_fp8.json
 timeout 60 $PY bench/gpu_e2e.py needles --out "$OUT/e2e_needles.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 # 7. the same needles through the product cache: each stage its own layers' OscarCache on CUDA (Triton) vs one process
 timeout 60 $PY bench/gpu_e2e.py needles --engine cache --out "$OUT/e2e_needles_cache.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
+# 8. MLA: one decode step of the Triton latent kernel (GLM-5's shapes, INT2 latent history) vs the torch reference
+timeout 20 $PY bench/gpu_e2e.py latent --contexts 4096,32768 --out "$OUT/e2e_latent.json" 2>&1 | tee -a "$OUT/check.log" | tail -4 || status=1
 ls -l "$OUT"
 exit $status

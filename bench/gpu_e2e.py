@@ -33,6 +33,10 @@ needles    The same cut (--layers dense layers, GLM-4.7's attention) decoding a 
            each stage keeping its own layers' OscarCache (the Triton kernels on CUDA) per (sample, method) row,
            against `scoring.engine.niah_answers` in one process.
 
+latent     GLM-5's MLA attention shapes (64 heads, kv_lora_rank 512, RoPE key 64), random data: one decode step of
+           the Triton latent kernel (kernels/triton_latent.py: INT2 latent history, exact sinks + recent window,
+           absorbed form) against the torch reference (kernels/latent.py) at each of --contexts; error and ms/step.
+
 --dry-run runs each on CPU with tiny sizes (what tests/test_gpu_scripts.py does), so the script
 keeps working between GPU sessions.
 
@@ -41,6 +45,7 @@ keeps working between GPU sessions.
     python bench/gpu_e2e.py calibrate-fp8 --out $OUT/e2e_calibrate_fp8.json
     python bench/gpu_e2e.py needles --out $OUT/e2e_needles.json
     python bench/gpu_e2e.py needles --engine cache --out $OUT/e2e_needles_cache.json
+    python bench/gpu_e2e.py latent --contexts 4096,32768 --out $OUT/e2e_latent.json
 """
 
 from __future__ import annotations
@@ -451,9 +456,69 @@ def bench_needles(args, dev: torch.device) -> dict:
                     "agree where both sides round alike (bfloat16)"}
 
 
+def bench_latent(args, dev: torch.device) -> dict:
+    """GLM-5's MLA shapes (64 heads, kv_lora_rank 512, a 64-value RoPE key, nope 192, v 256), random data: one decode
+    step through the Triton latent kernel (INT2 history, exact sinks + recent window), un-rotated and projected by
+    W_UV, against kernels/latent.py's absorbed-form torch reference on the same cache; both timed."""
+    from oscar.kernels.latent import absorbed_attention, pack_latents
+    from oscar.kernels.triton_latent import LatentDecodeInputs, latent_decode
+    from oscar.quant import fake_quant
+    from oscar.stats.artifact import LatentQuant
+
+    H, r, P, dn, dv = (64, 512, 64, 192, 256) if dev.type == "cuda" else (4, 256, 32, 32, 32)
+    spec, g = LatentQuant().spec(), torch.Generator(device="cpu").manual_seed(0)
+    rot, _ = torch.linalg.qr(torch.randn(r, r, generator=g, dtype=torch.float64))
+    rot, mean = rot.float().to(dev), (torch.randn(r, generator=g) * 0.1).to(dev)
+    w_uk = (torch.randn(H, dn, r, generator=g) * r ** -0.5).to(dev)
+    w_uv = (torch.randn(H, dv, r, generator=g) * r ** -0.5).to(dev)
+    clip = torch.full((r // 128,), 0.8, device=dev)
+    rows = []
+    for ctx in [int(x) for x in args.contexts.split(",")]:
+        M = min(ctx, 64 + 256)                                                     # sinks + the recent window
+        N = ctx - M
+        c_rot = torch.randn(1, ctx, r, generator=g).to(dev) * torch.linspace(0.3, 2.0, r, device=dev)
+        k_pe = torch.randn(1, ctx, P, generator=g).to(dev).to(torch.bfloat16)
+        codes, sc, zr = pack_latents(c_rot[:, M:], spec, clip)
+        cache = LatentDecodeInputs(codes, sc.float(), zr.float(), k_pe[:, M:], torch.tensor([N], device=dev),
+                                   c_rot[:, :M].contiguous(), k_pe[:, :M], torch.tensor([M], device=dev))
+        stored = torch.cat([c_rot[:, :M], fake_quant(c_rot[:, M:], spec, clip)], 1)     # what the codes decode to
+        q = torch.randn(1, H, 1, dn + P, generator=g).to(dev)
+        kp = torch.cat([k_pe[:, :M], k_pe[:, M:]], 1).float()
+        scale = (dn + P) ** -0.5
+        mask = torch.ones(1, ctx, dtype=torch.bool, device=dev)
+
+        def ref():
+            return absorbed_attention(q, stored, kp, w_uk, w_uv, rot, mean, scale, mask)[:, 0]   # (1, H, v)
+
+        def tri():
+            qa = torch.einsum("bhd,hdr->bhr", q[:, :, 0, :dn], w_uk)
+            o = latent_decode(qa @ rot, q[:, :, 0, dn:], qa @ mean, cache, scale)
+            return torch.einsum("bhr,hvr->bhv", o @ rot.T + mean, w_uv)
+
+        want, got = ref(), tri()
+        err = float((got - want).abs().max() / want.abs().max())
+        times = {}
+        for name, fn in (("torch_reference", ref), ("triton", tri)):
+            for _ in range(2 if dev.type == "cuda" else 0):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            for _ in range(5 if dev.type == "cuda" else 1):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times[name] = (time.perf_counter() - t) / (5 if dev.type == "cuda" else 1)
+        rows.append({"context": ctx, "history_tokens": N, "max_rel_err": err, "ok": err < 1e-3,
+                     "ms_per_step": {k: round(v * 1e3, 3) for k, v in times.items()}})
+    return {"shapes": {"heads": H, "kv_lora_rank": r, "rope": P, "nope": dn, "v": dv}, "rows": rows,
+            "all_ok": all(r_["ok"] for r_ in rows),
+            "note": "one decode step of one layer; the reference reads the dequantized cache in float32 torch ops"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["decode", "calibrate", "calibrate-fp8", "needles"], help="which check to run")
+    ap.add_argument("what", choices=["decode", "calibrate", "calibrate-fp8", "needles", "latent"], help="which check to run")
     ap.add_argument("--out", required=True, help="JSON result path")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (the script's own test)")
     ap.add_argument("--layers", type=int, default=None,
@@ -484,19 +549,22 @@ def main(argv=None) -> int:
             args.seq_len, args.seqs_per_block, args.tokens = 128, 2, 512
         if args.what == "needles" and args.context == ap.get_default("context"):
             args.context, args.samples, args.new = 300, 2, 4
+        if args.what == "latent" and args.contexts == ap.get_default("contexts"):
+            args.contexts = "300,500"
     else:
         if not torch.cuda.is_available():
             print("no CUDA device (use --dry-run for the CPU smoke run)", file=sys.stderr)
             return 2
         dev = torch.device("cuda")
-        args.layers = args.layers or {"decode": 2, "calibrate": 4, "calibrate-fp8": 2, "needles": 4}[args.what]
+        args.layers = args.layers or {"decode": 2, "calibrate": 4, "calibrate-fp8": 2, "needles": 4, "latent": 1}[args.what]
     meta = {"commit": commit(), "torch": torch.__version__, "device": torch.cuda.get_device_name(dev)
             if dev.type == "cuda" else "cpu (dry run)", "argv": sys.argv[1:],
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     partial = lambda r: Path(args.out).write_text(json.dumps(dict(meta, **r, partial=True), indent=2, default=str))  # noqa: E731
     run = {"decode": lambda: bench_decode(args, dev, partial), "calibrate": lambda: bench_calibrate(args, dev),
-           "calibrate-fp8": lambda: bench_calibrate_fp8(args, dev), "needles": lambda: bench_needles(args, dev)}[args.what]
+           "calibrate-fp8": lambda: bench_calibrate_fp8(args, dev), "needles": lambda: bench_needles(args, dev),
+           "latent": lambda: bench_latent(args, dev)}[args.what]
     result = dict(meta, **run())
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")

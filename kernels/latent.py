@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache
 _LayerBase = getattr(cache_utils, "DynamicIndexedLayer", cache_utils.DynamicLayer)
 
 from oscar.common import OscarError
-from oscar.quant import fake_quant
+from oscar.quant import QuantSpec, choose_qparams, fake_quant, pack, quantize
 from oscar.stats.artifact import LatentArtifact
 
 
@@ -129,3 +129,12 @@ def absorbed_attention(q: torch.Tensor, c_rot: torch.Tensor, k_pe: torch.Tensor,
     p = torch.softmax(s, dim=-1)
     lat = torch.einsum("bhts,bsr->bhtr", p, cr) @ rot.float().T + mean.float()       # (B, H, Tq, r) un-rotated once
     return torch.einsum("bhtr,hvr->bthv", lat, w_uv.float())                         # (B, Tq, H, v)
+
+
+def pack_latents(c_rot: torch.Tensor, spec: QuantSpec, clip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The INT2 history's storage of rotated, centred latents c_rot (..., r): codes (..., r / 4) uint8, four per
+    byte (oscar.quant.pack), and a scale and a zero per group (..., r / group) in the spec's param dtype: what the
+    Triton decode (kernels/triton_latent.py) reads; dequantized, `LatentLayerQuant.rotated`'s values."""
+    scale, zero = choose_qparams(c_rot, spec, clip)
+    return pack(quantize(c_rot, scale, zero, spec), spec.bits), scale, zero
+

@@ -73,3 +73,11 @@ def test_e2e_needles_dry_run(tmp_path, ray, eng):
               *([] if ray else ["--no-ray"])], tmp_path)
     assert d["ray"] is ray and d["engine"] == eng and d["ranges"] == [[0, 1], [1, 2]] and d["rows"] == 4
     assert d["answers_equal"] == d["rows"] and d["tokens_equal"] == d["tokens"] == 16
+
+
+def test_e2e_latent_dry_run(tmp_path):
+    """The MLA step: the Triton latent kernel (interpreted here) against the torch reference at two contexts, one
+    with every token exact (no history) and one with an INT2 history."""
+    d = _run(["bench/gpu_e2e.py", "latent", "--dry-run"], tmp_path, TRITON_INTERPRET="1")
+    assert [r["context"] for r in d["rows"]] == [300, 500] and [r["history_tokens"] for r in d["rows"]] == [0, 180]
+    assert d["all_ok"] and all(r["max_rel_err"] < 1e-4 for r in d["rows"])
