@@ -10,6 +10,7 @@ methods' artifacts grouped by prompt, the protocol, the sizes), as vLLM's attent
                the paged OscarCache (kernels/cache.py) on the dispatcher's kernels: the torch reference, Triton,
                or (None) whichever the dispatcher picks per call (Triton on CUDA, the reference on CPU;
                $OSCAR_KERNELS), as every kernel does
+    latent     an MLA model's INT2 latent cache (kernels/latent.py), from a LatentArtifact: one prompt, one method
 
 A row whose artifact is None is the exact cache (transformers' DynamicCache) under the one-row backends. The serving
 cache (kernels/cache.py) imports none of the simulators: this module sits above both.
@@ -26,10 +27,11 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from oscar.common import OscarError
 from oscar.kernels.cache import OscarCache
+from oscar.kernels.latent import LatentSimCache
 from oscar.kernels.protocol import Protocol
 from oscar.kernels.rowbatch import RowBatchCache
 from oscar.kernels.simulate import MethodBatchCache, SimQuantCache
-from oscar.stats.artifact import Artifact
+from oscar.stats.artifact import Artifact, LatentArtifact
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,17 @@ class CacheBackend(ABC):
     """One member of the cache family: `Backend(spec)` (the one constructor signature), `build()` its Cache."""
 
     name: ClassVar[str]
+    latent: ClassVar[bool] = False  # the backend serves an MLA model's latent (LatentArtifact), not per-head K/V
 
     def __init__(self, spec: CacheSpec):
         self.spec = spec
+        for g in spec.groups:
+            for art in g:
+                if art is not None and isinstance(art, LatentArtifact) != self.latent:
+                    other = "the latent backend" if not self.latent else "simulate, batch, rows or the paged ones"
+                    raise OscarError(f"the {self.name} backend serves "
+                                     f"{'latent (MLA) artifacts' if self.latent else 'per-head K/V artifacts'}; got "
+                                     f"a {type(art).__name__} ({other} serves it)")
 
     def one(self) -> Artifact | None:
         """The artifact of a one-row spec (one group of one row)."""
@@ -159,8 +169,28 @@ class TritonBackend(PagedBackend):
     name = kernels = "triton"
 
 
+class LatentBackend(CacheBackend):
+    """An MLA model's INT2 latent cache, simulated (kernels/latent.py `LatentSimCache`): transformers' MLA attention
+    hands it latents, it serves the history's INT2 round trip; generate() unchanged."""
+
+    name = "latent"
+    latent = True
+
+    def build(self) -> Cache:
+        art, s = self.one(), self.spec
+        if art is None:
+            return exact_cache(s.prefill)
+        if s.held is not None:
+            raise OscarError("the latent backend holds every layer (no stage's own-layer latent cache yet)")
+        cache = LatentSimCache(art, sink=s.protocol.sink, recent=s.protocol.recent)
+        if s.prefill is not None:  # the prompt's exact latents, as if that chunk passed through update()
+            for l, src in enumerate(s.prefill.layers):
+                cache.update(src.keys, src.values, l)
+        return cache
+
+
 BACKENDS: dict[str, type[CacheBackend]] = {b.name: b for b in (SimulateBackend, BatchBackend, RowsBackend,
-                                                               ReferenceBackend, TritonBackend)}
+                                                               ReferenceBackend, TritonBackend, LatentBackend)}
 
 
 def make_cache(spec: CacheSpec, backend: str | None = "simulate") -> Cache:

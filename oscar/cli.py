@@ -192,8 +192,9 @@ def run_config(args):
 
 
 def _run(args) -> int:
+    # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.host import process_seconds
-    from oscar.run import run_main  # late: torch (above)
+    from oscar.run import run_main
 
     # a kill (SIGTERM) unwinds like Ctrl-C: the step in progress records the time it spent before the next run resumes it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

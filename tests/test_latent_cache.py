@@ -126,3 +126,22 @@ def test_generate_through_the_latent_cache(artifact):
     out = model.generate(ids, cache=LatentSimCache(artifact, sink=4, recent=16), max_new_tokens=6,
                          do_sample=False)
     assert out.shape[1] == ids.shape[1] + 6
+
+
+def test_the_latent_backend_of_the_cache_family(artifact):
+    from oscar.kernels.backends import CacheSpec, make_cache
+    from oscar.kernels.protocol import Protocol
+    from oscar.stats.artifact import identity_artifact
+    from oscar.modelconfig import preset_config
+    from oscar.common import OscarError
+
+    model, tok, _ = load_model("tiny-glm5", latent=True)
+    ids = tok("One interface for every cache. " * 8, return_tensors="pt").input_ids
+    cache = make_cache(CacheSpec.one(artifact, Protocol("serving", sink=4, recent=16)), "latent")
+    assert isinstance(cache, LatentSimCache)
+    want = model.generate(ids, cache=LatentSimCache(artifact, sink=4, recent=16), max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False), want)
+    with pytest.raises(OscarError, match="the simulate backend serves per-head K/V artifacts; got a LatentArtifact"):
+        make_cache(CacheSpec.one(artifact, Protocol("serving")), "simulate")
+    with pytest.raises(OscarError, match="the latent backend serves latent .MLA. artifacts; got a Artifact"):
+        make_cache(CacheSpec.one(identity_artifact(preset_config("tiny-llama")), Protocol("serving")), "latent")
