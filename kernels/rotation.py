@@ -7,6 +7,7 @@ same tensors.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +82,10 @@ class LayerRotation:
         return v_rot.float() if self.identity else v_rot.float() @ self.rot_v.transpose(-1, -2)
 
     def to(self, device: str | torch.device) -> "LayerRotation":
-        """The same rotation with every tensor on `device`."""
-        f = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return LayerRotation(rot_k=f(self.rot_k), rot_v=f(self.rot_v), clip_k=f(self.clip_k), clip_v=f(self.clip_v),
-                             k_mean=f(self.k_mean), rot_q=f(self.rot_q))
+        """The same rotation with every tensor on `device` (nothing recomputed: `identity` is kept)."""
+        out = copy.copy(self)
+        for name in ("rot_k", "rot_v", "clip_k", "clip_v", "k_mean", "rot_q"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(out, name, t.to(device))
+        return out

@@ -209,7 +209,7 @@ def test_simulator_follows_the_model_device(fitted):
             assert k.device.type == v.device.type == "meta" and k.shape == v.shape == x.shape
         else:
             lq._on(torch.device("meta"))
-        ts = [t for t in vars(lq).values() if isinstance(t, torch.Tensor)]
+        ts = [t for o in (lq, lq.rot) for t in vars(o).values() if isinstance(t, torch.Tensor)]  # its LayerRotation's too
         ts += [t for c in (lq.codec_k, lq.codec_v) if c is not None for t in vars(c).values() if isinstance(t, torch.Tensor)]
         assert len(ts) >= 5 and all(t.device.type == "meta" for t in ts) and lq.device.type == "meta"
 
