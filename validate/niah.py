@@ -119,10 +119,18 @@ def check_artifact(artifact: str | None, methods: list[str]) -> None:
         raise OscarError(f"artifact {artifact} does not exist")
 
 
-def checked_artifact(cfg, methods: list[str], loaded=None, stages=None):
+def check_stage_dtype(cfg, stages, what: str) -> None:
+    """The pipeline stages compute in their own dtype: another one asked for is refused."""
+    if stages is not None and cfg.dtype != stages.dtype:
+        raise OscarError(f"{what} on the pipeline stages: they compute in their dtype {stages.dtype}; got dtype "
+                         f"{cfg.dtype}")
+
+
+def checked_artifact(cfg, methods: list[str], loaded=None, stages=None, what: str = "needles"):
     """(the model's config, the fitted artifact or None), the artifact refused in one line naming both sides when it
     was fitted for another model (layers, KV heads, head_dim, fingerprint): from the config alone, before any
     method is judged, any weight is loaded or OUT is made."""
+    check_stage_dtype(cfg, stages, what)
     check_artifact(cfg.artifact, methods)
     config = (loaded[0].config if loaded else stages.config if stages is not None else env.load_config(cfg.model))
     fitted = load_artifact(cfg.artifact) if cfg.artifact else None
@@ -143,9 +151,7 @@ def model_or_stages(cfg, methods: list[str], lengths: list[int], loaded, dev, st
     if stages is None:
         model, tok = load_checked(cfg.model, cfg.artifact, methods, lengths, cfg.dtype, loaded)
         return engine.to_device(model, dev), tok, model.config
-    if cfg.dtype != stages.dtype:
-        raise OscarError(f"{what} on the pipeline stages: they compute in their dtype {stages.dtype}; got dtype "
-                         f"{cfg.dtype}")
+    check_stage_dtype(cfg, stages, what)
     check_lengths(lengths, env.max_context(SimpleNamespace(config=stages.config)), cfg.model)
     check_artifact(cfg.artifact, methods)
     return None, stages.tokenizer, stages.config

@@ -149,7 +149,7 @@ def run_ppl(cfg: PplConfig, loaded=None, progress: bool = True, workers: int | N
             raise OscarError(f"--tokens {cfg.tokens} is shorter than context {c}")
     lock = locked_out(cfg)
     lock.check_free()  # another writer of OUT: refused before anything loads
-    config, fitted = checked_artifact(cfg, methods, loaded, scorer)
+    config, fitted = checked_artifact(cfg, methods, loaded, scorer, "perplexity")
     arts, dropped = choose_methods(methods, config, fitted, default=cfg.default_methods, model=cfg.model)
     if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
         engine.check_methods({m: arts[m] for m in methods if m not in dropped}, [PROTOCOLS[p] for p in cfg.protocols])
