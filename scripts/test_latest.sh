@@ -42,7 +42,7 @@ import importlib.metadata as md
 import transformers
 from transformers import AutoModelForCausalLM, Glm4MoeForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM  # noqa: F401
 import oscar.cluster.pipeline, oscar.kernels.cache, oscar.pipeline.models, oscar.reports.build  # noqa: F401
-import oscar.stats.fit, oscar.validate.niah  # noqa: F401
+import oscar.stats.fit, oscar.validate.niah, oscar.scoring.engine, oscar.recipe.driver, oscar.kernels.backends  # noqa: F401
 try:
     import kernels
     print("Hugging Face kernels", md.version("kernels"), "from", kernels.__file__)
