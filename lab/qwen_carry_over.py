@@ -28,7 +28,7 @@ LENGTHS = [1024, 2048, 4096, 8192]
 
 
 def _old() -> dict:
-    from oscar.evidence import read_samples
+    from oscar.validate.evidence import read_samples
 
     return read_samples(os.path.join(EX, "niah_samples.jsonl"))
 
@@ -66,7 +66,7 @@ def preds(d: str) -> None:
 
     run_niah(NiahConfig(out=d, model=MODEL, methods=["bf16", "kivi2"], tasks=TASKS, lengths=LENGTHS, samples=1,
                         protocol="serving", dtype="bfloat16"), progress=False)
-    from oscar.evidence import read_samples
+    from oscar.validate.evidence import read_samples
 
     new, old = read_samples(os.path.join(d, "niah_samples.jsonl")), _old()
     rows = [[k[0], k[1], k[3], old[k]["pred"], r["pred"]] for k, r in sorted(new.items())]
@@ -76,7 +76,7 @@ def preds(d: str) -> None:
 
 
 def cost(d: str) -> None:
-    from oscar.evidence import read_samples
+    from oscar.validate.evidence import read_samples
     from oscar.validate.niah import NiahConfig, run_niah
 
     art = os.path.join(EX, "artifact.safetensors")  # what oscar-int2 reads does not change its cost

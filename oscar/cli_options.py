@@ -100,7 +100,7 @@ def add_recipe(p: Parser) -> None:
     --widths none` is the plain fit."""
     p.add_argument("--no-tune", action="store_true",
                    help="keep the fit's key clips (skip the tune: the factor x the clips with the lowest strict NLL on "
-                        "calibration text)")
+                        "calibration text, factors within 1 %% of it tying to the one nearest x1.0)")
     p.add_argument("--tune-objective", default="nll", choices=TUNE_OBJECTIVES,
                    help="what the key-clip tune minimises: nll (strict NLL), copy (NLL of a span copied from the INT2 "
                         "history), guarded (copy among the factors within 0.5 %% of the best NLL) (default %(default)s)")

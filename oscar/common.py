@@ -12,6 +12,8 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
+
 
 class OscarError(Exception):
     """A user-facing error: bad input, mismatched store/artifact, refused request.
@@ -534,6 +536,38 @@ def check_output_path(path: str, *, file: bool | None = None, flag: str = "--out
 # Objectives within TIE_REL of each other are therefore ties, broken by a fixed rule at each choice
 # (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md, "The recipe's choices do not depend on the host's kernels").
 TIE_REL = 1e-4
+
+
+# How far the recipe's objectives move between stores of one model calibrated through different kernel paths:
+# `bash lab/tie_spread.sh DIR` (SmolLM2, 16,384 calibration tokens, one store through the native CPU kernels, one
+# through torch's, one on a host held to AVX2). The INT2 codes of the tune's window flip between such stores'
+# artifacts and no scoring precision removes that (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md):
+# differences inside the measured spread are ties, broken by the smaller change
+# (docs/decisions/0103-the-recipe-s-choices-tie-at-the-spread-between-stores.md).
+# The tune: the gap between two factors' NLLs moved by up to 0.98 % (float64 scoring; 0.68 % in float32).
+STORE_TIE_REL = 0.01
+# The widths: an entry of the copy-NLL table moved by up to 1.8 % of the table's largest |entry| (at the tuned
+# x1.1), and the DP weighs one layer's gain against another's, a difference that moves by up to twice that.
+STORE_TIE_TABLE = 0.04
+
+
+def smallest_change(options, values, rel: float = STORE_TIE_REL, neutral: float = 1.0) -> int:
+    """Index of the option to take: among `values` (lower is better) within `rel` of the best (ties), the option
+    nearest `neutral` (the smallest change; x1.0 for a scale factor), then the smaller option."""
+    return min(tied_best(values, rel), key=lambda i: (abs(math.log(options[i] / neutral)), options[i]))
+
+
+def narrower_on_ties(table, rel: float = STORE_TIE_TABLE) -> np.ndarray:
+    """A (rows, options) table of objectives (lower is better; options from the narrowest to the widest) as a
+    choice should read it: an option counts as better than the narrower ones only where it beats each of them by
+    more than `rel` of the table's largest |entry|; otherwise it takes the best narrower value, a tie that a rule
+    preferring the lower cost gives to the narrower option."""
+    t = np.asarray(table, dtype=float)
+    tol = rel * float(np.abs(t).max())
+    out = t.copy()
+    for o in range(1, t.shape[1]):
+        out[:, o] = np.where(t[:, o] < t[:, :o].min(1) - tol, t[:, o], out[:, :o].min(1))
+    return out
 
 
 def tied_best(values, rel: float = TIE_REL) -> list[int]:

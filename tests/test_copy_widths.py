@@ -59,9 +59,10 @@ def test_widths_artifact_is_layer_artifacts_format(fitted):
 
 
 def test_copy_objective_widths_are_the_dp_of_the_given_table(fitted):
-    """The widths are layer_widths of the measured table (not of the reservoir rows'); with
-    one layer's probe far better than the rest, that layer is widened; the table must match the options."""
-    from oscar.common import OscarError
+    """The widths are layer_widths of the measured table (not of the reservoir rows') with its ties at the spread
+    between stores; with one layer's probe far better than the rest, that layer is widened; the table must match
+    the options."""
+    from oscar.common import OscarError, narrower_on_ties
 
     opts = ((2, 2), (3, 2), (4, 2))
     L, D = fitted.num_layers, fitted.head_dim
@@ -71,7 +72,7 @@ def test_copy_objective_widths_are_the_dp_of_the_given_table(fitted):
     c = wd.layer_artifact(fitted, opts, "oscar-layer-copy-int2", err).meta["codec"]
     costs = np.array([[0.5 * (lf.layer_spec(fitted, kb).bits_per_element(D) + lf.layer_spec(fitted, vb).bits_per_element(D))
                        for kb, vb in opts]] * L)
-    assert c["widths"] == [list(opts[o]) for o in wd.layer_widths(err, costs, lf.oscar_bits(fitted))]
+    assert c["widths"] == [list(opts[o]) for o in wd.layer_widths(narrower_on_ties(err), costs, lf.oscar_bits(fitted))]
     assert c["widths"][L - 1] == [4, 2] and all(w == [2, 2] for w in c["widths"][:-1]) and c["chosen_by"] == "copy"
     assert c["copy_err"] == err.round(6).tolist()
     with pytest.raises(OscarError, match="copy_err must be"):

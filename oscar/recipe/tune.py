@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from oscar.common import OscarError, tied_best
+from oscar.common import OscarError, smallest_change
 from oscar.defaults import TUNE_OBJECTIVES
 from oscar.pipeline.corpus import load_corpus
 from oscar.scoring import engine as eng
@@ -51,11 +51,13 @@ class TuneConfig:
     corpus: str = "pydoc"
     # float64: the recipe's choices are decided on objectives that no host's kernels round differently. Under INT2 a
     # float32 rounding difference flips a code, which moves later layers and flips more: float32 NLLs of the same
-    # window differ by up to ~1 % between kernels (tests/test_tune.py), the size of the margins between factors.
+    # window differ by up to ~1 % between kernels (tests/test_tune.py), the size of the margins between factors. With
+    # ties at the spread between stores (choose_factor) float64 still changed one choice of eight measured
+    # (docs/decisions/0103-the-recipe-s-choices-tie-at-the-spread-between-stores.md).
     dtype: str = "float64"
     # The per-layer widths' copy probe and its gradient: float32. In float64 the gradient's forward + backward ran
-    # 4.5x the float32 time (~9 min of a 15-minute main job on a 2-core AVX2 host); its table is rounded to
-    # TIE_REL instead (oscar/recipe/widths.py), which absorbs reordering but not a flipped code (docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
+    # 4.5x the float32 time (~9 min of a 15-minute main job on a 2-core AVX2 host); its choices tie at the spread
+    # between stores instead (oscar.common.STORE_TIE_TABLE; docs/decisions/0084-the-recipe-s-choices-do-not-depend-on-the-host-s.md).
     widths_dtype: str = "float32"
     objective: str = "nll"  # nll: strict NLL; copy: copied-span NLL; guarded: copy among factors within nll_slack
     nll_slack: float = 0.005  # guarded: a factor is admissible if its strict NLL <= best * (1 + nll_slack)
@@ -120,13 +122,14 @@ def copy_nll(model, win: torch.Tensor, pos: torch.Tensor) -> tuple[float, int]:
 
 
 def choose_factor(nll: dict[float, float], cnll: dict[float, float] | None, objective: str, nll_slack: float) -> float:
-    """The tune's rule; objectives within TIE_REL of the best are ties (the host's kernels cannot tell them apart:
-    oscar.common.TIE_REL), won by the smaller factor (the smaller change)."""
+    """The tune's rule; objectives within STORE_TIE_REL of the best are ties (stores of one model calibrated
+    through different kernels move them that far: oscar.common.STORE_TIE_REL), won by the factor nearest x1.0 (the
+    smaller change)."""
     if objective == "nll":
         fs = sorted(nll)
-        return fs[tied_best([nll[f] for f in fs])[0]]
+        return fs[smallest_change(fs, [nll[f] for f in fs])]
     ok = sorted(nll) if objective == "copy" else sorted(f for f in nll if nll[f] <= min(nll.values()) * (1 + nll_slack))
-    return ok[tied_best([cnll[f] for f in ok])[0]]
+    return ok[smallest_change(ok, [cnll[f] for f in ok])]
 
 
 def scale_key_clips(art, factor: float):

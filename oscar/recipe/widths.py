@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from oscar.common import TIE_REL, OscarError
+from oscar.common import OscarError, narrower_on_ties
 from oscar.kernels.grad_attention import (copy_nll_sum, drop_leaves, fresh_leaves, gradient_mode, layer_quants,
                                           window_sums)
 from oscar.kernels.protocol import Protocol
@@ -305,10 +305,9 @@ def layer_artifact(fitted: Artifact, options: tuple[tuple, ...], method: str, co
             row_c.append(0.5 * (kbits + vs.bits_per_element(D)))
         errs.append(row_e), tops.append(row_t), costs.append(row_c)
     errs, tops, costs = np.array(errs), np.array(tops), np.array(costs)
-    # float32 NLL changes through the model: kernel-level differences are ties (TIE_REL), and on the rounded
-    # table the DP's own rule decides them (the first option, then the lowest cost)
-    obj = np.round(copy_err / (TIE_REL * max(float(np.abs(copy_err).max()), 1e-30)))
-    pick = layer_widths(obj, costs, oscar_bits(fitted))
+    # NLL changes through the model: a wider option within the spread between stores calibrated through different
+    # kernels (oscar.common.STORE_TIE_TABLE) ties with the narrower, which the DP's rule then keeps (the lower cost)
+    pick = layer_widths(narrower_on_ties(copy_err), costs, oscar_bits(fitted))
     widths = [list(options[o]) for o in pick]
     rot_k, rot_q = list(fitted.rot_k), list(fitted.rot_q or fitted.rot_k)
     clip_k, clip_v = _width_clips(fitted, widths)
