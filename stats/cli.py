@@ -28,7 +28,7 @@ def fit_config(args: argparse.Namespace):
 
     quant = QuantConfig(bits=args.bits, group_size=args.group_size, key_axis=args.key_axis, mode=args.mode,
                         sink=args.sink, recent=args.recent, param_dtype=args.param_dtype)
-    return FitConfig(variant=args.variant or "scaled", quant=quant, partial=args.partial, blocks=args.blocks, clip=not args.no_clip,
+    return FitConfig(variant=args.variant, quant=quant, partial=args.partial, blocks=args.blocks, clip=not args.no_clip,
                      reduce=ReduceConfig(estimator=args.estimator, shrinkage=args.shrinkage),
                      fallback=args.fallback, seed=args.seed, threads=args.threads, progress=not args.no_progress)
 
@@ -66,7 +66,8 @@ def _fit_latent(args: argparse.Namespace, store: str) -> int:
     from oscar.stats.artifact import LatentQuant, save_latent_artifact
     from oscar.stats.latent import LatentFitConfig, fit_latent
 
-    if args.variant is not None and args.variant not in LATENT_VARIANTS:
+    variant = "attention" if args.variant == "scaled" else args.variant  # the default: the latent's attention fit
+    if variant not in LATENT_VARIANTS:
         raise OscarError(f"{store} is a latent store (MLA model): --variant {args.variant} is a per-head recipe; "
                          f"latent variants: {', '.join(LATENT_VARIANTS)}")
     if args.bits != 2 or args.group_size not in (None, LATENT_GROUP) or args.key_axis != "token" or args.mode != "minmax":
@@ -74,7 +75,7 @@ def _fit_latent(args: argparse.Namespace, store: str) -> int:
                          "(--bits, --group-size, --key-axis and --mode are the per-head format's)")
     quant = LatentQuant(sink=args.sink, recent=args.recent)
     estimator = "plain" if args.estimator == "auto" else args.estimator
-    art = fit_latent(store, LatentFitConfig(variant=args.variant or "attention", quant=quant, estimator=estimator,
+    art = fit_latent(store, LatentFitConfig(variant=variant, quant=quant, estimator=estimator,
                                             clip=not args.no_clip, seed=args.seed), partial=args.partial)
     save_latent_artifact(art, args.out)
     m = art.meta
@@ -241,9 +242,9 @@ def register(sub) -> None:
     p.add_argument("--store", default=None, help="calibration store (zarr directory, oscar-calib/2; /1 read with a warning); required, "
                    "here or as STORE (no default)")
     add_out(p, "artifact .safetensors to write")
-    p.add_argument("--variant", default=None, help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default scaled, "
+    p.add_argument("--variant", default="scaled", help=f"rotation recipe: {', '.join(sorted(VARIANTS))} (default scaled, "
                    "the rotations `oscar run` ships; oscar: the published recipe; `oscar variants` describes each); a "
-                   f"latent store (MLA model): {', '.join(LATENT_VARIANTS)} (default attention)")
+                   f"latent store (MLA model): {', '.join(LATENT_VARIANTS)} (the default fits attention)")
     p.add_argument("--estimator", default="auto", help="covariance estimator across blocks: auto (robust where tails "
                    "are heavy) | plain | mom (median of means) | trimmed")
     p.add_argument("--shrinkage", default="oas", choices=("oas", "lw", "none"),

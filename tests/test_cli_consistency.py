@@ -111,5 +111,7 @@ def test_shared_options_keep_their_defaults():
     assert meth.pop("run") is None  # the main job's own (RunConfig: MAIN_JOB_METHODS, or --full's DEFAULT_METHODS)
     assert set(meth.values()) == {co.DEFAULT_METHODS}, meth
     model = {c: a.default for (c, f), a in seen.items() if f == "--model"}
-    assert {c for c, d in model.items() if d != co.EMBEDDED_MODEL} == {"plan", "cluster render", "import", "fit"}, model
+    # fit and latent-attention read the store's model by default
+    assert {c for c, d in model.items() if d != co.EMBEDDED_MODEL} == {"plan", "cluster render", "import", "fit",
+                                                                        "validate latent-attention"}, model
     assert {c for (c, f), a in seen.items() if f == "--ray"} == {"calibrate", "validate ppl", "validate niah", "fit"}

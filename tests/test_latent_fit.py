@@ -122,8 +122,8 @@ def test_fit_cli_on_a_latent_store(store, tmp_path):
                                     capture_output=True, text=True)
     p = run()
     assert p.returncode == 2 and "has no tune or per-layer widths yet" in p.stderr and not out.exists()
-    p = run("--no-tune", "--widths", "none", "--variant", "scaled")
-    assert p.returncode == 2 and "--variant scaled is a per-head recipe" in p.stderr and not out.exists()
+    p = run("--no-tune", "--widths", "none", "--variant", "oscar")
+    assert p.returncode == 2 and "--variant oscar is a per-head recipe" in p.stderr and not out.exists()
     p = run("--no-tune", "--widths", "none", "--variant", "reference")
     assert p.returncode == 0, p.stderr
     assert load_latent_artifact(str(out)).meta["variant"] == "reference"

@@ -133,11 +133,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Fit each latent variant (attention-aware, the public OSCAR reference, Hadamard, "
                                    "identity) from a latent store, run held-out sequences through the model once and "
                                    "read each layer's history from each variant's INT2 latent cache: score, value and "
-                                   "output errors relative to the exact attention, with 95 %% intervals and the "
+                                   "output errors relative to the exact attention, with 95 percent intervals and the "
                                    "attention-aware fit against the reference paired. Writes "
                                    "DIR/latent_attention.parquet and DIR/latent_attention.json.")
     la.add_argument("--store", required=True, help="latent calibration store (oscar-calib-latent/1) of the MLA model")
-    add_model(la, "the store's model, if not at the path the store records (checked against its config)", default=None)
+    add_model(la, "the store's model, checked against its config (default: the model directory the store records)",
+              default=None)
     la.add_argument("--variants", default=",".join(LATENT_VARIANTS),
                     help=f"latent fit variants to compare (default all: {', '.join(LATENT_VARIANTS)})")
     la.add_argument("--seq-len", type=positive_int, default=512, help="tokens per held-out sequence")

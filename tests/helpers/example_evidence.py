@@ -25,8 +25,8 @@ import pandas as pd
 
 from oscar.__main__ import build_parser
 from oscar.common import file_fingerprint
-from oscar.evidence import niah_stats, read_samples, read_windows, ppl_stats
-from oscar.intervals import wilson
+from oscar.validate.evidence import niah_stats, read_samples, read_windows, ppl_stats
+from oscar.validate.intervals import wilson
 from oscar.stats.artifact import calibrated_length, load_artifact
 
 NIAH_COLUMNS = ("samples", "score", "ci_low", "ci_high", "diff_vs_bf16", "diff_ci_low", "diff_ci_high", "paired",
