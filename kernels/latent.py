@@ -27,6 +27,8 @@ from transformers.cache_utils import Cache
 _LayerBase = getattr(cache_utils, "DynamicIndexedLayer", cache_utils.DynamicLayer)
 
 from oscar.common import OscarError
+from oscar.kernels.protocol import Protocol
+from oscar.kernels.simulate import SimQuantLayer
 from oscar.quant import QuantSpec, choose_qparams, fake_quant, pack, quantize
 from oscar.stats.artifact import LatentArtifact
 
@@ -61,30 +63,21 @@ class LatentLayerQuant:
         b = T - recent
         return sink if b <= sink else sink + (b - sink) // self.page * self.page
 
+    # the simulator layer's reading (kernels/simulate.py SimQuantLayer): keys are the latents, values the RoPE keys
+    keys = latents
 
-class LatentSimLayer(_LayerBase):
+    def values(self, k_pe: torch.Tensor) -> torch.Tensor:
+        return k_pe  # k_pe stays 16-bit
+
+
+class LatentSimLayer(SimQuantLayer, _LayerBase):
     """A cache layer of latents (keys: c (B, 1, T, r)) and RoPE keys (values: k_pe (B, 1, T, rope)) with the
-    latents of [sink, T - recent) replaced by their INT2 round trip, page by page; a new chunk attends to itself
-    exactly. The DSA indexer's key cache (GLM-5) is kept as transformers keeps it."""
+    latents of [sink, T - recent) replaced by their INT2 round trip, page by page, the RoPE keys exact: the per-head
+    simulator's layer (kernels/simulate.py) over `LatentLayerQuant`. A new chunk attends to itself exactly; the DSA
+    indexer's key cache (GLM-5) is kept as transformers keeps it."""
 
-    def __init__(self, lq: LatentLayerQuant, sink: int, recent: int):
-        super().__init__()
-        self.lq, self.sink, self.recent = lq, sink, recent
-        self.n_quant = sink
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        out = (self.keys, self.values)
-        T = self.keys.shape[-2]
-        a, b = self.n_quant, self.lq.quantized_until(T, self.sink, self.recent)
-        if b > a:  # a new tensor, never in place: the caller still holds the returned one
-            k = self.keys
-            self.keys = torch.cat([k[..., :a, :], self.lq.latents(k[..., a:b, :]), k[..., b:, :]], dim=-2)
-            self.n_quant = b
-        return out
+    def __init__(self, lq: "LatentLayerQuant", sink: int, recent: int):
+        super().__init__(lq, Protocol("latent", sink=sink, recent=recent))
 
 
 class LatentSimCache(Cache):

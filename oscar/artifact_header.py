@@ -26,16 +26,21 @@ READS = (ARTIFACT_FORMAT, ARTIFACT_FORMAT_Q, ARTIFACT_FORMAT_L)
 ARTIFACT_FORMAT_LATENT = "oscar-latent-artifact/1"
 
 
-def read_metadata(path: str) -> dict[str, Any]:
-    """The artifact's metadata dict; OscarError for a file that is not an oscar artifact this version reads."""
+def _header(path: str) -> dict[str, Any] | None:
+    """The JSON under the safetensors header key `oscar` (None: the file has none)."""
     try:
         with safetensors.safe_open(path, "pt") as f:
             raw = (f.metadata() or {}).get("oscar")
     except Exception as e:  # safetensors raises its own error types
         raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e
-    if raw is None:
+    return None if raw is None else json.loads(raw)
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """The artifact's metadata dict; OscarError for a file that is not an oscar artifact this version reads."""
+    meta = _header(path)
+    if meta is None:
         raise OscarError(f"{path}: safetensors file has no 'oscar' metadata; not an oscar artifact")
-    meta = json.loads(raw)
     if meta.get("format") == ARTIFACT_FORMAT_LATENT:
         raise OscarError(f"{path} is a latent (MLA) artifact ({ARTIFACT_FORMAT_LATENT}, model "
                          f"{(meta.get('model') or {}).get('name')!r}): it rotates the latent c_kv, not per-head K/V")
@@ -46,12 +51,7 @@ def read_metadata(path: str) -> dict[str, Any]:
 
 def read_latent_metadata(path: str) -> dict[str, Any]:
     """A latent artifact's metadata; OscarError for any other file (a per-head artifact named as such)."""
-    try:
-        with safetensors.safe_open(path, "pt") as f:
-            raw = (f.metadata() or {}).get("oscar")
-    except Exception as e:  # safetensors raises its own error types
-        raise OscarError(f"{path}: not a readable safetensors artifact ({e})") from e
-    meta = json.loads(raw) if raw is not None else {}
+    meta = _header(path) or {}
     if meta.get("format") in READS:
         raise OscarError(f"{path} is a per-head artifact ({meta['format']}): a latent (MLA) cache needs "
                          f"{ARTIFACT_FORMAT_LATENT}")
