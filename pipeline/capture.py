@@ -567,7 +567,7 @@ class RowCapture:
     @contextlib.contextmanager
     def batch(self, mask: torch.Tensor, seq_offset: int = 0) -> Iterator[None]:
         if mask.shape[0] != 1 or not bool(mask.bool().all()):
-            raise OscarError("RowCapture takes one unpadded sequence per forward")
+            raise OscarError(f"{type(self).__name__} takes one unpadded sequence per forward")
         token = _ACTIVE.set(_BatchContext(self, mask.bool(), int(seq_offset)))
         try:
             with torch.no_grad():
@@ -601,16 +601,7 @@ class LatentRowCapture:
     def __init__(self):
         self.rows: list[dict] = []
 
-    @contextlib.contextmanager
-    def batch(self, mask: torch.Tensor, seq_offset: int = 0) -> Iterator[None]:
-        if mask.shape[0] != 1 or not bool(mask.bool().all()):
-            raise OscarError("LatentRowCapture takes one unpadded sequence per forward")
-        token = _ACTIVE.set(_BatchContext(self, mask.bool(), int(seq_offset)))
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            _ACTIVE.reset(token)
+    batch = RowCapture.batch  # one unpadded sequence per forward, as RowCapture reads it
 
     def record(self, layer, q, k, v, out, ctx: _BatchContext, module=None, mask=None, scale=None, **_) -> None:
         c = ctx.latent.pop(layer, None)
