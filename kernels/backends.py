@@ -18,6 +18,7 @@ cache (kernels/cache.py) imports none of the simulators: this module sits above 
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -178,14 +179,16 @@ class LatentBackend(CacheBackend):
 
     def build(self) -> Cache:
         art, s = self.one(), self.spec
-        if art is None:
-            return exact_cache(s.prefill)
+        if art is None:  # the exact cache, the prefill's DSA indexer keys (GLM-5) included
+            return copy.deepcopy(s.prefill) if s.prefill is not None else DynamicCache()
         if s.held is not None:
             raise OscarError("the latent backend holds every layer (no stage's own-layer latent cache yet)")
         cache = LatentSimCache(art, sink=s.protocol.sink, recent=s.protocol.recent)
         if s.prefill is not None:  # the prompt's exact latents, as if that chunk passed through update()
             for l, src in enumerate(s.prefill.layers):
                 cache.update(src.keys, src.values, l)
+                if getattr(src, "indexer_keys", None) is not None:  # GLM-5's DSA indexer reads every past key
+                    cache.layers[l].update_indexer(src.indexer_keys)
         return cache
 
 

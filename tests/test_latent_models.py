@@ -48,15 +48,18 @@ def test_per_head_steps_refuse_a_latent_model_by_name(preset):
         attention_shapes(preset_config(name))  # its `head_dim` is the RoPE key's: never read as a per-head width
 
 
-@pytest.mark.parametrize("argv", [["run", "--no-ray", "--samples", "1", "--out", "D"],
-                                  ["validate", "niah", "--methods", "bf16", "--lengths", "1k", "--out", "D"],
-                                  ["validate", "ppl", "--methods", "bf16", "--lengths", "1k", "--out", "D"]])
-def test_per_head_commands_refuse_a_latent_model_before_any_work(tmp_path, argv):
+@pytest.mark.parametrize("argv,says", [
+    (["run", "--no-ray", "--samples", "1", "--out", "D"], "GlmMoeDsaForCausalLM, a Multi-head Latent Attention model"),
+    (["validate", "niah", "--methods", "bf16", "--engine", "cache", "--lengths", "1k", "--out", "D"],
+     "--engine cache serves per-head K/V pages; its latent cache runs under --engine simulate"),
+    (["validate", "ppl", "--methods", "bf16,kivi2", "--contexts", "1k", "--out", "D"],
+     "kivi2: quantizes per-head K/V; an MLA model caches a latent")])
+def test_per_head_commands_refuse_a_latent_model_before_any_work(tmp_path, argv, says):
     p = subprocess.run([sys.executable, "-m", "oscar", *argv, "--model", "tiny-glm5", "--no-progress"],
                        capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     lines = [x for x in p.stderr.strip().splitlines() if not x.startswith("Loading weights")]
-    assert len(lines) == 1 and "GlmMoeDsaForCausalLM, a Multi-head Latent Attention model" in lines[0], p.stderr
+    assert len(lines) == 1 and says in lines[0], p.stderr
     assert list(tmp_path.iterdir()) == []
 
 

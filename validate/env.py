@@ -19,9 +19,10 @@ from oscar.pipeline.corpus import first_chat_record, load_corpus
 from oscar.pipeline.models import load_config, load_model as _load
 
 
-def load_model(spec: str = EMBEDDED_MODEL):
-    """(model, tokenizer, info) in eval mode, float32 on CPU."""
-    model, tok, info = _load(spec)  # refuses sliding-window models (oscar.constraints.check_model)
+def load_model(spec: str = EMBEDDED_MODEL, latent: bool = False):
+    """(model, tokenizer, info) in eval mode, float32 on CPU; `latent`: the caller serves an MLA model's latent
+    cache (every other caller refuses one)."""
+    model, tok, info = _load(spec, latent=latent)  # refuses sliding-window models (oscar.constraints.check_model)
     return model.eval(), tok, info
 
 

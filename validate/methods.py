@@ -38,15 +38,17 @@ from typing import Any, Callable
 
 import torch
 
-from oscar.common import OscarError, attention_shapes
+from oscar.common import OscarError, attention_shapes, is_latent, latent_shapes
 from oscar.kernels.protocol import Protocol
 from oscar.stats.artifact import Artifact, QuantConfig, identity_artifact
 from oscar.stats.hadamard import hadamard_tensor
 from oscar.constraints import quant_problems
-from oscar.kernels.memory import artifact_bits_per_element
+from oscar.kernels.memory import LatentFormat, artifact_bits_per_element, latent_per_history_token, latent_total
 from oscar.stats.artifact import beyond_calibration
 from oscar.stats.fit import FitConfig, fit
 from oscar.stats.hadamard import HadamardUnsupported
+from oscar.stats.artifact import LatentArtifact
+from oscar.stats.latent import LatentFitConfig, fit_latent
 from oscar.validate import codebooks
 from oscar.validate.codebooks import codec_bits_per_element
 
@@ -286,6 +288,14 @@ def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, chec
     """
     import sys
 
+    if is_latent(config):
+        arts, skipped = latent_methods(methods, fitted)
+        for m, why in skipped.items():
+            if say:
+                print(f"oscar validate: skipping method {m}: {why}", file=sys.stderr)
+        if out and skipped:
+            record_skipped(out, skipped)
+        return arts, skipped
     D = attention_shapes(config)["head_dim"]
     arts, skipped = {}, {}
     for m in methods:
@@ -308,6 +318,51 @@ def resolve_methods(methods: list[str], config, fitted: Artifact | None, *, chec
     if out and skipped:
         record_skipped(out, skipped)
     return arts, skipped
+
+
+# An MLA model's methods: each a latent fit variant (stats/rotations.py LATENT_VARIANTS) of the store the given
+# latent artifact was fitted from, in its format; hadamard-int2 and naive-int2 stay data-free (no clip search), as
+# their per-head namesakes. The rest quantize per-head K/V, which an MLA model does not cache.
+LATENT_METHODS = {"oscar-int2": None, "oscar-ref-int2": "reference", "hadamard-int2": "hadamard",
+                  "naive-int2": "identity"}
+_DATA_FREE = {"hadamard-int2", "naive-int2"}
+_LATENT_REFITS: dict = {}  # (variant, store path, store fingerprint, quant) -> the latent artifact
+
+
+def latent_methods(methods: list[str], fitted: LatentArtifact | None) -> tuple[dict, dict[str, str]]:
+    """resolve_methods for an MLA model (the latent artifact already checked against it): bf16 (None), oscar-int2
+    (`fitted`) and the latent variants refitted from its store; every other method skipped, with the reason."""
+    arts, skipped = {}, {}
+    for m in methods:
+        if m == "bf16":
+            arts[m] = None
+        elif m not in LATENT_METHODS:
+            skipped[m] = "quantizes per-head K/V; an MLA model caches a latent (methods for it: bf16, " + \
+                         ", ".join(LATENT_METHODS) + ")"
+        elif fitted is None:
+            raise OscarError(f"method {m} needs --artifact (an `oscar fit` latent artifact of this model)")
+        elif LATENT_METHODS[m] is None:
+            arts[m] = fitted
+        else:
+            arts[m] = latent_refit(fitted, LATENT_METHODS[m], m, clip=m not in _DATA_FREE)
+    return arts, skipped
+
+
+def latent_refit(fitted: LatentArtifact, variant: str, method: str, clip: bool = True) -> LatentArtifact:
+    """The latent `variant` fitted from the store `fitted` came from, in its format (`clip`: with the clip search);
+    cached per store."""
+    import os
+
+    prov = fitted.meta.get("provenance") or {}
+    store = prov.get("store")
+    if not store or not os.path.isdir(store):
+        raise OscarError(f"method {method} refits the latent {variant} variant from the calibration store of "
+                         f"--artifact, but {'it records none' if not store else f'{store!r} does not exist'}")
+    key = (variant, clip, os.path.abspath(store), prov.get("store_fingerprint"), repr(fitted.quant))
+    if key not in _LATENT_REFITS:
+        _LATENT_REFITS[key] = fit_latent(store, LatentFitConfig(variant=variant, quant=fitted.quant, clip=clip),
+                                         partial=bool(prov.get("partial")))
+    return _LATENT_REFITS[key]
 
 
 def record_skipped(out: str, skipped: dict[str, str]) -> None:
@@ -349,6 +404,9 @@ def bits_per_element(art: Artifact | None, head_dim: int) -> float:
     """Stored bits per K/V element of the quantized history (metadata included); 16 for the exact cache."""
     if art is None:
         return 16.0
+    if isinstance(art, LatentArtifact):  # c_kv's codes and scales per latent value (the RoPE key stays 16-bit)
+        q = art.quant
+        return q.bits + 2 * 8 * getattr(torch, q.param_dtype).itemsize / q.group
 
     cb = codec_bits_per_element(art)
     if cb is not None:
@@ -407,7 +465,10 @@ def artifact_format(art: Artifact) -> str:
 
 
 def memory_row(name: str, art: Artifact | None, config, context: int, protocol: Protocol) -> dict:
-    """Bytes per token of K+V over all layers: history (quantized), and the average at `context` with exact sink/recent."""
+    """Bytes per token of K+V over all layers: history (quantized), and the average at `context` with exact sink/recent.
+    An MLA model's: of its latent cache (c_kv and the RoPE key; kernels/memory.py `latent_total`)."""
+    if is_latent(config):
+        return latent_memory_row(name, art, config, context, protocol)
     s = attention_shapes(config)
     elems = 2 * s["num_layers"] * s["num_kv_heads"] * s["head_dim"]  # K and V, per token
     bpe = bits_per_element(art, s["head_dim"])
@@ -420,3 +481,20 @@ def memory_row(name: str, art: Artifact | None, config, context: int, protocol: 
         "ratio_vs_bf16": avg_bits / 16,
         "note": METHOD_NOTES.get(name, "") + (f" ({artifact_format(art)})" if name == "oscar-int2" and art is not None else ""),
     }
+
+
+def latent_memory_row(name: str, art: LatentArtifact | None, config, context: int, protocol: Protocol) -> dict:
+    """memory_row of an MLA model: its latent cache's bytes (c_kv in INT2 groups + scales, the RoPE key, sinks and
+    the recent window 16-bit) by kernels/memory.py's accounting."""
+    shapes = latent_shapes(config)
+    bf16 = LatentFormat("bf16", bits=16)
+    f = bf16 if art is None else LatentFormat(
+        name, bits=art.quant.bits, group=art.quant.group, param_bytes=getattr(torch, art.quant.param_dtype).itemsize,
+        page_size=art.quant.page_size, sink=protocol.sink, recent=protocol.recent)
+    per_tok = sum(latent_per_history_token(shapes, f).values())
+    base = sum(latent_per_history_token(shapes, bf16).values())
+    avg = sum(latent_total(shapes, f, context).values()) / context
+    return {"method": name, "bits_per_element": bits_per_element(art, shapes["kv_lora_rank"]),
+            "bytes_per_token_history": per_tok, "bytes_per_token_bf16": base, "context": context,
+            "protocol": protocol.name, "sink": protocol.sink, "recent": protocol.recent, "bytes_per_token_avg": avg,
+            "ratio_vs_bf16": avg / base, "note": METHOD_NOTES.get(name, "") + " (MLA latent cache: c_kv + RoPE key)"}

@@ -41,18 +41,19 @@ from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oscar.common import OscarError, attention_shapes, file_fingerprint, fingerprint
+from oscar.common import OscarError, file_fingerprint, fingerprint, fit_dim, is_latent
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
 from oscar.dirlock import DirLock
 from oscar.validate.evidence import niah_stats, read_samples
 from oscar.kernels.backends import CacheSpec, make_cache
 from oscar.validate.ruler_outputs import write_ruler_outputs
-from oscar.stats.artifact import check_pairing, load_artifact
+from oscar.stats.artifact import check_pairing, load_artifact, load_latent_artifact
 from oscar.scoring import engine
 from oscar.scoring.dtype import DTYPES, with_dtype
 from oscar.scoring.prefill import PrefillPool, batch_capacity, decode_threads, load_aware_threads
 from oscar.scoring import rows as scoring_rows
+from oscar.scoring.latent import latent_answers
 from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
 from oscar.validate.methods import (
@@ -133,10 +134,22 @@ def checked_artifact(cfg, methods: list[str], loaded=None, stages=None, what: st
     check_stage_dtype(cfg, stages, what)
     check_artifact(cfg.artifact, methods)
     config = (loaded[0].config if loaded else stages.config if stages is not None else env.load_config(cfg.model))
-    fitted = load_artifact(cfg.artifact) if cfg.artifact else None
+    if is_latent(config):
+        check_latent_run(cfg, stages, what)
+    fitted = (load_latent_artifact if is_latent(config) else load_artifact)(cfg.artifact) if cfg.artifact else None
     if fitted is not None:
         check_pairing(fitted, config, cfg.artifact, cfg.model)
     return config, fitted
+
+
+def check_latent_run(cfg, stages, what: str) -> None:
+    """An MLA model's latent cache runs in one process under the simulator: what else was asked is refused."""
+    if stages is not None:
+        raise OscarError(f"{what} of an MLA model ({cfg.model}) run in one process: the stage actors hold per-head "
+                         f"caches only; leave out --ray / the stages")
+    if cfg.engine != "simulate":
+        raise OscarError(f"{what} of an MLA model ({cfg.model}): --engine {cfg.engine} serves per-head K/V pages; its "
+                         f"latent cache runs under --engine simulate")
 
 
 def locked_out(cfg):
@@ -165,7 +178,7 @@ def load_checked(name: str, artifact: str | None, methods: list[str], lengths: l
         check_lengths(lengths, env.config_max_context(name) or 0, name)
     if dtype not in DTYPES:
         raise OscarError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    model, tok, _ = loaded or env.load_model(name)
+    model, tok, _ = loaded or env.load_model(name, latent=is_latent(env.load_config(name)))
     model = with_dtype(model, dtype)
     check_lengths(lengths, env.max_context(model), name)
     return model, tok
@@ -267,7 +280,10 @@ def _greedy_loop(model, cache, ids, max_new_tokens: int, eos: set[int]) -> list[
 def decode_batch(model, samples, groups, protocol, pool: "PrefillPool", eos: set[int]) -> list[list[int]]:
     """Greedy answers of every (sample, method) row: samples[g]'s chunk 1 prefilled exactly once (through
     `pool`) and handed to the caches of its methods `groups[g]` (artifacts, None: exact), then all rows
-    decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given."""
+    decoded as one `RowBatchCache`. Rows come sample by sample, methods in the order given. An MLA model's rows
+    run one at a time through its latent cache (oscar/scoring/latent.py), each with its own prefill."""
+    if is_latent(model.config):
+        return latent_answers(model, samples, groups, protocol, eos)
     cache = make_cache(CacheSpec.rows(groups, protocol, capacity=batch_capacity(samples), dtype=next(model.parameters()).dtype,
                                       num_layers=model.config.get_text_config().num_hidden_layers), "rows")
     for g, s in enumerate(samples):  # chunk 1, exact, shared by every method of the sample
@@ -450,7 +466,7 @@ def write_memory(out: str, methods, arts, config, context: int, protocol) -> Non
 
 def write_results(cfg: NiahConfig, methods, done: dict, arts, config):
     """Aggregate the per-sample lines of the requested cells into DIR/results.parquet."""
-    D = attention_shapes(config)["head_dim"]
+    D = fit_dim(config)  # what a method's bits per element are counted over
 
     rows = []
     for st in niah_stats(done):  # every sample in OUT (one identity per OUT, see _prepare_out)

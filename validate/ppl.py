@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from oscar.common import OscarError, attention_shapes, file_fingerprint
+from oscar.common import OscarError, file_fingerprint, fit_dim, is_latent
 from oscar.defaults import DEFAULT_METHODS
 from oscar.defaults import EMBEDDED_MODEL
 from oscar.validate.evidence import product_goal, segment_cuts
@@ -39,6 +39,7 @@ from oscar.validate.evidence import ppl_stats
 from oscar.kernels import cpu_attention
 from oscar.kernels.window_attention import simulated
 from oscar.scoring import engine
+from oscar.scoring.latent import latent_window_nll
 from oscar.scoring.nll import window_nll
 from oscar.validate import env
 from oscar.validate.heldout import more_heldout_words
@@ -108,7 +109,10 @@ def heldout_text_ids(tok, corpus: str, n: int) -> tuple[list[int], dict]:
 
 
 def _window(model, art, protocol: str, win: torch.Tensor, cuts: tuple):
-    """window_nll of one window under method `art` (None: the plain model) and `protocol`."""
+    """window_nll of one window under method `art` (None: the plain model) and `protocol`; an MLA model's through
+    its latent cache (oscar/scoring/latent.py)."""
+    if is_latent(model.config):
+        return latent_window_nll(model, art, PROTOCOLS[protocol] if art is not None else None, win, prefixes=cuts)
     if art is None:
         with cpu_attention.native_prefill(model):
             return window_nll(model, win, prefixes=cuts)
@@ -255,7 +259,7 @@ def _segments(cum: dict, P: int, nll: float, count: int) -> list[list[float]]:
 
 
 def write_ppl(cfg: PplConfig, methods, arts, config, done):
-    D = attention_shapes(config)["head_dim"]
+    D = fit_dim(config)  # what a method's bits per element are counted over
     rows = ppl_stats(list(done.values()), methods, cfg.protocols, cfg.contexts, cfg.tokens,
                      bf16_key=lambda m, p: "-" if arts[m] is None else p)
     for r in rows:
