@@ -24,6 +24,7 @@ backward through the stages, each stage summing its own layers (kernels/grad_att
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from transformers import GenerationConfig
 
 from oscar.cluster.loading import load_config, load_layer_range
 from oscar.cluster.pipeline import ClusterConfig, connect, disconnect, place_groups, stage_ranges, wait_alive
-from oscar.common import OscarError, set_threads
+from oscar.common import OscarError, is_latent, set_threads
 from oscar.kernels import cpu_attention
 from oscar.kernels import rowbatch as rowbatch_kernels
 from oscar.kernels.backends import CacheSpec, make_cache
@@ -45,6 +46,7 @@ from oscar.kernels.window_attention import simulated
 from oscar.pipeline.models import load_tokenizer, resolve_model
 from oscar.scoring import engine
 from oscar.scoring.protocols import PROTOCOLS
+from oscar.scoring.latent import latent_cache, window_chunks as latent_chunks
 from oscar.scoring.prefill import PrefillPool, batch_capacity
 from oscar.scoring.nll import hidden_nll
 from oscar.scoring.rows import positions, run_rows
@@ -78,6 +80,7 @@ class ScoreStage:
         self.stage, self.report = load_layer_range(args.model_dir, args.start, args.stop, config=config, dtype=dtype,
                                                    devices=[args.device], head=True)
         self.stage.to(dtype)  # buffers too (the rotary frequencies), as one process's `scoring.dtype.with_dtype`
+        self.latent = is_latent(config)  # an MLA model: every row and window through its latent cache (cache_*)
         self.arts: dict = {}
         self._sim: dict = {}  # (method, protocol) -> its simulator, built once (a LayerQuant per layer)
         rowbatch_kernels.register()  # the needle decode's attention (rows_step)
@@ -186,9 +189,14 @@ class ScoreStage:
         for bf16), on this stage's device. keep: the last stage keeps every chunk's final hidden states (`cache_nll`).
         Returns this process's CPU seconds so far."""
         spec = self.stage.spec
-        with engine.served(self.stage):  # from_artifact switches the attention; restored after
-            self.cache = engine.new_cache(self.stage, method, self.arts[method], PROTOCOLS[protocol], max_len,
-                                          held=range(spec.start, spec.stop))
+        if self.latent:  # the latent cache's simulator (oscar/scoring/latent.py), or the exact cache for bf16
+            art = self.arts[method]
+            self.cache = latent_cache(self.stage, art, PROTOCOLS[protocol] if art is not None else None,
+                                      held=range(spec.start, spec.stop))
+        else:
+            with engine.served(self.stage):  # from_artifact switches the attention; restored after
+                self.cache = engine.new_cache(self.stage, method, self.arts[method], PROTOCOLS[protocol], max_len,
+                                              held=range(spec.start, spec.stop))
         self.kept = [] if keep and spec.last else None
         return time.process_time()
 
@@ -201,7 +209,7 @@ class ScoreStage:
         n = self.cache.get_seq_length(spec.start)
         pos = torch.arange(n, n + x.shape[1], device=self.args.device)[None]  # (1, t): the row's next positions
         h = self.stage.embed(x) if spec.first else x  # (1, t, H)
-        with engine.served(self.stage):
+        with contextlib.nullcontext() if self.latent else engine.served(self.stage):
             h = self.stage(h, position_ids=pos, cache=self.cache)  # (1, t, H)
         if not spec.last:
             return h.cpu()
@@ -392,14 +400,16 @@ def cache_needle_batch(stages: list, samples, names: list[list[str]], protocol: 
     return gens, batch_cost(samples, cpu, w0, stages)
 
 
-def cache_window(actors: list, method: str, protocol: str, win: torch.Tensor, cuts: tuple):
+def cache_window(actors: list, method: str, protocol: str, win: torch.Tensor, cuts: tuple,
+                 chunks: list[tuple[int, int]] | None = None):
     """`engine.window_nll` of window `win` (1, T) on Ray stage actors, submitted whole without waiting (an actor runs
     one caller's calls in order, so the stages pipeline consecutive windows): a fresh cache per stage, the window's
-    chunks (`engine.window_chunks`) through the stages, the NLL on the last. Returns the result's object ref."""
+    chunks (`engine.window_chunks`; an MLA model's: `scoring.latent.window_chunks`) through the stages, the NLL on
+    the last. Returns the result's object ref."""
     T = win.shape[1]
     for a in actors:
         a.cache_begin.remote(method, protocol, T, True)
-    for s, e in engine.window_chunks(T):
+    for s, e in chunks or engine.window_chunks(T):
         x = win[:, s:e]  # (1, e - s)
         for a in actors:
             x = a.cache_forward.remote(x)
@@ -425,6 +435,8 @@ class StagedScorer:
         self.actors: list = []
         self.pgs: list = []
         self.exact: set[str] = set()  # the loaded methods without an artifact (bf16)
+        self.arts: dict = {}
+        self.latent = is_latent(self.config)  # an MLA model: rows and windows through the latent cache, either engine
 
     def __enter__(self):
         return self
@@ -473,13 +485,14 @@ class StagedScorer:
         if not self.actors:
             self._start()
         self.exact = {m for m, a in arts.items() if a is None}  # what --engine cache scores as one process does
+        self.arts = arts
         ref, codecs = ray.put(arts), ray.put(dict(CODECS))
         ray.get([a.load.remote(ref, codecs) for a in self.actors])
 
     def needle_batch(self, samples, names: list[list[str]], protocol: str, eos: set[int],
                      engine: str = "simulate") -> tuple[list[list[int]], dict]:
         """`needle_batch` (engine "simulate") or `cache_needle_batch` ("cache") on this scorer's stage actors."""
-        run = cache_needle_batch if engine == "cache" else needle_batch
+        run = cache_needle_batch if engine == "cache" or self.latent else needle_batch  # latent: one process's loop
         return run(self.actors, samples, names, protocol, eos)
 
     def score(self, jobs: list[tuple], engine: str = "simulate"):
@@ -491,6 +504,11 @@ class StagedScorer:
 
         refs = []
         for m, p, win, cuts in jobs:
+            if self.latent:  # as `scoring.latent.latent_window_nll`: the window in its chunks through the latent cache
+                art = self.arts[m]
+                chunks = latent_chunks(win.shape[1], art, PROTOCOLS[p] if art is not None else None)
+                refs.append(cache_window(self.actors, m, p, win, cuts, chunks))
+                continue
             if engine == "cache" and m not in self.exact:
                 refs.append(cache_window(self.actors, m, p, win, cuts))
                 continue

@@ -181,8 +181,7 @@ class LatentBackend(CacheBackend):
         art, s = self.one(), self.spec
         if art is None:  # the exact cache, the prefill's DSA indexer keys (GLM-5) included
             return copy.deepcopy(s.prefill) if s.prefill is not None else DynamicCache()
-        if s.held is not None:
-            raise OscarError("the latent backend holds every layer (no stage's own-layer latent cache yet)")
+        # held (a stage's layers): the others' layers are built (references to the artifact) and never written
         cache = LatentSimCache(art, sink=s.protocol.sink, recent=s.protocol.recent)
         if s.prefill is not None:  # the prompt's exact latents, as if that chunk passed through update()
             for l, src in enumerate(s.prefill.layers):

@@ -145,3 +145,40 @@ def test_a_prefill_handed_to_the_latent_backend_keeps_the_dsa_indexer_keys(fitte
                 want = model(ids[:, 80:], cache=exact, use_cache=True).logits
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         assert pre.layers[0].indexer_keys.shape[1] == 80  # the prefill itself untouched
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_needles_and_perplexity_on_two_stages_equal_one_process(fitted, ray_head, tmp_path):
+    """tiny-glm5 on 2 stages of a real local Ray cluster (the boundary before layer 2: layer 1 reuses layer 0's DSA
+    top-k), each stage its own layers' latent cache: the same greedy answers and, up to float summation order (the
+    last stage sums float64 per-token NLLs, one process float32 chunks of 512: < 1e-6 relative), the same window NLLs."""
+    from oscar.cluster.pipeline import ClusterConfig
+    from oscar.cluster.scoring import StagedScorer
+    from oscar.common import set_threads
+
+    path = fitted[0]
+    nk = dict(model="tiny-glm5", artifact=path, methods=["bf16", "oscar-int2"], tasks=["niah_single_1"],
+              lengths=[200], samples=2, protocol="strict")
+    pk = dict(model="tiny-glm5", artifact=path, methods=["bf16", "oscar-int2"], contexts=[120],
+              protocols=["strict"], tokens=240)
+    set_threads(1)  # each stage actor runs one thread
+    run_niah(NiahConfig(out=str(tmp_path / "n1"), **nk), progress=False, workers=1)
+    run_ppl(PplConfig(out=str(tmp_path / "p1"), **pk), progress=False, workers=1)
+    with StagedScorer("tiny-glm5", ClusterConfig(stages=2, cpus_per_stage=1, layers="0:2,2:3"),
+                      address=ray_head.address) as sc:
+        run_niah(NiahConfig(out=str(tmp_path / "n2"), **nk), progress=False, stages=sc)
+        run_ppl(PplConfig(out=str(tmp_path / "p2"), **pk), progress=False, scorer=sc)
+
+    def read(d, f, key, val):
+        return {key(r): val(r) for r in map(json.loads, open(os.path.join(d, f)))}
+
+    ans = [read(str(tmp_path / d), "niah_samples.jsonl", lambda r: (r["length"], r["index"], r["method"]),
+                lambda r: r["pred"]) for d in ("n1", "n2")]
+    assert len(ans[0]) == 4 and ans[0] == ans[1]
+    nll = [read(str(tmp_path / d), "ppl_windows.jsonl", lambda r: (r["method"], r["protocol"], r["window"]),
+                lambda r: r["nll"]) for d in ("p1", "p2")]
+    assert nll[0].keys() == nll[1].keys() and len(nll[0]) == 4
+    for k in nll[0]:
+        assert nll[1][k] == pytest.approx(nll[0][k], rel=1e-6), k

@@ -135,18 +135,15 @@ def checked_artifact(cfg, methods: list[str], loaded=None, stages=None, what: st
     check_artifact(cfg.artifact, methods)
     config = (loaded[0].config if loaded else stages.config if stages is not None else env.load_config(cfg.model))
     if is_latent(config):
-        check_latent_run(cfg, stages, what)
+        check_latent_run(cfg, what)
     fitted = (load_latent_artifact if is_latent(config) else load_artifact)(cfg.artifact) if cfg.artifact else None
     if fitted is not None:
         check_pairing(fitted, config, cfg.artifact, cfg.model)
     return config, fitted
 
 
-def check_latent_run(cfg, stages, what: str) -> None:
-    """An MLA model's latent cache runs in one process under the simulator: what else was asked is refused."""
-    if stages is not None:
-        raise OscarError(f"{what} of an MLA model ({cfg.model}) run in one process: the stage actors hold per-head "
-                         f"caches only; leave out --ray / the stages")
+def check_latent_run(cfg, what: str) -> None:
+    """An MLA model's latent cache runs under the simulator (one process or the stages): another engine is refused."""
     if cfg.engine != "simulate":
         raise OscarError(f"{what} of an MLA model ({cfg.model}): --engine {cfg.engine} serves per-head K/V pages; its "
                          f"latent cache runs under --engine simulate")

@@ -28,14 +28,20 @@ from oscar.scoring.nll import hidden_nll, window_nll
 from oscar.stats.artifact import LatentArtifact
 
 
-def latent_cache(model, art: LatentArtifact | None, protocol: Protocol):
-    """An empty cache of one row: the INT2 latent simulator of `art` under `protocol`, or (None) the exact one."""
+def latent_cache(model, art: LatentArtifact | None, protocol: Protocol | None, held: range | None = None):
+    """An empty cache of one row: the INT2 latent simulator of `art` under `protocol`, or (None) the exact one;
+    `held`: the layers a pipeline stage runs, the only ones written."""
     if art is None:
         return DynamicCache(config=model.config)
     if not protocol.pages:
         raise OscarError(f"protocol {protocol.name!r} releases one token at a time; the latent cache stores whole "
                          f"pages of {art.quant.page_size} tokens")
-    return make_cache(CacheSpec.one(art, protocol), "latent")
+    return make_cache(CacheSpec.one(art, protocol, held=held), "latent")
+
+
+def window_chunks(T: int, art: LatentArtifact | None, protocol: Protocol | None) -> list[tuple[int, int]]:
+    """The chunks a T-token window goes through the cache in: one (exact), or a page at a time (`page_chunks`)."""
+    return [(0, T)] if art is None else page_chunks(T, protocol.sink, protocol.recent, art.quant.page_size)
 
 
 @torch.no_grad()
@@ -71,5 +77,5 @@ def latent_window_nll(model, art: LatentArtifact | None, protocol: Protocol, ids
         return window_nll(model, ids, prefixes=prefixes)
     cache = latent_cache(model, art, protocol)
     hs = [model.model(input_ids=ids[:, a:b], cache=cache, use_cache=True).last_hidden_state  # (1, b - a, H)
-          for a, b in page_chunks(ids.shape[1], protocol.sink, protocol.recent, art.quant.page_size)]
+          for a, b in window_chunks(ids.shape[1], art, protocol)]
     return hidden_nll(model.lm_head, torch.cat(hs, 1), ids, prefixes=prefixes)
