@@ -25,7 +25,8 @@ import pandas as pd
 
 from oscar.validate import evidence as ev, ruler_outputs as ro
 from oscar.common import OscarError
-from oscar.validate.evidence import ACCURACY_GOALS, MIN_BLOCKS, SEGMENT, needle_goal, niah_check, ppl_pair_check, score_interval
+from oscar.validate.evidence import (ACCURACY_GOALS, MIN_BLOCKS, SEGMENT, margin_label, needle_goal, niah_check,
+                                     ppl_pair_check, score_interval)
 from oscar.validate.intervals import wilson
 from oscar.reports import ablation
 from oscar.reports.plots import panels, save
@@ -182,7 +183,7 @@ def acceptance(res, ppl, done: dict | None = None, windows: list | None = None, 
             det += f"; ~{need} pairs per length would resolve it" if g["verdict"] == "UNRESOLVED" and need else ""
             if g["not_measured"]:
                 det += f"; {len(g['not_measured'])} of {len(goal['tasks']) * len(goal['lengths'])} (task, length) cells not measured"
-            out.append((f"oscar-int2 within {-goal['margin']:.0f} points of bf16, tasks pooled per length "
+            out.append((f"oscar-int2 within {margin_label(goal)} of bf16, tasks pooled per length "
                         f"(the accuracy goal for {model})", g["verdict"], det))
     if ppl is not None and len(ppl):
         for proto in ("strict", "serving"):

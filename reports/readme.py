@@ -28,6 +28,15 @@ def _stage_line(d: str) -> str:
     return f"Run: `{info.get('command', '')}` on {info.get('host', '?')}, {run_time(info)} — `{d}/run.json`."
 
 
+def task_label(tasks: list[str]) -> str:
+    """niah_single_1/2/3, niah_multikey_1: tasks sharing a stem are written once."""
+    stems: dict[str, list[str]] = {}
+    for t in tasks:
+        stem, _, n = t.rpartition("_")
+        stems.setdefault(stem if n.isdigit() else t, []).append(n if n.isdigit() else "")
+    return ", ".join(f"{k}_{'/'.join(v)}" if all(v) else k for k, v in stems.items())
+
+
 def readme_block(d: str, cmd: str) -> str:
     """The generated block (markers included) for results directory `d`; `cmd` regenerates it."""
     if not os.path.isdir(d):
@@ -38,10 +47,9 @@ def readme_block(d: str, cmd: str) -> str:
     if line:
         out += [line, ""]
     if R.res is not None and len(R.res):
-        r = R.res[(R.res.suite == "ruler") & R.res.task.isin(["niah_single_1", "niah_single_2"])]
+        r = R.res[R.res.suite == "ruler"]  # every RULER task the run has, pooled
         head, rows = needle_avg_table(r, R.done)
-        tasks = "/".join(t.replace("niah_single_", "") for t in sorted(set(r.task)))
-        head[0] = f"needle retrieval (niah_single_{tasks}, samples pooled, %, [95 % interval])"
+        head[0] = f"needle retrieval ({task_label(sorted(set(r.task)))}, samples pooled, %, [95 % interval])"
         out += [md_table(head, rows), ""]
     if R.ppl is not None and len(R.ppl):
         head, rows = ppl_ratio_table(R.ppl)

@@ -391,3 +391,19 @@ def test_report_checks_goal_needle_rule_pools_the_tasks_per_length():
     v, det = check(300, lengths=(1024, 2048))[name]  # 4k not run: cannot pass
     assert v == "UNRESOLVED" and "2 of 6 (task, length) cells not measured" in det
     assert name not in check(300, model="other-model") and not [k for k in check(300, model=None) if "accuracy goal" in k]
+
+
+def test_goal_margin_per_length():
+    """Qwen's goal: within 2 points at 1k-4k, within 5 at 8k. A loss of 3.5 points on 1,600 pairs (interval about
+    [-4.4, -2.6]) passes at 8k and is missed at 4k, by the same rule."""
+    goal = ev.ACCURACY_GOALS["qwen2.5-0.5b"]
+    assert [ev.goal_margin(goal, L) for L in (1024, 4096, 8192)] == [-2.0, -2.0, -5.0]
+    assert ev.margin_label(goal) == "2 points (5 at 8k)"
+    cells = {}
+    for t in goal["tasks"]:
+        for L in goal["lengths"]:
+            cells[(t, L, "bf16")] = [1] * 400
+            cells[(t, L, "oscar-int2")] = [0] * 14 + [1] * 386  # -3.5 points
+    g = ev.needle_goal(_samples(cells), goal, "oscar-int2")
+    by = {r["length"]: r["verdict"] for r in g["rows"]}
+    assert by == {1024: "MISSED", 2048: "MISSED", 4096: "MISSED", 8192: "PASS"} and g["verdict"] == "MISSED"
