@@ -42,9 +42,10 @@ def _fit(args) -> int:
     if args.no_tune and args.widths == "none":  # the plain fit: no model read
         return fit_command(args)
     if is_latent_store(positional_or_option(args, "store", "--store")):
-        raise OscarError("oscar fit: a latent store (MLA model) has no tune or per-layer widths yet (they score through "
-                         "an INT2 cache, and the latent cache is not built): pass --no-tune --widths none for the latent "
-                         "rotations and clips")
+        if args.widths != "none":
+            raise OscarError("oscar fit: a latent store (MLA model): its cache has one format, no per-layer widths; "
+                             "pass --widths none (the clip tune runs unless --no-tune)")
+        return _fit_latent_tuned(args)
     # late: keeps torch (2.1 s) out of `oscar --help`
     from oscar.cluster.pipeline import ClusterConfig
     from oscar.cluster.scoring import StagedScorer
@@ -91,6 +92,40 @@ def _fit(args) -> int:
     print(f"{args.out}: variant {art.meta['variant']}, {art.num_layers} layers x {art.num_kv_heads} KV heads x D "
           f"{art.head_dim}" + (f", key clips x{tuning['chosen_factor']}" if tuning else "") +
           f", {artifact_bits_per_element(art):.3f} bits per element (steps in {work})")
+    return 0
+
+
+def _fit_latent_tuned(args) -> int:
+    """`oscar fit LATENT_STORE --widths none`: the latent fit, then its clip tune (one factor on every group's clip,
+    by the strict NLL of calibration text read through the latent cache), in one process or on the stages."""
+    # late: keeps torch (2.1 s) out of `oscar --help`
+    from oscar.cluster.pipeline import ClusterConfig
+    from oscar.cluster.scoring import StagedScorer
+    from oscar.recipe.driver import store_inputs
+    from oscar.recipe.tune import TuneConfig, tune_key_clip
+    from oscar.scoring.engine import check_engine, resolve_device
+    from oscar.stats.artifact import save_latent_artifact
+    from oscar.stats.cli import latent_fit, latent_line
+    from oscar.validate.env import load_model
+
+    store = positional_or_option(args, "store", "--store")
+    check_engine(args.engine)
+    resolve_device(args.device)  # before loading weights
+    name, corpus, _ = store_inputs(store)
+    tcfg = TuneConfig(corpus=corpus, objective=args.tune_objective)
+    if tcfg.objective != "nll" or args.engine != "simulate":
+        raise OscarError(f"oscar fit: a latent store's tune reads the strict NLL through the latent cache's simulator: "
+                         f"--tune-objective nll --engine simulate (got {args.tune_objective}, {args.engine})")
+    art = latent_fit(args, store)
+    if args.ray:
+        cc = ClusterConfig(stages=args.stages or 1, cpus_per_stage=args.cpus_per_stage, dtype=tcfg.dtype)
+        with StagedScorer(args.model or name, cc, address=args.ray) as sc:
+            tuned, _ = tune_key_clip(None, None, art, tcfg, scorer=sc)
+    else:
+        model, tok, _ = load_model(args.model or name, latent=True)
+        tuned, _ = tune_key_clip(model, tok, art, tcfg, progress=not args.no_progress, device=args.device)
+    save_latent_artifact(tuned, args.out)
+    print(latent_line(args.out, tuned))
     return 0
 
 

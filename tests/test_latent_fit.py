@@ -121,7 +121,7 @@ def test_fit_cli_on_a_latent_store(store, tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "oscar", "fit", store, "--out", str(out), *a],  # noqa: E731
                                     capture_output=True, text=True)
     p = run()
-    assert p.returncode == 2 and "has no tune or per-layer widths yet" in p.stderr and not out.exists()
+    assert p.returncode == 2 and "no per-layer widths; pass --widths none" in p.stderr and not out.exists()
     p = run("--no-tune", "--widths", "none", "--variant", "oscar")
     assert p.returncode == 2 and "--variant oscar is a per-head recipe" in p.stderr and not out.exists()
     p = run("--no-tune", "--widths", "none", "--variant", "reference")

@@ -17,6 +17,9 @@ of a **copied span** (a window whose last S tokens repeat S of its INT2 tokens, 
 protocol), which the model can only predict by attending back to the span (docs/decisions/0063-diagnostic-the-clip-tune-s-objective-trades.md, "the clip
 tune's objective trades retrieval for next-token NLL"). `guarded` takes the best copy NLL among the factors
 whose strict NLL is within `nll_slack` of the best, so retrieval is bought only with a bounded NLL cost.
+
+An MLA model's latent artifact is tuned alike: one factor on every group's clip, by the strict NLL through the latent
+cache (oscar/scoring/latent.py); the copy objectives and the cache engine are per-head.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from oscar.pipeline.corpus import load_corpus
 from oscar.scoring import engine as eng
 from oscar.scoring.dtype import with_dtype
 from oscar.scoring.protocols import PROTOCOL_VERSION, PROTOCOLS
+from oscar.scoring.latent import latent_window_nll
 from oscar.scoring.nll import window_nll
 from oscar.kernels.window_attention import simulated
+from oscar.stats.artifact import LatentArtifact
 
 OBJECTIVES = TUNE_OBJECTIVES  # named in the leaf so the CLI lists them without importing torch
 COPY_SKIP = 2  # the copy's first tokens are not scored: nothing points at the span yet
@@ -133,12 +138,24 @@ def choose_factor(nll: dict[float, float], cnll: dict[float, float] | None, obje
 
 
 def scale_key_clips(art, factor: float):
-    """A copy of `art` with clip_k scaled by `factor` (ratios capped at 1 in minmax mode)."""
+    """A copy of `art` with clip_k scaled by `factor` (ratios capped at 1 in minmax mode); a latent artifact's
+    per-group clips (minmax ratios) alike."""
+    if isinstance(art, LatentArtifact):
+        out = copy.copy(art)
+        out.clip = [(c * factor).clamp(max=1.0) for c in art.clip]
+        out.meta = dict(art.meta)
+        return out
     out = copy.copy(art)
     cap = 1.0 if art.quant.mode == "minmax" else math.inf
     out.clip_k = [(c * factor).clamp(max=cap) for c in art.clip_k]
     out.meta = dict(art.meta)
     return out
+
+
+def mean_key_clip(art) -> float:
+    """The mean key clip ratio (a latent artifact's: of its latent groups)."""
+    clips = art.clip if isinstance(art, LatentArtifact) else art.clip_k
+    return round(float(torch.stack([c.float().mean() for c in clips]).mean()), 6)
 
 
 def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool = True, engine: str = "simulate",
@@ -149,6 +166,9 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     oscar/scoring/engine.py); device: where the model runs (execution only). scorer: the pipeline stages
     (cluster/scoring.py) score every factor's window instead of `model` (None then), as `run_ppl(scorer=...)`."""
     cfg = cfg or TuneConfig()
+    if isinstance(art, LatentArtifact) and (cfg.objective != "nll" or engine != "simulate"):
+        raise OscarError(f"tune of a latent artifact (MLA model): the strict-NLL objective through the latent cache's "
+                         f"simulator only (got objective {cfg.objective!r}, engine {engine!r})")
     if scorer is not None:
         return _tune_on_stages(scorer, art, cfg)
     eng.check_engine(engine)
@@ -179,7 +199,9 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     nll, cnll = {}, {}
     for f in it:
         a = scale_key_clips(art, f)
-        if engine == "cache":
+        if isinstance(a, LatentArtifact):  # the latent cache, a page per chunk (oscar/scoring/latent.py)
+            s, n = latent_window_nll(model, a, PROTOCOLS[cfg.protocol], ids)
+        elif engine == "cache":
             s, n = eng.window_nll(model, "oscar-int2", a, PROTOCOLS[cfg.protocol], ids)
         else:
             with simulated(model, a, PROTOCOLS[cfg.protocol]):
@@ -198,8 +220,8 @@ def tune_key_clip(model, tok, art, cfg: TuneConfig | None = None, progress: bool
     tuned = scale_key_clips(art, best)
     rnd = lambda d: {str(f): round(v, 6) for f, v in d.items()}  # noqa: E731
     record = {"config": asdict(cfg), **({"engine": engine, "dtype": dtype} if engine != "simulate" else {}), "protocol_version": PROTOCOL_VERSION, "nll_per_token": rnd(nll),
-              **({"copy_nll_per_token": rnd(cnll)} if cnll else {}), "chosen_factor": best, "mean_clip_k_before": round(float(torch.stack([c.float().mean() for c in art.clip_k]).mean()), 6),
-              "mean_clip_k_after": round(float(torch.stack([c.float().mean() for c in tuned.clip_k]).mean()), 6),
+              **({"copy_nll_per_token": rnd(cnll)} if cnll else {}), "chosen_factor": best,
+              "mean_clip_k_before": mean_key_clip(art), "mean_clip_k_after": mean_key_clip(tuned),
               "seconds": round(time.perf_counter() - t0, 2)}
     tuned.meta["clip_tuning"] = record
     return tuned, record
@@ -223,10 +245,9 @@ def _tune_on_stages(scorer, art, cfg: TuneConfig):
     nll = {f: s / n for f, (s, n) in zip(factors, res)}
     best = choose_factor(nll, None, cfg.objective, cfg.nll_slack)
     tuned = scale_key_clips(art, best)
-    mean = lambda a: round(float(torch.stack([c.float().mean() for c in a.clip_k]).mean()), 6)  # noqa: E731
     record = {"config": asdict(cfg), "stages": len(scorer.ranges), "protocol_version": PROTOCOL_VERSION,
               "nll_per_token": {str(f): round(v, 6) for f, v in nll.items()}, "chosen_factor": best,
-              "mean_clip_k_before": mean(art), "mean_clip_k_after": mean(tuned),
+              "mean_clip_k_before": mean_key_clip(art), "mean_clip_k_after": mean_key_clip(tuned),
               "seconds": round(time.perf_counter() - t0, 2)}
     tuned.meta["clip_tuning"] = record
     return tuned, record
