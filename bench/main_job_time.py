@@ -33,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from hostprobe import avx2_env, gemm_gflops
+
 OUT = Path(__file__).with_name("results") / "main_job_time.json"
 GOAL_S = 15 * 60
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-        "OSCAR_NATIVE_ISA": "avx2", "OSCAR_CPU_BF16": "0"}
 
 
 def run_job(run_dir: Path, full: bool, env: dict) -> tuple[dict, float]:
@@ -45,30 +45,6 @@ def run_job(run_dir: Path, full: bool, env: dict) -> tuple[dict, float]:
     t = time.perf_counter()
     subprocess.run(cmd, env=env, check=True)
     return json.loads((run_dir / "run.json").read_text()), time.perf_counter() - t
-
-
-PROBE = """
-import time, torch
-torch.set_num_threads(1)
-a, b = torch.randn(2048, 576), torch.randn(576, 1536)
-a @ b
-
-
-def once():
-    t = time.perf_counter()
-    a @ b
-    return time.perf_counter() - t
-
-
-print(2 * 2048 * 576 * 1536 / min(once() for _ in range(20)) / 1e9)
-"""
-
-
-def gemm_gflops(env: dict) -> float:
-    """One thread's float32 GEMM speed (2048 x 576 x 1536, best of 20) under the run's environment: how fast this
-    VM is right now, so that two records of one host can be told apart by the host's own speed."""
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, check=True, capture_output=True, text=True).stdout
-    return round(float(out.strip().splitlines()[-1]), 1)
 
 
 def settle(limit_s: float, below: float = 0.5) -> float:
@@ -93,9 +69,7 @@ def main() -> None:
     env = dict(os.environ)
     tmp = tempfile.TemporaryDirectory(prefix="oscar-main-job-")
     if a.as_avx2:
-        # a cache of its own: the AVX2 build's kernels and verdicts never mix with this host's native ones
-        base = Path(os.environ.get("OSCAR_CACHE") or Path.home() / ".cache" / "oscar-kv")
-        env.update(AVX2, OSCAR_CACHE=str(base / "as-avx2"))
+        env = avx2_env(env)
     run_dir = Path(a.keep) if a.keep else Path(tmp.name) / "run"
     if run_dir.exists() and any(run_dir.iterdir()):
         sys.exit(f"main_job_time: {run_dir} is not empty; a resumed run would time the stages it skips as 0")
