@@ -3,10 +3,15 @@
 import os
 
 import pytest
+import torch
 
 # The native kernels run wherever they build, measured faster than torch on this host or not: their results are
 # under test everywhere (a test of the host's measured choice sets OSCAR_NATIVE itself; tests/test_native.py).
 os.environ.setdefault("OSCAR_NATIVE", "force")
+# Triton runs under its interpreter where there is no GPU, as scripts/test.sh sets it: here, before any test module
+# imports a kernel module (Triton reads it when a kernel is defined), so `pytest tests/x.py` runs as the suite does.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

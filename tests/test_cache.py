@@ -16,8 +16,6 @@ from oscar.kernels.generation import prefill
 from oscar.kernels.memory import Format, cache_bytes, report, total
 from oscar.stats.artifact import identity_artifact
 
-if not torch.cuda.is_available():  # the Triton path runs under the interpreter on CPU (before any kernel import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 

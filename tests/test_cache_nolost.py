@@ -3,8 +3,6 @@ reuse for a new prompt refused (or an explicit reset)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,9 +11,6 @@ from oscar.common import OscarError
 from oscar.kernels.cache import OscarCache
 from oscar.kernels.generation import CacheFull, generate
 from oscar.kernels.paged import PoolExhausted
-
-if not torch.cuda.is_available():  # the Triton path runs under the interpreter on CPU (as tests/test_cache.py sets it)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
