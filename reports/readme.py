@@ -47,10 +47,17 @@ def readme_block(d: str, cmd: str) -> str:
     if line:
         out += [line, ""]
     if R.res is not None and len(R.res):
-        r = R.res[R.res.suite == "ruler"]  # every RULER task the run has, pooled
-        head, rows = needle_avg_table(r, R.done)
-        head[0] = f"needle retrieval ({task_label(sorted(set(r.task)))}, samples pooled, %, [95 % interval])"
-        out += [md_table(head, rows), ""]
+        r = R.res[R.res.suite == "ruler"]  # every RULER task the run has, pooled where every one was run
+        tasks = sorted(set(r.task))
+        full = [L for L, g in r.groupby("length") if set(g.task) == set(tasks)]
+        parts = [(tasks, r[r.length.isin(full)])] + [  # a length some tasks lack: each task's cells apart
+            ([t], g) for t, g in r[~r.length.isin(full)].groupby("task")]
+        for ts, g in parts:
+            if len(g):
+                head, rows = needle_avg_table(g, R.done)
+                head[0] = (f"needle retrieval ({task_label(ts)}, samples pooled, %, [95 % interval])" if len(ts) > 1
+                           else f"needle retrieval ({ts[0]} alone, %, [95 % interval])")
+                out += [md_table(head, rows), ""]
     if R.ppl is not None and len(R.ppl):
         head, rows = ppl_ratio_table(R.ppl)
         head[0] = "held-out perplexity (× bf16, [95 % interval])"
