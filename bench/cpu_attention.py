@@ -3,7 +3,8 @@
 Sections (each path alternates with the other rep by rep, so the ratios see the same machine):
 
 - kernel:  causal attention alone, SmolLM2's shape (9 query / 3 KV heads, head_dim 64), bf16 and float32,
-           1k / 4k / 16k tokens; error of each against a float64 softmax on the first 512 queries.
+           1k / 4k / 16k tokens (--lengths, --dtypes); error of each against a float64 softmax on the first 512
+           queries.
 - prefill: SmolLM2 bf16 prefill (`oscar run`'s dtype) of held-out text at 1k and 4k tokens, native vs
            SDPA; the last 256 positions' logits of each against the same model in float32 (argmax agreement,
            mean absolute difference).
@@ -14,6 +15,11 @@ Sections (each path alternates with the other rep by rep, so the ratios see the 
            the NLL difference.
 
     python bench/cpu_attention.py [--threads 1] [--sections kernel,prefill,niah,ppl] [--out bench/results/cpu_attention.json]
+    python bench/cpu_attention.py --sections kernel --lengths 512,2048 --dtypes float32 --as-avx2 \
+        --out bench/results/cpu_attention_avx2.json   # the probe length of kernels/cpu_attention.py's host choice
+
+--as-avx2 measures as an AVX2-only host runs (bench/hostprobe.py); every record names the host and a one-thread
+GEMM's speed measured just before it.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from hostprobe import avx2_env, gemm_gflops, is_avx2_env
+from oscar import host
 from oscar.kernels import cpu_attention as CA
 
 OUT = Path(__file__).with_name("results") / "cpu_attention.json"
@@ -44,11 +54,11 @@ def _timed(fn) -> tuple[float, float, object]:
     return time.perf_counter() - w, time.process_time() - c, r
 
 
-def kernel(reps: int) -> list[dict]:
+def kernel(reps: int, lengths=(1024, 4096, 16384), dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
-    for dt in (torch.bfloat16, torch.float32):
-        for T in (1024, 4096, 16384):
+    for dt in dtypes:
+        for T in lengths:
             q = torch.randn(1, 9, T, 64, generator=g).to(dt)
             k, v = (torch.randn(1, 3, T, 64, generator=g) + 0.2).to(dt), torch.randn(1, 3, T, 64, generator=g).to(dt)
             K, V = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)  # what transformers hands SDPA
@@ -192,15 +202,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions of the kernel and prefill timings (default 5)")
     ap.add_argument("--sections", default="kernel,prefill,niah,ppl", help="sections to run (default all four)")
     ap.add_argument("--out", default=str(OUT), help=f"JSON output (default {OUT})")
+    ap.add_argument("--lengths", default="1024,4096,16384", help="kernel section's lengths (default 1024,4096,16384)")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="kernel section's dtypes (default bfloat16,float32)")
+    ap.add_argument("--as-avx2", action="store_true", help="measure as an AVX2-only host runs (module docstring)")
     a = ap.parse_args()
+    if a.as_avx2 and not is_avx2_env():  # the restriction must be set before torch starts: run again under it
+        sys.exit(subprocess.run([sys.executable, *sys.argv], env=avx2_env()).returncode)
+    gflops = gemm_gflops()
     torch.set_num_threads(a.threads)
     assert CA.available(), f"native kernel unavailable: {CA.WHY_NOT}"
-    res = {"command": "python bench/cpu_attention.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items() if k != "out"),
-           "host": f"{platform.node()} ({os.cpu_count()} CPUs)", "threads": a.threads, "torch": torch.__version__,
-           "loadavg_start": os.getloadavg()}
+    res = {"command": "python bench/cpu_attention.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
+                                                                   if k not in ("out", "as_avx2"))
+                      + (" --as-avx2" if a.as_avx2 else ""),
+           "host": host.describe(), "node": f"{platform.node()} ({os.cpu_count()} CPUs)", "gemm_gflops_1thread": gflops,
+           "threads": a.threads, "torch": torch.__version__, "loadavg_start": os.getloadavg()}
     secs = a.sections.split(",")
     if "kernel" in secs:
-        res["kernel"] = kernel(a.reps)
+        res["kernel"] = kernel(a.reps, [int(x) for x in a.lengths.split(",")],
+                               [getattr(torch, x) for x in a.dtypes.split(",")])
     model = _model() if {"prefill", "niah", "ppl"} & set(secs) else None
     if "prefill" in secs:
         res["prefill"] = prefill(model, a.reps)

@@ -67,21 +67,26 @@ def available() -> bool:
 # units the C kernel does not use (AMX: 2.4-3.5x faster than the C kernel's AVX512-BF16 path on one such host,
 # bench/native_paths.py), while in float32 the C kernel wins on the same host.
 PROBES = {torch.float32: "flash_cpu", torch.bfloat16: "flash_cpu_bf16"}
+# The probe's length: the calibration sequences' and the validated contexts' order. Shorter probes favour the C
+# kernel: run as an AVX2-only host it ran 1.36x SDPA's speed at 512 tokens and 0.92x at 2048, one thread
+# (bench/results/cpu_attention_avx2.json, a busy Xeon), so a 512-token probe chose it where it loses.
+PROBE_T = 2048
 _CHOSEN: dict = {}  # dtype -> bool
 
 
 def chosen(dtype: torch.dtype = torch.float32) -> bool:
     """The product uses the kernel for `dtype` inputs: built, and measured no slower than torch's SDPA on this host
-    in that dtype (one thread, a 512-token causal probe of SmolLM2's heads; `native_build.measured_choice`, kept
-    per machine)."""
+    in that dtype (one thread, a PROBE_T-token causal probe of SmolLM2's heads; `native_build.measured_choice`,
+    kept per machine)."""
     if not available() or dtype not in PROBES:  # checked each call: the environment may switch it off
         return False
     if dtype not in _CHOSEN:
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, h, 512, 64, generator=g).to(dtype) for h in (9, 3, 3))      # (B, H, T, D)
+        q, k, v = (torch.randn(1, h, PROBE_T, 64, generator=g).to(dtype) for h in (9, 3, 3))  # (B, H, T, D)
         K, V = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
         _CHOSEN[dtype] = measured_choice(PROBES[dtype], _LIB, lambda: causal_attention(q, k, v, threads=1),
-                                         lambda: F.scaled_dot_product_attention(q, K, V, is_causal=True))
+                                         lambda: F.scaled_dot_product_attention(q, K, V, is_causal=True),
+                                         probe=f"T={PROBE_T}")
     return _CHOSEN[dtype]
 
 

@@ -107,19 +107,20 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t
 
 
-def measured_choice(name: str, lib: "ctypes.CDLL", native_fn, torch_fn, reps: int = 5) -> bool:
+def measured_choice(name: str, lib: "ctypes.CDLL", native_fn, torch_fn, reps: int = 5, probe: str = "") -> bool:
     """Whether native path `name` runs on this host: built, and no slower than the torch ops it replaces.
 
     The two are timed on a probe of the work they share (one thread, the best of `reps` alternating
     runs) once per machine, library build and torch version; the verdict is kept beside the library so
     that every process of the machine (Ray stage workers too) takes the same path. `OSCAR_NATIVE=force`
-    takes the native path unmeasured (tests, benchmarks). The choice is recorded in CHOICES.
+    takes the native path unmeasured (tests, benchmarks). The choice is recorded in CHOICES. `probe` names the
+    probe's shape: a verdict measured on another probe is measured again.
     """
     if os.environ.get("OSCAR_NATIVE", "1") == "force":
         CHOICES[name] = {"native": True, "why": "forced by OSCAR_NATIVE=force", "build": Path(lib._name).name}
         return True
     so = Path(lib._name)
-    key = hashlib.sha256(f"{so.name} {torch.__version__}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{so.name} {torch.__version__}{' ' + probe if probe else ''}".encode()).hexdigest()[:12]
     path = so.with_name(f"{name}-{key}.choice.json")
     try:
         rec = json.loads(path.read_text())
@@ -134,7 +135,7 @@ def measured_choice(name: str, lib: "ctypes.CDLL", native_fn, torch_fn, reps: in
         finally:
             torch.set_num_threads(prev)
         rec = {"native": tn <= tt, "native_s": tn, "torch_s": tt, "build": so.name, "torch": torch.__version__,
-               "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+               "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), **({"probe": probe} if probe else {})}
         rec["why"] = (f"native {tn * 1e3:.2f} ms vs torch {tt * 1e3:.2f} ms on a probe, one thread "
                       f"({'native' if rec['native'] else 'torch'} chosen)")
         try:

@@ -183,6 +183,8 @@ def test_host_choice_measured_once_and_shared(tmp_path):
         assert rec["native_s"] > 0 and rec["torch_s"] > 0 and "chosen" in rec["why"]
     assert first["native_ok"] == first["moments"] and first["supports"] == first["flash"]
     assert first["supports_bf16"] == first["flash_bf16"]  # each input dtype takes its own verdict
+    # the attention verdicts are measured at the calibration sequences' length (a verdict of another probe is not read)
+    assert first["choices"]["flash_cpu"]["probe"] == first["choices"]["flash_cpu_bf16"]["probe"] == "T=2048"
     files = sorted(tmp_path.rglob("*.choice.json"))
     assert len(files) == 3
     again = _choice(tmp_path, OSCAR_NATIVE="1")
