@@ -623,7 +623,9 @@ def _ppl_section(ppl, goal, figdir: str) -> list[str]:
 
 
 def _memory_section(mem) -> list[str]:
-    out = ["## Memory (K+V bytes per token, all layers)", ""]
+    latent = any(m.get("cache") == "latent" for m in mem or [])
+    out = ["## Memory (" + ("latent cache bytes per token: c_kv + RoPE key" if latent else "K+V bytes per token")
+           + ", all layers)", ""]
     if not mem:
         return out + ["No memory table (written by `oscar validate niah`).", ""]
     ctxs = sorted({m["context"] for m in mem})
@@ -639,7 +641,9 @@ def _memory_section(mem) -> list[str]:
         rows.append(row)
     sr = {p: next(f"{x['sink']}+{x['recent']}" for x in mem if x["protocol"] == p) for p in protos}
     return out + [md_table(["method", "bits/elem", "history B/token"] + [f"{p} ({sr[p]} exact) @{_len_label(c)}" for p in protos for c in ctxs], rows),
-                  "", "History = one token stored quantized, K+V over all layers (codes + fp16 scale/zero). "
+                  "", ("History = one token stored quantized over all layers: c_kv's codes + a scale and zero per "
+                       "group (bits/elem counts these per latent value), and the 16-bit RoPE key. " if latent else
+                       "History = one token stored quantized, K+V over all layers (codes + fp16 scale/zero). ") +
                   "Other columns: average bytes per token at that context, the exact sink/recent tokens included, and the ratio to bf16.", ""] \
         + _method_notes(mem)
 

@@ -93,6 +93,11 @@ def test_validate_needles_and_perplexity_of_an_mla_model(fitted, tmp_path):
     s = latent_shapes(preset_config("tiny-glm5"))
     L, r, p = s["num_layers"], s["kv_lora_rank"], s["rope_dim"]
     assert hist == L * (r * 2 / 8 + (r // 128) * 2 * 4 + p * 2 + 4 / 16)  # + the page table's 4 B per 16 tokens
+    from oscar.reports.build import build_report
+
+    build_report(out)  # the report's memory section reads the latent cache's rows as such
+    rep = open(os.path.join(out, "report.md")).read()
+    assert "## Memory (latent cache bytes per token: c_kv + RoPE key" in rep and "K+V bytes" not in rep
 
     pout = str(tmp_path / "ppl")
     pdf = run_ppl(PplConfig(out=pout, model="tiny-glm5", artifact=path, methods=["bf16", "oscar-int2"], contexts=[128],

@@ -497,4 +497,15 @@ def latent_memory_row(name: str, art: LatentArtifact | None, config, context: in
     return {"method": name, "bits_per_element": bits_per_element(art, shapes["kv_lora_rank"]),
             "bytes_per_token_history": per_tok, "bytes_per_token_bf16": base, "context": context,
             "protocol": protocol.name, "sink": protocol.sink, "recent": protocol.recent, "bytes_per_token_avg": avg,
-            "ratio_vs_bf16": avg / base, "note": METHOD_NOTES.get(name, "") + " (MLA latent cache: c_kv + RoPE key)"}
+            "ratio_vs_bf16": avg / base, "cache": "latent", "note": LATENT_NOTES.get(name, "")}
+
+
+LATENT_NOTES: dict[str, str] = {  # an MLA model's methods (`latent_methods`), for memory.json and the report
+    "bf16": "the unquantized latent cache",
+    "oscar-int2": "the latent artifact given: attention-aware rotation from the absorbed queries (or the variant it "
+                  "was fitted with), mean subtracted, searched and tuned group clips",
+    "oscar-ref-int2": "the public OSCAR MLA recipe refitted from the same store: covariance basis, bit-reversal "
+                      "permutation, block Hadamard, searched group clips",
+    "hadamard-int2": "block Hadamard alone; data-free: no clip search",
+    "naive-int2": "identity rotation; data-free: no clip search",
+}
