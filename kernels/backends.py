@@ -11,6 +11,8 @@ methods' artifacts grouped by prompt, the protocol, the sizes), as vLLM's attent
                or (None) whichever the dispatcher picks per call (Triton on CUDA, the reference on CPU;
                $OSCAR_KERNELS), as every kernel does
     latent     an MLA model's INT2 latent cache (kernels/latent.py), from a LatentArtifact: one prompt, one method
+    latent-paged  the same cache as an engine stores it (kernels/latent_paged.py): packed 2-bit pages, decode through
+               the latent kernel under `latent_paged.serve(model, cache)`; one sequence
 
 A row whose artifact is None is the exact cache (transformers' DynamicCache) under the one-row backends. The serving
 cache (kernels/cache.py) imports none of the simulators: this module sits above both.
@@ -29,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from oscar.common import OscarError
 from oscar.kernels.cache import OscarCache
 from oscar.kernels.latent import LatentSimCache
+from oscar.kernels.latent_paged import LatentPagedCache
 from oscar.kernels.protocol import Protocol
 from oscar.kernels.rowbatch import RowBatchCache
 from oscar.kernels.simulate import MethodBatchCache, SimQuantCache
@@ -191,8 +194,26 @@ class LatentBackend(CacheBackend):
         return cache
 
 
+class LatentPagedBackend(CacheBackend):
+    """An MLA model's INT2 latent cache as an engine stores it (kernels/latent_paged.py `LatentPagedCache`); its
+    decode reads the packed pages under `latent_paged.serve(model, cache)`."""
+
+    name = "latent-paged"
+    latent = True
+
+    def build(self) -> Cache:
+        art, s = self.one(), self.spec
+        if art is None:
+            return copy.deepcopy(s.prefill) if s.prefill is not None else DynamicCache()
+        if s.prefill is not None or s.held is not None:
+            raise OscarError("the latent-paged backend fills through the model (no prefill handed over) and holds "
+                             "every layer of one sequence")
+        return LatentPagedCache(art, sink=s.protocol.sink, recent=s.protocol.recent)
+
+
 BACKENDS: dict[str, type[CacheBackend]] = {b.name: b for b in (SimulateBackend, BatchBackend, RowsBackend,
-                                                               ReferenceBackend, TritonBackend, LatentBackend)}
+                                                               ReferenceBackend, TritonBackend, LatentBackend,
+                                                               LatentPagedBackend)}
 
 
 def make_cache(spec: CacheSpec, backend: str | None = "simulate") -> Cache:

@@ -411,7 +411,7 @@ def test_make_cache_builds_every_member_of_the_family():
     with torch.no_grad():
         model(input_ids=ids, cache=exact, use_cache=True)
     L = model.config.num_hidden_layers
-    assert tuple(BACKENDS) == ("simulate", "batch", "rows", "reference", "triton", "latent")
+    assert tuple(BACKENDS) == ("simulate", "batch", "rows", "reference", "triton", "latent", "latent-paged")
     assert all(issubclass(b, CacheBackend) for b in BACKENDS.values())
     one = CacheSpec.one(art, p)
     assert isinstance(make_cache(one), SimQuantCache) and isinstance(make_cache(CacheSpec.one(art, p, prefill=exact)),
