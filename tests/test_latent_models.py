@@ -50,8 +50,8 @@ def test_per_head_steps_refuse_a_latent_model_by_name(preset):
 
 @pytest.mark.parametrize("argv,says", [
     (["run", "--no-ray", "--samples", "1", "--out", "D"], "GlmMoeDsaForCausalLM, a Multi-head Latent Attention model"),
-    (["validate", "niah", "--methods", "bf16", "--engine", "cache", "--lengths", "1k", "--out", "D"],
-     "--engine cache serves per-head K/V pages; its latent cache runs under --engine simulate"),
+    (["validate", "ppl", "--methods", "bf16", "--engine", "cache", "--contexts", "1k", "--out", "D"],
+     "--engine cache is built for needles in one process (the paged latent cache); use --engine simulate"),
     (["validate", "ppl", "--methods", "bf16,kivi2", "--contexts", "1k", "--out", "D"],
      "kivi2: quantizes per-head K/V; an MLA model caches a latent")])
 def test_per_head_commands_refuse_a_latent_model_before_any_work(tmp_path, argv, says):

@@ -135,18 +135,22 @@ def checked_artifact(cfg, methods: list[str], loaded=None, stages=None, what: st
     check_artifact(cfg.artifact, methods)
     config = (loaded[0].config if loaded else stages.config if stages is not None else env.load_config(cfg.model))
     if is_latent(config):
-        check_latent_run(cfg, what)
+        check_latent_run(cfg, what, stages)
     fitted = (load_latent_artifact if is_latent(config) else load_artifact)(cfg.artifact) if cfg.artifact else None
     if fitted is not None:
         check_pairing(fitted, config, cfg.artifact, cfg.model)
     return config, fitted
 
 
-def check_latent_run(cfg, what: str) -> None:
-    """An MLA model's latent cache runs under the simulator (one process or the stages): another engine is refused."""
-    if cfg.engine != "simulate":
-        raise OscarError(f"{what} of an MLA model ({cfg.model}): --engine {cfg.engine} serves per-head K/V pages; its "
-                         f"latent cache runs under --engine simulate")
+def check_latent_run(cfg, what: str, stages=None) -> None:
+    """What an MLA model's latent cache runs: the simulator (one process or the stages), and for needles in one
+    process the paged latent cache (`--engine cache`); anything else is refused in one line."""
+    if cfg.engine == "simulate":
+        return
+    if what != "needles" or stages is not None:
+        raise OscarError(f"{what} of an MLA model ({cfg.model}){' on the stages' if stages is not None else ''}: "
+                         f"--engine {cfg.engine} is built for needles in one process (the paged latent cache); "
+                         f"use --engine simulate")
 
 
 def locked_out(cfg):
@@ -382,7 +386,7 @@ def run_niah(cfg: NiahConfig, loaded=None, progress: bool = True, workers: int |
     lock.check_free()  # another writer of OUT: refused before anything loads
     config, fitted = checked_artifact(cfg, methods, loaded, stages)
     arts, dropped = choose_methods(methods, config, fitted, default=cfg.default_methods, model=cfg.model)
-    if cfg.engine == "cache":  # refuse what the cache format cannot hold before anything runs
+    if cfg.engine == "cache" and not is_latent(config):  # refuse what the cache format cannot hold before anything runs
         engine.check_methods({m: arts[m] for m in methods if m not in dropped}, [PROTOCOLS[cfg.protocol]])
     with lock:
         return _run_niah(cfg, loaded, progress, workers, stages, dev, methods, qa, tasks, skipped, fitted, arts, dropped)
@@ -421,6 +425,10 @@ def _run_niah(cfg, loaded, progress, workers, stages, dev, methods, qa, tasks, s
                        for k, (s, batch) in enumerate(zip(units, batches)))
         elif n > 1:
             results = W.map(_niah_unit, [(s, [b[3] for b in batch]) for s, batch in zip(units, batches)], static=True)
+        elif cfg.engine == "cache" and is_latent(model.config):  # the paged latent cache, its decode kernel
+            results = ((k, _timed(lambda s=s, batch=batch: latent_answers(
+                               model, s, [[arts[m] for m in b[3]] for b in batch], protocol, eos, paged=True), s))
+                       for k, (s, batch) in enumerate(zip(units, batches)))
         elif cfg.engine == "cache":  # the product path, one (sample, method) at a time (oscar/scoring/engine.py)
             results = ((k, _timed(lambda s=s, batch=batch: engine.niah_answers(
                                model, s, [[arts[m] for m in b[3]] for b in batch], [b[3] for b in batch], protocol, eos), s))

@@ -17,11 +17,14 @@ An exact row (artifact None) runs transformers' own cache for the model (DSA lay
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 
 from oscar.common import OscarError
 from oscar.kernels.backends import CacheSpec, make_cache
+from oscar.kernels.latent_paged import LatentPagedCache, serve
 from oscar.kernels.protocol import Protocol
 from oscar.scoring.engine import greedy_tokens, next_token
 from oscar.scoring.nll import hidden_nll, window_nll
@@ -45,19 +48,26 @@ def window_chunks(T: int, art: LatentArtifact | None, protocol: Protocol | None)
 
 
 @torch.no_grad()
-def latent_answers(model, samples, groups, protocol: Protocol, eos: set[int]) -> list[list[int]]:
+def latent_answers(model, samples, groups, protocol: Protocol, eos: set[int], paged: bool = False) -> list[list[int]]:
     """Greedy answers of every (sample, method) row, sample by sample, its methods' artifacts `groups[g]` in order
-    (None: exact): each row a fresh cache, the haystack one chunk, the question the next, one token per step."""
+    (None: exact): each row a fresh cache, the haystack one chunk, the question the next, one token per step.
+    paged: the INT2 rows through the paged latent cache, each step decoded by its kernel (kernels/latent_paged.py),
+    the product path; else the simulator."""
     dev = next(model.parameters()).device
     out: list[list[int]] = []
     for s, arts in zip(samples, groups):
         ctx = torch.tensor([s.context_ids], device=dev)  # (1, T)
         for art in arts:
-            cache = latent_cache(model, art, protocol)
-            model(input_ids=ctx, cache=cache, use_cache=True, logits_to_keep=1)
-            step = lambda ids, c=cache: next_token(model(input_ids=torch.tensor([ids], device=dev), cache=c,  # noqa: E731
-                                                         use_cache=True, logits_to_keep=1).logits[:, -1])  # (1, V)
-            out.append(greedy_tokens(step, s.question_ids, s.max_new_tokens, eos))
+            if paged and art is not None:
+                cache = LatentPagedCache(art, sink=protocol.sink, recent=protocol.recent)
+                ctxm = serve(model, cache)
+            else:
+                cache, ctxm = latent_cache(model, art, protocol), contextlib.nullcontext()
+            with ctxm:
+                model(input_ids=ctx, cache=cache, use_cache=True, logits_to_keep=1)
+                step = lambda ids, c=cache: next_token(model(input_ids=torch.tensor([ids], device=dev), cache=c,  # noqa: E731
+                                                             use_cache=True, logits_to_keep=1).logits[:, -1])  # (1, V)
+                out.append(greedy_tokens(step, s.question_ids, s.max_new_tokens, eos))
     return out
 
 
