@@ -6,7 +6,7 @@ store writes), alternating so that load drift on a shared machine hits both alik
 
     python bench/calibrate.py [--blocks 2] [--seqs 8] [--reps 3] [--seq-len 2048] [--as-avx2]
 
---as-avx2 measures as an AVX2-only host runs (bench/hostprobe.py: torch, oneDNN and MKL held to AVX2, the native
+--as-avx2 measures as an AVX2-only host runs (oscar.host.AVX2: torch, oneDNN and MKL held to AVX2, the native
 kernels built without AVX-512, no bfloat16 units): the script runs itself again under that environment.
 
 A measured run is `--blocks` blocks of `--seqs` sequences: by default `oscar calibrate`'s own
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hostprobe import avx2_env, gemm_gflops, is_avx2_env
+from oscar.host import avx2_env, gemm_gflops, is_avx2_env
 from oscar import host
 from oscar.common import set_threads
 from oscar.pipeline import capture as C

@@ -16,9 +16,9 @@ Sections (each path alternates with the other rep by rep, so the ratios see the 
 
     python bench/cpu_attention.py [--threads 1] [--sections kernel,prefill,niah,ppl] [--out bench/results/cpu_attention.json]
     python bench/cpu_attention.py --sections kernel --lengths 512,2048 --dtypes float32 --as-avx2 \
-        --out bench/results/cpu_attention_avx2.json   # the probe length of kernels/cpu_attention.py's host choice
+        --out runs/cpu_attention_avx2.json   # the probe length of kernels/cpu_attention.py's host choice
 
---as-avx2 measures as an AVX2-only host runs (bench/hostprobe.py); every record names the host and a one-thread
+--as-avx2 measures as an AVX2-only host runs (oscar.host.AVX2); every record names the host and a one-thread
 GEMM's speed measured just before it.
 """
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hostprobe import avx2_env, gemm_gflops, is_avx2_env
+from oscar.host import avx2_env, gemm_gflops, is_avx2_env
 from oscar import host
 from oscar.kernels import cpu_attention as CA
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hostprobe import avx2_env, gemm_gflops
+from oscar.host import avx2_env, gemm_gflops
 
 OUT = Path(__file__).with_name("results") / "main_job_time.json"
 GOAL_S = 15 * 60

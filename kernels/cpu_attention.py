@@ -68,8 +68,8 @@ def available() -> bool:
 # bench/native_paths.py), while in float32 the C kernel wins on the same host.
 PROBES = {torch.float32: "flash_cpu", torch.bfloat16: "flash_cpu_bf16"}
 # The probe's length: the calibration sequences' and the validated contexts' order. Shorter probes favour the C
-# kernel: run as an AVX2-only host it ran 1.36x SDPA's speed at 512 tokens and 0.92x at 2048, one thread
-# (bench/results/cpu_attention_avx2.json, a busy Xeon), so a 512-token probe chose it where it loses.
+# kernel: run as an AVX2-only host it ran 1.36x SDPA's speed at 512 tokens and 0.92x at 2048, one thread, on a
+# busy Xeon (docs/speed.md, "The native attention's probe"), so a 512-token probe chose it where it loses.
 PROBE_T = 2048
 _CHOSEN: dict = {}  # dtype -> bool
 

@@ -3,7 +3,7 @@ run (95 % intervals), per (task, length) and with the tasks pooled per length.
 
     git archive REV reports/examples/qwen2.5-0.5b | tar -x -C /tmp/old
     python lab/recipe_compare.py /tmp/old/reports/examples/qwen2.5-0.5b reports/examples/qwen2.5-0.5b \
-        --labels "old recipe,shipped recipe" --method oscar-int2 > lab/results/recipe_compare/qwen.md
+        --labels "old recipe,shipped recipe" --method oscar-int2
 
 The runs need not share samples: each gap is paired inside its own run.
 """

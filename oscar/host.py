@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 import time
 from functools import lru_cache
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16")
 BF16_UNITS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matrix arithmetic
@@ -21,6 +24,25 @@ FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")
 # under any of them says so wherever it names its host.
 RESTRICTIONS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OSCAR_NATIVE_ISA",
                 "OSCAR_CPU_BF16")
+# Their values that run a job as an AVX2-only host does (torch, oneDNN and MKL held to AVX2, the native kernels
+# built without AVX-512, no bfloat16 units): docs/speed.md, the benchmarks' --as-avx2.
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "OSCAR_NATIVE_ISA": "avx2", "OSCAR_CPU_BF16": "0"}
+GEMM_PROBE = """
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(2048, 576), torch.randn(576, 1536)
+a @ b
+
+
+def once():
+    t = time.perf_counter()
+    a @ b
+    return time.perf_counter() - t
+
+
+print(2 * 2048 * 576 * 1536 / min(once() for _ in range(20)) / 1e9)
+"""
 
 
 _IMPORTED = time.monotonic()  # where /proc is missing: the command's clock starts when oscar is first imported
@@ -110,3 +132,27 @@ def _held_to(r: dict[str, str]) -> str:
     if r.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" or r.get("OSCAR_NATIVE_ISA") == "avx2":
         return "AVX2 only (emulated)"
     return "restricted"
+
+
+def gemm_gflops(env: dict | None = None) -> float:
+    """One thread's float32 GEMM speed (2048 x 576 x 1536, best of 20) in a child process under `env` (default:
+    this one's): how fast this machine is right now, recorded beside every speed figure of the benchmarks, so
+    that two records of one host can be told apart by the host's own speed."""
+    out = subprocess.run([sys.executable, "-c", GEMM_PROBE], env=env or dict(os.environ), check=True,
+                         capture_output=True, text=True).stdout
+    return round(float(out.strip().splitlines()[-1]), 1)
+
+
+def avx2_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's) as an AVX2-only host runs (`AVX2`), with a kernel cache of its own so that
+    the AVX2 build's kernels and their verdicts never mix with this host's native ones."""
+    env = dict(env or os.environ)
+    base = Path(env.get("OSCAR_CACHE") or Path.home() / ".cache" / "oscar-kv")
+    env.update(AVX2, OSCAR_CACHE=str(base / "as-avx2"))
+    return env
+
+
+def is_avx2_env(env: dict | None = None) -> bool:
+    """The environment already holds the AVX2 settings."""
+    env = os.environ if env is None else env
+    return all(env.get(k) == v for k, v in AVX2.items())

@@ -76,3 +76,12 @@ def test_process_seconds_counts_from_the_process_start():
     tick = 1 / os.sysconf("SC_CLK_TCK")  # the start time is kept in whole clock ticks, rounded down
     assert 1.0 <= s <= outer + tick, (s, outer, tick)  # the sleep before the import is counted
     assert 0 <= host.process_seconds() < 1e6  # this process's clock too
+
+
+def test_avx2_environment_and_the_gemm_probe(tmp_path):
+    """The benchmarks' --as-avx2: every restriction set to AVX2 and a kernel cache of its own; the GEMM probe runs
+    in a child process under the environment it is given."""
+    env = host.avx2_env({"OSCAR_CACHE": str(tmp_path), "PATH": os.environ.get("PATH", "")})
+    assert host.is_avx2_env(env) and not host.is_avx2_env({})
+    assert env["OSCAR_CACHE"] == str(tmp_path / "as-avx2") and set(host.AVX2) <= set(host.RESTRICTIONS)
+    assert host.gemm_gflops() > 0
