@@ -202,33 +202,49 @@ def test_needles_and_perplexity_on_two_stages_equal_one_process(fitted, ray_head
         assert nll[1][k] == pytest.approx(nll[0][k], rel=1e-6), k
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-@pytest.mark.timeout(900)
-def test_latent_clip_tune_in_one_process_and_on_two_stages(fitted, ray_head):
-    """The recipe's clip tune on a latent artifact: one factor on every group's clip (capped at 1), chosen by the
-    strict NLL of calibration text through the latent cache; 2 stages score every factor as one process does (up to
-    the float32 cross-entropy's summation order) and choose the same."""
-    from oscar.cluster.pipeline import ClusterConfig
-    from oscar.cluster.scoring import StagedScorer
+def _tune(art, scorer=None):
     from oscar.common import set_threads
     from oscar.recipe.tune import TuneConfig, tune_key_clip
 
-    art = fitted[1]
     cfg = TuneConfig(tokens=256, factors=(1.0, 1.5, 3.0))
     set_threads(1)
+    if scorer is not None:
+        return tune_key_clip(None, None, art, cfg, scorer=scorer)
     model, tok, _ = load_model("tiny-glm5", latent=True)
-    tuned, rec = tune_key_clip(model, tok, art, cfg, progress=False)
-    nll = rec["nll_per_token"]
-    assert len(set(nll.values())) == 3  # the clips reach the history read from INT2
+    return tune_key_clip(model, tok, art, cfg, progress=False)
+
+
+def test_latent_clip_tune_in_one_process(fitted):
+    """The recipe's clip tune on a latent artifact: one factor on every group's clip (capped at 1), chosen by the
+    strict NLL of calibration text through the latent cache; the copy objective is refused by name."""
+    from oscar.recipe.tune import TuneConfig, tune_key_clip
+
+    art = fitted[1]
+    tuned, rec = _tune(art)
+    assert len(set(rec["nll_per_token"].values())) == 3  # the clips reach the history read from INT2
     f = rec["chosen_factor"]
     for a, b in zip(tuned.clip, art.clip):
         assert torch.equal(a, (b * f).clamp(max=1.0))
-    with StagedScorer("tiny-glm5", ClusterConfig(stages=2, cpus_per_stage=1, layers="0:2,2:3", dtype="float64"),
-                      address=ray_head.address) as sc:
-        _, rec2 = tune_key_clip(None, None, art, cfg, scorer=sc)
-    assert rec2["chosen_factor"] == f
-    # the logits' cross-entropy is float32 on both sides, summed in another order (and the record rounds to 1e-6)
-    assert all(rec2["nll_per_token"][k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in nll.items())
+    model, tok, _ = load_model("tiny-glm5", latent=True)
     with pytest.raises(OscarError, match="strict-NLL objective through the latent cache"):
         tune_key_clip(model, tok, art, TuneConfig(tokens=256, objective="copy"), progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.full
+@pytest.mark.timeout(900)
+def test_latent_clip_tune_on_two_stages(fitted, ray_head):
+    """2 stages score every factor as one process does (up to the float32 cross-entropy's summation order; the
+    record rounds to 1e-6) and choose the same (the stages' latent scoring itself: the needles and perplexity test
+    above, in every tier)."""
+    from oscar.cluster.pipeline import ClusterConfig
+    from oscar.cluster.scoring import StagedScorer
+
+    art = fitted[1]
+    _, rec = _tune(art)
+    with StagedScorer("tiny-glm5", ClusterConfig(stages=2, cpus_per_stage=1, layers="0:2,2:3", dtype="float64"),
+                      address=ray_head.address) as sc:
+        _, rec2 = _tune(art, sc)
+    assert rec2["chosen_factor"] == rec["chosen_factor"]
+    assert all(rec2["nll_per_token"][k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in rec["nll_per_token"].items())
