@@ -80,15 +80,21 @@ class LatentSimLayer(SimQuantLayer, _LayerBase):
         super().__init__(lq, Protocol("latent", sink=sink, recent=recent))
 
 
+def latent_layers(art: LatentArtifact, layer_cls, sink: int | None, recent: int | None) -> list:
+    """One `layer_cls(LatentLayerQuant, sink, recent)` per layer; sink and recent default to the artifact's, and a
+    recent window of part of a page is refused."""
+    sink = art.quant.sink if sink is None else sink
+    recent = art.quant.recent if recent is None else recent
+    if recent % art.quant.page_size:
+        raise OscarError(f"recent window {recent} is not a whole number of pages of {art.quant.page_size}")
+    return [layer_cls(LatentLayerQuant(art, l), sink, recent) for l in range(art.num_layers)]
+
+
 class LatentSimCache(Cache):
     """The simulator of the INT2 latent cache for one MLA model (one artifact), sink and recent window exact."""
 
     def __init__(self, art: LatentArtifact, *, sink: int | None = None, recent: int | None = None):
-        sink = art.quant.sink if sink is None else sink
-        recent = art.quant.recent if recent is None else recent
-        if recent % art.quant.page_size:
-            raise OscarError(f"recent window {recent} is not a whole number of pages of {art.quant.page_size}")
-        super().__init__(layers=[LatentSimLayer(LatentLayerQuant(art, l), sink, recent) for l in range(art.num_layers)])
+        super().__init__(layers=latent_layers(art, LatentSimLayer, sink, recent))
 
 
 def up_projections(kv_b_proj: torch.Tensor, num_heads: int, nope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

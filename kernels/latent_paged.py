@@ -30,7 +30,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oscar.common import OscarError
 from oscar.kernels import dispatch
-from oscar.kernels.latent import LatentLayerQuant, _LayerBase, pack_latents, up_projections
+from oscar.kernels.latent import LatentLayerQuant, _LayerBase, latent_layers, pack_latents, up_projections
 from oscar.quant import dequantize, unpack
 from oscar.stats.artifact import LatentArtifact
 
@@ -100,11 +100,7 @@ class LatentPagedCache(Cache):
     """The paged INT2 latent cache of one MLA model (one artifact) and one sequence."""
 
     def __init__(self, art: LatentArtifact, *, sink: int | None = None, recent: int | None = None):
-        sink = art.quant.sink if sink is None else sink
-        recent = art.quant.recent if recent is None else recent
-        if recent % art.quant.page_size:
-            raise OscarError(f"recent window {recent} is not a whole number of pages of {art.quant.page_size}")
-        super().__init__(layers=[LatentPagedLayer(LatentLayerQuant(art, l), sink, recent) for l in range(art.num_layers)])
+        super().__init__(layers=latent_layers(art, LatentPagedLayer, sink, recent))
 
 
 def decode_inputs(layer: LatentPagedLayer, pick: torch.Tensor | None = None):
