@@ -328,8 +328,14 @@ def save_artifact(art: Artifact, path: str) -> None:
         tensors[k] = t.contiguous()
     fmt = ARTIFACT_FORMAT_L if art.layer_quant is not None else ARTIFACT_FORMAT_Q if art.rot_q is not None else ARTIFACT_FORMAT
     extra = {"layer_quant": [asdict(q) for q in art.layer_quant]} if art.layer_quant is not None else {}
-    meta = dict(art.meta, format=fmt, quant=asdict(art.quant), centering=art.k_mean is not None, **extra,
-                checksums={"algorithm": "crc32", "tensors": {k: tensor_checksum(t) for k, t in sorted(tensors.items())}})
+    _write(path, tensors, dict(art.meta, format=fmt, quant=asdict(art.quant), centering=art.k_mean is not None,
+                               **extra))
+
+
+def _write(path: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """An artifact file of either kind: its tensors, and its metadata with their checksums."""
+    meta = dict(meta, checksums={"algorithm": "crc32",
+                                 "tensors": {k: tensor_checksum(t) for k, t in sorted(tensors.items())}})
     _check_writable(path)
     save_file(tensors, path, metadata={"oscar": json.dumps(meta, sort_keys=True, default=str)})
 
@@ -560,10 +566,7 @@ def save_latent_artifact(art: LatentArtifact, path: str) -> None:
         tensors[f"layers.{l}.rot"] = art.rot[l].float().contiguous()
         tensors[f"layers.{l}.mean"] = art.mean[l].float().contiguous()
         tensors[f"layers.{l}.clip"] = art.clip[l].float().contiguous()
-    meta = dict(art.meta, format=ARTIFACT_FORMAT_LATENT, quant=asdict(art.quant),
-                checksums={"algorithm": "crc32", "tensors": {k: tensor_checksum(t) for k, t in sorted(tensors.items())}})
-    _check_writable(path)
-    save_file(tensors, path, metadata={"oscar": json.dumps(meta, sort_keys=True, default=str)})
+    _write(path, tensors, dict(art.meta, format=ARTIFACT_FORMAT_LATENT, quant=asdict(art.quant)))
 
 
 def load_latent_artifact(path: str) -> LatentArtifact:
