@@ -49,6 +49,7 @@ class LatentPagedLayer(_LayerBase):
         self.codes = self.scale = self.zero = None  # (N, r / 4) uint8, (N, G) float32 x 2: tokens [sink, n_quant)
         self.k_pe = None                # (n, rope) model dtype
         self.served = False             # `serve` installed the attention that reads the storage
+        self.up = None                  # (W_UK, W_UV) in float32, from the first decode step
 
     def get_seq_length(self) -> int:
         return self.n
@@ -104,33 +105,32 @@ class LatentPagedCache(Cache):
 
 
 def decode_inputs(layer: LatentPagedLayer, pick: torch.Tensor | None = None):
-    """The layer's storage as `latent_decode` reads it (one sequence): every token, or those of `pick` (positions,
-    GLM-5's DSA top-k of the step), gathered into contiguous history and exact segments."""
+    """The layer's storage as `latent_decode` reads it (one sequence): its history and exact segments as they are
+    stored, or (`pick`: positions, GLM-5's DSA top-k of the step) the selected tokens gathered from them."""
     # late: Triton is imported only where a kernel may run (a CPU host without it runs the reference)
     from oscar.kernels.triton_latent import LatentDecodeInputs
 
     s = min(layer.n, layer.sink)
-    hist_pos = torch.arange(s, layer.n_quant if layer.n > layer.sink else s, device=layer.exact.device)
-    ex_pos = torch.cat([torch.arange(s, device=layer.exact.device),
-                        torch.arange(max(layer.n_quant, s), layer.n, device=layer.exact.device)])
-    h_sel, e_sel = torch.arange(len(hist_pos), device=hist_pos.device), torch.arange(len(ex_pos), device=ex_pos.device)
-    if pick is not None:
-        keep = torch.zeros(layer.n, dtype=torch.bool, device=layer.exact.device)
-        keep[pick.long()] = True
-        h_sel, e_sel = h_sel[keep[hist_pos]], e_sel[keep[ex_pos]]
-        hist_pos, ex_pos = hist_pos[h_sel], ex_pos[e_sel]
-    r, P = layer.exact.shape[1], layer.k_pe.shape[1]
-    empty = lambda *shape, dt: torch.zeros(*shape, dtype=dt, device=layer.exact.device)  # noqa: E731
-    codes = layer.codes[h_sel] if layer.codes is not None else empty(0, r // 4, dt=torch.uint8)
+    h_end = layer.n_quant if layer.n > layer.sink else s                               # history: tokens [s, h_end)
+    r, dev = layer.exact.shape[1], layer.exact.device
     G = r // layer.lq.spec.group_size
-    scale = layer.scale[h_sel] if layer.scale is not None else empty(0, G, dt=torch.float32)
-    zero = layer.zero[h_sel] if layer.zero is not None else empty(0, G, dt=torch.float32)
-    N, M = len(hist_pos), len(ex_pos)
+    if layer.codes is None:
+        codes, scale, zero = (torch.zeros(0, w, dtype=dt, device=dev)
+                              for w, dt in ((r // 4, torch.uint8), (G, torch.float32), (G, torch.float32)))
+    else:
+        codes, scale, zero = layer.codes, layer.scale, layer.zero
+    k_hist, c_ex = layer.k_pe[s:h_end], layer.exact                                    # exact rows: [0, s) + [h_end, n)
+    k_ex = torch.cat([layer.k_pe[:s], layer.k_pe[h_end:]])
+    if pick is not None:  # the step's top-k only (copies of the selected tokens)
+        keep = torch.zeros(layer.n, dtype=torch.bool, device=dev)
+        keep[pick.long()] = True
+        kh, ke = keep[s:h_end], torch.cat([keep[:s], keep[h_end:]])
+        codes, scale, zero, k_hist, c_ex, k_ex = codes[kh], scale[kh], zero[kh], k_hist[kh], c_ex[ke], k_ex[ke]
     pad = lambda t: t if len(t) else torch.zeros(1, *t.shape[1:], dtype=t.dtype, device=t.device)  # noqa: E731
     return LatentDecodeInputs(codes=pad(codes)[None], scale=pad(scale)[None], zero=pad(zero)[None],
-                              k_pe=pad(layer.k_pe[hist_pos])[None], n_hist=torch.tensor([N], dtype=torch.int32),
-                              c_exact=pad(layer.exact[e_sel])[None], k_pe_exact=pad(layer.k_pe[ex_pos])[None],
-                              n_exact=torch.tensor([M], dtype=torch.int32), group=layer.lq.spec.group_size)
+                              k_pe=pad(k_hist)[None], n_hist=torch.tensor([len(codes)], dtype=torch.int32),
+                              c_exact=pad(c_ex)[None], k_pe_exact=pad(k_ex)[None],
+                              n_exact=torch.tensor([len(c_ex)], dtype=torch.int32), group=layer.lq.spec.group_size)
 
 
 def latent_decode_reference(qa_rot: torch.Tensor, q_pe: torch.Tensor, qmu: torch.Tensor, inp, scale: float,
@@ -170,7 +170,9 @@ def latent_attention(module, query, key, value, attention_mask=None, dropout=0.0
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)  # (B, H, Tq, v)
         return out.transpose(1, 2).contiguous(), None
     nope = module.qk_nope_head_dim
-    w_uk, w_uv = up_projections(module.kv_b_proj.weight.detach().float(), module.num_heads, nope, module.v_head_dim)
+    if layer.up is None:  # the up-projections in float32, once per cache (not per step)
+        layer.up = up_projections(module.kv_b_proj.weight.detach().float(), module.num_heads, nope, module.v_head_dim)
+    w_uk, w_uv = layer.up
     q = query[:, :, 0].float()                                                       # (1, H, nope + rope)
     qa = torch.einsum("bhd,hdr->bhr", q[..., :nope], w_uk)                           # (1, H, r) absorbed
     qa_rot, qmu = qa @ layer.lq.rot, qa @ layer.lq.mean                              # (1, H, r), (1, H)
