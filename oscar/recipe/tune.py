@@ -140,15 +140,13 @@ def choose_factor(nll: dict[float, float], cnll: dict[float, float] | None, obje
 def scale_key_clips(art, factor: float):
     """A copy of `art` with clip_k scaled by `factor` (ratios capped at 1 in minmax mode); a latent artifact's
     per-group clips (minmax ratios) alike."""
-    if isinstance(art, LatentArtifact):
-        out = copy.copy(art)
-        out.clip = [(c * factor).clamp(max=1.0) for c in art.clip]
-        out.meta = dict(art.meta)
-        return out
     out = copy.copy(art)
+    out.meta = dict(art.meta)
+    if isinstance(art, LatentArtifact):  # minmax ratios per group
+        out.clip = [(c * factor).clamp(max=1.0) for c in art.clip]
+        return out
     cap = 1.0 if art.quant.mode == "minmax" else math.inf
     out.clip_k = [(c * factor).clamp(max=cap) for c in art.clip_k]
-    out.meta = dict(art.meta)
     return out
 
 
