@@ -16,16 +16,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 
 
-def test_readme_block_is_regenerated_from_the_committed_example():
-    text = open(README).read()
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_readme_block_is_regenerated_from_the_committed_example(doc):
+    text = open(os.path.join(ROOT, doc)).read()
     blocks = generated_blocks(text)
-    assert blocks, "README.md has no generated results block"
+    assert blocks, f"{doc} has no generated results block"
     for cmd, block in blocks:
-        m = re.fullmatch(r"oscar report (\S+) --readme README.md", cmd)
+        m = re.fullmatch(rf"oscar report (\S+) --readme {re.escape(doc)}", cmd)
         assert m, cmd
         d = os.path.join(ROOT, m.group(1))
         assert os.path.isdir(d), d
-        assert block == _in_root(m.group(1), cmd), f"README.md's generated block differs from the files in {m.group(1)}; run `{cmd}`"
+        assert block == _in_root(m.group(1), cmd), f"{doc}'s generated block differs from the files in {m.group(1)}; run `{cmd}`"
 
 
 def _in_root(d: str, cmd: str) -> str:
