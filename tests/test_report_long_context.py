@@ -8,6 +8,8 @@ import json
 
 import pandas as pd
 
+from oscar.reports.build import build_report, run_time
+
 
 def _rows(task, L, method, scores, cpu, wall):
     return [{"task": task, "length": L, "index": i, "method": method, "score": s, "pred": "", "answers": ["1"],
@@ -16,8 +18,6 @@ def _rows(task, L, method, scores, cpu, wall):
 
 
 def test_report_lists_needle_cost_and_commands(tmp_path):
-    from oscar.reports.build import build_report
-
     rows = []
     for m, sc in (("bf16", [1, 1, 1]), ("kivi2", [0, 0, 0])):  # kivi2 0 of 3: ci_low = 5.6e-17 > score
         rows += _rows("niah_single_1", 8192, m, sc, [50.0, 30.0, 40.0], [100.0, 60.0, 80.0])
@@ -46,7 +46,6 @@ def test_report_lists_needle_cost_and_commands(tmp_path):
 
 def test_report_without_batch_costs_has_no_compute_section(tmp_path):
     """Sample lines written before the cost fields (the committed SmolLM2 example): no section, no error."""
-    from oscar.reports.build import build_report
 
     rows = [{k: v for k, v in r.items() if not k.startswith("batch_")}
             for r in _rows("niah_single_1", 1024, "bf16", [1, 0], [1.0, 1.0], [1.0, 1.0])]
@@ -61,7 +60,6 @@ def test_report_without_batch_costs_has_no_compute_section(tmp_path):
 def test_report_checks_state_only_what_the_run_measured(tmp_path):
     """A run of niah_single_1 at 1k alone: the checks name that cell (not niah_single_1/2 at 1k-4k, which it never
     ran), and an oscar-int2 equal to bf16 reads "0.0 points", never "-0.0"."""
-    from oscar.reports.build import build_report
 
     rows = []
     for m, sc in (("bf16", [1] * 20), ("oscar-int2", [1] * 20), ("naive-int2", [0] * 20)):
@@ -109,3 +107,13 @@ def test_numbers_never_print_negative_zero():
         "niah_single_1/2 at 1k-4k"
     assert scope_label(["niah_single_1"], [1024, 4096], [1024, 2048, 4096]) == "niah_single_1 at 1k, 4k"
     assert scope_label(["niah_single_2"], [2048], [1024, 2048, 4096]) == "niah_single_2 at 2k"
+
+
+def test_a_resumed_run_states_its_last_invocation_wall_time():
+    one = {"wall_seconds": 120.0, "total_seconds": 110.0, "stage_seconds": {"calibrate": 60.0, "niah": 50.0}}
+    assert run_time(one).startswith("2.0 min wall from the command's start to the report (stages 1.8 min")
+    # stages summed over invocations past this invocation's wall time: it resumed, and says so
+    resumed = {**one, "wall_seconds": 60.0, "total_seconds": 600.0, "stage_seconds": {"calibrate": 550.0, "niah": 50.0}}
+    got = run_time(resumed)
+    assert got.startswith("1.0 min wall for its last invocation, which resumed the run (stages, summed over every "
+                          "invocation, 10.0 min: calibrate 550 s, niah 50 s)"), got
