@@ -174,8 +174,10 @@ def main() -> None:
     out = Path(args.out)
     try:
         runs = json.loads(out.read_text())["runs"]
-    except (OSError, ValueError, KeyError):  # none yet, or a record of the single-run format: started afresh
+    except (OSError, ValueError, KeyError):  # none yet: started afresh
         runs = {}
+    # the single-run format also had a "runs" key (its reps): only per-host records are kept
+    runs = {k: v for k, v in runs.items() if isinstance(v, dict) and "host" in v}
     runs[f"{res['host']} / {args.blocks} x {args.seqs} x {args.seq_len}"] = res
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
