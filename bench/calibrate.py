@@ -176,8 +176,6 @@ def main() -> None:
         runs = json.loads(out.read_text())["runs"]
     except (OSError, ValueError, KeyError):  # none yet: started afresh
         runs = {}
-    # the single-run format also had a "runs" key (its reps): only per-host records are kept
-    runs = {k: v for k, v in runs.items() if isinstance(v, dict) and "host" in v}
     runs[f"{res['host']} / {args.blocks} x {args.seqs} x {args.seq_len}"] = res
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs}, indent=2) + "\n")

@@ -34,7 +34,7 @@ import torch
 
 from oscar.__main__ import main as oscar_main
 from oscar.validate import methods as M
-from oscar.validate.evidence import cell_scores, paired_diff, read_samples
+from oscar.validate.evidence import cell_scores, paired_arrays, paired_diff, read_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "lab", "results", "tq_positions", "ab.json")
@@ -42,7 +42,7 @@ TASKS = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1"
 
 
 def _uncentred(config, art):
-    a = M._tq(config, art)
+    a = M.method_artifact("tq-int2", config, art)
     return replace(a, k_mean=[torch.zeros_like(m) for m in a.k_mean], meta={**a.meta, "variant": "tq-int2-uncentred"})
 
 
@@ -53,15 +53,10 @@ def uncentred(a: argparse.Namespace) -> int:
                        "--protocol", "serving", "--dtype", "bfloat16", "--out", a.out])
 
 
-def _pooled(x_cells: dict, mx: str, y_cells: dict, my: str, L: int) -> tuple[np.ndarray, np.ndarray]:
-    xs, ys = [], []
-    for (t, l, m), sc in x_cells.items():
-        if l != L or m != mx:
-            continue
-        other = y_cells.get((t, L, my), {})
-        for i in sorted(set(sc) & set(other)):
-            xs.append(sc[i]), ys.append(other[i])
-    return np.array(xs), np.array(ys)
+def _pooled(cells: dict, m: str, base: str, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """Method m's scores against `base`'s on the samples both have, the tasks pooled at length L."""
+    pairs = [paired_arrays(cells, t, L, m, base) for t in sorted({t for (t, l, mm) in cells if l == L and mm == m})]
+    return np.concatenate([x for x, _ in pairs]), np.concatenate([y for _, y in pairs])
 
 
 def compare(a: argparse.Namespace) -> int:
@@ -71,10 +66,12 @@ def compare(a: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|")
     for spec in a.runs:
         d, m = spec.rsplit(":", 1)
-        cells = cell_scores(read_samples(os.path.join(d, "niah_samples.jsonl")))
-        for L in sorted({l for (_, l, mm) in cells if mm == m}):
-            x, y = _pooled(cells, m, base, "tq-int2", L)
-            _, b = _pooled(cells, m, base, "bf16", L)
+        run = cell_scores(read_samples(os.path.join(d, "niah_samples.jsonl")))
+        # the run's rows beside the base's, under a name of their own (the run's method may be the base's tq-int2)
+        cells = {**base, **{(t, l, "run"): v for (t, l, mm), v in run.items() if mm == m}}
+        for L in sorted({l for (_, l, mm) in run if mm == m}):
+            x, y = _pooled(cells, "run", "tq-int2", L)
+            _, b = _pooled(cells, "run", "bf16", L)
             d1, lo1, hi1 = paired_diff(x, y)
             d2, lo2, hi2 = paired_diff(x, b)
             row = {"run": d, "method": m, "length": L, "pairs": len(x), "score": 100 * float(x.mean()),
