@@ -1,8 +1,13 @@
 """Capture overhead and store write share of `oscar calibrate` (SmolLM2-135M, 2048-token sequences).
 
-Same process, same tokens, same model object: a plain forward of the base model (sdpa, no
-capture) against `run_blocks` (forward with the capturing attention function + statistics +
-store writes), alternating so that load drift on a shared machine hits both alike.
+Same process, same tokens, same model object: a plain forward of the base model (transformers' sdpa, no
+capture) against `run_blocks` as `oscar calibrate` runs it (forward with the capturing attention function +
+statistics + store writes; the capture's attention is the native CPU causal kernel where this host's probe chose
+it, kernels/cpu_attention.py), alternating so that load drift on a shared machine hits both alike. Where the
+native attention runs, a third arm, the plain forward with that same attention, splits the ratio in two:
+`attention_speedup` (plain sdpa / plain native attention) and `capture_overhead_ratio` (plain native attention /
+calibrate: what the statistics and the store cost against the same forward). `--capture-attention sdpa`
+measures the capture on sdpa (two arms).
 
     python bench/calibrate.py [--blocks 2] [--seqs 8] [--reps 3] [--seq-len 2048] [--as-avx2]
 
@@ -46,6 +51,7 @@ import torch
 from oscar.host import avx2_env, gemm_gflops, is_avx2_env
 from oscar import host
 from oscar.common import set_threads
+from oscar.kernels import cpu_attention as CA
 from oscar.pipeline import capture as C
 from oscar.pipeline import native
 from oscar.pipeline.calibrate import run_blocks
@@ -55,6 +61,34 @@ from oscar.pipeline.store import CalibStore, StoreMeta, WriterLock
 
 OUT = Path(__file__).with_name("results") / "calibrate.json"
 TARGET = 0.95  # the capture's throughput against a plain forward
+
+
+class _PartTimer:
+    """Wall time inside the statistics' parts while a calibrate arm runs (the C kernels and the reservoir
+    sampling; the rest of `stats_s` is the torch glue and the block's assembly)."""
+
+    PARTS = {"gram_moments": (native, "gram_moments"), "value_target": (native, "value_target"),
+             "reservoir": (C.LayerAccumulator, "_reservoir")}
+
+    def __init__(self):
+        self.s = dict.fromkeys(self.PARTS, 0.0)
+        self.calls = 0  # (layer, sequence) pairs: one gram_moments call each
+        for key, (obj, name) in self.PARTS.items():
+            setattr(obj, name, self._wrap(key, getattr(obj, name)))
+
+    def _wrap(self, key, f):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.s[key] += time.perf_counter() - t
+                self.calls += key == "gram_moments"
+        return timed
+
+    def take(self) -> dict:
+        out, self.s, self.calls = {"s": dict(self.s), "layer_sequences": self.calls}, dict.fromkeys(self.s, 0.0), 0
+        return out
 
 
 def main() -> None:
@@ -68,6 +102,8 @@ def main() -> None:
     ap.add_argument("--reservoir", type=int, default=256)
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--as-avx2", action="store_true", help="measure as an AVX2-only host runs (module docstring)")
+    ap.add_argument("--capture-attention", choices=("product", "sdpa"), default="product",
+                    help="the capture's attention: as `oscar calibrate` runs it (default), or transformers' sdpa")
     args = ap.parse_args()
     if args.as_avx2 and not is_avx2_env():  # the restriction must be set before torch starts: run again under it
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=avx2_env()).returncode)
@@ -87,8 +123,12 @@ def main() -> None:
     ids = torch.from_numpy(tokens.reshape(-1, args.seq_len).astype(np.int64))  # (blocks*S, T)
     am = torch.from_numpy(mask.reshape(-1, args.seq_len).astype(np.int64))
 
-    def plain() -> float:
-        model.set_attn_implementation("sdpa")
+    native_attn = args.capture_attention == "product" and CA.chosen(torch.float32)
+    if native_attn:
+        CA.register()  # as `oscar calibrate` does: the capture's sdpa runs the native kernel
+
+    def plain(attn: str = "sdpa") -> float:
+        model.set_attn_implementation(attn)
         t = time.perf_counter()
         with torch.no_grad():
             for s in range(ids.shape[0]):
@@ -102,6 +142,7 @@ def main() -> None:
                      seqs_per_block=args.seqs, reservoir=args.reservoir, config={"seed": 0, "bench": True})
 
     def calib(rep: int) -> dict:
+        model.set_attn_implementation("sdpa")  # the loaded model's, which the capture wraps
         path = tmp / f"s{rep}.zarr"
         with WriterLock(path, range(info.num_layers)):
             t = time.perf_counter()
@@ -119,16 +160,24 @@ def main() -> None:
 
     with torch.no_grad():  # warm-up (allocator, kernels) on a short prefix, both paths
         base(input_ids=ids[:1, :256], attention_mask=am[:1, :256], use_cache=False)
-    plain_s, calib_runs = [], []
+        if native_attn:
+            model.set_attn_implementation(CA.NAME)
+            base(input_ids=ids[:1, :256], attention_mask=am[:1, :256], use_cache=False)
+    arms = ["plain", "calib"] + (["plain_attn"] if native_attn else [])
+    plain_s, attn_s, calib_runs = [], [], []
+    parts = _PartTimer()
     for rep in range(args.reps):
-        order = (plain, calib) if rep % 2 == 0 else (calib, plain)
-        for f in order:
-            if f is plain:
+        for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # each arm leads in turn
+            if arm == "plain":
                 plain_s.append(plain())
+            elif arm == "plain_attn":
+                attn_s.append(plain(CA.NAME))
             else:
-                calib_runs.append(calib(rep))
+                parts.take()
+                calib_runs.append({**calib(rep), "parts": parts.take()})
         print(f"rep {rep}: plain {plain_s[-1]:.2f} s, calibrate {calib_runs[-1]['wall_s']:.2f} s "
-              f"(writes {calib_runs[-1]['write_s']:.3f} s)", flush=True)
+              f"(writes {calib_runs[-1]['write_s']:.3f} s)" + (f", plain with the native attention "
+                                                              f"{attn_s[-1]:.2f} s" if attn_s else ""), flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
 
     p = statistics.median(plain_s)
@@ -147,28 +196,39 @@ def main() -> None:
         "tokens_per_run": n_tok,
         "reps": args.reps, "sink": args.sink, "reservoir": args.reservoir, "dtype": "float32",
         "attn_implementation": "sdpa",
+        "capture_attention": "native (kernels/cpu_attention.py)" if native_attn else "sdpa",
         "capture_kernel": "native (pipeline/_moments.c)" if native.available() else f"torch ops ({native.WHY_NOT})",
         "plain_forward_tokens_per_s": n_tok / p,
         "calibrate_tokens_per_s": n_tok / c,
         "host": host.describe(), "gemm_gflops_1thread": gflops, "date": time.strftime("%Y-%m-%d"),
         "throughput_ratio": p / c, "throughput_ratio_target": TARGET, "throughput_ratio_met": p / c >= TARGET,
         "throughput_ratio_per_rep": pairs,
+        # Where the capture runs the native attention: the same forward without the capture, so the ratio splits
+        # into the attention's gain and what the statistics and the store cost (medians; per rep beside them).
+        **({"attention_speedup": p / statistics.median(attn_s),
+            "attention_speedup_per_rep": [ps / a for ps, a in zip(plain_s, attn_s)],
+            "capture_overhead_ratio": statistics.median(attn_s) / c,
+            "capture_overhead_ratio_per_rep": [a / r["wall_s"] for a, r in zip(attn_s, calib_runs)]}
+           if attn_s else {}),
         # Cross-check that load drift cannot fake: the share of the calibration's wall time spent inside
         # the statistics (Capture.record + finish_block); 1 - this - store_write_share is the ratio a
         # perfectly steady machine would show if the capture did not slow the forward itself.
         "statistics_share": st,
+        # ms per (layer, sequence) inside the statistics, medians over the reps; "other": the rest of stats_s
+        "statistics_ms_per_layer_sequence": _parts_ms(calib_runs),
         "store_write_share": w, "store_write_share_target": 0.05, "store_write_share_met": w < 0.05,
         "store_writer_busy_share": wb,
         "checksum_share": ck, "checksum_share_target": 0.02, "checksum_share_met": ck < 0.02,
         "verify_share": vf,  # re-reading + hashing every done block (resume / inspect / fit), vs calibrating it
         "store_create_s": statistics.median(r["create_s"] for r in calib_runs),
-        "runs": {"plain_s": plain_s, "calibrate": calib_runs},
+        "runs": {"plain_s": plain_s, "calibrate": calib_runs, **({"plain_native_attention_s": attn_s} if attn_s else {})},
         "machine": {"cpus": os.cpu_count(), "torch_threads": threads, "loadavg_start": load0,
                     "loadavg_end": os.getloadavg(), "platform": platform.platform(), "torch": torch.__version__,
                     "device": "cpu"},
         "model_load_s": load_s,
         "command": "python bench/calibrate.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                          if k not in ("out", "as_avx2"))
+                                                          if k not in ("out", "as_avx2", "capture_attention"))
+                   + (" --capture-attention sdpa" if args.capture_attention == "sdpa" else "")
                    + (" --as-avx2" if args.as_avx2 else ""),
     }
     out = Path(args.out)
@@ -176,12 +236,26 @@ def main() -> None:
         runs = json.loads(out.read_text())["runs"]
     except (OSError, ValueError, KeyError):  # none yet: started afresh
         runs = {}
-    runs[f"{res['host']} / {args.blocks} x {args.seqs} x {args.seq_len}"] = res
+    runs[f"{res['host']} / {args.blocks} x {args.seqs} x {args.seq_len}"
+         + (" / capture on sdpa" if args.capture_attention == "sdpa" else "")] = res
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     print(json.dumps({k: res[k] for k in ("plain_forward_tokens_per_s", "calibrate_tokens_per_s", "throughput_ratio",
-                                          "throughput_ratio_per_rep", "statistics_share", "store_write_share",
+                                          "throughput_ratio_per_rep", "statistics_share",
+                                          "statistics_ms_per_layer_sequence", "store_write_share",
+                                          *(("attention_speedup", "capture_overhead_ratio") if attn_s else ()),
                                           "store_writer_busy_share", "checksum_share", "verify_share")}, indent=2))
+
+
+def _parts_ms(calib_runs: list[dict]) -> dict:
+    per = []
+    for r in calib_runs:
+        n = max(r["parts"]["layer_sequences"], 1)
+        ms = {k: 1e3 * v / n for k, v in r["parts"]["s"].items()}
+        ms["other"] = 1e3 * r["stats_s"] / n - sum(ms.values())
+        ms["all"] = 1e3 * r["stats_s"] / n
+        per.append(ms)
+    return {k: statistics.median(p[k] for p in per) for k in per[0]} if per else {}
 
 
 if __name__ == "__main__":
