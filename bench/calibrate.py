@@ -248,9 +248,12 @@ def main() -> None:
 
 
 def _parts_ms(calib_runs: list[dict]) -> dict:
+    """Medians over the reps of each part's ms per (layer, sequence); empty where the C kernel did not run."""
     per = []
     for r in calib_runs:
-        n = max(r["parts"]["layer_sequences"], 1)
+        n = r["parts"]["layer_sequences"]
+        if not n:  # the torch-ops path: no per-call count to divide by
+            continue
         ms = {k: 1e3 * v / n for k, v in r["parts"]["s"].items()}
         ms["other"] = 1e3 * r["stats_s"] / n - sum(ms.values())
         ms["all"] = 1e3 * r["stats_s"] / n
