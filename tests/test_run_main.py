@@ -173,12 +173,14 @@ def test_the_report_states_the_commands_wall_time(tmp_path):
     and what a clock around the command reads when the report is written."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "oscar", "run", "--out", str(out), "--no-ray", "--model", "tiny-llama", "--samples", "1",
-           "--calib-tokens", "4096", "--methods", "bf16,oscar-int2", "--tasks", "niah_single_1", "--no-progress"]
+           "--calib-tokens", "4096", "--methods", "bf16,oscar-int2", "--tasks", "niah_single_1", "--no-progress",
+           "--lengths", "1k", "--ppl-contexts", "1k", "--ppl-tokens", "2k", "--attn-lengths", "1k"]  # every stage, small
     t0 = time.time()
     subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     outer = time.time() - t0
     info = json.load(open(out / "run.json"))
     wall, stages = info["wall_seconds"], info["stage_seconds"]
+    assert set(stages) == {"calibrate", "fit", "tune", "widths", "niah", "ppl", "attention"}, stages
     assert wall >= sum(stages.values()) == pytest.approx(info["total_seconds"])
     to_report = os.path.getmtime(out / "report.md") - t0  # the clock around the command, read at the report
     # slack above: run.json rounds to 0.1 s (+0.05), the process's start is read in clock ticks, floored (+1 tick),
