@@ -211,8 +211,9 @@ def main() -> None:
             "capture_overhead_ratio_per_rep": [a / r["wall_s"] for a, r in zip(attn_s, calib_runs)]}
            if attn_s else {}),
         # Cross-check that load drift cannot fake: the share of the calibration's wall time spent inside
-        # the statistics (Capture.record + finish_block); 1 - this - store_write_share is the ratio a
-        # perfectly steady machine would show if the capture did not slow the forward itself.
+        # the statistics (Capture.record + finish_block); 1 - this - store_write_share is the ratio against the
+        # same forward (capture_overhead_ratio where the native attention runs, else the headline) that a perfectly
+        # steady machine would show if the capture did not slow the forward itself.
         "statistics_share": st,
         # ms per (layer, sequence) inside the statistics, medians over the reps; "other": the rest of stats_s
         "statistics_ms_per_layer_sequence": _parts_ms(calib_runs),
