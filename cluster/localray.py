@@ -69,6 +69,8 @@ class LocalHead:
         self.resources = resources or {}           # custom Ray resources of the head node
         self.system_env = system_env or {}         # RAY_<system config> for the head's processes only
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="oscar-ray-", dir="/tmp")
+        self._own_temp = temp_dir is None  # ours to remove once the head has run and stopped
+        self._ran = False
         self.port = free_port()
         self.dashboard_port = free_port()
         self.proc: subprocess.Popen | None = None
@@ -134,6 +136,7 @@ class LocalHead:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ray start exited ({self.proc.returncode}); see {self.log.name}")
             if self._jobs_ready():
+                self._ran = True
                 return self
             time.sleep(1.0)
         self.stop()
@@ -188,6 +191,8 @@ class LocalHead:
                 pass
         self.proc = None
         self.log.close()
+        if self._own_temp and self._ran:  # a head that never came up keeps its ray-start.log for the error to name
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalHead":
         return self.start()

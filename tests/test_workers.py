@@ -2,6 +2,7 @@
 in-process path computes: real SmolLM2 in float32, real spawned workers, one intra-op thread on both sides."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,10 +56,15 @@ def test_ppl_workers_bit_identical(smollm2, tmp_path):
 
 
 def test_worker_error_is_reported():
-    """A unit that raises in a worker surfaces as an OscarError carrying the worker's traceback."""
+    """The model file goes once every worker holds its copy; a unit that raises in a worker surfaces as an
+    OscarError carrying the worker's traceback."""
     from oscar.validate.ppl import _ppl_unit
 
     with Workers(1, torch.nn.Linear(2, 2)) as W:  # no init: the state holds only the model
+        model_file = os.path.join(W._dir.name, "model.pt")
+        assert os.path.exists(model_file)
+        assert [r for _, r in W.map(dict.get, ["absent"])] == [None]  # state.get("absent")
+        assert not os.path.exists(model_file)  # every worker holds its copy: the file is gone before close
         with pytest.raises(OscarError, match="validation worker failed(.|\n)*KeyError: 'arts'"):
             list(W.map(_ppl_unit, [(("bf16", "-", 4, 0), ())]))
     with pytest.raises(OscarError, match="workers must be >= 1"):

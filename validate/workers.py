@@ -122,6 +122,7 @@ class Workers:
             for c in self.conns:
                 self._recv(c)  # "ready", or the worker's error
             self.ready = True
+            self._dir.cleanup()  # every worker holds its copy: the file (the model's size) goes now, not at close
         n = len(self.conns)
         queues = [list(range(w, len(args), n)) for w in range(n)] if static else None
         shared = list(range(len(args)))[::-1]

@@ -27,6 +27,7 @@ def attached_head(num_cpus: int, object_store_mb: int = 256):
             yield h
         finally:
             ray.shutdown()
+    assert not os.path.exists(h.temp_dir), "a stopped head left its temp dir (session logs) behind"
 
 
 def opts(model, store, blocks=3, **kw):
