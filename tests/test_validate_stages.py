@@ -86,7 +86,9 @@ def test_stages_without_ray_refused(capsys):
     assert "--stages needs --ray" in err and err.count("\n") == 1 and not os.path.exists("/tmp/oscar-never-written")
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-glm4-moe",
+# tiny-llama's tune on two stages also runs inside tests/test_run_stages.py (the whole recipe on two stages against
+# one process); here the CI tier keeps the MoE model, the full tier repeats the dense ones
+@pytest.mark.parametrize("model", [pytest.param("tiny-llama", marks=pytest.mark.full), "tiny-glm4-moe",
                                    pytest.param("smollm2-135m", marks=pytest.mark.full)])
 def test_tune_on_two_stages_equals_one_process(model, ray_head, stores, tmp_path):
     """The recipe's tune with its windows scored on 2 stages (float64, as in one process): the same NLL per factor
