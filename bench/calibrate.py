@@ -64,15 +64,14 @@ TARGET = 0.95  # the capture's throughput against a plain forward
 
 
 class _PartTimer:
-    """Wall time inside the statistics' parts while a calibrate arm runs (the C kernels and the reservoir
-    sampling; the rest of `stats_s` is the torch glue and the block's assembly)."""
+    """Wall time inside the statistics' parts while a calibrate arm runs (the C kernel's one call per layer and
+    sequence, and the reservoir sampling; the rest of `stats_s` is the glue and the block's assembly)."""
 
-    PARTS = {"gram_moments": (native, "gram_moments"), "value_target": (native, "value_target"),
-             "reservoir": (C.LayerAccumulator, "_reservoir")}
+    PARTS = {"sequence_kernel": (native, "sequence"), "reservoir": (C.LayerAccumulator, "_reservoir")}
 
     def __init__(self):
         self.s = dict.fromkeys(self.PARTS, 0.0)
-        self.calls = 0  # (layer, sequence) pairs: one gram_moments call each
+        self.calls = 0  # (layer, sequence) pairs: one kernel call each
         for key, (obj, name) in self.PARTS.items():
             setattr(obj, name, self._wrap(key, getattr(obj, name)))
 
@@ -83,7 +82,7 @@ class _PartTimer:
                 return f(*a, **k)
             finally:
                 self.s[key] += time.perf_counter() - t
-                self.calls += key == "gram_moments"
+                self.calls += key == "sequence_kernel"
         return timed
 
     def take(self) -> dict:

@@ -40,6 +40,15 @@ def _build() -> "ctypes.CDLL | None":
     f.argtypes = [ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     f.restype = ctypes.c_int
+    f = lib.oscar_sequence
+    f.argtypes = [ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_int64, *[ctypes.c_void_p] * 6, ctypes.c_int]
+    f.restype = ctypes.c_int
+    f = lib.oscar_reservoir
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Src),
+                  ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_void_p]
+    f.restype = ctypes.c_int64
     f = lib.oscar_value_target
     f.argtypes = [ctypes.POINTER(_Src), ctypes.POINTER(_Src), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -146,3 +155,50 @@ def value_target(k: torch.Tensor, v: torch.Tensor, start: int, stop: int, cq: to
                                  vw.data_ptr(), wsum.data_ptr(), threads or torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"native value_target failed ({rc}) with head_dim {D}")
+
+
+def sequence_scratch(htot: int, kv_heads: int, D: int) -> int:
+    """float64 elements of `sequence`'s scratch."""
+    return htot * D * D + 4 * htot * D + 2 * kv_heads * D * D + kv_heads
+
+
+def sequence(src: list[torch.Tensor], start: int, stop: int, group: int, gram: torch.Tensor, mom: torch.Tensor,
+             max2: torch.Tensor, vw: torch.Tensor, wsum: torch.Tensor, scratch: torch.Tensor,
+             threads: int | None = None) -> bool:
+    """One sequence's rows start:stop of src = [q (Hq, T, D), k, v (Hkv, T, D), o (Hq, T, D)] added to a layer's
+    running totals in one call (`oscar_sequence` in _moments.c): gram (Htot, D, D) and mom (3, Htot, D) +=, max2
+    (Htot, D) <- max with x^2, and the value target with this sequence's C_Q, vw (Hkv, D, D) and wsum (Hkv,) +=.
+    False, with nothing added, when the rows hold NaN/Inf."""
+    assert available(), WHY_NOT
+    dt = _check_src(src)
+    H, D = src[1].shape[0], src[0].shape[2]
+    htot = 2 * H * group + 2 * H
+    assert len(src) == 4 and [p.shape[0] for p in src] == [H * group, H, H, H * group], [p.shape for p in src]
+    _check_out((gram, (htot, D, D)), (mom, (3, htot, D)), (max2, (htot, D)), (vw, (H, D, D)), (wsum, (H,)),
+               (scratch, (sequence_scratch(htot, H, D),)))
+    rc = _LIB.oscar_sequence(_srcs(src), int(dt == torch.float64), start, stop - start, D, H, group,
+                             gram.data_ptr(), mom.data_ptr(), max2.data_ptr(), vw.data_ptr(), wsum.data_ptr(),
+                             scratch.data_ptr(), threads or torch.get_num_threads())
+    if rc < 0:
+        raise ValueError(f"native sequence failed ({rc}) with head_dim {D}, {H} KV heads of group {group}")
+    return rc == 0
+
+
+def reservoir(keys: torch.Tensor, group: int, R: int, a: torch.Tensor, b: torch.Tensor, row0: int,
+              kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's reservoir candidates (`oscar_reservoir` in _moments.c): of keys (n*group,) float64 (key i:
+    row row0 + i // group, group member i % group), the R smallest (all when fewer), in no particular order, and
+    their rows as float32: (m, 2*Hkv, D) = heads h*group + g of a, then of b, for h < Hkv (k, v: group 1; q, o:
+    the query group). Returns (keys (m,), rows (m, 2*Hkv, D))."""
+    assert available(), WHY_NOT
+    dt = _check_src([a, b])
+    assert keys.dtype == torch.float64 and keys.is_contiguous() and keys.dim() == 1 and keys.numel() % group == 0
+    D, n, H = a.shape[2], keys.numel() // group, kv_heads
+    assert a.shape[0] == b.shape[0] == H * group and row0 + n <= a.shape[1], (a.shape, b.shape, row0, n)
+    m = min(R, keys.numel())
+    idx = torch.empty(keys.numel(), dtype=torch.int64)
+    out_keys, rows = torch.empty(m, dtype=torch.float64), torch.empty(m, 2 * H, D, dtype=torch.float32)
+    got = _LIB.oscar_reservoir(keys.data_ptr(), n, group, R, _srcs([a]), _srcs([b]), int(dt == torch.float64), row0,
+                               H, D, idx.data_ptr(), out_keys.data_ptr(), rows.data_ptr())
+    assert got == m, (got, m)
+    return out_keys, rows
