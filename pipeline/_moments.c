@@ -12,8 +12,8 @@
  * -ffast-math: nothing is reassociated across rows). Accuracy is that of a float64 dot product;
  * the tests compare against brute-force loops to 1e-10.
  *
- * oscar_sequence adds all of one sequence's statistics to a layer's totals in one call, and oscar_reservoir
- * picks its reservoir candidates: the capture's per-sequence work, no torch op in between.
+ * oscar_sequence adds all of one sequence's statistics to a layer's totals and picks its reservoir candidates in
+ * one call: the capture's per-sequence work, no torch op in between.
  *
  * Built by oscar/native_build.py and loaded by pipeline/native.py (C11 + OpenMP, no Python or torch
  * headers); torch ops are the fallback and the reference in the tests.
@@ -30,6 +30,17 @@ typedef struct {
     int64_t s_head;     /* element strides */
     int64_t s_row;
 } oscar_src;
+
+/* One sequence's reservoir candidates of one kind (k/v: G = 1; q/o: the query group): of its n G keys (key i:
+ * row row0 + i / G, group member i % G), the R smallest with their rows (oscar_reservoir below). */
+typedef struct {
+    const double *key;  /* n G keys */
+    int64_t G, R;
+    int64_t *idx;       /* n G scratch */
+    double *out_key;    /* (R,) the chosen keys */
+    float *out_rows;    /* (R, 2H, D) their rows: heads hG+g of a, then of b */
+    int64_t count;      /* set: how many were chosen, min(R, n G) */
+} oscar_res;
 
 typedef struct {
     int is_f64;
@@ -305,6 +316,58 @@ int oscar_value_target(const oscar_src *k, const oscar_src *v, int is_f64, int64
     return for_each_head(vt_head, &c, k->heads, 3 * RB * MAXD + RB, nthreads);  /* k, v, w*v blocks + w */
 }
 
+/* The reservoir's candidates of one sequence: of the N = n G keys (n rows row0 .. row0+n, G keys per row; key
+ * i belongs to row i / G and group member g = i % G), the R smallest (all N when N <= R), in no particular
+ * order, with their rows gathered as float32: out_rows[j] (2H, D) = heads hG+g of a, then heads hG+g of b, for
+ * h < H, at the key's row (k and v with G = 1; q and o with the query group). The sampling keeps the R
+ * smallest keys of the block, so the order here never matters; keys are distinct uniforms. */
+static void select_smallest(const double *key, int64_t *idx, int64_t N, int64_t R) {
+    int64_t lo = 0, hi = N - 1;  /* quickselect: idx[0 .. R) end up holding the R smallest keys */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        double a = key[idx[lo]], b = key[idx[mid]], c = key[idx[hi]];
+        const double pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (key[idx[i]] < pivot) i++;
+            while (key[idx[j]] > pivot) j--;
+            if (i <= j) { int64_t t = idx[i]; idx[i] = idx[j]; idx[j] = t; i++; j--; }
+        }
+        if (R - 1 <= j) hi = j;
+        else if (R - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+static void reservoir_into(oscar_res *r, int64_t n, const oscar_src *a, const oscar_src *b, int is_f64, int64_t row0,
+                           int64_t H, int64_t D) {
+    const int64_t G = r->G, N = n * G, m = N < r->R ? N : r->R;
+    for (int64_t i = 0; i < N; i++) r->idx[i] = i;
+    if (N > r->R) select_smallest(r->key, r->idx, N, r->R);
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t t = row0 + r->idx[j] / G, g = r->idx[j] % G;
+        r->out_key[j] = r->key[r->idx[j]];
+        for (int s = 0; s < 2; s++) {
+            const oscar_src *p = s ? b : a;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t off = (h * G + g) * p->s_head + t * p->s_row;
+                float *o = r->out_rows + (j * 2 * H + s * H + h) * D;
+                if (is_f64) for (int64_t d = 0; d < D; d++) o[d] = (float)((const double *)p->base)[off + d];
+                else memcpy(o, (const float *)p->base + off, sizeof(float) * D);
+            }
+        }
+    }
+    r->count = m;
+}
+
+/* One kind's candidates on their own (the tests' entry; oscar_sequence does both kinds inside its call).
+ * Returns the count. */
+int64_t oscar_reservoir(oscar_res *r, int64_t n, const oscar_src *a, const oscar_src *b, int is_f64, int64_t row0,
+                        int64_t H, int64_t D) {
+    reservoir_into(r, n, a, b, is_f64, row0, H, D);
+    return r->count;
+}
+
 /* One sequence of one layer, everything the capture adds for it, in one call (one thread team, no torch op
  * between the steps; on the 2-core host each torch op right after a parallel region cost 0.07-0.2 ms):
  *   1. every head's Gram and moments into `scratch` (as oscar_gram_moments);
@@ -312,16 +375,20 @@ int oscar_value_target(const oscar_src *k, const oscar_src *v, int is_f64, int64
  *      drops those rows);
  *   3. the running totals += this sequence's (gram, mom; max2 <- max);
  *   4. C_Q of each KV head from this sequence's own query Grams, sum_g G_{hG+g} / (n G) (the query heads of
- *      KV head h are hG .. hG+G-1), and the value target with it (as oscar_value_target) added to vw, wsum.
+ *      KV head h are hG .. hG+G-1), and the value target with it (as oscar_value_target) added to vw, wsum;
+ *   5. with res (two: k/v then q/o, else NULL), the reservoir candidates of both kinds (oscar_reservoir), two more
+ *      tasks beside the heads' (the caller ignores them when 1 is returned).
  * src: q (Hq heads), k (H), v (H), o (Hq), Hq = H G. The sums and their order are those of the separate
  * calls and the torch adds between them. scratch: Htot D D + 4 Htot D + 2 H D D + H doubles.
  * Returns 0 (added), 1 (non-finite rows, nothing added), -1 (shapes), -2 (out of memory). */
 int oscar_sequence(const oscar_src *src, int is_f64, int64_t row0, int64_t nrows, int64_t D, int64_t H, int64_t G,
-                   double *gram, double *mom, double *max2, double *vw, double *wsum, double *scratch, int nthreads) {
+                   double *gram, double *mom, double *max2, double *vw, double *wsum, double *scratch, oscar_res *res,
+                   int nthreads) {
     const int64_t Hq = H * G, htot = 2 * Hq + 2 * H;
     if (D > MAXD || D < 1 || H < 1 || G < 1 || src[0].heads != Hq || src[1].heads != H || src[2].heads != H
-        || src[3].heads != Hq)
+        || src[3].heads != Hq || (res && (res[0].G != 1 || res[1].G != G)))
         return -1;
+    const int64_t ntasks = htot + (res ? 2 : 0);
     double *sg = scratch, *sm = sg + htot * D * D, *sx = sm + 3 * htot * D;
     double *cq = sx + htot * D, *svw = cq + H * D * D, *sws = svw + H * D * D;
     gm_ctx c = {.src = src, .nsrc = 4};
@@ -339,8 +406,12 @@ int oscar_sequence(const oscar_src *src, int is_f64, int64_t row0, int64_t nrows
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t h = 0; h < htot; h++)
-            if (buf) gm_head(&c, h, buf);
+        for (int64_t h = 0; h < ntasks; h++)
+            if (h >= htot)  /* the reservoir: k/v (sources 1, 2), then q/o (sources 0, 3) */
+                reservoir_into(&res[h - htot], nrows, &src[h == htot ? 1 : 0], &src[h == htot ? 2 : 3], is_f64, row0,
+                               H, D);
+            else if (buf)
+                gm_head(&c, h, buf);
         #pragma omp single
         {
             for (int64_t i = 0; i < 3 * htot * D; i++)
@@ -385,47 +456,3 @@ int oscar_sequence(const oscar_src *src, int is_f64, int64_t row0, int64_t nrows
     return failed ? -2 : finite ? 0 : 1;
 }
 
-/* The reservoir's candidates of one sequence: of the N = n G keys (n rows row0 .. row0+n, G keys per row; key
- * i belongs to row i / G and group member g = i % G), the R smallest (all N when N <= R), in no particular
- * order, with their rows gathered as float32: out_rows[j] (2H, D) = heads hG+g of a, then heads hG+g of b, for
- * h < H, at the key's row (k and v with G = 1; q and o with the query group). The sampling keeps the R
- * smallest keys of the block, so the order here never matters; keys are distinct uniforms. Returns the count. */
-static void select_smallest(const double *key, int64_t *idx, int64_t N, int64_t R) {
-    int64_t lo = 0, hi = N - 1;  /* quickselect: idx[0 .. R) end up holding the R smallest keys */
-    while (lo < hi) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        double a = key[idx[lo]], b = key[idx[mid]], c = key[idx[hi]];
-        const double pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (key[idx[i]] < pivot) i++;
-            while (key[idx[j]] > pivot) j--;
-            if (i <= j) { int64_t t = idx[i]; idx[i] = idx[j]; idx[j] = t; i++; j--; }
-        }
-        if (R - 1 <= j) hi = j;
-        else if (R - 1 >= i) lo = i;
-        else break;
-    }
-}
-
-int64_t oscar_reservoir(const double *key, int64_t n, int64_t G, int64_t R, const oscar_src *a, const oscar_src *b,
-                        int is_f64, int64_t row0, int64_t H, int64_t D, int64_t *idx, double *out_key,
-                        float *out_rows) {
-    const int64_t N = n * G, m = N < R ? N : R;
-    for (int64_t i = 0; i < N; i++) idx[i] = i;
-    if (N > R) select_smallest(key, idx, N, R);
-    for (int64_t j = 0; j < m; j++) {
-        const int64_t t = row0 + idx[j] / G, g = idx[j] % G;
-        out_key[j] = key[idx[j]];
-        for (int s = 0; s < 2; s++) {
-            const oscar_src *p = s ? b : a;
-            for (int64_t h = 0; h < H; h++) {
-                const int64_t off = (h * G + g) * p->s_head + t * p->s_row;
-                float *o = out_rows + (j * 2 * H + s * H + h) * D;
-                if (is_f64) for (int64_t d = 0; d < D; d++) o[d] = (float)((const double *)p->base)[off + d];
-                else memcpy(o, (const float *)p->base + off, sizeof(float) * D);
-            }
-        }
-    }
-    return m;
-}

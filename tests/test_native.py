@@ -134,6 +134,31 @@ def test_sequence_is_the_separate_calls_added_up(H, G, D, T):
 
 
 @needs_kernel
+@pytest.mark.parametrize("H,G,D,T,R", [(2, 3, 64, 141, 16), (1, 4, 10, 30, 500)])
+def test_sequence_chooses_the_reservoir_as_the_separate_call(H, G, D, T, R):
+    """native.sequence with a SequenceReservoir chooses, for its sequence's slot, the candidates native.reservoir
+    (checked against a sort below) chooses on its own, both kinds; a NaN sequence leaves its slot empty."""
+    g = torch.Generator().manual_seed(5)
+    Hq, htot, S, (a, b) = H * G, 2 * H * G + 2 * H, 3, (5, T - 2)
+    q, k, v = (torch.randn(h, T, D, generator=g) for h in (Hq, H, H))
+    o = torch.randn(T, Hq, D, generator=g).transpose(0, 1)
+    kkv, kqo = torch.rand(S, T, generator=g, dtype=torch.float64), torch.rand(S, T, G, generator=g, dtype=torch.float64)
+    res = native.SequenceReservoir(kkv, kqo, R, H, D)
+    tot = [torch.zeros(s, dtype=torch.float64) for s in ((htot, D, D), (3, htot, D), (htot, D), (H, D, D), (H,))]
+    scratch = torch.empty(native.sequence_scratch(htot, H, D), dtype=torch.float64)
+    assert native.sequence([q, k, v, o], a, b, G, *tot, scratch, (res, 1))
+    for kind, want in enumerate((native.reservoir(kkv[1, a:b].contiguous(), 1, R, k, v, a, H),
+                                 native.reservoir(kqo[1, a:b].reshape(-1), G, R, q, o, a, H))):
+        (got_k, got_r), = res.candidates(kind)                                # sequence 1 only
+        assert got_k.numel() == min(R, (b - a) * (G if kind else 1))
+        i, j = got_k.argsort(), want[0].argsort()
+        assert torch.equal(got_k[i], want[0][j]) and torch.equal(got_r[i], want[1][j])
+    k[0, 9, 1] = torch.nan
+    assert not native.sequence([q, k, v, o], a, b, G, *tot, scratch, (res, 2))
+    assert res.count[:, 2].tolist() == [0, 0] and len(res.candidates(0)) == 1
+
+
+@needs_kernel
 @pytest.mark.parametrize("G,n,R,dtype", [(1, 50, 7, torch.float32), (3, 41, 16, torch.float64), (2, 5, 16, torch.float32),
                                          (4, 300, 1, torch.float32)])
 def test_reservoir_picks_the_smallest_keys_rows(G, n, R, dtype):
