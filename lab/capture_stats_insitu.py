@@ -18,9 +18,7 @@ def wrap(obj, name, key):
         t = time.perf_counter(); r = f(*a, **k); T[key] += time.perf_counter() - t; N[key] += 1
         F[key] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - m; return r
     setattr(obj, name, w)
-wrap(native, "gram_moments", "gram_moments"); wrap(native, "value_target", "value_target")
-wrap(C.LayerAccumulator, "_reservoir", "reservoir"); wrap(C.LayerAccumulator, "_sequence", "sequence")
-wrap(C.LayerAccumulator, "_native_sums", "native_sums")
+wrap(native, "sequence", "sequence_kernel"); wrap(C.LayerAccumulator, "_sequence", "sequence")
 wrap(C.LayerAccumulator, "update", "update"); wrap(C._BatchContext, "rows", "ctx.rows")
 wrap(C.Capture, "record", "record"); wrap(C.Capture, "finish_block", "finish_block")
 wrap(C.LayerAccumulator, "arrays", "arrays")

@@ -88,7 +88,11 @@ def keep_freed_memory() -> bool:
     capture's forward handed them back and page-faulted them in again: 3.0-6.1 M minor faults and 14-26 s of system
     time per 16 SmolLM2 sequences of 2,048 tokens, against 0-1.2 M and 0.5-6 s for the plain forward in the same
     process (docs/decisions/0107-calibration-keeps-freed-memory.md). Fixed thresholds stop it; the cost is
-    that the process keeps its peak heap until it exits. Idempotent; call it before the compute starts."""
+    that the process keeps its peak heap until it exits (five blocks of 8 such sequences: 2.16 GB peak against
+    1.92 GB, lab/capture_memory.py). OSCAR_KEEP_FREED_MEMORY=0 leaves glibc's defaults. Idempotent; call it
+    before the compute starts."""
+    if os.environ.get("OSCAR_KEEP_FREED_MEMORY", "1") == "0":
+        return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
