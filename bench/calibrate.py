@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -50,7 +51,7 @@ import torch
 
 from oscar.host import avx2_env, gemm_gflops, is_avx2_env
 from oscar import host
-from oscar.common import set_threads
+from oscar.common import keep_freed_memory, set_threads
 from oscar.kernels import cpu_attention as CA
 from oscar.pipeline import capture as C
 from oscar.pipeline import native
@@ -64,15 +65,14 @@ TARGET = 0.95  # the capture's throughput against a plain forward
 
 
 class _PartTimer:
-    """Wall time inside the statistics' parts while a calibrate arm runs (the C kernels and the reservoir
-    sampling; the rest of `stats_s` is the torch glue and the block's assembly)."""
+    """Wall time inside the statistics' parts while a calibrate arm runs: the C kernel's one call per layer and
+    sequence (statistics and reservoir candidates); the rest of `stats_s` is the glue and the block's assembly."""
 
-    PARTS = {"gram_moments": (native, "gram_moments"), "value_target": (native, "value_target"),
-             "reservoir": (C.LayerAccumulator, "_reservoir")}
+    PARTS = {"sequence_kernel": (native, "sequence")}
 
     def __init__(self):
         self.s = dict.fromkeys(self.PARTS, 0.0)
-        self.calls = 0  # (layer, sequence) pairs: one gram_moments call each
+        self.calls = 0  # (layer, sequence) pairs: one kernel call each
         for key, (obj, name) in self.PARTS.items():
             setattr(obj, name, self._wrap(key, getattr(obj, name)))
 
@@ -83,7 +83,7 @@ class _PartTimer:
                 return f(*a, **k)
             finally:
                 self.s[key] += time.perf_counter() - t
-                self.calls += key == "gram_moments"
+                self.calls += key == "sequence_kernel"
         return timed
 
     def take(self) -> dict:
@@ -109,6 +109,7 @@ def main() -> None:
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=avx2_env()).returncode)
     gflops = gemm_gflops()
     threads = set_threads()
+    kept = keep_freed_memory()  # as `oscar calibrate` sets it, before either arm runs
     load0 = os.getloadavg()
 
     t0 = time.perf_counter()
@@ -165,9 +166,11 @@ def main() -> None:
             base(input_ids=ids[:1, :256], attention_mask=am[:1, :256], use_cache=False)
     arms = ["plain", "calib"] + (["plain_attn"] if native_attn else [])
     plain_s, attn_s, calib_runs = [], [], []
+    kernel = {arm: [] for arm in arms}  # per arm and rep: the process's minor page faults and system time
     parts = _PartTimer()
     for rep in range(args.reps):
         for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # each arm leads in turn
+            ru = resource.getrusage(resource.RUSAGE_SELF)
             if arm == "plain":
                 plain_s.append(plain())
             elif arm == "plain_attn":
@@ -175,6 +178,8 @@ def main() -> None:
             else:
                 parts.take()
                 calib_runs.append({**calib(rep), "parts": parts.take()})
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            kernel[arm].append({"minor_faults": ru1.ru_minflt - ru.ru_minflt, "sys_s": ru1.ru_stime - ru.ru_stime})
         print(f"rep {rep}: plain {plain_s[-1]:.2f} s, calibrate {calib_runs[-1]['wall_s']:.2f} s "
               f"(writes {calib_runs[-1]['write_s']:.3f} s)" + (f", plain with the native attention "
                                                               f"{attn_s[-1]:.2f} s" if attn_s else ""), flush=True)
@@ -222,6 +227,10 @@ def main() -> None:
         "checksum_share": ck, "checksum_share_target": 0.02, "checksum_share_met": ck < 0.02,
         "verify_share": vf,  # re-reading + hashing every done block (resume / inspect / fit), vs calibrating it
         "store_create_s": statistics.median(r["create_s"] for r in calib_runs),
+        # glibc keeps freed memory (oscar.common.keep_freed_memory, as `oscar calibrate` runs): without it the
+        # capture's forward page-faulted its activations in again at every layer
+        "keep_freed_memory": kept,
+        "page_faults_and_system_time": kernel,
         "runs": {"plain_s": plain_s, "calibrate": calib_runs, **({"plain_native_attention_s": attn_s} if attn_s else {})},
         "machine": {"cpus": os.cpu_count(), "torch_threads": threads, "loadavg_start": load0,
                     "loadavg_end": os.getloadavg(), "platform": platform.platform(), "torch": torch.__version__,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from oscar.cluster.loading import load_config, load_layer_range
-from oscar.common import OscarError, attention_shapes, is_latent, latent_shapes, set_threads
+from oscar.common import OscarError, attention_shapes, is_latent, keep_freed_memory, latent_shapes, set_threads
 from oscar.kernels import cpu_attention
 from oscar.pipeline import capture
 from oscar.pipeline.calibrate import store_offsets
@@ -113,6 +113,7 @@ class StageWorker:
         t0 = time.time()
         self.args = args
         set_threads(args.threads)
+        keep_freed_memory()  # as `oscar calibrate`: the forward's activations stay allocated between layers
         torch.set_grad_enabled(False)
         cpu_attention.register()  # the capture's sdpa runs the native CPU kernel (pipeline/capture.native_attention)
         name = capture.register(args.attn)

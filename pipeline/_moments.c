@@ -12,6 +12,9 @@
  * -ffast-math: nothing is reassociated across rows). Accuracy is that of a float64 dot product;
  * the tests compare against brute-force loops to 1e-10.
  *
+ * oscar_sequence adds all of one sequence's statistics to a layer's totals and picks its reservoir candidates in
+ * one call: the capture's per-sequence work, no torch op in between.
+ *
  * Built by oscar/native_build.py and loaded by pipeline/native.py (C11 + OpenMP, no Python or torch
  * headers); torch ops are the fallback and the reference in the tests.
  */
@@ -27,6 +30,17 @@ typedef struct {
     int64_t s_head;     /* element strides */
     int64_t s_row;
 } oscar_src;
+
+/* One sequence's reservoir candidates of one kind (k/v: G = 1; q/o: the query group): of its n G keys (key i:
+ * row row0 + i / G, group member i % G), the R smallest with their rows (oscar_reservoir below). */
+typedef struct {
+    const double *key;  /* n G keys */
+    int64_t G, R;
+    int64_t *idx;       /* n G scratch */
+    double *out_key;    /* (R,) the chosen keys */
+    float *out_rows;    /* (R, 2H, D) their rows: heads hG+g of a, then of b */
+    int64_t count;      /* set: how many were chosen, min(R, n G) */
+} oscar_res;
 
 typedef struct {
     int is_f64;
@@ -301,3 +315,144 @@ int oscar_value_target(const oscar_src *k, const oscar_src *v, int is_f64, int64
     vt_ctx c = {k, v, is_f64, row0, nrows, D, C, vw, wsum};
     return for_each_head(vt_head, &c, k->heads, 3 * RB * MAXD + RB, nthreads);  /* k, v, w*v blocks + w */
 }
+
+/* The reservoir's candidates of one sequence: of the N = n G keys (n rows row0 .. row0+n, G keys per row; key
+ * i belongs to row i / G and group member g = i % G), the R smallest (all N when N <= R), in no particular
+ * order, with their rows gathered as float32: out_rows[j] (2H, D) = heads hG+g of a, then heads hG+g of b, for
+ * h < H, at the key's row (k and v with G = 1; q and o with the query group). The sampling keeps the R
+ * smallest keys of the block, so the order here never matters; keys are distinct uniforms. */
+static void select_smallest(const double *key, int64_t *idx, int64_t N, int64_t R) {
+    int64_t lo = 0, hi = N - 1;  /* quickselect: idx[0 .. R) end up holding the R smallest keys */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        double a = key[idx[lo]], b = key[idx[mid]], c = key[idx[hi]];
+        const double pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (key[idx[i]] < pivot) i++;
+            while (key[idx[j]] > pivot) j--;
+            if (i <= j) { int64_t t = idx[i]; idx[i] = idx[j]; idx[j] = t; i++; j--; }
+        }
+        if (R - 1 <= j) hi = j;
+        else if (R - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+static void reservoir_into(oscar_res *r, int64_t n, const oscar_src *a, const oscar_src *b, int is_f64, int64_t row0,
+                           int64_t H, int64_t D) {
+    const int64_t G = r->G, N = n * G, m = N < r->R ? N : r->R;
+    for (int64_t i = 0; i < N; i++) r->idx[i] = i;
+    if (N > r->R) select_smallest(r->key, r->idx, N, r->R);
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t t = row0 + r->idx[j] / G, g = r->idx[j] % G;
+        r->out_key[j] = r->key[r->idx[j]];
+        for (int s = 0; s < 2; s++) {
+            const oscar_src *p = s ? b : a;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t off = (h * G + g) * p->s_head + t * p->s_row;
+                float *o = r->out_rows + (j * 2 * H + s * H + h) * D;
+                if (is_f64) for (int64_t d = 0; d < D; d++) o[d] = (float)((const double *)p->base)[off + d];
+                else memcpy(o, (const float *)p->base + off, sizeof(float) * D);
+            }
+        }
+    }
+    r->count = m;
+}
+
+/* One kind's candidates on their own (the tests' entry; oscar_sequence does both kinds inside its call).
+ * Returns the count. */
+int64_t oscar_reservoir(oscar_res *r, int64_t n, const oscar_src *a, const oscar_src *b, int is_f64, int64_t row0,
+                        int64_t H, int64_t D) {
+    reservoir_into(r, n, a, b, is_f64, row0, H, D);
+    return r->count;
+}
+
+/* One sequence of one layer, everything the capture adds for it, in one call (one thread team, no torch op
+ * between the steps; on the 2-core host each torch op right after a parallel region cost 0.07-0.2 ms):
+ *   1. every head's Gram and moments into `scratch` (as oscar_gram_moments);
+ *   2. NaN/Inf anywhere: return 1 with nothing added (the caller redoes the sequence with torch ops and
+ *      drops those rows);
+ *   3. the running totals += this sequence's (gram, mom; max2 <- max);
+ *   4. C_Q of each KV head from this sequence's own query Grams, sum_g G_{hG+g} / (n G) (the query heads of
+ *      KV head h are hG .. hG+G-1), and the value target with it (as oscar_value_target) added to vw, wsum;
+ *   5. with res (two: k/v then q/o, else NULL), the reservoir candidates of both kinds (oscar_reservoir), two more
+ *      tasks beside the heads' (the caller ignores them when 1 is returned).
+ * src: q (Hq heads), k (H), v (H), o (Hq), Hq = H G. The sums and their order are those of the separate
+ * calls and the torch adds between them. scratch: Htot D D + 4 Htot D + 2 H D D + H doubles.
+ * Returns 0 (added), 1 (non-finite rows, nothing added), -1 (shapes), -2 (out of memory). */
+int oscar_sequence(const oscar_src *src, int is_f64, int64_t row0, int64_t nrows, int64_t D, int64_t H, int64_t G,
+                   double *gram, double *mom, double *max2, double *vw, double *wsum, double *scratch, oscar_res *res,
+                   int nthreads) {
+    const int64_t Hq = H * G, htot = 2 * Hq + 2 * H;
+    if (D > MAXD || D < 1 || H < 1 || G < 1 || src[0].heads != Hq || src[1].heads != H || src[2].heads != H
+        || src[3].heads != Hq || (res && (res[0].G != 1 || res[1].G != G)))
+        return -1;
+    const int64_t ntasks = htot + (res ? 2 : 0);
+    double *sg = scratch, *sm = sg + htot * D * D, *sx = sm + 3 * htot * D;
+    double *cq = sx + htot * D, *svw = cq + H * D * D, *sws = svw + H * D * D;
+    gm_ctx c = {.src = src, .nsrc = 4};
+    for (int i = 0, h = 0; i < 4; h += (int)src[i].heads, i++) c.first[i] = h;
+    c.j = (job){is_f64, row0, nrows, D, htot, sg, sm, sx};
+    vt_ctx vt = {&src[1], &src[2], is_f64, row0, nrows, D, cq, svw, sws};
+    const size_t bytes = (sizeof(double) * (3 * RB * MAXD + RB) + 63) & ~(size_t)63;
+    const double denom = (double)(nrows * G);
+    int failed = 0, finite = 1;
+    #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+    {
+        double *buf = aligned_alloc(64, bytes);
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t h = 0; h < ntasks; h++)
+            if (h >= htot)  /* the reservoir: k/v (sources 1, 2), then q/o (sources 0, 3) */
+                reservoir_into(&res[h - htot], nrows, &src[h == htot ? 1 : 0], &src[h == htot ? 2 : 3], is_f64, row0,
+                               H, D);
+            else if (buf)
+                gm_head(&c, h, buf);
+        #pragma omp single
+        {
+            for (int64_t i = 0; i < 3 * htot * D; i++)
+                if (sm[i] - sm[i] != 0.0) { finite = 0; break; }  /* x - x is NaN for NaN and +-Inf */
+        }
+        if (finite && !failed) {  /* the same branch in every thread: both flags were set before a barrier */
+            #pragma omp for schedule(static)
+            for (int64_t h = 0; h < htot; h++) {
+                double *g = gram + h * D * D;
+                const double *s = sg + h * D * D;
+                for (int64_t i = 0; i < D * D; i++) g[i] += s[i];
+                for (int m = 0; m < 3; m++)
+                    for (int64_t d = 0; d < D; d++) mom[(m * htot + h) * D + d] += sm[(m * htot + h) * D + d];
+                for (int64_t d = 0; d < D; d++) {
+                    const double x = sx[h * D + d], *t = max2 + h * D + d;
+                    max2[h * D + d] = x > *t ? x : *t;
+                }
+            }
+            if (nrows > 0) {  /* no rows: no C_Q (0/0), nothing to add */
+            #pragma omp for schedule(static)
+            for (int64_t h = 0; h < H; h++) {
+                double *q = cq + h * D * D;
+                const double *s = sg + h * G * D * D;
+                for (int64_t i = 0; i < D * D; i++) q[i] = s[i];
+                for (int64_t g = 1; g < G; g++)
+                    for (int64_t i = 0; i < D * D; i++) q[i] += s[g * D * D + i];
+                for (int64_t i = 0; i < D * D; i++) q[i] /= denom;
+            }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t h = 0; h < H; h++)
+                if (buf) {
+                    vt_head(&vt, h, buf);
+                    double *g = vw + h * D * D;
+                    const double *s = svw + h * D * D;
+                    for (int64_t i = 0; i < D * D; i++) g[i] += s[i];
+                    wsum[h] += sws[h];
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? -2 : finite ? 0 : 1;
+}
+

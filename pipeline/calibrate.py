@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from oscar.common import OscarError, set_threads
+from oscar.common import OscarError, keep_freed_memory, set_threads
 from oscar.constraints import check_model
 from oscar.defaults import EMBEDDED_MODEL, SINK
 from oscar.dirlock import DirLock
@@ -369,6 +369,7 @@ def check_servable(info, latent: bool = True) -> None:
 def calibrate(cfg: CalibConfig, progress: bool = True) -> CalibResult:
     """Calibrate `cfg.model` on `cfg.corpus` into `cfg.store`, resuming a matching store."""
     set_threads(cfg.threads)
+    keep_freed_memory()  # the forward's activations stay allocated between layers (no page faults per layer)
     lock = DirLock(cfg.store, store=True)
     lock.check_free()  # a second writer of the store: refused before any work
     with lock:  # one writer for the whole calibration (the per-layer WriterLock below is the stages' share of it)

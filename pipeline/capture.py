@@ -163,12 +163,12 @@ def reservoir_seed(seed: int, block: int, layer: int) -> int:
 _SCRATCH = threading.local()
 
 
-def _scratch(numel: int, device: torch.device) -> torch.Tensor:
-    """A float64 work buffer of at least `numel` elements, shared by every layer of this thread."""
+def _scratch(numel: int, device: torch.device, use: str = "chunks") -> torch.Tensor:
+    """A float64 work buffer of at least `numel` elements for `use`, shared by every layer of this thread."""
     bufs = _SCRATCH.__dict__.setdefault("bufs", {})
-    b = bufs.get(device)
+    b = bufs.get((device, use))
     if b is None or b.numel() < numel:
-        b = bufs[device] = torch.empty(numel, dtype=torch.float64, device=device)
+        b = bufs[(device, use)] = torch.empty(numel, dtype=torch.float64, device=device)
     return b[:numel]
 
 
@@ -201,8 +201,8 @@ class LayerAccumulator:
 
     Per sequence, its counted rows of q, k, v and o (heads: Hq query | Hkv key | Hkv value | Hq
     output) go through one of two implementations of the same sums:
-      - CPU: the C kernel (pipeline/_moments.c via `native`), one call per sequence for every
-        head's Gram and moments and one for the value target, each row read once;
+      - CPU: the C kernel (pipeline/_moments.c via `native`), one call per sequence that reads each
+        row once for every head's Gram and moments, adds them to the totals and adds the value target;
       - otherwise (GPU, no C compiler, NaN/Inf rows, non-contiguous positions): torch ops on
         cache-sized chunks gathered into one (Htot, c, D) float64 tensor, so that every statistic
         is one op for all heads at once.
@@ -231,6 +231,7 @@ class LayerAccumulator:
         self.keys_kv = self.keys_qo = None  # sized on the first batch (T known then)
         # Candidates per batch (at most R each); the R smallest keys of the block are picked in arrays().
         self.cand: dict[str, list] = {"kv": [], "qo": []}   # (keys (n,), rows (n, 2*Hkv, D) float32)
+        self.res: "native.SequenceReservoir | None" = None  # the C kernel's candidates (made on its first call)
 
     def _keys(self, T: int) -> None:
         S, G = self.spec.seqs_per_block, self.spec.group
@@ -256,50 +257,37 @@ class LayerAccumulator:
         spec = self.spec
         H, G, D = spec.num_kv_heads, spec.group, spec.head_dim
         Hq = H * G
+        if spec.reservoir > 0:
+            if self.keys_kv is None:
+                self._keys(T)
+            elif self.keys_kv.shape[1] != T:
+                raise OscarError(f"sequence length changed within block {self.block}")
+        if isinstance(sel, slice) and _native_ok(src):
+            if spec.reservoir > 0 and self.res is None:
+                self.res = native.SequenceReservoir(self.keys_kv, self.keys_qo, spec.reservoir, H, D)
+            if native.sequence(src, sel.start, sel.stop, G, self.gram, self.mom, self.absmax2, self.vw_gram, self.w_sum,
+                               _scratch(native.sequence_scratch(self.htot, H, D), src[0].device, "sequence"),
+                               None if self.res is None else (self.res, seq)):
+                # one C call added every statistic and chose the reservoir's candidates: no torch op in between
+                self.kv_count += sel.stop - sel.start
+                return
+        # torch ops: GPU, index selections, NaN/Inf rows (nothing was added), or no C compiler
         tok = torch.arange(sel.start, sel.stop, device=src[0].device) if isinstance(sel, slice) else sel   # (n,)
-        fast = isinstance(sel, slice) and _native_ok(src)
-        gseq = self._native_sums(src, sel) if fast else None
-        if gseq is None:  # torch ops: GPU, index selections, NaN/Inf rows, or no C compiler
-            fast = False
-            gseq, sel, tok = self._torch_sums(src, sel, tok)
+        gseq, sel, tok = self._torch_sums(src, sel, tok)
         n = tok.numel()
-        self.kv_count += n
         self.gram += gseq
         if n == 0:
             return
         # Value target: w_t = k_t C_Q k_t^T with this sequence's own C_Q (docs/decisions/0015-capture-value-target-w-t-v-t-v-t-uses-the-c-q-of.md).
         cq = gseq[:Hq].view(H, G, D, D).sum(1) / (n * G)                              # (Hkv, D, D)
-        if fast:
-            vw, ws = torch.empty(H, D, D, dtype=torch.float64), torch.empty(H, dtype=torch.float64)
-            native.value_target(src[1], src[2], sel.start, sel.stop, cq, vw, ws)
-            self.vw_gram += vw
-            self.w_sum += ws
-        else:
-            pick = (lambda p: p[:, sel]) if isinstance(sel, slice) else (lambda p: p.index_select(1, tok))
-            Kh, Vh = pick(src[1]).double(), pick(src[2]).double()                    # (Hkv, n, D) each
-            wt = ((Kh @ cq) * Kh).sum(-1)                                             # (Hkv, n)
-            self.vw_gram += (Vh * wt[..., None]).mT @ Vh
-            self.w_sum += wt.sum(1)
+        pick = (lambda p: p[:, sel]) if isinstance(sel, slice) else (lambda p: p.index_select(1, tok))
+        Kh, Vh = pick(src[1]).double(), pick(src[2]).double()                        # (Hkv, n, D) each
+        wt = ((Kh @ cq) * Kh).sum(-1)                                                 # (Hkv, n)
+        self.vw_gram += (Vh * wt[..., None]).mT @ Vh
+        self.w_sum += wt.sum(1)
+        self.kv_count += n
         if spec.reservoir > 0:
-            self._reservoir(src, tok, seq, T)
-
-    def _native_sums(self, src: list[torch.Tensor], sel: slice) -> "torch.Tensor | None":
-        """This sequence's Grams (Htot, D, D) through the one-pass C kernel (pipeline/_moments.c).
-
-        None when the rows hold NaN/Inf: the torch path then redoes the sequence and drops those
-        rows (nothing has been added to the totals yet).
-        """
-        Htot, D = self.htot, self.spec.head_dim
-        out = torch.empty(Htot * D * D + 4 * Htot * D, dtype=torch.float64)
-        gseq = out[: Htot * D * D].view(Htot, D, D)
-        mom = out[Htot * D * D: Htot * D * (D + 3)].view(3, Htot, D)
-        mx = out[Htot * D * (D + 3):].view(Htot, D)
-        native.gram_moments(src, sel.start, sel.stop, gseq, mom, mx)
-        if not bool(torch.isfinite(mom).all()):
-            return None
-        self.mom += mom
-        torch.maximum(self.absmax2, mx, out=self.absmax2)
-        return gseq
+            self._reservoir(src, tok, seq)
 
     def _torch_sums(self, src: list[torch.Tensor], sel: "slice | torch.Tensor", tok: torch.Tensor):
         """Grams and moments with torch ops; rows with NaN/Inf are dropped (and counted).
@@ -347,13 +335,10 @@ class LayerAccumulator:
             tok = sel = tok[~torch.isin(tok, nb)]
         return gseq, sel, tok
 
-    def _reservoir(self, src: list[torch.Tensor], tok: torch.Tensor, seq: int, T: int) -> None:
-        """Offer the sequence's rows (as captured, float32) with their keys; keep the R smallest per kind."""
+    def _reservoir(self, src: list[torch.Tensor], tok: torch.Tensor, seq: int) -> None:
+        """Offer the sequence's rows at positions tok (as captured, float32) with their keys; keep the R smallest
+        per kind (the torch ops' path: the C kernel's call chooses them itself)."""
         G, H = self.spec.group, self.spec.num_kv_heads
-        if self.keys_kv is None:
-            self._keys(T)
-        elif self.keys_kv.shape[1] != T:
-            raise OscarError(f"sequence length changed within block {self.block}")
         q, k, v, o = src                                                              # (heads, T, D) each
         kk = self.keys_kv[seq, tok]                                                   # (n,)
         kq = self.keys_qo[seq, tok].reshape(-1)                                       # (n*G,) as (row, g)
@@ -389,12 +374,13 @@ class LayerAccumulator:
         mom = pool(self.mom, 1, torch.sum).transpose(1, 0, 2, 3)                      # (3, 4, Hkv, D)
         amax = pool(self.absmax2.sqrt(), 0, torch.amax)                                       # (4, Hkv, D)
         res, counts = {}, {}
-        for kind, (x, y) in (("kv", ("k", "v")), ("qo", ("q", "o"))):
+        for i, (kind, (x, y)) in enumerate((("kv", ("k", "v")), ("qo", ("q", "o")))):
             r = np.zeros((0, 2 * H, D), np.float32)
-            if self.cand[kind]:
-                keys = torch.cat([c[0] for c in self.cand[kind]])
+            cand = self.cand[kind] + ([] if self.res is None else self.res.candidates(i))
+            if cand:
+                keys = torch.cat([c[0] for c in cand])
                 top = torch.topk(keys, min(R, keys.numel()), largest=False, sorted=True).indices
-                r = torch.cat([c[1] for c in self.cand[kind]]).index_select(0, top).cpu().numpy()  # (n, 2*Hkv, D)
+                r = torch.cat([c[1] for c in cand]).index_select(0, top).cpu().numpy()  # (n, 2*Hkv, D)
             counts[kind] = r.shape[0]
             for j, name in enumerate((x, y)):
                 a = np.zeros((H, R, D), dtype=np.float32)

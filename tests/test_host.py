@@ -1,6 +1,11 @@
 """The host's compute dtype and description (oscar/host.py): bfloat16 only where it is fast."""
 
+import json
 import os
+import platform
+import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -85,3 +90,36 @@ def test_avx2_environment_and_the_gemm_probe(tmp_path):
     assert host.is_avx2_env(env) and not host.is_avx2_env({})
     assert env["OSCAR_CACHE"] == str(tmp_path / "as-avx2") and set(host.AVX2) <= set(host.RESTRICTIONS)
     assert host.gemm_gflops() > 0
+
+
+FREED = """
+import ctypes, resource, sys
+from oscar.common import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+n, faults = 24 << 20, []
+for _ in range(3):  # the same 24 MiB allocated, written and freed three times
+    f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    libc.free(p)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+print(kept, faults)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_kept_freed_memory_is_reused_without_page_faults():
+    """After keep_freed_memory a freed 24 MiB block is reused as it is; glibc's default hands it back to the kernel
+    (munmap) and the next allocation faults all of its 6,144 pages in again."""
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", FREED, mode], capture_output=True, text=True, check=True).stdout
+        kept, faults = out.split(None, 1)  # "True [6132, 0, 0]"
+        return kept, json.loads(faults)
+    pages = (24 << 20) // resource.getpagesize()
+    kept, faults = run("keep")
+    assert kept == "True" and faults[0] >= pages * 0.9 and max(faults[1:]) < pages * 0.05, faults
+    _, faults = run("default")  # the thresholds matter: without them the second round faults again
+    assert faults[1] >= pages * 0.9, faults

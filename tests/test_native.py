@@ -98,6 +98,88 @@ def test_value_target_vs_loops(D, T, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("H,G,D,T", [(2, 3, 64, 141), (1, 4, 10, 30)])
+def test_sequence_is_the_separate_calls_added_up(H, G, D, T):
+    """native.sequence (one call per layer and sequence) adds to running totals exactly what gram_moments and
+    value_target (checked against loops above), the C_Q of the sequence's own query Grams and the torch adds
+    give, bit for bit; NaN rows and an empty range add nothing."""
+    g = torch.Generator().manual_seed(3)
+    Hq, htot = H * G, 2 * H * G + 2 * H
+    q, k, v = (torch.randn(h, T, D, generator=g) for h in (Hq, H, H))
+    o = torch.randn(T, Hq, D, generator=g).transpose(0, 1)                  # token-major, as the model's output
+    src, (a, b) = [q, k, v, o], (5, T - 2)
+    tot = [torch.rand(s, generator=g, dtype=torch.float64) for s in ((htot, D, D), (3, htot, D), (htot, D), (H, D, D), (H,))]
+    want = [t.clone() for t in tot]
+    gram, mom, mx = torch.empty(htot, D, D, dtype=torch.float64), torch.empty(3, htot, D, dtype=torch.float64), \
+        torch.empty(htot, D, dtype=torch.float64)
+    native.gram_moments(src, a, b, gram, mom, mx)
+    cq = gram[:Hq].view(H, G, D, D).sum(1) / ((b - a) * G)
+    vw, ws = torch.empty(H, D, D, dtype=torch.float64), torch.empty(H, dtype=torch.float64)
+    native.value_target(k, v, a, b, cq, vw, ws)
+    want[0] += gram
+    want[1] += mom
+    torch.maximum(want[2], mx, out=want[2])
+    want[3] += vw
+    want[4] += ws
+    scratch = torch.empty(native.sequence_scratch(htot, H, D), dtype=torch.float64)
+    got = [t.clone() for t in tot]
+    assert native.sequence(src, a, b, G, *got, scratch)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert native.sequence(src, 7, 7, G, *got, scratch)                     # no rows: nothing added (no 0/0)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    k[-1, 9, 2] = torch.nan
+    assert not native.sequence(src, a, b, G, *got, scratch)                 # NaN: refused, nothing added
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert native.sequence(src, 10, b, G, *got, scratch)                    # rows past the NaN row are fine
+
+
+@needs_kernel
+@pytest.mark.parametrize("H,G,D,T,R", [(2, 3, 64, 141, 16), (1, 4, 10, 30, 500)])
+def test_sequence_chooses_the_reservoir_as_the_separate_call(H, G, D, T, R):
+    """native.sequence with a SequenceReservoir chooses, for its sequence's slot, the candidates native.reservoir
+    (checked against a sort below) chooses on its own, both kinds; a NaN sequence leaves its slot empty."""
+    g = torch.Generator().manual_seed(5)
+    Hq, htot, S, (a, b) = H * G, 2 * H * G + 2 * H, 3, (5, T - 2)
+    q, k, v = (torch.randn(h, T, D, generator=g) for h in (Hq, H, H))
+    o = torch.randn(T, Hq, D, generator=g).transpose(0, 1)
+    kkv, kqo = torch.rand(S, T, generator=g, dtype=torch.float64), torch.rand(S, T, G, generator=g, dtype=torch.float64)
+    res = native.SequenceReservoir(kkv, kqo, R, H, D)
+    tot = [torch.zeros(s, dtype=torch.float64) for s in ((htot, D, D), (3, htot, D), (htot, D), (H, D, D), (H,))]
+    scratch = torch.empty(native.sequence_scratch(htot, H, D), dtype=torch.float64)
+    assert native.sequence([q, k, v, o], a, b, G, *tot, scratch, (res, 1))
+    for kind, want in enumerate((native.reservoir(kkv[1, a:b].contiguous(), 1, R, k, v, a, H),
+                                 native.reservoir(kqo[1, a:b].reshape(-1), G, R, q, o, a, H))):
+        (got_k, got_r), = res.candidates(kind)                                # sequence 1 only
+        assert got_k.numel() == min(R, (b - a) * (G if kind else 1))
+        i, j = got_k.argsort(), want[0].argsort()
+        assert torch.equal(got_k[i], want[0][j]) and torch.equal(got_r[i], want[1][j])
+    k[0, 9, 1] = torch.nan
+    assert not native.sequence([q, k, v, o], a, b, G, *tot, scratch, (res, 2))
+    assert res.count[:, 2].tolist() == [0, 0] and len(res.candidates(0)) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("G,n,R,dtype", [(1, 50, 7, torch.float32), (3, 41, 16, torch.float64), (2, 5, 16, torch.float32),
+                                         (4, 300, 1, torch.float32)])
+def test_reservoir_picks_the_smallest_keys_rows(G, n, R, dtype):
+    """native.reservoir against a sort: the R smallest of the n*G keys (all when fewer), each with its row's
+    heads h*G + g of both sources, as float32."""
+    g = torch.Generator().manual_seed(G * n)
+    H, D, T, row0 = 2, 10, n + 9, 4
+    a = torch.randn(H * G, T, D, generator=g, dtype=dtype)
+    b = torch.randn(T, H * G, D, generator=g, dtype=dtype).transpose(0, 1)  # token-major
+    keys = torch.rand(n * G, generator=g, dtype=torch.float64)
+    got_k, got_r = native.reservoir(keys, G, R, a, b, row0, H)
+    order = got_k.argsort()
+    want = keys.argsort()[:R]
+    assert torch.equal(got_k[order], keys[want])
+    t, gi = row0 + want // G, want % G                                      # (m,) each
+    h = torch.arange(H)[None] * G + gi[:, None]                             # (m, H)
+    rows = torch.cat([a[h, t[:, None]], b[h, t[:, None]]], dim=1).float()   # (m, 2H, D)
+    assert torch.equal(got_r[order], rows)
+
+
+@needs_kernel
 @pytest.mark.parametrize("nan", [False, True])
 def test_native_and_torch_paths_agree(monkeypatch, nan):
     """The accumulator's two paths (C kernel; torch ops) give the same block, NaN rows included."""
