@@ -202,7 +202,8 @@ class LayerAccumulator:
     Per sequence, its counted rows of q, k, v and o (heads: Hq query | Hkv key | Hkv value | Hq
     output) go through one of two implementations of the same sums:
       - CPU: the C kernel (pipeline/_moments.c via `native`), one call per sequence that reads each
-        row once for every head's Gram and moments, adds them to the totals and adds the value target;
+        row once for every head's Gram and moments, adds them to the totals, adds the value target
+        and chooses the sequence's reservoir candidates;
       - otherwise (GPU, no C compiler, NaN/Inf rows, non-contiguous positions): torch ops on
         cache-sized chunks gathered into one (Htot, c, D) float64 tensor, so that every statistic
         is one op for all heads at once.
