@@ -198,16 +198,21 @@ static void one_head(const job *j, const oscar_src *s, int64_t hs, int64_t h, do
  * Returns 0, or -2 when a thread could not get its scratch. */
 typedef void (*head_fn)(const void *ctx, int64_t h, double *buf);
 
+/* A thread's 64-byte aligned scratch of n doubles; NULL (and *failed set) when out of memory. */
+static double *thread_scratch(size_t n, int *failed) {
+    double *buf = aligned_alloc(64, (sizeof(double) * n + 63) & ~(size_t)63);  /* aligned_alloc: a multiple of 64 */
+    if (!buf) {
+        #pragma omp atomic write
+        *failed = 1;
+    }
+    return buf;
+}
+
 static int for_each_head(head_fn fn, const void *ctx, int64_t nheads, size_t buf_doubles, int nthreads) {
-    const size_t bytes = (sizeof(double) * buf_doubles + 63) & ~(size_t)63;  /* aligned_alloc: a multiple of 64 */
     int failed = 0;
     #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
     {
-        double *buf = aligned_alloc(64, bytes);
-        if (!buf) {
-            #pragma omp atomic write
-            failed = 1;
-        }
+        double *buf = thread_scratch(buf_doubles, &failed);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < nheads; h++)
             if (buf) fn(ctx, h, buf);
@@ -395,16 +400,11 @@ int oscar_sequence(const oscar_src *src, int is_f64, int64_t row0, int64_t nrows
     for (int i = 0, h = 0; i < 4; h += (int)src[i].heads, i++) c.first[i] = h;
     c.j = (job){is_f64, row0, nrows, D, htot, sg, sm, sx};
     vt_ctx vt = {&src[1], &src[2], is_f64, row0, nrows, D, cq, svw, sws};
-    const size_t bytes = (sizeof(double) * (3 * RB * MAXD + RB) + 63) & ~(size_t)63;
     const double denom = (double)(nrows * G);
     int failed = 0, finite = 1;
     #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
     {
-        double *buf = aligned_alloc(64, bytes);
-        if (!buf) {
-            #pragma omp atomic write
-            failed = 1;
-        }
+        double *buf = thread_scratch(3 * RB * MAXD + RB, &failed);  /* vt_head's k, v, w*v blocks + w */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < ntasks; h++)
             if (h >= htot)  /* the reservoir: k/v (sources 1, 2), then q/o (sources 0, 3) */
