@@ -195,7 +195,9 @@ def test_jobs_submit_stop_resubmit(head, tmp_path, tmp_path_factory):
 
     o = opts("tiny-llama", tmp_path / "job.zarr", blocks=6)
     cfg = tmp_path / "job.yaml"
-    cfg.write_text(yaml.safe_dump({"calibrate": o, "cluster": {"stages": 2, "replicas": 1, "throttle_s": 1.0},
+    # 2 s per micro-batch: the five blocks after the first take >= 20 s, so the stop below lands mid-run even when
+    # the machine is loaded (at 1 s a loaded CI host once saw all six committed before the stop took effect)
+    cfg.write_text(yaml.safe_dump({"calibrate": o, "cluster": {"stages": 2, "replicas": 1, "throttle_s": 2.0},
                                    "job": {"python": sys.executable}}))
     client = JobSubmissionClient(head.dashboard)
 
