@@ -1,4 +1,4 @@
-# stats ms per layer-seq, one block of 8 x 2048, in-situ (whatever code is installed)
+# stats ms per layer-seq, one block of 8 x 2048, in-situ (whatever code is installed); "res" times the torch path's reservoir only (the C call chooses it inside itself, counted in "stats")
 exec(open("lab/capture_stats_insitu.py").read().split("wrap(native")[0])
 model, tok, info = load_model("smollm2-135m", attn_implementation="sdpa", dtype=torch.float32)
 corpus = load_corpus("pydoc")
